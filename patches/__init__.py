@@ -1,0 +1,35 @@
+"""Engine patches: small, named, tested changes to the official ``wan`` code, applied at run time.
+
+The engine's files are never edited. Each module here says what upstream does, why we change
+it, and which test proves it. Two apply before ``import wan`` (see ``wan_s2v_runner.engine``):
+``torchvision_cpu`` and ``t5_import_device``. The rest apply after import, per run, through
+:func:`apply_for_run`, which returns the names applied (recorded in the run manifest).
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("wan_s2v.patches")
+
+
+def apply_for_run(wan, spec, param_dtype, on_event=None) -> dict:
+    """Apply the post-import patches a run needs. Returns {patch name: detail}."""
+    from . import attention, checkpoint_dims, cpu_device, fsdp_no_sync, sp_dtype
+
+    on_cpu = spec.device == "cpu"
+    applied: dict = {}
+    checkpoint_dims.apply(wan)
+    applied["checkpoint_dims"] = "T5/VAE sizes read from the checkpoint files"
+    backend, reason = attention.resolve_backend(spec.attention, "cpu" if on_cpu else "cuda")
+    mods = attention.apply(wan, backend)
+    applied["attention"] = f"{backend} ({reason}); {len(mods)} modules"
+    log.info("attention backend: %s (%s)", backend, reason)
+    sp_dtype.apply(wan, param_dtype)
+    applied["sp_dtype"] = str(param_dtype)
+    if spec.layout.dit_fsdp or spec.layout.t5_fsdp:
+        fsdp_no_sync.apply(wan, param_dtype=param_dtype, on_cpu=on_cpu, on_event=on_event)
+        applied["fsdp_no_sync"] = "sync_module_states=False + weight fingerprint"
+    if on_cpu:
+        cpu_device.apply(wan)
+        applied["cpu_device"] = "speech2video CUDA calls mapped to CPU"
+    return applied

@@ -1,0 +1,101 @@
+"""Patch: FSDP without ``sync_module_states``, after proving every rank holds the same weights.
+
+Upstream: ``wan.distributed.fsdp.shard_model`` wraps with ``sync_module_states=True`` (a rank-0
+broadcast of every parameter at init). That is the reported FSDP init hang, and on CPU it
+refuses CPU params; ``device_id=int`` fails without an accelerator; ``param_dtype`` is bf16.
+Change: ``wan.speech2video`` binds ``shard_model`` by name (for the DiT and, with t5_fsdp, the
+T5), so we rebind it there to a wrapper that (1) all-gathers a per-tensor float64
+(sum, sum of squares) fingerprint of the module and raises :class:`WeightMismatch` naming the
+ranks that differ from rank 0 — with no broadcast, different weights would silently give wrong
+frames (measured rel. error 0.30); (2) calls upstream ``shard_model`` with
+``sync_module_states=False``, ``device_id`` = the CPU device on CPU (the CUDA index on GPU), and
+``param_dtype`` = the run's param dtype (fp32 on CPU).
+Proof: tests/test_parity.py (fsdp-fixed and hybrid equal one process) and the mismatch test
+(one rank's weights perturbed -> the run fails with the fingerprint error naming that rank).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("wan_s2v.fsdp")
+
+#: test-only fault: the named rank perturbs its weights before the fingerprint (see worker faults)
+PERTURB_ENV = "WAN_S2V_TEST_PERTURB_WEIGHTS_RANK"
+
+
+class WeightMismatch(RuntimeError):
+    pass
+
+
+def weight_fingerprint(module: torch.nn.Module) -> torch.Tensor:
+    """[n_tensors, 2] float64: (sum, sum of squares) of every parameter and buffer, in order."""
+    rows = []
+    with torch.no_grad():
+        for _, t in list(module.named_parameters()) + list(module.named_buffers()):
+            d = t.detach().to(torch.float64)
+            rows.append(torch.stack([d.sum(), (d * d).sum()]))
+    if not rows:
+        return torch.zeros((0, 2), dtype=torch.float64)
+    return torch.stack(rows).cpu()
+
+
+def check_same_weights(module: torch.nn.Module, what: str, group=None) -> None:
+    """All-gather fingerprints; raise WeightMismatch naming ranks that differ from rank 0."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    fp = weight_fingerprint(module)
+    backend = dist.get_backend(group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    fp = fp.to(dev)
+    gathered = [torch.empty_like(fp) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, fp, group=group)
+    bad = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    if bad:
+        n_diff = int((gathered[bad[0]] != gathered[0]).any(dim=1).sum())
+        raise WeightMismatch(
+            f"{what} weights differ between ranks: rank(s) {bad} do not match rank 0 "
+            f"({n_diff} of {fp.shape[0]} tensors differ). FSDP without sync_module_states never "
+            "broadcasts, so the output would be silently wrong. Fix: give every node the same "
+            "checkpoint files (compare sha256 of the .safetensors/.pth files).")
+
+
+def _maybe_perturb(model: torch.nn.Module) -> None:
+    rank = os.environ.get(PERTURB_ENV)
+    if rank is not None and dist.is_initialized() and int(rank) == dist.get_rank():
+        with torch.no_grad():
+            next(model.parameters()).add_(1e-3)
+
+
+def make_shard_model(upstream_shard_model, param_dtype: torch.dtype, on_cpu: bool, on_event=None):
+    @functools.wraps(upstream_shard_model)
+    def shard_model(model, device_id, **kwargs):
+        what = type(model).__name__
+        _maybe_perturb(model)
+        if on_event:
+            on_event("fingerprint", what=what)
+        check_same_weights(model, what)
+        kwargs["sync_module_states"] = False
+        kwargs.setdefault("param_dtype", param_dtype)
+        if on_cpu:
+            device_id = torch.device("cpu")
+        if on_event:
+            on_event("shard", what=what)
+        log.info("FSDP-wrapping %s (sync_module_states=False, weights verified identical)", what)
+        return upstream_shard_model(model, device_id=device_id, **kwargs)
+
+    shard_model.__wan_s2v_patched__ = True
+    return shard_model
+
+
+def apply(wan_module, param_dtype: torch.dtype, on_cpu: bool, on_event=None) -> bool:
+    s2v = wan_module.speech2video
+    if getattr(s2v.shard_model, "__wan_s2v_patched__", False):
+        return False
+    upstream = wan_module.distributed.fsdp.shard_model
+    s2v.shard_model = make_shard_model(upstream, param_dtype, on_cpu, on_event)
+    return True

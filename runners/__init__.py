@@ -1,0 +1,11 @@
+"""One module per parallel mode; ``get(mode)`` returns its :class:`~runners.base.ModeRunner`."""
+from wan_s2v_runner.spec import Mode
+
+from . import fsdp_fixed, hybrid, ulysses
+from .base import ModeRunner
+
+RUNNERS: dict[Mode, ModeRunner] = {r.RUNNER.mode: r.RUNNER for r in (ulysses, fsdp_fixed, hybrid)}
+
+
+def get(mode) -> ModeRunner:
+    return RUNNERS[Mode(mode)]

@@ -1,0 +1,3 @@
+from wan_s2v_runner.cli import entry
+
+entry()

@@ -1,0 +1,11 @@
+"""Exit codes of ``wan-s2v`` / ``run_s2v_multi_gpu.py`` (documented in README.md)."""
+OK = 0
+DOCTOR_FAILED = 1  # `wan-s2v doctor`: at least one check failed
+USAGE = 2  # bad flags or an invalid run spec (one-line cause + fix printed)
+PREFLIGHT = 3  # preflight refused the run; nothing was spawned
+RANK_FAILED = 4  # a rank raised or died; its rank, stage and traceback are printed
+HUNG = 5  # the hang watchdog fired; stacks dumped into the run directory
+INTERRUPTED = 130  # Ctrl-C (SIGINT) or SIGTERM; every rank was stopped
+
+NAMES = {OK: "ok", DOCTOR_FAILED: "doctor-failed", USAGE: "usage", PREFLIGHT: "preflight-refused",
+         RANK_FAILED: "rank-failed", HUNG: "hung", INTERRUPTED: "interrupted"}

@@ -1,0 +1,81 @@
+"""``run.json``: the record of one run (spec, engine, versions, layout, timings, memory, result)."""
+from __future__ import annotations
+
+import platform
+import sys
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from wan_s2v_runner import engine, exit_codes
+from wan_s2v_runner.events import EventReader, stage_durations
+
+VERSIONED = ("torch", "torchvision", "wan22", "transformers", "diffusers", "huggingface-hub",
+             "accelerate", "peft", "librosa", "decord", "imageio-ffmpeg", "flash-attn", "pydantic")
+
+
+def package_versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def engine_info(spec) -> dict:
+    try:
+        loc = engine.locate(spec.wan_repo)
+    except engine.EngineNotFound as e:
+        return {"error": str(e)}
+    fp = engine.s2v_fingerprint(loc.package_dir)
+    return {"source": loc.source, "path": str(loc.package_dir), "version": engine.engine_version(loc),
+            "s2v_fingerprint": fp, "matches_known_upstream": fp == engine.KNOWN_S2V_FINGERPRINT}
+
+
+def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, ended: float) -> dict:
+    from wan_s2v_runner import media
+
+    ranks = {}
+    for r, st in sorted(reader.ranks.items()):
+        end = st.end or {}
+        ranks[str(r)] = {
+            "pid": st.pid, "host": st.host, "last_stage": st.stage,
+            "stage_seconds": stage_durations(st),
+            "host_peak_rss_mb": end.get("host_peak_rss_mb"),
+            "gpu_peak_allocated_mb": end.get("gpu_peak_allocated_mb"),
+            "gpu_peak_reserved_mb": end.get("gpu_peak_reserved_mb"),
+            "wall_s": end.get("wall_s"),
+            "error": st.error and {k: st.error.get(k) for k in ("error_type", "message", "stage")},
+        }
+    r0 = reader.ranks.get(0)
+    output = None
+    if outcome.code == exit_codes.OK and spec.output.is_file():
+        info = media.probe(spec.output)
+        output = {"path": str(spec.output), "sha256": media.sha256_file(spec.output),
+                  "bytes": spec.output.stat().st_size, "video_codec": info.video_codec,
+                  "audio_codec": info.audio_codec, "frames": info.n_frames,
+                  "width": info.width, "height": info.height}
+    return {
+        "schema": 1,
+        "run_dir": str(run_dir),
+        "started": datetime.fromtimestamp(started, timezone.utc).isoformat(),
+        "ended": datetime.fromtimestamp(ended, timezone.utc).isoformat(),
+        "wall_s": round(ended - started, 3),
+        "exit": {"code": outcome.code, "status": exit_codes.NAMES.get(outcome.code, "unknown"),
+                 "reason": outcome.reason, "failed_rank": outcome.failed_rank,
+                 "failed_stage": outcome.failed_stage, "error": outcome.error, "hint": outcome.hint,
+                 "stuck": outcome.stuck or None},
+        "seed": spec.seed,
+        "mode": spec.mode.value,
+        "layout": {**spec.layout.model_dump(), "ulysses_degree": spec.layout.ulysses_degree,
+                   "nproc_per_node": spec.nproc, "nnodes": spec.nnodes, "node_rank": spec.node_rank},
+        "stage_seconds": stage_durations(r0) if r0 else {},
+        "ranks": ranks,
+        "output": output,
+        "engine": engine_info(spec),
+        "versions": package_versions(),
+        "platform": {"machine": platform.machine(), "system": platform.system(), "argv": sys.argv},
+        "spec": spec.model_dump(mode="json"),
+    }

@@ -1,0 +1,130 @@
+"""Writing the result: frames -> H.264 mp4 -> AAC audio muxed in, atomically.
+
+Uses the ffmpeg binary that imageio-ffmpeg ships (no system ffmpeg needed), always with argument
+lists. Every step writes to a temporary name in the output directory and the final file appears
+only by ``os.replace``: the output path holds a complete mp4 with audio, or nothing. Unlike
+upstream (``save_video`` swallows errors, ``merge_video_audio`` logs and exits 0 with a silent
+video), any failure raises :class:`MediaError`.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+
+class MediaError(RuntimeError):
+    pass
+
+
+def ffmpeg_exe() -> str:
+    try:
+        import imageio_ffmpeg
+        return imageio_ffmpeg.get_ffmpeg_exe()
+    except Exception as e:  # pragma: no cover - depends on install
+        raise MediaError(f"no ffmpeg binary: {e}. Fix: pip install imageio-ffmpeg==0.8.1") from e
+
+
+def frames_to_uint8(frames) -> np.ndarray:
+    """(C, N, H, W) float in [-1, 1] (torch or numpy) -> (N, H, W, C) uint8."""
+    arr = frames.detach().float().cpu().numpy() if hasattr(frames, "detach") else np.asarray(frames, dtype=np.float32)
+    if arr.ndim != 4 or arr.shape[0] != 3:
+        raise MediaError(f"expected frames shaped (3, N, H, W), got {tuple(arr.shape)}")
+    arr = np.clip((arr + 1.0) * 127.5, 0, 255).round().astype(np.uint8)
+    return np.ascontiguousarray(arr.transpose(1, 2, 3, 0))
+
+
+def _tmp_name(final: Path, tag: str) -> Path:
+    return final.with_name(f".{final.stem}.{os.getpid()}.{tag}{final.suffix}")
+
+
+def write_h264(frames_u8: np.ndarray, fps: int, path: Path) -> None:
+    import imageio_ffmpeg
+
+    n, h, w, _ = frames_u8.shape
+    if n == 0:
+        raise MediaError("no frames to write")
+    try:
+        gen = imageio_ffmpeg.write_frames(
+            str(path), (w, h), fps=fps, codec="libx264", pix_fmt_out="yuv420p",
+            macro_block_size=1, quality=8, ffmpeg_log_level="error")
+        gen.send(None)
+        for fr in frames_u8:
+            gen.send(np.ascontiguousarray(fr))
+        gen.close()
+    except Exception as e:
+        raise MediaError(f"writing H.264 video to {path.name} failed: {e}") from e
+
+
+def mux_audio(video: Path, audio: Path, out: Path, duration_s: float) -> None:
+    """Copy the video stream, encode the audio as AAC, cut both at the video's duration."""
+    cmd = [ffmpeg_exe(), "-nostdin", "-hide_banner", "-loglevel", "error", "-y",
+           "-i", str(video), "-i", str(audio),
+           "-map", "0:v:0", "-map", "1:a:0", "-c:v", "copy", "-c:a", "aac", "-b:a", "128k",
+           "-t", f"{duration_s:.6f}", "-movflags", "+faststart", "-f", "mp4", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file() or out.stat().st_size == 0:
+        tail = (proc.stderr or "").strip().splitlines()[-3:]
+        raise MediaError(f"muxing audio {audio.name!r} failed (ffmpeg exit {proc.returncode}): "
+                         f"{' | '.join(tail) or 'no output'}")
+
+
+def save_video_with_audio(frames, fps: int, audio: Path, output: Path, on_stage=None) -> Path:
+    """frames (3, N, H, W) in [-1, 1] -> ``output`` (mp4: H.264 + AAC), all or nothing."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    u8 = frames_to_uint8(frames)
+    video_tmp, final_tmp = _tmp_name(output, "video"), _tmp_name(output, "tmp")
+    try:
+        if on_stage:
+            on_stage("save")
+        write_h264(u8, fps, video_tmp)
+        if on_stage:
+            on_stage("mux")
+        mux_audio(video_tmp, Path(audio), final_tmp, duration_s=u8.shape[0] / fps)
+        os.replace(final_tmp, output)
+    finally:
+        for p in (video_tmp, final_tmp):
+            p.unlink(missing_ok=True)
+    return output
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    video_codec: Optional[str]
+    audio_codec: Optional[str]
+    width: Optional[int]
+    height: Optional[int]
+    n_frames: int
+    duration_s: float
+
+
+def probe(path: Path) -> StreamInfo:
+    """Codecs and frame count of a media file, via the bundled ffmpeg."""
+    import imageio_ffmpeg
+
+    proc = subprocess.run([ffmpeg_exe(), "-nostdin", "-hide_banner", "-i", str(path)],
+                          capture_output=True, text=True)
+    text = proc.stderr
+    v = re.search(r"Stream #\S+.*?: Video: (\w+).*?, (\d+)x(\d+)", text)
+    a = re.search(r"Stream #\S+.*?: Audio: (\w+)", text)
+    try:
+        n, secs = imageio_ffmpeg.count_frames_and_secs(str(path)) if v else (0, 0.0)
+    except Exception:
+        n, secs = 0, 0.0
+    return StreamInfo(v.group(1) if v else None, a.group(1) if a else None,
+                      int(v.group(2)) if v else None, int(v.group(3)) if v else None, n, secs)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

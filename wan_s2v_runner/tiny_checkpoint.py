@@ -1,0 +1,634 @@
+"""Tiny random-weight Wan2.2-S2V checkpoint and demo inputs, for tests and CPU smoke runs.
+
+``build_tiny_checkpoint`` writes a directory in the *real* Wan2.2-S2V-14B file layout, loadable by
+the unmodified engine (``wan.WanS2V(config=WAN_CONFIGS['s2v-14B'], checkpoint_dir=...)`` with
+``param_dtype``/``t5_dtype`` set to float32 on CPU), but with tiny dimensions (~12 MB with the
+defaults, built in about a second after ``import wan``)::
+
+    config.json, diffusion_pytorch_model.safetensors  WanModel_S2V (save_pretrained), bf16
+    models_t5_umt5-xxl-enc-bf16.pth                   umt5 encoder state dict, bf16, width 4096
+    google/umt5-xxl/                                  Unigram tokenizer (AutoTokenizer dir)
+    Wan2.1_VAE.pth                                    WanVAE_ state dict, fp32
+    wav2vec2-large-xlsr-53-english/                   Wav2Vec2ForCTC + Wav2Vec2Processor, fp32
+    tiny_checkpoint.json                              dims, seed, hashes; ignored by the engine
+
+File names, key names, dtypes and config semantics mirror the real checkpoint (adain,
+framepack, motion frames, 25 wav2vec2 hidden states, the T5 width of 4096 that the DiT's text
+projection expects). Two engine constants do not fit a tiny checkpoint: the umt5-xxl shape that
+``T5EncoderModel`` builds and the VAE width 96; ``patches/checkpoint_dims.py`` makes the engine
+read both from the files, so it must be applied before loading this checkpoint.
+
+All weights are random but deterministic for a seed, and every tensor is re-randomized after
+construction (upstream zero-inits several layers, which would make the DiT output exactly zero).
+
+Also here: ``make_reference_image`` (a small face-like PNG), ``make_speech_audio`` (a synthetic
+speech-like 16-bit WAV) and ``ensure_demo_assets`` (build once into a cache dir, reuse after).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import string
+import uuid
+import wave
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+__all__ = [
+    "TINY_FORMAT_VERSION",
+    "DemoAssets",
+    "build_tiny_checkpoint",
+    "make_reference_image",
+    "make_speech_audio",
+    "ensure_demo_assets",
+    "checkpoint_is_complete",
+]
+
+#: Bump when the layout or the contents of what is built here change (invalidates caches).
+TINY_FORMAT_VERSION = 1
+
+# File names of the real checkpoint (wan/configs/wan_s2v_14B.py and wan/speech2video.py).
+T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
+T5_TOKENIZER_DIR = "google/umt5-xxl"
+VAE_FILE = "Wan2.1_VAE.pth"
+WAV2VEC_DIR = "wav2vec2-large-xlsr-53-english"
+DIT_CONFIG = "config.json"
+DIT_WEIGHTS = "diffusion_pytorch_model.safetensors"
+INFO_FILE = "tiny_checkpoint.json"
+
+#: What a complete checkpoint directory holds (relative paths).
+REQUIRED_ENTRIES = (
+    DIT_CONFIG,
+    DIT_WEIGHTS,
+    T5_FILE,
+    f"{T5_TOKENIZER_DIR}/tokenizer.json",
+    f"{T5_TOKENIZER_DIR}/tokenizer_config.json",
+    VAE_FILE,
+    f"{WAV2VEC_DIR}/config.json",
+    f"{WAV2VEC_DIR}/model.safetensors",
+    f"{WAV2VEC_DIR}/vocab.json",
+    f"{WAV2VEC_DIR}/tokenizer_config.json",
+    INFO_FILE,
+)
+
+T5_TEXT_DIM = 4096  # WanModel_S2V's text_dim: not in config.json, always 4096.
+T5_VOCAB_SIZE = 384
+T5_NUM_BUCKETS = 32
+WAV2VEC_NUM_LAYERS = 24  # CausalAudioEncoder weighs 25 hidden states (embeddings + 24 layers).
+VAE_Z_DIM = 16  # Wan2_1_VAE hard-codes z_dim 16 (and 16 latent means/stds).
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _wan():
+    """The engine, imported with this machine's pre-import fixes."""
+    from wan_s2v_runner.engine import import_wan
+
+    return import_wan()
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Seed torch's global RNG for module construction without disturbing the caller's RNG."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _rerandomize(module, seed: int) -> None:
+    """Redraw every parameter from a seeded generator, keeping each tensor's scale.
+
+    - tensors with spread (random inits): normal(mean, std) of the tensor's own values;
+    - constant zero tensors (biases, zero-init layers): normal(0, 0.02);
+    - other constant tensors (norm scales = 1, audio layer weights = 0.01): c * (1 + 0.1 * normal),
+      so they keep their sign (CausalAudioEncoder divides by the sum of SiLU(weights)).
+    Buffers are left alone (none of them is learned state).
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in module.named_parameters():
+            v = p.detach().to(torch.float64)
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            if p.numel() > 1 and float(v.std()) > 0:
+                new = float(v.mean()) + float(v.std()) * noise
+            else:
+                c = float(v.flatten()[0]) if p.numel() else 0.0
+                new = 0.02 * noise if c == 0.0 else c * (1.0 + 0.1 * noise)
+            p.copy_(new.to(p.dtype))
+
+
+def _tokenizer_pieces(vocab_size: int) -> list[tuple[str, float]]:
+    """A T5-style Unigram vocabulary: <pad>=0, </s>=1, <unk>=2, then pieces with log-prob scores."""
+    pieces: list[tuple[str, float]] = [
+        ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -4.0)]
+    seen = {p for p, _ in pieces}
+
+    def add(piece: str, score: float) -> None:
+        if len(pieces) < vocab_size and piece not in seen:
+            pieces.append((piece, score))
+            seen.add(piece)
+
+    for c in string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation:
+        add(c, -9.0)
+    for c in string.ascii_lowercase:
+        add("\u2581" + c, -8.0)
+    words = (
+        "the a an of and to in is it that on with as for at by from this his her he she they "
+        "we you i person man woman girl boy people talking speaking singing face video camera "
+        "looking smiling mouth eyes head hair light background front close up clear high "
+        "quality good natural soft warm bright dark room studio portrait young old standing "
+        "sitting says said speech voice moving slowly gently calm happy blurry worst low "
+        "static subtitle ugly bad hands fingers still messy many walking three legs"
+    ).split()
+    for i, w in enumerate(words):
+        add("\u2581" + w, -5.0 - 0.01 * i)
+    for a in "etaoinshrdlu":  # frequent English letter pairs, to fill up deterministically
+        for b in "etaoinshrdlu":
+            add(a + b, -7.0)
+    for a in string.ascii_lowercase:
+        for b in string.ascii_lowercase:
+            add(a + b, -7.5)
+    if len(pieces) != vocab_size:
+        raise ValueError(f"tokenizer vocab_size {vocab_size} out of range (max {len(pieces)})")
+    return pieces
+
+
+def _write_t5_tokenizer(out: Path, vocab_size: int, text_len: int = 512) -> None:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.Unigram(_tokenizer_pieces(vocab_size), unk_id=2, byte_fallback=False))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(" {2,}", " ")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always",
+                                                 split=True)
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.post_processor = processors.TemplateProcessing(
+        single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)])
+    tok.save(str(out / "tokenizer.json"))
+    specials = {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "T5Tokenizer",
+        **specials,
+        "extra_ids": 0,  # real umt5 has sentinel tokens; a tiny vocab has none
+        "additional_special_tokens": [],
+        "model_max_length": text_len,
+        "clean_up_tokenization_spaces": False,
+    }, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
+
+
+def _write_t5(path: Path, wan, *, seed: int, vocab_size: int, layers: int, dim_attn: int,
+              dim_ffn: int, num_heads: int) -> None:
+    import torch
+    from wan.modules.t5 import T5Encoder
+
+    with _seeded(seed):
+        model = T5Encoder(vocab=vocab_size, dim=T5_TEXT_DIM, dim_attn=dim_attn, dim_ffn=dim_ffn,
+                          num_heads=num_heads, num_layers=layers, num_buckets=T5_NUM_BUCKETS,
+                          shared_pos=False, dropout=0.1)
+    _rerandomize(model, seed)
+    # bf16 like the real file; T5EncoderModel's load_state_dict copies into its own dtype.
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    torch.save(sd, path)
+
+
+def _write_vae(path: Path, wan, *, seed: int, dim: int) -> None:
+    import torch
+    from wan.modules.vae2_1 import WanVAE_
+
+    with _seeded(seed):
+        # Same cfg as wan.modules.vae2_1._video_vae, except the width.
+        model = WanVAE_(dim=dim, z_dim=VAE_Z_DIM, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                        attn_scales=[], temperal_downsample=[False, True, True], dropout=0.0)
+    _rerandomize(model, seed)
+    # fp32 like the real file: it is loaded with assign=True, so the file's dtype is the model's.
+    torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+
+
+def _inject_layers(num_layers: int) -> list[int]:
+    """Audio injection layers: every other layer plus the last, like the real 0,4,...,36,39."""
+    return sorted(set(range(0, num_layers, 2)) | {num_layers - 1})
+
+
+def _write_dit(out: Path, wan, *, seed: int, dim: int, heads: int, layers: int,
+               audio_dim: int) -> None:
+    import torch
+    from wan.modules.s2v.model_s2v import WanModel_S2V
+
+    if dim % heads or (dim // heads) % 2:
+        raise ValueError(f"dit_dim {dim} must be a multiple of dit_heads {heads} with an even "
+                         "head size")
+    if dim % 4:
+        raise ValueError(f"dit_dim {dim} must be a multiple of 4 (4 audio tokens)")
+    if not 1 <= layers <= 10:
+        # AudioInjector_WAN matches blocks by substring ('transformer_blocks.1' also matches
+        # '...blocks.10'); keep tiny models clear of that.
+        raise ValueError(f"dit_layers must be 1..10, got {layers}")
+    kwargs = dict(
+        # Semantics of the real Wan2.2-S2V-14B config.json, scaled down.
+        cond_dim=16,
+        audio_dim=audio_dim,
+        num_audio_token=4,
+        enable_adain=True,
+        adain_mode="attn_norm",
+        audio_inject_layers=_inject_layers(layers),
+        zero_init=True,
+        zero_timestep=True,
+        enable_motioner=False,
+        add_last_motion=True,
+        enable_tsm=False,
+        trainable_token_pos_emb=False,
+        enable_framepack=True,
+        framepack_drop_mode="padd",
+        model_type="s2v",
+        patch_size=(1, 2, 2),
+        text_len=512,
+        in_dim=16,
+        dim=dim,
+        ffn_dim=2 * dim,
+        freq_dim=256,
+        out_dim=16,
+        num_heads=heads,
+        num_layers=layers,
+        window_size=(-1, -1),
+        qk_norm=True,
+        cross_attn_norm=True,
+        eps=1e-6,
+    )
+    with _seeded(seed):
+        model = WanModel_S2V(**kwargs)
+    _rerandomize(model, seed)
+    # bf16 like the real shards (from_pretrained casts to param_dtype). nn.Module.to, not
+    # ModelMixin.to, which warns about fp32-kept modules (there are none).
+    torch.nn.Module.to(model, torch.bfloat16)
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+# Real facebook/wav2vec2-large-xlsr-53-english CTC vocabulary layout (33 symbols there).
+_W2V_VOCAB = ["<pad>", "<s>", "</s>", "<unk>", "|"] + list("ETAONISRHDLUMCWFGYPBVK'XJQZ")
+
+
+def _write_wav2vec(out: Path, wan, *, seed: int, hidden: int) -> None:
+    import torch
+    from transformers import (Wav2Vec2Config, Wav2Vec2CTCTokenizer, Wav2Vec2FeatureExtractor,
+                              Wav2Vec2ForCTC, Wav2Vec2Processor)
+
+    if hidden % 4:
+        raise ValueError(f"wav2vec_hidden {hidden} must be a multiple of 4")
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {s: i for i, s in enumerate(_W2V_VOCAB)}
+    (out / "vocab.json").write_text(json.dumps(vocab))
+    tokenizer = Wav2Vec2CTCTokenizer(str(out / "vocab.json"), unk_token="<unk>", pad_token="<pad>",
+                                     word_delimiter_token="|")
+    feature_extractor = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000,
+                                                 padding_value=0.0, do_normalize=True,
+                                                 return_attention_mask=True)
+    cfg = Wav2Vec2Config(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        num_hidden_layers=WAV2VEC_NUM_LAYERS,
+        num_attention_heads=4,
+        intermediate_size=2 * hidden,
+        # Real conv strides/kernels (20 ms frames, 50 Hz: the engine interpolates from 50 fps),
+        # narrow channels. Layer-norm variant like xlsr-53.
+        conv_dim=(16,) * 7,
+        conv_stride=(5, 2, 2, 2, 2, 2, 2),
+        conv_kernel=(10, 3, 3, 3, 3, 2, 2),
+        conv_bias=True,
+        feat_extract_norm="layer",
+        do_stable_layer_norm=True,
+        num_conv_pos_embeddings=128,
+        num_conv_pos_embedding_groups=math.gcd(16, hidden),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        feat_proj_dropout=0.0,
+        final_dropout=0.0,
+        layerdrop=0.0,
+        mask_time_prob=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    with _seeded(seed):
+        model = Wav2Vec2ForCTC(cfg)
+    _rerandomize(model, seed)
+    model.save_pretrained(str(out), safe_serialization=True)
+    Wav2Vec2Processor(feature_extractor=feature_extractor, tokenizer=tokenizer).save_pretrained(
+        str(out))
+    # preprocessor_config.json too, for transformers 4.x readers of the same directory.
+    feature_extractor.save_pretrained(str(out))
+
+
+def _dir_digest(root: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != INFO_FILE:
+            out[p.relative_to(root).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def checkpoint_is_complete(ckpt_dir: Path) -> bool:
+    """Whether ``ckpt_dir`` holds every file a tiny checkpoint built here has."""
+    ckpt_dir = Path(ckpt_dir)
+    return all((ckpt_dir / rel).is_file() for rel in REQUIRED_ENTRIES)
+
+
+def _replace_dir(tmp: Path, dest: Path) -> None:
+    """Move the finished ``tmp`` onto ``dest``; an existing ``dest`` is moved aside first."""
+    trash = None
+    if dest.exists() or dest.is_symlink():
+        trash = dest.parent / f".{dest.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.replace(dest, trash)
+    os.replace(tmp, dest)
+    if trash is not None:
+        if trash.is_dir() and not trash.is_symlink():
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            trash.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def build_tiny_checkpoint(out_dir: Path, *, seed: int = 0, dit_dim: int = 32, dit_heads: int = 4,
+                          dit_layers: int = 2, vae_dim: int = 8, t5_layers: int = 1,
+                          wav2vec_hidden: int = 32, t5_dim_attn: int = 64, t5_dim_ffn: int = 64,
+                          t5_heads: int = 4, t5_vocab: int = T5_VOCAB_SIZE) -> Path:
+    """Write a random tiny checkpoint in the real Wan2.2-S2V-14B layout to ``out_dir``.
+
+    Built in a temporary sibling directory and moved into place with ``os.replace``: ``out_dir``
+    is either the old contents or the complete new checkpoint, never half-written. Byte-identical
+    for the same arguments (seeded). Returns ``out_dir``. Loading it needs
+    ``patches.checkpoint_dims.apply(wan)`` (T5 and VAE sizes come from the files).
+    """
+    import torch
+
+    out_dir = Path(out_dir).absolute()
+    if t5_dim_attn % t5_heads:
+        raise ValueError(f"t5_dim_attn {t5_dim_attn} must be a multiple of t5_heads {t5_heads}")
+    wan = _wan()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        with _torch_threads(1):
+            # One derived seed per component: changing one component's dims leaves the others'
+            # weights as they were.
+            _write_dit(tmp, wan, seed=seed * 1000 + 1, dim=dit_dim, heads=dit_heads,
+                       layers=dit_layers, audio_dim=wav2vec_hidden)
+            _write_t5(tmp / T5_FILE, wan, seed=seed * 1000 + 2, vocab_size=t5_vocab,
+                      layers=t5_layers, dim_attn=t5_dim_attn, dim_ffn=t5_dim_ffn,
+                      num_heads=t5_heads)
+            _write_t5_tokenizer(tmp / T5_TOKENIZER_DIR, t5_vocab)
+            _write_vae(tmp / VAE_FILE, wan, seed=seed * 1000 + 3, dim=vae_dim)
+            _write_wav2vec(tmp / WAV2VEC_DIR, wan, seed=seed * 1000 + 4, hidden=wav2vec_hidden)
+        info = {
+            "format_version": TINY_FORMAT_VERSION,
+            "kind": "wan-s2v tiny random checkpoint (not a trained model)",
+            "seed": seed,
+            "dit": {"dim": dit_dim, "num_heads": dit_heads, "num_layers": dit_layers,
+                    "ffn_dim": 2 * dit_dim, "audio_inject_layers": _inject_layers(dit_layers)},
+            "t5": {"vocab_size": t5_vocab, "dim": T5_TEXT_DIM, "dim_attn": t5_dim_attn,
+                   "dim_ffn": t5_dim_ffn, "num_heads": t5_heads, "num_layers": t5_layers,
+                   "num_buckets": T5_NUM_BUCKETS},
+            "vae": {"dim": vae_dim, "z_dim": VAE_Z_DIM},
+            "wav2vec2": {"hidden_size": wav2vec_hidden, "num_hidden_layers": WAV2VEC_NUM_LAYERS},
+            "torch": torch.__version__,
+            "sha256": _dir_digest(tmp),
+        }
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def make_reference_image(path: Path, width: int = 64, height: int = 64, seed: int = 0) -> Path:
+    """Write a simple cartoon head-and-shoulders portrait (RGB PNG) to ``path``."""
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    path = Path(path)
+    w, h = int(width), int(height)
+    if w < 8 or h < 8:
+        raise ValueError(f"image too small: {w}x{h}")
+
+    def jitter(rgb, amount=18):
+        return tuple(max(0, min(255, c + rng.randint(-amount, amount))) for c in rgb)
+
+    img = Image.new("RGB", (w, h))
+    top, bottom = jitter((150, 180, 210)), jitter((70, 90, 120))
+    px = img.load()
+    for y in range(h):  # vertical background gradient
+        t = y / max(1, h - 1)
+        row = tuple(int(a + (b - a) * t) for a, b in zip(top, bottom))
+        for x in range(w):
+            px[x, y] = row
+    d = ImageDraw.Draw(img)
+
+    def box(cx, cy, rx, ry):
+        return [w * (cx - rx), h * (cy - ry), w * (cx + rx), h * (cy + ry)]
+
+    skin, hair, shirt = jitter((224, 180, 150)), jitter((60, 40, 30)), jitter((40, 70, 140))
+    d.ellipse(box(0.5, 1.05, 0.42, 0.25), fill=shirt)                  # shoulders
+    d.rectangle(box(0.5, 0.78, 0.09, 0.08), fill=skin)                 # neck
+    d.ellipse(box(0.5, 0.40, 0.27, 0.32), fill=hair)                   # hair behind the head
+    d.ellipse(box(0.5, 0.47, 0.23, 0.29), fill=skin)                   # face
+    d.chord(box(0.5, 0.30, 0.25, 0.16), 180, 360, fill=hair)           # fringe
+    for ex in (0.41, 0.59):
+        d.ellipse(box(ex, 0.45, 0.055, 0.035), fill=(250, 250, 250))   # eye whites
+        d.ellipse(box(ex, 0.45, 0.025, 0.025), fill=(40, 30, 20))      # pupils
+        d.line([w * (ex - 0.05), h * 0.39, w * (ex + 0.05), h * 0.38], fill=hair,
+               width=max(1, w // 48))                                  # eyebrows
+    d.line([w * 0.5, h * 0.48, w * 0.48, h * 0.56, w * 0.52, h * 0.56], fill=jitter((180, 130,
+           110)), width=max(1, w // 64))                               # nose
+    d.ellipse(box(0.5, 0.64, 0.08, 0.03), fill=jitter((170, 60, 60)))  # mouth
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path, format="PNG")
+    return path
+
+
+def _speech_like(seconds: float, sr: int, seed: int) -> np.ndarray:
+    """Voiced glottal source with a pitch contour, vowel formants, ~4 Hz syllables, some noise."""
+    from scipy.signal import lfilter
+
+    rng = np.random.default_rng(seed)
+    n = max(1, int(round(seconds * sr)))
+    t = np.arange(n) / sr
+    # Pitch: ~120 Hz, slow declination, intonation wobble, a little jitter.
+    f0 = (120.0 + rng.uniform(-10, 10) + 18.0 * np.sin(2 * np.pi * 0.7 * t + rng.uniform(0, 6.3))
+          - 8.0 * t / max(seconds, 1e-3))
+    f0 *= 1.0 + 0.01 * rng.standard_normal(n).cumsum() / np.sqrt(np.arange(1, n + 1))
+    phase = np.cumsum(f0 / sr) % 1.0
+    # Rosenberg glottal pulse (open 40%, close 16%), differentiated for lip radiation.
+    tp, tn = 0.40, 0.16
+    flow = np.where(phase < tp, 0.5 * (1 - np.cos(np.pi * phase / tp)),
+                    np.where(phase < tp + tn, np.cos(0.5 * np.pi * (phase - tp) / tn), 0.0))
+    source = np.diff(flow, prepend=flow[0]) * sr / 200.0
+    source += 0.02 * rng.standard_normal(n)  # aspiration
+    # Syllables at ~4 Hz, each a vowel with its own formants (F1, F2, F3 in Hz).
+    vowels = [(730, 1090, 2440), (270, 2290, 3010), (300, 870, 2240), (530, 1840, 2480),
+              (570, 840, 2410)]
+    syl = 0.25 * rng.uniform(0.85, 1.15)
+    out = np.zeros(n)
+    env = np.zeros(n)
+    start, k = 0, 0
+    while start < n:
+        length = int(syl * sr * rng.uniform(0.8, 1.2))
+        end = min(n, start + length)
+        seg = source[start:end]
+        y = np.zeros_like(seg)
+        for i, fc in enumerate(vowels[(k + int(rng.integers(0, 5))) % len(vowels)]):
+            bw = 60.0 + 40.0 * i
+            r = np.exp(-np.pi * bw / sr)
+            a = [1.0, -2 * r * np.cos(2 * np.pi * fc / sr), r * r]
+            y += lfilter([1.0 - r], a, seg) * (0.6 ** i)
+        out[start:end] = y
+        m = end - start
+        u = np.linspace(0.0, 1.0, m, endpoint=False)
+        # Rise and fall within the syllable, a short near-silent gap at its end.
+        env[start:end] = np.clip(np.sin(np.pi * np.clip(u / 0.85, 0, 1)), 0, 1) ** 1.5
+        start, k = end, k + 1
+    out = out * env + 0.003 * rng.standard_normal(n)
+    peak = float(np.max(np.abs(out))) or 1.0
+    return (0.6 * out / peak).astype(np.float32)
+
+
+def make_speech_audio(path: Path, seconds: float = 1.0, sample_rate: int = 16000,
+                      seed: int = 0) -> Path:
+    """Write a synthetic speech-like mono WAV (16-bit PCM) to ``path``."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    path = Path(path)
+    x = _speech_like(float(seconds), int(sample_rate), seed)
+    pcm = np.clip(np.round(x * 32767.0), -32768, 32767).astype("<i2")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(int(sample_rate))
+        f.writeframes(pcm.tobytes())
+    return path
+
+
+@dataclass(frozen=True)
+class DemoAssets:
+    ckpt_dir: Path
+    image: Path
+    audio: Path
+
+
+_DEMO_MARKER = ".demo_assets_ok"
+_DEMO_SPEC = {"format_version": TINY_FORMAT_VERSION, "seed": 0, "image": [64, 64],
+              "audio_seconds": 1.0, "sample_rate": 16000}
+
+
+@contextlib.contextmanager
+def _dir_lock(lock_path: Path) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no cross-process lock, builds are still atomic
+        yield
+        return
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _demo_paths(cache_dir: Path) -> DemoAssets:
+    return DemoAssets(ckpt_dir=cache_dir / "tiny-s2v-ckpt", image=cache_dir / "reference.png",
+                      audio=cache_dir / "speech.wav")
+
+
+def _demo_valid(cache_dir: Path, assets: DemoAssets) -> bool:
+    marker = cache_dir / _DEMO_MARKER
+    try:
+        spec = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return (spec == _DEMO_SPEC and checkpoint_is_complete(assets.ckpt_dir)
+            and assets.image.is_file() and assets.audio.is_file())
+
+
+def ensure_demo_assets(cache_dir: Path) -> DemoAssets:
+    """Tiny checkpoint + reference image + speech audio in ``cache_dir``, built once.
+
+    A marker file written last (after everything else is in place) says the set is complete and
+    of the current format; if it is missing or stale, everything is rebuilt. Concurrent callers
+    (e.g. several ranks) are serialized by a lock file in ``cache_dir``.
+    """
+    cache_dir = Path(cache_dir).absolute()
+    assets = _demo_paths(cache_dir)
+    if _demo_valid(cache_dir, assets):
+        return assets
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _dir_lock(cache_dir / ".demo_assets.lock"):
+        if _demo_valid(cache_dir, assets):  # another process built it meanwhile
+            return assets
+        marker = cache_dir / _DEMO_MARKER
+        marker.unlink(missing_ok=True)
+        seed = _DEMO_SPEC["seed"]
+        build_tiny_checkpoint(assets.ckpt_dir, seed=seed)
+        w, h = _DEMO_SPEC["image"]
+        _atomic_file(assets.image, lambda p: make_reference_image(p, width=w, height=h,
+                                                                   seed=seed))
+        _atomic_file(assets.audio, lambda p: make_speech_audio(
+            p, seconds=_DEMO_SPEC["audio_seconds"], sample_rate=_DEMO_SPEC["sample_rate"],
+            seed=seed))
+        tmp = marker.with_name(marker.name + f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(_DEMO_SPEC, sort_keys=True))
+        os.replace(tmp, marker)
+    return assets
+
+
+def _atomic_file(dest: Path, write) -> None:
+    tmp = dest.with_name(f".{dest.stem}.tmp-{os.getpid()}{dest.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+if __name__ == "__main__":  # python -m wan_s2v_runner.tiny_checkpoint OUT_DIR
+    import sys
+    import time
+
+    t0 = time.perf_counter()
+    got = ensure_demo_assets(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-demo"))
+    size = sum(p.stat().st_size for p in got.ckpt_dir.rglob("*") if p.is_file())
+    print(f"{got} ({size / 1e6:.1f} MB checkpoint, {time.perf_counter() - t0:.1f} s)")

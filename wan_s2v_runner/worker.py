@@ -1,0 +1,174 @@
+"""One rank of a run: ``python -m wan_s2v_runner.worker SPEC_JSON`` (spawned by torchrun).
+
+Reads the spec the launcher wrote, joins the process group (gloo on CPU, nccl on CUDA, with an
+explicit timeout), imports the engine, applies the patches, builds the engine's ``WanS2V`` with
+the mode's settings, generates (behind :func:`generate_frames`), and on rank 0 writes the mp4
+with audio. Stages and progress go to the run directory's event files; a failure is recorded by
+torch elastic's ``@record`` (per-rank error file) and as an ``error`` event naming the stage.
+"""
+from __future__ import annotations
+
+import copy
+import faulthandler
+import logging
+import os
+import resource
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from wan_s2v_runner import engine, faults
+from wan_s2v_runner.events import EventWriter
+from wan_s2v_runner.spec import RunSpec
+
+log = logging.getLogger("wan_s2v.worker")
+
+
+class RankEvents(EventWriter):
+    """EventWriter that also checks the test fault hook at every stage."""
+
+    def __init__(self, run_dir: Path, rank: int):
+        super().__init__(run_dir, rank)
+        self._fault = faults.parse(os.environ.get(faults.ENV))
+
+    def fault_point(self, stage: str) -> None:
+        if self._fault:
+            faults.maybe_fire(self.rank, stage, self._fault)
+
+    def stage(self, name: str, **data) -> None:
+        super().stage(name, **data)
+        self.fault_point(name)
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[%(asctime)s] [rank{rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout, force=True)
+
+
+def _register_stack_dump(run_dir: Path, rank: int):
+    d = run_dir / "stacks"
+    d.mkdir(parents=True, exist_ok=True)
+    f = open(d / f"rank{rank}.txt", "w", encoding="utf-8")
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+    return f
+
+
+def engine_config(wan, spec: RunSpec):
+    """The engine's S2V config, copied; fp32 on CPU (bf16 matmuls there are slow and lossy)."""
+    cfg = copy.deepcopy(wan.configs.WAN_CONFIGS["s2v-14B"])
+    if spec.device == "cpu":
+        cfg.param_dtype = torch.float32
+        cfg.t5_dtype = torch.float32
+    return cfg
+
+
+def generate_frames(pipeline, spec: RunSpec):
+    """The one call that generates. Returns (3, N, H, W) in [-1, 1] on rank 0, None elsewhere."""
+    with torch.no_grad():
+        return pipeline.generate(
+            input_prompt=spec.prompt, ref_image_path=str(spec.image), audio_path=str(spec.audio),
+            enable_tts=False, tts_prompt_audio=None, tts_prompt_text=None, tts_text=None,
+            num_repeat=spec.num_clips, pose_video=None, max_area=spec.max_area,
+            infer_frames=spec.infer_frames, shift=spec.shift, sample_solver=spec.solver,
+            sampling_steps=spec.steps, guide_scale=spec.guide_scale, n_prompt=spec.negative_prompt,
+            seed=spec.seed, offload_model=spec.offload, init_first_frame=spec.start_from_ref)
+
+
+def _peak_memory(spec: RunSpec) -> dict:
+    out = {"host_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if spec.device == "cuda" and torch.cuda.is_available():
+        out["gpu_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        out["gpu_peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
+    else:
+        out["gpu_peak_allocated_mb"] = None
+    return out
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
+    import torch.distributed as dist
+
+    import runners
+    from patches import apply_for_run, progress_events
+    from wan_s2v_runner import media
+
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if spec.device == "cpu":
+        torch.set_num_threads(spec.threads)
+    else:
+        torch.cuda.set_device(local_rank)
+
+    events.stage("init_pg")
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, init_method="env://",
+                            timeout=timedelta(seconds=spec.pg_timeout_s))
+    try:
+        events.stage("engine_import")
+        wan = engine.import_wan(spec.wan_repo)
+        cfg = engine_config(wan, spec)
+        applied = apply_for_run(wan, spec, cfg.param_dtype, on_event=events.stage)
+        events.emit("patches", applied=applied)
+
+        events.stage("load")
+        mode = runners.get(spec.mode)
+        pipeline = wan.WanS2V(config=cfg, checkpoint_dir=str(spec.ckpt_dir), device_id=local_rank,
+                              rank=rank, **mode.engine_kwargs(spec))
+        progress_events.apply(wan, pipeline, events, total_steps=spec.steps, num_clips=spec.num_clips)
+
+        video = generate_frames(pipeline, spec)
+        if rank == 0:
+            if video is None:
+                raise RuntimeError("rank 0 got no frames from the engine")
+            events.emit("frames", shape=list(video.shape))
+            if spec.frames_out:
+                _atomic_torch_save(video.contiguous(), spec.frames_out)
+            media.save_video_with_audio(video, cfg.sample_fps, spec.audio, spec.output,
+                                        on_stage=events.stage)
+        events.stage("done")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec_path = Path(argv[0])
+    run_dir = spec_path.parent
+    spec = RunSpec.from_json_file(spec_path)
+    rank = int(os.environ.get("RANK", 0))
+    _setup_logging(rank)
+    stack_file = _register_stack_dump(run_dir, rank)
+    events = RankEvents(run_dir, rank)
+    events.emit("hello", pid=os.getpid(), host=os.uname().nodename,
+                local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    t0 = time.time()
+    try:
+        run_rank(spec, run_dir, events)
+    except BaseException as e:
+        events.emit("error", error_type=type(e).__name__, message=str(e)[:2000])
+        raise
+    finally:
+        events.emit("end", wall_s=round(time.time() - t0, 3), **_peak_memory(spec))
+        events.close()
+        stack_file.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
