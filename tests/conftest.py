@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 
 #: the tiny spec every distributed test shares (fast on 2 cores; 2 clips of 5 + 8 frames)
 TINY_FLAGS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "--steps", "2",
-              "--seed", "42", "--prompt", "a person talking", "--skip-preflight"]  # TEMP-SKIP
+              "--seed", "42", "--prompt", "a person talking"]
 
 
 @pytest.fixture(scope="session")

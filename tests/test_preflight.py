@@ -1,0 +1,560 @@
+"""Preflight checks against real broken artifacts and recorded facts of real machines.
+
+One tiny checkpoint is built per module (``tiny_checkpoint.build_tiny_checkpoint``) and copied
+and broken per test. Hardware facts come from ``tests/data/machines/*.json`` (recorded) or the
+live probe of this machine. Every test asserts the specific finding: check id + a substring.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+import socket
+import struct
+import wave
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from wan_s2v_runner import cli, exit_codes
+from wan_s2v_runner.preflight import (CheckContext, MachineFacts, Status, gate, recommend_mode,
+                                      run_checks)
+from wan_s2v_runner.preflight.core import find
+from wan_s2v_runner.preflight.geometry import generation_size, token_counts
+from wan_s2v_runner.preflight.memory import REFERENCE, model_sizes, plan_all
+from wan_s2v_runner.preflight.probe import probe_machine
+from wan_s2v_runner.spec import Layout, Mode
+
+MACHINES = Path(__file__).parent / "data" / "machines"
+DIT = "diffusion_pytorch_model.safetensors"
+
+
+# --------------------------------------------------------------------------- fixtures / helpers
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from wan_s2v_runner.tiny_checkpoint import (build_tiny_checkpoint, make_reference_image,
+                                                make_speech_audio)
+    root = tmp_path_factory.mktemp("tiny")
+    ckpt = build_tiny_checkpoint(root / "ckpt")
+    image = make_reference_image(root / "ref.png", 64, 64)
+    audio = make_speech_audio(root / "speech.wav", seconds=1.0)
+    return {"ckpt": ckpt, "image": image, "audio": audio, "root": root}
+
+
+@pytest.fixture
+def ckpt_copy(tiny, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny["ckpt"], dst)
+    return dst
+
+
+def facts(name: str) -> MachineFacts:
+    return MachineFacts.load(MACHINES / f"{name}.json")
+
+
+def live() -> MachineFacts:
+    return probe_machine()
+
+
+def ctx_for(f: MachineFacts, **values) -> CheckContext:
+    return CheckContext.from_values({}, values, f)
+
+
+def result(ctx, group_or_groups, id):
+    groups = [group_or_groups] if isinstance(group_or_groups, str) else group_or_groups
+    r = find(run_checks(ctx, groups), id)
+    assert r is not None, f"no result {id}"
+    return r
+
+
+def assert_finding(r, status: Status, *needles: str):
+    text = f"{r.finding} || {r.fix}"
+    assert r.status is status, f"{r.id}: expected {status.value}, got {r.status.value}: {text}"
+    for n in needles:
+        assert n in text, f"{r.id}: {n!r} not in {text!r}"
+
+
+def tiny_ctx(tiny, ckpt=None, **kw):
+    vals = dict(ckpt_dir=ckpt or tiny["ckpt"], image=tiny["image"], audio=tiny["audio"], prompt="a person talking",
+                device="cpu", nproc=2, max_area=64 * 64, infer_frames=8, mode="ulysses",
+                output=tiny["root"] / "out" / "x.mp4")
+    vals.update(kw)
+    return ctx_for(live(), **vals)
+
+
+def split_into_shards(ckpt: Path) -> list[str]:
+    """Rewrite the single-file DiT as 2 real shards + index (as diffusers save_pretrained does)."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(ckpt / DIT))
+    names = sorted(tensors)
+    files = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    wm = {}
+    for f, part in zip(files, halves):
+        save_file({k: tensors[k] for k in part}, str(ckpt / f), metadata={"format": "pt"})
+        wm.update({k: f for k in part})
+    (ckpt / f"{DIT}.index.json").write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": wm}))
+    (ckpt / DIT).unlink()
+    return files
+
+
+# --------------------------------------------------------------------------- checkpoint
+def test_tiny_checkpoint_passes_every_checkpoint_check(tiny):
+    results = run_checks(tiny_ctx(tiny), ["checkpoint"])
+    assert [r.id for r in results if r.status is not Status.OK] == []
+    assert_finding(find(results, "ckpt.config"), Status.OK, "dim 32, 4 heads, 2 layers")
+    assert_finding(find(results, "ckpt.pth"), Status.OK, "T5 dim 4096", "VAE width 8")
+
+
+def test_truncated_safetensors(tiny, ckpt_copy):
+    p = ckpt_copy / DIT
+    size = p.stat().st_size
+    with open(p, "r+b") as f:
+        f.truncate(size - 1000)
+    r = result(tiny_ctx(tiny, ckpt_copy), "checkpoint", "ckpt.safetensors")
+    assert_finding(r, Status.FAIL, f"{DIT} is {size - 1000} bytes but its header describes {size}", "truncated")
+
+
+def test_safetensors_header_length_beyond_file(tiny, ckpt_copy):
+    p = ckpt_copy / DIT
+    with open(p, "r+b") as f:
+        f.write(struct.pack("<Q", 10**12))
+    r = result(tiny_ctx(tiny, ckpt_copy), "checkpoint", "ckpt.safetensors")
+    assert_finding(r, Status.FAIL, "header length field says 1000000000000 bytes")
+
+
+def test_sharded_checkpoint_passes(tiny, ckpt_copy):
+    split_into_shards(ckpt_copy)
+    results = run_checks(tiny_ctx(tiny, ckpt_copy), ["checkpoint"])
+    assert_finding(find(results, "ckpt.index"), Status.OK, "2 shards")
+    assert_finding(find(results, "ckpt.safetensors"), Status.OK, "2 DiT file(s)")
+
+
+def test_missing_shard(tiny, ckpt_copy):
+    files = split_into_shards(ckpt_copy)
+    (ckpt_copy / files[1]).unlink()
+    r = result(tiny_ctx(tiny, ckpt_copy), "checkpoint", "ckpt.index")
+    assert_finding(r, Status.FAIL, "names 2 shards; missing: diffusion_pytorch_model-00002-of-00002.safetensors")
+
+
+def test_index_naming_an_absent_file(tiny, ckpt_copy):
+    split_into_shards(ckpt_copy)
+    idx = ckpt_copy / f"{DIT}.index.json"
+    data = json.loads(idx.read_text())
+    name = sorted(data["weight_map"])[0]
+    data["weight_map"][name] = "diffusion_pytorch_model-00003-of-00003.safetensors"
+    idx.write_text(json.dumps(data))
+    r = result(tiny_ctx(tiny, ckpt_copy), "checkpoint", "ckpt.index")
+    assert_finding(r, Status.FAIL, "missing: diffusion_pytorch_model-00003-of-00003.safetensors (1 tensors)")
+
+
+def test_index_maps_tensor_to_wrong_shard(tiny, ckpt_copy):
+    files = split_into_shards(ckpt_copy)
+    idx = ckpt_copy / f"{DIT}.index.json"
+    data = json.loads(idx.read_text())
+    name = next(k for k, v in sorted(data["weight_map"].items()) if v == files[0])
+    data["weight_map"][name] = files[1]
+    idx.write_text(json.dumps(data))
+    r = result(tiny_ctx(tiny, ckpt_copy), "checkpoint", "ckpt.safetensors")
+    assert_finding(r, Status.FAIL, "1 tensors the index maps to a shard are not in it", name)
+
+
+def test_corrupt_pth(tiny, ckpt_copy):
+    vae = ckpt_copy / "Wan2.1_VAE.pth"
+    data = vae.read_bytes()
+    vae.write_bytes(data[: len(data) // 2])  # cut in the middle: the zip directory is gone
+    r = result(tiny_ctx(tiny, ckpt_copy), "checkpoint", "ckpt.pth")
+    assert_finding(r, Status.FAIL, "Wan2.1_VAE.pth does not load with torch.load(weights_only=True, mmap=True)")
+
+
+def test_config_without_keys(tiny, ckpt_copy):
+    cfg_p = ckpt_copy / "config.json"
+    cfg = json.loads(cfg_p.read_text())
+    del cfg["audio_dim"], cfg["enable_framepack"]
+    cfg_p.write_text(json.dumps(cfg))
+    ctx = tiny_ctx(tiny, ckpt_copy)
+    r = result(ctx, ["engine", "checkpoint"], "ckpt.config")
+    # the default is read from the engine's WanModel_S2V.__init__ (audio_dim=5120), real model has 1024
+    assert_finding(r, Status.FAIL, "config.json lacks audio_dim, enable_framepack",
+                   "WanModel_S2V would use its default 5120", "S2V-14B has 1024")
+
+
+def test_config_disagrees_with_weights(tiny, ckpt_copy):
+    cfg_p = ckpt_copy / "config.json"
+    cfg = json.loads(cfg_p.read_text())
+    cfg["dim"], cfg["num_heads"] = 64, 4
+    cfg_p.write_text(json.dumps(cfg))
+    r = result(tiny_ctx(tiny, ckpt_copy), "checkpoint", "ckpt.config")
+    assert_finding(r, Status.FAIL, "config.json says dim 64 x in_dim 16 but the weights' patch_embedding has 2048")
+
+
+def test_missing_checkpoint_entry(tiny, ckpt_copy):
+    (ckpt_copy / "wav2vec2-large-xlsr-53-english" / "vocab.json").unlink()
+    r = result(tiny_ctx(tiny, ckpt_copy), "checkpoint", "ckpt.files")
+    assert_finding(r, Status.FAIL, "1 expected entry missing: wav2vec2-large-xlsr-53-english/vocab.json")
+
+
+def test_memory_plan_reads_param_counts_from_the_files(tiny):
+    import math
+
+    from safetensors import safe_open
+    with safe_open(str(tiny["ckpt"] / DIT), framework="pt") as f:
+        n = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    ctx = tiny_ctx(tiny)
+    sizes = model_sizes(ctx)
+    assert sizes.source.startswith("checkpoint") and sizes.dit_params == n
+    info = json.loads((tiny["ckpt"] / "tiny_checkpoint.json").read_text())
+    assert (sizes.dim, sizes.num_heads, sizes.num_layers) == (info["dit"]["dim"], 4, 2)
+    assert 0 < sizes.dit_root_params < sizes.dit_params and sizes.t5_params > 0 and sizes.vae_params > 0
+
+
+# --------------------------------------------------------------------------- inputs / output
+def test_mp3_that_is_really_a_png(tiny, tmp_path):
+    fake = tmp_path / "speech.mp3"
+    shutil.copy(tiny["image"], fake)
+    r = result(tiny_ctx(tiny, audio=fake), "inputs", "inputs.audio")
+    assert_finding(r, Status.FAIL, "speech.mp3 does not decode as audio: it is really a PNG image")
+
+
+def test_zero_length_audio(tiny, tmp_path):
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(b"")
+    r = result(tiny_ctx(tiny, audio=empty), "inputs", "inputs.audio")
+    assert_finding(r, Status.FAIL, "empty.wav is 0 bytes")
+
+
+def test_wav_with_no_samples(tiny, tmp_path):
+    p = tmp_path / "silent.wav"
+    with wave.open(str(p), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"")
+    r = result(tiny_ctx(tiny, audio=p), "inputs", "inputs.audio")
+    assert_finding(r, Status.FAIL, "decodes to 0 samples")
+
+
+def test_audio_clip_count(tiny):
+    r = result(tiny_ctx(tiny, num_clips=5), "inputs", "inputs.audio")
+    # 1.0 s * 16 / 8 + 1 = 3 clips; --num-clips 5 is capped by the engine
+    assert_finding(r, Status.WARN, "1.00 s at 16000 Hz", "-> 3 clips of 8 frames = 21 frames",
+                   "--num-clips 5 exceeds the 3")
+
+
+def test_8x8_image_is_upscaled(tiny, tmp_path):
+    """Measured: the engine does NOT fail on an 8x8 (or 1x1) image — get_size_less_than_area pads it
+    to 64x64 and Resize upscales it. Preflight warns (a blurry face); it fails only on the real
+    crash below (a 0-pixel side)."""
+    from PIL import Image
+    p = tmp_path / "tiny8.png"
+    Image.new("RGB", (8, 8), (120, 100, 90)).save(p)
+    results = run_checks(tiny_ctx(tiny, image=p), ["inputs"])
+    assert_finding(find(results, "inputs.image"), Status.OK, "PNG 8x8 RGB")
+    assert_finding(find(results, "inputs.size"), Status.WARN, "image 8x8 is upscaled 8.0x to the 64x64 frames")
+
+
+def test_image_whose_size_fit_is_zero(tiny, tmp_path):
+    from PIL import Image
+    p = tmp_path / "sliver.png"
+    Image.new("RGB", (3, 300), (120, 100, 90)).save(p)
+    r = result(tiny_ctx(tiny, image=p), "inputs", "inputs.size")
+    assert_finding(r, Status.FAIL, "image 3x300 at area 4096", "gives 0x128, which crashes in Resize")
+
+
+def test_image_that_does_not_decode(tiny, tmp_path):
+    p = tmp_path / "face.png"
+    p.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 50)
+    r = result(tiny_ctx(tiny, image=p), "inputs", "inputs.image")
+    assert_finding(r, Status.FAIL, "face.png does not decode as an image")
+
+
+def test_unwritable_output_dir(tiny, tmp_path):
+    """Tests run as root, so chmod cannot make a directory unwritable. A parent that is a regular
+    file cannot hold a directory for anyone (ENOTDIR), and /proc refuses new files even for root."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    r = result(tiny_ctx(tiny, output=blocker / "sub" / "out.mp4"), "output", "output.dir")
+    assert_finding(r, Status.FAIL, "output directory not writable", f"{blocker} is a file")
+    r = result(tiny_ctx(tiny, output=Path("/proc/wan-s2v-preflight-test/out.mp4")), "output", "output.dir")
+    assert_finding(r, Status.FAIL, "cannot create files in /proc")
+    assert not Path("/proc/wan-s2v-preflight-test").exists()
+
+
+def test_writable_output_leaves_nothing_behind(tiny, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    r = result(tiny_ctx(tiny, output=out / "x.mp4"), "output", "output.dir")
+    assert r.status is Status.OK and list(out.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- ulysses / comm
+def test_ulysses_size_3_tiny_heads(tiny):
+    r = result(tiny_ctx(tiny, nproc=3), ["checkpoint", "ulysses_degree"], "ulysses.heads")
+    assert_finding(r, Status.FAIL, "Ulysses degree 3 does not divide the 4 attention heads (config.json)")
+
+
+def test_ulysses_size_3_real_model_heads():
+    ctx = ctx_for(facts("a100_8x_nvlink"), nproc=3, mode="ulysses")
+    r = result(ctx, "ulysses_degree", "ulysses.heads")
+    assert_finding(r, Status.FAIL, "Ulysses degree 3 does not divide the 40 attention heads", "use 1, 2, 4, 8 ranks")
+
+
+def test_ulysses_degree_5_divides_heads_but_not_tokens(tmp_path):
+    from PIL import Image
+    img = tmp_path / "landscape.png"
+    Image.new("RGB", (1024, 704), (1, 2, 3)).save(img)
+    ctx = ctx_for(facts("a100_8x_nvlink"), nproc=5, mode="ulysses", image=img)
+    results = run_checks(ctx, ["inputs", "ulysses_degree"])
+    assert_finding(find(results, "ulysses.heads"), Status.OK, "40 heads / 5 = 8 per rank")
+    # clip 1: 20 latent frames x 44x64 + 44x64 ref = 59136 tokens (not a multiple of 5)
+    assert_finding(find(results, "ulysses.tokens"), Status.FAIL,
+                   "Ulysses degree 5 does not divide the DiT sequence of 59136 tokens", "56320 noisy + 2816 ref")
+
+
+def test_token_counts_match_measured_engine_sequences():
+    # measured by hooking WanModel_S2V.blocks[0] on the tiny checkpoint (128x128, 12 frames):
+    # clip 1 (motion dropped) 256 tokens, clip 2 352 tokens; 64x64 / 8 frames: 48 and 72
+    assert token_counts(128, 128, 12).lengths(2, False) == [256, 352]
+    assert token_counts(64, 64, 8).lengths(2, False) == [48, 72]
+    assert token_counts(704, 1024, 80).later_clips == 63360
+
+
+def test_generation_size_equals_engine_function(tiny):
+    from wan.speech2video import WanS2V  # already imported by the fixture's build
+    rng = random.Random(1)
+    cases = [(8, 8, 4096), (300, 3, 4096), (704, 1024, 1024 * 704), (1080, 1920, 832 * 480)]
+    cases += [(rng.randint(1, 3000), rng.randint(1, 3000), rng.choice([4096, 832 * 480, 1024 * 704]))
+              for _ in range(300)]
+    for h, w, a in cases:
+        assert generation_size(h, w, a) == tuple(WanS2V.get_size_less_than_area(None, h, w, target_area=a))
+
+
+def test_master_port_in_use(tiny):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("", 0))
+    s.listen(1)
+    port = s.getsockname()[1]
+    try:
+        r = result(tiny_ctx(tiny, master_port=port), "communication", "comm.master_port")
+        assert_finding(r, Status.FAIL, f"--master-port {port} is already in use on this node")
+    finally:
+        s.close()
+    r = result(tiny_ctx(tiny, master_port=port), "communication", "comm.master_port")
+    assert_finding(r, Status.OK, f"port {port} is free")
+
+
+def test_unresolvable_master_addr():
+    ctx = ctx_for(facts("a100_8x_nvlink"), nnodes=2, node_rank=1, master_addr="node0.invalid")
+    r = result(ctx, "communication", "comm.master_addr")
+    assert_finding(r, Status.FAIL, "--master-addr 'node0.invalid' does not resolve")
+
+
+# --------------------------------------------------------------------------- recorded machines
+@pytest.mark.parametrize("machine, mode, needles", [
+    ("h100_1x", Mode.ULYSSES, ["1 GPU", "H100", "holds the whole model"]),
+    ("a100_8x_nvlink", Mode.ULYSSES, ["8 GPUs", "NVLink between all pairs", "fastest"]),
+    ("v100s_2x_pcie", Mode.HYBRID, ["31.7 GiB free", "even hybrid", "use 4 GPUs or --size 832*480"]),
+    ("rtx4090_4x_nop2p", Mode.HYBRID, ["does not fit per GPU", "23.5 GiB free", "without P2P"]),
+    ("cpu_only", Mode.ULYSSES, ["no CUDA GPU visible", "demo"]),
+])
+def test_recommended_mode_per_machine(machine, mode, needles):
+    rec = recommend_mode(ctx_for(facts(machine)))
+    assert rec.mode is mode, rec.reason
+    for n in needles:
+        assert n in rec.reason, (n, rec.reason)
+
+
+def test_recommendation_for_3_gpus_is_fsdp_fixed():
+    rec = recommend_mode(ctx_for(facts("a100_8x_nvlink"), nproc=3))
+    assert rec.mode is Mode.FSDP_FIXED
+    assert "world size 3 does not divide the 40 heads" in rec.reason and "2, 4, 8" in rec.reason
+
+
+def test_gpu_count_below_nproc_fails():
+    r = result(ctx_for(facts("h100_1x"), nproc=2), "gpus", "gpus.count")
+    assert_finding(r, Status.FAIL, "--nproc 2 ranks on this node but only 1 GPU visible")
+
+
+def test_cc70_with_fa2_fails():
+    r = result(ctx_for(facts("v100s_2x_pcie"), attention="fa2"), "attention", "attention.capability")
+    assert_finding(r, Status.FAIL, "--attention fa2 needs compute capability >= 8.0; Tesla V100S-PCIE-32GB is 7.0",
+                   "--attention sdpa")
+
+
+def test_4090_without_p2p_ulysses_warns_about_pcie():
+    r = result(ctx_for(facts("rtx4090_4x_nop2p"), mode="ulysses"), "communication", "comm.topology")
+    assert_finding(r, Status.WARN, "no NVLink and no P2P between GPU 0 and 1", "Ulysses all-to-all",
+                   "cross PCIe through host memory")
+
+
+def test_a100_nvlink_topology_ok():
+    r = result(ctx_for(facts("a100_8x_nvlink"), mode="ulysses"), "communication", "comm.topology")
+    assert_finding(r, Status.OK, "NVLink between all 8 GPUs (NV12)")
+
+
+def test_docker_default_shm_fails_multi_gpu():
+    r = result(ctx_for(facts("rtx4090_4x_nop2p")), "communication", "comm.shm")
+    assert_finding(r, Status.FAIL, "/dev/shm is 64 MiB (container)", "--shm-size=8g")
+
+
+def test_deprecated_nccl_env():
+    r = result(ctx_for(facts("a100_8x_nvlink")), "communication", "comm.env")
+    assert_finding(r, Status.WARN, "NCCL_ASYNC_ERROR_HANDLING -> TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def test_flash_attn_abi_mismatch_names_the_symbol():
+    raw = copy.deepcopy(facts("a100_8x_nvlink").raw)
+    raw["attention"]["fa2"] = {
+        "installed": "2.6.3", "usable": False,
+        "import_error": "ImportError: /usr/local/lib/python3.10/dist-packages/flash_attn_2_cuda.cpython-310-"
+                        "x86_64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEi",
+        "reason": "flash-attn 2 (flash_attn) is not usable"}
+    f = MachineFacts(raw)
+    r = result(ctx_for(f), "attention", "attention.fa2")
+    assert_finding(r, Status.WARN, "flash-attn 2.6.3 ABI mismatch", "undefined symbol _ZN3c104cuda9SetDeviceEi",
+                   "rebuild flash-attn for torch 2.5.1+cu121", "--attention sdpa")
+    r = result(ctx_for(f, attention="fa2"), "attention", "attention.fa2")
+    assert r.status is Status.FAIL
+    r = result(ctx_for(f), "attention", "attention.backend")
+    assert_finding(r, Status.OK, "--attention auto -> sdpa")
+
+
+def test_dependency_pairing_diffusers_hub():
+    raw = copy.deepcopy(facts("h100_1x").raw)
+    raw["packages"]["diffusers"] = "0.42.1"  # with huggingface-hub 0.35.3 / transformers 4.56.2
+    r = result(ctx_for(MachineFacts(raw)), "engine", "engine.deps")
+    assert_finding(r, Status.FAIL, "diffusers 0.42.1 needs huggingface-hub >= 1.32, found 0.35.3", "transformers>=5")
+
+
+def test_missing_decord_fails():
+    raw = copy.deepcopy(facts("h100_1x").raw)
+    raw["modules"]["decord"] = False
+    r = result(ctx_for(MachineFacts(raw)), "engine", "engine.deps")
+    assert_finding(r, Status.FAIL, "missing decord", "speech2video.py imports decord", "pip install decord")
+
+
+def test_torchvision_mismatch():
+    raw = copy.deepcopy(facts("rtx4090_4x_nop2p").raw)
+    raw["packages"]["torchvision"] = "0.21.0+cu124"  # torch is 2.5.1
+    r = result(ctx_for(MachineFacts(raw)), "python_torch", "torchvision.match")
+    assert_finding(r, Status.FAIL, "torchvision 0.21.0+cu124 does not match torch 2.5.1+cu124", "0.20.x")
+
+
+def test_driver_older_than_torch_cuda_major():
+    raw = copy.deepcopy(facts("h100_1x").raw)
+    raw["driver"] = {"nvml": True, "version": "470.256.02", "cuda": "11.4"}
+    r = result(ctx_for(MachineFacts(raw)), "python_torch", "torch.cuda_driver")
+    assert_finding(r, Status.FAIL, "driver 470.256.02 supports CUDA 11.4 but torch needs CUDA 12.8")
+
+
+def test_torch_without_kernels_for_the_gpu():
+    raw = copy.deepcopy(facts("v100s_2x_pcie").raw)
+    raw["torch"]["arch_list"] = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # cu128 wheels
+    raw["torch"]["version"] = "2.8.0+cu128"
+    r = result(ctx_for(MachineFacts(raw)), "gpus", "gpus.arch")
+    assert_finding(r, Status.FAIL, "has no kernels for Tesla V100S-PCIE-32GB (sm_70)")
+
+
+def test_host_ram_eight_ranks_hybrid_real_sizes():
+    raw = copy.deepcopy(facts("a100_8x_nvlink").raw)
+    raw["host"]["mem_available_mib"] = 128 * 1024
+    ctx = ctx_for(MachineFacts(raw), mode="hybrid", nproc=8)
+    ctx.cache["sizes"] = replace(REFERENCE, source="checkpoint (test: Wan2.2-S2V-14B sizes)")
+    r = result(ctx, "memory", "memory.host")
+    # every rank: T5 (11.4 GB bf16) + the whole DiT (32.6 GB) on the CPU before FSDP shards it
+    assert_finding(r, Status.FAIL, "host RAM exhausted at load: 8 local ranks x 43.9 GiB peak", "128.0 GiB available")
+    ctx.cache["sizes"] = REFERENCE  # without a checkpoint the same finding only warns
+    assert result(ctx, "memory", "memory.host").status is Status.WARN
+
+
+def test_memory_plan_orders_modes_sensibly():
+    ctx = ctx_for(facts("rtx4090_4x_nop2p"))
+    plans = plan_all(ctx)
+    assert plans["hybrid"].gpu_peak < plans["fsdp-fixed"].gpu_peak < plans["ulysses"].gpu_peak
+    assert plans["ulysses"].host_peak < plans["hybrid"].host_peak  # hybrid: T5 + whole DiT on CPU per rank
+    h100 = plan_all(ctx_for(facts("h100_1x")))["ulysses"]
+    assert 32.6e9 < h100.gpu_peak < 80e9
+
+
+def test_t5_cpu_with_t5_fsdp_conflict(monkeypatch):
+    ctx = ctx_for(facts("a100_8x_nvlink"), mode="hybrid")
+    monkeypatch.setattr(CheckContext, "layout", property(
+        lambda self: Layout(world_size=8, use_sp=True, dit_fsdp=True, t5_fsdp=True, t5_cpu=True)))
+    r = result(ctx, "fsdp", "fsdp.t5")
+    assert_finding(r, Status.FAIL, "T5 on CPU together with T5 FSDP")
+
+
+# --------------------------------------------------------------------------- gate / cli / doctor
+def test_gate_passes_a_good_tiny_run(tiny, capsys):
+    import runners
+    from wan_s2v_runner.spec import RunSpec
+    spec = RunSpec(ckpt_dir=tiny["ckpt"], image=tiny["image"], audio=tiny["audio"], prompt="hi", device="cpu",
+                   nproc=2, max_area=64 * 64, infer_frames=8, output=tiny["root"] / "out" / "a.mp4",
+                   runs_root=tiny["root"] / "runs")
+    assert gate(spec, runners.get(spec.mode)) is None
+    err = capsys.readouterr().err
+    assert err.startswith("preflight: ") and " ok, " in err and "fail" not in err
+
+
+def test_cli_run_with_bad_audio_returns_3_and_spawns_nothing(tiny, tmp_path, capsys):
+    fake = tmp_path / "speech.mp3"
+    shutil.copy(tiny["image"], fake)
+    runs = tmp_path / "runs"
+    rc = cli.main(["run", "--ckpt-dir", str(tiny["ckpt"]), "--image", str(tiny["image"]), "--audio", str(fake),
+                   "--prompt", "hello", "--device", "cpu", "--nproc", "2", "--size", "64*64",
+                   "--infer-frames", "8", "--output", str(tmp_path / "out.mp4"), "--runs-root", str(runs)])
+    assert rc == exit_codes.PREFLIGHT == 3
+    err = capsys.readouterr().err
+    assert "FAIL inputs.audio: speech.mp3 does not decode as audio: it is really a PNG image" in err
+    assert "nothing was spawned" in err
+    assert not runs.exists() or not any(runs.iterdir())  # no run directory = nothing launched
+    assert not (tmp_path / "out.mp4").exists()
+
+
+def test_doctor_json_environment_only(capsys):
+    rc = cli.main(["doctor", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    fails = [r for r in report["results"] if r["status"] == "fail"]
+    assert rc == (exit_codes.DOCTOR_FAILED if fails else exit_codes.OK) == report["exit_code"]
+    ckpt = [r for r in report["results"] if r["group"] == "checkpoint"]
+    assert ckpt and all(r["status"] == "skip" for r in ckpt)
+    assert set(report["memory_plan"]["modes"]) == {"ulysses", "fsdp-fixed", "hybrid"}
+    assert report["recommendation"]["mode"] in {"ulysses", "fsdp-fixed", "hybrid"}
+
+
+def test_doctor_on_recorded_machine_with_tiny_checkpoint(tiny, monkeypatch, capsys):
+    monkeypatch.setenv("WAN_S2V_FACTS", str(MACHINES / "rtx4090_4x_nop2p.json"))
+    rc = cli.main(["doctor", "--ckpt-dir", str(tiny["ckpt"]), "--image", str(tiny["image"]),
+                   "--audio", str(tiny["audio"]), "--prompt", "hi", "--size", "64*64", "--infer-frames", "8"])
+    out = capsys.readouterr().out
+    assert rc == exit_codes.DOCTOR_FAILED  # the 64 MiB /dev/shm of that container
+    assert "comm.shm" in out and "memory plan per rank" in out and "recommended mode:" in out
+
+
+def test_probe_reads_nvml_links_and_free_memory(monkeypatch):
+    """The NVML path (no GPU here): a fake pynvml with 3 GPUs, NVLink between 0 and 1 only."""
+    import types
+
+    from wan_s2v_runner.preflight import probe
+
+    fake = types.SimpleNamespace(
+        NVML_P2P_CAPS_INDEX_NVLINK=2, NVML_NVLINK_MAX_LINKS=18,
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+        nvmlSystemGetDriverVersion=lambda: "550.127.05", nvmlSystemGetCudaDriverVersion=lambda: 12040,
+        nvmlDeviceGetHandleByUUID=lambda u: int(u[-1]),
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(free=(20 + h) * 2**30, total=24 * 2**30),
+        nvmlDeviceGetP2PStatus=lambda a, b, idx: 0 if {a, b} == {0, 1} else 4,
+        nvmlDeviceGetNvLinkState=lambda h, link: 1 if link < 4 else 0,
+        nvmlDeviceGetTopologyCommonAncestor=lambda a, b: 50 if 2 in (a, b) else 10)
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
+    gpus = [{"index": i, "uuid": f"GPU-000{i}"} for i in range(3)]
+    drv, links = probe._nvml(gpus)
+    assert drv == {"nvml": True, "version": "550.127.05", "cuda": "12.4"}
+    assert links == [["X", "NV4", "SYS"], ["NV4", "X", "SYS"], ["SYS", "SYS", "X"]]
+    assert [g["free_mib"] for g in gpus] == [20480, 21504, 22528]
+    f = MachineFacts({"gpus": gpus, "links": links, "p2p": [[True, True, False], [True, True, False],
+                                                             [False, False, True]]})
+    assert f.nvlink(0, 1) and not f.nvlink(0, 2) and f.p2p(2, 0) is False

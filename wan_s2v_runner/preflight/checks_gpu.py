@@ -1,0 +1,230 @@
+"""Groups ``gpus`` and ``attention``: GPU count vs ranks, kernels for the GPU's architecture,
+bf16 support, busy GPUs; flash-attn 2/3 health (ABI mismatch with the missing symbol, FA3's
+return type), the compute capability a requested backend needs, and what ``--attention auto``
+picks (the same order as ``patches.attention.resolve_backend``: fa3 > fa2 > sdpa).
+"""
+from __future__ import annotations
+
+import re
+
+from .core import check, fail, ok, skip, warn
+
+FA2_MIN_CC = (8, 0)  # FlashAttention-2: Ampere or newer
+FA3_CC = (9, 0)  # FlashAttention-3: Hopper
+
+
+def _cc(g) -> tuple[int, int]:
+    c = g.get("capability") or [0, 0]
+    return int(c[0]), int(c[1])
+
+
+def _cc_s(g) -> str:
+    a, b = _cc(g)
+    return f"{a}.{b}"
+
+
+def _gpu_names(gpus) -> str:
+    names = sorted({g.get("name", "?") for g in gpus})
+    return ", ".join(names)
+
+
+# --------------------------------------------------------------------------- gpus
+@check("gpus")
+def check_visible(ctx):
+    f = ctx.facts
+    if not ctx.on_cuda:
+        return skip("gpus.visible", f"--device cpu ({f.gpu_count} CUDA GPUs visible)")
+    if f.gpu_count == 0:
+        t = f.torch
+        why = ("torch is a CPU-only build" if not t.get("cuda")
+               else "torch.cuda.is_available() is False (driver/CUDA_VISIBLE_DEVICES?)")
+        return fail("gpus.visible", f"no CUDA GPU visible: {why} (torch {t.get('version')})",
+                    "use --device cpu (demo only), or fix the driver/CUDA_VISIBLE_DEVICES",
+                    cuda_visible_devices=f.env.get("CUDA_VISIBLE_DEVICES"))
+    mem = ", ".join(f"{g['total_mib'] / 1024:.0f}" for g in f.gpus)
+    return ok("gpus.visible", f"{f.gpu_count} x {_gpu_names(f.gpus)} (cc {_cc_s(f.gpus[0])}, "
+              f"{mem} GiB)", gpus=[g.get("name") for g in f.gpus])
+
+
+@check("gpus")
+def check_count(ctx):
+    f = ctx.facts
+    if not ctx.on_cuda:
+        return skip("gpus.count", "--device cpu")
+    n = f.gpu_count
+    if n == 0:
+        return skip("gpus.count", "no GPU (see gpus.visible)")
+    if ctx.nproc > n:
+        return fail("gpus.count", f"--nproc {ctx.nproc} ranks on this node but only {n} GPU"
+                    f"{'s' if n > 1 else ''} visible (one GPU per rank)",
+                    f"use --nproc {n} or fewer (a valid Ulysses degree: 1, 2, 4, 8), or expose more GPUs "
+                    "via CUDA_VISIBLE_DEVICES", nproc=ctx.nproc, gpus=n)
+    if ctx.nproc < n:
+        return ok("gpus.count", f"{ctx.nproc} of {n} visible GPUs used (ranks 0..{ctx.nproc - 1} -> "
+                  f"GPU 0..{ctx.nproc - 1})", nproc=ctx.nproc, gpus=n)
+    return ok("gpus.count", f"{ctx.nproc} ranks = {n} GPUs", nproc=ctx.nproc, gpus=n)
+
+
+def _arch_supported(cc: tuple[int, int], arch_list: list[str]) -> bool:
+    for a in arch_list:
+        m = re.match(r"(sm|compute)_(\d+)(\d)[a-z]?$", a)
+        if not m:
+            continue
+        maj, mnr = int(m.group(2)), int(m.group(3))
+        if m.group(1) == "sm" and maj == cc[0] and mnr <= cc[1]:
+            return True  # SASS runs on the same major with an equal or newer minor
+        if m.group(1) == "compute" and (maj, mnr) <= cc:
+            return True  # PTX is JIT-compiled for newer GPUs
+    return False
+
+
+@check("gpus")
+def check_arch(ctx):
+    gpus, arch = ctx.local_gpus, ctx.facts.torch.get("arch_list") or []
+    if not ctx.on_cuda or not gpus:
+        return skip("gpus.arch", "no GPU in use")
+    if not arch:
+        return skip("gpus.arch", "torch's CUDA arch list unknown")
+    bad = [g for g in gpus if not _arch_supported(_cc(g), arch)]
+    if bad:
+        g = bad[0]
+        return fail("gpus.arch", f"torch {ctx.facts.torch.get('version')} has no kernels for "
+                    f"{g['name']} (sm_{''.join(map(str, _cc(g)))}); its arch list: {' '.join(arch)}",
+                    "install a torch build that includes this GPU (e.g. the cu126 wheels keep sm_70, "
+                    "cu128 adds sm_120)")
+    return ok("gpus.arch", f"torch kernels cover sm_{''.join(map(str, _cc(gpus[0])))} "
+              f"({' '.join(arch)})")
+
+
+@check("gpus")
+def check_bf16(ctx):
+    gpus = ctx.local_gpus
+    if not ctx.on_cuda or not gpus:
+        return skip("gpus.bf16", "no GPU in use")
+    old = [g for g in gpus if _cc(g) < (8, 0)]
+    if old:
+        return warn("gpus.bf16", f"{old[0]['name']} (cc {_cc_s(old[0])}) has no native bf16; the "
+                    "engine runs the DiT and T5 in bf16", "expect slow emulated bf16 (or use Ampere+ "
+                    "GPUs); flash-attn is unavailable too, so use --attention sdpa")
+    return ok("gpus.bf16", f"native bf16 (cc {_cc_s(gpus[0])})")
+
+
+@check("gpus")
+def check_busy(ctx):
+    gpus = ctx.local_gpus
+    if not ctx.on_cuda or not gpus:
+        return skip("gpus.busy", "no GPU in use")
+    busy = [(g, g["total_mib"] - g["free_mib"]) for g in gpus
+            if g.get("free_mib") is not None and g["total_mib"] - g["free_mib"] > 2048]
+    if busy:
+        desc = ", ".join(f"GPU {g['index']}: {used / 1024:.1f} GiB" for g, used in busy)
+        return warn("gpus.busy", f"memory already in use by other processes ({desc})",
+                    "stop the other jobs or pick idle GPUs with CUDA_VISIBLE_DEVICES")
+    return ok("gpus.busy", "GPUs idle (< 2 GiB in use each)")
+
+
+# --------------------------------------------------------------------------- attention
+def _fa_fix(ctx) -> str:
+    t = ctx.facts.torch
+    return (f"rebuild flash-attn for torch {t.get('version')} (pip install flash-attn "
+            "--no-build-isolation --force-reinstall), or use --attention sdpa")
+
+
+@check("attention")
+def check_fa2(ctx):
+    a = ctx.facts.attention.get("fa2") or {}
+    wanted = ctx.attention == "fa2"
+    if not ctx.on_cuda:
+        return skip("attention.fa2", "--device cpu: flash-attn kernels are CUDA-only")
+    if not a.get("installed"):
+        if wanted:
+            return fail("attention.fa2", "--attention fa2 but flash-attn is not installed",
+                        "pip install flash-attn --no-build-isolation (Ampere+), or --attention sdpa")
+        return ok("attention.fa2", "flash-attn 2 not installed (auto falls back to SDPA)")
+    err = a.get("import_error") or ""
+    m = re.search(r"undefined symbol:\s*(\S+)", err) or re.search(r"undefined symbol\s+(\S+)\)?", a.get("reason", ""))
+    mk = fail if wanted else warn
+    if m:
+        return mk("attention.fa2", f"flash-attn {a['installed']} ABI mismatch: its CUDA extension was "
+                  f"built for another torch (undefined symbol {m.group(1).rstrip(')')})", _fa_fix(ctx),
+                  symbol=m.group(1).rstrip(")"))
+    if err:
+        return mk("attention.fa2", f"flash-attn {a['installed']} does not import: {err}", _fa_fix(ctx))
+    if not a.get("usable"):
+        return mk("attention.fa2", f"flash-attn {a['installed']} imports but is not usable: "
+                  f"{a.get('reason', '?')}", _fa_fix(ctx))
+    return ok("attention.fa2", f"flash-attn {a['installed']} imports and runs on this GPU")
+
+
+@check("attention")
+def check_fa3(ctx):
+    a = ctx.facts.attention.get("fa3") or {}
+    wanted = ctx.attention == "fa3"
+    if not ctx.on_cuda:
+        return skip("attention.fa3", "--device cpu")
+    if not a.get("installed"):
+        if wanted:
+            return fail("attention.fa3", "--attention fa3 but flash_attn_interface (FA3) is not installed",
+                        "build FA3 from flash-attention/hopper on an sm90 GPU, or --attention fa2/sdpa")
+        return ok("attention.fa3", "FA3 not installed (Hopper-only; optional)")
+    if not a.get("usable"):
+        mk = fail if wanted else warn
+        why = a.get("reason") or a.get("import_error")
+        return mk("attention.fa3", f"FA3 {a['installed']} present but not usable: {why}",
+                  "rebuild FA3 for this torch on an sm90 GPU, or --attention fa2/sdpa")
+    ret = a.get("returns")
+    note = (f"its varlen function returns a {ret}" if ret else "return type not probed")
+    return ok("attention.fa3", f"FA3 {a['installed']} usable; {note} — upstream indexes [0] (wrong "
+              "for a bare Tensor), patches.attention handles both", returns=ret)
+
+
+@check("attention")
+def check_capability(ctx):
+    gpus = ctx.local_gpus
+    if not ctx.on_cuda or not gpus:
+        return skip("attention.capability", "no GPU in use")
+    lowest = min(gpus, key=_cc)
+    cc = _cc(lowest)
+    if ctx.attention == "fa2" and cc < FA2_MIN_CC:
+        return fail("attention.capability", f"--attention fa2 needs compute capability >= 8.0; "
+                    f"{lowest['name']} is {_cc_s(lowest)}", "use --attention sdpa (or auto)", cc=list(cc))
+    if ctx.attention == "fa3" and cc != FA3_CC:
+        return fail("attention.capability", f"--attention fa3 needs a Hopper GPU (cc 9.0); "
+                    f"{lowest['name']} is {_cc_s(lowest)}", "use --attention fa2 (Ampere+) or sdpa", cc=list(cc))
+    if cc < FA2_MIN_CC:
+        return ok("attention.capability", f"cc {_cc_s(lowest)} < 8.0: no flash-attn, SDPA will be used",
+                  cc=list(cc))
+    return ok("attention.capability", f"cc {_cc_s(lowest)} supports FA2" + (" and FA3" if cc == FA3_CC else ""),
+              cc=list(cc))
+
+
+def predict_backend(ctx) -> tuple[str, str]:
+    """(backend, reason) resolve_backend would give, from the facts."""
+    if ctx.attention == "sdpa":
+        return "sdpa", "requested explicitly"
+    if not ctx.on_cuda:
+        return "sdpa", "device is cpu: flash-attn kernels are CUDA-only"
+    a = ctx.facts.attention
+    cc = min((_cc(g) for g in ctx.local_gpus), default=(0, 0))
+    for b in (("fa3", "fa2") if ctx.attention == "auto" else (ctx.attention,)):
+        info = a.get(b) or {}
+        cc_ok = cc == FA3_CC if b == "fa3" else cc >= FA2_MIN_CC
+        if info.get("usable") and cc_ok:
+            return b, info.get("reason") or "usable"
+    if ctx.attention != "auto":
+        return "", f"{ctx.attention} is not usable here"
+    return "sdpa", "no usable flash-attn"
+
+
+@check("attention")
+def check_backend(ctx):
+    backend, reason = predict_backend(ctx)
+    if not backend:
+        return fail("attention.backend", f"--attention {ctx.attention}: {reason}",
+                    "use --attention auto or sdpa")
+    live = (ctx.facts.attention.get("auto") or {}) if ctx.attention == "auto" else {}
+    if live.get("backend") and ctx.facts.live and ctx.on_cuda == bool(ctx.facts.gpu_count) \
+            and live["backend"] != backend:
+        backend, reason = live["backend"], live.get("reason", reason)
+    return ok("attention.backend", f"--attention {ctx.attention} -> {backend} ({reason})",
+              backend=backend)

@@ -1,0 +1,257 @@
+"""Groups ``inputs`` and ``output``: the flags make a valid spec; the prompt; the reference image
+decodes (size, mode, EXIF rotation) and the engine's size fit gives a usable frame size; the
+audio decodes the way the engine's ``librosa.load`` does (libsndfile, then audioread), has a
+duration wav2vec2 can take, and implies a clip count; the output/run directories are writable
+(a temp file is created and removed, nothing is left) and their disk has room.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from .core import check, fail, ok, skip, warn
+from .geometry import FPS, clips_for_audio, generation_size, output_frames
+
+W2V_MIN_SAMPLES = 400  # wav2vec2's conv feature encoder has a 400-sample (25 ms @ 16 kHz) receptive field
+MAX_UPSCALE = 2.0
+MAGIC = ((b"\x89PNG\r\n\x1a\n", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"GIF8", "a GIF image"),
+         (b"%PDF", "a PDF document"), (b"PK\x03\x04", "a zip archive"), (b"<!DOCTYPE", "an HTML page"),
+         (b"<html", "an HTML page"), (b"{", "a JSON/text file"))
+
+
+def sniff(path: Path) -> Optional[str]:
+    """What a file really is by its first bytes, for the formats people mix up with audio."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return None
+    for magic, what in MAGIC:
+        if head.lower().startswith(magic.lower()) if magic.startswith(b"<") else head.startswith(magic):
+            return what
+    return None
+
+
+# --------------------------------------------------------------------------- inputs
+@check("inputs")
+def check_flags(ctx):
+    if ctx.spec_error:
+        first = ctx.spec_error.splitlines()[0].removeprefix("error: ").removeprefix("spec: ")
+        cause, _, fix = first.partition(" Fix: ")
+        return fail("inputs.flags", cause.rstrip("."), fix or "correct the flags")
+    missing = ctx.cache.get("missing") or []
+    if missing:
+        return skip("inputs.flags", f"not given: {', '.join('--' + m.replace('_', '-') for m in missing)} "
+                    "(environment-only check)")
+    return ok("inputs.flags", "flags form a valid run spec")
+
+
+@check("inputs")
+def check_prompt(ctx):
+    if ctx.prompt is None:
+        return skip("inputs.prompt", "no --prompt given")
+    if not ctx.prompt.strip():
+        return fail("inputs.prompt", "the prompt is empty", "pass a non-empty --prompt")
+    return ok("inputs.prompt", f"{len(ctx.prompt)} characters")
+
+
+@check("inputs")
+def check_image(ctx):
+    p = ctx.image
+    if p is None:
+        return skip("inputs.image", "no --image given")
+    if not p.is_file():
+        return fail("inputs.image", f"{p} does not exist" if not p.exists() else f"{p} is not a file",
+                    "pass the reference image to --image")
+    from PIL import Image, UnidentifiedImageError
+    try:
+        with Image.open(p) as im:
+            fmt, mode, (w, h) = im.format, im.mode, im.size
+            exif = im.getexif() if hasattr(im, "getexif") else {}
+            im.load()  # decode the pixels, not just the header
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        what = sniff(p)
+        return fail("inputs.image", f"{p.name} does not decode as an image"
+                    + (f" (it is {what})" if what and "image" not in what else "") + f": {e}",
+                    "pass a PNG/JPEG/WebP reference image")
+    ctx.cache["image_size"] = (w, h)
+    orient = exif.get(0x0112) if exif else None
+    if orient not in (None, 1):
+        return warn("inputs.image", f"{fmt} {w}x{h} {mode} with EXIF orientation {orient}: the engine "
+                    "ignores EXIF rotation", "save the image upright (e.g. PIL ImageOps.exif_transpose)",
+                    width=w, height=h, mode=mode)
+    if mode in ("I", "I;16", "I;16B", "I;16L", "F"):
+        return warn("inputs.image", f"{fmt} {w}x{h} in 16/32-bit mode {mode}: convert('RGB') clips it",
+                    "save it as 8-bit RGB", width=w, height=h, mode=mode)
+    return ok("inputs.image", f"{fmt} {w}x{h} {mode}", width=w, height=h, mode=mode)
+
+
+@check("inputs")
+def check_size(ctx):
+    img = ctx.cache.get("image_size")
+    if ctx.max_area < 64 * 64:
+        return fail("inputs.size", f"--size area {ctx.max_area} px < 64*64: the engine's size fit gives "
+                    "a 0-pixel side", "use --size 64*64 or larger (default 1024*704)")
+    if img is None:
+        return skip("inputs.size", "needs a readable --image (the engine keeps its aspect)")
+    w, h = img
+    gh, gw = generation_size(h, w, ctx.max_area)
+    ctx.cache["gen_size"] = (gw, gh)
+    if gh <= 0 or gw <= 0:
+        return fail("inputs.size", f"image {w}x{h} at area {ctx.max_area}: the engine's size fit "
+                    f"(get_size_less_than_area) gives {gw}x{gh}, which crashes in Resize",
+                    "use a larger --size, or an image with a less extreme aspect ratio",
+                    gen_width=gw, gen_height=gh)
+    up = min(gw, gh) / max(1, min(w, h))  # Resize(min(H, W)) scales the short side
+    if up > MAX_UPSCALE:
+        return warn("inputs.size", f"image {w}x{h} is upscaled {up:.1f}x to the {gw}x{gh} frames "
+                    "(the engine pads small images up to multiples of 64): expect a blurry face",
+                    f"use an image at least {gw // 2}x{gh // 2} (ideally {gw}x{gh} or larger)",
+                    gen_width=gw, gen_height=gh, upscale=round(up, 2))
+    note = "" if w * h > ctx.max_area else " (image smaller than --size: generated at its own size)"
+    return ok("inputs.size", f"frames {gw}x{gh} for image {w}x{h} at area {ctx.max_area}{note}",
+              gen_width=gw, gen_height=gh)
+
+
+def decode_audio(path: Path) -> tuple[int, int, str]:
+    """(samples, sample_rate, decoder): libsndfile first, then librosa.load (audioread) like the engine."""
+    try:
+        import soundfile as sf
+        data, sr = sf.read(str(path), dtype="float32", always_2d=True)
+        return int(data.shape[0]), int(sr), "libsndfile"
+    except Exception:  # noqa: BLE001 - fall through to librosa's fallback decoders
+        pass
+    import warnings
+
+    import librosa
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y, sr = librosa.load(str(path), sr=None, mono=True)
+    return int(y.shape[-1]), int(sr), "audioread"
+
+
+@check("inputs")
+def check_audio(ctx):
+    p = ctx.audio
+    if p is None:
+        return skip("inputs.audio", "no --audio given")
+    if not p.is_file():
+        return fail("inputs.audio", f"{p} does not exist" if not p.exists() else f"{p} is not a file",
+                    "pass the speech file to --audio")
+    if p.stat().st_size == 0:
+        return fail("inputs.audio", f"{p.name} is 0 bytes", "pass a real audio file (wav, mp3, flac, ...)")
+    try:
+        n, sr, how = decode_audio(p)
+    except Exception as e:  # noqa: BLE001
+        what = sniff(p)
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return fail("inputs.audio", f"{p.name} does not decode as audio"
+                    + (f": it is really {what} (by its first bytes)" if what else f" ({type(e).__name__}: {msg})"),
+                    "convert it to wav: ffmpeg -i IN -ac 1 -ar 16000 speech.wav")
+    secs = n / sr if sr else 0.0
+    if n == 0 or secs == 0:
+        return fail("inputs.audio", f"{p.name} decodes to 0 samples (duration 0 s)", "pass audio with speech in it")
+    if secs * 16000 < W2V_MIN_SAMPLES:
+        return fail("inputs.audio", f"{p.name} is {secs * 1000:.1f} ms; wav2vec2 needs at least 25 ms "
+                    f"({W2V_MIN_SAMPLES} samples at 16 kHz)", "pass longer audio")
+    ctx.cache["audio_seconds"] = secs
+    natural = clips_for_audio(secs, ctx.infer_frames)
+    clips = clips_for_audio(secs, ctx.infer_frames, ctx.num_clips)
+    frames = output_frames(clips, ctx.infer_frames, ctx.start_from_ref)
+    ctx.cache["n_clips"] = clips
+    finding = (f"{secs:.2f} s at {sr} Hz ({how}) -> {clips} clip{'s' if clips > 1 else ''} of "
+               f"{ctx.infer_frames} frames = {frames} frames ({frames / FPS:.1f} s)")
+    if ctx.num_clips and ctx.num_clips > natural:
+        return warn("inputs.audio", finding + f"; --num-clips {ctx.num_clips} exceeds the {natural} the audio "
+                    "allows (the engine caps it)", f"use --num-clips {natural} or less, or longer audio",
+                    seconds=secs, clips=clips)
+    return ok("inputs.audio", finding, seconds=round(secs, 3), clips=clips, frames=frames)
+
+
+# --------------------------------------------------------------------------- output
+def _existing_ancestor(p: Path) -> Path:
+    a = p
+    while not a.exists() and a != a.parent:
+        a = a.parent
+    return a
+
+
+def writable_dir(target_dir: Path) -> tuple[bool, str, Path]:
+    """Whether files can be created in ``target_dir`` (created if missing). Leaves nothing."""
+    a = _existing_ancestor(target_dir)
+    if not a.is_dir():
+        return False, f"{a} is a file, so {target_dir} cannot be created", a
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".wan-s2v-preflight-", dir=a)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        return False, f"cannot create files in {a}: {e.strerror or e}", a
+    return True, ("" if a == target_dir else f"{target_dir} will be created under {a}"), a
+
+
+@check("output")
+def check_output_dir(ctx):
+    if ctx.output is None:
+        return skip("output.dir", "no --output")
+    good, why, _ = writable_dir(ctx.output.parent)
+    if not good:
+        return fail("output.dir", f"output directory not writable: {why}",
+                    "choose an --output in a writable directory")
+    if ctx.output.is_dir():
+        return fail("output.dir", f"--output {ctx.output} is a directory", "pass a file name ending in .mp4")
+    if ctx.output.exists():
+        return warn("output.dir", f"{ctx.output} exists and will be replaced", "choose another --output to keep it")
+    return ok("output.dir", f"{ctx.output.parent} writable" + (f" ({why})" if why else ""))
+
+
+def _estimate_output_bytes(ctx) -> int:
+    gen = ctx.cache.get("gen_size") or (1024, 704)
+    clips = ctx.cache.get("n_clips") or (ctx.num_clips or 1)
+    frames = output_frames(clips, ctx.infer_frames, ctx.start_from_ref)
+    mp4 = int(frames * gen[0] * gen[1] * 0.5)  # generous for H.264 at the quality used
+    raw = 3 * frames * gen[0] * gen[1] * 4 if ctx.frames_out else 0
+    return 2 * mp4 + raw  # the temporary video and the final file exist together
+
+
+@check("output")
+def check_disk(ctx):
+    if ctx.output is None:
+        return skip("output.disk", "no --output")
+    a = _existing_ancestor(ctx.output.parent)
+    if not a.is_dir():
+        return skip("output.disk", "output directory unusable (see output.dir)")
+    free = shutil.disk_usage(a).free
+    need = _estimate_output_bytes(ctx)
+    if free < need:
+        return fail("output.disk", f"{free / 2**20:.0f} MiB free on {a}, the output needs ~{need / 2**20:.0f} MiB",
+                    "free space or choose another --output/--frames-out location")
+    if free < need + 2**30:
+        return warn("output.disk", f"only {free / 2**30:.2f} GiB free on {a} (output ~{need / 2**20:.0f} MiB)",
+                    "free some space")
+    return ok("output.disk", f"{free / 2**30:.1f} GiB free on {a} (output ~{need / 2**20:.0f} MiB)")
+
+
+@check("output")
+def check_runs_root(ctx):
+    if ctx.runs_root is None:
+        return skip("output.runs_root", "no --runs-root")
+    good, why, _ = writable_dir(ctx.runs_root)
+    if not good:
+        return fail("output.runs_root", f"run directories cannot be created: {why}",
+                    "pass a writable --runs-root")
+    return ok("output.runs_root", f"{ctx.runs_root} writable" + (f" ({why})" if why else ""))
+
+
+@check("output")
+def check_frames_out(ctx):
+    if ctx.frames_out is None:
+        return skip("output.frames_out", "no --frames-out")
+    good, why, _ = writable_dir(ctx.frames_out.parent)
+    if not good:
+        return fail("output.frames_out", f"--frames-out directory not writable: {why}",
+                    "choose a writable --frames-out")
+    return ok("output.frames_out", f"{ctx.frames_out.parent} writable")

@@ -1,0 +1,94 @@
+"""Group ``memory``: the memory plan of this mode (:mod:`.memory`) against free GPU memory per
+rank and available host RAM for all local ranks (MemAvailable, capped by a cgroup limit).
+"""
+from __future__ import annotations
+
+from .core import check, fail, gib, human_count, ok, skip, warn
+from .memory import largest_fitting_size, model_sizes, plan_all, workload
+
+GPU_WARN = 0.9  # estimate above 90% of free memory -> warning (the estimate is approximate)
+HOST_WARN = 0.85
+
+
+def current_plan(ctx):
+    plans = plan_all(ctx)
+    ctx.cache["plans"] = plans
+    return plans[ctx.mode.value]
+
+
+@check("memory")
+def check_plan(ctx):
+    sizes, wl = model_sizes(ctx), workload(ctx)
+    p = current_plan(ctx)
+    gpu = f"GPU {gib(p.gpu_peak)}/rank, " if p.gpu_peak else ""
+    assumed = f"; assumed {', '.join(wl.assumed)}" if wl.assumed else ""
+    return ok("memory.plan", f"{ctx.mode.value} x{p.world_size}: {gpu}host {gib(p.host_peak)}/rank "
+              f"(DiT {human_count(sizes.dit_params)}, T5 {human_count(sizes.t5_params)} params; "
+              f"{wl.width}x{wl.height}, {wl.tokens.max_len} tokens{assumed})",
+              "approximate: see docs/memory-plan.md", sizes_source=sizes.source)
+
+
+@check("memory")
+def check_gpu(ctx):
+    if not ctx.on_cuda:
+        return skip("memory.gpu", "--device cpu")
+    gpus = [g for g in ctx.local_gpus if g.get("free_mib") is not None]
+    if not gpus:
+        return skip("memory.gpu", "no GPU memory facts")
+    p = ctx.cache.get("plans", {}).get(ctx.mode.value) or current_plan(ctx)
+    need = p.gpu_peak
+    worst = min(gpus, key=lambda g: g["free_mib"])
+    free = worst["free_mib"] * 2**20
+    phase = max(p.gpu_phases, key=p.gpu_phases.get)
+    detail = f"est. {gib(need)} per rank (peak in {phase}) vs {gib(free)} free on GPU {worst['index']} ({worst['name']})"
+    size = largest_fitting_size(ctx, ctx.mode, int(GPU_WARN * free))
+    smaller = f"--size {size}" if size else "a smaller --size"
+    if need > free:
+        better = _better_mode(ctx, free)
+        return _fail_or_warn(ctx)("memory.gpu", f"does not fit: {detail}",
+                                  better or f"use more GPUs (hybrid shards the DiT) or {smaller}",
+                                  need=need, free=free)
+    if need > GPU_WARN * free:
+        alt = "" if ctx.mode.value == "hybrid" else "--mode hybrid or "
+        return warn("memory.gpu", f"tight: {detail}", "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; "
+                    f"if it runs out of memory use {alt}{smaller}", need=need, free=free)
+    return ok("memory.gpu", detail, need=need, free=free)
+
+
+def _fail_or_warn(ctx):
+    """Without a readable checkpoint the sizes are the reference model's: warn, don't refuse."""
+    return fail if model_sizes(ctx).source.startswith("checkpoint") else _assumed_warn
+
+
+def _assumed_warn(id, finding, fix, **data):
+    return warn(id, finding + " (assuming the Wan2.2-S2V-14B sizes; pass --ckpt-dir to check)", fix, **data)
+
+
+def _better_mode(ctx, free) -> str:
+    plans = ctx.cache.get("plans") or plan_all(ctx)
+    fits = [m for m, p in plans.items() if p.gpu_peak and p.gpu_peak <= GPU_WARN * free and m != ctx.mode.value]
+    if fits:
+        best = min(fits, key=lambda m: plans[m].gpu_peak)
+        return f"use --mode {best} (est. {gib(plans[best].gpu_peak)} per rank)"
+    return ""
+
+
+@check("memory")
+def check_host(ctx):
+    avail = ctx.facts.host_available_bytes()
+    if avail is None:
+        return skip("memory.host", "host memory unknown")
+    p = ctx.cache.get("plans", {}).get(ctx.mode.value) or current_plan(ctx)
+    need = p.host_node_total
+    lim = ctx.facts.host.get("cgroup_limit_mib")
+    src = f"available (cgroup limit {lim / 1024:.0f} GiB)" if lim else "available"
+    detail = (f"{ctx.nproc} local rank{'s' if ctx.nproc > 1 else ''} x {gib(p.host_peak)} peak"
+              f" = {gib(need)} vs {gib(avail)} {src}")
+    if need > avail:
+        return _fail_or_warn(ctx)("memory.host", f"host RAM exhausted at load: {detail}",
+                    "fewer ranks per node, --mode fsdp-fixed (T5 sharded off the CPU) or a machine with more "
+                    "RAM; every rank loads T5 (and under FSDP the whole DiT) on the CPU", need=need, avail=avail)
+    if need > HOST_WARN * avail:
+        return warn("memory.host", f"tight: {detail}", "close other programs; expect swapping risk",
+                    need=need, avail=avail)
+    return ok("memory.host", detail, need=need, avail=avail)

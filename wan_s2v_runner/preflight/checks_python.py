@@ -1,0 +1,98 @@
+"""Group ``python_torch``: Python, torch (build, CUDA runtime vs driver), torchvision pairing.
+
+All versions are compared with ``packaging.version``. torchvision pairs with torch as
+``0.(minor + 15)`` (torch 2.13 <-> torchvision 0.28, 2.5 <-> 0.20); a CUDA torchvision build on a
+CPU torch is expected here and is handled by ``patches.torchvision_cpu``.
+"""
+from __future__ import annotations
+
+from packaging.version import InvalidVersion, Version
+
+from .core import check, fail, ok, skip, warn
+
+MIN_PYTHON = Version("3.10")
+MIN_TORCH = Version("2.4")  # torch.amp.autocast('cuda'), FSDP1 use_orig_params paths the engine uses
+
+
+def V(s):
+    try:
+        return Version(str(s))
+    except (InvalidVersion, TypeError):
+        return None
+
+
+@check("python_torch")
+def check_python(ctx):
+    py = ctx.facts.raw.get("python")
+    v = V(py)
+    if v is None:
+        return warn("python.version", f"Python version unknown ({py!r})", "re-run the probe")
+    if v < MIN_PYTHON:
+        return fail("python.version", f"Python {py} < {MIN_PYTHON}",
+                    "use Python 3.10-3.12 (3.11 is what wan-s2v is tested with)", python=py)
+    return ok("python.version", f"Python {py}", python=py)
+
+
+@check("python_torch")
+def check_torch(ctx):
+    t = ctx.facts.torch
+    tv = V(t.get("version"))
+    if tv is None:
+        return fail("torch.version", "torch is not installed or its version is unreadable",
+                    "pip install torch (see requirements.txt for the pinned version)")
+    build = f"CUDA {t['cuda']}" if t.get("cuda") else ("ROCm " + t["hip"] if t.get("hip") else "CPU-only")
+    if tv < MIN_TORCH:
+        return fail("torch.version", f"torch {t['version']} < {MIN_TORCH}",
+                    "install torch >= 2.4 (the engine uses torch.amp.autocast('cuda') and FSDP1)")
+    if ctx.on_cuda and not t.get("cuda"):
+        return fail("torch.version", f"torch {t['version']} is a {build} build but --device cuda",
+                    "install a CUDA build of torch (pip install torch --index-url "
+                    "https://download.pytorch.org/whl/cu128), or --device cpu for the demo")
+    return ok("torch.version", f"torch {t['version']} ({build}, cuDNN {t.get('cudnn') or '-'})",
+              torch=t["version"], cuda=t.get("cuda"))
+
+
+@check("python_torch")
+def check_cuda_driver(ctx):
+    t, drv = ctx.facts.torch, ctx.facts.driver
+    if not ctx.on_cuda:
+        return skip("torch.cuda_driver", "--device cpu")
+    rt = V(t.get("cuda"))
+    if rt is None:
+        return skip("torch.cuda_driver", "torch has no CUDA runtime (see torch.version)")
+    dv = V(drv.get("cuda"))
+    if dv is None:
+        if ctx.facts.gpu_count:
+            return ok("torch.cuda_driver", f"CUDA runtime {rt}; driver version unknown (pynvml not "
+                      "installed) but torch sees the GPUs", "pip install nvidia-ml-py for driver details")
+        return skip("torch.cuda_driver", f"CUDA runtime {rt}; no driver found (no GPU)")
+    if dv.major < rt.major:
+        return fail("torch.cuda_driver", f"driver {drv.get('version')} supports CUDA {dv} but torch "
+                    f"needs CUDA {rt} (major version newer than the driver)",
+                    f"update the NVIDIA driver, or install torch built for CUDA {dv.major}.x")
+    if (dv.major, dv.minor) < (rt.major, rt.minor):
+        return warn("torch.cuda_driver", f"driver {drv.get('version')} supports CUDA {dv}, torch "
+                    f"was built for {rt}: runs via CUDA minor-version compatibility",
+                    "if kernels fail with 'unsupported toolchain'/'PTX' errors, update the driver")
+    return ok("torch.cuda_driver", f"driver {drv.get('version')} (CUDA {dv}) >= torch's CUDA {rt}")
+
+
+@check("python_torch")
+def check_torchvision(ctx):
+    tv_s, t_s = ctx.facts.package("torchvision"), ctx.facts.torch.get("version")
+    tv, t = V(tv_s), V(t_s)
+    if tv is None:
+        return fail("torchvision.match", "torchvision is not installed (wan imports it)",
+                    f"pip install torchvision==0.{(t.minor + 15) if t else 'N'}.* matching torch {t_s}")
+    if t is None:
+        return skip("torchvision.match", f"torchvision {tv_s}; torch version unknown")
+    want = Version(f"0.{t.minor + 15}") if t.major == 2 else None
+    if want is not None and (tv.major, tv.minor) != (want.major, want.minor):
+        return fail("torchvision.match", f"torchvision {tv_s} does not match torch {t_s} "
+                    f"(expects torchvision {want.major}.{want.minor}.x)",
+                    f"pip install torchvision=={want.major}.{want.minor}.* (same index/CUDA build as torch)")
+    local_tv, local_t = tv.local or "", t.local or ""
+    note = ""
+    if local_t.startswith("cpu") and local_tv and not local_tv.startswith("cpu"):
+        note = "; CUDA torchvision build on a CPU torch: patched by patches.torchvision_cpu"
+    return ok("torchvision.match", f"torchvision {tv_s} matches torch {t_s}{note}")

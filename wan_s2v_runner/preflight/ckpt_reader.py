@@ -1,0 +1,152 @@
+"""Reading checkpoint files without reading their tensors (headers and shapes only).
+
+* safetensors: the first 8 bytes are the little-endian header length N, then N bytes of JSON
+  ``{name: {"dtype", "shape", "data_offsets": [start, end]}, "__metadata__": {...}}``, then the
+  data. A complete file is exactly ``8 + N + max(end)`` bytes and every tensor's
+  ``end - start == numel * itemsize``; the safetensors library refuses anything else.
+* ``.pth`` (T5, VAE): ``torch.load(mmap=True, weights_only=True)`` maps the zip and unpickles
+  only the small record of tensor metadata (milliseconds for the 11 GB T5 file).
+
+The layout of a Wan2.2-S2V-14B checkpoint directory is described by :data:`LAYOUT`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
+               "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+               "F64": 8, "C64": 8}
+MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
+
+DIT_CONFIG = "config.json"
+DIT_SINGLE = "diffusion_pytorch_model.safetensors"
+DIT_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
+T5_TOKENIZER = "google/umt5-xxl"
+VAE_FILE = "Wan2.1_VAE.pth"
+WAV2VEC = "wav2vec2-large-xlsr-53-english"
+
+#: entry -> alternatives (any one present is enough), what reads it
+LAYOUT: dict[str, tuple[tuple[str, ...], str]] = {
+    "dit config": ((DIT_CONFIG,), "WanModel_S2V.from_pretrained"),
+    "dit weights": ((DIT_INDEX, DIT_SINGLE), "WanModel_S2V.from_pretrained"),
+    "t5 weights": ((T5_FILE,), "T5EncoderModel"),
+    "t5 tokenizer config": ((f"{T5_TOKENIZER}/tokenizer_config.json",), "AutoTokenizer"),
+    "t5 tokenizer": ((f"{T5_TOKENIZER}/tokenizer.json", f"{T5_TOKENIZER}/spiece.model"), "AutoTokenizer"),
+    "vae weights": ((VAE_FILE,), "Wan2_1_VAE"),
+    "wav2vec2 config": ((f"{WAV2VEC}/config.json",), "Wav2Vec2ForCTC"),
+    "wav2vec2 weights": ((f"{WAV2VEC}/model.safetensors", f"{WAV2VEC}/pytorch_model.bin"), "Wav2Vec2ForCTC"),
+    "wav2vec2 vocab": ((f"{WAV2VEC}/vocab.json",), "Wav2Vec2Processor"),
+    "wav2vec2 preprocessor": ((f"{WAV2VEC}/preprocessor_config.json", f"{WAV2VEC}/processor_config.json"),
+                              "Wav2Vec2Processor"),
+}
+
+
+class CheckpointFileError(ValueError):
+    """A file is unreadable or inconsistent; the message is a one-line finding."""
+
+
+@dataclass
+class SafetensorsInfo:
+    path: Path
+    file_size: int
+    header_len: int
+    data_bytes: int  # max end offset
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # name -> (dtype, shape)
+
+    @property
+    def params(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.tensors.values())
+
+
+def read_safetensors_header(path: Path) -> SafetensorsInfo:
+    """Parse and validate a safetensors header against the file size. Reads no tensor data."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 8:
+        raise CheckpointFileError(f"{path.name} is {size} bytes: too short for a safetensors header")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > MAX_HEADER or n > size - 8:
+            raise CheckpointFileError(
+                f"{path.name}: header length field says {n} bytes but the file has {size} bytes "
+                "(truncated or not a safetensors file)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise CheckpointFileError(f"{path.name}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointFileError(f"{path.name}: header is not a JSON object")
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    max_end = 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = meta["dtype"], tuple(int(x) for x in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointFileError(f"{path.name}: malformed header entry for {name!r}") from None
+        if dtype not in DTYPE_BYTES:
+            raise CheckpointFileError(f"{path.name}: tensor {name!r} has unknown dtype {dtype!r}")
+        want = math.prod(shape) * DTYPE_BYTES[dtype]
+        if end - start != want or start < 0:
+            raise CheckpointFileError(f"{path.name}: tensor {name!r} spans {end - start} bytes, its "
+                                      f"{dtype} shape {list(shape)} needs {want}")
+        tensors[name] = (dtype, shape)
+        max_end = max(max_end, end)
+    expected = 8 + n + max_end
+    if size != expected:
+        what = "truncated" if size < expected else "has trailing bytes"
+        raise CheckpointFileError(f"{path.name} is {size} bytes but its header describes {expected} "
+                                  f"(8 + {n} header + {max_end} data): {what}")
+    return SafetensorsInfo(path, size, n, max_end, tensors)
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """weight_map of a ``*.safetensors.index.json`` (tensor name -> shard file name)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        wm = data["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointFileError(f"{Path(path).name}: not a safetensors index ({type(e).__name__}: {e})") from None
+    if not isinstance(wm, dict) or not wm:
+        raise CheckpointFileError(f"{Path(path).name}: empty weight_map")
+    return {str(k): str(v) for k, v in wm.items()}
+
+
+def read_pth_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) of a plain state-dict ``.pth``, via mmap (no tensor data read)."""
+    import torch
+
+    path = os.fspath(path)
+    try:
+        sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure is the finding
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointFileError(f"{Path(path).name} does not load with torch.load(weights_only=True, "
+                                  f"mmap=True): {msg}") from None
+    if not isinstance(sd, dict):
+        raise CheckpointFileError(f"{Path(path).name}: expected a state dict, got {type(sd).__name__}")
+    out = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()
+           if isinstance(v, torch.Tensor)}
+    del sd
+    return out
+
+
+def pth_params(shapes: dict[str, tuple[tuple[int, ...], str]]) -> int:
+    return sum(math.prod(s) for s, _ in shapes.values())
+
+
+def find_entry(ckpt: Path, alternatives: tuple[str, ...]) -> Optional[Path]:
+    for rel in alternatives:
+        p = ckpt / rel
+        if p.is_file():
+            return p
+    return None

@@ -1,0 +1,264 @@
+"""Memory plan: per-rank GPU and host memory each mode needs, from the checkpoint's own sizes.
+
+Parameter counts come from the checkpoint (safetensors headers, ``.pth`` shapes via mmap), or,
+without ``--ckpt-dir``, from the Wan2.2-S2V-14B reference sizes (:data:`REFERENCE`). The
+arithmetic follows the engine's load and generate order and is documented, with what is
+approximate, in ``docs/memory-plan.md``. All results are bytes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from wan_s2v_runner.spec import Mode
+
+from . import ckpt_reader as cr
+from .geometry import TokenCounts, generation_size, output_frames, token_counts
+
+GiB = 2**30
+#: per-process overheads (measured/typical; see docs/memory-plan.md)
+GPU_RUNTIME = int(1.0 * GiB)  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers
+HOST_BASE_CUDA = int(3.0 * GiB)  # python + torch/CUDA libraries + transformers/diffusers imports
+HOST_BASE_CPU = int(0.8 * GiB)  # measured ~0.8 GB RSS per rank for the tiny CPU demo
+W2V_ACT_PER_S = 18 * 2**20  # wav2vec2 (fp32, CPU) activations per second of audio, all 25 layers
+
+
+@dataclass
+class ModelSizes:
+    source: str  # "checkpoint <dir>" or "reference ..."
+    dit_params: int
+    dit_root_params: int  # not in blocks.* : the FSDP root unit (embeddings, head, audio modules)
+    dit_block_max: int  # largest transformer block (an FSDP unit)
+    t5_params: int
+    t5_block_max: int
+    vae_params: int
+    wav2vec_params: int
+    dim: int
+    ffn_dim: int
+    num_heads: int
+    num_layers: int
+
+
+#: Wan2.2-S2V-14B (engine-facts): DiT 16.3B = 40 blocks x 351.4M + 2.24B root; T5 umt5-xxl
+#: encoder 5.68B (24 blocks); VAE 127M; wav2vec2-large-xlsr-53 317M.
+REFERENCE = ModelSizes(source="reference Wan2.2-S2V-14B sizes (no readable checkpoint)",
+                       dit_params=16_300_000_000, dit_root_params=2_240_000_000,
+                       dit_block_max=351_400_000, t5_params=5_680_000_000, t5_block_max=201_000_000,
+                       vae_params=127_000_000, wav2vec_params=317_000_000, dim=5120, ffn_dim=13824,
+                       num_heads=40, num_layers=40)
+
+
+def _blocks(names_params: dict[str, int], prefix=r"blocks\.(\d+)\.") -> tuple[int, int]:
+    """(sum of params outside blocks.N., largest block)."""
+    per: dict[int, int] = {}
+    root = 0
+    for name, n in names_params.items():
+        m = re.match(prefix, name)
+        if m:
+            per[int(m.group(1))] = per.get(int(m.group(1)), 0) + n
+        else:
+            root += n
+    return root, max(per.values(), default=0)
+
+
+def sizes_from_checkpoint(ckpt: Path, cache: Optional[dict] = None) -> ModelSizes:
+    """Read the sizes from the files (headers/shapes only). Raises CheckpointFileError/OSError."""
+    cache = cache if cache is not None else {}
+    ckpt = Path(ckpt)
+    cfg = cache.get("config") or json.loads((ckpt / cr.DIT_CONFIG).read_text(encoding="utf-8"))
+    dit = cache.get("dit_tensors")
+    if dit is None:
+        idx = ckpt / cr.DIT_INDEX
+        files = sorted(set(cr.read_index(idx).values())) if idx.is_file() else [cr.DIT_SINGLE]
+        dit = {}
+        for f in files:
+            dit.update({k: math.prod(s) for k, (_, s) in cr.read_safetensors_header(ckpt / f).tensors.items()})
+    t5 = cache.get("t5_shapes") or cr.read_pth_shapes(ckpt / cr.T5_FILE)
+    vae = cache.get("vae_shapes") or cr.read_pth_shapes(ckpt / cr.VAE_FILE)
+    w2v = cache.get("w2v_params")
+    if w2v is None:
+        st = ckpt / cr.WAV2VEC / "model.safetensors"
+        w2v = (cr.read_safetensors_header(st).params if st.is_file()
+               else cr.pth_params(cr.read_pth_shapes(ckpt / cr.WAV2VEC / "pytorch_model.bin")))
+    root, block = _blocks(dit)
+    t5_root, t5_block = _blocks({k: math.prod(s) for k, (s, _) in t5.items()})
+    return ModelSizes(
+        source=f"checkpoint {ckpt}", dit_params=sum(dit.values()), dit_root_params=root,
+        dit_block_max=block, t5_params=cr.pth_params(t5), t5_block_max=t5_block,
+        vae_params=cr.pth_params(vae), wav2vec_params=int(w2v), dim=int(cfg.get("dim", 0)),
+        ffn_dim=int(cfg.get("ffn_dim", 0)), num_heads=int(cfg.get("num_heads", 0)),
+        num_layers=int(cfg.get("num_layers", 0)))
+
+
+def model_sizes(ctx) -> ModelSizes:
+    """Sizes for this context: from its checkpoint when readable (cached), else REFERENCE."""
+    if "sizes" in ctx.cache:
+        return ctx.cache["sizes"]
+    sizes = REFERENCE
+    if ctx.ckpt_dir is not None:
+        try:
+            sizes = sizes_from_checkpoint(ctx.ckpt_dir, ctx.cache.setdefault("ckpt", {}))
+        except Exception as e:  # noqa: BLE001 - the checkpoint checks report the cause
+            sizes = ModelSizes(**{**asdict(REFERENCE),
+                                  "source": f"reference Wan2.2-S2V-14B sizes (checkpoint unreadable: {e})"})
+    ctx.cache["sizes"] = sizes
+    return sizes
+
+
+@dataclass
+class Workload:
+    height: int
+    width: int
+    tokens: TokenCounts
+    n_clips: int
+    audio_seconds: float
+    infer_frames: int = 80
+    start_from_ref: bool = False
+    assumed: list[str] = field(default_factory=list)
+
+
+def workload(ctx) -> Workload:
+    """Generation size, tokens and clips for the memory plan (measured inputs, else assumptions)."""
+    assumed = []
+    img = ctx.cache.get("image_size")  # (w, h) set by the inputs checks
+    if img:
+        h, w = generation_size(img[1], img[0], ctx.max_area)
+    else:
+        h, w = generation_size(704, 1024, ctx.max_area)
+        assumed.append(f"a 1024x704 (landscape) image -> {w}x{h}")
+    secs = ctx.cache.get("audio_seconds")
+    if secs is None:
+        secs = 5.0
+        assumed.append("5 s of audio")
+    from .geometry import clips_for_audio
+    n_clips = clips_for_audio(secs, ctx.infer_frames, ctx.num_clips)
+    return Workload(h, w, token_counts(max(h, 64), max(w, 64), ctx.infer_frames), n_clips, secs,
+                    ctx.infer_frames, ctx.start_from_ref, assumed)
+
+
+@dataclass
+class ModePlan:
+    mode: str
+    world_size: int
+    gpu_peak: Optional[int]  # per rank, bytes; None on CPU
+    gpu_phases: dict[str, int]
+    host_peak: int  # per rank
+    host_node_total: int  # all local ranks + rank 0's output video
+    parts: dict[str, int]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _act(l_local: int, l_full: int, dim: int, ffn: int, use_sp: bool) -> int:
+    """DiT activations per rank (bytes). Dominated by self-attention on the local tokens: the fp32
+    residual stream and its fp32 norm, q/k/v, and rope_apply_usp's float64/complex128 temporaries
+    of q and k (~44 bytes per element of dim), plus the precomputed complex128 rope table (8 per
+    element). The FFN (2 x ffn_dim bf16 per token + 8 x dim) is smaller for Wan's ffn/dim = 2.7.
+    At audio-injection layers every rank holds fp32 full-sequence hidden states (gathered with
+    Ulysses): ~3 x L_full x dim x 4."""
+    per_token = max(52 * dim, 8 * dim + 4 * ffn)
+    return l_local * per_token + (3 if use_sp else 2) * l_full * dim * 4
+
+
+def _vae_ws(h: int, w: int) -> int:
+    """VAE encode/decode working memory: a few fp32 96-channel 4-frame full-resolution maps."""
+    return 4 * 96 * 4 * h * w * 4
+
+
+def plan_mode(mode: Mode, sizes: ModelSizes, wl: Workload, *, world_size: int, nproc: int,
+              device: str, offload: bool) -> ModePlan:
+    mode = Mode(mode)
+    on_cuda = device == "cuda"
+    pb = 2 if on_cuda else 4  # param_dtype/t5_dtype: bf16 on CUDA, fp32 on CPU (worker.engine_config)
+    ws = max(1, world_size)
+    use_sp = mode in (Mode.ULYSSES, Mode.HYBRID) and ws > 1
+    dit_fsdp = mode in (Mode.FSDP_FIXED, Mode.HYBRID)
+    t5_fsdp = mode is Mode.FSDP_FIXED
+    t5_cpu = mode is Mode.HYBRID
+    dim, ffn = sizes.dim or REFERENCE.dim, sizes.ffn_dim or REFERENCE.ffn_dim
+    l_full = wl.tokens.max_len
+    l_loc = -(-l_full // ws) if use_sp else l_full
+    w_dit, w_t5, w_vae = sizes.dit_params * pb, sizes.t5_params * pb, sizes.vae_params * 4
+    w_w2v = sizes.wav2vec_params * 4
+    act = _act(l_loc, l_full, dim, ffn, use_sp)
+    vae_ws = _vae_ws(wl.height, wl.width)
+    dec_frames = 4 * (wl.tokens.latent_frames + (73 + 3) // 4) - 3
+    dec_out = 3 * dec_frames * wl.height * wl.width * 4
+    # rank 0 keeps every clip's frames (fp32) on the host until the end
+    video = 3 * output_frames(wl.n_clips, wl.infer_frames, wl.start_from_ref) * wl.height * wl.width * 4
+    parts = {"dit_weights": w_dit, "t5_weights": w_t5, "vae_weights": w_vae, "wav2vec_weights": w_w2v,
+             "dit_activations": act, "vae_workspace": vae_ws + dec_out, "video_frames_rank0": video}
+
+    if dit_fsdp:
+        dit_res = -(-w_dit // ws)
+        dit_gathered = (sizes.dit_root_params + 2 * sizes.dit_block_max) * pb if ws > 1 else 0
+    else:
+        dit_res, dit_gathered = w_dit, 0
+    if t5_cpu:
+        t5_gpu, t5_gather = 0, 0
+    elif t5_fsdp:
+        t5_gpu, t5_gather = -(-w_t5 // ws), (2 * sizes.t5_block_max * pb if ws > 1 else 0)
+    else:
+        t5_gpu, t5_gather = w_t5, 0
+    t5_denoise = 0 if (offload or t5_cpu) else t5_gpu  # offload: T5 back to CPU after encoding
+    phases: dict[str, int] = {}
+    if on_cuda:
+        phases["encode"] = dit_res + t5_gpu + t5_gather + w_vae + vae_ws
+        phases["denoise"] = dit_res + dit_gathered + t5_denoise + w_vae + act
+        phases["decode"] = (0 if offload else dit_res + t5_denoise) + w_vae + vae_ws + dec_out
+        gpu_peak = max(phases.values()) + GPU_RUNTIME
+        t5_build = sizes.t5_params * 4 + (0 if pb == 2 else sizes.t5_params * 2)  # fp32 init (+ file)
+        w2v_phase = w_w2v + int(wl.audio_seconds * W2V_ACT_PER_S)
+        t5_resident = w_t5 if not t5_fsdp else 0
+        if mode is Mode.ULYSSES:
+            host = max(t5_build, t5_resident + w2v_phase)
+        elif mode is Mode.FSDP_FIXED:
+            host = max(t5_build, w_dit, w2v_phase)  # T5 is sharded to the GPU before the DiT loads
+        else:
+            host = max(t5_build, t5_resident + w_dit, t5_resident + w2v_phase)
+        if offload:
+            host += w_dit + (0 if t5_cpu else w_t5)  # DiT and T5 parked on the CPU between uses
+        host += HOST_BASE_CUDA
+    else:
+        gpu_peak = None
+        t5_build = sizes.t5_params * 4 + sizes.t5_params * 2
+        run = (dit_res + dit_gathered + w_t5 + w_vae + w_w2v + act + vae_ws + dec_out
+               + int(wl.audio_seconds * W2V_ACT_PER_S))
+        host = max(t5_build, run) + HOST_BASE_CPU
+        if dit_fsdp:  # the whole DiT is loaded on every rank before sharding
+            host = max(host, w_t5 + w_dit + HOST_BASE_CPU)
+    return ModePlan(mode.value, ws, gpu_peak, phases, int(host), int(nproc * host + video), parts)
+
+
+def plan_all(ctx) -> dict[str, ModePlan]:
+    sizes, wl = model_sizes(ctx), workload(ctx)
+    out = {}
+    for m in Mode:
+        lay = ctx.layout_for(m)
+        offload = ctx.offload if ctx.device == "cuda" else False
+        out[m.value] = plan_mode(m, sizes, wl, world_size=lay.world_size, nproc=ctx.nproc,
+                                 device=ctx.device, offload=offload)
+    return out
+
+
+#: standard S2V areas, largest first (WIDTH*HEIGHT as the CLI takes them)
+SIZES = ("1024*704", "960*640", "832*480", "704*448", "640*384", "512*320")
+
+
+def largest_fitting_size(ctx, mode: Mode, free: int) -> str:
+    """The largest of :data:`SIZES` below ``--size`` whose plan fits in ``free`` bytes, or ''."""
+    from dataclasses import replace
+
+    from wan_s2v_runner.spec import parse_size
+    for s in SIZES:
+        if parse_size(s) >= ctx.max_area:
+            continue
+        trial = replace(ctx, max_area=parse_size(s), cache=dict(ctx.cache))
+        if (plan_all(trial)[Mode(mode).value].gpu_peak or 0) <= free:
+            return s
+    return ""

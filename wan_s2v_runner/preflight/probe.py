@@ -1,0 +1,521 @@
+"""The one hardware/software probe: every machine fact the checks use, as one JSON document.
+
+``probe_machine()`` collects: Python, torch (version, CUDA/NCCL/cuDNN build, arch list), the
+driver (NVML if ``pynvml`` imports), each visible GPU (name, compute capability, total/free
+memory), the GPU-pair matrices (``p2p`` from ``torch.cuda.can_device_access_peer``, ``links`` in
+``nvidia-smi topo -m`` notation from NVML: ``NV<n>``/``PIX``/``PXB``/``PHB``/``NODE``/``SYS``),
+host RAM (``/proc/meminfo`` and the cgroup limit), ``/dev/shm``, container detection, package
+versions (``importlib.metadata``, no imports), flash-attn usability and the relevant environment
+variables. Checks read only these facts, so they run the same on recorded facts of real machines
+(``tests/data/machines/*.json``, loaded with :meth:`MachineFacts.load`).
+
+Where CUDA may be present the probe runs in a child process (``python -m
+wan_s2v_runner.preflight.probe``): measuring free memory and smoke-testing flash-attn create CUDA
+contexts, which must not stay alive in the launcher for the whole run.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata as md
+import importlib.util
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+SCHEMA = 1
+MiB = 2**20
+
+#: distributions whose versions the checks use (name as on PyPI)
+PACKAGES = ("torch", "torchvision", "transformers", "diffusers", "huggingface-hub", "accelerate",
+            "peft", "librosa", "decord", "safetensors", "tokenizers", "einops", "easydict", "ftfy",
+            "regex", "imageio", "imageio-ffmpeg", "opencv-python-headless", "opencv-python",
+            "soundfile", "pillow", "numpy", "scipy", "tqdm", "flash-attn", "flash_attn_3",
+            "xfuser", "yunchang", "wan22", "nvidia-ml-py", "pydantic", "rich")
+#: import names the engine needs at `import wan` (find_spec only, nothing is imported)
+MODULES = ("torchvision", "transformers", "diffusers", "huggingface_hub", "accelerate", "peft",
+           "librosa", "decord", "safetensors", "tokenizers", "einops", "easydict", "ftfy", "regex",
+           "imageio", "imageio_ffmpeg", "cv2", "soundfile", "PIL", "scipy", "tqdm", "flash_attn",
+           "flash_attn_interface", "pynvml")
+_ENV_RE = re.compile(r"^(NCCL_|TORCH_NCCL_|TORCH_DISTRIBUTED|PYTORCH_.*ALLOC_CONF$|CUDA_VISIBLE_DEVICES$|"
+                     r"CUDA_DEVICE_ORDER$|OMP_NUM_THREADS$|MASTER_ADDR$|MASTER_PORT$|WORLD_SIZE$|RANK$|"
+                     r"LOCAL_RANK$|GLOO_SOCKET_IFNAME$|WAN_REPO$)")
+_TOPO = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+
+
+# --------------------------------------------------------------------------- the facts object
+@dataclass
+class MachineFacts:
+    """Read-only view of a facts document (live or recorded)."""
+
+    raw: dict
+
+    @classmethod
+    def load(cls, path) -> "MachineFacts":
+        return cls(json.loads(Path(path).read_text(encoding="utf-8")))
+
+    def to_json(self) -> str:
+        return json.dumps(self.raw, indent=2, sort_keys=False)
+
+    # convenience accessors (missing keys -> neutral values)
+    @property
+    def label(self) -> str:
+        return self.raw.get("label") or self.raw.get("hostname") or "this machine"
+
+    @property
+    def live(self) -> bool:
+        return bool(self.raw.get("live"))
+
+    @property
+    def torch(self) -> dict:
+        return self.raw.get("torch") or {}
+
+    @property
+    def gpus(self) -> list[dict]:
+        return list(self.raw.get("gpus") or [])
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def host(self) -> dict:
+        return self.raw.get("host") or {}
+
+    @property
+    def env(self) -> dict:
+        return self.raw.get("env") or {}
+
+    @property
+    def driver(self) -> dict:
+        return self.raw.get("driver") or {}
+
+    @property
+    def attention(self) -> dict:
+        return self.raw.get("attention") or {}
+
+    def package(self, name: str) -> Optional[str]:
+        return (self.raw.get("packages") or {}).get(name)
+
+    def module(self, name: str) -> Optional[bool]:
+        return (self.raw.get("modules") or {}).get(name)
+
+    def p2p(self, i: int, j: int) -> Optional[bool]:
+        m = self.raw.get("p2p")
+        try:
+            return None if m is None else bool(m[i][j])
+        except (IndexError, TypeError):
+            return None
+
+    def link(self, i: int, j: int) -> Optional[str]:
+        m = self.raw.get("links")
+        try:
+            return None if m is None else m[i][j]
+        except (IndexError, TypeError):
+            return None
+
+    def nvlink(self, i: int, j: int) -> bool:
+        return (self.link(i, j) or "").startswith("NV")
+
+    def host_available_bytes(self) -> Optional[int]:
+        """Memory a new process may use: MemAvailable, capped by a cgroup limit minus usage."""
+        h = self.host
+        avail = h.get("mem_available_mib")
+        lim, used = h.get("cgroup_limit_mib"), h.get("cgroup_usage_mib") or 0
+        vals = [v for v in (avail, (lim - used) if lim else None) if v is not None]
+        return int(min(vals) * MiB) if vals else None
+
+
+# --------------------------------------------------------------------------- collection
+def _read_meminfo() -> dict:
+    out = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            k, v = line.split(":", 1)
+            parts = v.split()
+            if parts and parts[0].isdigit():
+                out[k] = int(parts[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _cgroup_memory() -> tuple[Optional[int], Optional[int]]:
+    """(limit, usage) in bytes of this process's memory cgroup; None when unlimited/unknown."""
+    candidates = [("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                   "/sys/fs/cgroup/memory/memory.usage_in_bytes")]
+    for lim_p, use_p in candidates:
+        try:
+            raw = Path(lim_p).read_text().strip()
+        except OSError:
+            continue
+        limit = None if raw == "max" or not raw.isdigit() or int(raw) >= 2**60 else int(raw)
+        try:
+            usage = int(Path(use_p).read_text().strip())
+        except (OSError, ValueError):
+            usage = None
+        return limit, usage
+    return None, None
+
+
+def _in_container() -> bool:
+    if Path("/.dockerenv").exists() or Path("/run/.containerenv").exists():
+        return True
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return True
+    try:
+        text = Path("/proc/1/cgroup").read_text()
+    except OSError:
+        return False
+    return any(w in text for w in ("docker", "kubepods", "containerd", "lxc", "libpod"))
+
+
+def _host() -> dict:
+    mi = _read_meminfo()
+    limit, usage = _cgroup_memory()
+    try:
+        st = os.statvfs("/dev/shm")
+        shm_total, shm_free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    except OSError:
+        shm_total = shm_free = None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count()
+
+    def mib(v):
+        return None if v is None else int(v // MiB)
+
+    return {"cpus": cpus, "mem_total_mib": mib(mi.get("MemTotal")),
+            "mem_available_mib": mib(mi.get("MemAvailable")),
+            "cgroup_limit_mib": mib(limit), "cgroup_usage_mib": mib(usage),
+            "shm_total_mib": mib(shm_total), "shm_free_mib": mib(shm_free),
+            "container": _in_container()}
+
+
+def _versions() -> tuple[dict, dict]:
+    pk = {}
+    for name in PACKAGES:
+        try:
+            pk[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pk[name] = None
+    mods = {}
+    for name in MODULES:
+        try:
+            mods[name] = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            mods[name] = False
+    return pk, mods
+
+
+def _dep_conflicts(installed: dict) -> list[str]:
+    """Declared requirements (Requires-Dist) of the engine's key deps that installed versions
+    violate, e.g. 'transformers 4.56.1 requires huggingface-hub<1.0,>=0.34.0 (installed 1.3.2)'."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import InvalidVersion, Version
+
+    canon = {canonicalize_name(k): v for k, v in installed.items()}
+    out = []
+    for dist in ("diffusers", "transformers", "accelerate", "peft", "huggingface-hub", "torchvision",
+                 "librosa", "tokenizers"):
+        if not canon.get(canonicalize_name(dist)):
+            continue
+        for line in md.requires(dist) or []:
+            try:
+                req = Requirement(line)
+            except InvalidRequirement:
+                continue
+            if req.marker is not None:
+                try:
+                    if not req.marker.evaluate({"extra": ""}):
+                        continue
+                except Exception:  # noqa: BLE001
+                    continue
+            have = canon.get(canonicalize_name(req.name))
+            if not have or not req.specifier:
+                continue
+            try:
+                if Version(have) not in req.specifier.__class__(str(req.specifier), prereleases=True):
+                    out.append(f"{dist} {canon[canonicalize_name(dist)]} requires {req.name}{req.specifier} "
+                               f"(installed {have})")
+            except InvalidVersion:
+                continue
+    return out
+
+
+def _nccl_version(torch) -> Optional[str]:
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - CPU builds have no NCCL
+        return None
+    if isinstance(v, tuple):
+        return ".".join(str(x) for x in v)
+    if isinstance(v, int):  # old torch: 2708 -> 2.7.8, 21903 -> 2.19.3
+        return f"{v // 10000}.{v % 10000 // 100}.{v % 100}" if v >= 10000 else f"{v // 1000}.{v % 1000 // 100}.{v % 100}"
+    return str(v)
+
+
+def _nvml(gpus: list[dict]) -> tuple[dict, Optional[list]]:
+    """Driver info, per-GPU free memory (no CUDA context) and the link matrix, via NVML."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - NVML is optional
+        return {"nvml": False}, None
+    drv: dict[str, Any] = {"nvml": True}
+    try:
+        v = pynvml.nvmlSystemGetDriverVersion()
+        drv["version"] = v.decode() if isinstance(v, bytes) else v
+        cv = pynvml.nvmlSystemGetCudaDriverVersion()
+        drv["cuda"] = f"{cv // 1000}.{cv % 1000 // 10}"
+    except Exception:  # noqa: BLE001
+        pass
+    handles = []
+    for g in gpus:
+        h = None
+        for key in ("uuid", "pci_bus_id"):
+            try:
+                if key == "uuid" and g.get("uuid"):
+                    u = g["uuid"]
+                    h = pynvml.nvmlDeviceGetHandleByUUID(u if u.startswith("GPU-") else "GPU-" + u)
+                elif key == "pci_bus_id" and g.get("pci_bus_id"):
+                    h = pynvml.nvmlDeviceGetHandleByPciBusId(g["pci_bus_id"])
+            except Exception:  # noqa: BLE001
+                h = None
+            if h is not None:
+                break
+        handles.append(h)
+        if h is not None:
+            try:
+                mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+                g["free_mib"], g["total_mib"] = int(mem.free // MiB), int(mem.total // MiB)
+                g["free_source"] = "nvml"
+            except Exception:  # noqa: BLE001
+                pass
+    links = None
+    if handles and all(h is not None for h in handles):
+        n = len(handles)
+        links = [["X" if i == j else "?" for j in range(n)] for i in range(n)]
+        nv_idx = getattr(pynvml, "NVML_P2P_CAPS_INDEX_NVLINK", 2)
+        for i in range(n):
+            for j in range(n):
+                if i == j:
+                    continue
+                try:
+                    if pynvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], nv_idx) == 0:
+                        count = 0
+                        for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                            try:
+                                count += int(pynvml.nvmlDeviceGetNvLinkState(handles[i], link) == 1)
+                            except Exception:  # noqa: BLE001
+                                break
+                        links[i][j] = f"NV{count}" if count else "NV"
+                        continue
+                except Exception:  # noqa: BLE001
+                    pass
+                try:
+                    lvl = pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j])
+                    links[i][j] = _TOPO.get(int(lvl), "?")
+                except Exception:  # noqa: BLE001
+                    pass
+    try:
+        pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    return drv, links
+
+
+def _attention(torch, cuda: bool) -> dict:
+    """flash-attn 3/2 presence, importability, usability on this GPU; what `auto` picks."""
+    out: dict[str, Any] = {}
+    dists = {"fa3": "flash_attn_3", "fa2": "flash-attn"}
+    mods = {"fa3": "flash_attn_interface", "fa2": "flash_attn"}
+    for b in ("fa3", "fa2"):
+        info: dict[str, Any] = {"installed": None, "import_error": None, "usable": False}
+        try:
+            info["installed"] = md.version(dists[b])
+        except md.PackageNotFoundError:
+            pass
+        if importlib.util.find_spec(mods[b]) is None:
+            info["reason"] = "not installed"
+            out[b] = info
+            continue
+        info["installed"] = info["installed"] or "unknown"
+        try:
+            importlib.import_module(mods[b])
+            if b == "fa2":
+                importlib.import_module("flash_attn.flash_attn_interface")  # loads flash_attn_2_cuda
+        except Exception as e:  # noqa: BLE001 - an ABI mismatch is an ImportError
+            info["import_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        if not cuda:
+            info["reason"] = info["import_error"] or "flash-attn kernels are CUDA-only (no GPU)"
+        else:
+            try:
+                from patches.attention import resolve_backend
+                _, why = resolve_backend(b, "cuda")
+                info["usable"], info["reason"] = True, why
+            except Exception as e:  # noqa: BLE001
+                info["reason"] = str(e)
+            if b == "fa3" and info["usable"]:
+                info["returns"] = _fa3_return_type(torch)
+        out[b] = info
+    try:
+        from patches.attention import resolve_backend
+        backend, reason = resolve_backend("auto", "cuda" if cuda else "cpu")
+        out["auto"] = {"backend": backend, "reason": reason}
+    except Exception as e:  # noqa: BLE001
+        out["auto"] = {"backend": None, "reason": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def _fa3_return_type(torch) -> Optional[str]:
+    try:
+        import flash_attn_interface as fa3
+        x = torch.zeros(4, 1, 64, device="cuda", dtype=torch.bfloat16)
+        cu = torch.tensor([0, 2, 4], dtype=torch.int32, device="cuda")
+        out = fa3.flash_attn_varlen_func(x, x, x, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                         max_seqlen_q=2, max_seqlen_k=2)
+        return "tuple" if isinstance(out, (tuple, list)) else "tensor"
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def collect() -> dict:
+    """Probe this process's machine. Imports torch; touches CUDA only if it is available."""
+    facts: dict[str, Any] = {
+        "schema": SCHEMA, "live": True, "label": f"this machine ({socket.gethostname()})",
+        "recorded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(), "os": f"{platform.system()} {platform.release()}",
+        "arch": platform.machine(), "python": platform.python_version(), "probe_errors": [],
+    }
+    import torch
+    import torch.distributed as dist
+
+    cuda_build = torch.version.cuda
+    cuda = bool(cuda_build) and torch.cuda.is_available()
+    t: dict[str, Any] = {
+        "version": torch.__version__, "cuda": cuda_build, "hip": getattr(torch.version, "hip", None),
+        "cudnn": None, "nccl": _nccl_version(torch) if cuda_build else None,
+        "cuda_available": cuda, "device_count": torch.cuda.device_count() if cuda else 0,
+        "arch_list": [], "distributed": dist.is_available(),
+        "nccl_available": bool(dist.is_available() and dist.is_nccl_available()),
+        "gloo_available": bool(dist.is_available() and dist.is_gloo_available()),
+    }
+    try:
+        t["cudnn"] = torch.backends.cudnn.version() if cuda_build else None
+        t["arch_list"] = torch.cuda.get_arch_list() if cuda_build else []
+    except Exception as e:  # noqa: BLE001
+        facts["probe_errors"].append(f"torch build info: {e}")
+    facts["torch"] = t
+    gpus: list[dict] = []
+    for i in range(t["device_count"]):
+        p = torch.cuda.get_device_properties(i)
+        g = {"index": i, "name": p.name, "capability": [p.major, p.minor],
+             "total_mib": int(p.total_memory // MiB), "free_mib": None,
+             "multiprocessors": p.multi_processor_count, "uuid": str(getattr(p, "uuid", "") or "") or None}
+        dom, bus, dev = (getattr(p, a, None) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+        if bus is not None:
+            g["pci_bus_id"] = f"{dom or 0:08x}:{bus:02x}:{dev or 0:02x}.0"
+        gpus.append(g)
+    drv, links = _nvml(gpus) if gpus else ({"nvml": False}, None)
+    for g in gpus:
+        if g.get("free_mib") is None:
+            try:
+                free, total = torch.cuda.mem_get_info(g["index"])
+                g["free_mib"], g["total_mib"], g["free_source"] = int(free // MiB), int(total // MiB), "cuda"
+            except Exception as e:  # noqa: BLE001
+                facts["probe_errors"].append(f"free memory of GPU {g['index']}: {e}")
+    facts["driver"] = drv
+    facts["gpus"] = gpus
+    n = len(gpus)
+    facts["p2p"] = [[i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)]
+                    for i in range(n)] if n else []
+    facts["links"] = links if links is not None else ([["X" if i == j else "?" for j in range(n)]
+                                                       for i in range(n)] if n else [])
+    facts["host"] = _host()
+    facts["packages"], facts["modules"] = _versions()
+    try:
+        facts["dep_conflicts"] = _dep_conflicts(facts["packages"])
+    except Exception as e:  # noqa: BLE001
+        facts["probe_errors"].append(f"dependency metadata: {e}")
+    try:
+        facts["attention"] = _attention(torch, cuda)
+    except Exception as e:  # noqa: BLE001
+        facts["probe_errors"].append(f"attention: {e}")
+        facts["attention"] = {}
+    facts["env"] = {k: v for k, v in sorted(os.environ.items()) if _ENV_RE.match(k)}
+    return facts
+
+
+def _cuda_may_be_present() -> bool:
+    if "torch" in sys.modules:
+        t = sys.modules["torch"]
+        if not t.version.cuda:
+            return False
+    return any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg"))
+
+
+_CACHE: Optional[MachineFacts] = None
+_PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def probe_machine(in_subprocess: Optional[bool] = None, refresh: bool = False) -> MachineFacts:
+    """Facts of this machine (cached per process). ``in_subprocess`` None = only if CUDA may be
+    present (so no CUDA context stays in this process)."""
+    global _CACHE
+    if _CACHE is not None and not refresh:
+        return _CACHE
+    sub = _cuda_may_be_present() if in_subprocess is None else in_subprocess
+    facts = None
+    if sub:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PROJECT_ROOT), env.get("PYTHONPATH")]))
+        try:
+            proc = subprocess.run([sys.executable, "-m", "wan_s2v_runner.preflight.probe"],
+                                  capture_output=True, text=True, timeout=180, env=env,
+                                  cwd=str(_PROJECT_ROOT))
+            if proc.returncode == 0:
+                facts = json.loads(proc.stdout)
+            else:
+                err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                facts = collect()
+                facts["probe_errors"].append(f"probe subprocess failed (exit {proc.returncode}): {err}")
+        except (subprocess.TimeoutExpired, ValueError) as e:
+            facts = collect()
+            facts["probe_errors"].append(f"probe subprocess failed: {e}")
+    else:
+        facts = collect()
+    _CACHE = MachineFacts(facts)
+    return _CACHE
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m wan_s2v_runner.preflight.probe [--label TEXT] [--out FILE]``: print/save facts."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--label")
+    p.add_argument("--out", type=Path)
+    a = p.parse_args(argv)
+    facts = collect()
+    if a.label:
+        facts["label"] = a.label
+    text = json.dumps(facts, indent=2)
+    if a.out:
+        a.out.write_text(text + "\n", encoding="utf-8")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

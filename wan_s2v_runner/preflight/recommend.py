@@ -1,0 +1,162 @@
+"""Which mode to use on this machine, and why (``--mode auto`` and ``wan-s2v doctor``).
+
+Rules, in order (each reason names the fact that decided):
+1. no CUDA GPU / ``--device cpu`` -> ``ulysses`` on CPU ranks with gloo: a demo, not the 14B model;
+2. a world size the Ulysses constraints reject (must divide the heads and the token counts; for
+   the real model 1, 2, 4, 8) -> ``fsdp-fixed`` (any GPU count, memory relief, no speed-up);
+3. the full model fits on each GPU (memory plan vs free memory) -> ``ulysses`` (fastest: only
+   activations move, the sequence is split); on PCIe without P2P the reason says that the
+   all-to-all crosses host memory, since FSDP modes would move the weights over the same link;
+4. otherwise -> ``hybrid`` (DiT sharded, T5 on CPU: the lowest GPU memory per rank), with a
+   warning when even that does not fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from wan_s2v_runner.spec import Mode, RunSpec
+
+from .context import CheckContext
+from .core import gib
+from .geometry import REAL_NUM_HEADS
+from .memory import largest_fitting_size, model_sizes, plan_all, workload
+from .probe import MachineFacts
+
+GPU_FIT = 0.9
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    mode: Mode
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode.value, "reason": self.reason}
+
+
+def _ensure_image_size(ctx: CheckContext) -> None:
+    if "image_size" in ctx.cache or ctx.image is None:
+        return
+    try:
+        from PIL import Image
+        with Image.open(ctx.image) as im:
+            ctx.cache["image_size"] = im.size
+    except Exception:  # noqa: BLE001 - the inputs checks report it
+        pass
+
+
+def _heads(ctx, sizes) -> int:
+    return ctx.cache.get("num_heads") or sizes.num_heads or REAL_NUM_HEADS
+
+
+def _link_summary(ctx) -> tuple[bool, str]:
+    """(fast, description) of the interconnect between the GPUs the ranks use."""
+    f = ctx.facts
+    n = min(ctx.nproc, f.gpu_count)
+    if ctx.nnodes > 1:
+        return False, f"{ctx.nnodes} nodes: collectives cross the network"
+    if n < 2:
+        return True, "one GPU"
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    if all(f.nvlink(i, j) for i, j in pairs):
+        return True, f"NVLink between all pairs ({f.link(0, 1)})"
+    if all(f.nvlink(i, j) or f.p2p(i, j) for i, j in pairs):
+        return True, "PCIe P2P between all pairs (no NVLink)"
+    slow = next((i, j) for i, j in pairs if not (f.nvlink(i, j) or f.p2p(i, j)))
+    return False, (f"PCIe without P2P (GPU {slow[0]}-{slow[1]}: {f.link(*slow) or '?'}): "
+                   "all-to-all crosses host memory")
+
+
+def recommend(ctx: CheckContext) -> Recommendation:
+    f = ctx.facts
+    ws = ctx.world_size
+    _ensure_image_size(ctx)
+    sizes, wl = model_sizes(ctx), workload(ctx)
+    heads = _heads(ctx, sizes)
+    lengths = wl.tokens.lengths(2, ctx.start_from_ref)
+    sp_ok = heads % ws == 0 and all(n % ws == 0 for n in lengths)
+    sp_why = (f"world size {ws} does not divide the {heads} heads" if heads % ws
+              else f"world size {ws} does not divide the {'/'.join(map(str, lengths))}-token sequences")
+    good_ws = [d for d in (1, 2, 4, 8) if heads % d == 0 and all(n % d == 0 for n in lengths)]
+
+    if ctx.device == "cpu" or f.gpu_count == 0:
+        why = "--device cpu" if f.gpu_count else f"no CUDA GPU visible (torch {f.torch.get('version')})"
+        if not sp_ok:
+            return Recommendation(Mode.FSDP_FIXED, f"{why}; {sp_why}, so Ulysses cannot split it: fsdp-fixed "
+                                  "on CPU ranks (gloo) — a demo for tiny checkpoints only")
+        real = sizes.dit_params > 1e9
+        tail = (f"; the {sizes.dit_params / 1e9:.3g}B-param DiT in fp32 needs ~{gib(sizes.dit_params * 4)} "
+                "RAM per rank and hours per step" if real else "")
+        return Recommendation(Mode.ULYSSES, f"{why}: ulysses on {ws} CPU rank{'s' if ws > 1 else ''} with "
+                              f"gloo — a demo for the tiny checkpoint, not for real generation{tail}")
+
+    plans = plan_all(ctx)
+    gpus = [g for g in ctx.local_gpus if g.get("free_mib") is not None] or f.gpus
+    free = min(g.get("free_mib") or g["total_mib"] for g in gpus) * 2**20
+    name = gpus[0].get("name", "GPU")
+    avail = f.host_available_bytes()
+
+    def fits(m: Mode) -> bool:
+        p = plans[m.value]
+        return bool(p.gpu_peak) and p.gpu_peak <= free and (avail is None or p.host_node_total <= avail)
+
+    def est(m: Mode) -> str:
+        p = plans[m.value].gpu_peak
+        return gib(p) + (" — tight" if p and GPU_FIT * free < p <= free else "")
+
+    fast, link = _link_summary(ctx)
+    if ctx.nproc > f.gpu_count:
+        pre = f"--nproc {ctx.nproc} > {f.gpu_count} visible GPUs (fix that first); "
+    else:
+        pre = ""
+    if not sp_ok:
+        alt = f"; {', '.join(map(str, good_ws))} GPUs with ulysses/hybrid would be faster" if good_ws else ""
+        fit = "" if fits(Mode.FSDP_FIXED) else f" (est. {est(Mode.FSDP_FIXED)}/rank does not fit {gib(free)} free)"
+        return Recommendation(Mode.FSDP_FIXED, f"{pre}{sp_why}, so Ulysses (ulysses/hybrid) is impossible; "
+                              f"fsdp-fixed runs on any GPU count but every rank computes the whole "
+                              f"sequence (memory relief, no speed-up){fit}{alt}")
+    if ws == 1:
+        if fits(Mode.ULYSSES):
+            return Recommendation(Mode.ULYSSES, f"{pre}1 GPU ({name}, {gib(free)} free) holds the whole model "
+                                  f"(est. {est(Mode.ULYSSES)} peak with offload): ulysses on one rank")
+        if fits(Mode.HYBRID):
+            return Recommendation(Mode.HYBRID, f"{pre}1 GPU with {gib(free)} free: the full model with T5 "
+                                  f"on the GPU needs est. {est(Mode.ULYSSES)}; hybrid keeps T5 on the CPU "
+                                  f"(est. {est(Mode.HYBRID)}). Better: 2+ GPUs with hybrid")
+        return Recommendation(Mode.HYBRID, f"{pre}1 GPU with {gib(free)} free cannot hold the "
+                              f"{sizes.dit_params / 1e9:.3g}B-param DiT (est. {est(Mode.HYBRID)} even with "
+                              f"T5 on CPU): use 2, 4 or 8 GPUs with hybrid")
+    if fits(Mode.ULYSSES):
+        if fast:
+            return Recommendation(Mode.ULYSSES, f"{pre}{ws} GPUs ({name}) with {link} each hold the full model "
+                                  f"(est. {est(Mode.ULYSSES)} of {gib(free)} free per rank): ulysses is "
+                                  "fastest (sequence split, no weight traffic)")
+        return Recommendation(Mode.ULYSSES, f"{pre}{ws} GPUs ({name}) each hold the full model (est. "
+                              f"{est(Mode.ULYSSES)} of {gib(free)} free) but {link}: scaling will be sub-linear; "
+                              "still ulysses, as FSDP modes would move the weights over the same link")
+    if fits(Mode.HYBRID):
+        pcie = "" if fast else f"; {link}, so expect sub-linear scaling"
+        return Recommendation(Mode.HYBRID, f"{pre}the full model does not fit per GPU (est. {est(Mode.ULYSSES)} "
+                              f"> {gib(free)} free on {name}): hybrid shards the DiT over {ws} ranks and keeps "
+                              f"T5 on the CPU (est. {est(Mode.HYBRID)}/rank){pcie}")
+    more = [d for d in good_ws if d > ws]
+    size = largest_fitting_size(ctx, Mode.HYBRID, free)
+    return Recommendation(Mode.HYBRID, f"{pre}nothing fits in {gib(free)} free per GPU ({name}): even hybrid "
+                          f"needs est. {est(Mode.HYBRID)}/rank at {wl.width}x{wl.height}"
+                          + (f"; use {more[0]} GPUs" if more else "")
+                          + (f" or --size {size}" if size else " or a smaller --size"))
+
+
+def recommend_mode(spec_or_ctx: Union[RunSpec, CheckContext, None] = None,
+                   facts: Optional[MachineFacts] = None) -> Recommendation:
+    """Recommend a mode for a RunSpec or CheckContext (live facts unless ``facts`` is given)."""
+    if isinstance(spec_or_ctx, CheckContext):
+        ctx = spec_or_ctx
+        if facts is not None:
+            ctx.facts = facts
+    elif isinstance(spec_or_ctx, RunSpec):
+        ctx = CheckContext.from_spec(spec_or_ctx, facts)
+    else:
+        ctx = CheckContext.from_values({}, {}, facts)
+    return recommend(ctx)
