@@ -1,13 +1,26 @@
-"""What a person watching a run sees: rich live table on a terminal, plain lines otherwise.
+"""What a person watching a run sees: a rich live table on a terminal, plain lines otherwise.
 
 The launcher calls ``started``, ``update`` (after each poll of the event files), ``log_line``
 (rank 0's output, relayed from torchrun) and ``finished``. ``--json`` makes the final summary a
 JSON document on stdout and keeps everything else on stderr.
+
+Plain mode (stdout not a terminal: CI, ``nohup``, a pipe) prints only meaningful lines:
+
+- one line per stage change, all ranks that entered it together on one line
+  (``[0:07] load: ranks 0-1``; a rank entering more than a second later gets its own line with
+  its lag, ``[0:09] load: rank 1 (+2.1s)``); ``denoise`` lines carry ``clip j/M``;
+- rank 0's denoising progress with an ETA (first and last step of each clip, and at most every
+  10 s in between);
+- any rank's error, the moment it is recorded;
+- rank 0's own log lines, without Python warnings, tqdm bars and tracebacks (all of those stay
+  in ``torchrun.log`` and ``logs/``; the failure report prints the traceback that matters).
 """
 from __future__ import annotations
 
 import json
+import re
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -15,29 +28,99 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from wan_s2v_runner.events import is_secondary
+
+#: in plain mode, print a step line at least this often (besides each clip's first/last step)
+PROGRESS_EVERY_S = 10.0
+#: stage entries of several ranks within this window are printed as one line
+COALESCE_S = 1.0
+#: stages that repeat per clip (their lines say which clip)
+PER_CLIP = frozenset({"denoise", "decode", "motion_encode"})
+#: stages only the first rank goes through (it writes the mp4)
+FIRST_RANK_ONLY = frozenset({"save", "mux"})
+
 
 def _fmt_s(s: Optional[float]) -> str:
     if s is None:
         return "-"
-    s = int(s)
+    s = max(0, int(round(s)))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def progress_text(st, p: Optional[dict] = None) -> str:
-    p = st.progress if p is None else p
-    if (p is not None or st.stage == "denoise") and p.get("step"):
-        clips = p.get("clips") or "?"
-        return f"clip {p.get('clip')}/{clips} step {p.get('step')}/{p.get('steps')}"
+def fmt_ranks(ranks) -> str:
+    """[0,1,2,5] -> 'ranks 0-2,5'; [3] -> 'rank 3'."""
+    rs = sorted(set(ranks))
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    parts, start = [], rs[0]
+    for a, b in zip(rs, rs[1:] + [None]):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return "ranks " + ",".join(parts)
+
+
+def progress_text(st) -> str:
+    p = st.progress
+    if st.stage == "denoise" and p.get("clip"):
+        return (f"clip {p.get('clip')}/{p.get('clips') or '?'} "
+                f"step {p.get('step', 0)}/{p.get('steps') or '?'}")
     return ""
 
 
-def eta_s(st, elapsed_in_denoise: Optional[float], p: Optional[dict] = None) -> Optional[float]:
-    p = st.progress if p is None else p
-    if not (p.get("step") and p.get("clips") and p.get("steps") and elapsed_in_denoise):
+def eta_s(p: dict, denoise_t0: Optional[float], now: float) -> Optional[float]:
+    """Time left for the remaining steps at the pace so far (decode time included in the pace)."""
+    if not (denoise_t0 and p.get("step") and p.get("clips") and p.get("steps") and p.get("clip")):
         return None
     done = (p["clip"] - 1) * p["steps"] + p["step"]
     total = p["clips"] * p["steps"]
-    return elapsed_in_denoise / done * (total - done) if done else None
+    return (now - denoise_t0) / done * (total - done) if done > 0 else None
+
+
+class LogFilter:
+    """torchrun's relayed output -> the lines worth showing (None = hide).
+
+    Only lines torchrun prefixes with ``[default<N>]:`` (the ranks' own output) are shown;
+    torchrun's own messages (and its failure summary) are kept in torchrun.log. Hidden: blank
+    lines, ``file.py:N: XWarning:`` and the source line after it, tqdm bars, glog-style W/I lines,
+    and tracebacks (the failure report shows the first failing rank's)."""
+
+    PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
+    WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")
+    GLOG = re.compile(r"^\[?[WI]\d{4} \d\d:\d\d:\d\d")
+    RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")  # torch's excepthook prefixes uncaught tracebacks
+
+    def __init__(self):
+        self._skip_indented = False
+        self._in_tb = False
+
+    def __call__(self, raw: str) -> Optional[str]:
+        m = self.PREFIX.match(raw)
+        if not m:
+            return None
+        line = self.RANK_PREFIX.sub("", m.group(2).split("\r")[-1].rstrip(), count=1)
+        if self._in_tb:
+            if not line or line[0].isspace() or line.startswith(("During handling", "The above exception")):
+                return None
+            if line.startswith("Traceback (most recent call last)"):
+                return None
+            self._in_tb = False  # the exception line itself: hidden too
+            return None
+        if self._skip_indented:
+            self._skip_indented = False
+            if line[:1].isspace():
+                return None
+        if not line.strip():
+            return None
+        if line.startswith("Traceback (most recent call last)"):
+            self._in_tb = True
+            return None
+        if self.WARNING.match(line):
+            self._skip_indented = True
+            return None
+        if "%|" in line or self.GLOG.match(line):
+            return None
+        return line
 
 
 class Display:
@@ -45,11 +128,21 @@ class Display:
         self.rich = rich
         self.json_mode = json_mode
         self.show_logs = show_logs
+        self.out = sys.stderr if json_mode else sys.stdout
         self.console = Console(stderr=json_mode)
         self.err = Console(stderr=True)
         self._live: Optional[Live] = None
-        self._last_plain: dict = {}
+        self._lock = threading.RLock()
+        self._filter = LogFilter()
+        self._expected: list[int] = [0]
+        self._first: int = 0
+        self._header = ""
+        # plain-mode state
+        self._groups: dict = {}  # (stage, clip) -> {"first_t", "pending": [(rank, t)], "printed": set}
+        self._last_progress_print = 0.0
         self._denoise_t0: Optional[float] = None
+        self._t0 = time.time()
+        self._rank_clip: dict = {}  # rank -> (clip, clips) it is working on
 
     @classmethod
     def auto(cls, json_mode: bool = False) -> "Display":
@@ -57,12 +150,16 @@ class Display:
         return cls(rich=stream.isatty(), json_mode=json_mode)
 
     def _print(self, text: str) -> None:
-        if self.rich:
-            self.console.print(text, highlight=False, markup=False)
-        else:
-            print(text, file=sys.stderr if self.json_mode else sys.stdout, flush=True)
+        with self._lock:
+            if self.rich:
+                self.console.print(text, highlight=False, markup=False, soft_wrap=True)
+            else:
+                print(text, file=self.out, flush=True)
 
     def started(self, spec, run_dir) -> None:
+        self._expected = list(range(spec.node_rank * spec.nproc, (spec.node_rank + 1) * spec.nproc))
+        self._first = self._expected[0]
+        self._header = f"wan-s2v {spec.mode.value} x{spec.world_size} ({spec.device})"
         self._print(f"wan-s2v: mode={spec.mode.value} world={spec.world_size} device={spec.device} "
                     f"seed={spec.seed} run_dir={run_dir}")
         if self.rich:
@@ -70,55 +167,145 @@ class Display:
             self._live.start()
 
     def log_line(self, line: str) -> None:
-        if self.show_logs:
+        if not self.show_logs:
+            return
+        with self._lock:
+            shown = self._filter(line)
+        if shown is not None:
+            self._print(shown)
+
+    # ----- progress -----
+    def update(self, reader, new_events, elapsed: float) -> None:
+        now = time.time()
+        t0 = self._t0 = now - elapsed
+        st0 = reader.ranks.get(self._first)
+        if self._denoise_t0 is None and st0 is not None:
+            self._denoise_t0 = next((t for s, t in st0.transitions if s == "denoise"), None)
+        # both modes: stage lines and errors scroll (the history); plain mode: step lines too;
+        # rich mode: a live table of every rank below them
+        for ev in new_events:
+            kind, r = ev.get("kind"), ev.get("rank")
+            t = float(ev.get("t", now))
+            if kind in ("stage", "hello"):
+                if kind == "hello":
+                    key = ("started", None)
+                else:
+                    if ev.get("clip"):
+                        self._rank_clip[r] = (ev["clip"], ev.get("clips"))
+                    clip = self._rank_clip.get(r) if ev["stage"] in PER_CLIP else None
+                    key = (ev["stage"], clip)
+                g = self._groups.setdefault(key, {"first_t": t, "pending": [], "printed": set(), "pids": {}})
+                g["pending"].append((r, t))
+                if kind == "hello":
+                    g["pids"][r] = ev.get("pid")
+            elif kind == "progress" and r == self._first and not self.rich:
+                self._flush(t0, force=True)
+                p = {k: ev.get(k) for k in ("clip", "clips", "step", "steps")}
+                first_or_last = p.get("step") in (1, p.get("steps"))
+                if first_or_last or now - self._last_progress_print >= PROGRESS_EVERY_S:
+                    self._last_progress_print = now
+                    eta = eta_s(p, self._denoise_t0, t)
+                    self._print(f"[{_fmt_s(t - t0)}] rank {r}: clip {p['clip']}/{p.get('clips') or '?'} "
+                                f"step {p['step']}/{p.get('steps') or '?'}"
+                                + (f", ETA {_fmt_s(eta)}" if eta is not None else ""))
+            elif kind == "error":
+                self._flush(t0, force=True)
+                msg = str(ev.get("message") or "").strip().splitlines()
+                first = (msg[0] if msg else "")[:300]
+                self._print(f"[{_fmt_s(t - t0)}] rank {r} ERROR in {ev.get('stage')}: "
+                            f"{ev.get('error_type')}: {first}"
+                            + (" (a peer went away first)" if is_secondary(first) else ""))
+        self._flush(t0)
+        if self.rich and self._live:
+            self._live.update(self._table(reader, elapsed, now))
+
+    def _flush(self, t0: float, force: bool = False) -> None:
+        """Print waiting stage groups in time order; stop at the first one still collecting
+        ranks (so lines never jump ahead), unless ``force``."""
+        now = time.time()
+        # ordered by the latest entry: a group is placed where it became complete (e.g. "done"
+        # after rank 0's save/mux, though rank 1 was done earlier)
+        waiting = [(max(t for _, t in g["pending"]), key, g) for key, g in self._groups.items() if g["pending"]]
+        for _, (stage, clip), g in sorted(waiting, key=lambda x: x[0]):
+            ranks = {r for r, _ in g["pending"]}
+            oldest = min(t for _, t in g["pending"])
+            expected = {self._first} if stage in FIRST_RANK_ONLY else set(self._expected)
+            complete = (g["printed"] | ranks) >= expected
+            if not (force or complete or now - oldest >= COALESCE_S):
+                break
+            label = stage
+            if clip:
+                label += f" clip {clip[0]}/{clip[1] or '?'}"
+            if g["printed"]:
+                lag = max(t for _, t in g["pending"]) - g["first_t"]
+                line = f"[{_fmt_s(oldest - t0)}] {label}: {fmt_ranks(ranks)} (+{lag:.1f}s)"
+            else:
+                line = f"[{_fmt_s(max(t for _, t in g['pending']) - t0)}] {label}: {fmt_ranks(ranks)}"
+                if not complete:
+                    line += f" ({len(ranks)} of {len(expected)})"
+            if stage == "started" and g["pids"]:
+                line += f" (pid {', '.join(str(g['pids'][r]) for r in sorted(ranks) if r in g['pids'])})"
+            g["printed"] |= ranks
+            g["pending"] = []
             self._print(line)
 
-    def update(self, reader, new_events, elapsed: float) -> None:
-        r0 = reader.ranks.get(0)
-        if r0 and r0.stage == "denoise" and self._denoise_t0 is None:
-            self._denoise_t0 = r0.stage_t
-        in_denoise = time.time() - self._denoise_t0 if self._denoise_t0 else None
-        if self.rich and self._live:
-            t = Table(title=f"elapsed {_fmt_s(elapsed)}")
-            for col in ("rank", "stage", "progress", "ETA", "last event"):
-                t.add_column(col)
-            now = time.time()
-            for r, st in sorted(reader.ranks.items()):
-                t.add_row(str(r), st.stage, progress_text(st), _fmt_s(eta_s(st, in_denoise)),
-                          f"{now - st.last_seen_t:.0f}s ago")
-            self._live.update(t)
-            return
-        for ev in new_events:  # plain: one line per stage change of any rank, progress of rank 0
-            kind, r = ev.get("kind"), ev.get("rank")
-            if kind == "stage":
-                extra = f" clip {ev['clip']}/{ev.get('clips') or '?'}" if ev.get("clip") else ""
-                self._print(f"[{_fmt_s(elapsed)}] rank {r}: {ev['stage']}{extra}")
-            elif kind == "progress" and r == 0:
-                st = reader.ranks[0]
-                eta = eta_s(st, in_denoise, ev)
-                self._print(f"[{_fmt_s(elapsed)}] rank 0: {progress_text(st, ev)}"
-                            + (f" ETA {_fmt_s(eta)}" if eta is not None else ""))
-            elif kind == "error":
-                self._print(f"[{_fmt_s(elapsed)}] rank {r} ERROR in {ev.get('stage')}: "
-                            f"{ev.get('error_type')}: {ev.get('message')}")
+    def _table(self, reader, elapsed: float, now: float) -> Table:
+        st0 = reader.ranks.get(self._first)
+        eta = eta_s(st0.progress, self._denoise_t0, now) if st0 and st0.stage == "denoise" else None
+        title = f"{self._header} - elapsed {_fmt_s(elapsed)}" + (f" - ETA {_fmt_s(eta)}" if eta else "")
+        t = Table(title=title, title_justify="left")
+        for col in ("rank", "pid", "stage", "progress", "host RSS", "no progress for", "heartbeat"):
+            t.add_column(col)
+        for r in self._expected:
+            st = reader.ranks.get(r)
+            if st is None:
+                t.add_row(str(r), "-", "(not started)", "", "", "", "")
+                continue
+            rss = st.mem.get("rss_mb")
+            if st.error:
+                stage = f"[red]{st.stage}: {st.error.get('error_type')}[/]"
+            elif st.end:
+                stage = f"[green]{st.stage}[/]"
+            else:
+                stage = st.stage
+            idle = "" if st.end else f"{now - (st.last_progress_t or now):.0f}s"
+            t.add_row(str(r), str(st.pid or "-"), stage, progress_text(st),
+                      f"{rss / 1024:.1f} GiB" if rss else "", idle,
+                      "" if st.end else f"{now - st.last_seen_t:.0f}s ago")
+        return t
 
+    # ----- the end -----
     def finished(self, spec, run_dir, outcome, manifest: dict) -> None:
-        if self._live:
-            self._live.stop()
-            self._live = None
+        with self._lock:
+            if self._live:
+                self._live.stop()
+                self._live = None
+            if not self.rich:
+                self._flush(self._t0, force=True)
         if self.json_mode:
-            print(json.dumps(manifest, indent=2, default=str))
+            print(json.dumps(manifest, indent=2, default=str), flush=True)
             return
         if outcome.code == 0:
             out = manifest.get("output") or {}
             self._print(f"done in {manifest['wall_s']:.1f}s: {out.get('path')} "
-                        f"({out.get('frames')} frames, {out.get('video_codec')}+{out.get('audio_codec')}); "
-                        f"manifest {run_dir / 'run.json'}")
+                        f"({out.get('frames')} frames, {out.get('video_codec')}+{out.get('audio_codec')}, "
+                        f"sha256 {str(out.get('sha256'))[:12]}); manifest {run_dir / 'run.json'}")
             return
-        self.err.print(f"[bold red]wan-s2v: FAILED[/] ({manifest['exit']['status']}, exit {outcome.code}): "
-                       f"{outcome.reason}", highlight=False)
+        status = manifest["exit"]["status"]
+        word = "INTERRUPTED" if status == "interrupted" else "FAILED"
+        self._err(f"wan-s2v: {word} ({status}, exit {outcome.code}): {outcome.reason}", style="bold red")
         if outcome.traceback:
-            self.err.print(outcome.traceback, markup=False, highlight=False)
+            rank = f" of rank {outcome.failed_rank}" if outcome.failed_rank is not None else ""
+            self._err(f"--- traceback{rank} ---\n{outcome.traceback.rstrip()}\n---")
+        for line in outcome.details or []:
+            self._err(line)
         if outcome.hint:
-            self.err.print(f"hint: {outcome.hint}", markup=False, highlight=False)
-        self.err.print(f"logs, events and stacks: {run_dir}", markup=False, highlight=False)
+            self._err(f"hint: {outcome.hint}")
+        self._err(f"run directory: {run_dir} (run.json, logs/, events/, stacks/, torchrun.log)")
+
+    def _err(self, text: str, style: Optional[str] = None) -> None:
+        with self._lock:
+            if self.err.is_terminal:
+                self.err.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
+            else:
+                print(text, file=sys.stderr, flush=True)

@@ -1,23 +1,52 @@
-"""Rank -> launcher events: one JSON-lines file per rank in ``<run_dir>/events/``.
+"""Rank -> launcher events: one JSON-lines file per rank in ``<run_dir>/events/rank{r}.jsonl``.
 
-Each rank appends ``{"t", "rank", "kind", "stage", ...}`` records: ``stage`` when it enters a
-stage (engine_import, load, fingerprint, shard, audio_encode, text_encode, clip, step, decode,
-save, mux, done), ``progress`` for clip/step counters, ``heartbeat`` every few seconds from a
-daemon thread (so a stuck rank is visible as "alive but not progressing"), and ``end`` with peak
-memory. The launcher tails these files (:class:`EventReader`); nothing else is shared.
+Every record is one line ``{"t": unix time, "rank": global rank, "kind": ..., "stage": ..., ...}``
+(``stage`` is the stage the rank is in when it writes the record). Kinds:
+
+- ``hello``: first record; ``pid``, ``host``, ``local_rank``.
+- ``stage``: the rank entered a stage (:data:`STAGES`); ``denoise`` carries ``clip``/``clips``.
+- ``progress``: a denoising step finished; ``clip``, ``clips``, ``step``, ``steps``.
+- ``heartbeat``: every few seconds from a daemon thread, with memory figures (``rss_mb``,
+  ``host_peak_rss_mb``, ``gpu_peak_allocated_mb``), so a stuck rank shows as "alive, not
+  progressing" and a killed rank still leaves its last memory reading.
+- ``patches``, ``frames``: informational.
+- ``error``: the rank raised; ``error_type``, ``message`` (written before the process group is
+  torn down, so the first failing rank's record comes before its peers' connection errors).
+- ``end``: last record (also after an error); ``wall_s`` and peak memory.
+
+Only ``stage`` and ``progress`` count as progress for the hang watchdog; heartbeats do not.
+The launcher tails these files with :class:`EventReader`; nothing else is shared.
 """
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-STAGES = ("init_pg", "engine_import", "load", "fingerprint", "shard", "audio_encode",
-          "text_encode", "denoise", "decode", "save", "mux", "done")
+#: Stages in the order a run goes through them (``fingerprint``/``shard`` only in FSDP modes;
+#: ``denoise``/``decode``/``motion_encode`` repeat per clip; ``save``/``mux`` on rank 0 only).
+STAGES = ("start", "init_pg", "engine_import", "load", "fingerprint", "shard", "audio_encode",
+          "ref_encode", "text_encode", "denoise", "decode", "motion_encode", "save", "mux", "done")
+
+#: One-off stages whose time grows with model size, storage and CPU speed: the watchdog allows
+#: them ``watchdog_load_s``. Every other stage gets ``watchdog_step_s``.
+LOAD_STAGES = frozenset({"start", "init_pg", "engine_import", "load", "fingerprint", "shard",
+                         "audio_encode", "ref_encode", "text_encode"})
+
+
+#: error text of a rank whose *peer* went away (gloo/NCCL): the peer is the one to look at
+SECONDARY = ("connection closed by peer", "connection reset by peer", "broken pipe",
+             "remote process exited", "ncclremoteerror", "communicator was aborted",
+             "socket closed", "transport retry", "peer closed")
+
+
+def is_secondary(text: str) -> bool:
+    """True for an error that says a peer went away (a consequence, not a cause)."""
+    low = text.lower()
+    return any(s in low for s in SECONDARY)
 
 
 def events_dir(run_dir: Path) -> Path:
@@ -25,7 +54,10 @@ def events_dir(run_dir: Path) -> Path:
 
 
 class EventWriter:
-    def __init__(self, run_dir: Path, rank: int, heartbeat_s: float = 2.0):
+    """Appends one rank's records; each record is a single ``write`` of one line (flushed)."""
+
+    def __init__(self, run_dir: Path, rank: int, heartbeat_s: float = 2.0,
+                 mem_fn: Optional[Callable[[], dict]] = None):
         d = events_dir(run_dir)
         d.mkdir(parents=True, exist_ok=True)
         self.rank = rank
@@ -33,13 +65,15 @@ class EventWriter:
         self._lock = threading.Lock()
         self.stage_name = "start"
         self.progress: dict[str, Any] = {}
+        self._mem_fn = mem_fn
         self._stop = threading.Event()
-        self._hb = threading.Thread(target=self._beat, args=(heartbeat_s,), daemon=True)
+        self._hb = threading.Thread(target=self._beat, args=(heartbeat_s,), daemon=True,
+                                    name="wan-s2v-heartbeat")
         self._hb.start()
 
     def emit(self, kind: str, **data: Any) -> None:
         rec = {"t": time.time(), "rank": self.rank, "kind": kind, "stage": self.stage_name, **data}
-        line = json.dumps(rec, default=str)
+        line = json.dumps(rec, default=str)  # ASCII only: a reader never sees a split character
         with self._lock:
             if not self._f.closed:
                 self._f.write(line + "\n")
@@ -54,7 +88,13 @@ class EventWriter:
 
     def _beat(self, every: float) -> None:
         while not self._stop.wait(every):
-            self.emit("heartbeat")
+            mem: dict = {}
+            if self._mem_fn is not None:
+                try:
+                    mem = self._mem_fn()
+                except Exception:  # a heartbeat must never die
+                    mem = {}
+            self.emit("heartbeat", **mem)
 
     def close(self) -> None:
         self._stop.set()
@@ -67,12 +107,14 @@ class RankState:
     rank: int
     stage: str = "start"
     stage_t: float = 0.0
-    last_progress_t: float = 0.0  # last stage/progress event (not heartbeats)
-    last_seen_t: float = 0.0  # any event, heartbeats included
+    last_progress_t: float = 0.0  # last stage/progress/hello record (not heartbeats)
+    last_seen_t: float = 0.0  # any record, heartbeats included
     progress: dict[str, Any] = field(default_factory=dict)
     transitions: list[tuple[str, float]] = field(default_factory=list)  # (stage, entry time)
     pid: Optional[int] = None
     host: Optional[str] = None
+    local_rank: Optional[int] = None
+    mem: dict[str, Any] = field(default_factory=dict)  # last heartbeat's memory figures
     end: Optional[dict[str, Any]] = None
     error: Optional[dict[str, Any]] = None
 
@@ -88,33 +130,48 @@ def stage_durations(st: RankState) -> dict[str, float]:
 
 
 class EventReader:
-    """Incrementally reads every rank's event file into :class:`RankState` objects."""
+    """Incrementally reads every rank's event file into :class:`RankState` objects.
+
+    Reads bytes and keeps an unterminated last line until its newline arrives, so a record that
+    is being written while we read is never lost or half-parsed. Undecodable lines are skipped
+    (counted in ``bad_lines``).
+    """
 
     def __init__(self, run_dir: Path):
         self.dir = events_dir(run_dir)
         self._pos: dict[Path, int] = {}
-        self._partial: dict[Path, str] = {}
+        self._partial: dict[Path, bytes] = {}
         self.ranks: dict[int, RankState] = {}
+        self.bad_lines = 0
 
     def poll(self) -> list[dict[str, Any]]:
         new: list[dict[str, Any]] = []
         if not self.dir.is_dir():
             return new
         for path in sorted(self.dir.glob("rank*.jsonl")):
-            with open(path, "r", encoding="utf-8") as f:
-                f.seek(self._pos.get(path, 0))
-                chunk = f.read()
-                self._pos[path] = f.tell()
-            text = self._partial.pop(path, "") + chunk
-            lines = text.split("\n")
-            if lines and lines[-1]:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._pos.get(path, 0))
+                    chunk = f.read()
+                    self._pos[path] = f.tell()
+            except OSError:
+                continue
+            if not chunk:
+                continue
+            lines = (self._partial.pop(path, b"") + chunk).split(b"\n")
+            if lines[-1]:
                 self._partial[path] = lines[-1]
             for line in lines[:-1]:
-                if line.strip():
-                    try:
-                        new.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        continue
+                if not line.strip():
+                    continue
+                try:
+                    ev = json.loads(line)
+                    int(ev["rank"]), float(ev["t"])
+                except (ValueError, KeyError, TypeError):
+                    self.bad_lines += 1
+                    continue
+                new.append(ev)
+        new.sort(key=lambda e: float(e["t"]))
         for ev in new:
             self._apply(ev)
         return new
@@ -130,13 +187,20 @@ class EventReader:
             st.stage_t = t
             st.last_progress_t = t
             st.transitions.append((ev["stage"], t))
+            if "clip" in ev:  # a new clip: its step counter starts again
+                st.progress.update(clip=ev["clip"], clips=ev.get("clips"), step=0)
+                if ev.get("steps"):
+                    st.progress["steps"] = ev["steps"]
         elif kind == "progress":
             st.last_progress_t = t
             st.progress.update({k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")})
         elif kind == "hello":
-            st.pid, st.host = ev.get("pid"), ev.get("host")
+            st.pid, st.host, st.local_rank = ev.get("pid"), ev.get("host"), ev.get("local_rank")
             st.last_progress_t = t
+        elif kind == "heartbeat":
+            st.mem = {k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")}
         elif kind == "end":
             st.end = ev
         elif kind == "error":
-            st.error = ev
+            if st.error is None:  # keep the first (a later one is teardown noise)
+                st.error = ev

@@ -2,7 +2,8 @@
 
 Format: ``RANK:STAGE:ACTION`` with ACTION one of ``raise`` (RuntimeError), ``exit`` (os._exit 3),
 ``hang`` (sleep forever, still heart-beating). Checked at every stage change and every denoising
-step of the given rank. Users never set it; the supervision tests do.
+step of the given rank, and as stage ``start`` before the rank writes any event (there ``hang``
+is a rank that never reports). Users never set it; the supervision tests do.
 """
 from __future__ import annotations
 

@@ -4,13 +4,23 @@ One call, :func:`run`, does it all: make the run directory (``<runs_root>/<time>
 write ``spec.json`` once, spawn torchrun with an argument list (per-rank logs and torch elastic
 error files under ``logs/``), then watch the ranks' event files: live progress, the hang
 watchdog (stage-aware limits; SIGUSR1 -> faulthandler stack dump per rank; then stop), fast stop
-of every rank when one fails or on Ctrl-C/SIGTERM, a failure report (rank, stage, traceback,
-hint), and ``run.json``, the manifest. Returns an exit code from :mod:`exit_codes`.
+of every rank when one fails or on Ctrl-C/SIGTERM, a failure report (the *first* failing rank,
+its stage, traceback, hint), and ``run.json``, the manifest. Returns an exit code from
+:mod:`exit_codes`. See docs/supervision.md.
+
+Processes of a run: torchrun (our child, in its own session, with PR_SET_PDEATHSIG so it gets
+SIGTERM if the launcher dies) and its workers (each in its own session). The launcher knows them
+by pid *and* start time (so a recycled pid is never signalled), finds them by parent links in
+/proc, by the ``hello`` events and by their command line (which names this run's spec.json), and
+holds a pidfd per worker: a worker's exit time is known to the millisecond, which is how a rank
+killed from outside is told apart from the peers that then fail with "connection closed".
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import select
 import signal
 import socket
 import subprocess
@@ -24,11 +34,15 @@ from typing import Optional
 
 from wan_s2v_runner import exit_codes, manifest
 from wan_s2v_runner.console import Display
-from wan_s2v_runner.events import EventReader
+from wan_s2v_runner.events import LOAD_STAGES, EventReader, RankState, is_secondary
 from wan_s2v_runner.spec import RunSpec
 
-LOAD_STAGES = {"start", "init_pg", "engine_import", "load", "fingerprint", "shard"}
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+#: after the first failure, torchrun gets this long to tear the others down before we do
+FAILURE_GRACE_S = 3.0
+#: a worker found dead without an ``end`` record counts as failed after this long (its last
+#: records may still be on their way through the file system)
+DEATH_SETTLE_S = 0.3
 
 
 def free_port() -> int:
@@ -65,6 +79,11 @@ def finalize_spec(spec: RunSpec) -> RunSpec:
     return spec
 
 
+def expected_ranks(spec: RunSpec) -> list[int]:
+    """Global ranks started on this node (torchrun's static rendezvous: node-major)."""
+    return list(range(spec.node_rank * spec.nproc, (spec.node_rank + 1) * spec.nproc))
+
+
 def torchrun_argv(spec: RunSpec, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
@@ -87,36 +106,214 @@ def worker_env(spec: RunSpec, extra: Optional[dict] = None) -> dict:
     return env
 
 
-def _children(pid: int) -> list[int]:
-    """All descendants of pid, from /proc (workers run in their own sessions)."""
+def _pdeathsig_fn():
+    """A preexec_fn that makes the child get SIGTERM when the launcher dies (Linux), so a
+    launcher killed with SIGKILL still takes torchrun (which then stops its workers) with it.
+    prctl is resolved here, in the parent: the child only makes one foreign call."""
+    if sys.platform != "linux":
+        return None
+    try:
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+    return preexec
+
+
+# ----- processes, by /proc -----
+def _stat_fields(pid: int) -> Optional[list[str]]:
+    """/proc/<pid>/stat fields after the command name: [state, ppid, ..., starttime at [19]]."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _start_time(pid: int) -> Optional[int]:
+    f = _stat_fields(pid)
+    try:
+        return int(f[19]) if f else None
+    except (IndexError, ValueError):
+        return None
+
+
+def _ppid_map() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        kids.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
+        if d.name.isdigit():
+            f = _stat_fields(int(d.name))
+            if f:
+                kids.setdefault(int(f[1]), []).append(int(d.name))
+    return kids
+
+
+def _descendants(roots: list[int], kids: dict[int, list[int]]) -> set[int]:
+    out: set[int] = set()
+    todo = list(roots)
     while todo:
         for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
+            if c not in out:
+                out.add(c)
+                todo.append(c)
     return out
 
 
-def _alive(pid: int) -> bool:
+def _pids_with_cmdline(*needles: bytes) -> set[int]:
+    """Processes whose command line contains every needle."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if all(n in cmd for n in needles):
+                out.add(int(d.name))
+    return out
+
+
+def _worker_rank(pid: int) -> Optional[int]:
+    """RANK from a worker's environment (same user), for workers that never reported."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie counts as gone
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        if b"wan_s2v_runner.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return None
+        for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if kv.startswith(b"RANK="):
+                return int(kv[5:])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _proc_state(pid: int) -> str:
+    """'S (sleeping) in <wchan>' etc.: what a process that never reported is doing."""
+    names = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O wait", "T": "stopped",
+             "t": "stopped by a debugger", "Z": "a zombie"}
+    f = _stat_fields(pid)
+    state = f[0] if f else "?"
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
     except OSError:
-        return False
+        wchan = ""
+    return f"{names.get(state, state)}" + (f" in {wchan}" if wchan and wchan != "0" else "")
+
+
+def _hwm_mb(pid: int) -> Optional[float]:
+    """Peak resident set size (VmHWM) of a live process, MiB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class ProcTable:
+    """Processes of one run, each pinned by (pid, start time) and, when possible, a pidfd.
+
+    A thread waits on the pidfds, so the exit time of every tracked process is recorded as it
+    happens (``death_t``). Signals go through the pidfd (or after a start-time check), so a pid
+    recycled by an unrelated process is never signalled.
+    """
+
+    def __init__(self):
+        self.start: dict[int, int] = {}  # pid -> start time (clock ticks since boot)
+        self.death_t: dict[int, float] = {}
+        self._fds: dict[int, int] = {}  # pid -> pidfd
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None  # started with the first pidfd
+
+    def track(self, pid: int) -> None:
+        if pid in self.start or pid in self.death_t:
+            return
+        st = _start_time(pid)
+        if st is None:
+            self.death_t[pid] = time.time()
+            return
+        self.start[pid] = st
+        if hasattr(os, "pidfd_open"):
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                fd = None
+            if fd is not None:
+                if _start_time(pid) != st:  # recycled between the two reads
+                    os.close(fd)
+                    del self.start[pid]
+                    return
+                with self._lock:
+                    self._fds[pid] = fd
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._watch, daemon=True, name="wan-s2v-deathwatch")
+                    self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                fds = dict(self._fds)
+            if not fds:
+                self._stop.wait(0.05)
+                continue
+            poller = select.poll()
+            by_fd = {}
+            for pid, fd in fds.items():
+                poller.register(fd, select.POLLIN)
+                by_fd[fd] = pid
+            try:
+                ready = poller.poll(50)
+            except (OSError, ValueError):
+                continue
+            now = time.time()
+            with self._lock:
+                for fd, _ in ready:
+                    pid = by_fd[fd]
+                    self.death_t.setdefault(pid, now)
+                    if self._fds.pop(pid, None) is not None:
+                        os.close(fd)
+
+    def alive(self, pid: int) -> bool:
+        if pid not in self.start or pid in self.death_t:
+            return False
+        f = _stat_fields(pid)
+        if not f or f[0] in ("Z", "X") or _start_time(pid) != self.start[pid]:
+            self.death_t.setdefault(pid, time.time())
+            return False
+        return True
+
+    def kill(self, pid: int, sig: int) -> None:
+        with self._lock:
+            fd = self._fds.get(pid)
+            try:
+                if fd is not None and hasattr(signal, "pidfd_send_signal"):
+                    signal.pidfd_send_signal(fd, sig)
+                    return
+            except ProcessLookupError:
+                return
+            except OSError:
+                pass
+        if self.alive(pid):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+        with self._lock:
+            for fd in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds.clear()
 
 
 @dataclass
@@ -129,6 +326,8 @@ class Outcome:
     traceback: Optional[str] = None
     hint: Optional[str] = None
     stuck: dict = field(default_factory=dict)
+    details: list = field(default_factory=list)  # extra lines for the report (other ranks, stacks)
+    torchrun_rc: Optional[int] = None
 
 
 class Supervisor:
@@ -139,19 +338,28 @@ class Supervisor:
         self.reader = EventReader(run_dir)
         self.log_path = run_dir / "torchrun.log"
         self.proc: Optional[subprocess.Popen] = None
-        self.known_pids: set[int] = set()
+        self.procs = ProcTable()
         self.extra_env = extra_env
+        self.expected = expected_ranks(spec)
         self.signal_received: Optional[int] = None
+        self.force = False  # a second signal: SIGKILL at once
+        self.host_hwm_mb: dict[int, float] = {}  # rank -> VmHWM seen by the launcher
         self.t0 = time.time()
+        self._pump_thread: Optional[threading.Thread] = None
+        self._needle = str(run_dir / "spec.json").encode()
+        self._host = os.uname().nodename
 
     # ----- process tree -----
     def start(self) -> None:
         argv = torchrun_argv(self.spec, self.run_dir)
         write_atomic(self.run_dir / "command.json", json.dumps(argv, indent=1))
+        self.t0 = time.time()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=worker_env(self.spec, self.extra_env),
-                                     start_new_session=True, cwd=os.getcwd())
-        threading.Thread(target=self._pump, daemon=True).start()
+                                     start_new_session=True, cwd=os.getcwd(),
+                                     preexec_fn=_pdeathsig_fn())
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True, name="wan-s2v-pump")
+        self._pump_thread.start()
 
     def _pump(self) -> None:
         with open(self.log_path, "w", encoding="utf-8") as log:
@@ -159,162 +367,424 @@ class Supervisor:
                 line = raw.decode("utf-8", "replace").rstrip("\n")
                 log.write(line + "\n")
                 log.flush()
-                self.display.log_line(line)
+                try:
+                    self.display.log_line(line)
+                except Exception:  # the display must never stop the log
+                    pass
 
-    def tree(self) -> list[int]:
-        pids = set(_children(self.proc.pid)) if self.proc else set()
-        pids |= {st.pid for st in self.reader.ranks.values() if st.pid}
-        self.known_pids |= pids
-        return sorted(p for p in self.known_pids if _alive(p))
+    def join_pump(self, timeout: float = 3.0) -> None:
+        if self._pump_thread is not None:
+            self._pump_thread.join(timeout)
+
+    def tree(self, full: bool = False) -> list[int]:
+        """Live processes of the run (torchrun excluded): found from torchrun's and the known
+        workers' children, the ranks' hello records, and (``full``) command lines naming our
+        spec.json (catches a worker orphaned before it reported)."""
+        for st in self.reader.ranks.values():
+            if st.pid and st.host in (None, self._host):  # never a pid of another machine
+                self.procs.track(st.pid)
+        roots = [p for p in self.procs.start if self.procs.alive(p)]
+        if self.proc is not None and self.proc.poll() is None:
+            roots.append(self.proc.pid)
+        found = _descendants(roots, _ppid_map())
+        if full:
+            found |= _pids_with_cmdline(b"wan_s2v_runner.worker", self._needle)
+        found.discard(os.getpid())
+        if self.proc is not None:
+            found.discard(self.proc.pid)
+        for p in found:
+            self.procs.track(p)
+        return sorted(p for p in self.procs.start if self.procs.alive(p))
+
+    def rank_alive(self, st: RankState) -> bool:
+        return bool(st.pid) and self.procs.alive(st.pid)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM the whole tree, SIGKILL what is left after grace_s. Returns when all are gone."""
+        """SIGTERM torchrun and every process of the run, SIGKILL what is left after grace_s.
+        Returns when none is left (or after a last 10 s of SIGKILL)."""
         if self.proc is None:
             return
-        pids = self.tree()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            targets = ([self.proc.pid] if self.proc.poll() is None else []) + pids
-            for p in targets:
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            if self.force:
+                sig = signal.SIGKILL
+            if self.proc.poll() is None:
                 try:
-                    os.kill(p, sig)
+                    self.proc.send_signal(sig)
                 except ProcessLookupError:
                     pass
-            deadline = time.time() + (grace_s if sig == signal.SIGTERM else 10)
+            for p in self.tree(full=True):
+                self.procs.kill(p, sig)
+            deadline = time.time() + wait_s
             while time.time() < deadline:
-                pids = self.tree()
-                if self.proc.poll() is not None and not pids:
+                time.sleep(0.05)
+                if self.proc.poll() is None:
+                    continue
+                if not self.tree(full=True):
                     return
-                time.sleep(0.1)
-        self.proc.wait(timeout=10)
+                if self.force and sig == signal.SIGTERM:
+                    break
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
 
     def dump_stacks(self, wait_s: float = 3.0) -> list[Path]:
-        for st in self.reader.ranks.values():
-            if st.pid and _alive(st.pid):
-                try:
-                    os.kill(st.pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
-        time.sleep(wait_s)
-        self._pyspy()
-        return sorted((self.run_dir / "stacks").glob("rank*.txt"))
+        """SIGUSR1 every live rank (faulthandler writes stacks/rank{r}.txt); wait until each
+        file has a Python frame (or wait_s); then py-spy, if installed."""
+        live = [st for st in self.reader.ranks.values() if self.rank_alive(st)]
+        for st in live:
+            self.procs.kill(st.pid, signal.SIGUSR1)
+        deadline = time.time() + wait_s
+        files = [self.run_dir / "stacks" / f"rank{st.rank}.txt" for st in live]
+        while time.time() < deadline:
+            if all(_has_frame(f) for f in files):
+                break
+            time.sleep(0.05)
+        self._pyspy(live)
+        return [f for f in files if _has_frame(f)]
 
-    def _pyspy(self) -> None:
+    def _pyspy(self, live: list[RankState]) -> None:
         import shutil
         exe = shutil.which("py-spy")
         if not exe:
             return
-        for st in self.reader.ranks.values():
-            if st.pid and _alive(st.pid):
-                out = subprocess.run([exe, "dump", "--pid", str(st.pid)], capture_output=True, text=True, timeout=30)
+        for st in live:
+            try:
+                out = subprocess.run([exe, "dump", "--pid", str(st.pid)], capture_output=True,
+                                     text=True, timeout=20)
                 (self.run_dir / "stacks" / f"rank{st.rank}.py-spy.txt").write_text(out.stdout + out.stderr)
+            except (OSError, subprocess.SubprocessError):
+                continue
+
+    def sample_memory(self) -> None:
+        for st in self.reader.ranks.values():
+            if st.pid and self.procs.alive(st.pid):
+                hwm = _hwm_mb(st.pid)
+                if hwm is not None:
+                    self.host_hwm_mb[st.rank] = max(hwm, self.host_hwm_mb.get(st.rank, 0.0))
 
     # ----- watchdog -----
     def limit_for(self, stage: str) -> float:
         return self.spec.watchdog_load_s if stage in LOAD_STAGES else self.spec.watchdog_step_s
 
     def stalled(self, now: float) -> Optional[dict]:
-        """{stage: [ranks]} when no rank progressed within its stage's limit, else None."""
-        ranks = self.reader.ranks
-        if len(ranks) < self.spec.nproc:  # ranks not yet reporting count as 'start'
-            last = max([st.last_progress_t for st in ranks.values()] + [self.t0])
-            lim = self.limit_for("start")
-            if lim and now - last > lim:
-                return {"start": sorted(set(range(self.spec.nproc)) - set(ranks))}
-            return None
-        live = [st for st in ranks.values() if st.end is None]
+        """{stage: [ranks]} when every unfinished rank has gone longer than its stage's limit
+        without progress (ranks that never reported count as in ``start`` since the spawn);
+        else None. A limit of 0 turns the watchdog off for that kind of stage."""
+        live = []
+        for r in self.expected:
+            st = self.reader.ranks.get(r)
+            if st is None:
+                live.append((r, "start", self.t0))
+            elif st.end is None and st.error is None:
+                live.append((r, st.stage, st.last_progress_t or self.t0))
         if not live:
             return None
-        limit = max(self.limit_for(st.stage) for st in live)
-        if not limit or now - max(st.last_progress_t for st in live) <= limit:
-            return None
+        for _, stage, last in live:
+            lim = self.limit_for(stage)
+            if not lim or now - last <= lim:
+                return None
         by_stage: dict = {}
-        for st in live:
-            by_stage.setdefault(st.stage, []).append(st.rank)
+        for r, stage, _ in live:
+            by_stage.setdefault(stage, []).append(r)
         return by_stage
 
+    # ----- failures -----
+    def failures_seen(self, now: float) -> bool:
+        """A rank recorded an error, or its process is gone without an ``end`` record."""
+        for st in self.reader.ranks.values():
+            if st.error:
+                return True
+            if st.end is None and st.pid:
+                dt = self.procs.death_t.get(st.pid)
+                if dt is None and not self.procs.alive(st.pid):
+                    dt = self.procs.death_t.get(st.pid)
+                if dt is not None and now - dt > DEATH_SETTLE_S:
+                    return True
+        return False
+
     # ----- main loop -----
-    def supervise(self, poll_s: float = 0.25) -> Outcome:
-        outcome = Outcome()
+    def supervise(self, poll_s: float = 0.1) -> Outcome:
         first_failure_t: Optional[float] = None
+        tick = 0
         while True:
+            now = time.time()
             new = self.reader.poll()
-            self.display.update(self.reader, new, time.time() - self.t0)
-            self.tree()
+            if tick % 3 == 0 or new:
+                self.tree(full=tick % 20 == 0)
+                self.sample_memory()
+            tick += 1
+            try:
+                self.display.update(self.reader, new, now - self.t0)
+            except Exception:  # a display glitch must never stop supervision
+                pass
             if self.signal_received is not None:
-                self.stop()
+                where = _where(self.reader, self.expected)
+                self.stop(grace_s=5.0)
                 return Outcome(code=exit_codes.INTERRUPTED,
-                               reason=f"interrupted by {signal.Signals(self.signal_received).name}")
+                               reason=f"interrupted by {signal.Signals(self.signal_received).name}"
+                                      + (f" ({where})" if where else "") + "; every rank was stopped",
+                               torchrun_rc=self.proc.poll())
             rc = self.proc.poll()
             if rc is not None:
                 self.reader.poll()
-                if rc == 0 and not self.tree():
-                    return outcome
-                # torchrun already failed; make sure nothing of the run survives
+                if rc == 0:
+                    deadline = time.time() + 3.0
+                    while self.tree() and time.time() < deadline:
+                        time.sleep(0.05)
+                    if self.tree():
+                        self.stop(grace_s=2.0)
+                    self.reader.poll()
+                    if all(self.reader.ranks.get(r) and self.reader.ranks[r].end
+                           and not self.reader.ranks[r].error for r in self.expected):
+                        return Outcome(torchrun_rc=rc)
+                # torchrun failed: make sure nothing of the run survives
+                rank_failed = any(st.error or (st.end is None and st.pid and not self.procs.alive(st.pid))
+                                  for st in self.reader.ranks.values())
                 self.stop(grace_s=2.0)
+                self.reader.poll()
+                if rc < 0 and not rank_failed:
+                    # torchrun itself was killed; its workers were still fine (we stopped them)
+                    return Outcome(code=exit_codes.RANK_FAILED, torchrun_rc=rc,
+                                   reason=f"torchrun (pid {self.proc.pid}) was {_describe_exit(rc)} while "
+                                          f"the ranks were running ({_where(self.reader, self.expected)}); "
+                                          "the launcher stopped the ranks",
+                                   hint="Something outside the run killed torchrun (the OOM killer? a job "
+                                        "scheduler? `kill`?): check `dmesg` and the scheduler's logs.")
                 return self._failure(rc)
-            errors = [st for st in self.reader.ranks.values() if st.error]
-            if errors and first_failure_t is None:
-                first_failure_t = time.time()
-            if first_failure_t is not None and time.time() - first_failure_t > 5.0:
+            if first_failure_t is None and self.failures_seen(now):
+                first_failure_t = now
+            if first_failure_t is not None and now - first_failure_t > FAILURE_GRACE_S:
                 # torchrun normally tears the others down itself; don't wait for collectives to time out
                 self.stop(grace_s=2.0)
-                return self._failure(self.proc.poll() or 1)
-            stuck = self.stalled(time.time())
+                self.reader.poll()
+                return self._failure(self.proc.poll())
+            stuck = None if first_failure_t is not None else self.stalled(now)
             if stuck:
-                stacks = self.dump_stacks()
-                self.stop(grace_s=2.0)
-                desc = "; ".join(f"{stage} on ranks {','.join(map(str, rs))}" for stage, rs in stuck.items())
-                return Outcome(code=exit_codes.HUNG, stuck=stuck,
-                               reason=f"stuck in {desc} (no progress for "
-                                      f"{max(self.limit_for(s) for s in stuck):g}s); stacks in {self.run_dir / 'stacks'}",
-                               hint=_hint("hang", list(stuck)),
-                               traceback=None if stacks else "no stack dumps were written")
+                return self._hang(stuck, now)
             time.sleep(poll_s)
 
-    def _failure(self, rc: int) -> Outcome:
+    def _hang(self, stuck: dict, now: float) -> Outcome:
+        limit = max(self.limit_for(s) for s in stuck)
+        live = self.tree(full=True)
+        never = stuck.get("start", [])
+        silent = {}  # rank -> (pid, state) of workers that never reported, read before stopping
+        for pid in live:
+            r = _worker_rank(pid)
+            if r in never:
+                silent[r] = (pid, _proc_state(pid))
+        stacks = self.dump_stacks()
+        self.stop(grace_s=2.0)
+        self.reader.poll()
+        parts = []
+        for stage, rs in stuck.items():
+            st = self.reader.ranks.get(rs[0])
+            parts.append(f"{stage}{_progress_suffix(st) if st else ''} on rank{'s' if len(rs) > 1 else ''} "
+                         f"{','.join(map(str, rs))}")
+        details = analyse_stacks(self.run_dir, sorted(r for rs in stuck.values() for r in rs))
+        if never:
+            for r in reversed(never):
+                if r in silent:
+                    pid, state = silent[r]
+                    details.insert(0, f"rank {r} never reported (no events): its process (pid {pid}) was "
+                                      f"{state}; stacks/rank{r}.at-stop.txt has its stack if it got as far "
+                                      "as registering faulthandler")
+                else:
+                    details.insert(0, f"rank {r} never reported (no events) and no worker process was "
+                                      "found for it: torchrun did not start it (rendezvous with other nodes?)")
+        for r in sorted(r for rs in stuck.values() for r in rs):
+            st = self.reader.ranks.get(r)
+            if st and st.last_seen_t and now - st.last_seen_t > 10:
+                details.append(f"rank {r}: no heartbeat for {now - st.last_seen_t:.0f}s "
+                               "(process frozen, swapping, or stopped?)")
+        return Outcome(code=exit_codes.HUNG, stuck=stuck, failed_stage=next(iter(stuck)),
+                       reason=f"stuck in {'; '.join(parts)} (no progress for {limit:g}s); "
+                              f"stacks in {self.run_dir / 'stacks'}",
+                       hint=_hint("hang", list(stuck)), details=details,
+                       traceback=None if stacks else "no stack dumps were written",
+                       torchrun_rc=self.proc.poll())
+
+    def _failure(self, rc: Optional[int]) -> Outcome:
+        """The first failing rank (by its error record or, for a rank that died without one,
+        its exit time), with its traceback, a hint, and one line per other affected rank."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self.join_pump(timeout=2.0)  # torchrun's failure summary (exit codes) into torchrun.log
         ranks = self.reader.ranks
-        errs = sorted((st for st in ranks.values() if st.error), key=lambda s: float(s.error["t"]))
-        tb_by_rank = read_error_files(self.run_dir)
-        if errs:
-            st = errs[0]
+        tb_by_rank = read_error_files(self.run_dir, self.spec.node_rank * self.spec.nproc)
+        exits = parse_torchrun_exits(self.log_path)
+        cands = []  # (sort time, rank, kind)
+        for st in ranks.values():
+            if st.error:
+                msg = f"{st.error.get('error_type')}: {st.error.get('message')}"
+                penalty = 1.0 if is_secondary(msg) else 0.0  # a peer's "connection closed" comes after the cause
+                cands.append((float(st.error["t"]) + penalty, st.rank, "error"))
+            elif st.end is None and st.pid and st.pid in self.procs.death_t:
+                cands.append((self.procs.death_t[st.pid], st.rank, "died"))
+        if not cands and tb_by_rank:  # failed before writing any event (e.g. at import)
+            stamps = read_error_files(self.run_dir, self.spec.node_rank * self.spec.nproc, stamps=True)
+            rank = min(tb_by_rank, key=lambda r: (stamps.get(r, 0), r))
+            tb = tb_by_rank[rank]
+            msg = tb.strip().splitlines()[-1] if tb.strip() else "(no message)"
+            others = sorted(set(tb_by_rank) - {rank})
+            return Outcome(code=exit_codes.RANK_FAILED, failed_rank=rank, failed_stage="start",
+                           error=msg, traceback=tb, torchrun_rc=rc,
+                           reason=f"rank {rank} failed before its first event: {msg}",
+                           hint=_hint(msg, ["start"], self.spec),
+                           details=[f"also rank {r}: {_first_line(tb_by_rank[r].strip().splitlines()[-1])}"
+                                    for r in others if tb_by_rank[r].strip()])
+        if not cands:
+            missing = sorted(set(self.expected) - set(ranks))
+            return Outcome(code=exit_codes.RANK_FAILED, torchrun_rc=rc,
+                           reason=f"torchrun exited with {rc}"
+                           + (f"; ranks {missing} never started" if missing else ""),
+                           traceback=_tail(self.log_path, 30),
+                           hint="torchrun itself failed: see torchrun.log in the run directory "
+                                "(rendezvous port in use? another node unreachable?)")
+        cands.sort()
+        _, rank, kind = cands[0]
+        st = ranks[rank]
+        where = f"{st.stage}{_progress_suffix(st)}"
+        if kind == "error":
             msg = f"{st.error.get('error_type')}: {st.error.get('message')}"
-            return Outcome(code=exit_codes.RANK_FAILED, failed_rank=st.rank, failed_stage=st.stage,
-                           error=msg, traceback=tb_by_rank.get(st.rank),
-                           reason=f"rank {st.rank} failed in stage {st.stage}: {msg}", hint=_hint(msg, [st.stage]))
-        gone = [st for st in ranks.values() if st.end is None]
-        if gone:
-            st = min(gone, key=lambda s: s.rank)
-            died = ", ".join(f"rank {s.rank} (pid {s.pid}) in {s.stage}" for s in gone)
-            return Outcome(code=exit_codes.RANK_FAILED, failed_rank=st.rank, failed_stage=st.stage,
-                           error="exited without a report (killed by a signal, e.g. SIGKILL or the OOM killer?)",
-                           traceback=tb_by_rank.get(st.rank),
-                           reason=f"ranks stopped without finishing: {died}",
-                           hint="Check `dmesg` for the OOM killer; host RAM per rank is in doctor's memory plan.")
-        missing = sorted(set(range(self.spec.nproc)) - set(ranks))
-        return Outcome(code=exit_codes.RANK_FAILED, reason=f"torchrun exited with {rc}"
-                       + (f"; ranks {missing} never started" if missing else ""),
-                       traceback=_tail(self.log_path, 30))
+            reason = f"rank {rank} failed in stage {where}: {msg}"
+            hint = _hint(msg, [st.stage], self.spec)
+        else:
+            code = exits.get(rank)
+            how = _describe_exit(code)
+            msg = f"died without an error report ({how})"
+            reason = f"rank {rank} (pid {st.pid}) {msg} in stage {where}"
+            hint = ("Killed by SIGKILL: `kill -9` from outside, or the kernel's OOM killer (check "
+                    "`dmesg | grep -i oom`). Host RAM per rank peaks during loading; see run.json "
+                    "ranks.*.host_peak_rss_mb and `wan-s2v doctor`'s memory plan; fewer ranks per "
+                    "node or --mode ulysses (no CPU-side FSDP copy) lower it."
+                    if code == -9 else
+                    "The process exited or crashed without a Python exception; its Python stack at the "
+                    f"crash is in {self.run_dir / 'stacks' / f'rank{rank}.txt'}."
+                    if _has_frame(self.run_dir / "stacks" / f"rank{rank}.txt") else
+                    "The process exited or crashed without a Python exception (os._exit, or a native "
+                    "crash without a Python stack): read its stderr.log under logs/.")
+        details = []
+        for t, r, k in cands[1:]:
+            o = ranks[r]
+            if k == "error":
+                m = f"{o.error.get('error_type')}: {o.error.get('message')}"
+                details.append(f"also rank {r} in {o.stage}: {_first_line(m)}"
+                               + (" (a consequence: a peer went away)" if is_secondary(m) else ""))
+            else:
+                details.append(f"also rank {r} (pid {o.pid}) exited in {o.stage} ({_describe_exit(exits.get(r))})")
+        return Outcome(code=exit_codes.RANK_FAILED, failed_rank=rank, failed_stage=st.stage,
+                       error=msg, traceback=tb_by_rank.get(rank), reason=reason, hint=hint,
+                       details=details, torchrun_rc=rc)
 
     def on_signal(self, signum, _frame) -> None:
+        if self.signal_received is not None:
+            self.force = True
         self.signal_received = signum
 
+    def close(self) -> None:
+        self.procs.close()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.join_pump(timeout=2.0)
 
-def read_error_files(run_dir: Path) -> dict[int, str]:
-    """rank -> traceback text from torch elastic's per-rank error.json files."""
-    out: dict[int, str] = {}
+
+def _has_frame(path: Path) -> bool:
+    try:
+        return 'File "' in path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def _progress_suffix(st: RankState) -> str:
+    p = st.progress
+    if st.stage == "denoise" and p.get("clip"):
+        return f" (clip {p['clip']}/{p.get('clips') or '?'}, step {p.get('step', 0)}/{p.get('steps') or '?'})"
+    return ""
+
+
+def _where(reader: EventReader, expected: list[int]) -> str:
+    st = reader.ranks.get(min(expected)) if expected else None
+    return f"rank {st.rank} was in {st.stage}{_progress_suffix(st)}" if st else ""
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0][:300] if text.strip() else ""
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+_EXIT_RE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def parse_torchrun_exits(log_path: Path) -> dict[int, int]:
+    """global rank -> exit code, from torchrun's failure summary (negative: killed by signal)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return {}
+    return {int(m.group(1)): int(m.group(3)) for m in _EXIT_RE.finditer(text)}
+
+
+def read_error_files(run_dir: Path, rank_offset: int = 0, stamps: bool = False) -> dict:
+    """global rank -> traceback text from torch elastic's per-rank error.json files
+    (``logs/<id>/attempt_<n>/<local_rank>/error.json``; global rank = offset + local rank).
+    With ``stamps``: global rank -> the file's timestamp (whole seconds) instead."""
+    out: dict = {}
     for ef in (run_dir / "logs").glob("*/attempt_*/*/error.json"):
         try:
             data = json.loads(ef.read_text())
             msg = data.get("message", {})
             if isinstance(msg, dict):
-                text = msg.get("message", "") + "\n" + msg.get("extraInfo", {}).get("py_callstack", "")
+                extra = msg.get("extraInfo", {})
+                text = extra.get("py_callstack", "") or msg.get("message", "")
+                stamp = int(extra.get("timestamp", 0) or 0)
             else:
-                text = str(msg)
-            local = int(ef.parent.name)
-            out[local] = text.strip()
-        except (OSError, ValueError):
+                text, stamp = str(msg), int(data.get("timestamp", 0) or 0)
+            out[rank_offset + int(ef.parent.name)] = stamp if stamps else text.strip()
+        except (OSError, ValueError, AttributeError, TypeError):
             continue
     return out
+
+
+_THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.M)
+_FRAME_RE = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)', re.M)
+
+
+def analyse_stacks(run_dir: Path, ranks: list[int]) -> list[str]:
+    """One line per rank: where its main thread is (top frame), and whether it waits in a
+    torch.distributed collective. Ranks *not* in a collective while others wait are the suspects."""
+    lines, in_coll, outside = [], [], []
+    for r in ranks:
+        try:
+            text = (run_dir / "stacks" / f"rank{r}.txt").read_text(errors="replace")
+        except OSError:
+            continue
+        blocks = [b for b in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text) if _FRAME_RE.search(b)]
+        main = next((b for b in blocks if "wan_s2v_runner/worker.py" in b or "in <module>" in b), None)
+        if main is None:
+            continue
+        frames = _FRAME_RE.findall(main)
+        top = frames[0]
+        coll = next((fn for path, _, fn in frames if path.endswith("distributed_c10d.py")), None)
+        at = f"{Path(top[0]).name}:{top[1]} in {top[2]}"
+        if coll:
+            in_coll.append(r)
+            lines.append(f"rank {r}: waiting in collective {coll} (top frame {at})")
+        else:
+            outside.append(r)
+            lines.append(f"rank {r}: not in a collective, at {at}")
+    if in_coll and outside:
+        lines.append(f"-> rank(s) {','.join(map(str, outside))} did not reach the collective the others "
+                     "wait in: look there first")
+    return lines
 
 
 def _tail(path: Path, n: int) -> str:
@@ -324,29 +794,99 @@ def _tail(path: Path, n: int) -> str:
         return ""
 
 
+def _oom_hint(stage: str, spec: Optional[RunSpec]) -> str:
+    mode = spec.mode.value if spec else "?"
+    if stage in ("load", "shard", "fingerprint", "engine_import"):
+        fix = ("--mode fsdp-fixed (DiT and T5 sharded over the ranks) or --mode hybrid (DiT sharded, "
+               "T5 on CPU)" if mode == "ulysses" else
+               "--mode hybrid (T5 on CPU) or more ranks" if mode == "fsdp-fixed" else "more ranks")
+        return f"GPU out of memory while loading weights ({mode}): try {fix}."
+    if stage == "text_encode":
+        return f"GPU out of memory in the text encoder ({mode}): --mode hybrid keeps T5 on the CPU."
+    if stage in ("decode", "motion_encode", "ref_encode"):
+        return ("GPU out of memory in the VAE (every rank decodes the whole clip): a smaller --size "
+                "or fewer --infer-frames; --offload-model frees the DiT's memory first.")
+    if stage == "denoise":
+        return (f"GPU out of memory while denoising ({mode}): --mode hybrid (Ulysses + FSDP DiT) with "
+                "more ranks splits both weights and activations; a smaller --size or fewer "
+                "--infer-frames shrinks activations.")
+    return f"GPU out of memory in {stage} ({mode}): try --mode hybrid, more ranks, or a smaller --size."
+
+
 HINTS = [
-    ("out of memory", "GPU out of memory: try --mode hybrid (FSDP DiT + T5 on CPU), more ranks, a smaller --size, or fewer --infer-frames."),
-    ("cuda oom", "GPU out of memory: try --mode hybrid, more ranks, or a smaller --size."),
-    ("timed out", "A collective timed out: one rank is far behind or dead. Check that rank's log; raise --pg-timeout for slow storage."),
-    ("timeout", "A collective timed out: one rank is far behind or dead. Check that rank's log; raise --pg-timeout for slow storage."),
-    ("no such file", "A file is missing: run `wan-s2v doctor` with the same flags to check the checkpoint and inputs."),
-    ("filenotfound", "A file is missing: run `wan-s2v doctor` with the same flags to check the checkpoint and inputs."),
+    ("out of memory", None),  # stage/mode aware, see _oom_hint
+    ("timed out", "A collective timed out: one rank is far behind or dead. Look for an earlier "
+                  "failure on another rank (or node); raise --pg-timeout for slow storage."),
+    ("watchdog caught collective", "NCCL's watchdog fired: a rank stopped joining collectives. Look "
+                                   "for an earlier failure on another rank (or node)."),
+    ("no such file", "A file is missing: run `wan-s2v doctor` with the same flags to check the "
+                     "checkpoint and inputs."),
+    ("filenotfound", "A file is missing: run `wan-s2v doctor` with the same flags to check the "
+                     "checkpoint and inputs."),
     ("undefined symbol", "flash-attn was built for another torch: rebuild it, or use --attention sdpa."),
     ("weightmismatch", "Give every node identical checkpoint files (compare their sha256)."),
-    ("muxing audio", "The mp4 could not get its audio: check the audio file decodes (`wan-s2v doctor --audio ...`)."),
+    ("muxing audio", "The mp4 could not get its audio: check the audio file decodes "
+                     "(`wan-s2v doctor --audio ...`)."),
 ]
 
 
-def _hint(text: str, stages: list) -> Optional[str]:
+def _hint(text: str, stages: list, spec: Optional[RunSpec] = None) -> Optional[str]:
     if text == "hang":
         if any(s in LOAD_STAGES for s in stages):
-            return "Stuck while starting/loading: check storage speed, NCCL_P2P_DISABLE=1 on consumer GPUs, and that every node reached the rendezvous."
-        return "Stuck in a collective or step: look at the stack dumps; a rank waiting in all_to_all/all_gather is waiting for another."
+            return ("Stuck while starting/loading/encoding: check storage speed, NCCL_P2P_DISABLE=1 on "
+                    "consumer GPUs, and that every node reached the rendezvous; raise --watchdog-load "
+                    "if loading is just slow.")
+        return ("Stuck in a step or collective: read the stack dumps (the rank that is not waiting in "
+                "a collective is the one to look at); raise --watchdog-step if steps are just slow.")
     low = text.lower()
+    if is_secondary(text):
+        return ("This rank lost its connection to a peer: the peer failed or was killed first (if "
+                "it is on another node, read that node's run directory).")
     for key, hint in HINTS:
         if key in low:
-            return hint
+            return hint if hint is not None else _oom_hint(stages[0] if stages else "?", spec)
     return None
+
+
+def _output_stamp(path: Path) -> Optional[tuple]:
+    try:
+        s = path.stat()
+        return (s.st_ino, s.st_mtime_ns, s.st_size)
+    except OSError:
+        return None
+
+
+def cleanup_partial_outputs(spec: RunSpec, pids: list[int]) -> list[Path]:
+    """Remove temporary files the ranks left next to the output (a rank killed while saving):
+    media writes ``.<stem>.<pid>.<tag>.mp4``; frames go through ``.<name>.<pid>.tmp``."""
+    removed = []
+    patterns = []
+    for pid in pids:
+        patterns.append((spec.output.parent, f".{spec.output.stem}.{pid}.*{spec.output.suffix}"))
+        if spec.frames_out:
+            patterns.append((spec.frames_out.parent, f".{spec.frames_out.name}.{pid}.tmp"))
+    for d, pat in patterns:
+        for p in d.glob(pat):
+            try:
+                p.unlink()
+                removed.append(p)
+            except OSError:
+                pass
+    return removed
+
+
+def _remove_empty_stacks(run_dir: Path) -> None:
+    d = run_dir / "stacks"
+    for f in d.glob("*.txt"):
+        try:
+            if f.stat().st_size == 0:
+                f.unlink()
+        except OSError:
+            pass
+    try:
+        d.rmdir()  # only if empty
+    except OSError:
+        pass
 
 
 def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional[dict] = None) -> int:
@@ -357,19 +897,42 @@ def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional
     write_atomic(run_dir / "spec.json", spec.to_json())
     display.started(spec, run_dir)
     sup = Supervisor(spec, run_dir, display, extra_env)
-    old = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
-        if threading.current_thread() is threading.main_thread() else {}
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
+                continue  # under nohup: keep ignoring hangups
+            old[s] = signal.signal(s, sup.on_signal)
+    before = _output_stamp(spec.output)
     started = time.time()
     try:
-        sup.start()
-        outcome = sup.supervise()
+        try:
+            sup.start()
+            outcome = sup.supervise()
+        except BaseException:
+            sup.force = True  # the launcher itself failed: leave nothing behind
+            sup.stop(grace_s=0)
+            raise
+        finally:
+            sup.close()
+        rank_pids = [st.pid for st in sup.reader.ranks.values() if st.pid]
+        cleanup_partial_outputs(spec, rank_pids)
+        _remove_empty_stacks(run_dir)
+        sup.reader.poll()
+        if outcome.code == exit_codes.OK and (not spec.output.is_file() or _output_stamp(spec.output) == before):
+            outcome = Outcome(code=exit_codes.RANK_FAILED, torchrun_rc=outcome.torchrun_rc,
+                              reason=f"the run ended but {spec.output} was not written")
+        data = manifest.build(spec, run_dir, sup.reader, outcome, started, time.time(),
+                              launcher={"pid": os.getpid(), "torchrun_pid": sup.proc.pid if sup.proc else None,
+                                        "torchrun_exit_code": outcome.torchrun_rc,
+                                        "host_peak_rss_mb_seen": {str(k): v for k, v in sup.host_hwm_mb.items()},
+                                        "rank_exit_codes": {str(k): v for k, v in
+                                                            parse_torchrun_exits(sup.log_path).items()} or None,
+                                        "signal": signal.Signals(sup.signal_received).name
+                                        if sup.signal_received else None})
+        write_atomic(run_dir / "run.json", json.dumps(data, indent=2, default=str))
+        display.finished(spec, run_dir, outcome, data)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    sup.reader.poll()
-    if outcome.code == exit_codes.OK and not spec.output.is_file():
-        outcome = Outcome(code=exit_codes.RANK_FAILED, reason=f"the run ended but {spec.output} was not written")
-    data = manifest.build(spec, run_dir, sup.reader, outcome, started, time.time())
-    write_atomic(run_dir / "run.json", json.dumps(data, indent=2, default=str))
-    display.finished(spec, run_dir, outcome, data)
     return outcome.code

@@ -34,22 +34,46 @@ def engine_info(spec) -> dict:
             "s2v_fingerprint": fp, "matches_known_upstream": fp == engine.KNOWN_S2V_FINGERPRINT}
 
 
-def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, ended: float) -> dict:
+def _mem(st, key: str, launcher_seen: dict):
+    """A peak-memory figure: the rank's own ``end`` record, else its last heartbeat, else (host
+    RSS only) the launcher's reading of /proc/<pid>/status VmHWM while the rank ran."""
+    end = st.end or {}
+    if end.get(key) is not None:
+        return end[key], "end"
+    found = []
+    if st.mem.get(key) is not None:
+        found.append((st.mem[key], "heartbeat"))
+    if key == "host_peak_rss_mb" and launcher_seen.get(str(st.rank)) is not None:
+        found.append((launcher_seen[str(st.rank)], "launcher"))
+    return max(found) if found else (None, None)
+
+
+def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, ended: float,
+          launcher: dict | None = None) -> dict:
     from wan_s2v_runner import media
 
+    launcher = launcher or {}
+    seen = launcher.get("host_peak_rss_mb_seen") or {}
     ranks = {}
     for r, st in sorted(reader.ranks.items()):
         end = st.end or {}
+        host, src = _mem(st, "host_peak_rss_mb", seen)
+        gpu_alloc, _ = _mem(st, "gpu_peak_allocated_mb", seen)
+        gpu_res, _ = _mem(st, "gpu_peak_reserved_mb", seen)
         ranks[str(r)] = {
-            "pid": st.pid, "host": st.host, "last_stage": st.stage,
+            "pid": st.pid, "host": st.host, "local_rank": st.local_rank, "last_stage": st.stage,
+            "progress": st.progress or None,
+            "finished": bool(st.end) and not st.error,
             "stage_seconds": stage_durations(st),
-            "host_peak_rss_mb": end.get("host_peak_rss_mb"),
-            "gpu_peak_allocated_mb": end.get("gpu_peak_allocated_mb"),
-            "gpu_peak_reserved_mb": end.get("gpu_peak_reserved_mb"),
+            "host_peak_rss_mb": host, "memory_source": src,
+            "gpu_peak_allocated_mb": gpu_alloc,
+            "gpu_peak_reserved_mb": gpu_res,
             "wall_s": end.get("wall_s"),
             "error": st.error and {k: st.error.get(k) for k in ("error_type", "message", "stage")},
         }
-    r0 = reader.ranks.get(0)
+    r0 = reader.ranks.get(min(reader.ranks)) if reader.ranks else None
+    stacks = sorted(str(p.relative_to(run_dir)) for p in (Path(run_dir) / "stacks").glob("*.txt")) \
+        if (Path(run_dir) / "stacks").is_dir() else []
     output = None
     if outcome.code == exit_codes.OK and spec.output.is_file():
         info = media.probe(spec.output)
@@ -66,11 +90,15 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
         "exit": {"code": outcome.code, "status": exit_codes.NAMES.get(outcome.code, "unknown"),
                  "reason": outcome.reason, "failed_rank": outcome.failed_rank,
                  "failed_stage": outcome.failed_stage, "error": outcome.error, "hint": outcome.hint,
-                 "stuck": outcome.stuck or None},
+                 "stuck": outcome.stuck or None, "details": outcome.details or None,
+                 "traceback": outcome.traceback},
+        "launcher": launcher or None,
+        "stacks": stacks,
         "seed": spec.seed,
         "mode": spec.mode.value,
         "layout": {**spec.layout.model_dump(), "ulysses_degree": spec.layout.ulysses_degree,
                    "nproc_per_node": spec.nproc, "nnodes": spec.nnodes, "node_rank": spec.node_rank},
+        # wall time per stage of the first rank on this node (rank 0 on node 0); per rank below
         "stage_seconds": stage_durations(r0) if r0 else {},
         "ranks": ranks,
         "output": output,

@@ -32,9 +32,16 @@ log = logging.getLogger("wan_s2v.worker")
 class RankEvents(EventWriter):
     """EventWriter that also checks the test fault hook at every stage."""
 
-    def __init__(self, run_dir: Path, rank: int):
-        super().__init__(run_dir, rank)
+    def __init__(self, run_dir: Path, rank: int, mem_fn=None):
+        super().__init__(run_dir, rank, mem_fn=mem_fn)
         self._fault = faults.parse(os.environ.get(faults.ENV))
+        self.error_reported = False
+
+    def error(self, e: BaseException) -> None:
+        """Record the rank's failure once, as early as possible (before comms are torn down)."""
+        if not self.error_reported:
+            self.error_reported = True
+            self.emit("error", error_type=type(e).__name__, message=str(e)[:2000])
 
     def fault_point(self, stage: str) -> None:
         if self._fault:
@@ -53,11 +60,19 @@ def _setup_logging(rank: int) -> None:
 
 
 def _register_stack_dump(run_dir: Path, rank: int):
+    """Python stacks of every thread, written by faulthandler's C handler (works while the main
+    thread is blocked in a collective): on SIGUSR1 (the launcher's hang watchdog) and on a fatal
+    signal (SIGSEGV, SIGABRT, ...) to stacks/rank{r}.txt; on SIGTERM (the run being stopped) to
+    stacks/rank{r}.at-stop.txt, then the default action (exit). Empty files are removed by the
+    launcher at the end of the run."""
     d = run_dir / "stacks"
     d.mkdir(parents=True, exist_ok=True)
     f = open(d / f"rank{rank}.txt", "w", encoding="utf-8")
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
-    return f
+    faulthandler.enable(file=f, all_threads=True)
+    f_stop = open(d / f"rank{rank}.at-stop.txt", "w", encoding="utf-8")
+    faulthandler.register(signal.SIGTERM, file=f_stop, all_threads=True, chain=True)
+    return f, f_stop
 
 
 def engine_config(wan, spec: RunSpec):
@@ -81,13 +96,21 @@ def generate_frames(pipeline, spec: RunSpec):
             seed=spec.seed, offload_model=spec.offload, init_first_frame=spec.start_from_ref)
 
 
-def _peak_memory(spec: RunSpec) -> dict:
+def _peak_memory(spec: RunSpec, heartbeat: bool = False) -> dict:
     out = {"host_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
-    if spec.device == "cuda" and torch.cuda.is_available():
+    if heartbeat:  # current RSS too (cheap: /proc/self/statm)
+        try:
+            with open("/proc/self/statm") as f:
+                out["rss_mb"] = round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+        except (OSError, ValueError, IndexError):
+            pass
+    # from the heartbeat thread, only query CUDA once the main thread has initialised it
+    if spec.device == "cuda" and torch.cuda.is_available() and (not heartbeat or torch.cuda.is_initialized()):
         out["gpu_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         out["gpu_peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
     else:
         out["gpu_peak_allocated_mb"] = None
+        out["gpu_peak_reserved_mb"] = None
     return out
 
 
@@ -139,9 +162,14 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
             media.save_video_with_audio(video, cfg.sample_fps, spec.audio, spec.output,
                                         on_stage=events.stage)
         events.stage("done")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException as e:
+        # Record the failure before anything closes this rank's connections: peers then fail
+        # with "connection closed" *after* this record, so the launcher names the right rank.
+        # No destroy_process_group on this path (it can block on a broken group); exiting
+        # closes everything.
+        events.error(e)
+        raise
+    dist.destroy_process_group()
     return 0
 
 
@@ -153,20 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     spec = RunSpec.from_json_file(spec_path)
     rank = int(os.environ.get("RANK", 0))
     _setup_logging(rank)
-    stack_file = _register_stack_dump(run_dir, rank)
-    events = RankEvents(run_dir, rank)
+    stack_files = _register_stack_dump(run_dir, rank)  # noqa: F841 (open for the process's life)
+    faults.maybe_fire(rank, "start")  # test hook: a rank that fails/hangs before its first event
+    events = RankEvents(run_dir, rank, mem_fn=lambda: _peak_memory(spec, heartbeat=True))
     events.emit("hello", pid=os.getpid(), host=os.uname().nodename,
                 local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     t0 = time.time()
     try:
         run_rank(spec, run_dir, events)
     except BaseException as e:
-        events.emit("error", error_type=type(e).__name__, message=str(e)[:2000])
+        events.error(e)
         raise
     finally:
         events.emit("end", wall_s=round(time.time() - t0, 3), **_peak_memory(spec))
         events.close()
-        stack_file.close()
     return 0
 
 

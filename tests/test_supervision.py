@@ -1,0 +1,493 @@
+"""Supervision: failures, hangs, kills and Ctrl-C end the whole run, fast, with a report that names
+the right rank; a normal run leaves a complete manifest.
+
+Distributed tests spawn the real CLI, which spawns real ``torch.distributed.run`` over gloo;
+faults come from the worker's test hook (``WAN_S2V_TEST_FAULT=RANK:STAGE:ACTION``) or from
+signals sent by the test. Nothing is mocked. Every test checks, by PID (with the process start
+time, so a recycled PID is not mistaken for a survivor), that no process of the run is left:
+torchrun (from run.json or /proc) and every worker (from the ``hello`` events).
+The unit tests at the end (EventReader, watchdog, log filter, stack analysis) spawn nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from conftest import ROOT, TINY_FLAGS, asset_flags, run_cli
+from wan_s2v_runner import exit_codes, media
+
+#: watchdog limits for the tests. Load-class stages (spawn .. text_encode) measured on this
+#: 2-core box with three 2-rank runs at once: longest single stage 13 s (engine_import),
+#: spawn -> first event 5.6 s; so 90 s never fires by accident. The step limit only matters
+#: in the hang test (the fault parks both ranks in denoise).
+WATCHDOG_LOAD = "90"
+WATCHDOG_STEP = 4.0
+#: launcher exit after a rank's failure / kill / SIGINT (torchrun teardown + our sweep)
+EXIT_WITHIN_S = 10.0
+
+
+# ----- helpers -----
+def _args(assets, tmp_path: Path, *extra: str) -> list[str]:
+    return ["run", *TINY_FLAGS, *asset_flags(assets), "--nproc", "2",
+            "--output", str(tmp_path / "out" / "video.mp4"), "--runs-root", str(tmp_path / "runs"),
+            "--watchdog-load", WATCHDOG_LOAD, *extra]
+
+
+def _popen(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """The CLI as a child we can signal; output to files (no pipe to fill up)."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else []))
+    full_env.update(env or {})
+    return subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", *args], cwd=cwd, env=full_env,
+                            stdin=subprocess.DEVNULL, stdout=open(cwd / "cli.out", "w"),
+                            stderr=open(cwd / "cli.err", "w"))
+
+
+def _output(cwd: Path) -> str:
+    return (cwd / "cli.out").read_text() + (cwd / "cli.err").read_text()
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    dirs = list((tmp_path / "runs").glob("*-*"))
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def _events(run_dir: Path, rank: int) -> list[dict]:
+    p = run_dir / "events" / f"rank{rank}.jsonl"
+    if not p.is_file():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines(keepends=True) if line.endswith("\n")]
+
+
+def _manifest(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def _start_time(pid: int):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants(pid: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+class RunProcs:
+    """PIDs (with start times) of one run's processes, gathered while it runs and afterwards."""
+
+    def __init__(self):
+        self.known: dict[int, str] = {}
+
+    def add(self, pids) -> None:
+        for p in pids:
+            if p and p not in self.known:
+                st = _start_time(p)
+                if st is not None:
+                    self.known[p] = st
+
+    def add_from_run_dir(self, run_dir: Path) -> None:
+        for r in (0, 1):
+            self.add(e.get("pid") for e in _events(run_dir, r) if e["kind"] == "hello")
+
+    def alive(self) -> list[int]:
+        out = []
+        for p, st in self.known.items():
+            try:
+                fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[19] == st and fields[0] != "Z":
+                out.append(p)
+        return out
+
+    def kill_all(self) -> None:
+        for p in self.alive():
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _wait_for(pred, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _assert_nothing_left(procs: RunProcs, run_dir: Path, tmp_path: Path) -> None:
+    procs.add_from_run_dir(run_dir)
+    tr = (_manifest(run_dir).get("launcher") or {}).get("torchrun_pid")
+    assert len(procs.known) >= 2 or tr, "no pids gathered"
+    left = procs.alive()
+    assert not left, f"processes of the run survived: {left}"
+    out_dir = tmp_path / "out"
+    assert not (out_dir / "video.mp4").exists(), "a failed run left an output file"
+    leftovers = list(out_dir.glob(".*")) if out_dir.is_dir() else []
+    assert not leftovers, f"temporary files left: {leftovers}"
+
+
+def _ended(manifest: dict) -> float:
+    return datetime.fromisoformat(manifest["ended"]).timestamp()
+
+
+# ----- distributed tests -----
+def test_normal_run_manifest_is_complete(tiny_assets, tmp_path):
+    """hybrid (Ulysses + FSDP DiT + T5 on CPU): every stage of the list appears, with a time."""
+    r = run_cli(_args(tiny_assets, tmp_path, "--mode", "hybrid"), cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    run_dir = _run_dir(tmp_path)
+    m = _manifest(run_dir)
+    assert m["exit"]["status"] == "ok" and m["exit"]["code"] == 0
+    assert m["seed"] == 42 and m["spec"]["seed"] == 42
+    assert m["mode"] == "hybrid" and m["layout"]["world_size"] == 2
+    for stage in ("init_pg", "engine_import", "load", "fingerprint", "shard", "audio_encode",
+                  "ref_encode", "text_encode", "denoise", "decode", "motion_encode", "save", "mux"):
+        assert isinstance(m["stage_seconds"].get(stage), float), (stage, m["stage_seconds"])
+    assert set(m["ranks"]) == {"0", "1"}
+    for r_, info in m["ranks"].items():
+        assert info["host_peak_rss_mb"] > 100, info
+        assert "gpu_peak_allocated_mb" in info and info["gpu_peak_allocated_mb"] is None
+        assert info["finished"] and info["error"] is None
+        assert info["progress"] == {"clip": 2, "clips": 2, "step": 2, "steps": 2}
+    out = tmp_path / "out" / "video.mp4"
+    assert m["output"]["path"] == str(out)
+    assert m["output"]["sha256"] == media.sha256_file(out)
+    assert m["engine"]["s2v_fingerprint"] and m["versions"]["torch"]
+    assert m["launcher"]["torchrun_exit_code"] == 0
+    # every denoising step of rank 0 was reported
+    steps = [(e["clip"], e["step"]) for e in _events(run_dir, 0) if e["kind"] == "progress"]
+    assert steps == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    # plain console: stage lines, rank 0's steps with ETA; no warnings, tqdm bars or blank lines
+    assert "denoise clip 2/2: ranks 0-1" in r.stdout and "step 2/2, ETA" in r.stdout, r.stdout
+    assert "Warning" not in r.stdout and "%|" not in r.stdout and "\n\n" not in r.stdout, r.stdout
+    assert not (run_dir / "stacks").exists(), "empty stack files should be removed after a good run"
+
+
+def test_rank_raising_in_denoise_is_reported_and_everything_stops(tiny_assets, tmp_path):
+    procs = RunProcs()
+    try:
+        r = run_cli(_args(tiny_assets, tmp_path), cwd=tmp_path,
+                    env={"WAN_S2V_TEST_FAULT": "1:denoise:raise"})
+        run_dir = _run_dir(tmp_path)
+        procs.add_from_run_dir(run_dir)
+        assert r.returncode == exit_codes.RANK_FAILED, r.output
+        # the first failing rank, not rank 0 (which then fails with "connection closed")
+        assert "rank 1 failed in stage denoise" in r.stderr, r.stderr
+        assert "InjectedFault: injected fault on rank 1 in stage denoise" in r.stderr
+        assert "Traceback (most recent call last)" in r.stderr and "faults.py" in r.stderr
+        m = _manifest(run_dir)
+        assert m["exit"]["failed_rank"] == 1 and m["exit"]["failed_stage"] == "denoise"
+        assert m["output"] is None
+        fault_t = next(e["t"] for e in _events(run_dir, 1) if e["kind"] == "error")
+        took = _ended(m) - fault_t
+        print(f"raise: fault -> launcher done {took:.2f}s")
+        assert took < EXIT_WITHIN_S
+        _assert_nothing_left(procs, run_dir, tmp_path)
+    finally:
+        procs.kill_all()
+
+
+def test_hang_fires_watchdog_with_stacks_of_every_rank(tiny_assets, tmp_path):
+    procs = RunProcs()
+    try:
+        r = run_cli(_args(tiny_assets, tmp_path, "--watchdog-step", str(WATCHDOG_STEP)), cwd=tmp_path,
+                    env={"WAN_S2V_TEST_FAULT": "1:denoise:hang"})
+        run_dir = _run_dir(tmp_path)
+        procs.add_from_run_dir(run_dir)
+        assert r.returncode == exit_codes.HUNG, r.output
+        assert "stuck in denoise (clip 1/2, step 0/2) on ranks 0,1" in r.stderr, r.stderr
+        assert f"stacks in {run_dir / 'stacks'}" in r.stderr
+        # the suspect is named: rank 1 never reached the collective rank 0 waits in
+        assert "rank 0: waiting in collective all_to_all" in r.stderr, r.stderr
+        assert "rank 1: not in a collective, at faults.py" in r.stderr, r.stderr
+        for rank in (0, 1):
+            text = (run_dir / "stacks" / f"rank{rank}.txt").read_text()
+            assert 'File "' in text and "wan_s2v_runner/worker.py" in text, text
+        assert "in maybe_fire" in (run_dir / "stacks" / "rank1.txt").read_text()
+        m = _manifest(run_dir)
+        assert m["exit"]["status"] == "hung" and m["exit"]["stuck"] == {"denoise": [0, 1]}
+        last_progress = max(e["t"] for rank in (0, 1) for e in _events(run_dir, rank)
+                            if e["kind"] in ("stage", "progress"))
+        took = _ended(m) - last_progress
+        print(f"hang: last progress -> launcher done {took:.2f}s (limit {WATCHDOG_STEP}s)")
+        assert WATCHDOG_STEP <= took < WATCHDOG_STEP + 6.0
+        _assert_nothing_left(procs, run_dir, tmp_path)
+    finally:
+        procs.kill_all()
+
+
+def test_watchdog_sees_a_rank_that_never_reports(tiny_assets, tmp_path):
+    """Rank 0 hangs before its first event (so rank 1 waits in the rendezvous): the load limit
+    applies from the spawn, and the report names rank 0 and what its process was doing."""
+    procs = RunProcs()
+    try:
+        r = run_cli(_args(tiny_assets, tmp_path, "--watchdog-load", "8"), cwd=tmp_path,
+                    env={"WAN_S2V_TEST_FAULT": "0:start:hang"})
+        run_dir = _run_dir(tmp_path)
+        procs.add_from_run_dir(run_dir)
+        assert r.returncode == exit_codes.HUNG, r.output
+        assert not _events(run_dir, 0)
+        m = _manifest(run_dir)
+        assert 0 in m["exit"]["stuck"]["start"], m["exit"]
+        assert "rank 0 never reported (no events): its process (pid" in r.stderr, r.stderr
+        assert "maybe_fire" in (run_dir / "stacks" / "rank0.at-stop.txt").read_text()
+        _assert_nothing_left(procs, run_dir, tmp_path)
+    finally:
+        procs.kill_all()
+
+
+def test_rank0_stopped_while_muxing_leaves_no_partial_output(tiny_assets, tmp_path):
+    """Rank 0 hangs between writing the temporary video and muxing the audio; the watchdog
+    stops it (SIGTERM: no Python cleanup runs). The output path holds nothing, and the
+    launcher removes the rank's temporary files."""
+    procs = RunProcs()
+    p = _popen(_args(tiny_assets, tmp_path, "--watchdog-step", str(WATCHDOG_STEP)), cwd=tmp_path,
+               env={"WAN_S2V_TEST_FAULT": "0:mux:hang"})
+    try:
+        procs.add([p.pid])
+        out_dir = tmp_path / "out"
+        temps = _wait_for(lambda: list(out_dir.glob(".video.*.mp4")) if out_dir.is_dir() else None,
+                          150, "rank 0's temporary video")
+        procs.add(_descendants(p.pid))
+        rc = p.wait(timeout=60)
+        out = _output(tmp_path)
+        assert rc == exit_codes.HUNG, out
+        assert "stuck in mux on rank 0" in out, out
+        run_dir = _run_dir(tmp_path)
+        m = _manifest(run_dir)
+        assert m["ranks"]["1"]["finished"] and not m["ranks"]["0"]["finished"]
+        assert all(not t.exists() for t in temps)
+        _assert_nothing_left(procs, run_dir, tmp_path)
+        assert not list(out_dir.iterdir())
+    finally:
+        if p.poll() is None:
+            p.kill()
+        procs.kill_all()
+
+
+def _wait_in_denoise(run_dir_fn, rank: int, min_step: int = 2):
+    """(pid of rank, its progress record) once it has finished min_step steps of a clip."""
+    def probe():
+        rd = run_dir_fn()
+        if rd is None:
+            return None
+        ev = _events(rd, rank)
+        pid = next((e["pid"] for e in ev if e["kind"] == "hello"), None)
+        prog = [e for e in ev if e["kind"] == "progress"]
+        if pid and prog and prog[-1]["step"] >= min_step and prog[-1]["step"] < prog[-1]["steps"]:
+            return pid, prog[-1]
+        return None
+    return _wait_for(probe, 150, f"rank {rank} in denoise")
+
+
+def _maybe_run_dir(tmp_path: Path):
+    dirs = list((tmp_path / "runs").glob("*-*")) if (tmp_path / "runs").is_dir() else []
+    return dirs[0] if dirs else None
+
+
+def test_rank_killed_with_sigkill_mid_denoise(tiny_assets, tmp_path):
+    procs = RunProcs()
+    p = _popen(_args(tiny_assets, tmp_path, "--steps", "12"), cwd=tmp_path)
+    try:
+        procs.add([p.pid])
+        pid, prog = _wait_in_denoise(lambda: _maybe_run_dir(tmp_path), rank=1)
+        procs.add(_descendants(p.pid))
+        os.kill(pid, signal.SIGKILL)
+        t_kill = time.time()
+        rc = p.wait(timeout=60)
+        took = time.time() - t_kill
+        print(f"SIGKILL: kill -> launcher exit {took:.2f}s (killed at clip {prog['clip']} step {prog['step']})")
+        out = _output(tmp_path)
+        assert rc == exit_codes.RANK_FAILED, out
+        # rank 1 is named (not rank 0, whose collective then failed with a connection error)
+        assert f"rank 1 (pid {pid}) died without an error report (killed by SIGKILL) in stage denoise" in out, out
+        assert "(a consequence: a peer went away)" in out or "also rank 0" in out, out
+        m = _manifest(_run_dir(tmp_path))
+        assert m["exit"]["failed_rank"] == 1 and m["exit"]["failed_stage"] == "denoise"
+        assert m["ranks"]["1"]["host_peak_rss_mb"], "a killed rank still gets a peak-memory figure"
+        assert took < EXIT_WITHIN_S
+        _assert_nothing_left(procs, _run_dir(tmp_path), tmp_path)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        procs.kill_all()
+
+
+def test_sigint_to_launcher_stops_every_process(tiny_assets, tmp_path):
+    procs = RunProcs()
+    p = _popen(_args(tiny_assets, tmp_path, "--steps", "12"), cwd=tmp_path)
+    try:
+        procs.add([p.pid])
+        _wait_in_denoise(lambda: _maybe_run_dir(tmp_path), rank=0)
+        tree = _descendants(p.pid)
+        procs.add(tree)
+        assert len(tree) >= 3, f"expected torchrun + 2 workers under the launcher, got {tree}"
+        os.kill(p.pid, signal.SIGINT)
+        t_sig = time.time()
+        rc = p.wait(timeout=60)
+        took = time.time() - t_sig
+        print(f"SIGINT: signal -> launcher exit {took:.2f}s")
+        out = _output(tmp_path)
+        assert rc == exit_codes.INTERRUPTED == 130, out
+        assert "interrupted by SIGINT" in out, out
+        run_dir = _run_dir(tmp_path)
+        m = _manifest(run_dir)
+        assert m["exit"]["status"] == "interrupted" and m["launcher"]["signal"] == "SIGINT"
+        assert took < EXIT_WITHIN_S
+        _assert_nothing_left(procs, run_dir, tmp_path)
+        assert p.pid in procs.known and m["launcher"]["torchrun_pid"] in procs.known
+    finally:
+        if p.poll() is None:
+            p.kill()
+        procs.kill_all()
+
+
+# ----- unit tests (nothing spawned) -----
+def test_event_reader_handles_partial_lines_and_garbage(tmp_path):
+    from wan_s2v_runner.events import EventReader
+
+    d = tmp_path / "events"
+    d.mkdir()
+    f = d / "rank0.jsonl"
+    rec = json.dumps({"t": 1.0, "rank": 0, "kind": "stage", "stage": "load"})
+    f.write_text(rec[:10])
+    reader = EventReader(tmp_path)
+    assert reader.poll() == [] and 0 not in reader.ranks
+    with open(f, "a") as fh:
+        fh.write(rec[10:] + "\nnot json\n" + json.dumps({"t": 2.0, "rank": 0, "kind": "progress",
+                                                         "stage": "denoise", "step": 1}))
+    new = reader.poll()
+    assert [e["kind"] for e in new] == ["stage"] and reader.bad_lines == 1
+    assert reader.ranks[0].stage == "load" and reader.ranks[0].last_progress_t == 1.0
+    with open(f, "a") as fh:
+        fh.write("\n")
+    assert [e["kind"] for e in reader.poll()] == ["progress"]
+    assert reader.ranks[0].progress["step"] == 1 and reader.ranks[0].last_progress_t == 2.0
+
+
+def _supervisor(tmp_path, **spec_kw):
+    from wan_s2v_runner.console import Display
+    from wan_s2v_runner.launch import Supervisor
+    from wan_s2v_runner.spec import RunSpec
+
+    spec = RunSpec(ckpt_dir=tmp_path, image=tmp_path / "i.png", audio=tmp_path / "a.wav",
+                   prompt="p", output=tmp_path / "o.mp4", nproc=2, device="cpu", **spec_kw)
+    sup = Supervisor(spec, tmp_path, Display(rich=False))
+    sup.t0 = 1000.0
+    return sup
+
+
+def test_watchdog_stalled_is_stage_aware(tmp_path):
+    from wan_s2v_runner.events import RankState
+
+    sup = _supervisor(tmp_path, watchdog_load_s=100, watchdog_step_s=10)
+    # a rank that never reported counts as stuck in 'start' since the spawn (load limit)
+    sup.reader.ranks = {0: RankState(0, stage="init_pg", last_progress_t=1001.0)}
+    assert sup.stalled(1050.0) is None
+    assert sup.stalled(1102.0) == {"init_pg": [0], "start": [1]}
+    # one rank still loading (long limit) keeps the watchdog quiet even if the other idles
+    sup.reader.ranks = {0: RankState(0, stage="denoise", last_progress_t=1000.0),
+                        1: RankState(1, stage="load", last_progress_t=1000.0)}
+    assert sup.stalled(1050.0) is None
+    sup.reader.ranks[1].stage = "denoise"
+    assert sup.stalled(1009.0) is None
+    assert sup.stalled(1011.0) == {"denoise": [0, 1]}
+    # progress on any rank resets it; finished ranks are ignored
+    sup.reader.ranks[1].last_progress_t = 1008.0
+    assert sup.stalled(1011.0) is None
+    sup.reader.ranks[1].end = {"t": 1008.0}
+    assert sup.stalled(1011.0) == {"denoise": [0]}
+    # 0 turns the limit off
+    sup2 = _supervisor(tmp_path, watchdog_load_s=100, watchdog_step_s=0)
+    sup2.reader.ranks = {r: RankState(r, stage="denoise", last_progress_t=1000.0) for r in (0, 1)}
+    assert sup2.stalled(5000.0) is None
+
+
+def test_log_filter_keeps_rank0_logs_and_drops_noise():
+    from wan_s2v_runner.console import LogFilter
+
+    f = LogFilter()
+    lines = [
+        "W1122 01:54:05.765000 7391 torch/distributed/elastic/multiprocessing/api.py:1028] Sending SIGTERM",
+        "[default0]:/x/motioner.py:30: FutureWarning: `torch.cuda.amp.autocast(args...)` is deprecated.",
+        "[default0]:  @amp.autocast(enabled=False)",
+        "[default0]:[2026-11-22 01:51:52,151] [rank0] INFO wan_s2v.patches: attention backend: sdpa",
+        "[default0]:",
+        "[default0]:Loading weights: 100%|██████████| 423/423 [00:00<00:00, 33308.75it/s]",
+        "[default0]:[rank0]: Traceback (most recent call last):",
+        '[default0]:[rank0]:   File "x.py", line 1, in <module>',
+        "[default0]:[rank0]: RuntimeError: boom",
+        "[default0]:[2026-11-22 01:51:53,000] [rank0] INFO root: after",
+    ]
+    shown = [s for s in (f(x) for x in lines) if s is not None]
+    assert shown == ["[2026-11-22 01:51:52,151] [rank0] INFO wan_s2v.patches: attention backend: sdpa",
+                     "[2026-11-22 01:51:53,000] [rank0] INFO root: after"]
+
+
+def test_stack_analysis_names_the_rank_outside_the_collective(tmp_path):
+    from wan_s2v_runner.launch import analyse_stacks
+
+    (tmp_path / "stacks").mkdir()
+    waiting = ('Current thread 0x1 (most recent call first):\n'
+               '  File "/t/torch/distributed/distributed_c10d.py", line 5279 in all_to_all\n'
+               '  File "/w/wan_s2v_runner/worker.py", line 90 in generate_frames\n')
+    sleeping = ('Thread 0x2 (most recent call first):\n'
+                '  File "/p/threading.py", line 331 in wait\n\n'
+                'Current thread 0x1 (most recent call first):\n'
+                '  File "/w/wan_s2v_runner/faults.py", line 38 in maybe_fire\n'
+                '  File "/w/wan_s2v_runner/worker.py", line 90 in generate_frames\n')
+    (tmp_path / "stacks" / "rank0.txt").write_text(waiting)
+    (tmp_path / "stacks" / "rank1.txt").write_text(sleeping)
+    lines = analyse_stacks(tmp_path, [0, 1])
+    assert lines[0].startswith("rank 0: waiting in collective all_to_all")
+    assert lines[1] == "rank 1: not in a collective, at faults.py:38 in maybe_fire"
+    assert "rank(s) 1 did not reach the collective" in lines[2]
+
+
+def test_plain_display_coalesces_stage_lines(capsys):
+    from types import SimpleNamespace
+
+    from wan_s2v_runner.console import Display
+    from wan_s2v_runner.events import EventReader
+
+    d = Display(rich=False)
+    d.started(SimpleNamespace(node_rank=0, nproc=2, world_size=2, device="cpu", seed=1,
+                              mode=SimpleNamespace(value="ulysses")), "RUN")
+    reader = EventReader(Path("/nonexistent"))
+    now = time.time()
+    evs = [{"t": now, "rank": 0, "kind": "stage", "stage": "load"},
+           {"t": now + 0.1, "rank": 1, "kind": "stage", "stage": "load"},
+           {"t": now + 0.2, "rank": 0, "kind": "stage", "stage": "denoise", "clip": 1, "clips": 2},
+           {"t": now + 0.3, "rank": 1, "kind": "error", "stage": "load", "error_type": "E", "message": "m"}]
+    for ev in evs:
+        reader._apply(ev)
+    d.update(reader, evs, 0.0)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["[0:00] load: ranks 0-1", "[0:00] denoise clip 1/2: rank 0 (1 of 2)",
+                       "[0:00] rank 1 ERROR in load: E: m"], out
