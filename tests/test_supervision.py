@@ -77,7 +77,7 @@ def _start_time(pid: int):
         return None
 
 
-def _descendants(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
     kids: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -274,7 +274,7 @@ def test_rank0_stopped_while_muxing_leaves_no_partial_output(tiny_assets, tmp_pa
         out_dir = tmp_path / "out"
         temps = _wait_for(lambda: list(out_dir.glob(".video.*.mp4")) if out_dir.is_dir() else None,
                           150, "rank 0's temporary video")
-        procs.add(_descendants(p.pid))
+        procs.add(descendants(p.pid))
         rc = p.wait(timeout=60)
         out = _output(tmp_path)
         assert rc == exit_codes.HUNG, out
@@ -317,7 +317,7 @@ def test_rank_killed_with_sigkill_mid_denoise(tiny_assets, tmp_path):
     try:
         procs.add([p.pid])
         pid, prog = _wait_in_denoise(lambda: _maybe_run_dir(tmp_path), rank=1)
-        procs.add(_descendants(p.pid))
+        procs.add(descendants(p.pid))
         os.kill(pid, signal.SIGKILL)
         t_kill = time.time()
         rc = p.wait(timeout=60)
@@ -345,7 +345,7 @@ def test_sigint_to_launcher_stops_every_process(tiny_assets, tmp_path):
     try:
         procs.add([p.pid])
         _wait_in_denoise(lambda: _maybe_run_dir(tmp_path), rank=0)
-        tree = _descendants(p.pid)
+        tree = descendants(p.pid)
         procs.add(tree)
         assert len(tree) >= 3, f"expected torchrun + 2 workers under the launcher, got {tree}"
         os.kill(p.pid, signal.SIGINT)

@@ -8,19 +8,14 @@ of every rank when one fails or on Ctrl-C/SIGTERM, a failure report (the *first*
 its stage, traceback, hint), and ``run.json``, the manifest. Returns an exit code from
 :mod:`exit_codes`. See docs/supervision.md.
 
-Processes of a run: torchrun (our child, in its own session, with PR_SET_PDEATHSIG so it gets
-SIGTERM if the launcher dies) and its workers (each in its own session). The launcher knows them
-by pid *and* start time (so a recycled pid is never signalled), finds them by parent links in
-/proc, by the ``hello`` events and by their command line (which names this run's spec.json), and
-holds a pidfd per worker: a worker's exit time is known to the millisecond, which is how a rank
-killed from outside is told apart from the peers that then fail with "connection closed".
+Processes of a run (torchrun in its own session with PR_SET_PDEATHSIG, workers in theirs) are
+tracked by :mod:`proctree`; reading a failure or a hang (error files, exit statuses, stacks,
+hints) is :mod:`diagnose`. This module owns the loop that ties them to the events.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
-import select
 import signal
 import socket
 import subprocess
@@ -34,7 +29,29 @@ from typing import Optional
 
 from wan_s2v_runner import exit_codes, manifest
 from wan_s2v_runner.console import Display
+from wan_s2v_runner.diagnose import (
+    analyse_stacks,
+    describe_exit,
+    first_line,
+    has_frame,
+    hint_for,
+    parse_torchrun_exits,
+    progress_suffix,
+    read_error_files,
+    tail_lines,
+    where_ranks_were,
+)
 from wan_s2v_runner.events import LOAD_STAGES, EventReader, RankState, is_secondary
+from wan_s2v_runner.proctree import (
+    ProcTable,
+    descendants,
+    hwm_mb,
+    pdeathsig_preexec,
+    pids_with_cmdline,
+    ppid_map,
+    proc_state,
+    worker_rank,
+)
 from wan_s2v_runner.spec import RunSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -101,219 +118,11 @@ def worker_env(spec: RunSpec, extra: Optional[dict] = None) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if spec.device == "cpu":
         env["OMP_NUM_THREADS"] = str(spec.threads)
+    else:  # fragmentation is a common cause of OOM in long autoregressive runs; user value wins
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.update(extra or {})
     return env
-
-
-def _pdeathsig_fn():
-    """A preexec_fn that makes the child get SIGTERM when the launcher dies (Linux), so a
-    launcher killed with SIGKILL still takes torchrun (which then stops its workers) with it.
-    prctl is resolved here, in the parent: the child only makes one foreign call."""
-    if sys.platform != "linux":
-        return None
-    try:
-        import ctypes
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:
-        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-
-    return preexec
-
-
-# ----- processes, by /proc -----
-def _stat_fields(pid: int) -> Optional[list[str]]:
-    """/proc/<pid>/stat fields after the command name: [state, ppid, ..., starttime at [19]]."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _start_time(pid: int) -> Optional[int]:
-    f = _stat_fields(pid)
-    try:
-        return int(f[19]) if f else None
-    except (IndexError, ValueError):
-        return None
-
-
-def _ppid_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            f = _stat_fields(int(d.name))
-            if f:
-                kids.setdefault(int(f[1]), []).append(int(d.name))
-    return kids
-
-
-def _descendants(roots: list[int], kids: dict[int, list[int]]) -> set[int]:
-    out: set[int] = set()
-    todo = list(roots)
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def _pids_with_cmdline(*needles: bytes) -> set[int]:
-    """Processes whose command line contains every needle."""
-    out = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if all(n in cmd for n in needles):
-                out.add(int(d.name))
-    return out
-
-
-def _worker_rank(pid: int) -> Optional[int]:
-    """RANK from a worker's environment (same user), for workers that never reported."""
-    try:
-        if b"wan_s2v_runner.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return None
-        for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-            if kv.startswith(b"RANK="):
-                return int(kv[5:])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _proc_state(pid: int) -> str:
-    """'S (sleeping) in <wchan>' etc.: what a process that never reported is doing."""
-    names = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O wait", "T": "stopped",
-             "t": "stopped by a debugger", "Z": "a zombie"}
-    f = _stat_fields(pid)
-    state = f[0] if f else "?"
-    try:
-        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
-    except OSError:
-        wchan = ""
-    return f"{names.get(state, state)}" + (f" in {wchan}" if wchan and wchan != "0" else "")
-
-
-def _hwm_mb(pid: int) -> Optional[float]:
-    """Peak resident set size (VmHWM) of a live process, MiB."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-class ProcTable:
-    """Processes of one run, each pinned by (pid, start time) and, when possible, a pidfd.
-
-    A thread waits on the pidfds, so the exit time of every tracked process is recorded as it
-    happens (``death_t``). Signals go through the pidfd (or after a start-time check), so a pid
-    recycled by an unrelated process is never signalled.
-    """
-
-    def __init__(self):
-        self.start: dict[int, int] = {}  # pid -> start time (clock ticks since boot)
-        self.death_t: dict[int, float] = {}
-        self._fds: dict[int, int] = {}  # pid -> pidfd
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None  # started with the first pidfd
-
-    def track(self, pid: int) -> None:
-        if pid in self.start or pid in self.death_t:
-            return
-        st = _start_time(pid)
-        if st is None:
-            self.death_t[pid] = time.time()
-            return
-        self.start[pid] = st
-        if hasattr(os, "pidfd_open"):
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:
-                fd = None
-            if fd is not None:
-                if _start_time(pid) != st:  # recycled between the two reads
-                    os.close(fd)
-                    del self.start[pid]
-                    return
-                with self._lock:
-                    self._fds[pid] = fd
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._watch, daemon=True, name="wan-s2v-deathwatch")
-                    self._thread.start()
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                fds = dict(self._fds)
-            if not fds:
-                self._stop.wait(0.05)
-                continue
-            poller = select.poll()
-            by_fd = {}
-            for pid, fd in fds.items():
-                poller.register(fd, select.POLLIN)
-                by_fd[fd] = pid
-            try:
-                ready = poller.poll(50)
-            except (OSError, ValueError):
-                continue
-            now = time.time()
-            with self._lock:
-                for fd, _ in ready:
-                    pid = by_fd[fd]
-                    self.death_t.setdefault(pid, now)
-                    if self._fds.pop(pid, None) is not None:
-                        os.close(fd)
-
-    def alive(self, pid: int) -> bool:
-        if pid not in self.start or pid in self.death_t:
-            return False
-        f = _stat_fields(pid)
-        if not f or f[0] in ("Z", "X") or _start_time(pid) != self.start[pid]:
-            self.death_t.setdefault(pid, time.time())
-            return False
-        return True
-
-    def kill(self, pid: int, sig: int) -> None:
-        with self._lock:
-            fd = self._fds.get(pid)
-            try:
-                if fd is not None and hasattr(signal, "pidfd_send_signal"):
-                    signal.pidfd_send_signal(fd, sig)
-                    return
-            except ProcessLookupError:
-                return
-            except OSError:
-                pass
-        if self.alive(pid):
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1)
-        with self._lock:
-            for fd in self._fds.values():
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._fds.clear()
 
 
 @dataclass
@@ -357,7 +166,7 @@ class Supervisor:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=worker_env(self.spec, self.extra_env),
                                      start_new_session=True, cwd=os.getcwd(),
-                                     preexec_fn=_pdeathsig_fn())
+                                     preexec_fn=pdeathsig_preexec())
         self._pump_thread = threading.Thread(target=self._pump, daemon=True, name="wan-s2v-pump")
         self._pump_thread.start()
 
@@ -386,9 +195,9 @@ class Supervisor:
         roots = [p for p in self.procs.start if self.procs.alive(p)]
         if self.proc is not None and self.proc.poll() is None:
             roots.append(self.proc.pid)
-        found = _descendants(roots, _ppid_map())
+        found = descendants(roots, ppid_map())
         if full:
-            found |= _pids_with_cmdline(b"wan_s2v_runner.worker", self._needle)
+            found |= pids_with_cmdline(b"wan_s2v_runner.worker", self._needle)
         found.discard(os.getpid())
         if self.proc is not None:
             found.discard(self.proc.pid)
@@ -437,11 +246,11 @@ class Supervisor:
         deadline = time.time() + wait_s
         files = [self.run_dir / "stacks" / f"rank{st.rank}.txt" for st in live]
         while time.time() < deadline:
-            if all(_has_frame(f) for f in files):
+            if all(has_frame(f) for f in files):
                 break
             time.sleep(0.05)
         self._pyspy(live)
-        return [f for f in files if _has_frame(f)]
+        return [f for f in files if has_frame(f)]
 
     def _pyspy(self, live: list[RankState]) -> None:
         import shutil
@@ -459,7 +268,7 @@ class Supervisor:
     def sample_memory(self) -> None:
         for st in self.reader.ranks.values():
             if st.pid and self.procs.alive(st.pid):
-                hwm = _hwm_mb(st.pid)
+                hwm = hwm_mb(st.pid)
                 if hwm is not None:
                     self.host_hwm_mb[st.rank] = max(hwm, self.host_hwm_mb.get(st.rank, 0.0))
 
@@ -519,7 +328,7 @@ class Supervisor:
             except Exception:  # a display glitch must never stop supervision
                 pass
             if self.signal_received is not None:
-                where = _where(self.reader, self.expected)
+                where = where_ranks_were(self.reader, self.expected)
                 self.stop(grace_s=5.0)
                 return Outcome(code=exit_codes.INTERRUPTED,
                                reason=f"interrupted by {signal.Signals(self.signal_received).name}"
@@ -546,8 +355,8 @@ class Supervisor:
                 if rc < 0 and not rank_failed:
                     # torchrun itself was killed; its workers were still fine (we stopped them)
                     return Outcome(code=exit_codes.RANK_FAILED, torchrun_rc=rc,
-                                   reason=f"torchrun (pid {self.proc.pid}) was {_describe_exit(rc)} while "
-                                          f"the ranks were running ({_where(self.reader, self.expected)}); "
+                                   reason=f"torchrun (pid {self.proc.pid}) was {describe_exit(rc)} while "
+                                          f"the ranks were running ({where_ranks_were(self.reader, self.expected)}); "
                                           "the launcher stopped the ranks",
                                    hint="Something outside the run killed torchrun (the OOM killer? a job "
                                         "scheduler? `kill`?): check `dmesg` and the scheduler's logs.")
@@ -570,16 +379,16 @@ class Supervisor:
         never = stuck.get("start", [])
         silent = {}  # rank -> (pid, state) of workers that never reported, read before stopping
         for pid in live:
-            r = _worker_rank(pid)
+            r = worker_rank(pid)
             if r in never:
-                silent[r] = (pid, _proc_state(pid))
+                silent[r] = (pid, proc_state(pid))
         stacks = self.dump_stacks()
         self.stop(grace_s=2.0)
         self.reader.poll()
         parts = []
         for stage, rs in stuck.items():
             st = self.reader.ranks.get(rs[0])
-            parts.append(f"{stage}{_progress_suffix(st) if st else ''} on rank{'s' if len(rs) > 1 else ''} "
+            parts.append(f"{stage}{progress_suffix(st) if st else ''} on rank{'s' if len(rs) > 1 else ''} "
                          f"{','.join(map(str, rs))}")
         details = analyse_stacks(self.run_dir, sorted(r for rs in stuck.values() for r in rs))
         if never:
@@ -600,7 +409,7 @@ class Supervisor:
         return Outcome(code=exit_codes.HUNG, stuck=stuck, failed_stage=next(iter(stuck)),
                        reason=f"stuck in {'; '.join(parts)} (no progress for {limit:g}s); "
                               f"stacks in {self.run_dir / 'stacks'}",
-                       hint=_hint("hang", list(stuck)), details=details,
+                       hint=hint_for("hang", list(stuck)), details=details,
                        traceback=None if stacks else "no stack dumps were written",
                        torchrun_rc=self.proc.poll())
 
@@ -629,28 +438,28 @@ class Supervisor:
             return Outcome(code=exit_codes.RANK_FAILED, failed_rank=rank, failed_stage="start",
                            error=msg, traceback=tb, torchrun_rc=rc,
                            reason=f"rank {rank} failed before its first event: {msg}",
-                           hint=_hint(msg, ["start"], self.spec),
-                           details=[f"also rank {r}: {_first_line(tb_by_rank[r].strip().splitlines()[-1])}"
+                           hint=hint_for(msg, ["start"], self.spec),
+                           details=[f"also rank {r}: {first_line(tb_by_rank[r].strip().splitlines()[-1])}"
                                     for r in others if tb_by_rank[r].strip()])
         if not cands:
             missing = sorted(set(self.expected) - set(ranks))
             return Outcome(code=exit_codes.RANK_FAILED, torchrun_rc=rc,
                            reason=f"torchrun exited with {rc}"
                            + (f"; ranks {missing} never started" if missing else ""),
-                           traceback=_tail(self.log_path, 30),
+                           traceback=tail_lines(self.log_path, 30),
                            hint="torchrun itself failed: see torchrun.log in the run directory "
                                 "(rendezvous port in use? another node unreachable?)")
         cands.sort()
         _, rank, kind = cands[0]
         st = ranks[rank]
-        where = f"{st.stage}{_progress_suffix(st)}"
+        where = f"{st.stage}{progress_suffix(st)}"
         if kind == "error":
             msg = f"{st.error.get('error_type')}: {st.error.get('message')}"
             reason = f"rank {rank} failed in stage {where}: {msg}"
-            hint = _hint(msg, [st.stage], self.spec)
+            hint = hint_for(msg, [st.stage], self.spec)
         else:
             code = exits.get(rank)
-            how = _describe_exit(code)
+            how = describe_exit(code)
             msg = f"died without an error report ({how})"
             reason = f"rank {rank} (pid {st.pid}) {msg} in stage {where}"
             hint = ("Killed by SIGKILL: `kill -9` from outside, or the kernel's OOM killer (check "
@@ -660,7 +469,7 @@ class Supervisor:
                     if code == -9 else
                     "The process exited or crashed without a Python exception; its Python stack at the "
                     f"crash is in {self.run_dir / 'stacks' / f'rank{rank}.txt'}."
-                    if _has_frame(self.run_dir / "stacks" / f"rank{rank}.txt") else
+                    if has_frame(self.run_dir / "stacks" / f"rank{rank}.txt") else
                     "The process exited or crashed without a Python exception (os._exit, or a native "
                     "crash without a Python stack): read its stderr.log under logs/.")
         details = []
@@ -668,10 +477,10 @@ class Supervisor:
             o = ranks[r]
             if k == "error":
                 m = f"{o.error.get('error_type')}: {o.error.get('message')}"
-                details.append(f"also rank {r} in {o.stage}: {_first_line(m)}"
+                details.append(f"also rank {r} in {o.stage}: {first_line(m)}"
                                + (" (a consequence: a peer went away)" if is_secondary(m) else ""))
             else:
-                details.append(f"also rank {r} (pid {o.pid}) exited in {o.stage} ({_describe_exit(exits.get(r))})")
+                details.append(f"also rank {r} (pid {o.pid}) exited in {o.stage} ({describe_exit(exits.get(r))})")
         return Outcome(code=exit_codes.RANK_FAILED, failed_rank=rank, failed_stage=st.stage,
                        error=msg, traceback=tb_by_rank.get(rank), reason=reason, hint=hint,
                        details=details, torchrun_rc=rc)
@@ -685,167 +494,6 @@ class Supervisor:
         self.procs.close()
         if self.proc is not None and self.proc.stdout is not None:
             self.join_pump(timeout=2.0)
-
-
-def _has_frame(path: Path) -> bool:
-    try:
-        return 'File "' in path.read_text(errors="replace")
-    except OSError:
-        return False
-
-
-def _progress_suffix(st: RankState) -> str:
-    p = st.progress
-    if st.stage == "denoise" and p.get("clip"):
-        return f" (clip {p['clip']}/{p.get('clips') or '?'}, step {p.get('step', 0)}/{p.get('steps') or '?'})"
-    return ""
-
-
-def _where(reader: EventReader, expected: list[int]) -> str:
-    st = reader.ranks.get(min(expected)) if expected else None
-    return f"rank {st.rank} was in {st.stage}{_progress_suffix(st)}" if st else ""
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0][:300] if text.strip() else ""
-
-
-def _describe_exit(code: Optional[int]) -> str:
-    if code is None:
-        return "exit status unknown"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-_EXIT_RE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
-
-
-def parse_torchrun_exits(log_path: Path) -> dict[int, int]:
-    """global rank -> exit code, from torchrun's failure summary (negative: killed by signal)."""
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return {}
-    return {int(m.group(1)): int(m.group(3)) for m in _EXIT_RE.finditer(text)}
-
-
-def read_error_files(run_dir: Path, rank_offset: int = 0, stamps: bool = False) -> dict:
-    """global rank -> traceback text from torch elastic's per-rank error.json files
-    (``logs/<id>/attempt_<n>/<local_rank>/error.json``; global rank = offset + local rank).
-    With ``stamps``: global rank -> the file's timestamp (whole seconds) instead."""
-    out: dict = {}
-    for ef in (run_dir / "logs").glob("*/attempt_*/*/error.json"):
-        try:
-            data = json.loads(ef.read_text())
-            msg = data.get("message", {})
-            if isinstance(msg, dict):
-                extra = msg.get("extraInfo", {})
-                text = extra.get("py_callstack", "") or msg.get("message", "")
-                stamp = int(extra.get("timestamp", 0) or 0)
-            else:
-                text, stamp = str(msg), int(data.get("timestamp", 0) or 0)
-            out[rank_offset + int(ef.parent.name)] = stamp if stamps else text.strip()
-        except (OSError, ValueError, AttributeError, TypeError):
-            continue
-    return out
-
-
-_THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.M)
-_FRAME_RE = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)', re.M)
-
-
-def analyse_stacks(run_dir: Path, ranks: list[int]) -> list[str]:
-    """One line per rank: where its main thread is (top frame), and whether it waits in a
-    torch.distributed collective. Ranks *not* in a collective while others wait are the suspects."""
-    lines, in_coll, outside = [], [], []
-    for r in ranks:
-        try:
-            text = (run_dir / "stacks" / f"rank{r}.txt").read_text(errors="replace")
-        except OSError:
-            continue
-        blocks = [b for b in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text) if _FRAME_RE.search(b)]
-        main = next((b for b in blocks if "wan_s2v_runner/worker.py" in b or "in <module>" in b), None)
-        if main is None:
-            continue
-        frames = _FRAME_RE.findall(main)
-        top = frames[0]
-        coll = next((fn for path, _, fn in frames if path.endswith("distributed_c10d.py")), None)
-        at = f"{Path(top[0]).name}:{top[1]} in {top[2]}"
-        if coll:
-            in_coll.append(r)
-            lines.append(f"rank {r}: waiting in collective {coll} (top frame {at})")
-        else:
-            outside.append(r)
-            lines.append(f"rank {r}: not in a collective, at {at}")
-    if in_coll and outside:
-        lines.append(f"-> rank(s) {','.join(map(str, outside))} did not reach the collective the others "
-                     "wait in: look there first")
-    return lines
-
-
-def _tail(path: Path, n: int) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
-def _oom_hint(stage: str, spec: Optional[RunSpec]) -> str:
-    mode = spec.mode.value if spec else "?"
-    if stage in ("load", "shard", "fingerprint", "engine_import"):
-        fix = ("--mode fsdp-fixed (DiT and T5 sharded over the ranks) or --mode hybrid (DiT sharded, "
-               "T5 on CPU)" if mode == "ulysses" else
-               "--mode hybrid (T5 on CPU) or more ranks" if mode == "fsdp-fixed" else "more ranks")
-        return f"GPU out of memory while loading weights ({mode}): try {fix}."
-    if stage == "text_encode":
-        return f"GPU out of memory in the text encoder ({mode}): --mode hybrid keeps T5 on the CPU."
-    if stage in ("decode", "motion_encode", "ref_encode"):
-        return ("GPU out of memory in the VAE (every rank decodes the whole clip): a smaller --size "
-                "or fewer --infer-frames; --offload-model frees the DiT's memory first.")
-    if stage == "denoise":
-        return (f"GPU out of memory while denoising ({mode}): --mode hybrid (Ulysses + FSDP DiT) with "
-                "more ranks splits both weights and activations; a smaller --size or fewer "
-                "--infer-frames shrinks activations.")
-    return f"GPU out of memory in {stage} ({mode}): try --mode hybrid, more ranks, or a smaller --size."
-
-
-HINTS = [
-    ("out of memory", None),  # stage/mode aware, see _oom_hint
-    ("timed out", "A collective timed out: one rank is far behind or dead. Look for an earlier "
-                  "failure on another rank (or node); raise --pg-timeout for slow storage."),
-    ("watchdog caught collective", "NCCL's watchdog fired: a rank stopped joining collectives. Look "
-                                   "for an earlier failure on another rank (or node)."),
-    ("no such file", "A file is missing: run `wan-s2v doctor` with the same flags to check the "
-                     "checkpoint and inputs."),
-    ("filenotfound", "A file is missing: run `wan-s2v doctor` with the same flags to check the "
-                     "checkpoint and inputs."),
-    ("undefined symbol", "flash-attn was built for another torch: rebuild it, or use --attention sdpa."),
-    ("weightmismatch", "Give every node identical checkpoint files (compare their sha256)."),
-    ("muxing audio", "The mp4 could not get its audio: check the audio file decodes "
-                     "(`wan-s2v doctor --audio ...`)."),
-]
-
-
-def _hint(text: str, stages: list, spec: Optional[RunSpec] = None) -> Optional[str]:
-    if text == "hang":
-        if any(s in LOAD_STAGES for s in stages):
-            return ("Stuck while starting/loading/encoding: check storage speed, NCCL_P2P_DISABLE=1 on "
-                    "consumer GPUs, and that every node reached the rendezvous; raise --watchdog-load "
-                    "if loading is just slow.")
-        return ("Stuck in a step or collective: read the stack dumps (the rank that is not waiting in "
-                "a collective is the one to look at); raise --watchdog-step if steps are just slow.")
-    low = text.lower()
-    if is_secondary(text):
-        return ("This rank lost its connection to a peer: the peer failed or was killed first (if "
-                "it is on another node, read that node's run directory).")
-    for key, hint in HINTS:
-        if key in low:
-            return hint if hint is not None else _oom_hint(stages[0] if stages else "?", spec)
-    return None
 
 
 def _output_stamp(path: Path) -> Optional[tuple]:

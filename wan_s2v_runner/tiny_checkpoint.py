@@ -282,7 +282,6 @@ _W2V_VOCAB = ["<pad>", "<s>", "</s>", "<unk>", "|"] + list("ETAONISRHDLUMCWFGYPB
 
 
 def _write_wav2vec(out: Path, wan, *, seed: int, hidden: int) -> None:
-    import torch
     from transformers import (Wav2Vec2Config, Wav2Vec2CTCTokenizer, Wav2Vec2FeatureExtractor,
                               Wav2Vec2ForCTC, Wav2Vec2Processor)
 

@@ -1,0 +1,226 @@
+"""Processes of a run, from /proc: who belongs to it, whether they live, how to stop them.
+
+The launcher tracks torchrun and its workers by pid *and* start time (so a recycled pid is never
+signalled), finds them by parent links, by their command line and by the ranks' ``hello`` events,
+and holds a pidfd per worker so each exit time is known to the millisecond (:class:`ProcTable`).
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+
+def pdeathsig_preexec():
+    """A preexec_fn that makes the child get SIGTERM when the launcher dies (Linux), so a
+    launcher killed with SIGKILL still takes torchrun (which then stops its workers) with it.
+    prctl is resolved here, in the parent: the child only makes one foreign call."""
+    if sys.platform != "linux":
+        return None
+    try:
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+    return preexec
+
+
+# ----- processes, by /proc -----
+def _stat_fields(pid: int) -> Optional[list[str]]:
+    """/proc/<pid>/stat fields after the command name: [state, ppid, ..., starttime at [19]]."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _start_time(pid: int) -> Optional[int]:
+    f = _stat_fields(pid)
+    try:
+        return int(f[19]) if f else None
+    except (IndexError, ValueError):
+        return None
+
+
+def ppid_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            f = _stat_fields(int(d.name))
+            if f:
+                kids.setdefault(int(f[1]), []).append(int(d.name))
+    return kids
+
+
+def descendants(roots: list[int], kids: dict[int, list[int]]) -> set[int]:
+    out: set[int] = set()
+    todo = list(roots)
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def pids_with_cmdline(*needles: bytes) -> set[int]:
+    """Processes whose command line contains every needle."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if all(n in cmd for n in needles):
+                out.add(int(d.name))
+    return out
+
+
+def worker_rank(pid: int) -> Optional[int]:
+    """RANK from a worker's environment (same user), for workers that never reported."""
+    try:
+        if b"wan_s2v_runner.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return None
+        for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if kv.startswith(b"RANK="):
+                return int(kv[5:])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def proc_state(pid: int) -> str:
+    """'S (sleeping) in <wchan>' etc.: what a process that never reported is doing."""
+    names = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O wait", "T": "stopped",
+             "t": "stopped by a debugger", "Z": "a zombie"}
+    f = _stat_fields(pid)
+    state = f[0] if f else "?"
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        wchan = ""
+    return f"{names.get(state, state)}" + (f" in {wchan}" if wchan and wchan != "0" else "")
+
+
+def hwm_mb(pid: int) -> Optional[float]:
+    """Peak resident set size (VmHWM) of a live process, MiB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class ProcTable:
+    """Processes of one run, each pinned by (pid, start time) and, when possible, a pidfd.
+
+    A thread waits on the pidfds, so the exit time of every tracked process is recorded as it
+    happens (``death_t``). Signals go through the pidfd (or after a start-time check), so a pid
+    recycled by an unrelated process is never signalled.
+    """
+
+    def __init__(self):
+        self.start: dict[int, int] = {}  # pid -> start time (clock ticks since boot)
+        self.death_t: dict[int, float] = {}
+        self._fds: dict[int, int] = {}  # pid -> pidfd
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None  # started with the first pidfd
+
+    def track(self, pid: int) -> None:
+        if pid in self.start or pid in self.death_t:
+            return
+        st = _start_time(pid)
+        if st is None:
+            self.death_t[pid] = time.time()
+            return
+        self.start[pid] = st
+        if hasattr(os, "pidfd_open"):
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                fd = None
+            if fd is not None:
+                if _start_time(pid) != st:  # recycled between the two reads
+                    os.close(fd)
+                    del self.start[pid]
+                    return
+                with self._lock:
+                    self._fds[pid] = fd
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._watch, daemon=True, name="wan-s2v-deathwatch")
+                    self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                fds = dict(self._fds)
+            if not fds:
+                self._stop.wait(0.05)
+                continue
+            poller = select.poll()
+            by_fd = {}
+            for pid, fd in fds.items():
+                poller.register(fd, select.POLLIN)
+                by_fd[fd] = pid
+            try:
+                ready = poller.poll(50)
+            except (OSError, ValueError):
+                continue
+            now = time.time()
+            with self._lock:
+                for fd, _ in ready:
+                    pid = by_fd[fd]
+                    self.death_t.setdefault(pid, now)
+                    if self._fds.pop(pid, None) is not None:
+                        os.close(fd)
+
+    def alive(self, pid: int) -> bool:
+        if pid not in self.start or pid in self.death_t:
+            return False
+        f = _stat_fields(pid)
+        if not f or f[0] in ("Z", "X") or _start_time(pid) != self.start[pid]:
+            self.death_t.setdefault(pid, time.time())
+            return False
+        return True
+
+    def kill(self, pid: int, sig: int) -> None:
+        with self._lock:
+            fd = self._fds.get(pid)
+            try:
+                if fd is not None and hasattr(signal, "pidfd_send_signal"):
+                    signal.pidfd_send_signal(fd, sig)
+                    return
+            except ProcessLookupError:
+                return
+            except OSError:
+                pass
+        if self.alive(pid):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+        with self._lock:
+            for fd in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds.clear()
