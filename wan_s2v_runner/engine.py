@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -125,7 +126,9 @@ def import_wan(wan_repo: Optional[Path] = None) -> ModuleType:
 
     torchvision_cpu.apply()
     attention.guard_flash_attn_imports()  # a broken flash-attn must not crash `import wan`
-    with t5_import_device.applied():
+    with t5_import_device.applied(), warnings.catch_warnings():
+        # upstream decorates with the deprecated torch.cuda.amp.autocast; say it once in docs, not per import
+        warnings.filterwarnings("ignore", message=r".*torch\.cuda\.amp\.autocast", category=FutureWarning)
         wan = importlib.import_module("wan")
     got = Path(wan.__file__).parent.resolve()
     if got != loc.package_dir.resolve():
