@@ -236,8 +236,8 @@ def test_demo_assets_cached_and_deterministic(wan, tmp_path):
     tc.ensure_demo_assets(tmp_path / "cache")
     assert not (assets.ckpt_dir / "stale").exists()
     assert tc.checkpoint_is_complete(assets.ckpt_dir)
-    leftovers = [p.name for p in (tmp_path / "cache").iterdir() if ".tmp-" in p.name
-                 or ".old-" in p.name]
+    leftovers = [p.name for p in (tmp_path / "cache").iterdir() if ".tmp" in p.name
+                 or ".old-" in p.name]  # any temporary naming (atomic.temp_name or the build dir's)
     assert leftovers == []
 
 

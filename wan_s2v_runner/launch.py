@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from wan_s2v_runner import exit_codes, manifest
+from wan_s2v_runner import atomic, exit_codes, manifest
 from wan_s2v_runner.console import Display
 from wan_s2v_runner.diagnose import (
     analyse_stacks,
@@ -80,12 +80,6 @@ def make_run_dir(spec: RunSpec) -> Path:
         except FileExistsError:
             continue
     raise RuntimeError(f"could not create a run directory under {root}")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def finalize_spec(spec: RunSpec) -> RunSpec:
@@ -161,7 +155,7 @@ class Supervisor:
     # ----- process tree -----
     def start(self) -> None:
         argv = torchrun_argv(self.spec, self.run_dir)
-        write_atomic(self.run_dir / "command.json", json.dumps(argv, indent=1))
+        atomic.write_text(self.run_dir / "command.json", json.dumps(argv, indent=1))
         self.t0 = time.time()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=worker_env(self.spec, self.extra_env),
@@ -505,14 +499,14 @@ def _output_stamp(path: Path) -> Optional[tuple]:
 
 
 def cleanup_partial_outputs(spec: RunSpec, pids: list[int]) -> list[Path]:
-    """Remove temporary files the ranks left next to the output (a rank killed while saving):
-    media writes ``.<stem>.<pid>.<tag>.mp4``; frames go through ``.<name>.<pid>.tmp``."""
+    """Remove temporary files the ranks left next to the output (a rank killed while saving);
+    every writer names them by :func:`atomic.temp_name`."""
     removed = []
     patterns = []
     for pid in pids:
-        patterns.append((spec.output.parent, f".{spec.output.stem}.{pid}.*{spec.output.suffix}"))
-        if spec.frames_out:
-            patterns.append((spec.frames_out.parent, f".{spec.frames_out.name}.{pid}.tmp"))
+        for dest in (spec.output, spec.frames_out):
+            if dest is not None:
+                patterns.append((dest.parent, atomic.leftover_pattern(dest, pid)))
     for d, pat in patterns:
         for p in d.glob(pat):
             try:
@@ -542,7 +536,7 @@ def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional
     spec = finalize_spec(spec)
     display = display or Display.auto()
     run_dir = make_run_dir(spec)
-    write_atomic(run_dir / "spec.json", spec.to_json())
+    atomic.write_text(run_dir / "spec.json", spec.to_json())
     display.started(spec, run_dir)
     sup = Supervisor(spec, run_dir, display, extra_env)
     old = {}
@@ -578,7 +572,7 @@ def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional
                                                             parse_torchrun_exits(sup.log_path).items()} or None,
                                         "signal": signal.Signals(sup.signal_received).name
                                         if sup.signal_received else None})
-        write_atomic(run_dir / "run.json", json.dumps(data, indent=2, default=str))
+        atomic.write_text(run_dir / "run.json", json.dumps(data, indent=2, default=str))
         display.finished(spec, run_dir, outcome, data)
     finally:
         for s, h in old.items():

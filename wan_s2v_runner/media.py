@@ -18,6 +18,8 @@ from typing import Optional
 
 import numpy as np
 
+from wan_s2v_runner.atomic import temp_name
+
 
 class MediaError(RuntimeError):
     pass
@@ -38,10 +40,6 @@ def frames_to_uint8(frames) -> np.ndarray:
         raise MediaError(f"expected frames shaped (3, N, H, W), got {tuple(arr.shape)}")
     arr = np.clip((arr + 1.0) * 127.5, 0, 255).round().astype(np.uint8)
     return np.ascontiguousarray(arr.transpose(1, 2, 3, 0))
-
-
-def _tmp_name(final: Path, tag: str) -> Path:
-    return final.with_name(f".{final.stem}.{os.getpid()}.{tag}{final.suffix}")
 
 
 def write_h264(frames_u8: np.ndarray, fps: int, path: Path) -> None:
@@ -80,7 +78,7 @@ def save_video_with_audio(frames, fps: int, audio: Path, output: Path, on_stage=
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     u8 = frames_to_uint8(frames)
-    video_tmp, final_tmp = _tmp_name(output, "video"), _tmp_name(output, "tmp")
+    video_tmp, final_tmp = temp_name(output, "video"), temp_name(output, "mux")
     try:
         if on_stage:
             on_stage("save")

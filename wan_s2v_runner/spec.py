@@ -8,11 +8,11 @@ directory as JSON, and each rank reads that file back. Nothing else carries run 
 from __future__ import annotations
 
 import random
-import tomllib
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: Upstream S2V default area (width*height); the engine fits the reference image inside it.

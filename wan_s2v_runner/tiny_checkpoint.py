@@ -41,6 +41,8 @@ from typing import Iterator
 
 import numpy as np
 
+from wan_s2v_runner.atomic import atomic_write, write_text
+
 __all__ = [
     "TINY_FORMAT_VERSION",
     "DemoAssets",
@@ -167,7 +169,14 @@ def _tokenizer_pieces(vocab_size: int) -> list[tuple[str, float]]:
 
 
 def _write_t5_tokenizer(out: Path, vocab_size: int, text_len: int = 512) -> None:
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.Unigram(_tokenizer_pieces(vocab_size), unk_id=2, byte_fallback=False))
@@ -282,8 +291,13 @@ _W2V_VOCAB = ["<pad>", "<s>", "</s>", "<unk>", "|"] + list("ETAONISRHDLUMCWFGYPB
 
 
 def _write_wav2vec(out: Path, wan, *, seed: int, hidden: int) -> None:
-    from transformers import (Wav2Vec2Config, Wav2Vec2CTCTokenizer, Wav2Vec2FeatureExtractor,
-                              Wav2Vec2ForCTC, Wav2Vec2Processor)
+    from transformers import (
+        Wav2Vec2Config,
+        Wav2Vec2CTCTokenizer,
+        Wav2Vec2FeatureExtractor,
+        Wav2Vec2ForCTC,
+        Wav2Vec2Processor,
+    )
 
     if hidden % 4:
         raise ValueError(f"wav2vec_hidden {hidden} must be a multiple of 4")
@@ -602,25 +616,13 @@ def ensure_demo_assets(cache_dir: Path) -> DemoAssets:
         seed = _DEMO_SPEC["seed"]
         build_tiny_checkpoint(assets.ckpt_dir, seed=seed)
         w, h = _DEMO_SPEC["image"]
-        _atomic_file(assets.image, lambda p: make_reference_image(p, width=w, height=h,
+        atomic_write(assets.image, lambda p: make_reference_image(p, width=w, height=h,
                                                                    seed=seed))
-        _atomic_file(assets.audio, lambda p: make_speech_audio(
+        atomic_write(assets.audio, lambda p: make_speech_audio(
             p, seconds=_DEMO_SPEC["audio_seconds"], sample_rate=_DEMO_SPEC["sample_rate"],
             seed=seed))
-        tmp = marker.with_name(marker.name + f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(_DEMO_SPEC, sort_keys=True))
-        os.replace(tmp, marker)
+        write_text(marker, json.dumps(_DEMO_SPEC, sort_keys=True))
     return assets
-
-
-def _atomic_file(dest: Path, write) -> None:
-    tmp = dest.with_name(f".{dest.stem}.tmp-{os.getpid()}{dest.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 if __name__ == "__main__":  # python -m wan_s2v_runner.tiny_checkpoint OUT_DIR

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from wan_s2v_runner import engine, faults
+from wan_s2v_runner import atomic, engine, faults
 from wan_s2v_runner.events import EventWriter
 from wan_s2v_runner.spec import RunSpec
 
@@ -114,13 +114,6 @@ def _peak_memory(spec: RunSpec, heartbeat: bool = False) -> dict:
     return out
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
     import torch.distributed as dist
 
@@ -158,7 +151,8 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
                 raise RuntimeError("rank 0 got no frames from the engine")
             events.emit("frames", shape=list(video.shape))
             if spec.frames_out:
-                _atomic_torch_save(video.contiguous(), spec.frames_out)
+                frames = video.contiguous()
+                atomic.atomic_write(spec.frames_out, lambda p: torch.save(frames, p))
             media.save_video_with_audio(video, cfg.sample_fps, spec.audio, spec.output,
                                         on_stage=events.stage)
         events.stage("done")

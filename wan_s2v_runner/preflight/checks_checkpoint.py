@@ -14,9 +14,21 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .ckpt_reader import (DIT_CONFIG, DIT_INDEX, DIT_SINGLE, LAYOUT, T5_FILE, VAE_FILE, WAV2VEC,
-                          CheckpointFileError, find_entry, pth_params, read_index, read_pth_shapes,
-                          read_safetensors_header)
+from .ckpt_reader import (
+    DIT_CONFIG,
+    DIT_INDEX,
+    DIT_SINGLE,
+    LAYOUT,
+    T5_FILE,
+    VAE_FILE,
+    WAV2VEC,
+    CheckpointFileError,
+    find_entry,
+    pth_params,
+    read_index,
+    read_pth_shapes,
+    read_safetensors_header,
+)
 from .core import check, fail, human_bytes, human_count, ok, skip
 
 #: config.json keys whose absence makes WanModel_S2V build a different model than the

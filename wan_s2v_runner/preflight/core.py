@@ -73,8 +73,16 @@ def check(group: str) -> Callable[[CheckFn], CheckFn]:
 
 def _load_check_modules() -> None:
     # importing registers the checks (decorators); order here = display order within a group
-    from . import (checks_checkpoint, checks_comm, checks_engine, checks_gpu,  # noqa: F401
-                   checks_inputs, checks_memory, checks_parallel, checks_python)
+    from . import (  # noqa: F401
+        checks_checkpoint,
+        checks_comm,
+        checks_engine,
+        checks_gpu,
+        checks_inputs,
+        checks_memory,
+        checks_parallel,
+        checks_python,
+    )
 
 
 def run_checks(ctx, groups: Iterable[str] = GROUPS) -> list[CheckResult]:
