@@ -1,0 +1,97 @@
+"""The run spec: TOML < flags precedence, cluster env defaults, seed resolution, validation
+errors that name the flag and a fix, and the per-mode layout everything else asks."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from wan_s2v_runner import cli, exit_codes, launch
+from wan_s2v_runner.spec import Mode, RunSpec
+
+
+def _args(argv):
+    return cli.build_parser().parse_args(["run", *argv])
+
+
+BASE = ["--ckpt-dir", "ck", "--image", "i.png", "--audio", "a.wav", "--prompt", "p", "--output", "o.mp4"]
+
+
+def test_toml_supplies_and_flags_override(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "run.toml").write_text(
+        '[run]\nckpt_dir = "ck"\nimage = "i.png"\naudio = "a.wav"\nprompt = "from toml"\n'
+        'output = "o.mp4"\nsize = "832*480"\nmode = "hybrid"\nnproc = 4\nseed = 7\n')
+    spec = cli.make_spec(_args(["--config", "run.toml", "--nproc", "2", "--prompt", "from flag"]))
+    assert spec.prompt == "from flag" and spec.nproc == 2  # flags win
+    assert spec.mode is Mode.HYBRID and spec.seed == 7 and spec.max_area == 832 * 480  # toml kept
+    assert spec.ckpt_dir == tmp_path / "ck"  # paths made absolute
+
+
+def test_cluster_env_defaults_below_flags(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "node0.cluster")
+    monkeypatch.setenv("MASTER_PORT", "29600")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    spec = cli.make_spec(_args(BASE + ["--nproc", "8"]))
+    assert (spec.master_addr, spec.master_port, spec.nnodes, spec.node_rank) == ("node0.cluster", 29600, 2, 1)
+    assert spec.world_size == 16
+    spec = cli.make_spec(_args(BASE + ["--master-port", "1234"]))
+    assert spec.master_port == 1234
+
+
+def test_seed_minus_one_is_chosen_once_by_the_launcher():
+    spec = RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p", output="o.mp4", nproc=2)
+    assert spec.seed == -1
+    a, b = launch.finalize_spec(spec), launch.finalize_spec(spec)
+    assert a.seed >= 0 and b.seed >= 0 and a.seed != b.seed  # random per run...
+    assert RunSpec.model_validate_json(a.to_json()).seed == a.seed  # ...and recorded for every rank
+    assert a.master_port is not None  # single node: a free port is picked
+    fixed = launch.finalize_spec(spec.model_copy(update={"seed": 5}))
+    assert fixed.seed == 5
+
+
+@pytest.mark.parametrize("argv, flag, words", [
+    (["--infer-frames", "7"], "--infer-frames", "multiple of 4"),
+    (["--nnodes", "2", "--node-rank", "2"], "--spec", "node_rank 2 must be < nnodes 2"),
+    (["--device", "cpu", "--attention", "fa2"], "--spec", "--attention sdpa"),
+    (["--pg-timeout", "100"], "--spec", "must exceed the watchdog limits"),
+    (["--steps", "0"], "--steps", "greater than 0"),
+])
+def test_invalid_spec_exits_2_with_cause_and_fix(argv, flag, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["run", *BASE, "--runs-root", str(tmp_path / "runs"), *argv])
+    err = capsys.readouterr().err
+    assert code == exit_codes.USAGE
+    assert words in err and "Fix:" in err
+    assert len(err.strip().splitlines()) == 1  # one line per problem
+    assert not (tmp_path / "runs").exists()  # nothing spawned, no run directory
+
+
+def test_missing_required_flag_names_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["run", "--image", "i.png", "--audio", "a.wav", "--prompt", "p"])
+    assert code == exit_codes.USAGE
+    assert "--ckpt-dir is required" in capsys.readouterr().err
+
+
+def test_layout_per_mode():
+    kw = dict(ckpt_dir="c", image="i", audio="a", prompt="p", output="o.mp4", nproc=4)
+    u, f, h = (RunSpec(**kw, mode=m).layout for m in ("ulysses", "fsdp-fixed", "hybrid"))
+    assert (u.use_sp, u.dit_fsdp, u.t5_fsdp, u.t5_cpu, u.ulysses_degree) == (True, False, False, False, 4)
+    assert (f.use_sp, f.dit_fsdp, f.t5_fsdp, f.t5_cpu, f.ulysses_degree) == (False, True, True, False, 1)
+    assert (h.use_sp, h.dit_fsdp, h.t5_fsdp, h.t5_cpu, h.ulysses_degree) == (True, True, False, True, 4)
+    assert RunSpec(**{**kw, "nproc": 1}).layout.use_sp is False  # one rank: plain engine path
+
+
+def test_torchrun_gets_an_argument_list(tmp_path):
+    spec = launch.finalize_spec(RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p",
+                                        output=tmp_path / "it's a \"file\".mp4", nproc=2))
+    argv = launch.torchrun_argv(spec, tmp_path / "run dir")
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+    assert argv[-1] == str(tmp_path / "run dir" / "spec.json")  # one element, spaces and all
