@@ -186,15 +186,15 @@ def check_pth(ctx):
             return fail("ckpt.pth", f"{WAV2VEC}/{e}", FIX_DOWNLOAD)
     if not results:
         return skip("ckpt.pth", "no .pth files (see ckpt.files)")
-    # the sizes the engine will build (patches.checkpoint_dims reads them the same way)
+    # the sizes the engine will build, by patches.checkpoint_dims' rules, from the shapes read above
     try:
-        from patches.checkpoint_dims import read_t5_dims, read_vae_dims
-        if (ctx.ckpt_dir / T5_FILE).is_file():
-            d = read_t5_dims(ctx.ckpt_dir / T5_FILE)
+        from patches.checkpoint_dims import t5_dims_from_shapes, vae_dims_from_shapes
+        if "t5_shapes" in st:
+            d = t5_dims_from_shapes({k: s for k, (s, _) in st["t5_shapes"].items()}, T5_FILE)
             results.append(f"T5 dim {d['dim']}, {d['num_layers']} layers, {d['num_heads']} heads")
             st["t5_dims"] = d
-        if (ctx.ckpt_dir / VAE_FILE).is_file():
-            vd = read_vae_dims(ctx.ckpt_dir / VAE_FILE)
+        if "vae_shapes" in st:
+            vd = vae_dims_from_shapes({k: s for k, (s, _) in st["vae_shapes"].items()}, VAE_FILE)
             results.append(f"VAE width {vd['dim']}")
             if vd.get("z_dim") != 16:
                 return fail("ckpt.pth", f"{VAE_FILE}: z_dim {vd['z_dim']}, the engine's latent statistics "
