@@ -2,11 +2,8 @@
 errors that name the flag and a fix, and the per-mode layout everything else asks."""
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 
 from wan_s2v_runner import cli, exit_codes, launch
 from wan_s2v_runner.spec import Mode, RunSpec

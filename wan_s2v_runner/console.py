@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from wan_s2v_runner.events import is_secondary
+from wan_s2v_runner.events import denoise_position, is_secondary
 
 #: in plain mode, print a step line at least this often (besides each clip's first/last step)
 PROGRESS_EVERY_S = 10.0
@@ -63,8 +63,7 @@ def fmt_ranks(ranks) -> str:
 def progress_text(st) -> str:
     p = st.progress
     if st.stage == "denoise" and p.get("clip"):
-        return (f"clip {p.get('clip')}/{p.get('clips') or '?'} "
-                f"step {p.get('step', 0)}/{p.get('steps') or '?'}")
+        return denoise_position(p)
     return ""
 
 
@@ -205,8 +204,7 @@ class Display:
                 if first_or_last or now - self._last_progress_print >= PROGRESS_EVERY_S:
                     self._last_progress_print = now
                     eta = eta_s(p, self._denoise_t0, t)
-                    self._print(f"[{_fmt_s(t - t0)}] rank {r}: clip {p['clip']}/{p.get('clips') or '?'} "
-                                f"step {p['step']}/{p.get('steps') or '?'}"
+                    self._print(f"[{_fmt_s(t - t0)}] rank {r}: {denoise_position(p)}"
                                 + (f", ETA {_fmt_s(eta)}" if eta is not None else ""))
             elif kind == "error":
                 self._flush(t0, force=True)

@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-from wan_s2v_runner.events import LOAD_STAGES, EventReader, RankState, is_secondary
+from wan_s2v_runner.events import LOAD_STAGES, EventReader, RankState, denoise_position, is_secondary
 from wan_s2v_runner.spec import RunSpec
 
 
@@ -25,7 +25,7 @@ def has_frame(path: Path) -> bool:
 def progress_suffix(st: RankState) -> str:
     p = st.progress
     if st.stage == "denoise" and p.get("clip"):
-        return f" (clip {p['clip']}/{p.get('clips') or '?'}, step {p.get('step', 0)}/{p.get('steps') or '?'})"
+        return f" ({denoise_position(p)})"
     return ""
 
 

@@ -119,6 +119,11 @@ class RankState:
     error: Optional[dict[str, Any]] = None
 
 
+def denoise_position(p: dict) -> str:
+    """'clip j/M, step i/N' from a progress record or RankState.progress ('?' for unknowns)."""
+    return f"clip {p.get('clip')}/{p.get('clips') or '?'}, step {p.get('step') or 0}/{p.get('steps') or '?'}"
+
+
 def stage_durations(st: RankState) -> dict[str, float]:
     """Seconds spent in each stage (summed over repeats, e.g. per-clip denoise/decode)."""
     out: dict[str, float] = {}
