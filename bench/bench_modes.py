@@ -54,7 +54,7 @@ def main() -> int:
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="wan-s2v-bench-"))
     if a.ckpt_dir is None:
-        from wan_s2v_runner.tiny_checkpoint import ensure_demo_assets
+        from wan_s2v_runner.demo_assets import ensure_demo_assets
         assets = ensure_demo_assets(work / "demo")
         a.ckpt_dir, a.image, a.audio = assets.ckpt_dir, assets.image, assets.audio
     base = dict(ckpt_dir=a.ckpt_dir, image=a.image, audio=a.audio, prompt="a person talking",

@@ -16,7 +16,7 @@ Upstream (``wan/modules/attention.py``, byte-identical in wan22==2.2.11 and Wan2
   * Availability is probed at import with ``except ModuleNotFoundError`` only. A flash-attn wheel
     built for another torch fails with ``ImportError: ... undefined symbol: ...`` (ABI mismatch),
     which is *not* a ModuleNotFoundError, so ``import wan`` itself crashes.
-    ``guard_flash_attn_imports()`` below must run before ``import wan`` to turn that into "not
+    ``guard_flash_attn_imports()`` must run before ``import wan`` to turn that into "not
     available" (it parks ``None`` in ``sys.modules`` for the broken module).
   * Callers bind the function *by name* (``from .attention import flash_attention``): model.py,
     s2v/model_s2v.py, s2v/motioner.py (via ``..model``), distributed/ulysses.py (Ulysses path),
@@ -29,7 +29,11 @@ Upstream (``wan/modules/attention.py``, byte-identical in wan22==2.2.11 and Wan2
 Change:
   * ``resolve_backend(requested, device_type)`` picks fa3 > fa2 > sdpa for ``auto`` on CUDA after a
     real import *and* a tiny kernel call (catches ABI mismatch, wrong GPU arch), always sdpa on
-    CPU; an explicit fa3/fa2 that cannot work raises a one-line RuntimeError with the fix.
+    CPU; an explicit fa3/fa2 that cannot work raises a one-line RuntimeError with the fix. The
+    measurement and the rule live in ``wan_s2v_runner.attention_backends``
+    (``measure_availability`` + ``choose_backend``), which the doctor applies to recorded facts,
+    so its prediction and the run's choice cannot drift apart; ``guard_flash_attn_imports`` is
+    there too and re-exported here.
   * ``sdpa_attention`` reproduces flash-attn varlen semantics with
     ``torch.nn.functional.scaled_dot_product_attention`` (see its docstring); ``fa3_attention``
     fixes the tuple/Tensor return; ``fa2_attention`` is upstream's own code with ``version=2``.
@@ -44,19 +48,24 @@ masked rows) in fp32 and fp64; after ``apply`` the S2V modules hold ``sdpa_atten
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
-import re
 import sys
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from wan_s2v_runner.attention_backends import (  # noqa: F401  (engine.py calls the guard from here)
+    BACKENDS,
+    BackendUnavailable,
+    choose_backend,
+    cuda_capability,
+    guard_flash_attn_imports,
+    measure_availability,
+)
 
-BACKENDS = ("fa3", "fa2", "sdpa")
+log = logging.getLogger(__name__)
 
 # Modules of the S2V path that bind ``flash_attention`` by name; apply() must reach all of them.
 S2V_MODULES = (
@@ -71,118 +80,18 @@ _MARK = "_wan_s2v_backend"  # attribute set on our replacement functions
 _ORIG_FA_ATTR = "_wan_s2v_original_flash_attention"  # stored on wan.modules.attention
 _ORIG_ATTN_ATTR = "_wan_s2v_original_attention"
 
-# module name -> reason, filled by guard_flash_attn_imports() for modules parked as None
-_IMPORT_FAILURES: dict[str, str] = {}
-
-_FA_MODULES = {"fa3": "flash_attn_interface", "fa2": "flash_attn"}
-_FA_NAMES = {"fa3": "flash-attn 3 (flash_attn_interface)", "fa2": "flash-attn 2 (flash_attn)"}
-_FA_FIX = {
-    "fa3": "build FA3 from flash-attention/hopper for torch {torch} on an sm90 GPU",
-    "fa2": "pip install flash-attn built for torch {torch} / CUDA {cuda} (Ampere or newer GPU)",
-}
-
 
 # --------------------------------------------------------------------------- backend choice
-def _describe_import_error(err: BaseException) -> str:
-    msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    m = re.search(r"undefined symbol:\s*(\S+)", str(err))
-    if m:
-        return (f"ABI mismatch: its CUDA extension was built for another torch "
-                f"(undefined symbol {m.group(1)})")
-    return f"{type(err).__name__}: {msg}"
-
-
-def guard_flash_attn_imports() -> dict[str, str]:
-    """Call BEFORE ``import wan``. Upstream catches only ModuleNotFoundError around
-    ``import flash_attn_interface`` / ``import flash_attn``; a broken install (ABI mismatch ->
-    ImportError "undefined symbol", or any other import-time error) would crash ``import wan``.
-    For each broken module, park ``None`` in ``sys.modules`` so upstream's import raises
-    ModuleNotFoundError and it treats the backend as unavailable. Returns {module: reason} for
-    the modules it parked. Absent modules are left alone. Idempotent."""
-    for name in _FA_MODULES.values():
-        if name in sys.modules:  # already imported (works) or already parked
-            continue
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # simply not installed: upstream handles that
-                continue
-            _IMPORT_FAILURES[name] = _describe_import_error(e)
-            sys.modules[name] = None  # type: ignore[assignment]
-        except Exception as e:  # ImportError (undefined symbol), OSError, RuntimeError, ...
-            _IMPORT_FAILURES[name] = _describe_import_error(e)
-            sys.modules[name] = None  # type: ignore[assignment]
-    for name, why in _IMPORT_FAILURES.items():
-        log.warning("%s is installed but unusable (%s); treating it as absent", name, why)
-    return dict(_IMPORT_FAILURES)
-
-
-def _smoke(fn: Callable, **extra) -> None:
-    """One tiny varlen call on the current CUDA device: proves the kernel exists for this GPU."""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    x = torch.zeros(4, 1, 64, device=dev, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=dev)
-    out = fn(x, x, x, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2, max_seqlen_k=2, **extra)
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    if tuple(out.shape) != (4, 1, 64):
-        raise RuntimeError(f"unexpected output shape {tuple(out.shape)}")
-    torch.cuda.synchronize(dev)
-
-
-@functools.lru_cache(maxsize=None)
-def _probe(backend: str) -> tuple[bool, str]:
-    """(usable, reason) for fa3/fa2 on CUDA: import (lazily, here only) + a kernel call."""
-    name = _FA_MODULES[backend]
-    if name in _IMPORT_FAILURES:
-        return False, _IMPORT_FAILURES[name]
-    if not torch.cuda.is_available():
-        return False, "torch.cuda.is_available() is False"
-    try:
-        if backend == "fa3":
-            import flash_attn_interface as mod  # noqa: F401  (optional GPU dependency)
-            fn = mod.flash_attn_varlen_func
-        else:
-            import flash_attn as mod  # noqa: F401  (optional GPU dependency)
-            # importing flash_attn loads flash_attn_2_cuda via flash_attn.flash_attn_interface
-            from flash_attn import flash_attn_varlen_func as fn
-    except Exception as e:
-        return False, _describe_import_error(e)
-    try:
-        _smoke(fn)
-    except Exception as e:
-        return False, f"kernel call failed on this GPU: {_describe_import_error(e)}"
-    ver = getattr(mod, "__version__", "?")
-    return True, f"{_FA_NAMES[backend]} {ver} imports and runs on this GPU"
-
-
 def resolve_backend(requested: str = "auto", device_type: str = "cuda") -> tuple[str, str]:
-    """Return (backend, reason). ``requested`` in auto|fa3|fa2|sdpa.
+    """Return (backend, reason) for this process: ``choose_backend`` on a live measurement.
 
     auto: CUDA -> fa3 if usable, else fa2 if usable, else sdpa; any other device -> sdpa.
-    fa3/fa2 explicitly: RuntimeError (cause + fix) if not usable. sdpa: always allowed."""
-    req = (requested or "auto").lower()
-    if req not in ("auto",) + BACKENDS:
-        raise ValueError(f"unknown attention backend {requested!r}; choose from auto, "
-                         + ", ".join(BACKENDS))
-    if req == "sdpa":
-        return "sdpa", "requested explicitly (torch scaled_dot_product_attention)"
-    if device_type != "cuda":
-        if req == "auto":
-            return "sdpa", f"device is {device_type}: flash-attn kernels are CUDA-only"
-        raise RuntimeError(f"{_FA_NAMES[req]} needs a CUDA device, this run is on "
-                           f"{device_type}. Fix: use --attention sdpa (or auto)")
-    fails = []
-    for cand in (("fa3", "fa2") if req == "auto" else (req,)):
-        ok, why = _probe(cand)
-        if ok:
-            return cand, why
-        if req == cand:
-            fix = _FA_FIX[cand].format(torch=torch.__version__, cuda=torch.version.cuda)
-            raise RuntimeError(f"{_FA_NAMES[cand]} is not usable: {why}. "
-                               f"Fix: {fix}, or use --attention sdpa")
-        fails.append(f"{cand}: {why}")
-    return "sdpa", "no usable flash-attn (" + "; ".join(fails) + ")"
+    fa3/fa2 explicitly: BackendUnavailable (a RuntimeError: cause + fix) if not usable. sdpa:
+    always allowed, and flash-attn is then not even imported."""
+    flash = device_type == "cuda" and (requested or "auto").lower() != "sdpa"
+    return choose_backend(requested, device_type, measure_availability(device_type) if flash else {},
+                          cuda_capability() if flash else None, torch_version=torch.__version__,
+                          cuda_version=torch.version.cuda)
 
 
 # --------------------------------------------------------------------------- SDPA backend

@@ -74,7 +74,7 @@ def _need(shapes: dict, key: str, path, what: str) -> tuple[int, ...]:
 
 
 def read_t5_dims(path) -> dict[str, Any]:
-    """Sizes of a umt5 encoder state dict (the ``models_t5_umt5-xxl-enc-bf16.pth`` layout).
+    """Sizes of a umt5 encoder state dict (the layout of ``ckpt_layout.T5_FILE``).
 
     Returns ``vocab_size, dim, dim_attn, dim_ffn, num_heads, num_layers, num_buckets,
     shared_pos``; for the real file this equals ``UPSTREAM_T5``.
@@ -104,7 +104,7 @@ def t5_dims_from_shapes(shapes: dict[str, tuple[int, ...]], source="state dict")
 
 
 def read_vae_dims(path) -> dict[str, int]:
-    """``dim`` (base width) and ``z_dim`` of a Wan2.1 VAE state dict (``Wan2.1_VAE.pth``).
+    """``dim`` (base width) and ``z_dim`` of a Wan2.1 VAE state dict (``ckpt_layout.VAE_FILE``).
 
     For the real file this equals ``UPSTREAM_VAE``.
     """

@@ -22,6 +22,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from wan_s2v_runner.stages import Stage
+
 log = logging.getLogger("wan_s2v.fsdp")
 
 #: test-only fault: the named rank perturbs its weights before the fingerprint (see worker faults)
@@ -77,14 +79,14 @@ def make_shard_model(upstream_shard_model, param_dtype: torch.dtype, on_cpu: boo
         what = type(model).__name__
         _maybe_perturb(model)
         if on_event:
-            on_event("fingerprint", what=what)
+            on_event(Stage.FINGERPRINT, what=what)
         check_same_weights(model, what)
         kwargs["sync_module_states"] = False
         kwargs.setdefault("param_dtype", param_dtype)
         if on_cpu:
             device_id = torch.device("cpu")
         if on_event:
-            on_event("shard", what=what)
+            on_event(Stage.SHARD, what=what)
         log.info("FSDP-wrapping %s (sync_module_states=False, weights verified identical)", what)
         return upstream_shard_model(model, device_id=device_id, **kwargs)
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 
+from wan_s2v_runner.stages import Stage
+
 
 class _Counter:
     def __init__(self, events, total_steps: int):
@@ -27,17 +29,17 @@ class _Counter:
         self.clip = 0
         self.total_clips = None
 
-    def enter(self, stage: str, **data) -> None:
+    def enter(self, stage: Stage, **data) -> None:
         """Emit a stage event unless the rank is already in that stage (back-to-back calls)."""
-        if self.events.stage_name != stage:
+        if self.events.current_stage != stage:
             self.events.stage(stage, **data)
 
     def tqdm(self, iterable, *args, **kwargs):
         self.clip += 1
         n = len(iterable) if hasattr(iterable, "__len__") else self.total_steps
-        self.events.stage("denoise", clip=self.clip, clips=self.total_clips, steps=n)
+        self.events.stage(Stage.DENOISE, clip=self.clip, clips=self.total_clips, steps=n)
         for i, item in enumerate(iterable):
-            self.events.fault_point("denoise")
+            self.events.fault_point(Stage.DENOISE)
             yield item
             self.events.step(clip=self.clip, clips=self.total_clips, step=i + 1, steps=n)
 
@@ -72,7 +74,7 @@ def apply(wan, pipeline, events, total_steps: int, num_clips=None) -> _Counter:
 
     @functools.wraps(encode_audio)
     def encode_audio_reporting(*a, **k):
-        counter.enter("audio_encode")
+        counter.enter(Stage.AUDIO_ENCODE)
         emb, nr = encode_audio(*a, **k)
         counter.total_clips = min(num_clips, nr) if num_clips else nr
         events.emit("clips", clips=counter.total_clips)
@@ -84,17 +86,17 @@ def apply(wan, pipeline, events, total_steps: int, num_clips=None) -> _Counter:
 
     @functools.wraps(vae_encode)
     def vae_encode_reporting(*a, **k):
-        counter.enter("ref_encode" if counter.clip == 0 else "motion_encode")
+        counter.enter(Stage.REF_ENCODE if counter.clip == 0 else Stage.MOTION_ENCODE)
         return vae_encode(*a, **k)
 
     @functools.wraps(vae_decode)
     def vae_decode_reporting(*a, **k):
-        counter.enter("decode")
+        counter.enter(Stage.DECODE)
         return vae_decode(*a, **k)
 
     pipeline.vae.encode = vae_encode_reporting
     pipeline.vae.decode = vae_decode_reporting
     if not isinstance(pipeline.text_encoder, _StageOnCall):
         pipeline.text_encoder = _StageOnCall(
-            pipeline.text_encoder, lambda: counter.enter("text_encode", clips=counter.total_clips))
+            pipeline.text_encoder, lambda: counter.enter(Stage.TEXT_ENCODE, clips=counter.total_clips))
     return counter

@@ -1,17 +1,24 @@
-"""What every mode runner provides. A mode is data plus one spawn path (``launch.run``)."""
+"""What every mode runner provides: its mode, what that mode does to the engine (from
+:data:`wan_s2v_runner.layout.MODES`), and one spawn path (``launch.run``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wan_s2v_runner.spec import Mode, RunSpec
+from wan_s2v_runner.layout import MODES, Mode, ModeTraits
+from wan_s2v_runner.spec import RunSpec
 
 
 @dataclass(frozen=True)
 class ModeRunner:
     mode: Mode
-    summary: str
-    #: preflight check groups this mode needs (see wan_s2v_runner.preflight)
-    checks: tuple[str, ...]
+
+    @property
+    def traits(self) -> ModeTraits:
+        return MODES[self.mode]
+
+    @property
+    def summary(self) -> str:
+        return self.traits.summary
 
     def engine_kwargs(self, spec: RunSpec) -> dict:
         """Keyword arguments for ``wan.WanS2V(...)`` in this mode, from the spec's layout."""
@@ -24,7 +31,3 @@ class ModeRunner:
         if spec.mode is not self.mode:
             spec = spec.model_copy(update={"mode": self.mode})
         return launch.run(spec, **kwargs)
-
-
-COMMON_CHECKS = ("python_torch", "gpus", "communication", "attention", "engine", "media",
-                 "checkpoint", "inputs", "memory", "output")

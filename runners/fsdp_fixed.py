@@ -5,12 +5,8 @@ reported init hang; ``patches.fsdp_no_sync`` turns that off and instead proves e
 identical weights (all-gathered fingerprint). No sequence parallelism: every rank denoises the
 whole sequence, so it helps memory, not speed.
 """
-from wan_s2v_runner.spec import Mode
+from wan_s2v_runner.layout import Mode
 
-from .base import COMMON_CHECKS, ModeRunner
+from .base import ModeRunner
 
-RUNNER = ModeRunner(
-    mode=Mode.FSDP_FIXED,
-    summary="DiT + T5 sharded with FSDP (no rank-0 broadcast; weights fingerprinted)",
-    checks=COMMON_CHECKS + ("fsdp",),
-)
+RUNNER = ModeRunner(Mode.FSDP_FIXED)

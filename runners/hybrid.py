@@ -3,12 +3,8 @@
 Lowest GPU memory per rank with the speed-up of sequence parallelism; T5 (11.4 GB) never touches
 the GPU. Same Ulysses degree constraints as ``ulysses``, same weight fingerprint as ``fsdp-fixed``.
 """
-from wan_s2v_runner.spec import Mode
+from wan_s2v_runner.layout import Mode
 
-from .base import COMMON_CHECKS, ModeRunner
+from .base import ModeRunner
 
-RUNNER = ModeRunner(
-    mode=Mode.HYBRID,
-    summary="Ulysses + FSDP DiT, T5 on CPU (lowest GPU memory)",
-    checks=COMMON_CHECKS + ("ulysses_degree", "fsdp"),
-)
+RUNNER = ModeRunner(Mode.HYBRID)

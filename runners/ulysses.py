@@ -4,12 +4,8 @@ Every rank holds the whole DiT, T5 and VAE; the DiT's self-attention is split by
 all-to-all (upstream ``sp_attn_forward_s2v``). Needs the Ulysses degree (= world size) to divide
 the head count (40 for the real model) and the token count: 1, 2, 4 or 8 ranks.
 """
-from wan_s2v_runner.spec import Mode
+from wan_s2v_runner.layout import Mode
 
-from .base import COMMON_CHECKS, ModeRunner
+from .base import ModeRunner
 
-RUNNER = ModeRunner(
-    mode=Mode.ULYSSES,
-    summary="sequence parallel over all ranks; each rank holds the full model",
-    checks=COMMON_CHECKS + ("ulysses_degree",),
-)
+RUNNER = ModeRunner(Mode.ULYSSES)

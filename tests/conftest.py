@@ -21,6 +21,11 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+#: for tests whose subject only exists with a CPU-only torch (the pinned CPU wheel with the CUDA
+#: torchvision build, wan's import-time CUDA call): on a CUDA machine they skip, not fail
+cpu_torch_only = pytest.mark.skipif(torch.version.cuda is not None or torch.cuda.is_available(),
+                                    reason="needs the CPU-only torch build (this torch has CUDA)")
+
 #: the tiny spec every distributed test shares (fast on 2 cores; 2 clips of 5 + 8 frames)
 TINY_FLAGS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "--steps", "2",
               "--seed", "42", "--prompt", "a person talking"]
@@ -29,7 +34,7 @@ TINY_FLAGS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "--st
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
     """The demo's tiny checkpoint, reference image and speech audio (built once per session)."""
-    from wan_s2v_runner.tiny_checkpoint import ensure_demo_assets
+    from wan_s2v_runner.demo_assets import ensure_demo_assets
 
     return ensure_demo_assets(tmp_path_factory.mktemp("assets") / "demo")
 

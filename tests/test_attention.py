@@ -1,8 +1,10 @@
 """patches/attention.py: SDPA == flash-attn varlen semantics; apply() reroutes Wan on CPU."""
 from __future__ import annotations
 
+import copy
 import math
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,11 @@ import torch
 
 from patches import attention as pa
 from patches.attention import apply, resolve_backend, sdpa_attention
+from wan_s2v_runner.attention_backends import (BackendUnavailable, choose_backend,
+                                               describe_import_error, measure_availability)
+from wan_s2v_runner.preflight.facts import MachineFacts
+
+MACHINES = Path(__file__).parent / "data" / "machines"
 
 
 # ---------------------------------------------------------------- naive float64 reference
@@ -147,8 +154,102 @@ def test_resolve_backend_cuda_without_gpu_falls_back():
 
 def test_abi_mismatch_reason_names_symbol():
     err = ImportError("/x/flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi")
-    why = pa._describe_import_error(err)
+    why = describe_import_error(err)
     assert "ABI mismatch" in why and "_ZN3c104cuda9SetDeviceEi" in why
+
+
+
+def _recorded(name: str) -> tuple[MachineFacts, str, object]:
+    """(facts, device type, lowest GPU compute capability) of a recorded machine."""
+    f = MachineFacts.load(MACHINES / f"{name}.json")
+    cc = min((tuple(g["capability"]) for g in f.gpus), default=None)
+    return f, "cuda" if f.gpu_count else "cpu", cc
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in MACHINES.glob("*.json")))
+def test_choose_backend_reproduces_what_each_recorded_probe_picked(name):
+    f, device, cc = _recorded(name)
+    auto = f.attention["auto"]
+    assert choose_backend("auto", device, f.attention, cc) == (auto["backend"], auto["reason"])
+
+
+def test_choose_backend_on_recorded_machines():
+    h100, dev, cc = _recorded("h100_1x")
+    assert (dev, cc) == ("cuda", (9, 0))
+    backend, reason = choose_backend("auto", dev, h100.attention, cc)
+    assert backend == "fa2" and "2.8.3 imports and runs" in reason  # no FA3 installed there
+    assert choose_backend("fa2", dev, h100.attention, cc)[0] == "fa2"
+    assert choose_backend("auto", "cpu", h100.attention, cc)[0] == "sdpa"  # --device cpu on it
+    with pytest.raises(BackendUnavailable, match=r"flash-attn 3 .* is not usable: not installed. Fix: build FA3"):
+        choose_backend("fa3", dev, h100.attention, cc, torch_version="2.8.0+cu128")
+    # FA3 usable there -> auto prefers it.
+    with_fa3 = copy.deepcopy(h100.attention)
+    with_fa3["fa3"] = {"installed": "3.0.0b1", "usable": True, "reason": "FA3 runs"}
+    assert choose_backend("auto", dev, with_fa3, cc) == ("fa3", "FA3 runs")
+
+    v100, dev, cc = _recorded("v100s_2x_pcie")
+    assert (dev, cc) == ("cuda", (7, 0))
+    assert choose_backend("auto", dev, v100.attention, cc) == (
+        "sdpa", "no usable flash-attn (fa3: not installed; fa2: not installed)")
+    with pytest.raises(BackendUnavailable, match=r"flash-attn 2 .* not usable: not installed.*CUDA 12"):
+        choose_backend("fa2", dev, v100.attention, cc, torch_version="2.5.1", cuda_version="12.4")
+    # Even a flash-attn that imports and runs is refused below its compute capability.
+    usable = {b: {"installed": "x", "usable": True, "reason": f"{b} runs"} for b in ("fa3", "fa2")}
+    backend, reason = choose_backend("auto", dev, usable, cc)
+    assert backend == "sdpa" and "fa2: needs compute capability >= 8.0, the GPU has 7.0" in reason
+    with pytest.raises(BackendUnavailable, match=r"needs compute capability 9.0 \(Hopper\), the GPU has 8.0"):
+        choose_backend("fa3", "cuda", usable, (8, 0))
+    assert choose_backend("auto", "cuda", usable, (8, 9)) == ("fa2", "fa2 runs")
+    assert choose_backend("auto", "cuda", usable, (9, 0)) == ("fa3", "fa3 runs")
+
+
+def test_broken_flash_attn_is_measured_as_an_abi_mismatch(tmp_path, monkeypatch):
+    """A flash_attn whose import fails with 'undefined symbol' (a wheel for another torch): the
+    measurement says so before and after the pre-import guard parks it, and auto avoids it."""
+    import wan_s2v_runner.attention_backends as ab
+
+    pkg = tmp_path / "flash_attn"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        'raise ImportError("/x/flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(ab, "_IMPORT_FAILURES", {})
+    assert "flash_attn" not in sys.modules
+    ab._measure.cache_clear()
+    try:
+        fa2 = ab.measure_availability("cuda")["fa2"]
+        assert fa2["installed"] == "unknown" and fa2["usable"] is False
+        assert fa2["import_error"].startswith("ImportError: ") and "_ZN3c104cuda9SetDeviceEi" in fa2["import_error"]
+        assert fa2["reason"] == ("ABI mismatch: its CUDA extension was built for another torch "
+                                 "(undefined symbol _ZN3c104cuda9SetDeviceEi)")
+        assert ab.guard_flash_attn_imports() == {"flash_attn": fa2["reason"]}
+        assert sys.modules["flash_attn"] is None  # parked: upstream's import now sees "absent"
+        ab._measure.cache_clear()
+        assert ab.measure_availability("cuda")["fa2"] == fa2  # still "broken", not "not installed"
+        backend, reason = ab.choose_backend("auto", "cuda", ab.measure_availability("cuda"), (8, 0))
+        assert backend == "sdpa" and "fa2: ABI mismatch" in reason
+    finally:
+        sys.modules.pop("flash_attn", None)
+        ab._measure.cache_clear()
+
+
+def test_live_choice_is_choose_backend_on_the_live_measurement():
+    """resolve_backend (the patch) == choose_backend on measure_availability, on this machine."""
+    cc = (torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
+    for device in ("cpu", "cuda"):
+        avail = measure_availability(device)
+        assert set(avail) == {"fa3", "fa2"}
+        assert all({"installed", "usable", "reason", "import_error"} <= set(r) for r in avail.values())
+        for req in ("auto", "sdpa", "fa2", "fa3"):
+            try:
+                want = choose_backend(req, device, avail, cc, torch_version=torch.__version__,
+                                      cuda_version=torch.version.cuda)
+            except BackendUnavailable as e:
+                with pytest.raises(BackendUnavailable) as got:
+                    resolve_backend(req, device)
+                assert str(got.value) == str(e)
+            else:
+                assert resolve_backend(req, device) == want
 
 
 # ---------------------------------------------------------------- rerouting the engine

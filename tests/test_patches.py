@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, cpu_torch_only
 
 
 def _py(code: str) -> subprocess.CompletedProcess:
@@ -15,6 +15,7 @@ def _py(code: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@cpu_torch_only
 def test_cuda_torchvision_imports_only_with_the_schema_patch():
     assert torch.version.cuda is None  # the pinned CPU torch, with the CUDA torchvision build
     bare = _py("import torchvision")
@@ -28,6 +29,7 @@ def test_cuda_torchvision_imports_only_with_the_schema_patch():
     assert patched.returncode == 0, patched.stderr
 
 
+@cpu_torch_only
 def test_wan_imports_on_cpu_and_current_device_is_restored():
     bare = _py("from patches import torchvision_cpu; torchvision_cpu.apply(); import wan")
     assert bare.returncode != 0  # t5.py's import-time torch.cuda.current_device()
@@ -41,6 +43,7 @@ def test_wan_imports_on_cpu_and_current_device_is_restored():
     assert patched.returncode == 0, patched.stderr
 
 
+@cpu_torch_only
 def test_cpu_device_proxy_maps_cuda_calls_and_leaves_torch_alone():
     from patches import cpu_device
     from wan_s2v_runner.engine import import_wan

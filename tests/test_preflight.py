@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from wan_s2v_runner import cli, exit_codes
+from wan_s2v_runner.ckpt_layout import DIT_WEIGHTS as DIT
 from wan_s2v_runner.preflight import (CheckContext, MachineFacts, Status, gate, recommend_mode,
                                       run_checks)
 from wan_s2v_runner.preflight.core import find
@@ -28,14 +29,13 @@ from wan_s2v_runner.preflight.probe import probe_machine
 from wan_s2v_runner.spec import Layout, Mode
 
 MACHINES = Path(__file__).parent / "data" / "machines"
-DIT = "diffusion_pytorch_model.safetensors"
 
 
 # --------------------------------------------------------------------------- fixtures / helpers
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from wan_s2v_runner.tiny_checkpoint import (build_tiny_checkpoint, make_reference_image,
-                                                make_speech_audio)
+    from wan_s2v_runner.synthetic_inputs import make_reference_image, make_speech_audio
+    from wan_s2v_runner.tiny_checkpoint import build_tiny_checkpoint
     root = tmp_path_factory.mktemp("tiny")
     ckpt = build_tiny_checkpoint(root / "ckpt")
     image = make_reference_image(root / "ref.png", 64, 64)
@@ -59,7 +59,7 @@ def live() -> MachineFacts:
 
 
 def ctx_for(f: MachineFacts, **values) -> CheckContext:
-    return CheckContext.from_values({}, values, f)
+    return CheckContext.for_values(values, f)
 
 
 def result(ctx, group_or_groups, id):
@@ -422,6 +422,26 @@ def test_flash_attn_abi_mismatch_names_the_symbol():
     assert_finding(r, Status.OK, "--attention auto -> sdpa")
 
 
+def test_doctor_predicts_the_backend_the_run_picks_here():
+    """The doctor (recorded availability + choose_backend) == the patch (live measurement) here."""
+    from patches.attention import resolve_backend
+    from wan_s2v_runner.attention_backends import BackendUnavailable
+    from wan_s2v_runner.preflight.checks_gpu import check_backend, predict_backend
+
+    f = live()
+    device = "cuda" if f.gpu_count else "cpu"
+    for req in ("auto", "sdpa") + (("fa2", "fa3") if device == "cuda" else ()):
+        predicted = predict_backend(ctx_for(f, device=device, attention=req))
+        try:
+            picked = resolve_backend(req, device)
+        except BackendUnavailable as e:
+            picked = ("", e.cause)
+        assert predicted == picked, req
+    backend, reason = resolve_backend("auto", device)
+    r = check_backend(ctx_for(f, device=device))
+    assert_finding(r, Status.OK, f"--attention auto -> {backend} ({reason})")
+
+
 def test_dependency_pairing_diffusers_hub():
     raw = copy.deepcopy(facts("h100_1x").raw)
     raw["packages"]["diffusers"] = "0.42.1"  # with huggingface-hub 0.35.3 / transformers 4.56.2
@@ -494,7 +514,7 @@ def test_gate_passes_a_good_tiny_run(tiny, capsys):
     spec = RunSpec(ckpt_dir=tiny["ckpt"], image=tiny["image"], audio=tiny["audio"], prompt="hi", device="cpu",
                    nproc=2, max_area=64 * 64, infer_frames=8, output=tiny["root"] / "out" / "a.mp4",
                    runs_root=tiny["root"] / "runs")
-    assert gate(spec, runners.get(spec.mode)) is None
+    assert gate(spec) is None
     err = capsys.readouterr().err
     assert err.startswith("preflight: ") and " ok, " in err and "fail" not in err
 

@@ -6,7 +6,8 @@ faults come from the worker's test hook (``WAN_S2V_TEST_FAULT=RANK:STAGE:ACTION`
 signals sent by the test. Nothing is mocked. Every test checks, by PID (with the process start
 time, so a recycled PID is not mistaken for a survivor), that no process of the run is left:
 torchrun (from run.json or /proc) and every worker (from the ``hello`` events).
-The unit tests at the end (EventReader, watchdog, log filter, stack analysis) spawn nothing.
+The unit tests at the end (EventReader, watchdog, rendezvous flags, log filter, stack analysis)
+spawn nothing; the verdicts themselves are unit-tested in test_verdicts.py.
 """
 from __future__ import annotations
 
@@ -158,9 +159,26 @@ def _ended(manifest: dict) -> float:
 
 # ----- distributed tests -----
 def test_normal_run_manifest_is_complete(tiny_assets, tmp_path):
-    """hybrid (Ulysses + FSDP DiT + T5 on CPU): every stage of the list appears, with a time."""
-    r = run_cli(_args(tiny_assets, tmp_path, "--mode", "hybrid"), cwd=tmp_path)
-    assert r.returncode == 0, r.output
+    """hybrid (Ulysses + FSDP DiT + T5 on CPU): every stage of the list appears, with a time.
+    A second 2-rank run (one clip, one step) starts at the same moment: with no --master-port,
+    each rendezvous binds a port the OS picks, so both succeed."""
+    other = tmp_path / "other"
+    other.mkdir()
+    p = _popen(_args(tiny_assets, other, "--num-clips", "1", "--steps", "1"), cwd=other)
+    try:
+        r = run_cli(_args(tiny_assets, tmp_path, "--mode", "hybrid"), cwd=tmp_path)
+        assert r.returncode == 0, r.output
+        assert p.wait(timeout=300) == 0, _output(other)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    for d in (tmp_path, other):
+        rd = _run_dir(d)
+        argv = json.loads((rd / "command.json").read_text())
+        assert "--master-port" not in argv and argv[argv.index("--rdzv-endpoint") + 1] == "localhost:0"
+        assert _manifest(rd)["spec"]["master_port"] is None
+    first, second = (_manifest(_run_dir(d))["started"] for d in (tmp_path, other))
+    assert abs(datetime.fromisoformat(first).timestamp() - datetime.fromisoformat(second).timestamp()) < 5
     run_dir = _run_dir(tmp_path)
     m = _manifest(run_dir)
     assert m["exit"]["status"] == "ok" and m["exit"]["code"] == 0
@@ -427,6 +445,27 @@ def test_watchdog_stalled_is_stage_aware(tmp_path):
     sup2 = _supervisor(tmp_path, watchdog_load_s=100, watchdog_step_s=0)
     sup2.reader.ranks = {r: RankState(r, stage="denoise", last_progress_t=1000.0) for r in (0, 1)}
     assert sup2.stalled(5000.0) is None
+
+
+def test_rendezvous_lets_the_os_pick_the_port_on_one_node(tmp_path):
+    """No port is picked before torchrun binds it: one node without --master-port gets the c10d
+    rendezvous on localhost:0 (torchrun --standalone); a given port or several nodes keep the
+    static --master-addr/--master-port rendezvous (29500 by default with several nodes)."""
+    from wan_s2v_runner.launch import finalize_spec, torchrun_argv
+
+    def argv(**kw):
+        spec = finalize_spec(_supervisor(tmp_path, **kw).spec)
+        return spec, torchrun_argv(spec, tmp_path / "run")
+
+    spec, a = argv()
+    assert spec.master_port is None and "--master-port" not in a and "--master-addr" not in a
+    assert a[a.index("--rdzv-backend") + 1] == "c10d" and a[a.index("--rdzv-endpoint") + 1] == "localhost:0"
+    assert a[a.index("--rdzv-id") + 1] != argv()[1][a.index("--rdzv-id") + 1]  # one rendezvous per run
+    spec, a = argv(master_port=29611)
+    assert "--rdzv-backend" not in a and a[a.index("--master-port") + 1] == "29611"
+    spec, a = argv(nnodes=2, node_rank=1, master_addr="node0")
+    assert spec.master_port == 29500 and "--rdzv-backend" not in a
+    assert a[a.index("--master-addr") + 1:a.index("--master-addr") + 4] == ["node0", "--master-port", "29500"]
 
 
 def test_log_filter_keeps_rank0_logs_and_drops_noise():

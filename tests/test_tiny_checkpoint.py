@@ -1,7 +1,8 @@
 """The tiny checkpoint loads through the unmodified engine, only because of patches.checkpoint_dims.
 
-Also: the patch reads the real checkpoint's sizes as the upstream constants; builds are atomic and
-deterministic; the demo inputs (image, speech-like audio) are what they claim to be.
+Also: ``ckpt_layout`` names the files the engine opens; the patch reads the real checkpoint's
+sizes as the upstream constants; builds are atomic and deterministic; the demo inputs (image,
+speech-like audio) are what they claim to be.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from patches import checkpoint_dims  # noqa: E402
+from wan_s2v_runner import ckpt_layout, demo_assets, synthetic_inputs  # noqa: E402
 from wan_s2v_runner import tiny_checkpoint as tc  # noqa: E402
+from wan_s2v_runner.preflight.ckpt_reader import find_entry  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -68,6 +71,7 @@ def _original(fn):
 
 
 def test_layout_is_the_real_one(ckpt):
+    # Literal names on purpose: an independent check of ckpt_layout, not a restatement of it.
     for rel in ("config.json", "diffusion_pytorch_model.safetensors",
                 "models_t5_umt5-xxl-enc-bf16.pth", "google/umt5-xxl/tokenizer_config.json",
                 "Wan2.1_VAE.pth", "wav2vec2-large-xlsr-53-english/config.json",
@@ -87,11 +91,46 @@ def test_layout_is_the_real_one(ckpt):
     assert [p.name for p in ckpt.parent.iterdir()] == ["ckpt"]
 
 
+def test_layout_names_are_the_engines(wan):
+    """ckpt_layout's names are the ones upstream and its loaders actually open."""
+    import inspect
+
+    import diffusers.utils.constants as dc
+    import transformers.utils as tu
+    from wan.configs import WAN_CONFIGS
+
+    cfg = WAN_CONFIGS["s2v-14B"]
+    assert (cfg.t5_checkpoint, cfg.t5_tokenizer, cfg.vae_checkpoint, cfg.wav2vec) == (
+        ckpt_layout.T5_FILE, ckpt_layout.T5_TOKENIZER_DIR, ckpt_layout.VAE_FILE,
+        ckpt_layout.WAV2VEC_DIR)
+    # WanS2V.__init__ hard-codes the wav2vec2 folder instead of reading cfg.wav2vec.
+    assert f'"{ckpt_layout.WAV2VEC_DIR}"' in inspect.getsource(wan.WanS2V.__init__)
+    assert (dc.CONFIG_NAME, dc.SAFETENSORS_WEIGHTS_NAME, dc.SAFE_WEIGHTS_INDEX_NAME) == (
+        ckpt_layout.DIT_CONFIG, ckpt_layout.DIT_WEIGHTS, ckpt_layout.DIT_INDEX)
+    w2v = ckpt_layout.WAV2VEC_DIR + "/"
+    assert (w2v + tu.CONFIG_NAME, w2v + tu.SAFE_WEIGHTS_NAME, w2v + tu.WEIGHTS_NAME,
+            w2v + tu.FEATURE_EXTRACTOR_NAME, w2v + tu.PROCESSOR_NAME) == (
+        ckpt_layout.W2V_CONFIG, ckpt_layout.W2V_WEIGHTS, ckpt_layout.W2V_WEIGHTS_BIN,
+        ckpt_layout.W2V_PREPROCESSOR, ckpt_layout.W2V_PROCESSOR)
+
+
+def test_tiny_checkpoint_has_every_layout_entry(ckpt, tmp_path):
+    missing = [what for what, (alts, _) in ckpt_layout.LAYOUT.items() if find_entry(ckpt, alts) is None]
+    assert missing == []
+    # checkpoint_is_complete needs every REQUIRED_ENTRIES file, not just most of them.
+    for rel in tc.REQUIRED_ENTRIES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"")
+    assert tc.checkpoint_is_complete(tmp_path)
+    (tmp_path / ckpt_layout.W2V_VOCAB).unlink()
+    assert not tc.checkpoint_is_complete(tmp_path)
+
+
 def test_dims_read_from_files(ckpt):
-    t5 = checkpoint_dims.read_t5_dims(ckpt / "models_t5_umt5-xxl-enc-bf16.pth")
+    t5 = checkpoint_dims.read_t5_dims(ckpt / ckpt_layout.T5_FILE)
     assert t5 == dict(vocab_size=384, dim=4096, dim_attn=96, dim_ffn=80, num_heads=6,
                       num_layers=2, num_buckets=32, shared_pos=False)
-    assert checkpoint_dims.read_vae_dims(ckpt / "Wan2.1_VAE.pth") == dict(dim=16, z_dim=16)
+    assert checkpoint_dims.read_vae_dims(ckpt / ckpt_layout.VAE_FILE) == dict(dim=16, z_dim=16)
 
 
 def test_components_load_with_patch(wan, ckpt):
@@ -132,8 +171,8 @@ def test_components_load_with_patch(wan, ckpt):
     assert dit.head.head.weight.abs().sum() > 0
     assert all(inj.o.weight.abs().sum() > 0 for inj in dit.audio_injector.injector)
 
-    audio = AudioEncoder(model_id=str(ckpt / "wav2vec2-large-xlsr-53-english"))
-    wav = tc.make_speech_audio(ckpt.parent / "a.wav", seconds=0.5)
+    audio = AudioEncoder(model_id=str(ckpt / ckpt_layout.WAV2VEC_DIR))
+    wav = synthetic_inputs.make_speech_audio(ckpt.parent / "a.wav", seconds=0.5)
     feat = audio.extract_audio_feat(str(wav), return_all_layers=True)
     wav.unlink()
     assert feat.shape[0] == 25 and feat.shape[2] == 48  # 25 hidden states, width = audio_dim
@@ -144,7 +183,7 @@ def test_unpatched_engine_cannot_load_it(wan, ckpt):
     from wan.modules import t5 as t5_mod
     from wan.modules import vae2_1
 
-    t5_file = ckpt / "models_t5_umt5-xxl-enc-bf16.pth"
+    t5_file = ckpt / ckpt_layout.T5_FILE
     dims = checkpoint_dims.read_t5_dims(t5_file)
     assert dims != checkpoint_dims.UPSTREAM_T5
     # What T5EncoderModel builds upstream (on meta: no 5.7B allocation), then its strict load.
@@ -154,7 +193,7 @@ def test_unpatched_engine_cannot_load_it(wan, ckpt):
         upstream_t5.load_state_dict(torch.load(t5_file, map_location="cpu"), assign=True)
     # Upstream _video_vae builds width 96 on meta and loads strictly.
     with pytest.raises(RuntimeError, match="size mismatch"):
-        _original(vae2_1._video_vae)(pretrained_path=str(ckpt / "Wan2.1_VAE.pth"), z_dim=16)
+        _original(vae2_1._video_vae)(pretrained_path=str(ckpt / ckpt_layout.VAE_FILE), z_dim=16)
 
 
 def test_real_layout_reads_upstream_constants(wan):
@@ -201,7 +240,7 @@ def test_wrong_files_fail_clearly(wan, tmp_path):
 def test_tokenizer_any_unicode(ckpt):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(ckpt / "google/umt5-xxl"))
+    tok = AutoTokenizer.from_pretrained(str(ckpt / ckpt_layout.T5_TOKENIZER_DIR))
     ids = tok(["画面模糊，最差质量 — héllo 🙂 <extra_id_0>"], padding="max_length",
               truncation=True, max_length=512, return_tensors="pt")
     assert ids.input_ids.shape == (1, 512)
@@ -214,26 +253,26 @@ def test_tokenizer_any_unicode(ckpt):
 
 def test_demo_assets_cached_and_deterministic(wan, tmp_path):
     t0 = time.perf_counter()
-    assets = tc.ensure_demo_assets(tmp_path / "cache")
+    assets = demo_assets.ensure_demo_assets(tmp_path / "cache")
     built_s = time.perf_counter() - t0
     assert built_s < 30
     assert tc.checkpoint_is_complete(assets.ckpt_dir)
-    info = json.loads((assets.ckpt_dir / tc.INFO_FILE).read_text())
-    stamp = (assets.ckpt_dir / tc.DIT_WEIGHTS).stat().st_mtime_ns
+    info = json.loads((assets.ckpt_dir / ckpt_layout.TINY_INFO_FILE).read_text())
+    stamp = (assets.ckpt_dir / ckpt_layout.DIT_WEIGHTS).stat().st_mtime_ns
 
     # Reused: nothing rebuilt.
-    again = tc.ensure_demo_assets(tmp_path / "cache")
+    again = demo_assets.ensure_demo_assets(tmp_path / "cache")
     assert again == assets
-    assert (assets.ckpt_dir / tc.DIT_WEIGHTS).stat().st_mtime_ns == stamp
+    assert (assets.ckpt_dir / ckpt_layout.DIT_WEIGHTS).stat().st_mtime_ns == stamp
 
     # Same seed -> byte-identical files.
     other = tc.build_tiny_checkpoint(tmp_path / "other", seed=0)
-    assert json.loads((other / tc.INFO_FILE).read_text())["sha256"] == info["sha256"]
+    assert json.loads((other / ckpt_layout.TINY_INFO_FILE).read_text())["sha256"] == info["sha256"]
 
     # Marker gone (e.g. an interrupted build) -> rebuilt; a rebuilt dir replaces the old one.
     os.remove(tmp_path / "cache" / ".demo_assets_ok")
     (assets.ckpt_dir / "stale").write_text("x")
-    tc.ensure_demo_assets(tmp_path / "cache")
+    demo_assets.ensure_demo_assets(tmp_path / "cache")
     assert not (assets.ckpt_dir / "stale").exists()
     assert tc.checkpoint_is_complete(assets.ckpt_dir)
     leftovers = [p.name for p in (tmp_path / "cache").iterdir() if ".tmp" in p.name
@@ -244,7 +283,7 @@ def test_demo_assets_cached_and_deterministic(wan, tmp_path):
 def test_speech_audio(tmp_path):
     import librosa
 
-    path = tc.make_speech_audio(tmp_path / "s.wav", seconds=1.5, sample_rate=16000, seed=1)
+    path = synthetic_inputs.make_speech_audio(tmp_path / "s.wav", seconds=1.5, sample_rate=16000, seed=1)
     y, sr = librosa.load(str(path), sr=16000)
     assert sr == 16000 and abs(len(y) / sr - 1.5) < 1e-3
     assert np.abs(y).max() > 0.3 and float(np.sqrt(np.mean(y ** 2))) > 0.02
@@ -255,14 +294,14 @@ def test_speech_audio(tmp_path):
     rms = librosa.feature.rms(y=y, frame_length=400, hop_length=160)[0]
     assert rms.max() > 4 * np.percentile(rms, 10)
     # Same seed, same bytes.
-    again = tc.make_speech_audio(tmp_path / "t.wav", seconds=1.5, seed=1)
+    again = synthetic_inputs.make_speech_audio(tmp_path / "t.wav", seconds=1.5, seed=1)
     assert again.read_bytes() == path.read_bytes()
 
 
 def test_reference_image(tmp_path):
     from PIL import Image
 
-    path = tc.make_reference_image(tmp_path / "r.png", width=96, height=80, seed=2)
+    path = synthetic_inputs.make_reference_image(tmp_path / "r.png", width=96, height=80, seed=2)
     with Image.open(path) as im:
         assert im.format == "PNG" and im.size == (96, 80) and im.mode == "RGB"
         arr = np.asarray(im)

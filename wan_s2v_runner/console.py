@@ -29,15 +29,12 @@ from rich.live import Live
 from rich.table import Table
 
 from wan_s2v_runner.events import denoise_position, is_secondary
+from wan_s2v_runner.stages import Stage
 
 #: in plain mode, print a step line at least this often (besides each clip's first/last step)
 PROGRESS_EVERY_S = 10.0
 #: stage entries of several ranks within this window are printed as one line
 COALESCE_S = 1.0
-#: stages that repeat per clip (their lines say which clip)
-PER_CLIP = frozenset({"denoise", "decode", "motion_encode"})
-#: stages only the first rank goes through (it writes the mp4)
-FIRST_RANK_ONLY = frozenset({"save", "mux"})
 
 
 def _fmt_s(s: Optional[float]) -> str:
@@ -62,7 +59,7 @@ def fmt_ranks(ranks) -> str:
 
 def progress_text(st) -> str:
     p = st.progress
-    if st.stage == "denoise" and p.get("clip"):
+    if st.stage == Stage.DENOISE and p.get("clip"):
         return denoise_position(p)
     return ""
 
@@ -179,7 +176,7 @@ class Display:
         t0 = self._t0 = now - elapsed
         st0 = reader.ranks.get(self._first)
         if self._denoise_t0 is None and st0 is not None:
-            self._denoise_t0 = next((t for s, t in st0.transitions if s == "denoise"), None)
+            self._denoise_t0 = next((t for s, t in st0.transitions if s == Stage.DENOISE), None)
         # both modes: stage lines and errors scroll (the history); plain mode: step lines too;
         # rich mode: a live table of every rank below them
         for ev in new_events:
@@ -191,8 +188,9 @@ class Display:
                 else:
                     if ev.get("clip"):
                         self._rank_clip[r] = (ev["clip"], ev.get("clips"))
-                    clip = self._rank_clip.get(r) if ev["stage"] in PER_CLIP else None
-                    key = (ev["stage"], clip)
+                    stage = Stage.coerce(ev.get("stage", "?"))  # a name it does not know: a plain line
+                    per_clip = isinstance(stage, Stage) and stage.repeats_per_clip
+                    key = (stage, self._rank_clip.get(r) if per_clip else None)
                 g = self._groups.setdefault(key, {"first_t": t, "pending": [], "printed": set(), "pids": {}})
                 g["pending"].append((r, t))
                 if kind == "hello":
@@ -227,7 +225,8 @@ class Display:
         for _, (stage, clip), g in sorted(waiting, key=lambda x: x[0]):
             ranks = {r for r, _ in g["pending"]}
             oldest = min(t for _, t in g["pending"])
-            expected = {self._first} if stage in FIRST_RANK_ONLY else set(self._expected)
+            first_only = isinstance(stage, Stage) and stage.first_rank_only
+            expected = {self._first} if first_only else set(self._expected)
             complete = (g["printed"] | ranks) >= expected
             if not (force or complete or now - oldest >= COALESCE_S):
                 break
@@ -249,7 +248,7 @@ class Display:
 
     def _table(self, reader, elapsed: float, now: float) -> Table:
         st0 = reader.ranks.get(self._first)
-        eta = eta_s(st0.progress, self._denoise_t0, now) if st0 and st0.stage == "denoise" else None
+        eta = eta_s(st0.progress, self._denoise_t0, now) if st0 and st0.stage == Stage.DENOISE else None
         title = f"{self._header} - elapsed {_fmt_s(elapsed)}" + (f" - ETA {_fmt_s(eta)}" if eta else "")
         t = Table(title=title, title_justify="left")
         for col in ("rank", "pid", "stage", "progress", "host RSS", "no progress for", "heartbeat"):

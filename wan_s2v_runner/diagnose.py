@@ -1,18 +1,24 @@
-"""Reading a failed or stuck run: exit statuses, torch elastic error files, stack dumps, hints.
+"""Reading a failed or stuck run: exit statuses, torch elastic error files, stack dumps, hints,
+and which rank failed first.
 
-Pure functions over the run directory and the ranks' states, used by the launcher's failure and
-hang reports (and directly by tests).
+Functions over the run directory and the ranks' states, used by the launcher's failure and hang
+reports (and directly by tests). :func:`attribute_failures` is the failure verdict: from what
+the launcher gathered (the ranks' events, error files, exit times and exit codes) it returns one
+:class:`RankFailure` per failed rank, the cause first; it touches no process and no file.
 """
 from __future__ import annotations
 
 import json
 import re
 import signal
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional, Union
 
-from wan_s2v_runner.events import LOAD_STAGES, EventReader, RankState, denoise_position, is_secondary
+from wan_s2v_runner.events import EventReader, RankState, denoise_position, is_secondary
+from wan_s2v_runner.layout import MODES, ModeTraits
 from wan_s2v_runner.spec import RunSpec
+from wan_s2v_runner.stages import Stage
 
 
 def has_frame(path: Path) -> bool:
@@ -24,7 +30,7 @@ def has_frame(path: Path) -> bool:
 
 def progress_suffix(st: RankState) -> str:
     p = st.progress
-    if st.stage == "denoise" and p.get("clip"):
+    if st.stage == Stage.DENOISE and p.get("clip"):
         return f" ({denoise_position(p)})"
     return ""
 
@@ -61,11 +67,27 @@ def parse_torchrun_exits(log_path: Path) -> dict[int, int]:
     return {int(m.group(1)): int(m.group(3)) for m in _EXIT_RE.finditer(text)}
 
 
-def read_error_files(run_dir: Path, rank_offset: int = 0, stamps: bool = False) -> dict:
-    """global rank -> traceback text from torch elastic's per-rank error.json files
-    (``logs/<id>/attempt_<n>/<local_rank>/error.json``; global rank = offset + local rank).
-    With ``stamps``: global rank -> the file's timestamp (whole seconds) instead."""
-    out: dict = {}
+@dataclass(frozen=True)
+class ErrorFile:
+    """One rank's torch elastic error file (``@record`` on ``worker.main`` writes it when the
+    rank raises): ``logs/<id>/attempt_<n>/<local_rank>/error.json``."""
+
+    path: Path
+    local_rank: int
+    traceback: str  # the Python traceback (or the bare message when there is none)
+    timestamp: int  # when it was written, whole unix seconds (0: unknown)
+
+    @property
+    def message(self) -> str:
+        """The exception line: the traceback's last line."""
+        lines = self.traceback.strip().splitlines()
+        return lines[-1] if lines else "(no message)"
+
+
+def read_error_files(run_dir: Path, rank_offset: int = 0) -> dict[int, ErrorFile]:
+    """global rank (= offset + local rank) -> its torch elastic error file; unreadable files
+    are left out."""
+    out: dict[int, ErrorFile] = {}
     for ef in (run_dir / "logs").glob("*/attempt_*/*/error.json"):
         try:
             data = json.loads(ef.read_text())
@@ -76,7 +98,8 @@ def read_error_files(run_dir: Path, rank_offset: int = 0, stamps: bool = False) 
                 stamp = int(extra.get("timestamp", 0) or 0)
             else:
                 text, stamp = str(msg), int(data.get("timestamp", 0) or 0)
-            out[rank_offset + int(ef.parent.name)] = stamp if stamps else text.strip()
+            local = int(ef.parent.name)
+            out[rank_offset + local] = ErrorFile(ef, local, text.strip(), stamp)
         except (OSError, ValueError, AttributeError, TypeError):
             continue
     return out
@@ -122,23 +145,57 @@ def tail_lines(path: Path, n: int) -> str:
         return ""
 
 
-def _oom_hint(stage: str, spec: Optional[RunSpec]) -> str:
+def _describe(traits: ModeTraits) -> str:
+    """'Ulysses + FSDP DiT + T5 on CPU': what a mode does, from its traits."""
+    parts = [name for name, on in (("Ulysses", traits.sequence_parallel), ("FSDP DiT", traits.dit_fsdp),
+                                   ("FSDP T5", traits.t5_fsdp), ("T5 on CPU", traits.t5_cpu)) if on]
+    return " + ".join(parts) or "no sharding"
+
+
+def _modes_that(want, spec: Optional[RunSpec], why=_describe) -> list[str]:
+    """'--mode X (why)' for every mode but the run's own whose traits satisfy ``want``;
+    ``why(traits)`` says what it does (default: :func:`_describe`)."""
+    current = spec.mode if spec else None
+    return [f"--mode {m.value} ({why(t)})" for m, t in MODES.items() if m != current and want(t)]
+
+
+#: stages that load or place weights: an OOM there is about where the weights live
+_WEIGHT_STAGES = frozenset({Stage.ENGINE_IMPORT, Stage.LOAD, Stage.FINGERPRINT, Stage.SHARD})
+#: stages that run the VAE (every rank decodes the whole clip)
+_VAE_STAGES = frozenset({Stage.REF_ENCODE, Stage.DECODE, Stage.MOTION_ENCODE})
+
+
+def _oom_hint(stage: Union[Stage, str], spec: Optional[RunSpec]) -> str:
+    """What to change after a GPU OOM in ``stage``, decided from the run's layout (what is
+    sharded, split or on the CPU), so a new mode needs no edit here."""
     mode = spec.mode.value if spec else "?"
-    if stage in ("load", "shard", "fingerprint", "engine_import"):
-        fix = ("--mode fsdp-fixed (DiT and T5 sharded over the ranks) or --mode hybrid (DiT sharded, "
-               "T5 on CPU)" if mode == "ulysses" else
-               "--mode hybrid (T5 on CPU) or more ranks" if mode == "fsdp-fixed" else "more ranks")
+    lay = spec.layout if spec else None
+    if stage in _WEIGHT_STAGES:
+        if lay is not None and not lay.dit_fsdp:
+            fix = " or ".join(_modes_that(lambda t: t.dit_fsdp, spec)) or "more ranks"
+        elif lay is not None and not lay.t5_cpu:
+            fix = " or ".join(_modes_that(lambda t: t.dit_fsdp and t.t5_cpu, spec) + ["more ranks"])
+        else:
+            fix = "more ranks"
         return f"GPU out of memory while loading weights ({mode}): try {fix}."
-    if stage == "text_encode":
-        return f"GPU out of memory in the text encoder ({mode}): --mode hybrid keeps T5 on the CPU."
-    if stage in ("decode", "motion_encode", "ref_encode"):
+    if stage == Stage.TEXT_ENCODE:
+        cpu_t5 = _modes_that(lambda t: t.t5_cpu, spec) if lay is None or not lay.t5_cpu else []
+        if cpu_t5:
+            return (f"GPU out of memory in the text encoder ({mode}): {' or '.join(cpu_t5)} "
+                    "keeps T5 on the CPU.")
+        return f"GPU out of memory in the text encoder ({mode}): more ranks or a smaller --size."
+    if stage in _VAE_STAGES:
         return ("GPU out of memory in the VAE (every rank decodes the whole clip): a smaller --size "
                 "or fewer --infer-frames; --offload-model frees the DiT's memory first.")
-    if stage == "denoise":
-        return (f"GPU out of memory while denoising ({mode}): --mode hybrid (Ulysses + FSDP DiT) with "
-                "more ranks splits both weights and activations; a smaller --size or fewer "
-                "--infer-frames shrinks activations.")
-    return f"GPU out of memory in {stage} ({mode}): try --mode hybrid, more ranks, or a smaller --size."
+    if stage == Stage.DENOISE:
+        splits_both = lay is not None and lay.use_sp and lay.dit_fsdp
+        both = [] if splits_both else _modes_that(lambda t: t.sequence_parallel and t.dit_fsdp, spec)
+        more = f"{' or '.join(both)} with more ranks splits" if both else "more ranks split"
+        return (f"GPU out of memory while denoising ({mode}): {more} both weights and activations; "
+                "a smaller --size or fewer --infer-frames shrinks activations.")
+    leanest = _modes_that(lambda t: t.dit_fsdp and t.t5_cpu, spec)
+    fix = ", ".join(leanest + ["more ranks"])
+    return f"GPU out of memory in {stage} ({mode}): try {fix}, or a smaller --size."
 
 
 HINTS = [
@@ -158,19 +215,129 @@ HINTS = [
 ]
 
 
-def hint_for(text: str, stages: list, spec: Optional[RunSpec] = None) -> Optional[str]:
-    if text == "hang":
-        if any(s in LOAD_STAGES for s in stages):
-            return ("Stuck while starting/loading/encoding: check storage speed, NCCL_P2P_DISABLE=1 on "
-                    "consumer GPUs, and that every node reached the rendezvous; raise --watchdog-load "
-                    "if loading is just slow.")
-        return ("Stuck in a step or collective: read the stack dumps (the rank that is not waiting in "
-                "a collective is the one to look at); raise --watchdog-step if steps are just slow.")
+def hint_for(text: str, stage: Union[Stage, str, None] = None,
+             spec: Optional[RunSpec] = None) -> Optional[str]:
+    """A hint for an error message raised in ``stage`` (None when no known cause matches)."""
     low = text.lower()
     if is_secondary(text):
         return ("This rank lost its connection to a peer: the peer failed or was killed first (if "
                 "it is on another node, read that node's run directory).")
     for key, hint in HINTS:
         if key in low:
-            return hint if hint is not None else _oom_hint(stages[0] if stages else "?", spec)
+            return hint if hint is not None else _oom_hint(stage if stage is not None else "?", spec)
     return None
+
+
+def death_hint(exitcode: Optional[int], crash_stack: Optional[Path], spec: Optional[RunSpec] = None) -> str:
+    """A hint for a rank that ended without a Python exception."""
+    if exitcode == -signal.SIGKILL:
+        shards = spec is None or spec.layout.dit_fsdp or spec.layout.t5_fsdp
+        unsharded = _modes_that(lambda t: not (t.dit_fsdp or t.t5_fsdp), spec,
+                                lambda t: "no CPU-side FSDP copy") if shards else []
+        lower = " or ".join(["fewer ranks per node"] + unsharded)
+        return ("Killed by SIGKILL: `kill -9` from outside, or the kernel's OOM killer (check "
+                "`dmesg | grep -i oom`). Host RAM per rank peaks during loading; see run.json "
+                "ranks.*.host_peak_rss_mb and `wan-s2v doctor`'s memory plan; "
+                f"{lower} lowers it.")
+    if crash_stack is not None:
+        return ("The process exited or crashed without a Python exception; its Python stack at the "
+                f"crash is in {crash_stack}.")
+    return ("The process exited or crashed without a Python exception (os._exit, or a native "
+            "crash without a Python stack): read its stderr.log under logs/.")
+
+
+# ----- the failure verdict -----
+#: where a :class:`RankFailure` comes from
+ERROR_EVENT = "error_event"  # the rank's ``error`` record (it raised)
+ERROR_FILE = "error_file"  # only torch elastic's error.json (it raised before writing events)
+DEATH = "death"  # its process ended without an ``end`` record and without either of the above
+
+#: an error that says a peer went away sorts this much later than its own time: it is a
+#: consequence of the peer's failure, which may have been recorded a little after it
+SECONDARY_DELAY_S = 1.0
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's failure. The first six fields are those of torch elastic's
+    ``ProcessFailure`` (``torch.distributed.elastic.multiprocessing.errors``), None where not
+    known; the rest are ours."""
+
+    local_rank: Optional[int]
+    pid: Optional[int]
+    exitcode: Optional[int]  # from torchrun's failure summary; negative: killed by that signal
+    error_file: Optional[str]  # the rank's error.json, if torch elastic wrote one
+    message: str  # "Type: message" for an exception; how the process ended for a death
+    timestamp: float  # when it failed (unix seconds): the error record, error file or exit time
+    rank: int  # global rank
+    stage: Union[Stage, str]  # the stage it failed in (a plain string: a name this version lacks)
+    where: str  # the stage with the clip/step for denoise, for the report
+    source: str  # ERROR_EVENT, ERROR_FILE or DEATH
+    secondary: bool  # its error says a peer went away: a consequence, not a cause
+    hint: Optional[str]
+    traceback: Optional[str]  # from its error file
+
+    @property
+    def sort_key(self) -> tuple[float, int]:
+        """Earlier is more likely the cause; a secondary error counts as 1 s later."""
+        return (self.timestamp + (SECONDARY_DELAY_S if self.secondary else 0.0), self.rank)
+
+    def headline(self) -> str:
+        """The report's first line when this rank is the cause."""
+        if self.source == DEATH:
+            return f"rank {self.rank} (pid {self.pid}) {self.message} in stage {self.where}"
+        if self.source == ERROR_FILE and self.stage == Stage.START:
+            return f"rank {self.rank} failed before its first event: {self.message}"
+        return f"rank {self.rank} failed in stage {self.where}: {self.message}"
+
+    def also_line(self) -> str:
+        """The report's line for this rank when another one is the cause."""
+        if self.source == DEATH:
+            return (f"also rank {self.rank} (pid {self.pid}) exited in {self.stage} "
+                    f"({describe_exit(self.exitcode)})")
+        return (f"also rank {self.rank} in {self.stage}: {first_line(self.message)}"
+                + (" (a consequence: a peer went away)" if self.secondary else ""))
+
+
+def attribute_failures(ranks: Mapping[int, RankState], *, error_files: Mapping[int, ErrorFile],
+                       death_times: Mapping[int, float], exit_codes: Mapping[int, int],
+                       crash_stacks: Optional[Mapping[int, Path]] = None,
+                       spec: Optional[RunSpec] = None) -> list[RankFailure]:
+    """Every failed rank, the first failure first (the cause; the others are usually
+    consequences). Pure: everything comes from the arguments.
+
+    ``ranks``: global rank -> its events; ``error_files``: global rank -> its torch elastic error
+    file (:func:`read_error_files`); ``death_times``: pid -> when that process ended;
+    ``exit_codes``: global rank -> exit code from torchrun's summary (:func:`parse_torchrun_exits`);
+    ``crash_stacks``: global rank -> its faulthandler dump, for ranks that have one with a Python
+    frame. A rank failed when it has an ``error`` record (its time), else an error file (its
+    time, whole seconds: a rank that raised before writing events), else when its process ended
+    without an ``end`` record (its exit time). Errors saying a peer went away sort
+    :data:`SECONDARY_DELAY_S` later. Empty when no rank failed (torchrun itself did).
+    """
+    crash_stacks = crash_stacks or {}
+    found: list[RankFailure] = []
+    for rank in sorted(set(ranks) | set(error_files)):
+        st = ranks.get(rank)
+        ef = error_files.get(rank)
+        stage = st.stage if st else Stage.START
+        where = f"{stage}{progress_suffix(st) if st else ''}"
+        local_rank = st.local_rank if st and st.local_rank is not None else (ef.local_rank if ef else None)
+        common = dict(local_rank=local_rank,
+                      pid=st.pid if st else None, exitcode=exit_codes.get(rank),
+                      error_file=str(ef.path) if ef else None, rank=rank, stage=stage, where=where,
+                      traceback=ef.traceback if ef else None)
+        if st is not None and st.error:
+            msg = f"{st.error.get('error_type')}: {st.error.get('message')}"
+            found.append(RankFailure(message=msg, timestamp=float(st.error["t"]), source=ERROR_EVENT,
+                                     secondary=is_secondary(msg), hint=hint_for(msg, stage, spec), **common))
+        elif ef is not None:
+            found.append(RankFailure(message=ef.message, timestamp=float(ef.timestamp), source=ERROR_FILE,
+                                     secondary=is_secondary(ef.message),
+                                     hint=hint_for(ef.message, stage, spec), **common))
+        elif st is not None and st.end is None and st.pid and st.pid in death_times:
+            code = exit_codes.get(rank)
+            found.append(RankFailure(message=f"died without an error report ({describe_exit(code)})",
+                                     timestamp=death_times[st.pid], source=DEATH, secondary=False,
+                                     hint=death_hint(code, crash_stacks.get(rank), spec), **common))
+    return sorted(found, key=lambda f: f.sort_key)

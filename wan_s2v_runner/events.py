@@ -4,7 +4,8 @@ Every record is one line ``{"t": unix time, "rank": global rank, "kind": ..., "s
 (``stage`` is the stage the rank is in when it writes the record). Kinds:
 
 - ``hello``: first record; ``pid``, ``host``, ``local_rank``.
-- ``stage``: the rank entered a stage (:data:`STAGES`); ``denoise`` carries ``clip``/``clips``.
+- ``stage``: the rank entered a stage (:class:`~wan_s2v_runner.stages.Stage`, written as its
+  plain name); ``denoise`` carries ``clip``/``clips``.
 - ``progress``: a denoising step finished; ``clip``, ``clips``, ``step``, ``steps``.
 - ``heartbeat``: every few seconds from a daemon thread, with memory figures (``rss_mb``,
   ``host_peak_rss_mb``, ``gpu_peak_allocated_mb``), so a stuck rank shows as "alive, not
@@ -15,7 +16,9 @@ Every record is one line ``{"t": unix time, "rank": global rank, "kind": ..., "s
 - ``end``: last record (also after an error); ``wall_s`` and peak memory.
 
 Only ``stage`` and ``progress`` count as progress for the hang watchdog; heartbeats do not.
-The launcher tails these files with :class:`EventReader`; nothing else is shared.
+The launcher tails these files with :class:`EventReader`; nothing else is shared. The reader
+turns stage names into :class:`Stage` members and keeps a name it does not know as a plain
+string (an event file from another version never stops the launcher).
 """
 from __future__ import annotations
 
@@ -24,18 +27,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
-#: Stages in the order a run goes through them (``fingerprint``/``shard`` only in FSDP modes;
-#: ``denoise``/``decode``/``motion_encode`` repeat per clip; ``save``/``mux`` on rank 0 only).
-STAGES = ("start", "init_pg", "engine_import", "load", "fingerprint", "shard", "audio_encode",
-          "ref_encode", "text_encode", "denoise", "decode", "motion_encode", "save", "mux", "done")
-
-#: One-off stages whose time grows with model size, storage and CPU speed: the watchdog allows
-#: them ``watchdog_load_s``. Every other stage gets ``watchdog_step_s``.
-LOAD_STAGES = frozenset({"start", "init_pg", "engine_import", "load", "fingerprint", "shard",
-                         "audio_encode", "ref_encode", "text_encode"})
-
+from wan_s2v_runner.stages import Stage
 
 #: error text of a rank whose *peer* went away (gloo/NCCL): the peer is the one to look at
 SECONDARY = ("connection closed by peer", "connection reset by peer", "broken pipe",
@@ -63,7 +57,7 @@ class EventWriter:
         self.rank = rank
         self._f = open(d / f"rank{rank}.jsonl", "a", encoding="utf-8", buffering=1)
         self._lock = threading.Lock()
-        self.stage_name = "start"
+        self.current_stage = Stage.START
         self.progress: dict[str, Any] = {}
         self._mem_fn = mem_fn
         self._stop = threading.Event()
@@ -72,14 +66,16 @@ class EventWriter:
         self._hb.start()
 
     def emit(self, kind: str, **data: Any) -> None:
-        rec = {"t": time.time(), "rank": self.rank, "kind": kind, "stage": self.stage_name, **data}
+        rec = {"t": time.time(), "rank": self.rank, "kind": kind, "stage": self.current_stage.value,
+               **data}
         line = json.dumps(rec, default=str)  # ASCII only: a reader never sees a split character
         with self._lock:
             if not self._f.closed:
                 self._f.write(line + "\n")
 
-    def stage(self, name: str, **data: Any) -> None:
-        self.stage_name = name
+    def stage(self, stage: Stage, **data: Any) -> None:
+        """Enter ``stage`` (a :class:`Stage`; a plain name that is not one raises ValueError)."""
+        self.current_stage = Stage(stage)
         self.emit("stage", **data)
 
     def step(self, **counters: Any) -> None:
@@ -105,12 +101,12 @@ class EventWriter:
 @dataclass
 class RankState:
     rank: int
-    stage: str = "start"
+    stage: Union[Stage, str] = Stage.START  # a plain string: a name this version does not know
     stage_t: float = 0.0
     last_progress_t: float = 0.0  # last stage/progress/hello record (not heartbeats)
     last_seen_t: float = 0.0  # any record, heartbeats included
     progress: dict[str, Any] = field(default_factory=dict)
-    transitions: list[tuple[str, float]] = field(default_factory=list)  # (stage, entry time)
+    transitions: list[tuple[Union[Stage, str], float]] = field(default_factory=list)  # (stage, entry time)
     pid: Optional[int] = None
     host: Optional[str] = None
     local_rank: Optional[int] = None
@@ -124,9 +120,9 @@ def denoise_position(p: dict) -> str:
     return f"clip {p.get('clip')}/{p.get('clips') or '?'}, step {p.get('step') or 0}/{p.get('steps') or '?'}"
 
 
-def stage_durations(st: RankState) -> dict[str, float]:
+def stage_durations(st: RankState) -> dict[Union[Stage, str], float]:
     """Seconds spent in each stage (summed over repeats, e.g. per-clip denoise/decode)."""
-    out: dict[str, float] = {}
+    out: dict[Union[Stage, str], float] = {}
     end_t = float(st.end["t"]) if st.end else st.last_seen_t
     for i, (name, t) in enumerate(st.transitions):
         nxt = st.transitions[i + 1][1] if i + 1 < len(st.transitions) else end_t
@@ -188,10 +184,10 @@ class EventReader:
         st.last_seen_t = max(st.last_seen_t, t)
         kind = ev.get("kind")
         if kind == "stage":
-            st.stage = ev["stage"]
+            st.stage = Stage.coerce(ev.get("stage", "?"))
             st.stage_t = t
             st.last_progress_t = t
-            st.transitions.append((ev["stage"], t))
+            st.transitions.append((st.stage, t))
             if "clip" in ev:  # a new clip: its step counter starts again
                 st.progress.update(clip=ev["clip"], clips=ev.get("clips"), step=0)
                 if ev.get("steps"):

@@ -1,14 +1,18 @@
 """Test-only fault injection, honoured only when ``WAN_S2V_TEST_FAULT`` is set.
 
-Format: ``RANK:STAGE:ACTION`` with ACTION one of ``raise`` (RuntimeError), ``exit`` (os._exit 3),
-``hang`` (sleep forever, still heart-beating). Checked at every stage change and every denoising
-step of the given rank, and as stage ``start`` before the rank writes any event (there ``hang``
-is a rank that never reports). Users never set it; the supervision tests do.
+Format: ``RANK:STAGE:ACTION`` (STAGE a :class:`~wan_s2v_runner.stages.Stage` name) with ACTION
+one of ``raise`` (RuntimeError), ``exit`` (os._exit 3), ``hang`` (sleep forever, still
+heart-beating). Checked at every stage change and every denoising step of the given rank, and
+as stage ``start`` before the rank writes any event (there ``hang`` is a rank that never
+reports). Users never set it; the supervision tests do.
 """
 from __future__ import annotations
 
 import os
 import time
+from typing import Optional
+
+from wan_s2v_runner.stages import Stage
 
 ENV = "WAN_S2V_TEST_FAULT"
 
@@ -17,16 +21,21 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def parse(value: str | None):
+def parse(value: Optional[str]) -> Optional[tuple[int, Stage, str]]:
+    """``"1:denoise:raise"`` -> (1, Stage.DENOISE, "raise"); None when unset. A stage or action
+    that does not exist raises ValueError (a misspelt fault would otherwise never fire)."""
     if not value:
         return None
     rank, stage, action = value.split(":")
     if action not in ("raise", "exit", "hang"):
         raise ValueError(f"{ENV}: unknown action {action!r}")
-    return int(rank), stage, action
+    found = Stage.lookup(stage)
+    if found is None:
+        raise ValueError(f"{ENV}: unknown stage {stage!r} (one of {', '.join(s.value for s in Stage)})")
+    return int(rank), found, action
 
 
-def maybe_fire(rank: int, stage: str, fault=None) -> None:
+def maybe_fire(rank: int, stage: Stage, fault=None) -> None:
     fault = fault if fault is not None else parse(os.environ.get(ENV))
     if not fault or fault[0] != rank or fault[1] != stage:
         return

@@ -9,19 +9,20 @@ its stage, traceback, hint), and ``run.json``, the manifest. Returns an exit cod
 :mod:`exit_codes`. See docs/supervision.md.
 
 Processes of a run (torchrun in its own session with PR_SET_PDEATHSIG, workers in theirs) are
-tracked by :mod:`proctree`; reading a failure or a hang (error files, exit statuses, stacks,
-hints) is :mod:`diagnose`. This module owns the loop that ties them to the events.
+tracked by :mod:`proctree`; the verdicts are pure functions elsewhere: whether the run is stuck
+and how to describe it (:mod:`watchdog`), which rank failed first and why (:mod:`diagnose`).
+This module owns the processes and the loop that gathers their inputs and acts on them.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,17 +32,15 @@ from wan_s2v_runner import atomic, exit_codes, manifest
 from wan_s2v_runner.console import Display
 from wan_s2v_runner.diagnose import (
     analyse_stacks,
+    attribute_failures,
     describe_exit,
-    first_line,
     has_frame,
-    hint_for,
     parse_torchrun_exits,
-    progress_suffix,
     read_error_files,
     tail_lines,
     where_ranks_were,
 )
-from wan_s2v_runner.events import LOAD_STAGES, EventReader, RankState, is_secondary
+from wan_s2v_runner.events import EventReader, RankState
 from wan_s2v_runner.proctree import (
     ProcTable,
     descendants,
@@ -53,6 +52,8 @@ from wan_s2v_runner.proctree import (
     worker_rank,
 )
 from wan_s2v_runner.spec import RunSpec
+from wan_s2v_runner.stages import Stage
+from wan_s2v_runner.watchdog import Stuck, WatchdogLimits, describe_hang, stalled
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 #: after the first failure, torchrun gets this long to tear the others down before we do
@@ -60,12 +61,8 @@ FAILURE_GRACE_S = 3.0
 #: a worker found dead without an ``end`` record counts as failed after this long (its last
 #: records may still be on their way through the file system)
 DEATH_SETTLE_S = 0.3
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: rendezvous port of a multi-node run when none is given (torchrun's own default)
+DEFAULT_MASTER_PORT = 29500
 
 
 def make_run_dir(spec: RunSpec) -> Path:
@@ -83,15 +80,35 @@ def make_run_dir(spec: RunSpec) -> Path:
 
 
 def finalize_spec(spec: RunSpec) -> RunSpec:
-    """Resolve what the launcher decides once: the seed and the rendezvous port."""
+    """Resolve what the launcher decides once: the seed, and the rendezvous port of a
+    multi-node run (:data:`DEFAULT_MASTER_PORT` unless given). A one-node run without a port
+    keeps ``master_port=None``: torchrun's rendezvous then binds port 0 and the OS picks
+    (:func:`rendezvous_argv`)."""
     spec = spec.with_resolved_seed()
-    if spec.master_port is None:
-        spec = spec.model_copy(update={"master_port": free_port() if spec.nnodes == 1 else 29500})
+    if spec.master_port is None and spec.nnodes > 1:
+        spec = spec.model_copy(update={"master_port": DEFAULT_MASTER_PORT})
     return spec
 
 
+def rendezvous_argv(spec: RunSpec) -> list[str]:
+    """torchrun's rendezvous flags.
+
+    One node, no ``--master-port``: what ``torchrun --standalone`` does, a c10d rendezvous on
+    ``localhost:0``. Its store binds port 0 and keeps the port the OS gave it (no port is picked
+    first and bound later, so runs started together cannot collide); the agent then serves the
+    store the ranks join, also on an OS-picked port, and hands every rank ``MASTER_ADDR``
+    (``--local-addr``: this host) and ``MASTER_PORT`` for ``init_process_group("env://")``.
+    Otherwise (a port given, or several nodes): the static rendezvous on
+    ``--master-addr:--master-port``."""
+    if spec.master_port is None and spec.nnodes == 1:
+        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+                "--rdzv-id", uuid.uuid4().hex, "--local-addr", "127.0.0.1"]
+    port = spec.master_port or DEFAULT_MASTER_PORT
+    return ["--master-addr", spec.master_addr, "--master-port", str(port)]
+
+
 def expected_ranks(spec: RunSpec) -> list[int]:
-    """Global ranks started on this node (torchrun's static rendezvous: node-major)."""
+    """Global ranks started on this node (node-major: one node's are 0..nproc-1)."""
     return list(range(spec.node_rank * spec.nproc, (spec.node_rank + 1) * spec.nproc))
 
 
@@ -99,7 +116,7 @@ def torchrun_argv(spec: RunSpec, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
             "--nproc-per-node", str(spec.nproc),
-            "--master-addr", spec.master_addr, "--master-port", str(spec.master_port),
+            *rendezvous_argv(spec),
             "--max-restarts", "0",
             "--log-dir", str(run_dir / "logs"), "--redirects", "3", "--tee", "3",
             "--local-ranks-filter", "0",
@@ -124,11 +141,11 @@ class Outcome:
     code: int = exit_codes.OK
     reason: str = ""
     failed_rank: Optional[int] = None
-    failed_stage: Optional[str] = None
+    failed_stage: Optional[Stage | str] = None
     error: Optional[str] = None
     traceback: Optional[str] = None
     hint: Optional[str] = None
-    stuck: dict = field(default_factory=dict)
+    stuck: Stuck = field(default_factory=dict)
     details: list = field(default_factory=list)  # extra lines for the report (other ranks, stacks)
     torchrun_rc: Optional[int] = None
 
@@ -144,6 +161,7 @@ class Supervisor:
         self.procs = ProcTable()
         self.extra_env = extra_env
         self.expected = expected_ranks(spec)
+        self.limits = WatchdogLimits(load_s=spec.watchdog_load_s, step_s=spec.watchdog_step_s)
         self.signal_received: Optional[int] = None
         self.force = False  # a second signal: SIGKILL at once
         self.host_hwm_mb: dict[int, float] = {}  # rank -> VmHWM seen by the launcher
@@ -267,30 +285,9 @@ class Supervisor:
                     self.host_hwm_mb[st.rank] = max(hwm, self.host_hwm_mb.get(st.rank, 0.0))
 
     # ----- watchdog -----
-    def limit_for(self, stage: str) -> float:
-        return self.spec.watchdog_load_s if stage in LOAD_STAGES else self.spec.watchdog_step_s
-
-    def stalled(self, now: float) -> Optional[dict]:
-        """{stage: [ranks]} when every unfinished rank has gone longer than its stage's limit
-        without progress (ranks that never reported count as in ``start`` since the spawn);
-        else None. A limit of 0 turns the watchdog off for that kind of stage."""
-        live = []
-        for r in self.expected:
-            st = self.reader.ranks.get(r)
-            if st is None:
-                live.append((r, "start", self.t0))
-            elif st.end is None and st.error is None:
-                live.append((r, st.stage, st.last_progress_t or self.t0))
-        if not live:
-            return None
-        for _, stage, last in live:
-            lim = self.limit_for(stage)
-            if not lim or now - last <= lim:
-                return None
-        by_stage: dict = {}
-        for r, stage, _ in live:
-            by_stage.setdefault(stage, []).append(r)
-        return by_stage
+    def stalled(self, now: float) -> Optional[Stuck]:
+        """:func:`watchdog.stalled` for this run's ranks (spawned at ``t0``) and limits."""
+        return stalled(self.reader.ranks, self.expected, self.t0, now, self.limits)
 
     # ----- failures -----
     def failures_seen(self, now: float) -> bool:
@@ -367,10 +364,11 @@ class Supervisor:
                 return self._hang(stuck, now)
             time.sleep(poll_s)
 
-    def _hang(self, stuck: dict, now: float) -> Outcome:
-        limit = max(self.limit_for(s) for s in stuck)
+    def _hang(self, stuck: Stuck, now: float) -> Outcome:
+        """Read what is left of the stuck ranks (the processes of ranks that never reported,
+        every rank's stacks), stop the run, and report it."""
         live = self.tree(full=True)
-        never = stuck.get("start", [])
+        never = stuck.get(Stage.START, [])
         silent = {}  # rank -> (pid, state) of workers that never reported, read before stopping
         for pid in live:
             r = worker_rank(pid)
@@ -379,63 +377,28 @@ class Supervisor:
         stacks = self.dump_stacks()
         self.stop(grace_s=2.0)
         self.reader.poll()
-        parts = []
-        for stage, rs in stuck.items():
-            st = self.reader.ranks.get(rs[0])
-            parts.append(f"{stage}{progress_suffix(st) if st else ''} on rank{'s' if len(rs) > 1 else ''} "
-                         f"{','.join(map(str, rs))}")
-        details = analyse_stacks(self.run_dir, sorted(r for rs in stuck.values() for r in rs))
-        if never:
-            for r in reversed(never):
-                if r in silent:
-                    pid, state = silent[r]
-                    details.insert(0, f"rank {r} never reported (no events): its process (pid {pid}) was "
-                                      f"{state}; stacks/rank{r}.at-stop.txt has its stack if it got as far "
-                                      "as registering faulthandler")
-                else:
-                    details.insert(0, f"rank {r} never reported (no events) and no worker process was "
-                                      "found for it: torchrun did not start it (rendezvous with other nodes?)")
-        for r in sorted(r for rs in stuck.values() for r in rs):
-            st = self.reader.ranks.get(r)
-            if st and st.last_seen_t and now - st.last_seen_t > 10:
-                details.append(f"rank {r}: no heartbeat for {now - st.last_seen_t:.0f}s "
-                               "(process frozen, swapping, or stopped?)")
+        stuck_ranks = sorted(r for rs in stuck.values() for r in rs)
+        report = describe_hang(stuck, self.reader.ranks, now=now, limits=self.limits,
+                               stacks_dir=self.run_dir / "stacks",
+                               stack_lines=analyse_stacks(self.run_dir, stuck_ranks), silent=silent)
         return Outcome(code=exit_codes.HUNG, stuck=stuck, failed_stage=next(iter(stuck)),
-                       reason=f"stuck in {'; '.join(parts)} (no progress for {limit:g}s); "
-                              f"stacks in {self.run_dir / 'stacks'}",
-                       hint=hint_for("hang", list(stuck)), details=details,
+                       reason=report.reason, hint=report.hint, details=list(report.details),
                        traceback=None if stacks else "no stack dumps were written",
                        torchrun_rc=self.proc.poll())
 
     def _failure(self, rc: Optional[int]) -> Outcome:
-        """The first failing rank (by its error record or, for a rank that died without one,
-        its exit time), with its traceback, a hint, and one line per other affected rank."""
+        """Gather what tells which rank failed first (events, error files, exit times, torchrun's
+        exit codes, crash stacks), let :func:`diagnose.attribute_failures` decide, report it."""
         if self.proc is not None and self.proc.poll() is not None:
             self.join_pump(timeout=2.0)  # torchrun's failure summary (exit codes) into torchrun.log
         ranks = self.reader.ranks
-        tb_by_rank = read_error_files(self.run_dir, self.spec.node_rank * self.spec.nproc)
-        exits = parse_torchrun_exits(self.log_path)
-        cands = []  # (sort time, rank, kind)
-        for st in ranks.values():
-            if st.error:
-                msg = f"{st.error.get('error_type')}: {st.error.get('message')}"
-                penalty = 1.0 if is_secondary(msg) else 0.0  # a peer's "connection closed" comes after the cause
-                cands.append((float(st.error["t"]) + penalty, st.rank, "error"))
-            elif st.end is None and st.pid and st.pid in self.procs.death_t:
-                cands.append((self.procs.death_t[st.pid], st.rank, "died"))
-        if not cands and tb_by_rank:  # failed before writing any event (e.g. at import)
-            stamps = read_error_files(self.run_dir, self.spec.node_rank * self.spec.nproc, stamps=True)
-            rank = min(tb_by_rank, key=lambda r: (stamps.get(r, 0), r))
-            tb = tb_by_rank[rank]
-            msg = tb.strip().splitlines()[-1] if tb.strip() else "(no message)"
-            others = sorted(set(tb_by_rank) - {rank})
-            return Outcome(code=exit_codes.RANK_FAILED, failed_rank=rank, failed_stage="start",
-                           error=msg, traceback=tb, torchrun_rc=rc,
-                           reason=f"rank {rank} failed before its first event: {msg}",
-                           hint=hint_for(msg, ["start"], self.spec),
-                           details=[f"also rank {r}: {first_line(tb_by_rank[r].strip().splitlines()[-1])}"
-                                    for r in others if tb_by_rank[r].strip()])
-        if not cands:
+        stacks = self.run_dir / "stacks"
+        failures = attribute_failures(
+            ranks, error_files=read_error_files(self.run_dir, self.spec.node_rank * self.spec.nproc),
+            death_times=dict(self.procs.death_t), exit_codes=parse_torchrun_exits(self.log_path),
+            crash_stacks={r: stacks / f"rank{r}.txt" for r in ranks if has_frame(stacks / f"rank{r}.txt")},
+            spec=self.spec)
+        if not failures:
             missing = sorted(set(self.expected) - set(ranks))
             return Outcome(code=exit_codes.RANK_FAILED, torchrun_rc=rc,
                            reason=f"torchrun exited with {rc}"
@@ -443,41 +406,10 @@ class Supervisor:
                            traceback=tail_lines(self.log_path, 30),
                            hint="torchrun itself failed: see torchrun.log in the run directory "
                                 "(rendezvous port in use? another node unreachable?)")
-        cands.sort()
-        _, rank, kind = cands[0]
-        st = ranks[rank]
-        where = f"{st.stage}{progress_suffix(st)}"
-        if kind == "error":
-            msg = f"{st.error.get('error_type')}: {st.error.get('message')}"
-            reason = f"rank {rank} failed in stage {where}: {msg}"
-            hint = hint_for(msg, [st.stage], self.spec)
-        else:
-            code = exits.get(rank)
-            how = describe_exit(code)
-            msg = f"died without an error report ({how})"
-            reason = f"rank {rank} (pid {st.pid}) {msg} in stage {where}"
-            hint = ("Killed by SIGKILL: `kill -9` from outside, or the kernel's OOM killer (check "
-                    "`dmesg | grep -i oom`). Host RAM per rank peaks during loading; see run.json "
-                    "ranks.*.host_peak_rss_mb and `wan-s2v doctor`'s memory plan; fewer ranks per "
-                    "node or --mode ulysses (no CPU-side FSDP copy) lower it."
-                    if code == -9 else
-                    "The process exited or crashed without a Python exception; its Python stack at the "
-                    f"crash is in {self.run_dir / 'stacks' / f'rank{rank}.txt'}."
-                    if has_frame(self.run_dir / "stacks" / f"rank{rank}.txt") else
-                    "The process exited or crashed without a Python exception (os._exit, or a native "
-                    "crash without a Python stack): read its stderr.log under logs/.")
-        details = []
-        for t, r, k in cands[1:]:
-            o = ranks[r]
-            if k == "error":
-                m = f"{o.error.get('error_type')}: {o.error.get('message')}"
-                details.append(f"also rank {r} in {o.stage}: {first_line(m)}"
-                               + (" (a consequence: a peer went away)" if is_secondary(m) else ""))
-            else:
-                details.append(f"also rank {r} (pid {o.pid}) exited in {o.stage} ({describe_exit(exits.get(r))})")
-        return Outcome(code=exit_codes.RANK_FAILED, failed_rank=rank, failed_stage=st.stage,
-                       error=msg, traceback=tb_by_rank.get(rank), reason=reason, hint=hint,
-                       details=details, torchrun_rc=rc)
+        cause = failures[0]
+        return Outcome(code=exit_codes.RANK_FAILED, failed_rank=cause.rank, failed_stage=cause.stage,
+                       error=cause.message, traceback=cause.traceback, reason=cause.headline(),
+                       hint=cause.hint, details=[f.also_line() for f in failures[1:]], torchrun_rc=rc)
 
     def on_signal(self, signum, _frame) -> None:
         if self.signal_received is not None:

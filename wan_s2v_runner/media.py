@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 
 from wan_s2v_runner.atomic import temp_name
+from wan_s2v_runner.stages import Stage
 
 
 class MediaError(RuntimeError):
@@ -74,17 +75,18 @@ def mux_audio(video: Path, audio: Path, out: Path, duration_s: float) -> None:
 
 
 def save_video_with_audio(frames, fps: int, audio: Path, output: Path, on_stage=None) -> Path:
-    """frames (3, N, H, W) in [-1, 1] -> ``output`` (mp4: H.264 + AAC), all or nothing."""
+    """frames (3, N, H, W) in [-1, 1] -> ``output`` (mp4: H.264 + AAC), all or nothing.
+    ``on_stage`` (optional) is called with :attr:`Stage.SAVE`, then :attr:`Stage.MUX`."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     u8 = frames_to_uint8(frames)
     video_tmp, final_tmp = temp_name(output, "video"), temp_name(output, "mux")
     try:
         if on_stage:
-            on_stage("save")
+            on_stage(Stage.SAVE)
         write_h264(u8, fps, video_tmp)
         if on_stage:
-            on_stage("mux")
+            on_stage(Stage.MUX)
         mux_audio(video_tmp, Path(audio), final_tmp, duration_s=u8.shape[0] / fps)
         os.replace(final_tmp, output)
     finally:

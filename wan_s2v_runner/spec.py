@@ -1,47 +1,65 @@
-"""The run spec: one validated description of a run, shared by the launcher and every rank.
+"""The run spec: the one description of every run setting, shared by the launcher and every rank.
 
 Like torchtitan's ``ParallelDims``, a :class:`RunSpec` validates itself on construction and
-everything else asks it (``spec.world_size``, ``spec.layout``). The launcher builds it once
-(TOML file, then CLI flags on top), resolves ``seed=-1`` to a concrete seed, writes it to the run
-directory as JSON, and each rank reads that file back. Nothing else carries run settings.
+everything else asks it (``spec.world_size``, ``spec.layout``, ``spec.offload``). Each field
+carries its own command-line surface as :class:`Flag` metadata (flag name, aliases, group,
+environment default, how its default reads in help), so the argparse flags
+(:mod:`wan_s2v_runner.flags`), the TOML keys, the README flags table and the doctor's lenient
+view (:meth:`RunSpec.draft`) are all generated from these fields. Adding a run setting is one
+field here (plus its use).
+
+The launcher builds the spec once (defaults < environment < TOML file < flags), resolves
+``seed=-1`` to a concrete seed, writes it to the run directory as JSON, and each rank reads that
+file back. Nothing else carries run settings.
 """
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-import tomllib
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
+                      ValidationError, model_validator)
+from pydantic.fields import FieldInfo
+
+from wan_s2v_runner.layout import Layout, Mode
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+__all__ = ["RunSpec", "Mode", "Layout", "Flag", "FlagGroup", "parse_size", "load_toml",
+           "DEFAULT_MAX_AREA", "MAX_SEED"]
 
 #: Upstream S2V default area (width*height); the engine fits the reference image inside it.
 DEFAULT_MAX_AREA = 1024 * 704
 MAX_SEED = 2**63 - 1
 
 
-class Mode(str, Enum):
-    """Parallel modes. Each has a runner module in ``runners/``."""
+class FlagGroup(str, Enum):
+    """Help sections, in display order."""
 
-    ULYSSES = "ulysses"
-    FSDP_FIXED = "fsdp-fixed"
-    HYBRID = "hybrid"
+    INPUTS = "inputs"
+    SAMPLING = "sampling"
+    LAYOUT = "parallel layout"
+    SUPERVISION = "supervision and output"
 
 
-class Layout(BaseModel):
-    """What a mode means for the engine: derived from the spec, never set by hand."""
+@dataclass(frozen=True)
+class Flag:
+    """How a spec field appears on the command line (metadata on the field)."""
 
-    model_config = ConfigDict(frozen=True)
-
-    world_size: int
-    use_sp: bool  # Ulysses sequence parallel over all ranks
-    dit_fsdp: bool
-    t5_fsdp: bool
-    t5_cpu: bool
-
-    @property
-    def ulysses_degree(self) -> int:
-        return self.world_size if self.use_sp else 1
+    group: FlagGroup
+    name: Optional[str] = None  # default: --field-name
+    aliases: tuple[str, ...] = ()  # more flag spellings (also accepted as TOML keys)
+    env: Optional[str] = None  # environment variable that supplies the default
+    default_text: Optional[str] = None  # how the default reads when it is computed or None
+    metavar: Optional[str] = None
+    cli_type: Optional[Callable[[str], Any]] = None  # argparse type when it differs from the field's
+    extra_choices: tuple[str, ...] = ()  # CLI-only choices resolved before the spec (e.g. mode auto)
 
 
 def parse_size(value: str) -> int:
@@ -58,52 +76,94 @@ def parse_size(value: str) -> int:
     raise ValueError(f"size must look like WIDTH*HEIGHT (e.g. 1024*704), got {value!r}")
 
 
+def _area(value: Any) -> Any:
+    """max_area accepts an area in pixels or WIDTH*HEIGHT (``--size``, TOML ``size``)."""
+    if isinstance(value, str) and not value.strip().isdigit():
+        return parse_size(value)
+    return value
+
+
+def _absolute(p: Path) -> Path:
+    return Path(p).expanduser().absolute()
+
+
+AbsPath = Annotated[Path, AfterValidator(_absolute)]
+Area = Annotated[int, BeforeValidator(_area)]
+
+_IN, _SA, _LA, _SU = FlagGroup.INPUTS, FlagGroup.SAMPLING, FlagGroup.LAYOUT, FlagGroup.SUPERVISION
+
+
 class RunSpec(BaseModel):
     """Everything one run needs. Paths are absolute after validation."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    # engine & inputs
-    wan_repo: Optional[Path] = Field(None, description="Wan2.2 checkout (repo root); None = installed `wan` package")
-    ckpt_dir: Path
-    image: Path
-    audio: Path
-    prompt: str = Field(min_length=1)
-    negative_prompt: str = ""  # "" = the engine's default negative prompt
-    # sampling
-    max_area: int = Field(DEFAULT_MAX_AREA, gt=0)
-    infer_frames: int = Field(80, gt=0)
-    num_clips: Optional[int] = Field(None, gt=0, description="None = as many as the audio needs")
-    steps: int = Field(40, gt=0)
-    shift: float = Field(3.0, gt=0)
-    guide_scale: float = Field(4.5, ge=0)
-    solver: Literal["unipc", "dpm++"] = "unipc"
-    seed: int = Field(-1, ge=-1, le=MAX_SEED)
-    start_from_ref: bool = False
-    offload_model: Optional[bool] = None  # None = upstream rule: offload only with one rank
-    # parallel layout
-    mode: Mode = Mode.ULYSSES
-    nproc: int = Field(1, ge=1)
-    nnodes: int = Field(1, ge=1)
-    node_rank: int = Field(0, ge=0)
-    master_addr: str = "127.0.0.1"
-    master_port: Optional[int] = Field(None, ge=1, le=65535, description="None: a free port (one node) or 29500")
-    device: Literal["cuda", "cpu"] = "cuda"
-    attention: Literal["auto", "fa3", "fa2", "sdpa"] = "auto"
-    threads: int = Field(1, ge=1, description="torch threads per rank on CPU")
-    pg_timeout_s: float = Field(3600.0, gt=0, description="process-group collective timeout")
-    # supervision: no progress on any rank for this long -> stacks dumped, run stopped (0 = off)
-    watchdog_load_s: float = Field(1800.0, ge=0, description="limit while importing/loading/sharding")
-    watchdog_step_s: float = Field(600.0, ge=0, description="limit per step, encode, decode, save")
-    # outputs
-    output: Path
-    frames_out: Optional[Path] = Field(None, description="also save the raw frames tensor (.pt), for parity checks")
-    runs_root: Path = Path("runs")
-
-    @field_validator("wan_repo", "ckpt_dir", "image", "audio", "output", "frames_out", "runs_root")
-    @classmethod
-    def _absolute(cls, v: Optional[Path]) -> Optional[Path]:
-        return None if v is None else Path(v).expanduser().absolute()
+    # ----- engine & inputs
+    ckpt_dir: Annotated[AbsPath, Flag(_IN, metavar="DIR")] = Field(
+        description="Wan2.2-S2V-14B checkpoint directory")
+    wan_repo: Annotated[Optional[AbsPath], Flag(_IN, env="WAN_REPO", metavar="DIR",
+                                                default_text="installed `wan`")] = Field(
+        None, description="use this Wan2.2 checkout (repo root) instead of the installed wan package")
+    image: Annotated[AbsPath, Flag(_IN, metavar="PATH")] = Field(description="reference image")
+    audio: Annotated[AbsPath, Flag(_IN, metavar="PATH")] = Field(description="speech audio (wav, mp3, ...)")
+    prompt: Annotated[str, Flag(_IN, metavar="TEXT")] = Field(min_length=1, description="text prompt")
+    negative_prompt: Annotated[str, Flag(_IN, metavar="TEXT", default_text="engine's")] = Field(
+        "", description="negative prompt (empty: the engine's default)")
+    # ----- sampling
+    max_area: Annotated[Area, Flag(_SA, aliases=("--size",), metavar="W*H", cli_type=str,
+                                   default_text="1024*704")] = Field(
+        DEFAULT_MAX_AREA, gt=0,
+        description="target area, WIDTH*HEIGHT or pixels; the image's aspect ratio is kept")
+    infer_frames: Annotated[int, Flag(_SA, metavar="N")] = Field(
+        80, gt=0, description="frames per clip (multiple of 4)")
+    num_clips: Annotated[Optional[int], Flag(_SA, metavar="N", default_text="from audio")] = Field(
+        None, gt=0, description="clips to generate (default: enough to cover the audio)")
+    steps: Annotated[int, Flag(_SA, aliases=("--sample-steps",), metavar="N")] = Field(
+        40, gt=0, description="sampling steps")
+    shift: Annotated[float, Flag(_SA, aliases=("--sample-shift",))] = Field(
+        3.0, gt=0, description="noise schedule shift")
+    guide_scale: Annotated[float, Flag(_SA, aliases=("--sample-guide-scale",))] = Field(
+        4.5, ge=0, description="classifier-free guidance scale")
+    solver: Annotated[Literal["unipc", "dpm++"], Flag(_SA)] = Field("unipc", description="sampler")
+    seed: Annotated[int, Flag(_SA, metavar="N")] = Field(
+        -1, ge=-1, le=MAX_SEED, description="-1 = random, chosen once by the launcher and recorded in run.json")
+    start_from_ref: Annotated[bool, Flag(_SA)] = Field(
+        False, description="use the reference image as the first frame")
+    offload_model: Annotated[Optional[bool], Flag(_SA, default_text="only with 1 GPU")] = Field(
+        None, description="offload the DiT to CPU between uses")
+    # ----- parallel layout
+    mode: Annotated[Mode, Flag(_LA, extra_choices=("auto",))] = Field(
+        Mode.ULYSSES, description="parallel mode (auto: the doctor's recommendation)")
+    nproc: Annotated[int, Flag(_LA, aliases=("--nproc-per-node",), metavar="N")] = Field(
+        1, ge=1, description="ranks (GPUs) on this node")
+    nnodes: Annotated[int, Flag(_LA, env="WORLD_SIZE", metavar="N")] = Field(
+        1, ge=1, description="number of nodes (world size = nproc x nnodes)")
+    node_rank: Annotated[int, Flag(_LA, env="RANK", metavar="I")] = Field(
+        0, ge=0, description="this node's index")
+    master_addr: Annotated[str, Flag(_LA, env="MASTER_ADDR", metavar="HOST")] = Field(
+        "127.0.0.1", description="rendezvous host (node 0)")
+    master_port: Annotated[Optional[int], Flag(_LA, env="MASTER_PORT", metavar="PORT",
+                                               default_text="OS-chosen (1 node), 29500")] = Field(
+        None, ge=1, le=65535, description="rendezvous port")
+    device: Annotated[Literal["cuda", "cpu"], Flag(_LA)] = Field(
+        "cuda", description="cuda (nccl) or cpu (gloo, fp32)")
+    attention: Annotated[Literal["auto", "fa3", "fa2", "sdpa"], Flag(_LA)] = Field(
+        "auto", description="attention backend; the choice is logged and recorded")
+    threads: Annotated[int, Flag(_LA, metavar="N")] = Field(1, ge=1, description="torch threads per rank on CPU")
+    # ----- supervision & outputs: no progress on any rank for this long -> stacks dumped, run stopped
+    pg_timeout_s: Annotated[float, Flag(_SU, name="--pg-timeout", metavar="S")] = Field(
+        3600.0, gt=0, description="process-group collective timeout, s (must exceed the watchdog limits)")
+    watchdog_load_s: Annotated[float, Flag(_SU, name="--watchdog-load", metavar="S")] = Field(
+        1800.0, ge=0, description="hang limit while importing/loading/sharding/encoding inputs, s (0 = off)")
+    watchdog_step_s: Annotated[float, Flag(_SU, name="--watchdog-step", metavar="S")] = Field(
+        600.0, ge=0, description="hang limit per step, decode, save, s (0 = off)")
+    output: Annotated[AbsPath, Flag(_SU, aliases=("--save-file",), metavar="PATH")] = Field(
+        Path("outputs/s2v.mp4"), validate_default=True,
+        description="the .mp4 (written to a temporary name, renamed when complete)")
+    frames_out: Annotated[Optional[AbsPath], Flag(_SU, metavar="PATH")] = Field(
+        None, description="also save the raw frames tensor (.pt), e.g. for parity checks")
+    runs_root: Annotated[AbsPath, Flag(_SU, metavar="DIR")] = Field(
+        Path("runs"), validate_default=True, description="where run directories go")
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunSpec":
@@ -128,12 +188,7 @@ class RunSpec(BaseModel):
 
     @property
     def layout(self) -> Layout:
-        ws = self.world_size
-        if self.mode is Mode.ULYSSES:
-            return Layout(world_size=ws, use_sp=ws > 1, dit_fsdp=False, t5_fsdp=False, t5_cpu=False)
-        if self.mode is Mode.FSDP_FIXED:
-            return Layout(world_size=ws, use_sp=False, dit_fsdp=True, t5_fsdp=True, t5_cpu=False)
-        return Layout(world_size=ws, use_sp=ws > 1, dit_fsdp=True, t5_fsdp=False, t5_cpu=True)
+        return Layout.for_mode(self.mode, self.world_size)
 
     @property
     def offload(self) -> bool:
@@ -155,17 +210,141 @@ class RunSpec(BaseModel):
     def from_json_file(cls, path: Path) -> "RunSpec":
         return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
 
+    # ----- the lenient view (doctor) -----
+    @classmethod
+    def required_fields(cls) -> list[str]:
+        return [k for k, f in cls.model_fields.items() if f.is_required()]
+
+    @classmethod
+    def draft(cls, values: dict[str, Any]) -> "SpecDraft":
+        """A lenient view of partial values, built from this model (no second list of fields).
+
+        Each given value is validated on its own (its type, constraints and path rule); a value
+        that fails keeps the field's default, a missing required field reads ``None``. The
+        whole-spec rules are checked with placeholders for the missing inputs, so ``error``
+        says why the given values could not make a valid spec even once the inputs are there.
+        """
+        given = {k: v for k, v in values.items() if v is not None}
+        missing = [k for k in cls.required_fields() if given.get(k) in (None, "")]
+        fields: dict[str, Any] = {}
+        for name, info in cls.model_fields.items():
+            if name in given:
+                try:
+                    fields[name] = field_adapter(name).validate_python(given[name])
+                    continue
+                except ValidationError:
+                    pass
+            fields[name] = None if info.is_required() else field_adapter(name).validate_python(info.default)
+        error: Optional[ValidationError] = None
+        complete: Optional[RunSpec] = None
+        placeholders = {k: _PLACEHOLDERS.get(k, "placeholder") for k in missing}
+        try:
+            full = cls(**{**given, **placeholders})
+            complete = None if missing else full
+        except ValidationError as e:
+            error = e
+        return SpecDraft(spec=complete or cls.model_construct(**fields), complete=complete is not None,
+                         missing=missing, error=error)
+
+
+_PLACEHOLDERS: dict[str, Any] = {"ckpt_dir": Path("/nonexistent"), "image": Path("/nonexistent.png"),
+                                 "audio": Path("/nonexistent.wav"), "prompt": "placeholder"}
+
+
+@dataclass(frozen=True)
+class SpecDraft:
+    """What :meth:`RunSpec.draft` gives: the (possibly unvalidated) view and what it lacks."""
+
+    spec: RunSpec  # validated when complete; else RunSpec.model_construct of the valid values
+    complete: bool
+    missing: list[str]
+    error: Optional[ValidationError]
+
+
+_ADAPTERS: dict[str, TypeAdapter] = {}
+
+
+def field_adapter(name: str) -> TypeAdapter:
+    """Validator of one spec field alone (type, constraints, path/area rules)."""
+    if name not in _ADAPTERS:
+        info: FieldInfo = RunSpec.model_fields[name]
+        _ADAPTERS[name] = TypeAdapter(Annotated.__class_getitem__((info.annotation, *info.metadata)))
+    return _ADAPTERS[name]
+
+
+def flag_of(name: str) -> Flag:
+    """The :class:`Flag` metadata of a spec field."""
+    return next(m for m in RunSpec.model_fields[name].metadata if isinstance(m, Flag))
+
+
+def flag_name(name: str) -> str:
+    """'pg_timeout_s' -> '--pg-timeout' (the flag users type for a field)."""
+    return flag_of(name).name or "--" + name.replace("_", "-")
+
+
+def key_aliases() -> dict[str, str]:
+    """Every accepted TOML/flag key spelling (dashes as underscores) -> field name."""
+    out: dict[str, str] = {}
+    for name in RunSpec.model_fields:
+        for spelling in (flag_name(name), *flag_of(name).aliases):
+            out[spelling.lstrip("-").replace("-", "_")] = name
+        out[name] = name
+    return out
+
 
 def load_toml(path: Path) -> dict[str, Any]:
-    """Read a run.toml. Keys are spec field names; '-' may be used for '_'."""
+    """Read a run.toml (table ``[run]`` or top level). Keys are field names or flag names
+    (``size``, ``sample_steps``, ``pg_timeout``...); '-' may be used for '_'."""
     with open(path, "rb") as f:
         data = tomllib.load(f)
     table = data.get("run", data)
-    return {k.replace("-", "_"): v for k, v in table.items()}
+    names = key_aliases()
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        key = k.replace("-", "_")
+        out[names.get(key, key)] = v  # an unknown key stays and the spec rejects it by name
+    return out
 
 
-def build_spec(file_values: dict[str, Any], cli_values: dict[str, Any]) -> RunSpec:
-    """TOML values first, CLI flags (those actually given, i.e. not None) on top."""
-    merged = dict(file_values)
-    merged.update({k: v for k, v in cli_values.items() if v is not None})
-    return RunSpec(**merged)
+def env_values(env) -> dict[str, Any]:
+    """Field values from the environment variables the fields declare (``Flag.env``), e.g. the
+    PyTorchJob-style MASTER_ADDR/MASTER_PORT/WORLD_SIZE (= nodes)/RANK (= node). A value that
+    does not validate for its field is ignored (other tools set these variables too)."""
+    out: dict[str, Any] = {}
+    for name in RunSpec.model_fields:
+        var = flag_of(name).env
+        raw = (env.get(var) or "").strip() if var else ""
+        if raw:
+            try:
+                out[name] = field_adapter(name).validate_python(raw)
+            except ValidationError:
+                continue
+    return out
+
+
+def merge_values(*layers: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Later layers win; ``None`` means "not given" and never overrides."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        out.update({k: v for k, v in (layer or {}).items() if v is not None})
+    return out
+
+
+def default_of(name: str) -> Union[str, Any]:
+    """The default as a person reads it (README, help)."""
+    f = flag_of(name)
+    if f.default_text is not None:
+        return f.default_text
+    info = RunSpec.model_fields[name]
+    if info.is_required():
+        return "required"
+    d = info.default
+    if isinstance(d, Enum):
+        return d.value
+    if isinstance(d, bool):
+        return "on" if d else "off"
+    if d is None:
+        return "none"
+    if isinstance(d, float) and d.is_integer():
+        return str(int(d))
+    return str(d)

@@ -1,16 +1,17 @@
-"""Tiny random-weight Wan2.2-S2V checkpoint and demo inputs, for tests and CPU smoke runs.
+"""Tiny random-weight Wan2.2-S2V checkpoint in the real file layout, for tests and CPU smoke runs.
 
-``build_tiny_checkpoint`` writes a directory in the *real* Wan2.2-S2V-14B file layout, loadable by
-the unmodified engine (``wan.WanS2V(config=WAN_CONFIGS['s2v-14B'], checkpoint_dir=...)`` with
-``param_dtype``/``t5_dtype`` set to float32 on CPU), but with tiny dimensions (~12 MB with the
-defaults, built in about a second after ``import wan``)::
+``build_tiny_checkpoint`` writes a directory in the *real* Wan2.2-S2V-14B file layout
+(:mod:`wan_s2v_runner.ckpt_layout`), loadable by the unmodified engine
+(``wan.WanS2V(config=WAN_CONFIGS['s2v-14B'], checkpoint_dir=...)`` with ``param_dtype``/``t5_dtype``
+set to float32 on CPU), but with tiny dimensions (~12 MB with the defaults, built in about a
+second after ``import wan``)::
 
-    config.json, diffusion_pytorch_model.safetensors  WanModel_S2V (save_pretrained), bf16
-    models_t5_umt5-xxl-enc-bf16.pth                   umt5 encoder state dict, bf16, width 4096
-    google/umt5-xxl/                                  Unigram tokenizer (AutoTokenizer dir)
-    Wan2.1_VAE.pth                                    WanVAE_ state dict, fp32
-    wav2vec2-large-xlsr-53-english/                   Wav2Vec2ForCTC + Wav2Vec2Processor, fp32
-    tiny_checkpoint.json                              dims, seed, hashes; ignored by the engine
+    DIT_CONFIG, DIT_WEIGHTS   WanModel_S2V (save_pretrained), bf16
+    T5_FILE                   umt5 encoder state dict, bf16, width 4096
+    T5_TOKENIZER_DIR          Unigram tokenizer (AutoTokenizer dir)
+    VAE_FILE                  WanVAE_ state dict, fp32
+    WAV2VEC_DIR               Wav2Vec2ForCTC + Wav2Vec2Processor, fp32
+    TINY_INFO_FILE            dims, seed, hashes; ignored by the engine
 
 File names, key names, dtypes and config semantics mirror the real checkpoint (adain,
 framepack, motion frames, 25 wav2vec2 hidden states, the T5 width of 4096 that the DiT's text
@@ -20,9 +21,8 @@ read both from the files, so it must be applied before loading this checkpoint.
 
 All weights are random but deterministic for a seed, and every tensor is re-randomized after
 construction (upstream zero-inits several layers, which would make the DiT output exactly zero).
-
-Also here: ``make_reference_image`` (a small face-like PNG), ``make_speech_audio`` (a synthetic
-speech-like 16-bit WAV) and ``ensure_demo_assets`` (build once into a cache dir, reuse after).
+Demo inputs are in :mod:`wan_s2v_runner.synthetic_inputs`, the demo cache in
+:mod:`wan_s2v_runner.demo_assets`.
 """
 from __future__ import annotations
 
@@ -34,50 +34,49 @@ import os
 import shutil
 import string
 import uuid
-import wave
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
-
-from wan_s2v_runner.atomic import atomic_write, write_text
+from wan_s2v_runner.ckpt_layout import (
+    DIT_CONFIG,
+    DIT_WEIGHTS,
+    T5_FILE,
+    T5_TOKENIZER_CONFIG,
+    T5_TOKENIZER_DIR,
+    T5_TOKENIZER_JSON,
+    TINY_INFO_FILE,
+    VAE_FILE,
+    W2V_CONFIG,
+    W2V_TOKENIZER_CONFIG,
+    W2V_VOCAB,
+    W2V_WEIGHTS,
+    WAV2VEC_DIR,
+)
 
 __all__ = [
     "TINY_FORMAT_VERSION",
-    "DemoAssets",
+    "REQUIRED_ENTRIES",
     "build_tiny_checkpoint",
-    "make_reference_image",
-    "make_speech_audio",
-    "ensure_demo_assets",
     "checkpoint_is_complete",
 ]
 
 #: Bump when the layout or the contents of what is built here change (invalidates caches).
 TINY_FORMAT_VERSION = 1
 
-# File names of the real checkpoint (wan/configs/wan_s2v_14B.py and wan/speech2video.py).
-T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
-T5_TOKENIZER_DIR = "google/umt5-xxl"
-VAE_FILE = "Wan2.1_VAE.pth"
-WAV2VEC_DIR = "wav2vec2-large-xlsr-53-english"
-DIT_CONFIG = "config.json"
-DIT_WEIGHTS = "diffusion_pytorch_model.safetensors"
-INFO_FILE = "tiny_checkpoint.json"
-
-#: What a complete checkpoint directory holds (relative paths).
+#: What a complete tiny checkpoint directory holds (relative paths): one of each
+#: ``ckpt_layout.LAYOUT`` entry's alternatives, the wav2vec2 tokenizer config and our info file.
 REQUIRED_ENTRIES = (
     DIT_CONFIG,
     DIT_WEIGHTS,
     T5_FILE,
-    f"{T5_TOKENIZER_DIR}/tokenizer.json",
-    f"{T5_TOKENIZER_DIR}/tokenizer_config.json",
+    T5_TOKENIZER_JSON,
+    T5_TOKENIZER_CONFIG,
     VAE_FILE,
-    f"{WAV2VEC_DIR}/config.json",
-    f"{WAV2VEC_DIR}/model.safetensors",
-    f"{WAV2VEC_DIR}/vocab.json",
-    f"{WAV2VEC_DIR}/tokenizer_config.json",
-    INFO_FILE,
+    W2V_CONFIG,
+    W2V_WEIGHTS,
+    W2V_VOCAB,
+    W2V_TOKENIZER_CONFIG,
+    TINY_INFO_FILE,
 )
 
 T5_TEXT_DIM = 4096  # WanModel_S2V's text_dim: not in config.json, always 4096.
@@ -106,6 +105,18 @@ def _seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def _rerandomize(module, seed: int) -> None:
@@ -168,7 +179,8 @@ def _tokenizer_pieces(vocab_size: int) -> list[tuple[str, float]]:
     return pieces
 
 
-def _write_t5_tokenizer(out: Path, vocab_size: int, text_len: int = 512) -> None:
+def _write_t5_tokenizer(ckpt: Path, vocab_size: int, text_len: int = 512) -> None:
+    """The T5 tokenizer folder (T5_TOKENIZER_DIR) inside the checkpoint directory ``ckpt``."""
     from tokenizers import (
         Tokenizer,
         decoders,
@@ -178,6 +190,7 @@ def _write_t5_tokenizer(out: Path, vocab_size: int, text_len: int = 512) -> None
         processors,
     )
 
+    out = ckpt / T5_TOKENIZER_DIR
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.Unigram(_tokenizer_pieces(vocab_size), unk_id=2, byte_fallback=False))
     tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(" {2,}", " ")])
@@ -186,9 +199,9 @@ def _write_t5_tokenizer(out: Path, vocab_size: int, text_len: int = 512) -> None
     tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
     tok.post_processor = processors.TemplateProcessing(
         single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)])
-    tok.save(str(out / "tokenizer.json"))
+    tok.save(str(ckpt / T5_TOKENIZER_JSON))
     specials = {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
-    (out / "tokenizer_config.json").write_text(json.dumps({
+    (ckpt / T5_TOKENIZER_CONFIG).write_text(json.dumps({
         "tokenizer_class": "T5Tokenizer",
         **specials,
         "extra_ids": 0,  # real umt5 has sentinel tokens; a tiny vocab has none
@@ -290,7 +303,8 @@ def _write_dit(out: Path, wan, *, seed: int, dim: int, heads: int, layers: int,
 _W2V_VOCAB = ["<pad>", "<s>", "</s>", "<unk>", "|"] + list("ETAONISRHDLUMCWFGYPBVK'XJQZ")
 
 
-def _write_wav2vec(out: Path, wan, *, seed: int, hidden: int) -> None:
+def _write_wav2vec(ckpt: Path, wan, *, seed: int, hidden: int) -> None:
+    """The wav2vec2 folder (WAV2VEC_DIR) inside the checkpoint directory ``ckpt``."""
     from transformers import (
         Wav2Vec2Config,
         Wav2Vec2CTCTokenizer,
@@ -301,10 +315,11 @@ def _write_wav2vec(out: Path, wan, *, seed: int, hidden: int) -> None:
 
     if hidden % 4:
         raise ValueError(f"wav2vec_hidden {hidden} must be a multiple of 4")
+    out = ckpt / WAV2VEC_DIR
     out.mkdir(parents=True, exist_ok=True)
     vocab = {s: i for i, s in enumerate(_W2V_VOCAB)}
-    (out / "vocab.json").write_text(json.dumps(vocab))
-    tokenizer = Wav2Vec2CTCTokenizer(str(out / "vocab.json"), unk_token="<unk>", pad_token="<pad>",
+    (ckpt / W2V_VOCAB).write_text(json.dumps(vocab))
+    tokenizer = Wav2Vec2CTCTokenizer(str(ckpt / W2V_VOCAB), unk_token="<unk>", pad_token="<pad>",
                                      word_delimiter_token="|")
     feature_extractor = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000,
                                                  padding_value=0.0, do_normalize=True,
@@ -349,7 +364,7 @@ def _write_wav2vec(out: Path, wan, *, seed: int, hidden: int) -> None:
 def _dir_digest(root: Path) -> dict[str, str]:
     out = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and p.name != INFO_FILE:
+        if p.is_file() and p.name != TINY_INFO_FILE:
             out[p.relative_to(root).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 
@@ -407,9 +422,9 @@ def build_tiny_checkpoint(out_dir: Path, *, seed: int = 0, dit_dim: int = 32, di
             _write_t5(tmp / T5_FILE, wan, seed=seed * 1000 + 2, vocab_size=t5_vocab,
                       layers=t5_layers, dim_attn=t5_dim_attn, dim_ffn=t5_dim_ffn,
                       num_heads=t5_heads)
-            _write_t5_tokenizer(tmp / T5_TOKENIZER_DIR, t5_vocab)
+            _write_t5_tokenizer(tmp, t5_vocab)
             _write_vae(tmp / VAE_FILE, wan, seed=seed * 1000 + 3, dim=vae_dim)
-            _write_wav2vec(tmp / WAV2VEC_DIR, wan, seed=seed * 1000 + 4, hidden=wav2vec_hidden)
+            _write_wav2vec(tmp, wan, seed=seed * 1000 + 4, hidden=wav2vec_hidden)
         info = {
             "format_version": TINY_FORMAT_VERSION,
             "kind": "wan-s2v tiny random checkpoint (not a trained model)",
@@ -424,7 +439,7 @@ def build_tiny_checkpoint(out_dir: Path, *, seed: int = 0, dit_dim: int = 32, di
             "torch": torch.__version__,
             "sha256": _dir_digest(tmp),
         }
-        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        (tmp / TINY_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -432,204 +447,11 @@ def build_tiny_checkpoint(out_dir: Path, *, seed: int = 0, dit_dim: int = 32, di
     return out_dir
 
 
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-def make_reference_image(path: Path, width: int = 64, height: int = 64, seed: int = 0) -> Path:
-    """Write a simple cartoon head-and-shoulders portrait (RGB PNG) to ``path``."""
-    import random
-
-    from PIL import Image, ImageDraw
-
-    rng = random.Random(seed)
-    path = Path(path)
-    w, h = int(width), int(height)
-    if w < 8 or h < 8:
-        raise ValueError(f"image too small: {w}x{h}")
-
-    def jitter(rgb, amount=18):
-        return tuple(max(0, min(255, c + rng.randint(-amount, amount))) for c in rgb)
-
-    img = Image.new("RGB", (w, h))
-    top, bottom = jitter((150, 180, 210)), jitter((70, 90, 120))
-    px = img.load()
-    for y in range(h):  # vertical background gradient
-        t = y / max(1, h - 1)
-        row = tuple(int(a + (b - a) * t) for a, b in zip(top, bottom))
-        for x in range(w):
-            px[x, y] = row
-    d = ImageDraw.Draw(img)
-
-    def box(cx, cy, rx, ry):
-        return [w * (cx - rx), h * (cy - ry), w * (cx + rx), h * (cy + ry)]
-
-    skin, hair, shirt = jitter((224, 180, 150)), jitter((60, 40, 30)), jitter((40, 70, 140))
-    d.ellipse(box(0.5, 1.05, 0.42, 0.25), fill=shirt)                  # shoulders
-    d.rectangle(box(0.5, 0.78, 0.09, 0.08), fill=skin)                 # neck
-    d.ellipse(box(0.5, 0.40, 0.27, 0.32), fill=hair)                   # hair behind the head
-    d.ellipse(box(0.5, 0.47, 0.23, 0.29), fill=skin)                   # face
-    d.chord(box(0.5, 0.30, 0.25, 0.16), 180, 360, fill=hair)           # fringe
-    for ex in (0.41, 0.59):
-        d.ellipse(box(ex, 0.45, 0.055, 0.035), fill=(250, 250, 250))   # eye whites
-        d.ellipse(box(ex, 0.45, 0.025, 0.025), fill=(40, 30, 20))      # pupils
-        d.line([w * (ex - 0.05), h * 0.39, w * (ex + 0.05), h * 0.38], fill=hair,
-               width=max(1, w // 48))                                  # eyebrows
-    d.line([w * 0.5, h * 0.48, w * 0.48, h * 0.56, w * 0.52, h * 0.56], fill=jitter((180, 130,
-           110)), width=max(1, w // 64))                               # nose
-    d.ellipse(box(0.5, 0.64, 0.08, 0.03), fill=jitter((170, 60, 60)))  # mouth
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path, format="PNG")
-    return path
-
-
-def _speech_like(seconds: float, sr: int, seed: int) -> np.ndarray:
-    """Voiced glottal source with a pitch contour, vowel formants, ~4 Hz syllables, some noise."""
-    from scipy.signal import lfilter
-
-    rng = np.random.default_rng(seed)
-    n = max(1, int(round(seconds * sr)))
-    t = np.arange(n) / sr
-    # Pitch: ~120 Hz, slow declination, intonation wobble, a little jitter.
-    f0 = (120.0 + rng.uniform(-10, 10) + 18.0 * np.sin(2 * np.pi * 0.7 * t + rng.uniform(0, 6.3))
-          - 8.0 * t / max(seconds, 1e-3))
-    f0 *= 1.0 + 0.01 * rng.standard_normal(n).cumsum() / np.sqrt(np.arange(1, n + 1))
-    phase = np.cumsum(f0 / sr) % 1.0
-    # Rosenberg glottal pulse (open 40%, close 16%), differentiated for lip radiation.
-    tp, tn = 0.40, 0.16
-    flow = np.where(phase < tp, 0.5 * (1 - np.cos(np.pi * phase / tp)),
-                    np.where(phase < tp + tn, np.cos(0.5 * np.pi * (phase - tp) / tn), 0.0))
-    source = np.diff(flow, prepend=flow[0]) * sr / 200.0
-    source += 0.02 * rng.standard_normal(n)  # aspiration
-    # Syllables at ~4 Hz, each a vowel with its own formants (F1, F2, F3 in Hz).
-    vowels = [(730, 1090, 2440), (270, 2290, 3010), (300, 870, 2240), (530, 1840, 2480),
-              (570, 840, 2410)]
-    syl = 0.25 * rng.uniform(0.85, 1.15)
-    out = np.zeros(n)
-    env = np.zeros(n)
-    start, k = 0, 0
-    while start < n:
-        length = int(syl * sr * rng.uniform(0.8, 1.2))
-        end = min(n, start + length)
-        seg = source[start:end]
-        y = np.zeros_like(seg)
-        for i, fc in enumerate(vowels[(k + int(rng.integers(0, 5))) % len(vowels)]):
-            bw = 60.0 + 40.0 * i
-            r = np.exp(-np.pi * bw / sr)
-            a = [1.0, -2 * r * np.cos(2 * np.pi * fc / sr), r * r]
-            y += lfilter([1.0 - r], a, seg) * (0.6 ** i)
-        out[start:end] = y
-        m = end - start
-        u = np.linspace(0.0, 1.0, m, endpoint=False)
-        # Rise and fall within the syllable, a short near-silent gap at its end.
-        env[start:end] = np.clip(np.sin(np.pi * np.clip(u / 0.85, 0, 1)), 0, 1) ** 1.5
-        start, k = end, k + 1
-    out = out * env + 0.003 * rng.standard_normal(n)
-    peak = float(np.max(np.abs(out))) or 1.0
-    return (0.6 * out / peak).astype(np.float32)
-
-
-def make_speech_audio(path: Path, seconds: float = 1.0, sample_rate: int = 16000,
-                      seed: int = 0) -> Path:
-    """Write a synthetic speech-like mono WAV (16-bit PCM) to ``path``."""
-    if seconds <= 0:
-        raise ValueError(f"seconds must be > 0, got {seconds}")
-    path = Path(path)
-    x = _speech_like(float(seconds), int(sample_rate), seed)
-    pcm = np.clip(np.round(x * 32767.0), -32768, 32767).astype("<i2")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with wave.open(str(path), "wb") as f:
-        f.setnchannels(1)
-        f.setsampwidth(2)
-        f.setframerate(int(sample_rate))
-        f.writeframes(pcm.tobytes())
-    return path
-
-
-@dataclass(frozen=True)
-class DemoAssets:
-    ckpt_dir: Path
-    image: Path
-    audio: Path
-
-
-_DEMO_MARKER = ".demo_assets_ok"
-_DEMO_SPEC = {"format_version": TINY_FORMAT_VERSION, "seed": 0, "image": [64, 64],
-              "audio_seconds": 1.0, "sample_rate": 16000}
-
-
-@contextlib.contextmanager
-def _dir_lock(lock_path: Path) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no cross-process lock, builds are still atomic
-        yield
-        return
-    with open(lock_path, "a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
-def _demo_paths(cache_dir: Path) -> DemoAssets:
-    return DemoAssets(ckpt_dir=cache_dir / "tiny-s2v-ckpt", image=cache_dir / "reference.png",
-                      audio=cache_dir / "speech.wav")
-
-
-def _demo_valid(cache_dir: Path, assets: DemoAssets) -> bool:
-    marker = cache_dir / _DEMO_MARKER
-    try:
-        spec = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return False
-    return (spec == _DEMO_SPEC and checkpoint_is_complete(assets.ckpt_dir)
-            and assets.image.is_file() and assets.audio.is_file())
-
-
-def ensure_demo_assets(cache_dir: Path) -> DemoAssets:
-    """Tiny checkpoint + reference image + speech audio in ``cache_dir``, built once.
-
-    A marker file written last (after everything else is in place) says the set is complete and
-    of the current format; if it is missing or stale, everything is rebuilt. Concurrent callers
-    (e.g. several ranks) are serialized by a lock file in ``cache_dir``.
-    """
-    cache_dir = Path(cache_dir).absolute()
-    assets = _demo_paths(cache_dir)
-    if _demo_valid(cache_dir, assets):
-        return assets
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with _dir_lock(cache_dir / ".demo_assets.lock"):
-        if _demo_valid(cache_dir, assets):  # another process built it meanwhile
-            return assets
-        marker = cache_dir / _DEMO_MARKER
-        marker.unlink(missing_ok=True)
-        seed = _DEMO_SPEC["seed"]
-        build_tiny_checkpoint(assets.ckpt_dir, seed=seed)
-        w, h = _DEMO_SPEC["image"]
-        atomic_write(assets.image, lambda p: make_reference_image(p, width=w, height=h,
-                                                                   seed=seed))
-        atomic_write(assets.audio, lambda p: make_speech_audio(
-            p, seconds=_DEMO_SPEC["audio_seconds"], sample_rate=_DEMO_SPEC["sample_rate"],
-            seed=seed))
-        write_text(marker, json.dumps(_DEMO_SPEC, sort_keys=True))
-    return assets
-
-
 if __name__ == "__main__":  # python -m wan_s2v_runner.tiny_checkpoint OUT_DIR
     import sys
     import time
 
     t0 = time.perf_counter()
-    got = ensure_demo_assets(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-demo"))
-    size = sum(p.stat().st_size for p in got.ckpt_dir.rglob("*") if p.is_file())
-    print(f"{got} ({size / 1e6:.1f} MB checkpoint, {time.perf_counter() - t0:.1f} s)")
+    got = build_tiny_checkpoint(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-s2v-ckpt"))
+    size = sum(p.stat().st_size for p in got.rglob("*") if p.is_file())
+    print(f"{got} ({size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)")

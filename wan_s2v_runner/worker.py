@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from wan_s2v_runner import atomic, engine, faults
 from wan_s2v_runner.events import EventWriter
 from wan_s2v_runner.spec import RunSpec
+from wan_s2v_runner.stages import Stage
 
 log = logging.getLogger("wan_s2v.worker")
 
@@ -43,13 +44,13 @@ class RankEvents(EventWriter):
             self.error_reported = True
             self.emit("error", error_type=type(e).__name__, message=str(e)[:2000])
 
-    def fault_point(self, stage: str) -> None:
+    def fault_point(self, stage: Stage) -> None:
         if self._fault:
             faults.maybe_fire(self.rank, stage, self._fault)
 
-    def stage(self, name: str, **data) -> None:
-        super().stage(name, **data)
-        self.fault_point(name)
+    def stage(self, stage: Stage, **data) -> None:
+        super().stage(stage, **data)
+        self.fault_point(self.current_stage)
 
 
 def _setup_logging(rank: int) -> None:
@@ -128,18 +129,18 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
     else:
         torch.cuda.set_device(local_rank)
 
-    events.stage("init_pg")
+    events.stage(Stage.INIT_PG)
     backend = "nccl" if spec.device == "cuda" else "gloo"
     dist.init_process_group(backend=backend, init_method="env://",
                             timeout=timedelta(seconds=spec.pg_timeout_s))
     try:
-        events.stage("engine_import")
+        events.stage(Stage.ENGINE_IMPORT)
         wan = engine.import_wan(spec.wan_repo)
         cfg = engine_config(wan, spec)
         applied = apply_for_run(wan, spec, cfg.param_dtype, on_event=events.stage)
         events.emit("patches", applied=applied)
 
-        events.stage("load")
+        events.stage(Stage.LOAD)
         mode = runners.get(spec.mode)
         pipeline = wan.WanS2V(config=cfg, checkpoint_dir=str(spec.ckpt_dir), device_id=local_rank,
                               rank=rank, **mode.engine_kwargs(spec))
@@ -155,7 +156,7 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
                 atomic.atomic_write(spec.frames_out, lambda p: torch.save(frames, p))
             media.save_video_with_audio(video, cfg.sample_fps, spec.audio, spec.output,
                                         on_stage=events.stage)
-        events.stage("done")
+        events.stage(Stage.DONE)
     except BaseException as e:
         # Record the failure before anything closes this rank's connections: peers then fail
         # with "connection closed" *after* this record, so the launcher names the right rank.
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     _setup_logging(rank)
     stack_files = _register_stack_dump(run_dir, rank)  # noqa: F841 (open for the process's life)
-    faults.maybe_fire(rank, "start")  # test hook: a rank that fails/hangs before its first event
+    faults.maybe_fire(rank, Stage.START)  # test hook: a rank that fails/hangs before its first event
     events = RankEvents(run_dir, rank, mem_fn=lambda: _peak_memory(spec, heartbeat=True))
     events.emit("hello", pid=os.getpid(), host=os.uname().nodename,
                 local_rank=int(os.environ.get("LOCAL_RANK", 0)))

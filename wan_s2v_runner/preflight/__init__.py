@@ -1,17 +1,22 @@
 """Preflight: catch every knowable failure before a process is spawned.
 
 Checks are data (:class:`CheckResult`: status, one-line finding with the measured value, fix),
-grouped as the modes declare them (``runners/*.py`` ``RUNNER.checks``), and read hardware facts
-from one injectable probe (:mod:`.probe`; recorded machines in ``tests/data/machines/``).
-``run`` calls :func:`gate`; ``wan-s2v doctor`` calls :func:`cmd_doctor`; ``--mode auto`` uses
-:func:`recommend_mode`. Checks and exit codes are listed in ``docs/preflight.md``; the memory
-formula in ``docs/memory-plan.md``.
+listed once in :mod:`.registry` by :class:`CheckGroup`; a run's groups follow from its mode's
+layout. Hardware facts come from one injectable probe (:mod:`.facts` schema, :mod:`.probe`
+collection; recorded machines in ``tests/data/machines/``). ``run`` calls :func:`gate`;
+``wan-s2v doctor`` gets a :class:`DoctorReport` from :func:`doctor` and prints it with
+:mod:`.render`; ``--mode auto`` uses :func:`recommend_mode`. Nothing here parses argv: the CLI
+(:mod:`wan_s2v_runner.cli`) does. Checks and exit codes are listed in ``docs/preflight.md``;
+the memory formula in ``docs/memory-plan.md``.
 """
-from .context import CheckContext
-from .core import GROUPS, CheckResult, Status, run_checks
-from .doctor import cmd_doctor, diagnose, gate
-from .probe import MachineFacts, probe_machine
+from .context import CheckContext, ModeSource
+from .core import CheckGroup, CheckResult, Status
+from .doctor import DoctorReport, GateReport, check_run, diagnose, doctor, machine_facts
+from .facts import MachineFacts
 from .recommend import Recommendation, recommend_mode
+from .registry import groups_for, run_checks
+from .render import gate
 
-__all__ = ["gate", "recommend_mode", "Recommendation", "cmd_doctor", "run_checks", "CheckResult",
-           "Status", "CheckContext", "MachineFacts", "probe_machine", "diagnose", "GROUPS"]
+__all__ = ["gate", "check_run", "doctor", "diagnose", "machine_facts", "recommend_mode", "Recommendation",
+           "run_checks", "groups_for", "CheckResult", "CheckGroup", "Status", "CheckContext", "ModeSource",
+           "MachineFacts", "DoctorReport", "GateReport"]

@@ -14,14 +14,20 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .ckpt_reader import (
+from wan_s2v_runner.ckpt_layout import (
     DIT_CONFIG,
     DIT_INDEX,
-    DIT_SINGLE,
+    DIT_WEIGHTS,
     LAYOUT,
     T5_FILE,
+    TINY_INFO_FILE,
     VAE_FILE,
-    WAV2VEC,
+    W2V_WEIGHTS,
+    W2V_WEIGHTS_BIN,
+    WAV2VEC_DIR,
+)
+
+from .ckpt_reader import (
     CheckpointFileError,
     find_entry,
     pth_params,
@@ -29,7 +35,7 @@ from .ckpt_reader import (
     read_pth_shapes,
     read_safetensors_header,
 )
-from .core import check, fail, human_bytes, human_count, ok, skip
+from .core import fail, human_bytes, human_count, ok, skip
 
 #: config.json keys whose absence makes WanModel_S2V build a different model than the
 #: checkpoint's (its __init__ defaults are not the S2V-14B values), value in the real config
@@ -44,9 +50,9 @@ FIX_DOWNLOAD = ("re-download the missing/broken files: huggingface-cli download 
 
 
 def _no_ckpt(ctx, id):
-    if ctx.ckpt_dir is None:
+    if ctx.spec.ckpt_dir is None:
         return skip(id, "no --ckpt-dir given (environment-only check)")
-    if not ctx.ckpt_dir.is_dir():
+    if not ctx.spec.ckpt_dir.is_dir():
         return skip(id, "checkpoint directory missing (see ckpt.dir)")
     return None
 
@@ -75,23 +81,21 @@ def engine_init_defaults(model_s2v_py: str) -> dict[str, Any]:
     return {}
 
 
-@check("checkpoint")
 def check_dir(ctx):
-    if ctx.ckpt_dir is None:
+    if ctx.spec.ckpt_dir is None:
         return skip("ckpt.dir", "no --ckpt-dir given (environment-only check)")
-    if not ctx.ckpt_dir.exists():
-        return fail("ckpt.dir", f"{ctx.ckpt_dir} does not exist", "pass the Wan2.2-S2V-14B directory to --ckpt-dir")
-    if not ctx.ckpt_dir.is_dir():
-        return fail("ckpt.dir", f"{ctx.ckpt_dir} is not a directory", "pass the checkpoint directory, not a file")
-    tiny = (ctx.ckpt_dir / "tiny_checkpoint.json").is_file()
-    return ok("ckpt.dir", f"{ctx.ckpt_dir}" + (" (tiny random test checkpoint)" if tiny else ""), tiny=tiny)
+    if not ctx.spec.ckpt_dir.exists():
+        return fail("ckpt.dir", f"{ctx.spec.ckpt_dir} does not exist", "pass the Wan2.2-S2V-14B directory to --ckpt-dir")
+    if not ctx.spec.ckpt_dir.is_dir():
+        return fail("ckpt.dir", f"{ctx.spec.ckpt_dir} is not a directory", "pass the checkpoint directory, not a file")
+    tiny = (ctx.spec.ckpt_dir / TINY_INFO_FILE).is_file()
+    return ok("ckpt.dir", f"{ctx.spec.ckpt_dir}" + (" (tiny random test checkpoint)" if tiny else ""), tiny=tiny)
 
 
-@check("checkpoint")
 def check_files(ctx):
     if (r := _no_ckpt(ctx, "ckpt.files")):
         return r
-    missing = [(what, alts) for what, (alts, _) in LAYOUT.items() if find_entry(ctx.ckpt_dir, alts) is None]
+    missing = [(what, alts) for what, (alts, _) in LAYOUT.items() if find_entry(ctx.spec.ckpt_dir, alts) is None]
     if missing:
         desc = "; ".join(f"{' or '.join(alts)}" for _, alts in missing)
         return fail("ckpt.files", f"{len(missing)} expected entr{'y' if len(missing) == 1 else 'ies'} missing: {desc}",
@@ -99,22 +103,21 @@ def check_files(ctx):
     return ok("ckpt.files", f"all {len(LAYOUT)} expected entries present")
 
 
-@check("checkpoint")
 def check_index(ctx):
     if (r := _no_ckpt(ctx, "ckpt.index")):
         return r
-    idx = ctx.ckpt_dir / DIT_INDEX
+    idx = ctx.spec.ckpt_dir / DIT_INDEX
     if not idx.is_file():
-        if (ctx.ckpt_dir / DIT_SINGLE).is_file():
-            _store(ctx)["dit_files"] = [DIT_SINGLE]
-            return ok("ckpt.index", f"single-file DiT ({DIT_SINGLE})")
+        if (ctx.spec.ckpt_dir / DIT_WEIGHTS).is_file():
+            _store(ctx)["dit_files"] = [DIT_WEIGHTS]
+            return ok("ckpt.index", f"single-file DiT ({DIT_WEIGHTS})")
         return skip("ckpt.index", "no DiT weights (see ckpt.files)")
     try:
         wm = read_index(idx)
     except CheckpointFileError as e:
         return fail("ckpt.index", str(e), FIX_DOWNLOAD)
     shards = sorted(set(wm.values()))
-    absent = [s for s in shards if not (ctx.ckpt_dir / s).is_file()]
+    absent = [s for s in shards if not (ctx.spec.ckpt_dir / s).is_file()]
     if absent:
         n = sum(1 for v in wm.values() if v in absent)
         return fail("ckpt.index", f"{DIT_INDEX} names {len(shards)} shards; missing: {', '.join(absent)} "
@@ -124,27 +127,26 @@ def check_index(ctx):
     return ok("ckpt.index", f"{len(shards)} shards, {len(wm)} tensors, all present")
 
 
-@check("checkpoint")
 def check_safetensors(ctx):
     if (r := _no_ckpt(ctx, "ckpt.safetensors")):
         return r
     st = _store(ctx)
     files = list(st.get("dit_files") or [])
-    w2v = ctx.ckpt_dir / WAV2VEC / "model.safetensors"
+    w2v = ctx.spec.ckpt_dir / W2V_WEIGHTS
     if not files and not w2v.is_file():
         return skip("ckpt.safetensors", "no safetensors files (see ckpt.files)")
     dit: dict[str, int] = {}
     headers: dict[str, set] = {}
     total = 0
-    for name in files + ([f"{WAV2VEC}/model.safetensors"] if w2v.is_file() else []):
-        p = ctx.ckpt_dir / name
+    for name in files + ([W2V_WEIGHTS] if w2v.is_file() else []):
+        p = ctx.spec.ckpt_dir / name
         try:
             info = read_safetensors_header(p)
         except (CheckpointFileError, OSError) as e:
             msg = str(e) if name == Path(name).name else f"{Path(name).parent}/{e}"
             return fail("ckpt.safetensors", msg, FIX_DOWNLOAD, file=name)
         total += info.file_size
-        if name.startswith(WAV2VEC):
+        if name.startswith(WAV2VEC_DIR):
             st["w2v_params"] = info.params
             continue
         headers[name] = set(info.tensors)
@@ -162,14 +164,13 @@ def check_safetensors(ctx):
               f"({human_bytes(total)}); DiT {human_count(n)} params", dit_params=n)
 
 
-@check("checkpoint")
 def check_pth(ctx):
     if (r := _no_ckpt(ctx, "ckpt.pth")):
         return r
     st = _store(ctx)
     results = []
     for name, key, label in ((T5_FILE, "t5_shapes", "T5"), (VAE_FILE, "vae_shapes", "VAE")):
-        p = ctx.ckpt_dir / name
+        p = ctx.spec.ckpt_dir / name
         if not p.is_file():
             continue
         try:
@@ -178,12 +179,12 @@ def check_pth(ctx):
             return fail("ckpt.pth", str(e), FIX_DOWNLOAD, file=name)
         st[key] = shapes
         results.append(f"{label} {human_count(pth_params(shapes))} params")
-    bin_ = ctx.ckpt_dir / WAV2VEC / "pytorch_model.bin"
+    bin_ = ctx.spec.ckpt_dir / W2V_WEIGHTS_BIN
     if "w2v_params" not in st and bin_.is_file():
         try:
             st["w2v_params"] = pth_params(read_pth_shapes(bin_))
         except CheckpointFileError as e:
-            return fail("ckpt.pth", f"{WAV2VEC}/{e}", FIX_DOWNLOAD)
+            return fail("ckpt.pth", f"{WAV2VEC_DIR}/{e}", FIX_DOWNLOAD)
     if not results:
         return skip("ckpt.pth", "no .pth files (see ckpt.files)")
     # the sizes the engine will build, by patches.checkpoint_dims' rules, from the shapes read above
@@ -206,11 +207,10 @@ def check_pth(ctx):
     return ok("ckpt.pth", "load with weights_only+mmap: " + "; ".join(results))
 
 
-@check("checkpoint")
 def check_config(ctx):
     if (r := _no_ckpt(ctx, "ckpt.config")):
         return r
-    p = ctx.ckpt_dir / DIT_CONFIG
+    p = ctx.spec.ckpt_dir / DIT_CONFIG
     if not p.is_file():
         return skip("ckpt.config", "no config.json (see ckpt.files)")
     try:

@@ -7,9 +7,7 @@ from __future__ import annotations
 import errno
 import socket
 
-from wan_s2v_runner.spec import Mode
-
-from .core import check, fail, ok, skip, warn
+from .core import fail, ok, skip, warn
 
 #: deprecated name -> replacement (torch's ProcessGroupNCCL reads both and warns on the old one)
 DEPRECATED_ENV = {
@@ -31,7 +29,6 @@ def _multi_gpu(ctx) -> bool:
     return ctx.on_cuda and ctx.world_size > 1
 
 
-@check("communication")
 def check_backend(ctx):
     t = ctx.facts.torch
     if ctx.world_size == 1:
@@ -49,20 +46,28 @@ def check_backend(ctx):
     return ok("comm.backend", f"gloo ({ctx.world_size} CPU ranks)")
 
 
+def _traffic(layout) -> str:
+    """What crosses the links in this layout, in words."""
+    parts = (["Ulysses all-to-all (4 per layer)" if not layout.dit_fsdp else "Ulysses all-to-all"]
+             if layout.use_sp else [])
+    if layout.shards_weights:
+        parts.append("FSDP all-gathers" + ("" if layout.use_sp else " of every block"))
+    return " and ".join(parts) or "collectives"
+
+
 def _pairs(n):
     return [(i, j) for i in range(n) for j in range(i + 1, n)]
 
 
-@check("communication")
 def check_topology(ctx):
     f = ctx.facts
-    n = min(ctx.nproc, f.gpu_count)
+    n = min(ctx.spec.nproc, f.gpu_count)
     if not _multi_gpu(ctx):
         return skip("comm.topology", "single rank or CPU run")
-    if ctx.nnodes > 1:
+    if ctx.spec.nnodes > 1:
         sp = ctx.layout.use_sp
         what = "Ulysses all-to-all in every layer" if sp else "FSDP all-gathers"
-        return warn("comm.topology", f"{ctx.nnodes} nodes: {what} cross the network between nodes",
+        return warn("comm.topology", f"{ctx.spec.nnodes} nodes: {what} cross the network between nodes",
                     "prefer one node with NVLink; otherwise make sure NCCL uses InfiniBand/RoCE "
                     "(NCCL_DEBUG=INFO shows the transport)")
     if n < 2:
@@ -71,8 +76,7 @@ def check_topology(ctx):
     nv = all(f.nvlink(i, j) for i, j in _pairs(n))
     p2p_only = [(i, j) for i, j in _pairs(n) if not f.nvlink(i, j) and f.p2p(i, j)]
     p2p_disabled = f.env.get("NCCL_P2P_DISABLE", "0") not in ("", "0")
-    what = {Mode.ULYSSES: "Ulysses all-to-all (4 per layer)", Mode.HYBRID: "Ulysses all-to-all and FSDP all-gathers",
-            Mode.FSDP_FIXED: "FSDP all-gathers of every block"}[ctx.mode]
+    what = _traffic(ctx.layout)
     if slow:
         i, j = slow[0]
         return warn("comm.topology", f"no NVLink and no P2P between GPU {i} and {j} "
@@ -90,7 +94,6 @@ def check_topology(ctx):
               "Ulysses all-to-all runs over PCIe P2P; fine up to 4 GPUs on one switch")
 
 
-@check("communication")
 def check_consumer_p2p(ctx):
     f = ctx.facts
     gpus = ctx.local_gpus
@@ -111,7 +114,6 @@ def check_consumer_p2p(ctx):
     return ok("comm.p2p_env", shown, **flags)
 
 
-@check("communication")
 def check_deprecated_env(ctx):
     env = ctx.facts.env
     found = {k: v for k, v in env.items() if k in DEPRECATED_ENV}
@@ -125,7 +127,6 @@ def check_deprecated_env(ctx):
     return warn("comm.env", f"deprecated NCCL variables: {parts}", fix, deprecated=sorted(found))
 
 
-@check("communication")
 def check_alloc_conf(ctx):
     if not ctx.on_cuda:
         return skip("comm.alloc_conf", "--device cpu")
@@ -157,7 +158,6 @@ def _gpu_headroom(ctx):
     return None if not peak else 1 - peak / free
 
 
-@check("communication")
 def check_shm(ctx):
     h = ctx.facts.host
     total = h.get("shm_total_mib")
@@ -173,20 +173,19 @@ def check_shm(ctx):
                     "medium: Memory at /dev/shm)", shm_mib=total)
     if total < SHM_WARN_MIB:
         return warn("comm.shm", f"/dev/shm is {total} MiB ({where}), below the 1 GiB NCCL usually needs "
-                    f"for {ctx.nproc} ranks", "use --shm-size=8g or --ipc=host", shm_mib=total)
+                    f"for {ctx.spec.nproc} ranks", "use --shm-size=8g or --ipc=host", shm_mib=total)
     return ok("comm.shm", f"/dev/shm {total / 1024:.1f} GiB ({where})", shm_mib=total)
 
 
-@check("communication")
 def check_master_port(ctx):
-    port = ctx.master_port
-    if ctx.world_size == 1 and ctx.nnodes == 1:
+    port = ctx.spec.master_port
+    if ctx.world_size == 1 and ctx.spec.nnodes == 1:
         return skip("comm.master_port", "one rank")
     if port is None:
-        return ok("comm.master_port", "a free port is chosen at launch" if ctx.nnodes == 1
+        return ok("comm.master_port", "the OS picks the port at rendezvous (c10d on localhost:0)" if ctx.spec.nnodes == 1
                   else "default 29500 (multi-node)")
-    if ctx.node_rank != 0:
-        return skip("comm.master_port", f"node {ctx.node_rank}: the store runs on node 0")
+    if ctx.spec.node_rank != 0:
+        return skip("comm.master_port", f"node {ctx.spec.node_rank}: the store runs on node 0")
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -194,7 +193,7 @@ def check_master_port(ctx):
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             return fail("comm.master_port", f"--master-port {port} is already in use on this node",
-                        "pick another port, or omit --master-port (one node: a free one is chosen)")
+                        "pick another port, or omit --master-port (one node: the OS picks one)")
         if e.errno == errno.EACCES:
             return fail("comm.master_port", f"--master-port {port}: permission denied (privileged port)",
                         "use a port >= 1024")
@@ -204,18 +203,17 @@ def check_master_port(ctx):
     return ok("comm.master_port", f"port {port} is free")
 
 
-@check("communication")
 def check_master_addr(ctx):
-    if ctx.nnodes == 1:
+    if ctx.spec.nnodes == 1:
         return skip("comm.master_addr", "one node (rendezvous on this host)")
-    addr = ctx.master_addr
+    addr = ctx.spec.master_addr
     try:
-        infos = socket.getaddrinfo(addr, ctx.master_port or 29500, type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(addr, ctx.spec.master_port or 29500, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         return fail("comm.master_addr", f"--master-addr {addr!r} does not resolve: {e.strerror}",
                     "use node 0's IP address or a hostname every node can resolve")
     ips = sorted({i[4][0] for i in infos})
     if any(ip.startswith("127.") or ip == "::1" for ip in ips):
         return fail("comm.master_addr", f"--master-addr {addr!r} is a loopback address ({', '.join(ips)}) "
-                    f"but there are {ctx.nnodes} nodes", "use node 0's address on the shared network")
+                    f"but there are {ctx.spec.nnodes} nodes", "use node 0's address on the shared network")
     return ok("comm.master_addr", f"{addr} -> {', '.join(ips)}")

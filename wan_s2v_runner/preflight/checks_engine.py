@@ -14,7 +14,7 @@ from packaging.version import InvalidVersion, Version
 
 from wan_s2v_runner import engine
 
-from .core import check, fail, ok, warn
+from .core import fail, ok, warn
 
 #: import name -> (pip name, who needs it)
 REQUIRED_MODULES = {
@@ -48,10 +48,9 @@ def V(s):
         return None
 
 
-@check("engine")
 def check_located(ctx):
     try:
-        loc = engine.locate(ctx.wan_repo)
+        loc = engine.locate(ctx.spec.wan_repo)
     except engine.EngineNotFound as e:
         cause, _, fix = str(e).partition(" Fix: ")
         return fail("engine.found", cause.strip(), fix.strip() or "pip install --no-deps wan22==2.2.11")
@@ -62,7 +61,6 @@ def check_located(ctx):
               version=engine.engine_version(loc), path=str(loc.package_dir))
 
 
-@check("engine")
 def check_fingerprint(ctx):
     loc = ctx.cache.get("engine_location")
     if loc is None:
@@ -82,7 +80,6 @@ def check_fingerprint(ctx):
     return ok("engine.fingerprint", f"{len(hashes)} S2V files match upstream 42bf4cf ({fp[:12]})", fingerprint=fp)
 
 
-@check("engine")
 def check_deps(ctx):
     f = ctx.facts
     missing = [(mod, pip, why) for mod, (pip, why) in REQUIRED_MODULES.items() if f.module(mod) is False]
@@ -140,7 +137,6 @@ def _ffmpeg_probe(exe: str) -> tuple[bool, str, bool, str]:
     return True, line, good, err
 
 
-@check("media")
 def check_ffmpeg(ctx):
     from wan_s2v_runner import media
     try:
@@ -155,7 +151,6 @@ def check_ffmpeg(ctx):
     return ok("media.ffmpeg", f"{line.split(' Copyright')[0]} ({exe})", path=exe)
 
 
-@check("media")
 def check_encode(ctx):
     got = ctx.cache.get("ffmpeg")
     if got is None:

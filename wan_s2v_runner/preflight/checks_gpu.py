@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import re
 
-from .core import check, fail, ok, skip, warn
+from wan_s2v_runner.attention_backends import FA2_MIN_CC, FA3_CC, BackendUnavailable, choose_backend
+from wan_s2v_runner.layout import COMMON_GPU_COUNTS, MODES, Layout
 
-FA2_MIN_CC = (8, 0)  # FlashAttention-2: Ampere or newer
-FA3_CC = (9, 0)  # FlashAttention-3: Hopper
+from .core import fail, ok, skip, warn
 
 
 def _cc(g) -> tuple[int, int]:
@@ -29,7 +29,6 @@ def _gpu_names(gpus) -> str:
 
 
 # --------------------------------------------------------------------------- gpus
-@check("gpus")
 def check_visible(ctx):
     f = ctx.facts
     if not ctx.on_cuda:
@@ -46,7 +45,6 @@ def check_visible(ctx):
               f"{mem} GiB)", gpus=[g.get("name") for g in f.gpus])
 
 
-@check("gpus")
 def check_count(ctx):
     f = ctx.facts
     if not ctx.on_cuda:
@@ -54,15 +52,22 @@ def check_count(ctx):
     n = f.gpu_count
     if n == 0:
         return skip("gpus.count", "no GPU (see gpus.visible)")
-    if ctx.nproc > n:
-        return fail("gpus.count", f"--nproc {ctx.nproc} ranks on this node but only {n} GPU"
+    if ctx.spec.nproc > n:
+        fits = ""
+        if MODES[ctx.mode].sequence_parallel:  # which --nproc the layout could run (heads rule)
+            from .checks_parallel import num_heads
+            heads = num_heads(ctx)[0]
+            ok_n = [p for p in COMMON_GPU_COUNTS
+                    if p <= n and Layout.for_mode(ctx.mode, p * ctx.spec.nnodes).divides_heads(heads)]
+            fits = f" (valid for {ctx.mode.value} with {heads} heads: {', '.join(map(str, ok_n))})" if ok_n else ""
+        return fail("gpus.count", f"--nproc {ctx.spec.nproc} ranks on this node but only {n} GPU"
                     f"{'s' if n > 1 else ''} visible (one GPU per rank)",
-                    f"use --nproc {n} or fewer (a valid Ulysses degree: 1, 2, 4, 8), or expose more GPUs "
-                    "via CUDA_VISIBLE_DEVICES", nproc=ctx.nproc, gpus=n)
-    if ctx.nproc < n:
-        return ok("gpus.count", f"{ctx.nproc} of {n} visible GPUs used (ranks 0..{ctx.nproc - 1} -> "
-                  f"GPU 0..{ctx.nproc - 1})", nproc=ctx.nproc, gpus=n)
-    return ok("gpus.count", f"{ctx.nproc} ranks = {n} GPUs", nproc=ctx.nproc, gpus=n)
+                    f"use --nproc {n} or fewer{fits}, or expose more GPUs via CUDA_VISIBLE_DEVICES",
+                    nproc=ctx.spec.nproc, gpus=n)
+    if ctx.spec.nproc < n:
+        return ok("gpus.count", f"{ctx.spec.nproc} of {n} visible GPUs used (ranks 0..{ctx.spec.nproc - 1} -> "
+                  f"GPU 0..{ctx.spec.nproc - 1})", nproc=ctx.spec.nproc, gpus=n)
+    return ok("gpus.count", f"{ctx.spec.nproc} ranks = {n} GPUs", nproc=ctx.spec.nproc, gpus=n)
 
 
 def _arch_supported(cc: tuple[int, int], arch_list: list[str]) -> bool:
@@ -78,7 +83,6 @@ def _arch_supported(cc: tuple[int, int], arch_list: list[str]) -> bool:
     return False
 
 
-@check("gpus")
 def check_arch(ctx):
     gpus, arch = ctx.local_gpus, ctx.facts.torch.get("arch_list") or []
     if not ctx.on_cuda or not gpus:
@@ -96,7 +100,6 @@ def check_arch(ctx):
               f"({' '.join(arch)})")
 
 
-@check("gpus")
 def check_bf16(ctx):
     gpus = ctx.local_gpus
     if not ctx.on_cuda or not gpus:
@@ -109,7 +112,6 @@ def check_bf16(ctx):
     return ok("gpus.bf16", f"native bf16 (cc {_cc_s(gpus[0])})")
 
 
-@check("gpus")
 def check_busy(ctx):
     gpus = ctx.local_gpus
     if not ctx.on_cuda or not gpus:
@@ -130,10 +132,9 @@ def _fa_fix(ctx) -> str:
             "--no-build-isolation --force-reinstall), or use --attention sdpa")
 
 
-@check("attention")
 def check_fa2(ctx):
     a = ctx.facts.attention.get("fa2") or {}
-    wanted = ctx.attention == "fa2"
+    wanted = ctx.spec.attention == "fa2"
     if not ctx.on_cuda:
         return skip("attention.fa2", "--device cpu: flash-attn kernels are CUDA-only")
     if not a.get("installed"):
@@ -156,10 +157,9 @@ def check_fa2(ctx):
     return ok("attention.fa2", f"flash-attn {a['installed']} imports and runs on this GPU")
 
 
-@check("attention")
 def check_fa3(ctx):
     a = ctx.facts.attention.get("fa3") or {}
-    wanted = ctx.attention == "fa3"
+    wanted = ctx.spec.attention == "fa3"
     if not ctx.on_cuda:
         return skip("attention.fa3", "--device cpu")
     if not a.get("installed"):
@@ -178,17 +178,16 @@ def check_fa3(ctx):
               "for a bare Tensor), patches.attention handles both", returns=ret)
 
 
-@check("attention")
 def check_capability(ctx):
     gpus = ctx.local_gpus
     if not ctx.on_cuda or not gpus:
         return skip("attention.capability", "no GPU in use")
     lowest = min(gpus, key=_cc)
     cc = _cc(lowest)
-    if ctx.attention == "fa2" and cc < FA2_MIN_CC:
+    if ctx.spec.attention == "fa2" and cc < FA2_MIN_CC:
         return fail("attention.capability", f"--attention fa2 needs compute capability >= 8.0; "
                     f"{lowest['name']} is {_cc_s(lowest)}", "use --attention sdpa (or auto)", cc=list(cc))
-    if ctx.attention == "fa3" and cc != FA3_CC:
+    if ctx.spec.attention == "fa3" and cc != FA3_CC:
         return fail("attention.capability", f"--attention fa3 needs a Hopper GPU (cc 9.0); "
                     f"{lowest['name']} is {_cc_s(lowest)}", "use --attention fa2 (Ampere+) or sdpa", cc=list(cc))
     if cc < FA2_MIN_CC:
@@ -199,32 +198,22 @@ def check_capability(ctx):
 
 
 def predict_backend(ctx) -> tuple[str, str]:
-    """(backend, reason) resolve_backend would give, from the facts."""
-    if ctx.attention == "sdpa":
-        return "sdpa", "requested explicitly"
-    if not ctx.on_cuda:
-        return "sdpa", "device is cpu: flash-attn kernels are CUDA-only"
-    a = ctx.facts.attention
-    cc = min((_cc(g) for g in ctx.local_gpus), default=(0, 0))
-    for b in (("fa3", "fa2") if ctx.attention == "auto" else (ctx.attention,)):
-        info = a.get(b) or {}
-        cc_ok = cc == FA3_CC if b == "fa3" else cc >= FA2_MIN_CC
-        if info.get("usable") and cc_ok:
-            return b, info.get("reason") or "usable"
-    if ctx.attention != "auto":
-        return "", f"{ctx.attention} is not usable here"
-    return "sdpa", "no usable flash-attn"
+    """(backend, reason) the run's ``--attention`` resolves to on this machine: the run's own rule
+    (``attention_backends.choose_backend``) on the recorded availability and the lowest compute
+    capability of the GPUs in use; ("", cause) when an explicit backend cannot run."""
+    cc = min((_cc(g) for g in ctx.local_gpus), default=None)
+    t = ctx.facts.torch
+    try:
+        return choose_backend(ctx.spec.attention, "cuda" if ctx.on_cuda else "cpu", ctx.facts.attention,
+                              cc, torch_version=t.get("version"), cuda_version=t.get("cuda"))
+    except BackendUnavailable as e:
+        return "", e.cause
 
 
-@check("attention")
 def check_backend(ctx):
     backend, reason = predict_backend(ctx)
     if not backend:
-        return fail("attention.backend", f"--attention {ctx.attention}: {reason}",
+        return fail("attention.backend", f"--attention {ctx.spec.attention}: {reason}",
                     "use --attention auto or sdpa")
-    live = (ctx.facts.attention.get("auto") or {}) if ctx.attention == "auto" else {}
-    if live.get("backend") and ctx.facts.live and ctx.on_cuda == bool(ctx.facts.gpu_count) \
-            and live["backend"] != backend:
-        backend, reason = live["backend"], live.get("reason", reason)
-    return ok("attention.backend", f"--attention {ctx.attention} -> {backend} ({reason})",
+    return ok("attention.backend", f"--attention {ctx.spec.attention} -> {backend} ({reason})",
               backend=backend)

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from .core import check, fail, ok, skip, warn
+from .core import fail, ok, skip, warn
 from .geometry import FPS, clips_for_audio, generation_size, output_frames
 
 W2V_MIN_SAMPLES = 400  # wav2vec2's conv feature encoder has a 400-sample (25 ms @ 16 kHz) receptive field
@@ -36,31 +36,28 @@ def sniff(path: Path) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- inputs
-@check("inputs")
 def check_flags(ctx):
     if ctx.spec_error:
         first = ctx.spec_error.splitlines()[0].removeprefix("error: ").removeprefix("spec: ")
         cause, _, fix = first.partition(" Fix: ")
         return fail("inputs.flags", cause.rstrip("."), fix or "correct the flags")
-    missing = ctx.cache.get("missing") or []
+    missing = ctx.missing
     if missing:
         return skip("inputs.flags", f"not given: {', '.join('--' + m.replace('_', '-') for m in missing)} "
                     "(environment-only check)")
     return ok("inputs.flags", "flags form a valid run spec")
 
 
-@check("inputs")
 def check_prompt(ctx):
-    if ctx.prompt is None:
+    if ctx.spec.prompt is None:
         return skip("inputs.prompt", "no --prompt given")
-    if not ctx.prompt.strip():
+    if not ctx.spec.prompt.strip():
         return fail("inputs.prompt", "the prompt is empty", "pass a non-empty --prompt")
-    return ok("inputs.prompt", f"{len(ctx.prompt)} characters")
+    return ok("inputs.prompt", f"{len(ctx.spec.prompt)} characters")
 
 
-@check("inputs")
 def check_image(ctx):
-    p = ctx.image
+    p = ctx.spec.image
     if p is None:
         return skip("inputs.image", "no --image given")
     if not p.is_file():
@@ -89,19 +86,18 @@ def check_image(ctx):
     return ok("inputs.image", f"{fmt} {w}x{h} {mode}", width=w, height=h, mode=mode)
 
 
-@check("inputs")
 def check_size(ctx):
     img = ctx.cache.get("image_size")
-    if ctx.max_area < 64 * 64:
-        return fail("inputs.size", f"--size area {ctx.max_area} px < 64*64: the engine's size fit gives "
+    if ctx.spec.max_area < 64 * 64:
+        return fail("inputs.size", f"--size area {ctx.spec.max_area} px < 64*64: the engine's size fit gives "
                     "a 0-pixel side", "use --size 64*64 or larger (default 1024*704)")
     if img is None:
         return skip("inputs.size", "needs a readable --image (the engine keeps its aspect)")
     w, h = img
-    gh, gw = generation_size(h, w, ctx.max_area)
+    gh, gw = generation_size(h, w, ctx.spec.max_area)
     ctx.cache["gen_size"] = (gw, gh)
     if gh <= 0 or gw <= 0:
-        return fail("inputs.size", f"image {w}x{h} at area {ctx.max_area}: the engine's size fit "
+        return fail("inputs.size", f"image {w}x{h} at area {ctx.spec.max_area}: the engine's size fit "
                     f"(get_size_less_than_area) gives {gw}x{gh}, which crashes in Resize",
                     "use a larger --size, or an image with a less extreme aspect ratio",
                     gen_width=gw, gen_height=gh)
@@ -111,8 +107,8 @@ def check_size(ctx):
                     "(the engine pads small images up to multiples of 64): expect a blurry face",
                     f"use an image at least {gw // 2}x{gh // 2} (ideally {gw}x{gh} or larger)",
                     gen_width=gw, gen_height=gh, upscale=round(up, 2))
-    note = "" if w * h > ctx.max_area else " (image smaller than --size: generated at its own size)"
-    return ok("inputs.size", f"frames {gw}x{gh} for image {w}x{h} at area {ctx.max_area}{note}",
+    note = "" if w * h > ctx.spec.max_area else " (image smaller than --size: generated at its own size)"
+    return ok("inputs.size", f"frames {gw}x{gh} for image {w}x{h} at area {ctx.spec.max_area}{note}",
               gen_width=gw, gen_height=gh)
 
 
@@ -133,9 +129,8 @@ def decode_audio(path: Path) -> tuple[int, int, str]:
     return int(y.shape[-1]), int(sr), "audioread"
 
 
-@check("inputs")
 def check_audio(ctx):
-    p = ctx.audio
+    p = ctx.spec.audio
     if p is None:
         return skip("inputs.audio", "no --audio given")
     if not p.is_file():
@@ -158,14 +153,14 @@ def check_audio(ctx):
         return fail("inputs.audio", f"{p.name} is {secs * 1000:.1f} ms; wav2vec2 needs at least 25 ms "
                     f"({W2V_MIN_SAMPLES} samples at 16 kHz)", "pass longer audio")
     ctx.cache["audio_seconds"] = secs
-    natural = clips_for_audio(secs, ctx.infer_frames)
-    clips = clips_for_audio(secs, ctx.infer_frames, ctx.num_clips)
-    frames = output_frames(clips, ctx.infer_frames, ctx.start_from_ref)
+    natural = clips_for_audio(secs, ctx.spec.infer_frames)
+    clips = clips_for_audio(secs, ctx.spec.infer_frames, ctx.spec.num_clips)
+    frames = output_frames(clips, ctx.spec.infer_frames, ctx.spec.start_from_ref)
     ctx.cache["n_clips"] = clips
     finding = (f"{secs:.2f} s at {sr} Hz ({how}) -> {clips} clip{'s' if clips > 1 else ''} of "
-               f"{ctx.infer_frames} frames = {frames} frames ({frames / FPS:.1f} s)")
-    if ctx.num_clips and ctx.num_clips > natural:
-        return warn("inputs.audio", finding + f"; --num-clips {ctx.num_clips} exceeds the {natural} the audio "
+               f"{ctx.spec.infer_frames} frames = {frames} frames ({frames / FPS:.1f} s)")
+    if ctx.spec.num_clips and ctx.spec.num_clips > natural:
+        return warn("inputs.audio", finding + f"; --num-clips {ctx.spec.num_clips} exceeds the {natural} the audio "
                     "allows (the engine caps it)", f"use --num-clips {natural} or less, or longer audio",
                     seconds=secs, clips=clips)
     return ok("inputs.audio", finding, seconds=round(secs, 3), clips=clips, frames=frames)
@@ -193,35 +188,33 @@ def writable_dir(target_dir: Path) -> tuple[bool, str, Path]:
     return True, ("" if a == target_dir else f"{target_dir} will be created under {a}"), a
 
 
-@check("output")
 def check_output_dir(ctx):
-    if ctx.output is None:
+    if ctx.spec.output is None:
         return skip("output.dir", "no --output")
-    good, why, _ = writable_dir(ctx.output.parent)
+    good, why, _ = writable_dir(ctx.spec.output.parent)
     if not good:
         return fail("output.dir", f"output directory not writable: {why}",
                     "choose an --output in a writable directory")
-    if ctx.output.is_dir():
-        return fail("output.dir", f"--output {ctx.output} is a directory", "pass a file name ending in .mp4")
-    if ctx.output.exists():
-        return warn("output.dir", f"{ctx.output} exists and will be replaced", "choose another --output to keep it")
-    return ok("output.dir", f"{ctx.output.parent} writable" + (f" ({why})" if why else ""))
+    if ctx.spec.output.is_dir():
+        return fail("output.dir", f"--output {ctx.spec.output} is a directory", "pass a file name ending in .mp4")
+    if ctx.spec.output.exists():
+        return warn("output.dir", f"{ctx.spec.output} exists and will be replaced", "choose another --output to keep it")
+    return ok("output.dir", f"{ctx.spec.output.parent} writable" + (f" ({why})" if why else ""))
 
 
 def _estimate_output_bytes(ctx) -> int:
     gen = ctx.cache.get("gen_size") or (1024, 704)
-    clips = ctx.cache.get("n_clips") or (ctx.num_clips or 1)
-    frames = output_frames(clips, ctx.infer_frames, ctx.start_from_ref)
+    clips = ctx.cache.get("n_clips") or (ctx.spec.num_clips or 1)
+    frames = output_frames(clips, ctx.spec.infer_frames, ctx.spec.start_from_ref)
     mp4 = int(frames * gen[0] * gen[1] * 0.5)  # generous for H.264 at the quality used
-    raw = 3 * frames * gen[0] * gen[1] * 4 if ctx.frames_out else 0
+    raw = 3 * frames * gen[0] * gen[1] * 4 if ctx.spec.frames_out else 0
     return 2 * mp4 + raw  # the temporary video and the final file exist together
 
 
-@check("output")
 def check_disk(ctx):
-    if ctx.output is None:
+    if ctx.spec.output is None:
         return skip("output.disk", "no --output")
-    a = _existing_ancestor(ctx.output.parent)
+    a = _existing_ancestor(ctx.spec.output.parent)
     if not a.is_dir():
         return skip("output.disk", "output directory unusable (see output.dir)")
     free = shutil.disk_usage(a).free
@@ -235,23 +228,21 @@ def check_disk(ctx):
     return ok("output.disk", f"{free / 2**30:.1f} GiB free on {a} (output ~{need / 2**20:.0f} MiB)")
 
 
-@check("output")
 def check_runs_root(ctx):
-    if ctx.runs_root is None:
+    if ctx.spec.runs_root is None:
         return skip("output.runs_root", "no --runs-root")
-    good, why, _ = writable_dir(ctx.runs_root)
+    good, why, _ = writable_dir(ctx.spec.runs_root)
     if not good:
         return fail("output.runs_root", f"run directories cannot be created: {why}",
                     "pass a writable --runs-root")
-    return ok("output.runs_root", f"{ctx.runs_root} writable" + (f" ({why})" if why else ""))
+    return ok("output.runs_root", f"{ctx.spec.runs_root} writable" + (f" ({why})" if why else ""))
 
 
-@check("output")
 def check_frames_out(ctx):
-    if ctx.frames_out is None:
+    if ctx.spec.frames_out is None:
         return skip("output.frames_out", "no --frames-out")
-    good, why, _ = writable_dir(ctx.frames_out.parent)
+    good, why, _ = writable_dir(ctx.spec.frames_out.parent)
     if not good:
         return fail("output.frames_out", f"--frames-out directory not writable: {why}",
                     "choose a writable --frames-out")
-    return ok("output.frames_out", f"{ctx.frames_out.parent} writable")
+    return ok("output.frames_out", f"{ctx.spec.frames_out.parent} writable")

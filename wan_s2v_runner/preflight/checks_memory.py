@@ -3,7 +3,7 @@ rank and available host RAM for all local ranks (MemAvailable, capped by a cgrou
 """
 from __future__ import annotations
 
-from .core import check, fail, gib, human_count, ok, skip, warn
+from .core import fail, gib, human_count, ok, skip, warn
 from .memory import largest_fitting_size, model_sizes, plan_all, workload
 
 GPU_WARN = 0.9  # estimate above 90% of free memory -> warning (the estimate is approximate)
@@ -16,7 +16,6 @@ def current_plan(ctx):
     return plans[ctx.mode.value]
 
 
-@check("memory")
 def check_plan(ctx):
     sizes, wl = model_sizes(ctx), workload(ctx)
     p = current_plan(ctx)
@@ -28,7 +27,6 @@ def check_plan(ctx):
               "approximate: see docs/memory-plan.md", sizes_source=sizes.source)
 
 
-@check("memory")
 def check_gpu(ctx):
     if not ctx.on_cuda:
         return skip("memory.gpu", "--device cpu")
@@ -73,7 +71,6 @@ def _better_mode(ctx, free) -> str:
     return ""
 
 
-@check("memory")
 def check_host(ctx):
     avail = ctx.facts.host_available_bytes()
     if avail is None:
@@ -82,7 +79,7 @@ def check_host(ctx):
     need = p.host_node_total
     lim = ctx.facts.host.get("cgroup_limit_mib")
     src = f"available (cgroup limit {lim / 1024:.0f} GiB)" if lim else "available"
-    detail = (f"{ctx.nproc} local rank{'s' if ctx.nproc > 1 else ''} x {gib(p.host_peak)} peak"
+    detail = (f"{ctx.spec.nproc} local rank{'s' if ctx.spec.nproc > 1 else ''} x {gib(p.host_peak)} peak"
               f" = {gib(need)} vs {gib(avail)} {src}")
     if need > avail:
         return _fail_or_warn(ctx)("memory.host", f"host RAM exhausted at load: {detail}",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from packaging.version import InvalidVersion, Version
 
-from .core import check, fail, ok, skip, warn
+from .core import fail, ok, skip, warn
 
 MIN_PYTHON = Version("3.10")
 MIN_TORCH = Version("2.4")  # torch.amp.autocast('cuda'), FSDP1 use_orig_params paths the engine uses
@@ -21,7 +21,6 @@ def V(s):
         return None
 
 
-@check("python_torch")
 def check_python(ctx):
     py = ctx.facts.raw.get("python")
     v = V(py)
@@ -33,7 +32,6 @@ def check_python(ctx):
     return ok("python.version", f"Python {py}", python=py)
 
 
-@check("python_torch")
 def check_torch(ctx):
     t = ctx.facts.torch
     tv = V(t.get("version"))
@@ -52,7 +50,6 @@ def check_torch(ctx):
               torch=t["version"], cuda=t.get("cuda"))
 
 
-@check("python_torch")
 def check_cuda_driver(ctx):
     t, drv = ctx.facts.torch, ctx.facts.driver
     if not ctx.on_cuda:
@@ -77,7 +74,6 @@ def check_cuda_driver(ctx):
     return ok("torch.cuda_driver", f"driver {drv.get('version')} (CUDA {dv}) >= torch's CUDA {rt}")
 
 
-@check("python_torch")
 def check_torchvision(ctx):
     tv_s, t_s = ctx.facts.package("torchvision"), ctx.facts.torch.get("version")
     tv, t = V(tv_s), V(t_s)

@@ -7,7 +7,7 @@
 * ``.pth`` (T5, VAE): ``torch.load(mmap=True, weights_only=True)`` maps the zip and unpickles
   only the small record of tensor metadata (milliseconds for the 11 GB T5 file).
 
-The layout of a Wan2.2-S2V-14B checkpoint directory is described by :data:`LAYOUT`.
+The file names of a Wan2.2-S2V-14B checkpoint directory are in :mod:`wan_s2v_runner.ckpt_layout`.
 """
 from __future__ import annotations
 
@@ -23,29 +23,6 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0
                "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
                "F64": 8, "C64": 8}
 MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
-
-DIT_CONFIG = "config.json"
-DIT_SINGLE = "diffusion_pytorch_model.safetensors"
-DIT_INDEX = "diffusion_pytorch_model.safetensors.index.json"
-T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
-T5_TOKENIZER = "google/umt5-xxl"
-VAE_FILE = "Wan2.1_VAE.pth"
-WAV2VEC = "wav2vec2-large-xlsr-53-english"
-
-#: entry -> alternatives (any one present is enough), what reads it
-LAYOUT: dict[str, tuple[tuple[str, ...], str]] = {
-    "dit config": ((DIT_CONFIG,), "WanModel_S2V.from_pretrained"),
-    "dit weights": ((DIT_INDEX, DIT_SINGLE), "WanModel_S2V.from_pretrained"),
-    "t5 weights": ((T5_FILE,), "T5EncoderModel"),
-    "t5 tokenizer config": ((f"{T5_TOKENIZER}/tokenizer_config.json",), "AutoTokenizer"),
-    "t5 tokenizer": ((f"{T5_TOKENIZER}/tokenizer.json", f"{T5_TOKENIZER}/spiece.model"), "AutoTokenizer"),
-    "vae weights": ((VAE_FILE,), "Wan2_1_VAE"),
-    "wav2vec2 config": ((f"{WAV2VEC}/config.json",), "Wav2Vec2ForCTC"),
-    "wav2vec2 weights": ((f"{WAV2VEC}/model.safetensors", f"{WAV2VEC}/pytorch_model.bin"), "Wav2Vec2ForCTC"),
-    "wav2vec2 vocab": ((f"{WAV2VEC}/vocab.json",), "Wav2Vec2Processor"),
-    "wav2vec2 preprocessor": ((f"{WAV2VEC}/preprocessor_config.json", f"{WAV2VEC}/processor_config.json"),
-                              "Wav2Vec2Processor"),
-}
 
 
 class CheckpointFileError(ValueError):

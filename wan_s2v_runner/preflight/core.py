@@ -1,20 +1,37 @@
-"""Checks as data: :class:`CheckResult`, the check registry, and :func:`run_checks`.
+"""Checks as data: :class:`CheckResult`, the :class:`CheckGroup` vocabulary and small helpers.
 
-A check is a small function ``fn(ctx) -> CheckResult | list[CheckResult]`` registered with
-``@check(group)``. It reads everything from the :class:`~.context.CheckContext` (recorded or live
-machine facts, the run's settings, the files) and returns a status (ok/warn/fail/skip), a one-line
-finding with the measured value and, unless ok, a one-line fix. Groups are the names modes
-declare in ``runners/*.py`` (``RUNNER.checks``); :data:`GROUPS` lists them in display order.
+A check is a small function ``fn(ctx) -> CheckResult | list[CheckResult]`` in one of the
+``checks_*`` modules. It reads everything from the :class:`~.context.CheckContext` (recorded or
+live machine facts, the run's settings, the files) and returns a status (ok/warn/fail/skip), a
+one-line finding with the measured value and, unless ok, a one-line fix. Which checks exist, in
+which group and order, is listed once in :mod:`.registry`. This module imports nothing from the
+checks.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Callable, Iterable, Optional, Union
 
-GROUPS = ("python_torch", "gpus", "communication", "attention", "engine", "media", "checkpoint",
-          "inputs", "memory", "output", "ulysses_degree", "fsdp")
+
+
+class CheckGroup(str, Enum):
+    """Check groups, in display order."""
+
+    PYTHON_TORCH = "python_torch"
+    GPUS = "gpus"
+    COMMUNICATION = "communication"
+    ATTENTION = "attention"
+    ENGINE = "engine"
+    MEDIA = "media"
+    CHECKPOINT = "checkpoint"
+    INPUTS = "inputs"
+    MEMORY = "memory"
+    OUTPUT = "output"
+    ULYSSES_DEGREE = "ulysses_degree"
+    FSDP = "fsdp"
+
+
 
 
 class Status(str, Enum):
@@ -30,13 +47,14 @@ class CheckResult:
     status: Status
     finding: str  # one line, with the measured value
     fix: str = ""  # one line; empty when there is nothing to do
-    group: str = ""
+    group: Optional["CheckGroup"] = None  # set by the registry when the check runs
     data: dict = field(default_factory=dict)  # measured values, for --json
     ms: float = 0.0
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["status"] = self.status.value
+        d["group"] = self.group.value if self.group is not None else ""
         return d
 
 
@@ -57,63 +75,6 @@ def skip(id: str, finding: str, **data) -> CheckResult:
 
 
 CheckFn = Callable[[Any], Union[CheckResult, list, None]]
-#: group -> check functions, in registration (= display) order
-REGISTRY: dict[str, list[CheckFn]] = {g: [] for g in GROUPS}
-
-
-def check(group: str) -> Callable[[CheckFn], CheckFn]:
-    if group not in REGISTRY:
-        raise ValueError(f"unknown check group {group!r}")
-
-    def deco(fn: CheckFn) -> CheckFn:
-        REGISTRY[group].append(fn)
-        return fn
-    return deco
-
-
-def _load_check_modules() -> None:
-    # importing registers the checks (decorators); order here = display order within a group
-    from . import (  # noqa: F401
-        checks_checkpoint,
-        checks_comm,
-        checks_engine,
-        checks_gpu,
-        checks_inputs,
-        checks_memory,
-        checks_parallel,
-        checks_python,
-    )
-
-
-def run_checks(ctx, groups: Iterable[str] = GROUPS) -> list[CheckResult]:
-    """Run every check of ``groups`` (in :data:`GROUPS` order) against ``ctx``.
-
-    A check that raises is reported as a warning naming the exception (a bug in a check must
-    not block a run, nor hide the other results)."""
-    _load_check_modules()
-    wanted = set(groups)
-    unknown = wanted - set(GROUPS)
-    if unknown:
-        raise ValueError(f"unknown check groups: {sorted(unknown)}")
-    out: list[CheckResult] = []
-    for group in GROUPS:
-        if group not in wanted:
-            continue
-        for fn in REGISTRY[group]:
-            t0 = time.perf_counter()
-            try:
-                got = fn(ctx)
-            except Exception as e:  # noqa: BLE001 - reported, not raised
-                got = warn(f"{group}.{fn.__name__.removeprefix('check_')}",
-                           f"the check itself crashed: {type(e).__name__}: {e}",
-                           "report this as a wan-s2v bug; run with --skip-preflight only if sure")
-            ms = (time.perf_counter() - t0) * 1000
-            results = got if isinstance(got, list) else ([got] if got is not None else [])
-            for r in results:
-                r.group = group
-                r.ms = round(ms / len(results), 2)
-                out.append(r)
-    return out
 
 
 def counts(results: Iterable[CheckResult]) -> dict[str, int]:

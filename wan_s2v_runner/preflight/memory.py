@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from wan_s2v_runner.spec import Mode
+from wan_s2v_runner.ckpt_layout import (DIT_CONFIG, DIT_INDEX, DIT_WEIGHTS, T5_FILE, VAE_FILE,
+                                         W2V_WEIGHTS, W2V_WEIGHTS_BIN)
+from wan_s2v_runner.layout import Layout, Mode
 
 from . import ckpt_reader as cr
 from .geometry import TokenCounts, generation_size, output_frames, token_counts
@@ -69,21 +71,21 @@ def sizes_from_checkpoint(ckpt: Path, cache: Optional[dict] = None) -> ModelSize
     """Read the sizes from the files (headers/shapes only). Raises CheckpointFileError/OSError."""
     cache = cache if cache is not None else {}
     ckpt = Path(ckpt)
-    cfg = cache.get("config") or json.loads((ckpt / cr.DIT_CONFIG).read_text(encoding="utf-8"))
+    cfg = cache.get("config") or json.loads((ckpt / DIT_CONFIG).read_text(encoding="utf-8"))
     dit = cache.get("dit_tensors")
     if dit is None:
-        idx = ckpt / cr.DIT_INDEX
-        files = sorted(set(cr.read_index(idx).values())) if idx.is_file() else [cr.DIT_SINGLE]
+        idx = ckpt / DIT_INDEX
+        files = sorted(set(cr.read_index(idx).values())) if idx.is_file() else [DIT_WEIGHTS]
         dit = {}
         for f in files:
             dit.update({k: math.prod(s) for k, (_, s) in cr.read_safetensors_header(ckpt / f).tensors.items()})
-    t5 = cache.get("t5_shapes") or cr.read_pth_shapes(ckpt / cr.T5_FILE)
-    vae = cache.get("vae_shapes") or cr.read_pth_shapes(ckpt / cr.VAE_FILE)
+    t5 = cache.get("t5_shapes") or cr.read_pth_shapes(ckpt / T5_FILE)
+    vae = cache.get("vae_shapes") or cr.read_pth_shapes(ckpt / VAE_FILE)
     w2v = cache.get("w2v_params")
     if w2v is None:
-        st = ckpt / cr.WAV2VEC / "model.safetensors"
+        st = ckpt / W2V_WEIGHTS
         w2v = (cr.read_safetensors_header(st).params if st.is_file()
-               else cr.pth_params(cr.read_pth_shapes(ckpt / cr.WAV2VEC / "pytorch_model.bin")))
+               else cr.pth_params(cr.read_pth_shapes(ckpt / W2V_WEIGHTS_BIN)))
     root, block = _blocks(dit)
     t5_root, t5_block = _blocks({k: math.prod(s) for k, (s, _) in t5.items()})
     return ModelSizes(
@@ -99,9 +101,9 @@ def model_sizes(ctx) -> ModelSizes:
     if "sizes" in ctx.cache:
         return ctx.cache["sizes"]
     sizes = REFERENCE
-    if ctx.ckpt_dir is not None:
+    if ctx.spec.ckpt_dir is not None:
         try:
-            sizes = sizes_from_checkpoint(ctx.ckpt_dir, ctx.cache.setdefault("ckpt", {}))
+            sizes = sizes_from_checkpoint(ctx.spec.ckpt_dir, ctx.cache.setdefault("ckpt", {}))
         except Exception as e:  # noqa: BLE001 - the checkpoint checks report the cause
             sizes = ModelSizes(**{**asdict(REFERENCE),
                                   "source": f"reference Wan2.2-S2V-14B sizes (checkpoint unreadable: {e})"})
@@ -126,18 +128,18 @@ def workload(ctx) -> Workload:
     assumed = []
     img = ctx.cache.get("image_size")  # (w, h) set by the inputs checks
     if img:
-        h, w = generation_size(img[1], img[0], ctx.max_area)
+        h, w = generation_size(img[1], img[0], ctx.spec.max_area)
     else:
-        h, w = generation_size(704, 1024, ctx.max_area)
+        h, w = generation_size(704, 1024, ctx.spec.max_area)
         assumed.append(f"a 1024x704 (landscape) image -> {w}x{h}")
     secs = ctx.cache.get("audio_seconds")
     if secs is None:
         secs = 5.0
         assumed.append("5 s of audio")
     from .geometry import clips_for_audio
-    n_clips = clips_for_audio(secs, ctx.infer_frames, ctx.num_clips)
-    return Workload(h, w, token_counts(max(h, 64), max(w, 64), ctx.infer_frames), n_clips, secs,
-                    ctx.infer_frames, ctx.start_from_ref, assumed)
+    n_clips = clips_for_audio(secs, ctx.spec.infer_frames, ctx.spec.num_clips)
+    return Workload(h, w, token_counts(max(h, 64), max(w, 64), ctx.spec.infer_frames), n_clips, secs,
+                    ctx.spec.infer_frames, ctx.spec.start_from_ref, assumed)
 
 
 @dataclass
@@ -170,16 +172,13 @@ def _vae_ws(h: int, w: int) -> int:
     return 4 * 96 * 4 * h * w * 4
 
 
-def plan_mode(mode: Mode, sizes: ModelSizes, wl: Workload, *, world_size: int, nproc: int,
-              device: str, offload: bool) -> ModePlan:
-    mode = Mode(mode)
+def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, device: str,
+              offload: bool) -> ModePlan:
+    """The plan of one layout: what it shards, splits or keeps on the CPU decides every term."""
     on_cuda = device == "cuda"
     pb = 2 if on_cuda else 4  # param_dtype/t5_dtype: bf16 on CUDA, fp32 on CPU (worker.engine_config)
-    ws = max(1, world_size)
-    use_sp = mode in (Mode.ULYSSES, Mode.HYBRID) and ws > 1
-    dit_fsdp = mode in (Mode.FSDP_FIXED, Mode.HYBRID)
-    t5_fsdp = mode is Mode.FSDP_FIXED
-    t5_cpu = mode is Mode.HYBRID
+    ws = max(1, layout.world_size)
+    use_sp, dit_fsdp, t5_fsdp, t5_cpu = layout.use_sp, layout.dit_fsdp, layout.t5_fsdp, layout.t5_cpu
     dim, ffn = sizes.dim or REFERENCE.dim, sizes.ffn_dim or REFERENCE.ffn_dim
     l_full = wl.tokens.max_len
     l_loc = -(-l_full // ws) if use_sp else l_full
@@ -215,12 +214,10 @@ def plan_mode(mode: Mode, sizes: ModelSizes, wl: Workload, *, world_size: int, n
         t5_build = sizes.t5_params * 4 + (0 if pb == 2 else sizes.t5_params * 2)  # fp32 init (+ file)
         w2v_phase = w_w2v + int(wl.audio_seconds * W2V_ACT_PER_S)
         t5_resident = w_t5 if not t5_fsdp else 0
-        if mode is Mode.ULYSSES:
-            host = max(t5_build, t5_resident + w2v_phase)
-        elif mode is Mode.FSDP_FIXED:
-            host = max(t5_build, w_dit, w2v_phase)  # T5 is sharded to the GPU before the DiT loads
-        else:
-            host = max(t5_build, t5_resident + w_dit, t5_resident + w2v_phase)
+        # an FSDP DiT is loaded whole on the CPU before sharding (a sharded T5 is on the GPU by
+        # then); otherwise it goes straight to the GPU (device_map)
+        dit_host = w_dit if dit_fsdp else 0
+        host = max(t5_build, t5_resident + dit_host, t5_resident + w2v_phase)
         if offload:
             host += w_dit + (0 if t5_cpu else w_t5)  # DiT and T5 parked on the CPU between uses
         host += HOST_BASE_CUDA
@@ -232,18 +229,16 @@ def plan_mode(mode: Mode, sizes: ModelSizes, wl: Workload, *, world_size: int, n
         host = max(t5_build, run) + HOST_BASE_CPU
         if dit_fsdp:  # the whole DiT is loaded on every rank before sharding
             host = max(host, w_t5 + w_dit + HOST_BASE_CPU)
-    return ModePlan(mode.value, ws, gpu_peak, phases, int(host), int(nproc * host + video), parts)
+    name = layout.mode.value if layout.mode else "custom"
+    return ModePlan(name, ws, gpu_peak, phases, int(host), int(nproc * host + video), parts)
 
 
 def plan_all(ctx) -> dict[str, ModePlan]:
+    """The plan of every mode at this context's world size (keys: mode values)."""
     sizes, wl = model_sizes(ctx), workload(ctx)
-    out = {}
-    for m in Mode:
-        lay = ctx.layout_for(m)
-        offload = ctx.offload if ctx.device == "cuda" else False
-        out[m.value] = plan_mode(m, sizes, wl, world_size=lay.world_size, nproc=ctx.nproc,
-                                 device=ctx.device, offload=offload)
-    return out
+    return {m.value: plan_mode(ctx.layout_for(m), sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device,
+                               offload=ctx.offload)
+            for m in Mode}
 
 
 #: standard S2V areas, largest first (WIDTH*HEIGHT as the CLI takes them)
@@ -252,13 +247,11 @@ SIZES = ("1024*704", "960*640", "832*480", "704*448", "640*384", "512*320")
 
 def largest_fitting_size(ctx, mode: Mode, free: int) -> str:
     """The largest of :data:`SIZES` below ``--size`` whose plan fits in ``free`` bytes, or ''."""
-    from dataclasses import replace
-
     from wan_s2v_runner.spec import parse_size
     for s in SIZES:
-        if parse_size(s) >= ctx.max_area:
+        if parse_size(s) >= ctx.spec.max_area:
             continue
-        trial = replace(ctx, max_area=parse_size(s), cache=dict(ctx.cache))
+        trial = ctx.with_settings(max_area=parse_size(s))
         if (plan_all(trial)[Mode(mode).value].gpu_peak or 0) <= free:
             return s
     return ""

@@ -7,7 +7,10 @@ memory), the GPU-pair matrices (``p2p`` from ``torch.cuda.can_device_access_peer
 host RAM (``/proc/meminfo`` and the cgroup limit), ``/dev/shm``, container detection, package
 versions (``importlib.metadata``, no imports), flash-attn usability and the relevant environment
 variables. Checks read only these facts, so they run the same on recorded facts of real machines
-(``tests/data/machines/*.json``, loaded with :meth:`MachineFacts.load`).
+(``tests/data/machines/*.json``). The document's schema and its reader, :class:`MachineFacts`,
+are in :mod:`.facts`; this module only collects. flash-attn availability is measured by
+:func:`wan_s2v_runner.attention_backends.measure_availability`, the same function the attention
+patch uses at run time.
 
 Where CUDA may be present the probe runs in a child process (``python -m
 wan_s2v_runner.preflight.probe``): measuring free memory and smoke-testing flash-attn create CUDA
@@ -25,12 +28,12 @@ import re
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-SCHEMA = 1
-MiB = 2**20
+from wan_s2v_runner.attention_backends import choose_backend, measure_availability
+
+from .facts import SCHEMA, MiB, MachineFacts
 
 #: distributions whose versions the checks use (name as on PyPI)
 PACKAGES = ("torch", "torchvision", "transformers", "diffusers", "huggingface-hub", "accelerate",
@@ -47,89 +50,6 @@ _ENV_RE = re.compile(r"^(NCCL_|TORCH_NCCL_|TORCH_DISTRIBUTED|PYTORCH_.*ALLOC_CON
                      r"CUDA_DEVICE_ORDER$|OMP_NUM_THREADS$|MASTER_ADDR$|MASTER_PORT$|WORLD_SIZE$|RANK$|"
                      r"LOCAL_RANK$|GLOO_SOCKET_IFNAME$|WAN_REPO$)")
 _TOPO = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
-
-
-# --------------------------------------------------------------------------- the facts object
-@dataclass
-class MachineFacts:
-    """Read-only view of a facts document (live or recorded)."""
-
-    raw: dict
-
-    @classmethod
-    def load(cls, path) -> "MachineFacts":
-        return cls(json.loads(Path(path).read_text(encoding="utf-8")))
-
-    def to_json(self) -> str:
-        return json.dumps(self.raw, indent=2, sort_keys=False)
-
-    # convenience accessors (missing keys -> neutral values)
-    @property
-    def label(self) -> str:
-        return self.raw.get("label") or self.raw.get("hostname") or "this machine"
-
-    @property
-    def live(self) -> bool:
-        return bool(self.raw.get("live"))
-
-    @property
-    def torch(self) -> dict:
-        return self.raw.get("torch") or {}
-
-    @property
-    def gpus(self) -> list[dict]:
-        return list(self.raw.get("gpus") or [])
-
-    @property
-    def gpu_count(self) -> int:
-        return len(self.gpus)
-
-    @property
-    def host(self) -> dict:
-        return self.raw.get("host") or {}
-
-    @property
-    def env(self) -> dict:
-        return self.raw.get("env") or {}
-
-    @property
-    def driver(self) -> dict:
-        return self.raw.get("driver") or {}
-
-    @property
-    def attention(self) -> dict:
-        return self.raw.get("attention") or {}
-
-    def package(self, name: str) -> Optional[str]:
-        return (self.raw.get("packages") or {}).get(name)
-
-    def module(self, name: str) -> Optional[bool]:
-        return (self.raw.get("modules") or {}).get(name)
-
-    def p2p(self, i: int, j: int) -> Optional[bool]:
-        m = self.raw.get("p2p")
-        try:
-            return None if m is None else bool(m[i][j])
-        except (IndexError, TypeError):
-            return None
-
-    def link(self, i: int, j: int) -> Optional[str]:
-        m = self.raw.get("links")
-        try:
-            return None if m is None else m[i][j]
-        except (IndexError, TypeError):
-            return None
-
-    def nvlink(self, i: int, j: int) -> bool:
-        return (self.link(i, j) or "").startswith("NV")
-
-    def host_available_bytes(self) -> Optional[int]:
-        """Memory a new process may use: MemAvailable, capped by a cgroup limit minus usage."""
-        h = self.host
-        avail = h.get("mem_available_mib")
-        lim, used = h.get("cgroup_limit_mib"), h.get("cgroup_usage_mib") or 0
-        vals = [v for v in (avail, (lim - used) if lim else None) if v is not None]
-        return int(min(vals) * MiB) if vals else None
 
 
 # --------------------------------------------------------------------------- collection
@@ -334,59 +254,15 @@ def _nvml(gpus: list[dict]) -> tuple[dict, Optional[list]]:
     return drv, links
 
 
-def _attention(torch, cuda: bool) -> dict:
-    """flash-attn 3/2 presence, importability, usability on this GPU; what `auto` picks."""
-    out: dict[str, Any] = {}
-    dists = {"fa3": "flash_attn_3", "fa2": "flash-attn"}
-    mods = {"fa3": "flash_attn_interface", "fa2": "flash_attn"}
-    for b in ("fa3", "fa2"):
-        info: dict[str, Any] = {"installed": None, "import_error": None, "usable": False}
-        try:
-            info["installed"] = md.version(dists[b])
-        except md.PackageNotFoundError:
-            pass
-        if importlib.util.find_spec(mods[b]) is None:
-            info["reason"] = "not installed"
-            out[b] = info
-            continue
-        info["installed"] = info["installed"] or "unknown"
-        try:
-            importlib.import_module(mods[b])
-            if b == "fa2":
-                importlib.import_module("flash_attn.flash_attn_interface")  # loads flash_attn_2_cuda
-        except Exception as e:  # noqa: BLE001 - an ABI mismatch is an ImportError
-            info["import_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        if not cuda:
-            info["reason"] = info["import_error"] or "flash-attn kernels are CUDA-only (no GPU)"
-        else:
-            try:
-                from patches.attention import resolve_backend
-                _, why = resolve_backend(b, "cuda")
-                info["usable"], info["reason"] = True, why
-            except Exception as e:  # noqa: BLE001
-                info["reason"] = str(e)
-            if b == "fa3" and info["usable"]:
-                info["returns"] = _fa3_return_type(torch)
-        out[b] = info
-    try:
-        from patches.attention import resolve_backend
-        backend, reason = resolve_backend("auto", "cuda" if cuda else "cpu")
-        out["auto"] = {"backend": backend, "reason": reason}
-    except Exception as e:  # noqa: BLE001
-        out["auto"] = {"backend": None, "reason": f"{type(e).__name__}: {e}"}
+def _attention(gpus: list[dict], cuda: bool) -> dict:
+    """flash-attn 3/2 availability records (measured like the run measures them) and what
+    ``--attention auto`` picks on the lowest-capability visible GPU."""
+    device = "cuda" if cuda else "cpu"
+    out: dict[str, Any] = measure_availability(device)
+    cc = min((tuple(g["capability"]) for g in gpus if g.get("capability")), default=None)
+    backend, reason = choose_backend("auto", device, out, cc)
+    out["auto"] = {"backend": backend, "reason": reason}
     return out
-
-
-def _fa3_return_type(torch) -> Optional[str]:
-    try:
-        import flash_attn_interface as fa3
-        x = torch.zeros(4, 1, 64, device="cuda", dtype=torch.bfloat16)
-        cu = torch.tensor([0, 2, 4], dtype=torch.int32, device="cuda")
-        out = fa3.flash_attn_varlen_func(x, x, x, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                         max_seqlen_q=2, max_seqlen_k=2)
-        return "tuple" if isinstance(out, (tuple, list)) else "tensor"
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def collect() -> dict:
@@ -448,7 +324,7 @@ def collect() -> dict:
     except Exception as e:  # noqa: BLE001
         facts["probe_errors"].append(f"dependency metadata: {e}")
     try:
-        facts["attention"] = _attention(torch, cuda)
+        facts["attention"] = _attention(gpus, cuda)
     except Exception as e:  # noqa: BLE001
         facts["probe_errors"].append(f"attention: {e}")
         facts["attention"] = {}

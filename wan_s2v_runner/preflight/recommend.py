@@ -15,13 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from wan_s2v_runner.spec import Mode, RunSpec
+from wan_s2v_runner.layout import Layout, Mode, valid_sp_degrees
+from wan_s2v_runner.spec import RunSpec
 
 from .context import CheckContext
 from .core import gib
 from .geometry import REAL_NUM_HEADS
 from .memory import largest_fitting_size, model_sizes, plan_all, workload
-from .probe import MachineFacts
+from .facts import MachineFacts
 
 GPU_FIT = 0.9
 
@@ -36,11 +37,11 @@ class Recommendation:
 
 
 def _ensure_image_size(ctx: CheckContext) -> None:
-    if "image_size" in ctx.cache or ctx.image is None:
+    if "image_size" in ctx.cache or ctx.spec.image is None:
         return
     try:
         from PIL import Image
-        with Image.open(ctx.image) as im:
+        with Image.open(ctx.spec.image) as im:
             ctx.cache["image_size"] = im.size
     except Exception:  # noqa: BLE001 - the inputs checks report it
         pass
@@ -53,9 +54,9 @@ def _heads(ctx, sizes) -> int:
 def _link_summary(ctx) -> tuple[bool, str]:
     """(fast, description) of the interconnect between the GPUs the ranks use."""
     f = ctx.facts
-    n = min(ctx.nproc, f.gpu_count)
-    if ctx.nnodes > 1:
-        return False, f"{ctx.nnodes} nodes: collectives cross the network"
+    n = min(ctx.spec.nproc, f.gpu_count)
+    if ctx.spec.nnodes > 1:
+        return False, f"{ctx.spec.nnodes} nodes: collectives cross the network"
     if n < 2:
         return True, "one GPU"
     pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
@@ -74,13 +75,12 @@ def recommend(ctx: CheckContext) -> Recommendation:
     _ensure_image_size(ctx)
     sizes, wl = model_sizes(ctx), workload(ctx)
     heads = _heads(ctx, sizes)
-    lengths = wl.tokens.lengths(2, ctx.start_from_ref)
-    sp_ok = heads % ws == 0 and all(n % ws == 0 for n in lengths)
-    sp_why = (f"world size {ws} does not divide the {heads} heads" if heads % ws
-              else f"world size {ws} does not divide the {'/'.join(map(str, lengths))}-token sequences")
-    good_ws = [d for d in (1, 2, 4, 8) if heads % d == 0 and all(n % d == 0 for n in lengths)]
+    lengths = wl.tokens.lengths(2, ctx.spec.start_from_ref)
+    sp_problems = Layout.for_mode(Mode.ULYSSES, ws).problems(heads, lengths)
+    sp_ok, sp_why = not sp_problems, "; ".join(sp_problems)
+    good_ws = valid_sp_degrees(heads, lengths)
 
-    if ctx.device == "cpu" or f.gpu_count == 0:
+    if ctx.spec.device == "cpu" or f.gpu_count == 0:
         why = "--device cpu" if f.gpu_count else f"no CUDA GPU visible (torch {f.torch.get('version')})"
         if not sp_ok:
             return Recommendation(Mode.FSDP_FIXED, f"{why}; {sp_why}, so Ulysses cannot split it: fsdp-fixed "
@@ -106,8 +106,8 @@ def recommend(ctx: CheckContext) -> Recommendation:
         return gib(p) + (" — tight" if p and GPU_FIT * free < p <= free else "")
 
     fast, link = _link_summary(ctx)
-    if ctx.nproc > f.gpu_count:
-        pre = f"--nproc {ctx.nproc} > {f.gpu_count} visible GPUs (fix that first); "
+    if ctx.spec.nproc > f.gpu_count:
+        pre = f"--nproc {ctx.spec.nproc} > {f.gpu_count} visible GPUs (fix that first); "
     else:
         pre = ""
     if not sp_ok:
@@ -156,7 +156,7 @@ def recommend_mode(spec_or_ctx: Union[RunSpec, CheckContext, None] = None,
         if facts is not None:
             ctx.facts = facts
     elif isinstance(spec_or_ctx, RunSpec):
-        ctx = CheckContext.from_spec(spec_or_ctx, facts)
+        ctx = CheckContext.for_spec(spec_or_ctx, facts)
     else:
-        ctx = CheckContext.from_values({}, {}, facts)
+        ctx = CheckContext.for_values({}, facts)
     return recommend(ctx)

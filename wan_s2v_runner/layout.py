@@ -1,0 +1,135 @@
+"""The parallel layout: which modes exist, what each one shards or splits, and every rule about
+parallel degrees (torchtitan's ``ParallelDims`` is the model).
+
+One :class:`Layout` is derived from a run spec (``spec.layout``) and answers every question the
+rest of the house asks about the parallel plan: the Ulysses (sequence-parallel) degree, whether
+the DiT/T5 are FSDP-sharded or T5 runs on the CPU, whether a degree fits the model's heads and
+the DiT's token counts, which degrees would. Nothing else re-derives these rules: preflight
+checks, the memory plan, the mode recommendation, failure hints and the worker all ask here.
+
+Adding a mode = one :class:`Mode` member + one :data:`MODES` entry (+ its ``runners/`` module).
+This module imports nothing from the project.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+#: GPU counts per node people actually have; the doctor suggests these when a world size fails
+COMMON_GPU_COUNTS = (1, 2, 4, 8)
+
+
+class Mode(str, Enum):
+    """Parallel modes. Each has a :data:`MODES` entry and a runner module in ``runners/``."""
+
+    ULYSSES = "ulysses"
+    FSDP_FIXED = "fsdp-fixed"
+    HYBRID = "hybrid"
+
+
+@dataclass(frozen=True)
+class ModeTraits:
+    """What a mode does with the engine's parts (independent of the world size)."""
+
+    summary: str
+    sequence_parallel: bool  # Ulysses over all ranks (when there is more than one)
+    dit_fsdp: bool
+    t5_fsdp: bool
+    t5_cpu: bool
+
+
+MODES: dict[Mode, ModeTraits] = {
+    Mode.ULYSSES: ModeTraits("sequence parallel over all ranks; each rank holds the full model",
+                             sequence_parallel=True, dit_fsdp=False, t5_fsdp=False, t5_cpu=False),
+    Mode.FSDP_FIXED: ModeTraits("DiT + T5 sharded with FSDP (no rank-0 broadcast; weights fingerprinted)",
+                                sequence_parallel=False, dit_fsdp=True, t5_fsdp=True, t5_cpu=False),
+    Mode.HYBRID: ModeTraits("Ulysses + FSDP DiT, T5 on CPU (lowest GPU memory)",
+                            sequence_parallel=True, dit_fsdp=True, t5_fsdp=False, t5_cpu=True),
+}
+
+
+# --------------------------------------------------------------------------- the one rule
+def sp_degree_fits(degree: int, heads: int, lengths: Iterable[int]) -> bool:
+    """Upstream Ulysses splits the heads and the token sequence evenly with no padding
+    (``torch.chunk`` of the sequence; all-to-all of equal head groups), so the degree must
+    divide the head count and every sequence length the DiT chunks."""
+    return degree >= 1 and heads % degree == 0 and all(n % degree == 0 for n in lengths)
+
+
+def valid_sp_degrees(heads: int, lengths: Sequence[int],
+                     candidates: Iterable[int] = COMMON_GPU_COUNTS) -> list[int]:
+    """The candidate degrees (default: common GPU counts) that :func:`sp_degree_fits`."""
+    return [d for d in candidates if sp_degree_fits(d, heads, lengths)]
+
+
+class Layout(BaseModel):
+    """What a mode means for the engine at a world size: derived from the spec, never set by
+    hand (:meth:`for_mode`). Validity against a model and a size is a question asked of it
+    (:meth:`problems`), not a construction error: the doctor reports it with a fix."""
+
+    model_config = ConfigDict(frozen=True)
+
+    world_size: int
+    use_sp: bool  # Ulysses sequence parallel over all ranks
+    dit_fsdp: bool
+    t5_fsdp: bool
+    t5_cpu: bool
+    mode: Optional[Mode] = None
+
+    @classmethod
+    def for_mode(cls, mode: Mode, world_size: int) -> "Layout":
+        t = MODES[Mode(mode)]
+        # one rank: the plain engine path (upstream's ulysses_size=1), no SP machinery
+        return cls(world_size=world_size, use_sp=t.sequence_parallel and world_size > 1,
+                   dit_fsdp=t.dit_fsdp, t5_fsdp=t.t5_fsdp, t5_cpu=t.t5_cpu, mode=Mode(mode))
+
+    # ----- degrees -----
+    @property
+    def sp_degree(self) -> int:
+        """Ulysses degree: the world size when sequence parallel, else 1."""
+        return self.world_size if self.use_sp else 1
+
+    @property
+    def ulysses_degree(self) -> int:  # the name the manifest and docs use
+        return self.sp_degree
+
+    @property
+    def shards_weights(self) -> bool:
+        return self.dit_fsdp or self.t5_fsdp
+
+    @property
+    def t5_placement(self) -> str:
+        """'cpu', 'fsdp' or 'gpu' (on the rank's device)."""
+        return "cpu" if self.t5_cpu else ("fsdp" if self.t5_fsdp else "gpu")
+
+    def heads_per_rank(self, heads: int) -> int:
+        return heads // self.sp_degree
+
+    # ----- validity -----
+    def divides_heads(self, heads: int) -> bool:
+        return sp_degree_fits(self.sp_degree, heads, ())
+
+    def bad_lengths(self, lengths: Iterable[int]) -> list[int]:
+        """Sequence lengths the Ulysses degree does not divide."""
+        return [n for n in lengths if n % self.sp_degree]
+
+    def fits(self, heads: int, lengths: Sequence[int]) -> bool:
+        return sp_degree_fits(self.sp_degree, heads, lengths)
+
+    def problems(self, heads: int, lengths: Sequence[int]) -> list[str]:
+        """Why this layout cannot run the model at this size (empty when it can)."""
+        out = []
+        if self.t5_cpu and self.t5_fsdp:
+            out.append("T5 on CPU together with T5 FSDP: the engine accepts it but it is unsupported")
+        if not self.divides_heads(heads):
+            out.append(f"world size {self.sp_degree} does not divide the {heads} heads")
+        elif self.bad_lengths(lengths):
+            out.append(f"world size {self.sp_degree} does not divide the "
+                       f"{'/'.join(map(str, lengths))}-token sequences")
+        return out
+
+    def to_json(self) -> dict:
+        return {**self.model_dump(mode="json"), "ulysses_degree": self.ulysses_degree}

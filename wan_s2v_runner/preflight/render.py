@@ -1,0 +1,103 @@
+"""Preflight reports in words: the doctor's rich table (plain, wide lines when not a terminal)
+and the ``run`` gate's lines (one summary line with each warning's finding and fix, or the
+refusal with each failure and warning). JSON output is the reports' own ``to_json``.
+:func:`gate` is ``run``'s preflight: check, then say it."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+from wan_s2v_runner import exit_codes
+
+from .context import ModeSource
+from .core import CheckResult, Status, gib
+from .doctor import DoctorReport, GateReport, check_run
+from .facts import MachineFacts
+
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+
+
+def check_line(r: CheckResult) -> str:
+    """'  WARN id: finding' and, when there is one, '       fix: ...' below."""
+    s = f"  {r.status.value.upper():4} {r.id}: {r.finding}"
+    if r.fix:
+        s += f"\n       fix: {r.fix}"
+    return s
+
+
+def gate_text(report: GateReport) -> str:
+    fails, warns = report.with_status(Status.FAIL), report.with_status(Status.WARN)
+    c = report.counts
+    if report.refused:
+        lines = [f"preflight refused the run ({len(fails)} failed, {len(warns)} warnings); nothing was spawned."]
+        lines += [check_line(r) for r in fails + warns]
+        lines.append("Full report: wan-s2v doctor with the same flags. Override (not recommended): "
+                     "--skip-preflight.")
+        return "\n".join(lines)
+    head = (f"preflight: {c['ok']} ok, {c['warn']} warn, {c['skip']} skipped "
+            "(details: wan-s2v doctor)")
+    return "\n".join([head] + [f"  WARN {r.id}: {r.finding}" + (f" (fix: {r.fix})" if r.fix else "")
+                               for r in warns])
+
+
+def print_gate(report: GateReport, json_mode: bool = False) -> None:
+    if json_mode and report.refused:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(gate_text(report), file=sys.stderr)
+
+
+def gate(spec, json_mode: bool = False, facts: Optional[MachineFacts] = None) -> Optional[int]:
+    """Check ``spec``, print the verdict, and return :data:`exit_codes.PREFLIGHT` when the run
+    must not be spawned (None otherwise)."""
+    report = check_run(spec, facts)
+    print_gate(report, json_mode)
+    return exit_codes.PREFLIGHT if report.refused else None
+
+
+def render_doctor(report: DoctorReport, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=max(console.width, 200))
+    ctx, rec, f = report.ctx, report.recommendation, report.ctx.facts
+    console.print(f"[bold]wan-s2v doctor[/] — {f.label}" + ("" if f.live else " [dim](recorded facts)[/]"))
+    if ctx.notes:
+        console.print("[dim]assumed: " + "; ".join(ctx.notes) + "[/]")
+    t = Table(show_lines=False, header_style="bold")
+    for col in ("group", "check", "status", "finding", "fix"):
+        t.add_column(col, overflow="fold")
+    last = None
+    for r in report.results:
+        group = r.group.value if r.group is not None else ""
+        t.add_row(group if group != last else "", r.id, f"[{_STYLE[r.status.value]}]{r.status.value}[/]",
+                  r.finding, r.fix)
+        last = group
+    console.print(t)
+    wl = report.workload
+    mt = Table(title=f"memory plan per rank ({wl.width}x{wl.height}, {wl.tokens.max_len} tokens, "
+               f"{wl.n_clips} clip(s); approximate, see docs/memory-plan.md)", header_style="bold")
+    nproc = ctx.spec.nproc
+    node = f"host, node ({nproc} rank{'s' if nproc > 1 else ''})"
+    for col in ("mode", "ranks", "GPU/rank", "host/rank", node, "GPU free (min)"):
+        mt.add_column(col)
+    free = min((g.get("free_mib") or 0 for g in ctx.local_gpus), default=0) * 2**20
+    for name, p in report.plans.items():
+        mark = " *" if name == ctx.mode.value else ""
+        gpu = gib(p.gpu_peak) if p.gpu_peak else "-"
+        if p.gpu_peak and free:
+            gpu = f"[{'green' if p.gpu_peak <= 0.9 * free else 'red'}]{gpu}[/]"
+        mt.add_row(name + mark, str(p.world_size), gpu, gib(p.host_peak), gib(p.host_node_total),
+                   gib(free) if free else "-")
+    console.print(mt)
+    console.print(f"sizes: {report.sizes.source}" + (f"; assumed {', '.join(wl.assumed)}" if wl.assumed else ""))
+    console.print(f"[bold]recommended mode:[/] {rec.mode.value} — {rec.reason}")
+    if ctx.mode_source is ModeSource.FLAG and ctx.mode is not rec.mode:
+        console.print(f"[yellow]checked --mode {ctx.mode.value} as requested[/]")
+    c = report.counts
+    console.print(f"{c['ok']} ok, {c['warn']} warn, {c['fail']} fail, {c['skip']} skipped "
+                  f"-> exit {report.exit_code}")
