@@ -12,9 +12,10 @@ import logging
 log = logging.getLogger("wan_s2v.patches")
 
 
-def apply_for_run(wan, spec, param_dtype, on_event=None) -> dict:
-    """Apply the post-import patches a run needs. Returns {patch name: detail}."""
-    from . import attention, checkpoint_dims, cpu_device, fsdp_no_sync, sp_dtype
+def apply_for_run(wan, spec, param_dtype, on_event=None, on_event_data=None) -> dict:
+    """Apply the post-import patches a run needs. Returns {patch name: detail}. ``on_event`` enters
+    a stage; ``on_event_data(kind, **data)`` records an informational event."""
+    from . import attention, checkpoint_dims, cpu_device, fsdp_no_sync, lora_merge, sp_dtype
 
     on_cpu = spec.device == "cpu"
     applied: dict = {}
@@ -29,6 +30,10 @@ def apply_for_run(wan, spec, param_dtype, on_event=None) -> dict:
     if spec.layout.dit_fsdp or spec.layout.t5_fsdp:
         fsdp_no_sync.apply(wan, param_dtype=param_dtype, on_cpu=on_cpu, on_event=on_event)
         applied["fsdp_no_sync"] = "sync_module_states=False + weight fingerprint"
+    if spec.lora:
+        lora_merge.apply(wan, spec.lora, allow_partial=spec.lora_allow_partial,
+                         on_merged=(lambda records: on_event_data("lora", loras=records)) if on_event_data else None)
+        applied["lora_merge"] = ", ".join(str(l) for l in spec.lora)
     if on_cpu:
         cpu_device.apply(wan)
         applied["cpu_device"] = "speech2video CUDA calls mapped to CPU"

@@ -105,6 +105,9 @@ def argparse_kwargs(name: str) -> dict[str, Any]:
     f = flag_of(name)
     t = _unwrap(RunSpec.model_fields[name].annotation)
     kw: dict[str, Any] = {"dest": name, "default": None, "help": _help(name)}
+    if f.repeatable:
+        kw.update(action="append", metavar=f.metavar)
+        return kw
     if t is bool:
         kw["action"] = argparse.BooleanOptionalAction
         return kw
@@ -173,6 +176,8 @@ def _cell_flag(name: str) -> str:
     main = flag_name(name)
     if t is bool:
         cell = f"`{main} / --no-{main[2:]}`"
+    elif f.repeatable:
+        cell = f"`{main} {f.metavar}` (repeatable)"
     else:
         choices = choices_of(name)
         meta = f.metavar or ("{" + ",".join(choices) + "}" if choices else t.__name__.upper())

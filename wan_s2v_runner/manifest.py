@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from wan_s2v_runner import engine, exit_codes
+from wan_s2v_runner import engine, exit_codes, lora
 from wan_s2v_runner.events import EventReader, stage_durations
 
 VERSIONED = ("torch", "torchvision", "wan22", "transformers", "diffusers", "huggingface-hub",
@@ -102,6 +102,7 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
         "stage_seconds": stage_durations(r0) if r0 else {},
         "ranks": ranks,
         "output": output,
+        "loras": lora.describe(spec.lora, spec.ckpt_dir) if spec.lora else [],
         "engine": engine_info(spec),
         "versions": package_versions(),
         "platform": {"machine": platform.machine(), "system": platform.system(), "argv": sys.argv},

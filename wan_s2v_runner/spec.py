@@ -31,7 +31,7 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["RunSpec", "Mode", "Layout", "Flag", "FlagGroup", "parse_size", "load_toml",
+__all__ = ["RunSpec", "LoraRef", "Mode", "Layout", "Flag", "FlagGroup", "parse_size", "load_toml",
            "DEFAULT_MAX_AREA", "MAX_SEED"]
 
 #: Upstream S2V default area (width*height); the engine fits the reference image inside it.
@@ -60,6 +60,7 @@ class Flag:
     metavar: Optional[str] = None
     cli_type: Optional[Callable[[str], Any]] = None  # argparse type when it differs from the field's
     extra_choices: tuple[str, ...] = ()  # CLI-only choices resolved before the spec (e.g. mode auto)
+    repeatable: bool = False  # the flag may be given several times (a list field)
 
 
 def parse_size(value: str) -> int:
@@ -89,6 +90,30 @@ def _absolute(p: Path) -> Path:
 
 AbsPath = Annotated[Path, AfterValidator(_absolute)]
 Area = Annotated[int, BeforeValidator(_area)]
+
+
+class LoraRef(BaseModel):
+    """One LoRA of a run: ``PATH[:STRENGTH]`` on the command line (strength 1.0 by default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: AbsPath
+    strength: float = 1.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, value: Any) -> Any:
+        if isinstance(value, (str, Path)):
+            text = str(value)
+            head, sep, tail = text.rpartition(":")
+            try:
+                return {"path": head, "strength": float(tail)} if sep and head else {"path": text}
+            except ValueError:  # a ':' inside the path, no strength
+                return {"path": text}
+        return value
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.strength:g}"
 
 _IN, _SA, _LA, _SU = FlagGroup.INPUTS, FlagGroup.SAMPLING, FlagGroup.LAYOUT, FlagGroup.SUPERVISION
 
@@ -131,6 +156,12 @@ class RunSpec(BaseModel):
         False, description="use the reference image as the first frame")
     offload_model: Annotated[Optional[bool], Flag(_SA, default_text="only with 1 GPU")] = Field(
         None, description="offload the DiT to CPU between uses")
+    lora: Annotated[list[LoraRef], Flag(_SA, metavar="PATH[:STRENGTH]", repeatable=True, default_text="none")] = Field(
+        default_factory=list,
+        description="merge a LoRA (.safetensors: peft/DiffSynth, kohya/VideoX-Fun or ComfyUI keys) into the "
+                    "DiT before sharding; repeat for several; strength 1.0 unless given")
+    lora_allow_partial: Annotated[bool, Flag(_SA)] = Field(
+        False, description="run even when some LoRA keys name no module of this DiT (they are skipped)")
     # ----- parallel layout
     mode: Annotated[Mode, Flag(_LA, extra_choices=("auto",))] = Field(
         Mode.ULYSSES, description="parallel mode (auto: the doctor's recommendation)")
@@ -234,7 +265,8 @@ class RunSpec(BaseModel):
                     continue
                 except ValidationError:
                     pass
-            fields[name] = None if info.is_required() else field_adapter(name).validate_python(info.default)
+            fields[name] = (None if info.is_required()
+                            else field_adapter(name).validate_python(info.get_default(call_default_factory=True)))
         error: Optional[ValidationError] = None
         complete: Optional[RunSpec] = None
         placeholders = {k: _PLACEHOLDERS.get(k, "placeholder") for k in missing}

@@ -137,7 +137,7 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
         events.stage(Stage.ENGINE_IMPORT)
         wan = engine.import_wan(spec.wan_repo)
         cfg = engine_config(wan, spec)
-        applied = apply_for_run(wan, spec, cfg.param_dtype, on_event=events.stage)
+        applied = apply_for_run(wan, spec, cfg.param_dtype, on_event=events.stage, on_event_data=events.emit)
         events.emit("patches", applied=applied)
 
         events.stage(Stage.LOAD)

@@ -98,6 +98,20 @@ def read_index(path: Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in wm.items()}
 
 
+def dit_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    """DiT tensor name -> shape from the safetensors headers (single file or sharded with an
+    index). Reads no tensor data; raises CheckpointFileError/OSError."""
+    from wan_s2v_runner.ckpt_layout import DIT_INDEX, DIT_WEIGHTS
+
+    ckpt = Path(ckpt)
+    idx = ckpt / DIT_INDEX
+    files = sorted(set(read_index(idx).values())) if idx.is_file() else [DIT_WEIGHTS]
+    out: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        out.update({k: shape for k, (_, shape) in read_safetensors_header(ckpt / f).tensors.items()})
+    return out
+
+
 def read_pth_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, dtype) of a plain state-dict ``.pth``, via mmap (no tensor data read)."""
     import torch

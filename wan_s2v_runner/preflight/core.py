@@ -25,6 +25,7 @@ class CheckGroup(str, Enum):
     ENGINE = "engine"
     MEDIA = "media"
     CHECKPOINT = "checkpoint"
+    LORA = "lora"
     INPUTS = "inputs"
     MEMORY = "memory"
     OUTPUT = "output"

@@ -14,8 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from wan_s2v_runner.ckpt_layout import (DIT_CONFIG, DIT_INDEX, DIT_WEIGHTS, T5_FILE, VAE_FILE,
-                                         W2V_WEIGHTS, W2V_WEIGHTS_BIN)
+from wan_s2v_runner.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
 from wan_s2v_runner.layout import Layout, Mode
 
 from . import ckpt_reader as cr
@@ -74,11 +73,7 @@ def sizes_from_checkpoint(ckpt: Path, cache: Optional[dict] = None) -> ModelSize
     cfg = cache.get("config") or json.loads((ckpt / DIT_CONFIG).read_text(encoding="utf-8"))
     dit = cache.get("dit_tensors")
     if dit is None:
-        idx = ckpt / DIT_INDEX
-        files = sorted(set(cr.read_index(idx).values())) if idx.is_file() else [DIT_WEIGHTS]
-        dit = {}
-        for f in files:
-            dit.update({k: math.prod(s) for k, (_, s) in cr.read_safetensors_header(ckpt / f).tensors.items()})
+        dit = {k: math.prod(s) for k, s in cr.dit_shapes(ckpt).items()}
     t5 = cache.get("t5_shapes") or cr.read_pth_shapes(ckpt / T5_FILE)
     vae = cache.get("vae_shapes") or cr.read_pth_shapes(ckpt / VAE_FILE)
     w2v = cache.get("w2v_params")

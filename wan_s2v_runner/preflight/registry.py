@@ -13,7 +13,7 @@ from typing import Iterable
 
 from wan_s2v_runner.layout import MODES, Mode
 
-from . import (checks_checkpoint, checks_comm, checks_engine, checks_gpu, checks_inputs,
+from . import (checks_checkpoint, checks_comm, checks_engine, checks_gpu, checks_inputs, checks_lora,
                checks_memory, checks_parallel, checks_python)
 from .core import CheckFn, CheckGroup, CheckResult, warn
 
@@ -52,6 +52,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.CHECKPOINT, checks_checkpoint.check_safetensors),
     (G.CHECKPOINT, checks_checkpoint.check_pth),
     (G.CHECKPOINT, checks_checkpoint.check_config),
+    (G.LORA, checks_lora.check_loras),
     (G.INPUTS, checks_inputs.check_flags),
     (G.INPUTS, checks_inputs.check_prompt),
     (G.INPUTS, checks_inputs.check_image),
@@ -73,7 +74,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
 
 #: groups every run needs
 COMMON_GROUPS = (G.PYTHON_TORCH, G.GPUS, G.COMMUNICATION, G.ATTENTION, G.ENGINE, G.MEDIA,
-                 G.CHECKPOINT, G.INPUTS, G.MEMORY, G.OUTPUT)
+                 G.CHECKPOINT, G.LORA, G.INPUTS, G.MEMORY, G.OUTPUT)
 
 
 def groups_for(mode: Mode) -> tuple[CheckGroup, ...]:

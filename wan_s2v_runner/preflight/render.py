@@ -36,7 +36,7 @@ def gate_text(report: GateReport) -> str:
                      "--skip-preflight.")
         return "\n".join(lines)
     head = (f"preflight: {c['ok']} ok, {c['warn']} warn, {c['skip']} skipped "
-            "(details: wan-s2v doctor)")
+            "(details: wan-s2v doctor with the same flags)")
     return "\n".join([head] + [f"  WARN {r.id}: {r.finding}" + (f" (fix: {r.fix})" if r.fix else "")
                                for r in warns])
 

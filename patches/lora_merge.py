@@ -1,0 +1,57 @@
+"""Patch: merge the run's LoRAs into the DiT right after it is loaded, before any sharding.
+
+Upstream: ``WanS2V.__init__`` loads the DiT with ``WanModel_S2V.from_pretrained`` (on the rank's
+device, or on the CPU when it will be FSDP-sharded) and hands it to ``self._configure_model``,
+which rebinds the Ulysses attention forwards and FSDP-wraps it; the S2V pipeline has no LoRA
+support at all.
+Change: wrap ``WanS2V._configure_model`` so that it first merges the LoRAs into the model it is
+given (:func:`wan_s2v_runner.lora.merge`: fp32 accumulation on the weight's device, rounded once
+to the weight's dtype), then calls upstream's. Sharding, Ulysses and the FSDP weight fingerprint
+therefore see plain, merged weights: no mode needs a LoRA code path, and a LoRA costs nothing
+per step. With no LoRA in the spec the patch is not applied.
+Proof: tests/test_lora.py (merged DiT == peft's un-merged adapter on the same DiT; strength 0 ==
+no LoRA; the three formats give the same frames; fsdp-fixed and hybrid at 2 ranks == 1 process).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+from wan_s2v_runner.lora import LoraSource, merge
+
+log = logging.getLogger("wan_s2v.lora")
+_MARK = "_wan_s2v_lora_merge"
+
+
+def apply(wan_module, loras, allow_partial: bool = False, on_merged=None) -> bool:
+    """Patch ``WanS2V._configure_model`` to merge ``loras`` (LoraRef/LoraSource items) first.
+    ``on_merged(records)`` receives the per-LoRA records. Returns False if already applied."""
+    cls = wan_module.speech2video.WanS2V
+    current = cls._configure_model
+    if getattr(current, _MARK, False):
+        return False
+    sources = [LoraSource(l.path, l.strength) for l in loras]
+
+    @functools.wraps(current)
+    def _configure_model(self, model, *args, **kwargs):
+        records = merge(model, sources, allow_partial=allow_partial)
+        for r in records:
+            log.info("LoRA %s (%s, strength %g): %d modules merged", r["path"], r["format"], r["strength"],
+                     r["matched_modules"])
+        if on_merged is not None:
+            on_merged(records)
+        return current(self, model, *args, **kwargs)
+
+    setattr(_configure_model, _MARK, True)
+    _configure_model.__wrapped_upstream__ = current
+    cls._configure_model = _configure_model
+    return True
+
+
+def restore(wan_module) -> bool:
+    cls = wan_module.speech2video.WanS2V
+    current = cls._configure_model
+    if not getattr(current, _MARK, False):
+        return False
+    cls._configure_model = current.__wrapped_upstream__
+    return True
