@@ -19,7 +19,6 @@ ordinary, merged weights.
 """
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
@@ -188,14 +187,6 @@ def file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {k: shape for k, (_, shape) in read_safetensors_header(Path(path)).tensors.items()}
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # --------------------------------------------------------------------------- merge
 def delta_for(param: str, lora_plan: LoraPlan, tensors: Mapping[str, "torch.Tensor"]) -> Optional["torch.Tensor"]:
     """The fp32 change one LoRA makes to one DiT parameter at strength 1 (None if none)."""
@@ -260,6 +251,7 @@ def merge(model, loras: Iterable[LoraSource], allow_partial: bool = False) -> li
 def describe(refs: Sequence, ckpt_dir: Optional[Path]) -> list[dict]:
     """For run.json: each LoRA's path, sha256, format, strength and matched-module count (from
     the headers, by the same :func:`plan` the merge uses)."""
+    from wan_s2v_runner.media import sha256_file
     from wan_s2v_runner.preflight.ckpt_reader import CheckpointFileError, dit_shapes
 
     try:
@@ -271,7 +263,7 @@ def describe(refs: Sequence, ckpt_dir: Optional[Path]) -> list[dict]:
         rec: dict = {"path": str(ref.path), "strength": ref.strength, "sha256": None, "format": None,
                      "matched_modules": None}
         try:
-            rec["sha256"] = sha256(ref.path)
+            rec["sha256"] = sha256_file(ref.path)
             p = plan(file_shapes(ref.path), dit) if dit is not None else None
         except (CheckpointFileError, OSError):
             p = None
