@@ -1,5 +1,7 @@
 """What every mode runner provides: its mode, what that mode does to the engine (from
-:data:`wan_s2v_runner.layout.MODES`), and one spawn path (``launch.run``)."""
+:data:`wan_s2v_runner.layout.MODES`), how a rank prepares for it (:meth:`ModeRunner.prepare`:
+the (cfg, sp) plan, the SP-group patch when CFG-parallel splits the world, the engine parts this
+rank loads), and one spawn path (``launch.run``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,9 +23,26 @@ class ModeRunner:
         return self.traits.summary
 
     def engine_kwargs(self, spec: RunSpec) -> dict:
-        """Keyword arguments for ``wan.WanS2V(...)`` in this mode, from the spec's layout."""
+        """Keyword arguments for upstream ``wan.WanS2V(...)`` in this mode (the reference path)."""
         lay = spec.layout
         return dict(use_sp=lay.use_sp, dit_fsdp=lay.dit_fsdp, t5_fsdp=lay.t5_fsdp, t5_cpu=lay.t5_cpu)
+
+    def prepare(self, wan, config, spec: RunSpec, device, device_id: int):
+        """On one rank: this rank's plan, the SP-group patch when CFG-parallel splits the ranks
+        of a sequence-parallel mode, and the engine parts the plan needs (DiT sharded/split as
+        the layout says; T5, wav2vec2 and VAE only where they run). Returns (plan, parts,
+        patches applied here)."""
+        from wan_s2v_runner import components
+        from wan_s2v_runner.parallel import rank_plan
+
+        lay = spec.layout
+        plan = rank_plan(lay, device.type)
+        applied = {}
+        if lay.cfg_degree > 1 and lay.use_sp:
+            from patches import sp_group
+            applied["sp_group"] = f"{len(sp_group.apply(plan.sp_group))} names bound to the SP group"
+        parts = components.load(wan, config, str(spec.ckpt_dir), plan, device, device_id)
+        return plan, parts, applied
 
     def launch(self, spec: RunSpec, **kwargs) -> int:
         """Spawn ``python -m torch.distributed.run`` for this mode and supervise it."""

@@ -22,7 +22,7 @@ def a100x8() -> MachineFacts:
 
 def test_modes_map_to_layouts():
     assert Layout.for_mode(Mode.HYBRID, 4).model_dump() == dict(
-        world_size=4, use_sp=True, dit_fsdp=True, t5_fsdp=False, t5_cpu=True, mode=Mode.HYBRID)
+        world_size=4, use_sp=True, dit_fsdp=True, t5_fsdp=False, t5_cpu=True, mode=Mode.HYBRID, cfg_degree=1)
     assert Layout.for_mode(Mode.ULYSSES, 1).use_sp is False  # one rank: the plain engine path
     assert Layout.for_mode(Mode.FSDP_FIXED, 8).sp_degree == 1
     assert set(MODES) == set(Mode)

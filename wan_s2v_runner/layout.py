@@ -73,24 +73,37 @@ class Layout(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     world_size: int
-    use_sp: bool  # Ulysses sequence parallel over all ranks
+    use_sp: bool  # Ulysses sequence parallel inside each CFG group
     dit_fsdp: bool
     t5_fsdp: bool
     t5_cpu: bool
     mode: Optional[Mode] = None
+    cfg_degree: int = 1  # 2: the conditional and unconditional DiT passes run on different ranks
 
     @classmethod
-    def for_mode(cls, mode: Mode, world_size: int) -> "Layout":
+    def for_mode(cls, mode: Mode, world_size: int, cfg_parallel: bool = False) -> "Layout":
         t = MODES[Mode(mode)]
-        # one rank: the plain engine path (upstream's ulysses_size=1), no SP machinery
-        return cls(world_size=world_size, use_sp=t.sequence_parallel and world_size > 1,
-                   dit_fsdp=t.dit_fsdp, t5_fsdp=t.t5_fsdp, t5_cpu=t.t5_cpu, mode=Mode(mode))
+        cfg = 2 if cfg_parallel else 1
+        # one rank per branch: the plain engine path (upstream's ulysses_size=1), no SP machinery
+        return cls(world_size=world_size, use_sp=t.sequence_parallel and world_size // cfg > 1,
+                   dit_fsdp=t.dit_fsdp, t5_fsdp=t.t5_fsdp, t5_cpu=t.t5_cpu, mode=Mode(mode), cfg_degree=cfg)
 
     # ----- degrees -----
     @property
+    def group_size(self) -> int:
+        """Ranks per CFG branch (the whole world without CFG-parallel)."""
+        return max(1, self.world_size // self.cfg_degree)
+
+    @property
     def sp_degree(self) -> int:
-        """Ulysses degree: the world size when sequence parallel, else 1."""
-        return self.world_size if self.use_sp else 1
+        """Ulysses degree: the ranks of a CFG branch when sequence parallel, else 1."""
+        return self.group_size if self.use_sp else 1
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """(cfg, sp) with the sequence-parallel dimension innermost: an SP group is consecutive
+        ranks (one node), so CFG groups are what spans nodes."""
+        return self.cfg_degree, self.group_size
 
     @property
     def ulysses_degree(self) -> int:  # the name the manifest and docs use
@@ -122,6 +135,8 @@ class Layout(BaseModel):
     def problems(self, heads: int, lengths: Sequence[int]) -> list[str]:
         """Why this layout cannot run the model at this size (empty when it can)."""
         out = []
+        if self.cfg_degree > 1 and self.world_size % self.cfg_degree:
+            out.append(f"--cfg-parallel needs an even world size (got {self.world_size})")
         if self.t5_cpu and self.t5_fsdp:
             out.append("T5 on CPU together with T5 FSDP: the engine accepts it but it is unsupported")
         if not self.divides_heads(heads):

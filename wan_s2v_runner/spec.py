@@ -165,6 +165,9 @@ class RunSpec(BaseModel):
     # ----- parallel layout
     mode: Annotated[Mode, Flag(_LA, extra_choices=("auto",))] = Field(
         Mode.ULYSSES, description="parallel mode (auto: the doctor's recommendation)")
+    cfg_parallel: Annotated[bool, Flag(_LA)] = Field(
+        False, description="run the conditional and unconditional DiT passes of each step on two halves of "
+                           "the ranks (CFG degree 2; the sequence-parallel degree becomes world/2)")
     nproc: Annotated[int, Flag(_LA, aliases=("--nproc-per-node",), metavar="N")] = Field(
         1, ge=1, description="ranks (GPUs) on this node")
     nnodes: Annotated[int, Flag(_LA, env="WORLD_SIZE", metavar="N")] = Field(
@@ -208,6 +211,12 @@ class RunSpec(BaseModel):
         if limits and self.pg_timeout_s <= max(limits):
             raise ValueError(f"pg_timeout_s ({self.pg_timeout_s:g}) must exceed the watchdog limits "
                              f"({max(limits):g}) so the watchdog reports a hang before the collective times out")
+        if self.cfg_parallel and self.world_size % 2:
+            raise ValueError(f"--cfg-parallel splits the ranks in two: the world size must be even "
+                             f"(got {self.world_size})")
+        if self.cfg_parallel and self.guide_scale <= 1:
+            raise ValueError(f"--cfg-parallel with guide_scale {self.guide_scale:g}: there is no unconditional "
+                             "pass to split (the engine skips it when guide_scale <= 1); drop --cfg-parallel")
         if self.output.suffix.lower() != ".mp4":
             raise ValueError(f"output must be an .mp4 file, got {self.output.name!r}")
         return self
@@ -219,7 +228,7 @@ class RunSpec(BaseModel):
 
     @property
     def layout(self) -> Layout:
-        return Layout.for_mode(self.mode, self.world_size)
+        return Layout.for_mode(self.mode, self.world_size, self.cfg_parallel)
 
     @property
     def offload(self) -> bool:

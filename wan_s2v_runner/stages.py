@@ -33,9 +33,12 @@ class Stage(str, Enum):
     AUDIO_ENCODE = "audio_encode"
     REF_ENCODE = "ref_encode"
     TEXT_ENCODE = "text_encode"
+    RECEIVE_INPUTS = "receive_inputs"  # waiting for the encoding rank's audio/text/latents
     DENOISE = "denoise"
     DECODE = "decode"
     MOTION_ENCODE = "motion_encode"
+    RECEIVE_MOTION = "receive_motion"  # waiting for the decoding rank's next motion latents
+    CLIP_CHECKPOINT = "clip_checkpoint"  # the first rank writes the clip's frames and carried state
     SAVE = "save"
     MUX = "mux"
     DONE = "done"
@@ -87,9 +90,10 @@ class Stage(str, Enum):
 
 _LOAD_CLASS = frozenset({Stage.START, Stage.INIT_PG, Stage.ENGINE_IMPORT, Stage.LOAD,
                          Stage.FINGERPRINT, Stage.SHARD, Stage.AUDIO_ENCODE, Stage.REF_ENCODE,
-                         Stage.TEXT_ENCODE})
-_PER_CLIP = frozenset({Stage.DENOISE, Stage.DECODE, Stage.MOTION_ENCODE})
-_FIRST_RANK_ONLY = frozenset({Stage.SAVE, Stage.MUX})
+                         Stage.TEXT_ENCODE, Stage.RECEIVE_INPUTS})
+_PER_CLIP = frozenset({Stage.DENOISE, Stage.DECODE, Stage.MOTION_ENCODE, Stage.RECEIVE_MOTION,
+                       Stage.CLIP_CHECKPOINT})
+_FIRST_RANK_ONLY = frozenset({Stage.SAVE, Stage.MUX, Stage.CLIP_CHECKPOINT})
 
 
 def gets_load_limit(name: object) -> bool:

@@ -44,13 +44,13 @@ class RankEvents(EventWriter):
             self.error_reported = True
             self.emit("error", error_type=type(e).__name__, message=str(e)[:2000])
 
-    def fault_point(self, stage: Stage) -> None:
+    def fault_point(self, stage: Stage, clip=None) -> None:
         if self._fault:
-            faults.maybe_fire(self.rank, stage, self._fault)
+            faults.maybe_fire(self.rank, stage, self._fault, clip=clip)
 
     def stage(self, stage: Stage, **data) -> None:
         super().stage(stage, **data)
-        self.fault_point(self.current_stage)
+        self.fault_point(self.current_stage, clip=data.get("clip"))
 
 
 def _setup_logging(rank: int) -> None:
@@ -85,16 +85,14 @@ def engine_config(wan, spec: RunSpec):
     return cfg
 
 
-def generate_frames(pipeline, spec: RunSpec):
-    """The one call that generates. Returns (3, N, H, W) in [-1, 1] on rank 0, None elsewhere."""
-    with torch.no_grad():
-        return pipeline.generate(
-            input_prompt=spec.prompt, ref_image_path=str(spec.image), audio_path=str(spec.audio),
-            enable_tts=False, tts_prompt_audio=None, tts_prompt_text=None, tts_text=None,
-            num_repeat=spec.num_clips, pose_video=None, max_area=spec.max_area,
-            infer_frames=spec.infer_frames, shift=spec.shift, sample_solver=spec.solver,
-            sampling_steps=spec.steps, guide_scale=spec.guide_scale, n_prompt=spec.negative_prompt,
-            seed=spec.seed, offload_model=spec.offload, init_first_frame=spec.start_from_ref)
+def request_for(spec: RunSpec):
+    """The generate() arguments of a run (upstream's names)."""
+    from wan_s2v_runner.generation import Request
+    return Request(prompt=spec.prompt, ref_image_path=str(spec.image), audio_path=str(spec.audio),
+                   num_repeat=spec.num_clips, max_area=spec.max_area, infer_frames=spec.infer_frames,
+                   shift=spec.shift, sample_solver=spec.solver, sampling_steps=spec.steps,
+                   guide_scale=spec.guide_scale, n_prompt=spec.negative_prompt, seed=spec.seed,
+                   offload_model=spec.offload, init_first_frame=spec.start_from_ref)
 
 
 def _peak_memory(spec: RunSpec, heartbeat: bool = False) -> dict:
@@ -119,8 +117,9 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
     import torch.distributed as dist
 
     import runners
-    from patches import apply_for_run, progress_events
+    from patches import apply_for_run
     from wan_s2v_runner import media
+    from wan_s2v_runner.generation import Hooks, S2VGenerator
 
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -141,12 +140,12 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
         events.emit("patches", applied=applied)
 
         events.stage(Stage.LOAD)
-        mode = runners.get(spec.mode)
-        pipeline = wan.WanS2V(config=cfg, checkpoint_dir=str(spec.ckpt_dir), device_id=local_rank,
-                              rank=rank, **mode.engine_kwargs(spec))
-        progress_events.apply(wan, pipeline, events, total_steps=spec.steps, num_clips=spec.num_clips)
+        device = torch.device("cpu") if spec.device == "cpu" else torch.device("cuda", local_rank)
+        plan, parts, more = runners.get(spec.mode).prepare(wan, cfg, spec, device, local_rank)
+        events.emit("plan", **plan.describe(), patches=more)
 
-        video = generate_frames(pipeline, spec)
+        hooks = Hooks(stage=events.stage, step=events.step, fault_point=events.fault_point)
+        video = S2VGenerator(parts, plan, hooks).generate(request_for(spec))
         if rank == 0:
             if video is None:
                 raise RuntimeError("rank 0 got no frames from the engine")

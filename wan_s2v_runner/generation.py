@@ -1,0 +1,350 @@
+"""Our S2V generation loop: upstream ``WanS2V.generate``'s control flow, re-expressed with a
+parallel plan (CFG x sequence parallel) and every piece of work done once.
+
+Built from the engine's own parts (the DiT, T5, VAE and audio encoder the engine loads, its
+schedulers, and ``WanS2V``'s own helper methods called on a component holder), in upstream's
+order, with upstream's numerics: per clip a generator on the run's device seeded ``seed + clip``,
+the same noise, scheduler, CFG combine ``u + g * (c - u)`` and decode/re-encode. Upstream's
+``generate`` stays the reference (tests/test_generation.py: our loop == upstream exactly).
+
+What differs is *where* work runs (:class:`~wan_s2v_runner.parallel.RankPlan`):
+* audio features, text contexts (prompt and negative), reference and initial-motion latents are
+  computed by the encoding rank (rank 0) and broadcast; with an FSDP-sharded T5 every rank takes
+  part in the text encode (FSDP needs it) and no broadcast of contexts is needed;
+* with CFG-parallel the conditional and unconditional DiT passes run on the two halves of the
+  ranks and the two noise predictions are exchanged with one all-gather per step;
+* each clip is decoded, and the last frames re-encoded as motion latents, once (rank 0), and the
+  motion latents are broadcast;
+* the pose-condition VAE encode, whose result upstream multiplies by zero when there is no pose
+  video, is not run (its zeros are made directly);
+* the audio encode runs under ``no_grad``.
+Progress (stages and steps) is reported from here.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from wan_s2v_runner.stages import Stage
+
+log = logging.getLogger("wan_s2v.generation")
+
+
+@dataclass
+class Request:
+    """The generate() arguments our runner uses (names as upstream's)."""
+
+    prompt: str
+    ref_image_path: str
+    audio_path: str
+    num_repeat: Optional[int]
+    max_area: int
+    infer_frames: int
+    shift: float
+    sample_solver: str
+    sampling_steps: int
+    guide_scale: float
+    n_prompt: str
+    seed: int
+    offload_model: bool
+    init_first_frame: bool
+
+
+@dataclass
+class Encoded:
+    """What every rank needs before the clips (computed once, broadcast)."""
+
+    height: int
+    width: int
+    num_repeat: int
+    audio_emb: torch.Tensor  # [1, layers, C, frames], param dtype, on device
+    ref_latents: torch.Tensor  # [1, 16, 1, H/8, W/8]
+    motion_latents: torch.Tensor  # [1, 16, 19, H/8, W/8] of the initial motion frames
+    context: list  # [tensor [L, 4096]] on device
+    context_null: list
+    drop_first_motion: bool
+
+
+@dataclass
+class ClipState:
+    """What one clip hands the next: small, and all a resume needs (with the frames so far)."""
+
+    clip: int  # index of the next clip to generate
+    motion_latents: torch.Tensor
+    videos_last_frames: Optional[torch.Tensor]  # [1, 3, 73, H, W]: only the decoding rank has it
+
+
+@dataclass
+class Hooks:
+    """How the loop reports: stage/step events and per-clip results (all optional)."""
+
+    stage: Callable[..., None] = lambda *a, **k: None
+    step: Callable[..., None] = lambda **k: None
+    fault_point: Callable[..., None] = lambda *a, **k: None
+    clip_done: Optional[Callable[[int, torch.Tensor, ClipState], None]] = None  # decoding rank only
+
+
+# --------------------------------------------------------------------------- broadcast helpers
+def broadcast_tensors(tensors: dict, src: int, device: torch.device, group=None) -> dict:
+    """Broadcast a dict of tensors (or lists of tensors) from ``src``: shapes/dtypes first as an
+    object, then each tensor on ``device`` (nccl needs CUDA tensors). Bits are preserved."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return tensors
+    me = dist.get_rank()
+    meta = [None]
+    if me == src:
+        meta = [{k: ([(tuple(t.shape), t.dtype, t.device.type) for t in v] if isinstance(v, list)
+                     else (tuple(v.shape), v.dtype, v.device.type)) for k, v in tensors.items()}]
+    dist.broadcast_object_list(meta, src=src, group=group)
+    out = {}
+    for k, m in meta[0].items():
+        items = m if isinstance(m, list) else [m]
+        srcs = (tensors[k] if isinstance(m, list) else [tensors[k]]) if me == src else [None] * len(items)
+        got = []
+        for (shape, dtype, dev_type), t in zip(items, srcs):
+            buf = t.to(device).contiguous() if me == src else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(buf, src=src, group=group)
+            got.append(buf if me != src else t)
+        out[k] = got if isinstance(m, list) else got[0]
+    return out
+
+
+# --------------------------------------------------------------------------- the loop
+class S2VGenerator:
+    """Runs the S2V loop on one rank of a plan. ``parts`` is the engine component holder
+    (:class:`~wan_s2v_runner.components.Components`), ``plan`` this rank's place."""
+
+    def __init__(self, parts, plan, hooks: Optional[Hooks] = None):
+        self.parts, self.plan, self.hooks = parts, plan, hooks or Hooks()
+        self.s2v = parts.shell  # a WanS2V whose helper methods we call (upstream code)
+        self.device = parts.device
+        self.param_dtype = parts.param_dtype
+
+    # ----- inputs, once -----
+    def encode(self, req: Request) -> Encoded:
+        plan, s2v, h = self.plan, self.s2v, self.hooks
+        mine: dict = {}
+        if plan.encodes:
+            h.stage(Stage.AUDIO_ENCODE)
+            size = s2v.get_gen_size(size=None, max_area=req.max_area, ref_image_path=req.ref_image_path,
+                                    pre_video_path=None)
+            with torch.no_grad():
+                audio_emb, nr = s2v.encode_audio(req.audio_path, infer_frames=req.infer_frames)
+            h.stage(Stage.REF_ENCODE)
+            ref_latents, motion_latents, drop_first_motion = self._encode_reference(req, size)
+            mine = {"audio_emb": audio_emb, "ref_latents": ref_latents, "motion_latents": motion_latents,
+                    "meta": torch.tensor([size[0], size[1], nr, int(drop_first_motion)], dtype=torch.int64)}
+        if plan.all_encode_text:  # FSDP-sharded T5: every rank runs it together
+            h.stage(Stage.TEXT_ENCODE)
+            context, context_null = self._encode_text(req)
+        elif plan.encodes:
+            h.stage(Stage.TEXT_ENCODE)
+            context, context_null = self._encode_text(req)
+            mine.update(context=context, context_null=context_null)
+        if plan.world_size > 1:
+            if not plan.encodes:
+                h.stage(Stage.RECEIVE_INPUTS)
+            got = broadcast_tensors(mine, src=0, device=self.device)
+            if not plan.all_encode_text:
+                context, context_null = got["context"], got["context_null"]
+            mine = got
+        meta = mine["meta"].tolist()
+        num_repeat = meta[2] if req.num_repeat is None or req.num_repeat > meta[2] else req.num_repeat
+        return Encoded(height=meta[0], width=meta[1], num_repeat=num_repeat, audio_emb=mine["audio_emb"],
+                       ref_latents=mine["ref_latents"], motion_latents=mine["motion_latents"],
+                       context=context, context_null=context_null, drop_first_motion=bool(meta[3]))
+
+    def _encode_reference(self, req: Request, size):
+        """Upstream's reference-image and initial-motion encodes (speech2video L461-507)."""
+        from PIL import Image
+        from torchvision import transforms
+
+        s2v = self.s2v
+        HEIGHT, WIDTH = size
+        resize_opreat = transforms.Resize(min(HEIGHT, WIDTH))
+        crop_opreat = transforms.CenterCrop((HEIGHT, WIDTH))
+        tensor_trans = transforms.ToTensor()
+        ref_image = np.array(Image.open(req.ref_image_path).convert('RGB'))
+        motion_latents = torch.zeros([1, 3, s2v.motion_frames, HEIGHT, WIDTH], dtype=self.param_dtype,
+                                     device=self.device)
+        model_pic = crop_opreat(resize_opreat(Image.fromarray(ref_image)))
+        ref_pixel_values = tensor_trans(model_pic)
+        ref_pixel_values = ref_pixel_values.unsqueeze(1).unsqueeze(0) * 2 - 1.0
+        ref_pixel_values = ref_pixel_values.to(dtype=s2v.vae.dtype, device=s2v.vae.device)
+        with torch.no_grad():
+            ref_latents = torch.stack(s2v.vae.encode(ref_pixel_values))
+            # upstream keeps videos_last_frames = motion_latents.detach(): the same storage, so
+            # the reference pixels written below are in it too
+            self._initial_last_frames = motion_latents.detach()
+            drop_first_motion = s2v.drop_first_motion
+            if req.init_first_frame:
+                drop_first_motion = False
+                motion_latents[:, :, -6:] = ref_pixel_values
+            motion_latents = torch.stack(s2v.vae.encode(motion_latents))
+        return ref_latents, motion_latents, drop_first_motion
+
+    def _encode_text(self, req: Request):
+        s2v = self.s2v
+        n_prompt = req.n_prompt or s2v.sample_neg_prompt
+        with torch.no_grad():
+            if not s2v.t5_cpu:
+                s2v.text_encoder.model.to(self.device)
+                context = s2v.text_encoder([req.prompt], self.device)
+                context_null = s2v.text_encoder([n_prompt], self.device)
+                if req.offload_model:
+                    s2v.text_encoder.model.cpu()
+            else:
+                context = s2v.text_encoder([req.prompt], torch.device('cpu'))
+                context_null = s2v.text_encoder([n_prompt], torch.device('cpu'))
+                context = [t.to(self.device) for t in context]
+                context_null = [t.to(self.device) for t in context_null]
+        return context, context_null
+
+    def initial_state(self, enc: Encoded) -> ClipState:
+        last = getattr(self, "_initial_last_frames", None) if self.plan.decodes else None
+        return ClipState(clip=0, motion_latents=enc.motion_latents, videos_last_frames=last)
+
+    # ----- clips -----
+    def _scheduler(self, req: Request):
+        from wan.utils.fm_solvers import (FlowDPMSolverMultistepScheduler, get_sampling_sigmas,
+                                          retrieve_timesteps)
+        from wan.utils.fm_solvers_unipc import FlowUniPCMultistepScheduler
+        n = self.s2v.num_train_timesteps
+        if req.sample_solver == 'unipc':
+            sched = FlowUniPCMultistepScheduler(num_train_timesteps=n, shift=1, use_dynamic_shifting=False)
+            sched.set_timesteps(req.sampling_steps, device=self.device, shift=req.shift)
+            return sched, sched.timesteps
+        if req.sample_solver == 'dpm++':
+            sched = FlowDPMSolverMultistepScheduler(num_train_timesteps=n, shift=1, use_dynamic_shifting=False)
+            timesteps, _ = retrieve_timesteps(sched, device=self.device,
+                                              sigmas=get_sampling_sigmas(req.sampling_steps, req.shift))
+            return sched, timesteps
+        raise NotImplementedError("Unsupported solver.")
+
+    def _denoise_pred(self, latent_model_input, timestep, arg_c, arg_null, guide_scale):
+        """One step's noise prediction: both CFG passes here, or this rank's pass + exchange."""
+        model = self.parts.noise_model
+        plan = self.plan
+        if guide_scale <= 1:
+            return model(latent_model_input, t=timestep, **arg_c)
+        if plan.cfg_degree == 1:
+            noise_pred_cond = model(latent_model_input, t=timestep, **arg_c)
+            noise_pred_uncond = model(latent_model_input, t=timestep, **arg_null)
+        else:
+            mine = model(latent_model_input, t=timestep, **(arg_c if plan.cfg_rank == 0 else arg_null))[0]
+            both = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(both, mine.contiguous(), group=plan.cfg_group)
+            noise_pred_cond, noise_pred_uncond = [both[0]], [both[1]]
+        return [u + guide_scale * (c - u) for c, u in zip(noise_pred_cond, noise_pred_uncond)]
+
+    def run_clips(self, req: Request, enc: Encoded, state: ClipState) -> Optional[list]:
+        """Clips ``state.clip`` .. ``num_repeat - 1``. Returns each clip's frames (CPU) on the
+        decoding rank, None elsewhere."""
+        s2v, plan, h = self.s2v, self.plan, self.hooks
+        HEIGHT, WIDTH = enc.height, enc.width
+        infer_frames = req.infer_frames
+        seed = req.seed if req.seed >= 0 else random.randint(0, sys.maxsize)
+        lat_motion_frames = (s2v.motion_frames + 3) // 4
+        lat_target_frames = (infer_frames + 3 + s2v.motion_frames) // 4 - lat_motion_frames
+        target_shape = [lat_target_frames, HEIGHT // 8, WIDTH // 8]
+        max_seq_len = np.prod(target_shape) // 4
+        # upstream: COND[0] * 0 from a VAE encode of a -1 pose video: zeros of that shape
+        cond_latents = torch.zeros([1, 16, lat_target_frames, HEIGHT // 8, WIDTH // 8],
+                                   dtype=self.param_dtype, device=self.device)
+        drop_first_motion = enc.drop_first_motion
+        motion_latents, videos_last_frames = state.motion_latents, state.videos_last_frames
+        out = [] if plan.decodes else None
+        autocast = torch.amp.autocast(self.device.type, dtype=self.param_dtype, enabled=self.device.type == "cuda")
+        with autocast, torch.no_grad():
+            for r in range(state.clip, enc.num_repeat):
+                seed_g = torch.Generator(device=self.device)
+                seed_g.manual_seed(seed + r)
+                noise = [torch.randn(16, *target_shape, dtype=self.param_dtype, device=self.device,
+                                     generator=seed_g)]
+                sample_scheduler, timesteps = self._scheduler(req)
+                latents = deepcopy(noise)
+                left_idx, right_idx = r * infer_frames, r * infer_frames + infer_frames
+                audio_input = enc.audio_emb[..., left_idx:right_idx]
+                input_motion_latents = motion_latents.clone()
+                drop = drop_first_motion and r == 0
+                arg_c = {'context': enc.context[0:1], 'seq_len': max_seq_len, 'cond_states': cond_latents,
+                         "motion_latents": input_motion_latents, 'ref_latents': enc.ref_latents,
+                         "audio_input": audio_input, "motion_frames": [s2v.motion_frames, lat_motion_frames],
+                         "drop_motion_frames": drop}
+                arg_null = {**arg_c, 'context': enc.context_null[0:1], "audio_input": 0.0 * audio_input}
+                if req.offload_model or s2v.init_on_cpu:
+                    self.parts.noise_model.to(self.device)
+                    self._empty_cache()
+                h.stage(Stage.DENOISE, clip=r + 1, clips=enc.num_repeat, steps=len(timesteps))
+                for i, t in enumerate(timesteps):
+                    h.fault_point(Stage.DENOISE, clip=r + 1)
+                    timestep = torch.stack([t]).to(self.device)
+                    noise_pred = self._denoise_pred(latents[0:1], timestep, arg_c, arg_null, req.guide_scale)
+                    temp_x0 = sample_scheduler.step(noise_pred[0].unsqueeze(0), t, latents[0].unsqueeze(0),
+                                                    return_dict=False, generator=seed_g)[0]
+                    latents[0] = temp_x0.squeeze(0)
+                    h.step(clip=r + 1, clips=enc.num_repeat, step=i + 1, steps=len(timesteps))
+                if req.offload_model:
+                    self.parts.noise_model.cpu()
+                    self._empty_cache(sync=True)
+                latents = torch.stack(latents)
+                if plan.decodes:
+                    h.stage(Stage.DECODE, clip=r + 1, clips=enc.num_repeat)
+                    decode_latents = torch.cat([ref_latents_or_motion(drop, enc.ref_latents, motion_latents), latents],
+                                               dim=2)
+                    image = torch.stack(s2v.vae.decode(decode_latents))
+                    image = image[:, :, -(infer_frames):]
+                    if drop:
+                        image = image[:, :, 3:]
+                    overlap_frames_num = min(s2v.motion_frames, image.shape[2])
+                    videos_last_frames = torch.cat([videos_last_frames[:, :, overlap_frames_num:],
+                                                    image[:, :, -overlap_frames_num:]], dim=2)
+                    videos_last_frames = videos_last_frames.to(dtype=motion_latents.dtype,
+                                                               device=motion_latents.device)
+                    h.stage(Stage.MOTION_ENCODE, clip=r + 1, clips=enc.num_repeat)
+                    motion_latents = torch.stack(s2v.vae.encode(videos_last_frames))
+                    frames = image.cpu()
+                    out.append(frames)
+                else:
+                    h.stage(Stage.RECEIVE_MOTION, clip=r + 1, clips=enc.num_repeat)
+                if plan.world_size > 1:
+                    motion_latents = broadcast_tensors({"m": motion_latents} if plan.decodes else {}, src=0,
+                                                       device=self.device)["m"]
+                if plan.decodes and h.clip_done is not None:
+                    h.stage(Stage.CLIP_CHECKPOINT, clip=r + 1, clips=enc.num_repeat)
+                    h.clip_done(r, frames, ClipState(r + 1, motion_latents, videos_last_frames))
+        if dist.is_initialized():
+            dist.barrier()
+        return out
+
+    def _empty_cache(self, sync: bool = False) -> None:
+        if self.device.type == "cuda":
+            if sync:
+                torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def generate(self, req: Request, resume: Optional[tuple[ClipState, list]] = None) -> Optional[torch.Tensor]:
+        """Frames (3, N, H, W) in [-1, 1] on the decoding rank (rank 0), None elsewhere.
+        ``resume``: (the state after the last complete clip, the frames of the clips before)."""
+        enc = self.encode(req)
+        state, before = (self.initial_state(enc), []) if resume is None else resume
+        if resume is not None and not self.plan.decodes:
+            state = ClipState(state.clip, state.motion_latents, None)
+        clips = self.run_clips(req, enc, state)
+        if not self.plan.decodes:
+            return None
+        return torch.cat(list(before) + clips, dim=2)[0]
+
+
+def ref_latents_or_motion(drop: bool, ref_latents, motion_latents):
+    """Upstream decodes the first clip after the reference latents when its motion is dropped,
+    every other clip after the motion latents."""
+    return ref_latents if drop else motion_latents

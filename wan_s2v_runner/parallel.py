@@ -1,0 +1,83 @@
+"""This rank's place in the run's parallel plan: the (cfg, sp) device mesh and what work it does.
+
+The layout (:class:`~wan_s2v_runner.layout.Layout`) says the degrees; :func:`rank_plan` builds
+the process groups from one ``DeviceMesh`` with the sequence-parallel dimension innermost (an
+SP group is consecutive ranks, i.e. one node; CFG groups span nodes) and answers who does what:
+rank 0 encodes the inputs and decodes the clips; the other ranks load neither wav2vec2 nor the
+VAE, nor T5 unless T5 is FSDP-sharded (then every rank takes part in the text encode).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from wan_s2v_runner.layout import Layout
+
+
+@dataclass
+class RankPlan:
+    layout: Layout
+    rank: int
+    mesh: Any = None  # torch DeviceMesh (None with one rank)
+    cfg_group: Any = None  # this rank and its peer(s) in the other CFG branch (same SP index)
+    sp_group: Any = None  # the ranks that split this branch's sequence
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def cfg_degree(self) -> int:
+        return self.layout.cfg_degree
+
+    @property
+    def cfg_rank(self) -> int:
+        """0: the conditional branch; 1: the unconditional one."""
+        return self.rank // self.layout.group_size
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.layout.group_size
+
+    @property
+    def encodes(self) -> bool:
+        """Computes audio features, reference/motion latents and (unless FSDP T5) text contexts."""
+        return self.rank == 0
+
+    @property
+    def decodes(self) -> bool:
+        """Decodes each clip, re-encodes its last frames, writes the video."""
+        return self.rank == 0
+
+    @property
+    def all_encode_text(self) -> bool:
+        return self.layout.t5_fsdp
+
+    @property
+    def needs_t5(self) -> bool:
+        return self.encodes or self.all_encode_text
+
+    @property
+    def needs_audio_encoder(self) -> bool:
+        return self.encodes
+
+    @property
+    def needs_vae(self) -> bool:
+        return self.encodes or self.decodes
+
+    def describe(self) -> dict:
+        return {"rank": self.rank, "cfg_rank": self.cfg_rank, "sp_rank": self.sp_rank,
+                "loads": [n for n, need in (("t5", self.needs_t5), ("wav2vec2", self.needs_audio_encoder),
+                                            ("vae", self.needs_vae), ("dit", True)) if need]}
+
+
+def rank_plan(layout: Layout, device_type: str, rank: Optional[int] = None) -> RankPlan:
+    """The plan of this rank; builds the (cfg, sp) mesh when there is more than one rank."""
+    rank = dist.get_rank() if rank is None and dist.is_initialized() else (rank or 0)
+    if layout.world_size == 1 or not dist.is_initialized():
+        return RankPlan(layout, rank)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=("cfg", "sp"))
+    return RankPlan(layout, rank, mesh, mesh.get_group("cfg"), mesh.get_group("sp"))
