@@ -2,7 +2,7 @@
 
 Upstream (``wan/modules/s2v/model_s2v.py``, ``WanModel_S2V.after_transformer_block``): at every
 audio-injection block, with ``use_context_parallel`` it ``gather_forward``-s the whole hidden
-state (an all-gather of [B, L, C] per injection block: 20 of the 14B model's 40 blocks), runs the
+state (an all-gather of [B, L, C] at each injection block: 12 of the 14B model's 40), runs the
 audio cross-attention (adain / pre-norm, then ``audio_injector.injector[id]``, a cross attention
 batched per latent frame: frame f's n = original_seq_len // num_frames tokens attend only to frame
 f's audio tokens) over the whole sequence on every rank, then keeps its own
@@ -13,37 +13,42 @@ Change: every injection op is per token (LayerNorm / AdaLayerNorm, the q project
 attention per query row, the output projection) given its frame's audio (and adain) embedding.
 So a rank computes the injection for its own chunk only: it takes the frames its chunk touches
 (a chunk may start or end mid-frame), fills them in as *whole* frames with zeros for the tokens it
-does not hold (so the batch layout per frame is upstream's: one batch item per frame, n queries),
-runs the same modules on that [B * frames, n, C] batch with the same frames' audio embeddings,
-and adds the residual of its own tokens only. Tokens at or past ``original_seq_len`` (reference
-and motion tokens) get no injection, as upstream. No collective at all.
+does not hold (so the batch layout is upstream's: one batch item per frame, n queries each), runs
+the same modules on that [B * frames, n, C] batch with those frames' audio embeddings, and adds
+the residual of its own tokens only. Tokens at or past ``original_seq_len`` (reference and motion
+tokens) get no injection, as upstream. No collective at all.
 
 Chunk boundaries are those of ``forward`` (``torch.chunk(x, get_world_size(), dim=1)``, the
-same rule as ``sq_start_size``), which needs the full sequence length L (noisy + reference +
+rule behind ``sq_start_size``), which needs the full sequence length L (noisy + reference +
 motion tokens) that ``forward`` does not keep: the patched ``inject_motion`` (the call that
-produces the full-length sequence) records it as ``self._wan_s2v_seq_len``. ``get_rank`` and
+returns the full-length sequence) records it as ``self._wan_s2v_seq_len``. ``get_rank`` and
 ``get_world_size`` are looked up at call time from ``wan.modules.s2v.model_s2v``, so a patch that
 rebinds them there (e.g. to a sub-group) is followed.
 
-Applied on the class (``WanModel_S2V``), once per process, idempotent; it can run before the
-model exists. An instance without ``use_context_parallel`` runs upstream's function unchanged
-(one process, or SP off), and so does any call this patch cannot place (no recorded length, or a
-local chunk whose length is not ``torch.chunk``'s for this rank): upstream's path then runs,
-including its gather, so the result is still upstream's.
+Applied on the class (``WanModel_S2V``: ``after_transformer_block`` and ``inject_motion``), once
+per process, idempotent (``remove`` undoes it); it can run before any model exists. An instance
+without ``use_context_parallel`` runs upstream's function unchanged (one process, SP off), and so
+does any call this patch was not written for (no recorded length; a local chunk whose length is
+not ``torch.chunk``'s for this rank; original_seq_len not a multiple of the frame count; an
+AdaLayerNorm / cross-attention class whose forward is not upstream's): upstream's path then runs,
+gather included, so the result is upstream's.
 
-Exactness (fp32, CPU): bit-identical to upstream's full computation; see the test. The one
-op whose bits depend on the number of rows is the adain embedding projection
-(``AdaLayerNorm.linear``, a [frames, adain_dim] x [adain_dim, 2C] GEMM: BLAS takes another kernel
-for a single row) — measured in tests/test_local_audio.py; so the adain embedding is computed
-for all frames, as upstream, and the rows of this rank's frames are taken from it (frames x
-adain_dim x 2C flops: nothing next to the injection itself). The per-token GEMMs (q, o: rows =
-frames x n) were bit-stable under every row count measured. On GPU (bf16) cuBLAS may pick another
-kernel for another row count, so there a run is as close to one process as upstream SP is, not
-bitwise.
+Exactness (fp32, CPU): bit-identical to one process. Measured (MKL sgemm, torch 2.13 CPU): a GEMM
+row's bits depend on the GEMM's row count when that count is small (1-3 rows on 1 thread; rows
+not a multiple of 4 below 12 on 2 threads; 17-19 and 25-27 on 16 threads), so two projections
+with few rows differ by 1-2 ulp (max |diff| 2.4e-7 at the block output) if computed on a chunk's
+frames only: the adain embedding projection (``AdaLayerNorm.linear``: one row per frame) and the
+audio k/v projections (one row per audio token: 5 per frame). Both are therefore computed over
+all frames, exactly as upstream, and this chunk's frames are taken from them (they are tiny: a few
+rows per frame). What runs on the chunk's frames only are the per-token ops on whole frames (n rows
+per frame; q and o GEMMs were bit-stable for every multiple of n >= 16 rows on 1-16 threads, and
+the attention is per frame). On GPU (bf16) cuBLAS may choose another kernel for another row count,
+so there the result is as close to one process as upstream SP is, not guaranteed bitwise.
 
-Proof: tests/test_local_audio.py — per-rank results concatenated == upstream's full result
-(``torch.equal``, fp32) for 2 and 3 ranks, chunks that start mid-frame and chunks that hold
-reference/motion tokens; ``gather_forward`` is not called.
+Proof: tests/test_local_audio.py (tiny DiT, CPU, fp32, no process group) — the ranks' outputs
+concatenated == upstream's one-process output (``torch.equal``) for 2 and 3 ranks, with chunks
+that start mid-frame and chunks that hold reference/motion tokens, adain and pre-norm paths,
+batch 1 and 2; ``gather_forward`` is called 0 times (upstream's SP path: once per block).
 """
 from __future__ import annotations
 
@@ -65,9 +70,20 @@ def chunk_span(seq_len: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(start + size, seq_len)
 
 
+def _per_frame(t: torch.Tensor, b: int, f0: int, f1: int) -> torch.Tensor:
+    """Rows (b t) ... of ``t`` -> the rows of frames [f0, f1) of every item, (b t') ..."""
+    t = t.reshape(b, -1, *t.shape[1:])[:, f0:f1]
+    return t.reshape(-1, *t.shape[2:])
+
+
 def local_injection(model, audio_attn_id: int, hidden_states: torch.Tensor, start: int):
     """Upstream's audio injection for the tokens [start, start + hidden_states.shape[1]) of the
-    full sequence, computed from those tokens only. Returns the new local hidden states."""
+    full sequence, computed from those tokens only. Returns the new local hidden states.
+
+    Row-count-sensitive GEMMs are kept at upstream's row count: the adain embedding projection
+    and the audio k/v projections run over all frames (a few rows each) and this chunk's frames
+    are taken from them; only the per-token ops (norms, q, attention, o) run on the chunk's
+    frames, in upstream's per-frame batch layout."""
     audio_emb = model.merged_audio_emb  # b f n_audio c
     num_frames = audio_emb.shape[1]
     orig = int(model.original_seq_len)
@@ -80,32 +96,34 @@ def local_injection(model, audio_attn_id: int, hidden_states: torch.Tensor, star
     lo, hi = start - f0 * n, a1 - f0 * n  # the chunk's tokens inside those frames
     b, c = hidden_states.shape[0], hidden_states.shape[2]
 
-    frames = hidden_states.new_zeros(b, (f1 - f0) * n, c)
-    frames[:, lo:hi] = hidden_states[:, :a1 - start]
+    if lo == 0 and hi == (f1 - f0) * n:
+        frames = hidden_states[:, :a1 - start]
+    else:  # partial first/last frame: whole frames, zeros for the tokens other ranks hold
+        frames = hidden_states.new_zeros(b, (f1 - f0) * n, c)
+        frames[:, lo:hi] = hidden_states[:, :a1 - start]
     input_hidden_states = rearrange(frames, "b (t n) c -> (b t) n c", t=f1 - f0)
 
     injector = model.audio_injector
     if model.enbale_adain and model.adain_mode == "attn_norm":
         adain = injector.injector_adain_layers[audio_attn_id]
-        if adain.emb is not None or adain.chunk_dim != 1:
-            raise NotImplementedError("AdaLayerNorm with emb/chunk_dim != 1 (not Wan2.2-S2V's)")
-        # AdaLayerNorm.forward, with its embedding projection over all frames (as upstream) and
-        # this rank's frames taken from it: the GEMM's bits depend on its row count.
+        # AdaLayerNorm.forward (chunk_dim=1), its embedding projection over all frames.
         audio_emb_global = rearrange(model.audio_emb_global, "b t n c -> (b t) n c")
-        temb = adain.linear(adain.silu(audio_emb_global[:, 0]))
-        temb = rearrange(temb, "(b t) d -> b t d", b=b)[:, f0:f1]
-        temb = rearrange(temb, "b t d -> (b t) d")
-        shift, scale = temb.chunk(2, dim=1)  # chunk_dim == 1 (AudioInjector_WAN)
+        temb = _per_frame(adain.linear(adain.silu(audio_emb_global[:, 0])), b, f0, f1)
+        shift, scale = temb.chunk(2, dim=1)
         attn_hidden_states = adain.norm(input_hidden_states) * (1 + scale[:, None, :]) + shift[:, None, :]
     else:
         attn_hidden_states = injector.injector_pre_norm_feat[audio_attn_id](input_hidden_states)
-    attn_audio_emb = rearrange(audio_emb[:, f0:f1], "b t n c -> (b t) n c")
-    residual_out = injector.injector[audio_attn_id](
-        x=attn_hidden_states,
-        context=attn_audio_emb,
-        context_lens=torch.ones(
-            attn_hidden_states.shape[0], dtype=torch.long,
-            device=attn_hidden_states.device) * attn_audio_emb.shape[1])
+
+    # WanCrossAttention.forward, k/v projected over all frames' audio tokens.
+    attn = injector.injector[audio_attn_id]
+    context = rearrange(audio_emb, "b t n c -> (b t) n c", t=num_frames)
+    bt, heads, d = attn_hidden_states.shape[0], attn.num_heads, attn.head_dim
+    q = attn.norm_q(attn.q(attn_hidden_states)).view(bt, -1, heads, d)
+    k = _per_frame(attn.norm_k(attn.k(context)), b, f0, f1).view(bt, -1, heads, d)
+    v = _per_frame(attn.v(context), b, f0, f1).view(bt, -1, heads, d)
+    context_lens = torch.ones(bt, dtype=torch.long, device=q.device) * context.shape[1]
+    flash_attention = type(attn).forward.__globals__["flash_attention"]  # as upstream resolves it
+    residual_out = attn.o(flash_attention(q, k, v, k_lens=context_lens).flatten(2))
     residual_out = rearrange(residual_out, "(b t) n c -> b (t n) c", t=f1 - f0)
 
     out = hidden_states.clone()
@@ -113,8 +131,9 @@ def local_injection(model, audio_attn_id: int, hidden_states: torch.Tensor, star
     return out
 
 
-def _placement(model, hidden_states, model_s2v):
-    """(audio_attn_id, start) for the local fast path, or None to run upstream's function."""
+def _placement(model, hidden_states, model_s2v, adaln_forward, cross_forward):
+    """The global index of this rank's first token for the local path, or None to run
+    upstream's function (anything this patch was not written for)."""
     seq_len = getattr(model, SEQ_LEN_ATTR, None)
     if seq_len is None:
         return None
@@ -125,6 +144,13 @@ def _placement(model, hidden_states, model_s2v):
     orig, num_frames = int(model.original_seq_len), model.merged_audio_emb.shape[1]
     if num_frames == 0 or orig % num_frames:
         return None  # upstream's rearrange raises; let it
+    injector = model.audio_injector
+    if model.enbale_adain and model.adain_mode == "attn_norm":
+        if not all(type(a).forward is adaln_forward and a.emb is None and a.chunk_dim == 1
+                   for a in injector.injector_adain_layers):
+            return None
+    if any(type(a).forward is not cross_forward for a in injector.injector):
+        return None
     return start
 
 
@@ -135,6 +161,9 @@ def apply(wan_module) -> bool:
     cls = model_s2v.WanModel_S2V
     if getattr(cls.after_transformer_block, _MARK, False):
         return False
+    # the upstream forwards that local_injection re-implements
+    adaln_forward = wan_module.modules.s2v.audio_utils.AdaLayerNorm.forward
+    cross_forward = wan_module.modules.model.WanCrossAttention.forward
     upstream_after = cls.after_transformer_block
     upstream_inject = cls.inject_motion
 
@@ -148,7 +177,7 @@ def apply(wan_module) -> bool:
     def after_transformer_block(self, block_idx, hidden_states):
         if not self.use_context_parallel or block_idx not in self.audio_injector.injected_block_id:
             return upstream_after(self, block_idx, hidden_states)
-        start = _placement(self, hidden_states, model_s2v)
+        start = _placement(self, hidden_states, model_s2v, adaln_forward, cross_forward)
         if start is None:
             return upstream_after(self, block_idx, hidden_states)
         return local_injection(self, self.audio_injector.injected_block_id[block_idx],
@@ -159,4 +188,14 @@ def apply(wan_module) -> bool:
         setattr(fn, _ORIG, orig)
     cls.inject_motion = inject_motion
     cls.after_transformer_block = after_transformer_block
+    return True
+
+
+def remove(wan_module) -> bool:
+    """Undo :func:`apply` (restore upstream's two methods). Returns False if it was not applied."""
+    cls = wan_module.modules.s2v.model_s2v.WanModel_S2V
+    if not getattr(cls.after_transformer_block, _MARK, False):
+        return False
+    for name in ("after_transformer_block", "inject_motion"):
+        setattr(cls, name, getattr(getattr(cls, name), _ORIG))
     return True

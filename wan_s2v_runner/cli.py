@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from wan_s2v_runner import exit_codes
 from wan_s2v_runner.flags import (Command, add_spec_flags, base_values, flag_values,
                                   format_validation_error)
-from wan_s2v_runner.spec import RunSpec, merge_values
+from wan_s2v_runner.spec import RunSpec, flag_name, merge_values
 
 
 def spec_values(args: argparse.Namespace, defaults: Optional[dict] = None) -> dict[str, Any]:
@@ -50,13 +50,17 @@ def _usage_error(e: Exception) -> int:
 
 
 def cmd_run(args, defaults: Optional[dict] = None, extra_env=None) -> int:
-    import runners
-    from wan_s2v_runner.console import Display
-
     try:
         spec = make_spec(args, defaults)
     except (ValidationError, ValueError, OSError) as e:
         return _usage_error(e)
+    return _check_and_launch(spec, args, extra_env)
+
+
+def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
+    import runners
+    from wan_s2v_runner.console import Display
+
     if args.skip_preflight:
         from wan_s2v_runner.preflight import groups_for
         print(f"WARNING: --skip-preflight: NOT checking {', '.join(g.value for g in groups_for(spec.mode))}; "
@@ -67,6 +71,36 @@ def cmd_run(args, defaults: Optional[dict] = None, extra_env=None) -> int:
         if refused is not None:
             return refused
     return runners.get(spec.mode).launch(spec, display=Display.auto(json_mode=args.json), extra_env=extra_env)
+
+
+def cmd_resume(args, extra_env=None) -> int:
+    """Continue RUN_DIR's run from its last complete clip; layout flags may change, the inputs
+    and frame settings may not (they decide the frames already written)."""
+    from wan_s2v_runner import resume
+
+    run_dir = Path(args.run_dir).expanduser().absolute()
+    try:
+        original = json.loads((run_dir / "spec.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        print(f"error: {run_dir} is not a wan-s2v run directory ({e}). Fix: pass a directory under runs/.",
+              file=sys.stderr)
+        return exit_codes.USAGE
+    given = flag_values(args)
+    try:
+        before = RunSpec(**original)
+        spec = RunSpec(**{**original, **given, "resume_from": run_dir})
+        fixed = [k for k in resume.FRAME_FIELDS if getattr(spec, k) != getattr(before, k)]
+        if fixed:
+            print(f"error: resume keeps the run's frame settings; {', '.join(flag_name(k) for k in fixed)} "
+                  "cannot change. Fix: drop those flags (or start a new run).", file=sys.stderr)
+            return exit_codes.USAGE
+        progress = resume.read_progress(run_dir)
+        resume.check(progress, spec)
+    except (ValidationError, ValueError, OSError) as e:
+        return _usage_error(e)
+    print(f"resuming {run_dir} at clip {progress.next_clip + 1}/{progress.num_clips or '?'} "
+          f"({progress.next_clip} done)", file=sys.stderr)
+    return _check_and_launch(spec, args, extra_env)
 
 
 def default_cache_dir() -> Path:
@@ -110,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_flags(d, Command.DEMO)
     doc = sub.add_parser(Command.DOCTOR.value, help="check this machine (and a run's inputs) before running")
     add_spec_flags(doc, Command.DOCTOR)
+    res = sub.add_parser(Command.RESUME.value, help="continue a run from its last complete clip",
+                         description="Continue RUN_DIR's run from its last complete clip (layout flags may "
+                                     "change: --mode, --nproc, --cfg-parallel, ...).")
+    res.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run directory (runs/<time>-<mode>)")
+    add_spec_flags(res, Command.RESUME)
     return p
 
 
@@ -120,6 +159,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return cmd_run(args)
     if command is Command.DEMO:
         return cmd_demo(args)
+    if command is Command.RESUME:
+        return cmd_resume(args)
     return cmd_doctor(args)
 
 

@@ -35,6 +35,7 @@ class Command(str, Enum):
     RUN = "run"
     DEMO = "demo"
     DOCTOR = "doctor"
+    RESUME = "resume"
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,14 @@ class CommandOption:
         return self.flag.lstrip("-").replace("-", "_")
 
 
-ALL = (Command.RUN, Command.DEMO, Command.DOCTOR)
+ALL = (Command.RUN, Command.DEMO, Command.DOCTOR, Command.RESUME)
 COMMAND_OPTIONS = (
-    CommandOption("--config", "TOML file with spec fields (flags override it)", ALL, kind="path",
+    CommandOption("--config", "TOML file with spec fields (flags override it)",
+                  (Command.RUN, Command.DEMO, Command.DOCTOR), kind="path",
                   default_text="none", metavar="FILE"),
     CommandOption("--json", "print the result (run manifest / doctor report) as JSON", ALL),
     CommandOption("--skip-preflight", "spawn without preflight checks (prints what it skips; not recommended)",
-                  (Command.RUN, Command.DEMO)),
+                  (Command.RUN, Command.DEMO, Command.RESUME)),
     CommandOption("--cache-dir", "where the demo's tiny checkpoint and inputs are cached", (Command.DEMO,),
                   kind="path", default_text="~/.cache/wan-s2v", metavar="DIR"),
 )

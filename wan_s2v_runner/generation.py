@@ -26,7 +26,7 @@ import logging
 import random
 import sys
 from copy import deepcopy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -89,7 +89,8 @@ class Hooks:
     stage: Callable[..., None] = lambda *a, **k: None
     step: Callable[..., None] = lambda **k: None
     fault_point: Callable[..., None] = lambda *a, **k: None
-    clip_done: Optional[Callable[[int, torch.Tensor, ClipState], None]] = None  # decoding rank only
+    #: decoding rank only: (clip index, its frames on the CPU, the state after it, number of clips)
+    clip_done: Optional[Callable[[int, torch.Tensor, ClipState, int], None]] = None
 
 
 # --------------------------------------------------------------------------- broadcast helpers
@@ -320,7 +321,7 @@ class S2VGenerator:
                                                        device=self.device)["m"]
                 if plan.decodes and h.clip_done is not None:
                     h.stage(Stage.CLIP_CHECKPOINT, clip=r + 1, clips=enc.num_repeat)
-                    h.clip_done(r, frames, ClipState(r + 1, motion_latents, videos_last_frames))
+                    h.clip_done(r, frames, ClipState(r + 1, motion_latents, videos_last_frames), enc.num_repeat)
         if dist.is_initialized():
             dist.barrier()
         return out
@@ -331,13 +332,22 @@ class S2VGenerator:
                 torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-    def generate(self, req: Request, resume: Optional[tuple[ClipState, list]] = None) -> Optional[torch.Tensor]:
+    def generate(self, req: Request, resuming: bool = False,
+                 resume: Optional[tuple[ClipState, list]] = None) -> Optional[torch.Tensor]:
         """Frames (3, N, H, W) in [-1, 1] on the decoding rank (rank 0), None elsewhere.
-        ``resume``: (the state after the last complete clip, the frames of the clips before)."""
+        ``resuming`` (every rank): continue from a checkpoint; ``resume`` (decoding rank): the
+        state after the last complete clip and the frames of the clips before it."""
         enc = self.encode(req)
-        state, before = (self.initial_state(enc), []) if resume is None else resume
-        if resume is not None and not self.plan.decodes:
-            state = ClipState(state.clip, state.motion_latents, None)
+        state, before = self.initial_state(enc), []
+        if resuming:
+            mine = {}
+            if self.plan.decodes:
+                state, before = resume
+                mine = {"motion": state.motion_latents.to(self.device),
+                        "clip": torch.tensor([state.clip], dtype=torch.int64)}
+            got = broadcast_tensors(mine, src=0, device=self.device) if self.plan.world_size > 1 else mine
+            last = state.videos_last_frames.to(self.device) if self.plan.decodes else None
+            state = ClipState(int(got["clip"].item()), got["motion"], last)
         clips = self.run_clips(req, enc, state)
         if not self.plan.decodes:
             return None

@@ -48,6 +48,18 @@ def _mem(st, key: str, launcher_seen: dict):
     return max(found) if found else (None, None)
 
 
+def _resume_info(spec):
+    """Where a resumed run took over: the source run directory and the first clip it generated."""
+    if not spec.resume_from:
+        return None
+    from wan_s2v_runner import resume
+    try:
+        p = resume.read_progress(spec.resume_from)
+    except resume.ResumeError:
+        return {"from": str(spec.resume_from), "at_clip": None}
+    return {"from": str(spec.resume_from), "at_clip": p.next_clip + 1, "clips": p.num_clips}
+
+
 def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, ended: float,
           launcher: dict | None = None) -> dict:
     from wan_s2v_runner import media
@@ -103,6 +115,7 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
         "ranks": ranks,
         "output": output,
         "loras": lora.describe(spec.lora, spec.ckpt_dir) if spec.lora else [],
+        "resume": _resume_info(spec),
         "engine": engine_info(spec),
         "versions": package_versions(),
         "platform": {"machine": platform.machine(), "system": platform.system(), "argv": sys.argv},

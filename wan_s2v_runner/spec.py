@@ -198,6 +198,9 @@ class RunSpec(BaseModel):
         None, description="also save the raw frames tensor (.pt), e.g. for parity checks")
     runs_root: Annotated[AbsPath, Flag(_SU, metavar="DIR")] = Field(
         Path("runs"), validate_default=True, description="where run directories go")
+    resume_from: Annotated[Optional[AbsPath], Flag(_SU, metavar="RUN_DIR")] = Field(
+        None, description="continue that run directory's run from its last complete clip "
+                          "(set by `wan-s2v resume RUN_DIR`)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunSpec":

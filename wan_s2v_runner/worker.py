@@ -119,7 +119,8 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
     import runners
     from patches import apply_for_run
     from wan_s2v_runner import media
-    from wan_s2v_runner.generation import Hooks, S2VGenerator
+    from wan_s2v_runner import resume
+    from wan_s2v_runner.generation import ClipState, Hooks, S2VGenerator
 
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -145,7 +146,19 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
         events.emit("plan", **plan.describe(), patches=more)
 
         hooks = Hooks(stage=events.stage, step=events.step, fault_point=events.fault_point)
-        video = S2VGenerator(parts, plan, hooks).generate(request_for(spec))
+        resume_state = None
+        if plan.decodes:  # clip checkpoints: a crash loses at most the clip in progress
+            hooks.clip_done = resume.ClipWriter(run_dir, resume.identity(spec), spec.num_clips)
+            if spec.resume_from:
+                progress = resume.read_progress(spec.resume_from)
+                carried, before = resume.load(spec.resume_from, progress)
+                resume.adopt(spec.resume_from, run_dir, progress.next_clip)
+                resume_state = (ClipState(progress.next_clip, carried["motion_latents"],
+                                          carried["videos_last_frames"]), before)
+                events.emit("resumed", clip=progress.next_clip + 1, clips=progress.num_clips,
+                            source=str(spec.resume_from))
+        video = S2VGenerator(parts, plan, hooks).generate(request_for(spec), resuming=bool(spec.resume_from),
+                                                          resume=resume_state)
         if rank == 0:
             if video is None:
                 raise RuntimeError("rank 0 got no frames from the engine")

@@ -1,0 +1,165 @@
+"""Clip checkpoints and resume: a long run survives a crash, an OOM or a preempted VM.
+
+After each clip the decoding rank (rank 0) writes, into ``<run_dir>/clips/``, the clip's frames
+(``clip_0003.pt``), then the state the next clip needs (``state.pt``: next clip index, motion
+latents, the last 73 frames), then ``state.json`` (which clip is complete, and the identity of
+what produced it: a digest of the frame-deciding spec fields and input files, of the checkpoint
+files, and of the engine's S2V sources). Each file appears by rename (``atomic``), in that
+order, so ``state.json`` always names a complete clip.
+
+``wan-s2v resume RUN_DIR`` reads that run's ``spec.json`` (layout flags may change: another
+mode, rank count or ``--cfg-parallel``), refuses with a one-line cause when the inputs,
+checkpoint or engine differ from what produced the clips, and runs the remaining clips in a new
+run directory. The clip noise is seeded ``seed + clip`` and the carried state is restored bit
+for bit, so the final video equals an uninterrupted run's.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+CLIPS_DIR = "clips"
+STATE_JSON = "state.json"
+STATE_PT = "state.pt"
+FORMAT = 1
+#: spec fields that decide the frames (layout, supervision and output fields do not)
+FRAME_FIELDS = ("prompt", "negative_prompt", "max_area", "infer_frames", "num_clips", "steps", "shift",
+                "guide_scale", "solver", "seed", "start_from_ref", "device", "lora")
+
+
+class ResumeError(ValueError):
+    """A run directory that cannot be resumed (one line: cause and fix)."""
+
+
+def clip_file(run_dir: Path, clip: int) -> Path:
+    return Path(run_dir) / CLIPS_DIR / f"clip_{clip:04d}.pt"
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def spec_digest(spec) -> str:
+    """The frame-deciding settings and the contents of the image and audio files."""
+    data = json.loads(spec.model_dump_json(include=set(FRAME_FIELDS)))
+    data["image_sha256"] = _file_digest(spec.image)
+    data["audio_sha256"] = _file_digest(spec.audio)
+    data["lora_sha256"] = [_file_digest(ref.path) for ref in spec.lora]
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def checkpoint_digest(ckpt_dir: Path) -> str:
+    """Names and sizes of every checkpoint file, and the DiT config's bytes (cheap: no weights read)."""
+    from wan_s2v_runner.ckpt_layout import DIT_CONFIG
+
+    ckpt_dir = Path(ckpt_dir)
+    rows = sorted((str(p.relative_to(ckpt_dir)), p.stat().st_size) for p in ckpt_dir.rglob("*") if p.is_file())
+    h = hashlib.sha256(json.dumps(rows).encode())
+    cfg = ckpt_dir / DIT_CONFIG
+    if cfg.is_file():
+        h.update(cfg.read_bytes())
+    return h.hexdigest()
+
+
+def engine_digest(wan_repo: Optional[Path]) -> str:
+    from wan_s2v_runner import engine
+    return engine.s2v_fingerprint(engine.locate(wan_repo).package_dir)
+
+
+def identity(spec) -> dict:
+    return {"spec": spec_digest(spec), "checkpoint": checkpoint_digest(spec.ckpt_dir),
+            "engine": engine_digest(spec.wan_repo)}
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What ``state.json`` says: clips ``0 .. next_clip - 1`` of ``num_clips`` are complete."""
+
+    run_dir: Path
+    next_clip: int
+    num_clips: int
+    identity: dict
+
+
+class ClipWriter:
+    """Rank 0's per-clip checkpoint writer (``Hooks.clip_done``)."""
+
+    def __init__(self, run_dir: Path, ident: dict, num_clips_hint: Optional[int] = None):
+        self.run_dir, self.ident = Path(run_dir), ident
+        (self.run_dir / CLIPS_DIR).mkdir(parents=True, exist_ok=True)
+        self.num_clips = num_clips_hint
+
+    def __call__(self, clip: int, frames, state, num_clips: Optional[int] = None) -> None:
+        import torch
+
+        from wan_s2v_runner import atomic
+        frames = frames.contiguous()
+        atomic.atomic_write(clip_file(self.run_dir, clip), lambda p: torch.save(frames, p))
+        carried = {"format": FORMAT, "clip": state.clip, "motion_latents": state.motion_latents.cpu(),
+                   "videos_last_frames": state.videos_last_frames.cpu()}
+        atomic.atomic_write(self.run_dir / CLIPS_DIR / STATE_PT, lambda p: torch.save(carried, p))
+        info = {"format": FORMAT, "next_clip": state.clip, "num_clips": num_clips or self.num_clips,
+                "identity": self.ident}
+        atomic.write_text(self.run_dir / CLIPS_DIR / STATE_JSON, json.dumps(info, indent=1))
+
+
+def read_progress(run_dir: Path) -> Progress:
+    path = Path(run_dir) / CLIPS_DIR / STATE_JSON
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ResumeError(f"{run_dir} has no complete clip to resume from ({CLIPS_DIR}/{STATE_JSON} is "
+                          "missing). Fix: start the run again with `wan-s2v run`.") from None
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"{path} does not read ({e}). Fix: start the run again with `wan-s2v run`.") from None
+    if info.get("format") != FORMAT:
+        raise ResumeError(f"{path} has checkpoint format {info.get('format')}, this wan-s2v reads {FORMAT}. "
+                          "Fix: resume with the wan-s2v version that wrote it.")
+    return Progress(Path(run_dir), int(info["next_clip"]), int(info.get("num_clips") or 0), info["identity"])
+
+
+def check(progress: Progress, spec) -> None:
+    """Raise ResumeError (one line) if ``spec`` would not produce the clips already written."""
+    now = identity(spec)
+    what = {"spec": ("the inputs or frame settings (prompt, image, audio, size, steps, seed, LoRAs...)",
+                     "resume with the original inputs, or start a new run"),
+            "checkpoint": (f"the checkpoint files in {spec.ckpt_dir}", "point --ckpt-dir at the original checkpoint"),
+            "engine": ("the Wan2.2 engine's S2V sources", "use the engine version that wrote the clips")}
+    for key, (desc, fix) in what.items():
+        if progress.identity.get(key) != now[key]:
+            raise ResumeError(f"cannot resume {progress.run_dir}: {desc} differ from the run that wrote "
+                              f"its clips. Fix: {fix}.")
+
+
+def load(run_dir: Path, progress: Progress):
+    """(state dict, frames of clips 0 .. next_clip - 1) of a run directory."""
+    import torch
+    carried = torch.load(Path(run_dir) / CLIPS_DIR / STATE_PT, map_location="cpu", weights_only=True)
+    if carried.get("clip") != progress.next_clip:
+        raise ResumeError(f"{run_dir}: {STATE_PT} is for clip {carried.get('clip')}, {STATE_JSON} says "
+                          f"{progress.next_clip}. Fix: start the run again.")
+    frames = [torch.load(clip_file(run_dir, r), map_location="cpu", weights_only=True)
+              for r in range(progress.next_clip)]
+    return carried, frames
+
+
+def adopt(old_run_dir: Path, new_run_dir: Path, next_clip: int) -> None:
+    """Link (or copy) the finished clips into the new run directory, so it can be resumed too."""
+    (Path(new_run_dir) / CLIPS_DIR).mkdir(parents=True, exist_ok=True)
+    for r in range(next_clip):
+        src, dst = clip_file(old_run_dir, r), clip_file(new_run_dir, r)
+        if dst.exists():
+            continue
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
