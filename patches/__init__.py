@@ -15,7 +15,7 @@ log = logging.getLogger("wan_s2v.patches")
 def apply_for_run(wan, spec, param_dtype, on_event=None, on_event_data=None) -> dict:
     """Apply the post-import patches a run needs. Returns {patch name: detail}. ``on_event`` enters
     a stage; ``on_event_data(kind, **data)`` records an informational event."""
-    from . import attention, checkpoint_dims, cpu_device, fsdp_no_sync, lora_merge, sp_dtype
+    from . import attention, checkpoint_dims, cpu_device, fsdp_no_sync, local_audio, lora_merge, sp_dtype
 
     on_cpu = spec.device == "cpu"
     applied: dict = {}
@@ -27,6 +27,9 @@ def apply_for_run(wan, spec, param_dtype, on_event=None, on_event_data=None) -> 
     log.info("attention backend: %s (%s)", backend, reason)
     sp_dtype.apply(wan, param_dtype)
     applied["sp_dtype"] = str(param_dtype)
+    if spec.layout.use_sp:
+        local_audio.apply(wan)
+        applied["local_audio"] = "audio injection on each rank's own tokens (no all-gather)"
     if spec.layout.dit_fsdp or spec.layout.t5_fsdp:
         fsdp_no_sync.apply(wan, param_dtype=param_dtype, on_cpu=on_cpu, on_event=on_event)
         applied["fsdp_no_sync"] = "sync_module_states=False + weight fingerprint"

@@ -81,5 +81,5 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int)
     return Components(self, device, self.param_dtype)
 
 
-def _shard(s2v_mod, model, device_id):
-    return s2v_mod.shard_model(model, device_id=device_id)
+def _shard(s2v_mod, model, device_id, **kwargs):
+    return s2v_mod.shard_model(model, device_id=device_id, **kwargs)

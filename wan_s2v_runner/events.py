@@ -188,7 +188,7 @@ class EventReader:
             st.stage_t = t
             st.last_progress_t = t
             st.transitions.append((st.stage, t))
-            if "clip" in ev:  # a new clip: its step counter starts again
+            if "clip" in ev and st.stage == Stage.DENOISE:  # a new clip: its step counter starts again
                 st.progress.update(clip=ev["clip"], clips=ev.get("clips"), step=0)
                 if ev.get("steps"):
                     st.progress["steps"] = ev["steps"]
