@@ -181,17 +181,19 @@ def _run(tiny_assets, d: Path, *extra) -> tuple[torch.Tensor, dict]:
 
 
 def test_frames_same_for_every_format_and_layout(tiny_assets, same_lora, reference_frames, tmp_path):
-    """ComfyUI at 1 process == peft in fsdp-fixed x2 == kohya in hybrid x2 (exact, fp32), and
-    != no LoRA; all three at strength 0 == no LoRA exactly."""
+    """ComfyUI at 1 process == peft in fsdp-fixed x2 == kohya in hybrid x2 with --cfg-parallel
+    (FSDP shards shared by the two CFG branches) (exact, fp32), and != no LoRA; all three at
+    strength 0 == no LoRA exactly."""
     runs = {}
     for name, fmt, layout in (("one", LoraFormat.COMFYUI, ["--nproc", "1"]),
                               ("fsdp", LoraFormat.PEFT, ["--mode", "fsdp-fixed", "--nproc", "2"]),
-                              ("hybrid", LoraFormat.KOHYA, ["--mode", "hybrid", "--nproc", "2"])):
+                              ("hybrid", LoraFormat.KOHYA, ["--mode", "hybrid", "--nproc", "2", "--cfg-parallel"])):
         (tmp_path / name).mkdir()
         runs[name] = _run(tiny_assets, tmp_path / name, *layout, "--lora", f"{same_lora[fmt]}:0.8")
     frames = {k: v[0] for k, v in runs.items()}
     assert (frames["one"] - reference_frames).abs().max() > 1e-3  # the LoRA changes the video
     assert torch.equal(frames["one"], frames["fsdp"]) and torch.equal(frames["one"], frames["hybrid"])
+    assert runs["hybrid"][1]["layout"]["cfg_degree"] == 2
     rec = runs["fsdp"][1]["loras"][0]
     assert rec["format"] == "peft" and rec["strength"] == 0.8 and rec["matched_modules"] == 28
     assert len(rec["sha256"]) == 64
