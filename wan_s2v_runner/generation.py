@@ -133,6 +133,11 @@ class S2VGenerator:
     def encode(self, req: Request) -> Encoded:
         plan, s2v, h = self.plan, self.s2v, self.hooks
         mine: dict = {}
+        if plan.all_encode_text:
+            # FSDP-sharded T5: every rank runs it together, so it goes first (T5 draws no random
+            # numbers: the order does not change a bit) and no rank waits for rank 0's other encodes
+            h.stage(Stage.TEXT_ENCODE)
+            context, context_null = self._encode_text(req)
         if plan.encodes:
             h.stage(Stage.AUDIO_ENCODE)
             size = s2v.get_gen_size(size=None, max_area=req.max_area, ref_image_path=req.ref_image_path,
@@ -143,13 +148,10 @@ class S2VGenerator:
             ref_latents, motion_latents, drop_first_motion = self._encode_reference(req, size)
             mine = {"audio_emb": audio_emb, "ref_latents": ref_latents, "motion_latents": motion_latents,
                     "meta": torch.tensor([size[0], size[1], nr, int(drop_first_motion)], dtype=torch.int64)}
-        if plan.all_encode_text:  # FSDP-sharded T5: every rank runs it together
-            h.stage(Stage.TEXT_ENCODE)
-            context, context_null = self._encode_text(req)
-        elif plan.encodes:
-            h.stage(Stage.TEXT_ENCODE)
-            context, context_null = self._encode_text(req)
-            mine.update(context=context, context_null=context_null)
+            if not plan.all_encode_text:
+                h.stage(Stage.TEXT_ENCODE)
+                context, context_null = self._encode_text(req)
+                mine.update(context=context, context_null=context_null)
         if plan.world_size > 1:
             if not plan.encodes:
                 h.stage(Stage.RECEIVE_INPUTS)
@@ -297,6 +299,8 @@ class S2VGenerator:
                     self.parts.noise_model.cpu()
                     self._empty_cache(sync=True)
                 latents = torch.stack(latents)
+                if not plan.decodes:  # waits for the decoding rank (its next motion latents, or the end)
+                    h.stage(Stage.RECEIVE_MOTION, clip=r + 1, clips=enc.num_repeat)
                 if plan.decodes:
                     h.stage(Stage.DECODE, clip=r + 1, clips=enc.num_repeat)
                     decode_latents = torch.cat([ref_latents_or_motion(drop, enc.ref_latents, motion_latents), latents],
@@ -310,18 +314,20 @@ class S2VGenerator:
                                                     image[:, :, -overlap_frames_num:]], dim=2)
                     videos_last_frames = videos_last_frames.to(dtype=motion_latents.dtype,
                                                                device=motion_latents.device)
-                    h.stage(Stage.MOTION_ENCODE, clip=r + 1, clips=enc.num_repeat)
-                    motion_latents = torch.stack(s2v.vae.encode(videos_last_frames))
                     frames = image.cpu()
                     out.append(frames)
-                else:
-                    h.stage(Stage.RECEIVE_MOTION, clip=r + 1, clips=enc.num_repeat)
-                if plan.world_size > 1:
-                    motion_latents = broadcast_tensors({"m": motion_latents} if plan.decodes else {}, src=0,
-                                                       device=self.device)["m"]
+                last = r == enc.num_repeat - 1
+                if not last:  # upstream also re-encodes after the last clip, for nothing
+                    if plan.decodes:
+                        h.stage(Stage.MOTION_ENCODE, clip=r + 1, clips=enc.num_repeat)
+                        motion_latents = torch.stack(s2v.vae.encode(videos_last_frames))
+                    if plan.world_size > 1:
+                        motion_latents = broadcast_tensors({"m": motion_latents} if plan.decodes else {}, src=0,
+                                                           device=self.device)["m"]
                 if plan.decodes and h.clip_done is not None:
                     h.stage(Stage.CLIP_CHECKPOINT, clip=r + 1, clips=enc.num_repeat)
-                    h.clip_done(r, frames, ClipState(r + 1, motion_latents, videos_last_frames), enc.num_repeat)
+                    h.clip_done(r, frames, ClipState(r + 1, None if last else motion_latents, videos_last_frames),
+                                enc.num_repeat)
         if dist.is_initialized():
             dist.barrier()
         return out
@@ -343,7 +349,9 @@ class S2VGenerator:
             mine = {}
             if self.plan.decodes:
                 state, before = resume
-                mine = {"motion": state.motion_latents.to(self.device),
+                # a run whose clips were all written has no next motion latents: nothing is generated
+                motion = state.motion_latents if state.motion_latents is not None else enc.motion_latents
+                mine = {"motion": motion.to(self.device),
                         "clip": torch.tensor([state.clip], dtype=torch.int64)}
             got = broadcast_tensors(mine, src=0, device=self.device) if self.plan.world_size > 1 else mine
             last = state.videos_last_frames.to(self.device) if self.plan.decodes else None

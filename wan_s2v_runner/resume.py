@@ -104,7 +104,9 @@ class ClipWriter:
         from wan_s2v_runner import atomic
         frames = frames.contiguous()
         atomic.atomic_write(clip_file(self.run_dir, clip), lambda p: torch.save(frames, p))
-        carried = {"format": FORMAT, "clip": state.clip, "motion_latents": state.motion_latents.cpu(),
+        # after the last clip there is no next clip: no motion latents (not computed)
+        motion = state.motion_latents.cpu() if state.motion_latents is not None else None
+        carried = {"format": FORMAT, "clip": state.clip, "motion_latents": motion,
                    "videos_last_frames": state.videos_last_frames.cpu()}
         atomic.atomic_write(self.run_dir / CLIPS_DIR / STATE_PT, lambda p: torch.save(carried, p))
         info = {"format": FORMAT, "next_clip": state.clip, "num_clips": num_clips or self.num_clips,
