@@ -34,7 +34,6 @@ A failed run prints the tail of its output and the bench goes on with the next l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -42,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -77,25 +76,11 @@ WORK_STAGES = ("audio_encode", "ref_encode", "text_encode", "decode", "motion_en
 
 
 # --------------------------------------------------------------------------- assets
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        yield
-        return
-    with open(path, "a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
 def ensure_assets(cache: Path, preset: str, overrides: Optional[dict] = None) -> tuple[Path, Path, Path]:
     """(ckpt_dir, image, audio) of ``preset`` (with builder ``overrides``) under ``cache``, built
     once. A marker with the parameters is written last; a missing or different marker rebuilds."""
     from wan_s2v_runner.atomic import atomic_write, write_text
+    from wan_s2v_runner.demo_assets import dir_lock
     from wan_s2v_runner.tiny_checkpoint import (TINY_FORMAT_VERSION, build_tiny_checkpoint,
                                                 checkpoint_is_complete)
     p = PRESETS[preset]
@@ -118,7 +103,7 @@ def ensure_assets(cache: Path, preset: str, overrides: Optional[dict] = None) ->
     if valid():
         return ckpt, image, audio
     d.mkdir(parents=True, exist_ok=True)
-    with _lock(d / ".lock"):
+    with dir_lock(d / ".lock"):
         if not valid():
             from wan_s2v_runner.synthetic_inputs import make_reference_image, make_speech_audio
             marker.unlink(missing_ok=True)

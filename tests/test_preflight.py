@@ -509,7 +509,6 @@ def test_t5_cpu_with_t5_fsdp_conflict(monkeypatch):
 
 # --------------------------------------------------------------------------- gate / cli / doctor
 def test_gate_passes_a_good_tiny_run(tiny, capsys):
-    import runners
     from wan_s2v_runner.spec import RunSpec
     spec = RunSpec(ckpt_dir=tiny["ckpt"], image=tiny["image"], audio=tiny["audio"], prompt="hi", device="cpu",
                    nproc=2, max_area=64 * 64, infer_frames=8, output=tiny["root"] / "out" / "a.mp4",

@@ -40,7 +40,7 @@ _DEMO_SPEC = {"format_version": TINY_FORMAT_VERSION, "seed": 0, "image": [64, 64
 
 
 @contextlib.contextmanager
-def _dir_lock(lock_path: Path) -> Iterator[None]:
+def dir_lock(lock_path: Path) -> Iterator[None]:
     try:
         import fcntl
     except ImportError:  # not POSIX: no cross-process lock, builds are still atomic
@@ -81,7 +81,7 @@ def ensure_demo_assets(cache_dir: Path) -> DemoAssets:
     if _demo_valid(cache_dir, assets):
         return assets
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with _dir_lock(cache_dir / ".demo_assets.lock"):
+    with dir_lock(cache_dir / ".demo_assets.lock"):
         if _demo_valid(cache_dir, assets):  # another process built it meanwhile
             return assets
         marker = cache_dir / _DEMO_MARKER

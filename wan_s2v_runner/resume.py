@@ -40,20 +40,14 @@ def clip_file(run_dir: Path, clip: int) -> Path:
     return Path(run_dir) / CLIPS_DIR / f"clip_{clip:04d}.pt"
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def spec_digest(spec) -> str:
     """The frame-deciding settings and the contents of the image and audio files."""
+    from wan_s2v_runner.media import sha256_file
+
     data = json.loads(spec.model_dump_json(include=set(FRAME_FIELDS)))
-    data["image_sha256"] = _file_digest(spec.image)
-    data["audio_sha256"] = _file_digest(spec.audio)
-    data["lora_sha256"] = [_file_digest(ref.path) for ref in spec.lora]
+    data["image_sha256"] = sha256_file(spec.image)
+    data["audio_sha256"] = sha256_file(spec.audio)
+    data["lora_sha256"] = [sha256_file(ref.path) for ref in spec.lora]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
