@@ -22,11 +22,6 @@ class ModeRunner:
     def summary(self) -> str:
         return self.traits.summary
 
-    def engine_kwargs(self, spec: RunSpec) -> dict:
-        """Keyword arguments for upstream ``wan.WanS2V(...)`` in this mode (the reference path)."""
-        lay = spec.layout
-        return dict(use_sp=lay.use_sp, dit_fsdp=lay.dit_fsdp, t5_fsdp=lay.t5_fsdp, t5_cpu=lay.t5_cpu)
-
     def prepare(self, wan, config, spec: RunSpec, device, device_id: int):
         """On one rank: this rank's plan, the SP-group patch when CFG-parallel splits the ranks
         of a sequence-parallel mode, and the engine parts the plan needs (DiT sharded/split as

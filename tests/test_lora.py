@@ -203,3 +203,25 @@ def test_frames_same_for_every_format_and_layout(tiny_assets, same_lora, referen
                           *[a for p in same_lora.values() for a in ("--lora", f"{p}:0")])
     assert torch.equal(zero, reference_frames)
     assert [r["format"] for r in manifest["loras"]] == ["peft", "kohya", "comfyui"]
+
+
+def test_partial_lora_rule_is_the_same_in_preflight_and_merge(tiny_assets, wan, tmp_path):
+    """Unmatched modules and stray keys: refused by both without --lora-allow-partial, merged
+    (matching modules only) with it; wrong shapes: refused either way."""
+    from safetensors.torch import save_file
+    path = tmp_path / "partial.safetensors"
+    save_file({"blocks.0.self_attn.q.lora_A.weight": torch.randn(RANK, 32),
+               "blocks.0.self_attn.q.lora_B.weight": torch.randn(32, RANK),
+               "blocks.9.self_attn.q.lora_A.weight": torch.randn(RANK, 32),
+               "blocks.9.self_attn.q.lora_B.weight": torch.randn(32, RANK),
+               "extra.note": torch.zeros(1)}, str(path))
+    from wan_s2v_runner.lora import file_shapes
+    p = plan(file_shapes(path), dit_shapes(tiny_assets.ckpt_dir))
+    assert p.refused(False) and not p.refused(True)
+    with pytest.raises(ValueError, match="does not fit this DiT"):
+        merge(load_dit(tiny_assets.ckpt_dir), [LoraSource(path, 1.0)])
+    rec = merge(load_dit(tiny_assets.ckpt_dir), [LoraSource(path, 1.0)], allow_partial=True)
+    assert rec[0]["matched_modules"] == 1 and rec[0]["unmatched_modules"] == 1
+    bad = plan({"blocks.0.self_attn.q.lora_A.weight": (RANK, 64), "blocks.0.self_attn.q.lora_B.weight": (32, RANK)},
+               dit_shapes(tiny_assets.ckpt_dir))
+    assert bad.refused(True) and bad.refused(False)

@@ -25,13 +25,19 @@ log = logging.getLogger("wan_s2v.components")
 
 @dataclass
 class Components:
-    shell: Any  # a WanS2V (made with __new__) holding the loaded parts
-    device: torch.device
-    param_dtype: torch.dtype
+    shell: Any  # a WanS2V (made with __new__) holding the loaded parts and their settings
 
     @property
     def noise_model(self):
         return self.shell.noise_model
+
+    @property
+    def device(self) -> torch.device:
+        return self.shell.device
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.shell.param_dtype
 
 
 def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int) -> Components:
@@ -78,7 +84,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int)
     self.fps = config.sample_fps
     self.audio_sample_m = 0
     log.info("rank %d loaded %s", plan.rank, ", ".join(plan.describe()["loads"]))
-    return Components(self, device, self.param_dtype)
+    return Components(self)
 
 
 def _shard(s2v_mod, model, device_id, **kwargs):

@@ -54,7 +54,7 @@ class CommandOption:
         return self.flag.lstrip("-").replace("-", "_")
 
 
-ALL = (Command.RUN, Command.DEMO, Command.DOCTOR, Command.RESUME)
+ALL = tuple(Command)
 COMMAND_OPTIONS = (
     CommandOption("--config", "TOML file with spec fields (flags override it)",
                   (Command.RUN, Command.DEMO, Command.DOCTOR), kind="path",

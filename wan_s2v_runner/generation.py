@@ -71,6 +71,8 @@ class Encoded:
     context: list  # [tensor [L, 4096]] on device
     context_null: list
     drop_first_motion: bool
+    #: the initial "last 73 frames" (pixels); only the decoding rank has them
+    last_frames: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -133,6 +135,7 @@ class S2VGenerator:
     def encode(self, req: Request) -> Encoded:
         plan, s2v, h = self.plan, self.s2v, self.hooks
         mine: dict = {}
+        last_frames = None
         if plan.all_encode_text:
             # FSDP-sharded T5: every rank runs it together, so it goes first (T5 draws no random
             # numbers: the order does not change a bit) and no rank waits for rank 0's other encodes
@@ -145,7 +148,7 @@ class S2VGenerator:
             with torch.no_grad():
                 audio_emb, nr = s2v.encode_audio(req.audio_path, infer_frames=req.infer_frames)
             h.stage(Stage.REF_ENCODE)
-            ref_latents, motion_latents, drop_first_motion = self._encode_reference(req, size)
+            ref_latents, motion_latents, drop_first_motion, last_frames = self._encode_reference(req, size)
             mine = {"audio_emb": audio_emb, "ref_latents": ref_latents, "motion_latents": motion_latents,
                     "meta": torch.tensor([size[0], size[1], nr, int(drop_first_motion)], dtype=torch.int64)}
             if not plan.all_encode_text:
@@ -163,10 +166,12 @@ class S2VGenerator:
         num_repeat = meta[2] if req.num_repeat is None or req.num_repeat > meta[2] else req.num_repeat
         return Encoded(height=meta[0], width=meta[1], num_repeat=num_repeat, audio_emb=mine["audio_emb"],
                        ref_latents=mine["ref_latents"], motion_latents=mine["motion_latents"],
-                       context=context, context_null=context_null, drop_first_motion=bool(meta[3]))
+                       context=context, context_null=context_null, drop_first_motion=bool(meta[3]),
+                       last_frames=last_frames)
 
     def _encode_reference(self, req: Request, size):
-        """Upstream's reference-image and initial-motion encodes (speech2video L461-507)."""
+        """Upstream's reference-image and initial-motion encodes (speech2video L461-507).
+        Returns (ref latents, motion latents, drop_first_motion, initial last frames)."""
         from PIL import Image
         from torchvision import transforms
 
@@ -186,13 +191,13 @@ class S2VGenerator:
             ref_latents = torch.stack(s2v.vae.encode(ref_pixel_values))
             # upstream keeps videos_last_frames = motion_latents.detach(): the same storage, so
             # the reference pixels written below are in it too
-            self._initial_last_frames = motion_latents.detach()
+            last_frames = motion_latents.detach()
             drop_first_motion = s2v.drop_first_motion
             if req.init_first_frame:
                 drop_first_motion = False
                 motion_latents[:, :, -6:] = ref_pixel_values
             motion_latents = torch.stack(s2v.vae.encode(motion_latents))
-        return ref_latents, motion_latents, drop_first_motion
+        return ref_latents, motion_latents, drop_first_motion, last_frames
 
     def _encode_text(self, req: Request):
         s2v = self.s2v
@@ -212,8 +217,7 @@ class S2VGenerator:
         return context, context_null
 
     def initial_state(self, enc: Encoded) -> ClipState:
-        last = getattr(self, "_initial_last_frames", None) if self.plan.decodes else None
-        return ClipState(clip=0, motion_latents=enc.motion_latents, videos_last_frames=last)
+        return ClipState(clip=0, motion_latents=enc.motion_latents, videos_last_frames=enc.last_frames)
 
     # ----- clips -----
     def _scheduler(self, req: Request):

@@ -85,6 +85,14 @@ class LoraPlan:
     def ok(self) -> bool:
         return not (self.unmatched or self.shape_errors or self.unrecognised) and bool(self.matched_modules)
 
+    def refused(self, allow_partial: bool) -> bool:
+        """Whether this LoRA must not run: a wrong shape or nothing matched always; keys that
+        name no module (or are no LoRA tensor) unless partial LoRAs are allowed. The one rule
+        preflight and the merge both apply."""
+        if self.shape_errors or not self.matched_modules:
+            return True
+        return bool(self.unmatched or self.unrecognised) and not allow_partial
+
     def problems(self, limit: int = 3) -> list[str]:
         out = []
         for what, names in (("no module of that name in this DiT", self.unmatched),
@@ -229,7 +237,7 @@ def merge(model, loras: Iterable[LoraSource], allow_partial: bool = False) -> li
     records = []
     for src in loras:
         p = plan(file_shapes(src.path), shapes)
-        if p.shape_errors or p.unrecognised or not p.matched_modules or (p.unmatched and not allow_partial):
+        if p.refused(allow_partial):
             raise ValueError(f"LoRA {src.path.name} does not fit this DiT ({'; '.join(p.problems()) or 'no keys'}): "
                              f"{p.likely_cause()}")
         tensors = load_file(str(src.path), device="cpu")

@@ -87,12 +87,11 @@ class Progress:
 class ClipWriter:
     """Rank 0's per-clip checkpoint writer (``Hooks.clip_done``)."""
 
-    def __init__(self, run_dir: Path, ident: dict, num_clips_hint: Optional[int] = None):
+    def __init__(self, run_dir: Path, ident: dict):
         self.run_dir, self.ident = Path(run_dir), ident
         (self.run_dir / CLIPS_DIR).mkdir(parents=True, exist_ok=True)
-        self.num_clips = num_clips_hint
 
-    def __call__(self, clip: int, frames, state, num_clips: Optional[int] = None) -> None:
+    def __call__(self, clip: int, frames, state, num_clips: int) -> None:
         import torch
 
         from wan_s2v_runner import atomic
@@ -103,7 +102,7 @@ class ClipWriter:
         carried = {"format": FORMAT, "clip": state.clip, "motion_latents": motion,
                    "videos_last_frames": state.videos_last_frames.cpu()}
         atomic.atomic_write(self.run_dir / CLIPS_DIR / STATE_PT, lambda p: torch.save(carried, p))
-        info = {"format": FORMAT, "next_clip": state.clip, "num_clips": num_clips or self.num_clips,
+        info = {"format": FORMAT, "next_clip": state.clip, "num_clips": num_clips,
                 "identity": self.ident}
         atomic.write_text(self.run_dir / CLIPS_DIR / STATE_JSON, json.dumps(info, indent=1))
 

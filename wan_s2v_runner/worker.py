@@ -148,7 +148,7 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
         hooks = Hooks(stage=events.stage, step=events.step, fault_point=events.fault_point)
         resume_state = None
         if plan.decodes:  # clip checkpoints: a crash loses at most the clip in progress
-            hooks.clip_done = resume.ClipWriter(run_dir, resume.identity(spec), spec.num_clips)
+            hooks.clip_done = resume.ClipWriter(run_dir, resume.identity(spec))
             if spec.resume_from:
                 progress = resume.read_progress(spec.resume_from)
                 carried, before = resume.load(spec.resume_from, progress)

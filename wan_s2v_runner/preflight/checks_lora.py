@@ -54,12 +54,13 @@ def check_loras(ctx):
                    f"{len(p.unmatched)} unmatched, strength {ref.strength:g}")
         data = dict(format=p.format, matched=len(p.matched_modules), unmatched=len(p.unmatched),
                     shape_errors=len(p.shape_errors), unrecognised=len(p.unrecognised))
-        if p.shape_errors or not p.matched_modules:
+        if p.refused(allow_partial=True):  # wrong shapes or nothing matched: never runs
             out.append(fail("lora.match", f"{summary}; {'; '.join(p.problems())}",
                             f"likely {p.likely_cause()}; use a LoRA trained for Wan2.2-S2V-14B", **data))
-        elif p.unmatched or p.unrecognised:
-            mk = warn if ctx.spec.lora_allow_partial else fail
-            fix = ("the unmatched keys are skipped (--lora-allow-partial)" if ctx.spec.lora_allow_partial
+        elif not p.ok:
+            partial = ctx.spec.lora_allow_partial
+            mk = fail if p.refused(partial) else warn
+            fix = ("the unmatched keys are skipped (--lora-allow-partial)" if partial
                    else f"likely {p.likely_cause()}; --lora-allow-partial merges only the matching modules")
             out.append(mk("lora.match", f"{summary}; {'; '.join(p.problems())}", fix, **data))
         else:
