@@ -1,15 +1,27 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - create .venv, install, run the CPU demo (2 ranks, tiny random checkpoint)
 #   make test   - create .venv, install, run the test suite
-PYTHON ?= python3
+#
+# PYTHON: the interpreter(s) to build .venv with; the first that runs and fits pyproject.toml's
+# requires-python wins (tools/find_python; pyenv installs are found even when not activated).
+#   make test PYTHON=python3.10
+# A .venv built by another Python version is rebuilt.
+PYTHON ?= python3 python3.12 python3.11 python3.10
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+STAMP  := $(VENV)/.installed-$(subst /,_,$(subst $(eval) ,_,$(PYTHON)))
 
 .PHONY: demo test install clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	@py="$$(tools/find_python $(PYTHON))" || exit 1; \
+	want="$$("$$py" -c 'import sys; print(sys.version.split()[0])')"; \
+	have="$$($(BIN)/python -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)"; \
+	if [ -n "$$have" ] && [ "$$have" != "$$want" ]; then \
+		echo "$(VENV) was built by Python $$have; rebuilding it with $$py ($$want)"; rm -rf $(VENV); fi; \
+	echo "$(VENV): Python $$want ($$py)"; \
+	"$$py" -m venv $(VENV)
+	rm -f $(VENV)/.installed*
 	$(BIN)/python -m pip install -r requirements.txt -r requirements-dev.txt
 	$(BIN)/python -m pip install --no-deps wan22==2.2.11
 	$(BIN)/python -m pip install --no-deps -e .

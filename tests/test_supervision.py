@@ -487,6 +487,33 @@ def test_log_filter_keeps_rank0_logs_and_drops_noise():
     shown = [s for s in (f(x) for x in lines) if s is not None]
     assert shown == ["[2026-11-22 01:51:52,151] [rank0] INFO wan_s2v.patches: attention backend: sdpa",
                      "[2026-11-22 01:51:53,000] [rank0] INFO root: after"]
+    # in a terminal (the live table) INFO lines stay in the per-rank logs; warnings still show
+    quiet = LogFilter(quiet_info=True)
+    warning = "[default0]:[2026-11-22 01:51:54,000] [rank0] WARNING wan: low memory"
+    shown = [s for s in (quiet(x) for x in lines + [warning, "[default0]:plain print"]) if s is not None]
+    assert shown == ["[2026-11-22 01:51:54,000] [rank0] WARNING wan: low memory", "plain print"]
+
+
+def test_rank_log_format_is_what_the_filter_reads():
+    import logging
+
+    from wan_s2v_runner.events import RANK_LOG_FORMAT, rank_log_level
+
+    fmt = logging.Formatter(RANK_LOG_FORMAT.replace("{rank}", "3"))
+    rec = logging.LogRecord("wan", logging.INFO, __file__, 1, "loading [x] 1/2", None, None)
+    assert rank_log_level(fmt.format(rec)) == "INFO"
+    assert rank_log_level("[rank3] INFO not a log line") is None
+
+
+def test_gate_prints_each_warning_with_its_finding_and_fix_on_one_line():
+    from wan_s2v_runner.preflight.core import warn
+    from wan_s2v_runner.preflight.doctor import GateReport
+    from wan_s2v_runner.preflight.render import gate_text
+
+    report = GateReport(results=[warn("inputs.size", "image 8x8 is upscaled 8.0x", "use a larger image")],
+                        groups=())
+    lines = gate_text(report).splitlines()
+    assert lines[1:] == ["  WARN inputs.size: image 8x8 is upscaled 8.0x (fix: use a larger image)"]
 
 
 def test_stack_analysis_names_the_rank_outside_the_collective(tmp_path):

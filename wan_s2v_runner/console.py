@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from wan_s2v_runner.events import denoise_position, is_secondary
+from wan_s2v_runner.events import denoise_position, is_secondary, rank_log_level
 from wan_s2v_runner.stages import Stage
 
 #: in plain mode, print a step line at least this often (besides each clip's first/last step)
@@ -79,14 +79,17 @@ class LogFilter:
     Only lines torchrun prefixes with ``[default<N>]:`` (the ranks' own output) are shown;
     torchrun's own messages (and its failure summary) are kept in torchrun.log. Hidden: blank
     lines, ``file.py:N: XWarning:`` and the source line after it, tqdm bars, glog-style W/I lines,
-    and tracebacks (the failure report shows the first failing rank's)."""
+    and tracebacks (the failure report shows the first failing rank's). With ``quiet_info`` (a
+    terminal, where the live table is the progress display) the ranks' INFO/DEBUG log lines are
+    hidden too: they stay in the per-rank log files (``<run_dir>/logs``) and ``torchrun.log``."""
 
     PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
     WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")
     GLOG = re.compile(r"^\[?[WI]\d{4} \d\d:\d\d:\d\d")
     RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")  # torch's excepthook prefixes uncaught tracebacks
 
-    def __init__(self):
+    def __init__(self, quiet_info: bool = False):
+        self.quiet_info = quiet_info
         self._skip_indented = False
         self._in_tb = False
 
@@ -116,6 +119,8 @@ class LogFilter:
             return None
         if "%|" in line or self.GLOG.match(line):
             return None
+        if self.quiet_info and rank_log_level(line) in ("DEBUG", "INFO"):
+            return None
         return line
 
 
@@ -129,7 +134,7 @@ class Display:
         self.err = Console(stderr=True)
         self._live: Optional[Live] = None
         self._lock = threading.RLock()
-        self._filter = LogFilter()
+        self._filter = LogFilter(quiet_info=rich)
         self._expected: list[int] = [0]
         self._first: int = 0
         self._header = ""

@@ -16,13 +16,16 @@ Every record is one line ``{"t": unix time, "rank": global rank, "kind": ..., "s
 - ``end``: last record (also after an error); ``wall_s`` and peak memory.
 
 Only ``stage`` and ``progress`` count as progress for the hang watchdog; heartbeats do not.
-The launcher tails these files with :class:`EventReader`; nothing else is shared. The reader
+The launcher tails these files with :class:`EventReader`; nothing else is shared. Besides events,
+ranks write plain log lines (:data:`RANK_LOG_FORMAT`), which torchrun keeps in the per-rank log
+files and the launcher relays to the display. The reader
 turns stage names into :class:`Stage` members and keeps a name it does not know as a plain
 string (an event file from another version never stops the launcher).
 """
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +38,17 @@ from wan_s2v_runner.stages import Stage
 SECONDARY = ("connection closed by peer", "connection reset by peer", "broken pipe",
              "remote process exited", "ncclremoteerror", "communicator was aborted",
              "socket closed", "transport retry", "peer closed")
+
+
+#: the ranks' log line format (the engine logs through the root logger, so its lines share it)
+RANK_LOG_FORMAT = "[%(asctime)s] [rank{rank}] %(levelname)s %(name)s: %(message)s"
+_RANK_LOG_LEVEL = re.compile(r"^\[[^\]]*\] \[rank\d+\] (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+
+
+def rank_log_level(line: str) -> Optional[str]:
+    """The level of a rank's log line (``"INFO"``, ...), or None for any other output."""
+    m = _RANK_LOG_LEVEL.match(line)
+    return m.group(1) if m else None
 
 
 def is_secondary(text: str) -> bool:

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from wan_s2v_runner import atomic, engine, faults
-from wan_s2v_runner.events import EventWriter
+from wan_s2v_runner.events import RANK_LOG_FORMAT, EventWriter
 from wan_s2v_runner.spec import RunSpec
 from wan_s2v_runner.stages import Stage
 
@@ -56,7 +56,7 @@ class RankEvents(EventWriter):
 def _setup_logging(rank: int) -> None:
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[%(asctime)s] [rank{rank}] %(levelname)s %(name)s: %(message)s",
+        format=RANK_LOG_FORMAT.replace("{rank}", str(rank)),
         stream=sys.stdout, force=True)
 
 

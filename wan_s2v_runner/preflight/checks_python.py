@@ -1,16 +1,23 @@
 """Group ``python_torch``: Python, torch (build, CUDA runtime vs driver), torchvision pairing.
 
+The supported Python range is pyproject.toml's ``requires-python``, read from the installed
+distribution's metadata (or from pyproject.toml in a source checkout): the Makefile
+(``tools/find_python``), pip and this check all answer from that one line.
 All versions are compared with ``packaging.version``. torchvision pairs with torch as
 ``0.(minor + 15)`` (torch 2.13 <-> torchvision 0.28, 2.5 <-> 0.20); a CUDA torchvision build on a
 CPU torch is expected here and is handled by ``patches.torchvision_cpu``.
 """
 from __future__ import annotations
 
+import re
+from functools import lru_cache
+from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .core import fail, ok, skip, warn
 
-MIN_PYTHON = Version("3.10")
 MIN_TORCH = Version("2.4")  # torch.amp.autocast('cuda'), FSDP1 use_orig_params paths the engine uses
 
 
@@ -21,15 +28,39 @@ def V(s):
         return None
 
 
+@lru_cache(maxsize=1)
+def supported_python() -> SpecifierSet:
+    """wan-s2v's ``requires-python``: installed metadata first, else the checkout's pyproject."""
+    from importlib import metadata
+
+    try:
+        spec = metadata.metadata("wan-s2v").get("Requires-Python")
+    except metadata.PackageNotFoundError:
+        spec = None
+    if not spec:
+        text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(encoding="utf-8")
+        spec = re.search(r'^requires-python\s*=\s*"([^"]+)"', text, re.MULTILINE).group(1)
+    return SpecifierSet(spec)
+
+
+def supported_minors(spec: SpecifierSet) -> list:
+    """The 3.x minor versions ``spec`` admits, oldest first (e.g. ['3.10', '3.11', '3.12'])."""
+    return [f"3.{m}" for m in range(6, 30) if spec.contains(f"3.{m}.0")]
+
+
 def check_python(ctx):
     py = ctx.facts.raw.get("python")
     v = V(py)
     if v is None:
         return warn("python.version", f"Python version unknown ({py!r})", "re-run the probe")
-    if v < MIN_PYTHON:
-        return fail("python.version", f"Python {py} < {MIN_PYTHON}",
-                    "use Python 3.10-3.12 (3.11 is what wan-s2v is tested with)", python=py)
-    return ok("python.version", f"Python {py}", python=py)
+    spec = supported_python()
+    if not spec.contains(v.base_version):
+        minors = supported_minors(spec)
+        return fail("python.version", f"Python {py} is outside wan-s2v's supported {spec}",
+                    f"use Python {', '.join(minors[:-1])} or {minors[-1]}: "
+                    f"make PYTHON=python{minors[-1]} (the Makefile also finds pyenv installs)",
+                    python=py)
+    return ok("python.version", f"Python {py} (supported: {spec})", python=py)
 
 
 def check_torch(ctx):
