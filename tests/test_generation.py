@@ -74,12 +74,14 @@ def _run(tiny_assets, tmp_path, name, *extra):
     return torch.load(d / "f.pt"), manifest
 
 
-@pytest.mark.parametrize("extra, cfg, sp", [
-    (["--nproc", "2", "--cfg-parallel"], 2, 1),
-    (["--nproc", "4", "--cfg-parallel"], 2, 2),
+@pytest.mark.parametrize("extra, cfg, sp, vae_split", [
+    # rank 0 runs the VAE alone and broadcasts the motion latents
+    (["--nproc", "2", "--cfg-parallel", "--no-vae-parallel"], 2, 1, False),
+    # the VAE split by rows over 4 ranks (the default with more than one rank)
+    (["--nproc", "4", "--cfg-parallel"], 2, 2, True),
 ])
-def test_cfg_parallel_equals_one_process(tiny_assets, reference_frames, tmp_path, extra, cfg, sp):
+def test_cfg_parallel_equals_one_process(tiny_assets, reference_frames, tmp_path, extra, cfg, sp, vae_split):
     frames, manifest = _run(tiny_assets, tmp_path, "cfg", *extra)
     assert torch.equal(frames, reference_frames), f"max abs diff {(frames - reference_frames).abs().max()}"
     lay = manifest["layout"]
-    assert (lay["cfg_degree"], lay["ulysses_degree"]) == (cfg, sp)
+    assert (lay["cfg_degree"], lay["ulysses_degree"], lay["vae_parallel"]) == (cfg, sp, vae_split)

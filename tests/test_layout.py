@@ -22,7 +22,8 @@ def a100x8() -> MachineFacts:
 
 def test_modes_map_to_layouts():
     assert Layout.for_mode(Mode.HYBRID, 4).model_dump() == dict(
-        world_size=4, use_sp=True, dit_fsdp=True, t5_fsdp=False, t5_cpu=True, mode=Mode.HYBRID, cfg_degree=1)
+        world_size=4, use_sp=True, dit_fsdp=True, t5_fsdp=False, t5_cpu=True, mode=Mode.HYBRID, cfg_degree=1,
+        vae_parallel=True)
     assert Layout.for_mode(Mode.ULYSSES, 1).use_sp is False  # one rank: the plain engine path
     assert Layout.for_mode(Mode.FSDP_FIXED, 8).sp_degree == 1
     assert set(MODES) == set(Mode)
@@ -76,3 +77,21 @@ def test_memory_plan_follows_the_layout_not_the_mode_name(mode):
     same = plan_mode(Layout.for_mode(mode, 4), model_sizes(ctx), workload(ctx), nproc=4, device="cuda",
                      offload=False)
     assert plans[mode.value] == same
+
+
+def test_vae_split_is_on_with_several_ranks_unless_switched_off_or_too_few_rows():
+    from wan_s2v_runner.parallel import RankPlan
+
+    assert not Layout.for_mode(Mode.ULYSSES, 1).splits_vae(704)  # one rank: the engine's own VAE calls
+    two = Layout.for_mode(Mode.ULYSSES, 2)
+    assert two.vae_parallel and two.splits_vae(64)
+    assert not Layout.for_mode(Mode.ULYSSES, 2, vae_parallel=False).splits_vae(704)
+    assert Layout.for_mode(Mode.ULYSSES, 1, vae_parallel=True).vae_parallel is False
+    # one band of latent rows (8 pixel rows) per rank: 9 ranks need 72 pixel rows
+    assert not Layout.for_mode(Mode.FSDP_FIXED, 9).splits_vae(64)
+    assert Layout.for_mode(Mode.FSDP_FIXED, 9).splits_vae(72)
+    spec = RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p", nproc=2, vae_parallel=False)
+    assert spec.layout.vae_parallel is False
+    # every rank loads the VAE when it is split; otherwise only rank 0 does
+    assert RankPlan(two, rank=1).needs_vae
+    assert not RankPlan(Layout.for_mode(Mode.ULYSSES, 2, vae_parallel=False), rank=1).needs_vae

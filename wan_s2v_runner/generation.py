@@ -13,8 +13,10 @@ What differs is *where* work runs (:class:`~wan_s2v_runner.parallel.RankPlan`):
   part in the text encode (FSDP needs it) and no broadcast of contexts is needed;
 * with CFG-parallel the conditional and unconditional DiT passes run on the two halves of the
   ranks and the two noise predictions are exchanged with one all-gather per step;
-* each clip is decoded, and the last frames re-encoded as motion latents, once (rank 0), and the
-  motion latents are broadcast;
+* the VAE work (reference and initial-motion encode, each clip's decode, the motion re-encode of
+  its last frames) is split by rows over every rank (:mod:`~wan_s2v_runner.vae_split`, exact;
+  ``--vae-parallel``, on with more than one rank), each rank ending with the whole result, so no
+  latents are broadcast; without it rank 0 runs it alone and broadcasts the motion latents;
 * the pose-condition VAE encode, whose result upstream multiplies by zero when there is no pose
   video, is not run (its zeros are made directly);
 * the audio encode runs under ``no_grad``.
@@ -136,21 +138,29 @@ class S2VGenerator:
         plan, s2v, h = self.plan, self.s2v, self.hooks
         mine: dict = {}
         last_frames = None
+        # Collective work goes first, in the same order on every rank; none of these encodes draws
+        # random numbers, so the order does not change a bit. FSDP-sharded T5: every rank runs it.
         if plan.all_encode_text:
-            # FSDP-sharded T5: every rank runs it together, so it goes first (T5 draws no random
-            # numbers: the order does not change a bit) and no rank waits for rank 0's other encodes
             h.stage(Stage.TEXT_ENCODE)
             context, context_null = self._encode_text(req)
-        if plan.encodes:
-            h.stage(Stage.AUDIO_ENCODE)
+        size = None
+        if plan.encodes or plan.layout.vae_parallel:  # reads the image header only
             size = s2v.get_gen_size(size=None, max_area=req.max_area, ref_image_path=req.ref_image_path,
                                     pre_video_path=None)
+        split_vae = size is not None and plan.splits_vae(size[0])
+        if split_vae:  # every rank encodes its rows of the reference and initial motion
+            h.stage(Stage.REF_ENCODE)
+            ref_latents, motion_latents, drop_first_motion, last_frames = self._encode_reference(req, size, True)
+        if plan.encodes:
+            h.stage(Stage.AUDIO_ENCODE)
             with torch.no_grad():
                 audio_emb, nr = s2v.encode_audio(req.audio_path, infer_frames=req.infer_frames)
-            h.stage(Stage.REF_ENCODE)
-            ref_latents, motion_latents, drop_first_motion, last_frames = self._encode_reference(req, size)
-            mine = {"audio_emb": audio_emb, "ref_latents": ref_latents, "motion_latents": motion_latents,
-                    "meta": torch.tensor([size[0], size[1], nr, int(drop_first_motion)], dtype=torch.int64)}
+            if not split_vae:
+                h.stage(Stage.REF_ENCODE)
+                ref_latents, motion_latents, drop_first_motion, last_frames = self._encode_reference(req, size, False)
+                mine = {"ref_latents": ref_latents, "motion_latents": motion_latents}
+            mine.update(audio_emb=audio_emb, meta=torch.tensor([size[0], size[1], nr, int(drop_first_motion)],
+                                                               dtype=torch.int64))
             if not plan.all_encode_text:
                 h.stage(Stage.TEXT_ENCODE)
                 context, context_null = self._encode_text(req)
@@ -162,6 +172,8 @@ class S2VGenerator:
             if not plan.all_encode_text:
                 context, context_null = got["context"], got["context_null"]
             mine = got
+        if split_vae:
+            mine.update(ref_latents=ref_latents, motion_latents=motion_latents)
         meta = mine["meta"].tolist()
         num_repeat = meta[2] if req.num_repeat is None or req.num_repeat > meta[2] else req.num_repeat
         return Encoded(height=meta[0], width=meta[1], num_repeat=num_repeat, audio_emb=mine["audio_emb"],
@@ -169,7 +181,21 @@ class S2VGenerator:
                        context=context, context_null=context_null, drop_first_motion=bool(meta[3]),
                        last_frames=last_frames)
 
-    def _encode_reference(self, req: Request, size):
+    def _encode(self, videos, split: bool) -> torch.Tensor:
+        """The engine's ``vae.encode``, or its row-split equivalent (every rank calls it and gets
+        the whole result)."""
+        if split:
+            from wan_s2v_runner.vae_split import split_encode
+            return torch.stack(split_encode(self.s2v.vae, videos, dst=None))
+        return torch.stack(self.s2v.vae.encode(videos))
+
+    def _decode(self, zs, split: bool) -> torch.Tensor:
+        if split:
+            from wan_s2v_runner.vae_split import split_decode
+            return torch.stack(split_decode(self.s2v.vae, zs, dst=None))
+        return torch.stack(self.s2v.vae.decode(zs))
+
+    def _encode_reference(self, req: Request, size, split: bool):
         """Upstream's reference-image and initial-motion encodes (speech2video L461-507).
         Returns (ref latents, motion latents, drop_first_motion, initial last frames)."""
         from PIL import Image
@@ -188,7 +214,7 @@ class S2VGenerator:
         ref_pixel_values = ref_pixel_values.unsqueeze(1).unsqueeze(0) * 2 - 1.0
         ref_pixel_values = ref_pixel_values.to(dtype=s2v.vae.dtype, device=s2v.vae.device)
         with torch.no_grad():
-            ref_latents = torch.stack(s2v.vae.encode(ref_pixel_values))
+            ref_latents = self._encode(ref_pixel_values, split)
             # upstream keeps videos_last_frames = motion_latents.detach(): the same storage, so
             # the reference pixels written below are in it too
             last_frames = motion_latents.detach()
@@ -196,7 +222,7 @@ class S2VGenerator:
             if req.init_first_frame:
                 drop_first_motion = False
                 motion_latents[:, :, -6:] = ref_pixel_values
-            motion_latents = torch.stack(s2v.vae.encode(motion_latents))
+            motion_latents = self._encode(motion_latents, split)
         return ref_latents, motion_latents, drop_first_motion, last_frames
 
     def _encode_text(self, req: Request):
@@ -267,6 +293,8 @@ class S2VGenerator:
         cond_latents = torch.zeros([1, 16, lat_target_frames, HEIGHT // 8, WIDTH // 8],
                                    dtype=self.param_dtype, device=self.device)
         drop_first_motion = enc.drop_first_motion
+        split_vae = plan.splits_vae(HEIGHT)
+        vae_here = plan.decodes or split_vae  # this rank takes part in decode and motion re-encode
         motion_latents, videos_last_frames = state.motion_latents, state.videos_last_frames
         out = [] if plan.decodes else None
         autocast = torch.amp.autocast(self.device.type, dtype=self.param_dtype, enabled=self.device.type == "cuda")
@@ -303,13 +331,13 @@ class S2VGenerator:
                     self.parts.noise_model.cpu()
                     self._empty_cache(sync=True)
                 latents = torch.stack(latents)
-                if not plan.decodes:  # waits for the decoding rank (its next motion latents, or the end)
+                if not vae_here:  # waits for the decoding rank (its next motion latents, or the end)
                     h.stage(Stage.RECEIVE_MOTION, clip=r + 1, clips=enc.num_repeat)
-                if plan.decodes:
+                if vae_here:
                     h.stage(Stage.DECODE, clip=r + 1, clips=enc.num_repeat)
                     decode_latents = torch.cat([ref_latents_or_motion(drop, enc.ref_latents, motion_latents), latents],
                                                dim=2)
-                    image = torch.stack(s2v.vae.decode(decode_latents))
+                    image = self._decode(decode_latents, split_vae)
                     image = image[:, :, -(infer_frames):]
                     if drop:
                         image = image[:, :, 3:]
@@ -318,14 +346,16 @@ class S2VGenerator:
                                                     image[:, :, -overlap_frames_num:]], dim=2)
                     videos_last_frames = videos_last_frames.to(dtype=motion_latents.dtype,
                                                                device=motion_latents.device)
-                    frames = image.cpu()
-                    out.append(frames)
+                    if plan.decodes:
+                        frames = image.cpu()
+                        out.append(frames)
+                    del image
                 last = r == enc.num_repeat - 1
                 if not last:  # upstream also re-encodes after the last clip, for nothing
-                    if plan.decodes:
+                    if vae_here:
                         h.stage(Stage.MOTION_ENCODE, clip=r + 1, clips=enc.num_repeat)
-                        motion_latents = torch.stack(s2v.vae.encode(videos_last_frames))
-                    if plan.world_size > 1:
+                        motion_latents = self._encode(videos_last_frames, split_vae)
+                    if plan.world_size > 1 and not split_vae:
                         motion_latents = broadcast_tensors({"m": motion_latents} if plan.decodes else {}, src=0,
                                                            device=self.device)["m"]
                 if plan.decodes and h.clip_done is not None:
@@ -350,6 +380,7 @@ class S2VGenerator:
         enc = self.encode(req)
         state, before = self.initial_state(enc), []
         if resuming:
+            split_vae = self.plan.splits_vae(enc.height)  # then every rank needs the last frames
             mine = {}
             if self.plan.decodes:
                 state, before = resume
@@ -357,8 +388,11 @@ class S2VGenerator:
                 motion = state.motion_latents if state.motion_latents is not None else enc.motion_latents
                 mine = {"motion": motion.to(self.device),
                         "clip": torch.tensor([state.clip], dtype=torch.int64)}
+                if split_vae:
+                    mine["last"] = state.videos_last_frames.to(self.device)
             got = broadcast_tensors(mine, src=0, device=self.device) if self.plan.world_size > 1 else mine
-            last = state.videos_last_frames.to(self.device) if self.plan.decodes else None
+            last = got["last"] if split_vae else (state.videos_last_frames.to(self.device) if self.plan.decodes
+                                                  else None)
             state = ClipState(int(got["clip"].item()), got["motion"], last)
         clips = self.run_clips(req, enc, state)
         if not self.plan.decodes:

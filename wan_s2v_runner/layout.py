@@ -79,14 +79,24 @@ class Layout(BaseModel):
     t5_cpu: bool
     mode: Optional[Mode] = None
     cfg_degree: int = 1  # 2: the conditional and unconditional DiT passes run on different ranks
+    vae_parallel: bool = False  # the VAE's encodes and decodes split by rows over all ranks
 
     @classmethod
-    def for_mode(cls, mode: Mode, world_size: int, cfg_parallel: bool = False) -> "Layout":
+    def for_mode(cls, mode: Mode, world_size: int, cfg_parallel: bool = False,
+                 vae_parallel: Optional[bool] = None) -> "Layout":
+        """``vae_parallel`` None: on whenever there is more than one rank."""
         t = MODES[Mode(mode)]
         cfg = 2 if cfg_parallel else 1
+        vae = world_size > 1 if vae_parallel is None else (vae_parallel and world_size > 1)
         # one rank per branch: the plain engine path (upstream's ulysses_size=1), no SP machinery
         return cls(world_size=world_size, use_sp=t.sequence_parallel and world_size // cfg > 1,
-                   dit_fsdp=t.dit_fsdp, t5_fsdp=t.t5_fsdp, t5_cpu=t.t5_cpu, mode=Mode(mode), cfg_degree=cfg)
+                   dit_fsdp=t.dit_fsdp, t5_fsdp=t.t5_fsdp, t5_cpu=t.t5_cpu, mode=Mode(mode), cfg_degree=cfg,
+                   vae_parallel=vae)
+
+    def splits_vae(self, frame_height: int) -> bool:
+        """Whether the VAE work of frames this tall is split: one band of latent rows (8 pixel
+        rows each) per rank needs at least as many latent rows as ranks; else rank 0 runs it."""
+        return self.vae_parallel and 1 < self.world_size <= frame_height // 8
 
     # ----- degrees -----
     @property

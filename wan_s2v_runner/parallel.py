@@ -3,8 +3,11 @@
 The layout (:class:`~wan_s2v_runner.layout.Layout`) says the degrees; :func:`rank_plan` builds
 the process groups from one ``DeviceMesh`` with the sequence-parallel dimension innermost (an
 SP group is consecutive ranks, i.e. one node; CFG groups span nodes) and answers who does what:
-rank 0 encodes the inputs and decodes the clips; the other ranks load neither wav2vec2 nor the
-VAE, nor T5 unless T5 is FSDP-sharded (then every rank takes part in the text encode).
+rank 0 encodes audio and text and keeps the clips' frames; the other ranks load neither wav2vec2
+nor T5 unless T5 is FSDP-sharded (then every rank takes part in the text encode). The VAE work
+(reference encode, per-clip decode, motion re-encode) is split by rows over every rank with
+``--vae-parallel`` (on by default with more than one rank: every rank loads the VAE); without it
+rank 0 runs it alone and the other ranks do not load the VAE.
 """
 from __future__ import annotations
 
@@ -65,7 +68,11 @@ class RankPlan:
 
     @property
     def needs_vae(self) -> bool:
-        return self.encodes or self.decodes
+        return self.encodes or self.decodes or self.layout.vae_parallel
+
+    def splits_vae(self, frame_height: int) -> bool:
+        """Every rank takes part in the VAE work of frames this tall (:mod:`~wan_s2v_runner.vae_split`)."""
+        return self.layout.splits_vae(frame_height)
 
     def describe(self) -> dict:
         return {"rank": self.rank, "cfg_rank": self.cfg_rank, "sp_rank": self.sp_rank,

@@ -168,6 +168,9 @@ class RunSpec(BaseModel):
     cfg_parallel: Annotated[bool, Flag(_LA)] = Field(
         False, description="run the conditional and unconditional DiT passes of each step on two halves of "
                            "the ranks (CFG degree 2; the sequence-parallel degree becomes world/2)")
+    vae_parallel: Annotated[Optional[bool], Flag(_LA, default_text="on when world > 1")] = Field(
+        None, description="split the VAE's reference encode, per-clip decode and motion re-encode over "
+                          "all ranks by rows (exact; off: rank 0 runs them alone)")
     nproc: Annotated[int, Flag(_LA, aliases=("--nproc-per-node",), metavar="N")] = Field(
         1, ge=1, description="ranks (GPUs) on this node")
     nnodes: Annotated[int, Flag(_LA, env="WORLD_SIZE", metavar="N")] = Field(
@@ -231,7 +234,7 @@ class RunSpec(BaseModel):
 
     @property
     def layout(self) -> Layout:
-        return Layout.for_mode(self.mode, self.world_size, self.cfg_parallel)
+        return Layout.for_mode(self.mode, self.world_size, self.cfg_parallel, self.vae_parallel)
 
     @property
     def offload(self) -> bool:

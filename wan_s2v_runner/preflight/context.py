@@ -53,7 +53,7 @@ class CheckContext:
         return self.spec.layout
 
     def layout_for(self, mode: Mode) -> Layout:
-        return Layout.for_mode(mode, self.spec.world_size, self.spec.cfg_parallel)
+        return Layout.for_mode(mode, self.spec.world_size, self.spec.cfg_parallel, self.spec.vae_parallel)
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,517 @@
+"""Split VAE: each rank computes a band of rows; halo exchange sized to each conv's kernel; exact.
+
+``split_encode`` / ``split_decode`` return what the engine's ``Wan2_1_VAE.encode`` / ``.decode``
+(``wan/modules/vae2_1.py``) return, bit for bit, with the work spread over the ranks of a process
+group: every rank holds the whole input (our calling convention), computes the output rows of its
+own band only, and the bands are gathered on one rank (``dst``) or on all (``dst=None``).
+
+How the engine's forward is split (it runs the engine's own modules and weights; nothing copied):
+
+- Bands are chosen in latent rows (as even as possible: ``band_rows``) and mapped up by 2 per
+  spatial resampling level (x8 at pixel resolution), so every band boundary is an even row at every
+  level and the stride-2 downsample / nearest x2 upsample never straddle a boundary.
+- Halo, per layer, from the kernel: a CausalConv3d with kernel (kt, 3, 3) reads 1 row above and 1
+  below (its ``_padding``), the 1x1x1 shortcuts and the (3, 1, 1) ``time_conv``s none, the
+  upsample Conv2d (3x3, padding 1) 1 above and 1 below (after the nearest upsample), the downsample
+  Conv2d (ZeroPad2d(0, 1, 0, 1), 3x3, stride 2) 1 below only. Halo rows come from the neighbouring
+  ranks (``batch_isend_irecv``); at the frame's top/bottom they are the zeros of the engine's own
+  padding. Norms (RMS over channels), SiLU, dropout and the nearest upsample are per pixel.
+- Temporal caches stay per band: each rank keeps its own ``feat_cache`` with the engine's
+  bookkeeping (1 + 4k frame chunks on encode, one latent frame at a time on decode); a conv's
+  cache holds its input rows including the halo rows, so the next chunk needs no extra exchange.
+- The middle ``AttentionBlock`` (per-frame attention over the whole frame) is the one place a rank
+  holds a whole frame: the bands are all-gathered at latent resolution, the engine's block runs on
+  the whole frame, and the rank keeps its rows. Everything else holds only a band (+ halo rows).
+
+Exactness (CPU fp32: ``torch.equal`` with the unsplit engine, tests/test_vae_split.py). A conv
+output pixel is the same arithmetic on a band as on the whole frame only if the same kernel
+computes it, and PyTorch picks the kernel from the input's *size*: on CPU a batch-1 conv goes to
+oneDNN (``Mkldnn``) only when N*C*D*H > 20480, else to im2col + MKL sgemm (``Slow3d``/``Slow2d``),
+so a band of a large frame would run the other kernel (measured: ~1e-6 max abs per conv; a
+width-32 VAE on a 112x32 frame, 2 ranks: encode 3.4e-7, decode 2.8e-6). ``conv_rows`` therefore asks PyTorch which backend the engine's whole-frame call selects
+(``torch._C._select_conv_backend`` on a zero-stride stand-in of the whole input) and calls that
+backend on the band. Within a backend (measured, MKL 2024.2 / oneDNN 3.12, AVX2, 1 and 2 threads):
+oneDNN's direct conv gives the same bits for any number of rows; MKL sgemm does too except for
+very few output columns (m <= 11 pixels per image: a small-matrix path), so gemm-backed band calls
+are padded with zero rows up to ``MIN_GEMM_COLUMNS`` pixels (or up to the whole frame when that is
+smaller) and cropped (without it the test's 56x16 frame decodes 2.4e-6 off). One measured caveat: with fewer than 8 output channels (only the decoder's
+3-channel head) MKL's tail kernels make a pixel's bits depend on its position modulo 4..8 in the
+gemm; bands start on whole rows, so this is exact when the pixel width is a multiple of 8, as
+every Wan size is. The per-pixel ops (RMS norm, SiLU, the scale, clamp) and the gathered
+attention (the whole frame, as the engine computes it) are exact as they are. On CUDA the convs go
+through the normal dispatch: cuDNN chooses its algorithm per shape, so a band may differ from the
+whole frame in the last bits (not measured; nothing is pinned there).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+__all__ = ["MIN_GEMM_COLUMNS", "band_rows", "conv_rows", "split_decode", "split_encode"]
+
+#: gemm-backed (im2col + sgemm) band convs get at least this many output pixels per image, by
+#: zero rows appended below the band and cropped off (MKL's small-matrix path, which computes a
+#: pixel differently, measured at <= 11 columns; 64 is a margin).
+MIN_GEMM_COLUMNS = 64
+
+_GEMM_BACKENDS = ("Slow2d", "Slow3d")
+
+
+# --------------------------------------------------------------------------------------------
+# bands
+
+
+def band_rows(rows: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` bands ``(start, stop)`` covering ``range(rows)``, sizes as even as possible
+    (the first ``rows % parts`` bands one row taller). Needs ``1 <= parts <= rows``."""
+    if not 1 <= parts <= rows:
+        raise ValueError(f"cannot split {rows} rows into {parts} non-empty bands")
+    q, r = divmod(rows, parts)
+    stops = [(i + 1) * q + min(i + 1, r) for i in range(parts)]
+    return list(zip([0] + stops[:-1], stops))
+
+
+def _latent_rows(height: int, factor: int, world: int) -> int:
+    """Latent rows of a ``height``-row frame; checks that ``world`` bands fit."""
+    if height % factor:
+        raise ValueError(f"split VAE: the frame height {height} is not a multiple of {factor}")
+    rows = height // factor
+    if world > rows:
+        raise ValueError(f"split VAE: {world} ranks but only {rows} latent rows; "
+                         f"use a group of at most {rows} ranks")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# convolution as the whole-frame call computes it
+
+
+def _out_size(size: int, k: int, stride: int, pad: int, dilation: int) -> int:
+    return (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+
+
+def _engine_backend(conv: nn.Module, x: torch.Tensor, full_rows: int,
+                    padding: Sequence[int]) -> Optional[str]:
+    """Name of the backend PyTorch selects for ``conv`` on the whole input (``x`` with
+    ``full_rows`` rows, called with ``padding``); None off CPU or if PyTorch cannot say."""
+    select = getattr(torch._C, "_select_conv_backend", None)
+    if select is None or x.device.type != "cpu":
+        return None
+    shape = list(x.shape)
+    shape[-2] = full_rows
+    stand_in = torch.zeros((), dtype=x.dtype, device=x.device).expand(shape)  # no allocation
+    nd = x.dim() - 2
+    try:
+        backend = select(stand_in, conv.weight, conv.bias, list(conv.stride), list(padding),
+                         list(conv.dilation), False, [0] * nd, conv.groups, None)
+    except (TypeError, RuntimeError):  # another torch's signature: normal dispatch
+        return None
+    return backend.name
+
+
+def _run_backend(backend: Optional[str], x, weight, bias, stride, padding, dilation, groups):
+    """The ATen op ``torch.nn.functional.conv*d`` reaches for ``backend`` (normal dispatch for
+    None or any other backend)."""
+    if backend == "Mkldnn":
+        return torch.mkldnn_convolution(x, weight, bias, padding, stride, dilation, groups)
+    if backend == "Slow3d":
+        return torch._C._nn.slow_conv3d(x, weight, weight.shape[2:], bias, stride, padding)
+    if backend == "Slow2d":
+        return torch._C._nn.thnn_conv2d(x, weight, weight.shape[2:], bias, stride, padding)
+    conv = F.conv3d if x.dim() == 5 else F.conv2d
+    return conv(x, weight, bias, stride, padding, dilation, groups)
+
+
+def conv_rows(conv: nn.Module, x: torch.Tensor, full_rows: int,
+              padding: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """``conv`` (an ``nn.Conv2d``/``nn.Conv3d``, its own weights) over a band of rows, with the
+    arithmetic of the whole-frame call.
+
+    ``x``: the band's input, rows on dim -2, holding every row its outputs read (halo rows, or
+    zero rows where the whole-frame call pads H); ``full_rows``: the rows of the whole-frame
+    call's input; ``padding``: that call's padding (default ``conv.padding``). The band call
+    pads every dim but H like the whole-frame call. Returns the band's output rows.
+    """
+    padding = tuple(conv.padding if padding is None else padding)
+    band_padding = padding[:-2] + (0,) + padding[-1:]
+    weight, bias = conv.weight, conv.bias
+    stride, dilation = tuple(conv.stride), tuple(conv.dilation)
+    ks = weight.shape[2:]
+    rows_out = _out_size(x.shape[-2], ks[-2], stride[-2], 0, dilation[-2])
+    backend = _engine_backend(conv, x, full_rows, padding)
+    if backend in _GEMM_BACKENDS:
+        full_out = _out_size(full_rows, ks[-2], stride[-2], padding[-2], dilation[-2])
+        per_row = math.prod(_out_size(x.shape[2 + i], ks[i], stride[i], band_padding[i], dilation[i])
+                            for i in range(x.dim() - 2) if i != x.dim() - 4)
+        want = min(full_out, max(rows_out, -(-MIN_GEMM_COLUMNS // max(per_row, 1))))
+        if want > rows_out:
+            extra = list(x.shape)
+            extra[-2] = (want - rows_out) * stride[-2]
+            x = torch.cat([x, x.new_zeros(extra)], dim=-2)
+    y = _run_backend(backend, x.contiguous(), weight, bias, stride, band_padding, dilation, conv.groups)
+    return y if y.shape[-2] == rows_out else y.narrow(-2, 0, rows_out).contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# communication
+
+
+class _Rows:
+    """This rank's band of a frame in a process group, and the exchanges between bands.
+
+    Band tensors have rows on dim -2; a band tensor at any resolution has exactly
+    ``(stop - start) * f`` rows, ``f`` its resolution in rows per latent row."""
+
+    def __init__(self, group, latent_rows: int, device: torch.device):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.latent_rows = latent_rows
+        self.bands = band_rows(latent_rows, self.world)
+        self.start, self.stop = self.bands[self.rank]
+        # gloo moves CPU tensors only: stage through the CPU when the model is elsewhere
+        self.stage = dist.get_backend(group) == "gloo" and device.type != "cpu"
+
+    def _peer(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def factor(self, x: torch.Tensor) -> int:
+        f, rem = divmod(x.shape[-2], self.stop - self.start)
+        assert rem == 0 and f > 0, (x.shape, self.start, self.stop)
+        return f
+
+    def full_rows(self, x: torch.Tensor) -> int:
+        """Rows of the whole frame at ``x``'s resolution."""
+        return self.latent_rows * self.factor(x)
+
+    def own(self, full: torch.Tensor, f: int) -> torch.Tensor:
+        """This rank's rows of a whole frame at resolution ``f``."""
+        return full.narrow(-2, self.start * f, (self.stop - self.start) * f).contiguous()
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t.cpu() if self.stage else t.contiguous()
+
+    def halo(self, x: torch.Tensor, above: int, below: int) -> torch.Tensor:
+        """``x`` with ``above`` rows of the previous band on top and ``below`` rows of the next
+        band underneath; zero rows (the whole frame's zero padding) past the frame's edges."""
+        if not above and not below:
+            return x
+        rows = x.shape[-2]
+        assert rows >= max(above, below), (rows, above, below)
+        shape = list(x.shape)
+        wire = torch.device("cpu") if self.stage else x.device
+        ops, got = [], {}
+
+        def recv(key, n, peer):
+            buf = torch.empty(shape[:-2] + [n, shape[-1]], dtype=x.dtype, device=wire)
+            got[key] = buf
+            ops.append(dist.P2POp(dist.irecv, buf, self._peer(peer), self.group))
+
+        def send(t, peer):
+            ops.append(dist.P2POp(dist.isend, self._wire(t), self._peer(peer), self.group))
+
+        if self.rank > 0:
+            if above:
+                recv("above", above, self.rank - 1)
+            if below:
+                send(x.narrow(-2, 0, below), self.rank - 1)
+        if self.rank < self.world - 1:
+            if above:
+                send(x.narrow(-2, rows - above, above), self.rank + 1)
+            if below:
+                recv("below", below, self.rank + 1)
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+
+        def edge(key, n):  # received rows, or the frame's zero padding at its top/bottom
+            return [got[key].to(x.device) if key in got else x.new_zeros(shape[:-2] + [n, shape[-1]])] \
+                if n else []
+        return torch.cat(edge("above", above) + [x] + edge("below", below), dim=-2)
+
+    def _padded(self, x: torch.Tensor, f: int) -> tuple[torch.Tensor, list[int]]:
+        heights = [(e - s) * f for s, e in self.bands]
+        pad = max(heights) - x.shape[-2]
+        if pad:
+            shape = list(x.shape)
+            shape[-2] = pad
+            x = torch.cat([x, x.new_zeros(shape)], dim=-2)
+        return self._wire(x), heights
+
+    def _assemble(self, parts: list[torch.Tensor], heights: list[int], device) -> torch.Tensor:
+        return torch.cat([p.narrow(-2, 0, h) for p, h in zip(parts, heights)], dim=-2).to(device)
+
+    def gather_all(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole frame from every rank's band, on every rank."""
+        padded, heights = self._padded(x, self.factor(x))
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded, group=self.group)
+        return self._assemble(parts, heights, x.device)
+
+    def gather_to(self, x: torch.Tensor, dst: Optional[int]) -> Optional[torch.Tensor]:
+        """The whole frame on group rank ``dst`` (None elsewhere), or on all ranks for None."""
+        if dst is None:
+            return self.gather_all(x)
+        padded, heights = self._padded(x, self.factor(x))
+        parts = [torch.empty_like(padded) for _ in range(self.world)] if self.rank == dst else None
+        dist.gather(padded, parts, dst=self._peer(dst), group=self.group)
+        return self._assemble(parts, heights, x.device) if parts is not None else None
+
+
+# --------------------------------------------------------------------------------------------
+# the engine's forward, band by band
+
+
+class _BandVAE:
+    """``WanVAE_.encode``/``decode`` (and the Encoder3d/Decoder3d/block forwards under them),
+    over one rank's band, with the engine's modules and cache bookkeeping."""
+
+    def __init__(self, model: nn.Module, rows: _Rows):
+        self.model = model
+        self.rows = rows
+        self.eng = sys.modules[type(model).__module__]  # wan.modules.vae2_1, wherever it lives
+
+    # ----- convolutions
+    def conv(self, conv: nn.Module, x: torch.Tensor, cache=None) -> torch.Tensor:
+        """``CausalConv3d.forward(x, cache)`` on the band: H padding replaced by halo rows."""
+        halo = conv._padding[2]
+        full = self.rows.full_rows(x) + 2 * halo
+        x = self.rows.halo(x, halo, halo)
+        return self._causal(conv, x, cache, full)
+
+    def _causal(self, conv, x, cache, full_rows: int) -> torch.Tensor:
+        padding = list(conv._padding)
+        padding[2] = padding[3] = 0  # rows: already in x
+        if cache is not None and conv._padding[4] > 0:
+            x = torch.cat([cache.to(x.device), x], dim=2)
+            padding[4] -= cache.shape[2]
+        return conv_rows(conv, F.pad(x, padding), full_rows)
+
+    def cached_conv(self, conv, x, feat_cache, feat_idx) -> torch.Tensor:
+        """The engine's ``cache_x`` bookkeeping around a CausalConv3d; the cache keeps the
+        halo rows too, so the next chunk's conv has its rows without another exchange."""
+        halo = conv._padding[2]
+        full = self.rows.full_rows(x) + 2 * halo
+        x = self.rows.halo(x, halo, halo)
+        idx = feat_idx[0]
+        cache_x = x[:, :, -self.eng.CACHE_T:].clone()
+        if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
+            cache_x = torch.cat([feat_cache[idx][:, :, -1].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
+        x = self._causal(conv, x, feat_cache[idx], full)
+        feat_cache[idx] = cache_x
+        feat_idx[0] += 1
+        return x
+
+    # ----- blocks
+    def layer(self, m: nn.Module, x, feat_cache, feat_idx) -> torch.Tensor:
+        e = self.eng
+        if isinstance(m, e.ResidualBlock):
+            return self.residual(m, x, feat_cache, feat_idx)
+        if isinstance(m, e.Resample):
+            return self.resample(m, x, feat_cache, feat_idx)
+        if isinstance(m, e.AttentionBlock):
+            return self.attention(m, x)
+        if isinstance(m, e.CausalConv3d):
+            return self.cached_conv(m, x, feat_cache, feat_idx)
+        if isinstance(m, (e.RMS_norm, nn.SiLU, nn.Dropout, nn.Identity)):  # per pixel
+            return m(x)
+        raise NotImplementedError(f"split VAE: no band forward for {type(m).__name__}")
+
+    def residual(self, block, x, feat_cache, feat_idx) -> torch.Tensor:
+        h = self.conv(block.shortcut, x) if isinstance(block.shortcut, self.eng.CausalConv3d) \
+            else block.shortcut(x)
+        for m in block.residual:
+            x = self.layer(m, x, feat_cache, feat_idx)
+        return x + h
+
+    def attention(self, block, x) -> torch.Tensor:
+        """The whole frame is gathered; each rank runs the engine's block and keeps its rows."""
+        f = self.rows.factor(x)
+        return self.rows.own(block(self.rows.gather_all(x)), f)
+
+    def resample(self, m, x, feat_cache, feat_idx) -> torch.Tensor:
+        """``Resample.forward``: time conv (upsample3d), the spatial x2 per frame, time conv
+        (downsample3d)."""
+        if m.mode == 'upsample3d':
+            x = self._time_upsample(m, x, feat_cache, feat_idx)
+        t = x.shape[2]
+        full = self.rows.full_rows(x)
+        x = rearrange(x, 'b c t h w -> (b t) c h w')
+        if m.mode.startswith('upsample'):
+            up, conv = m.resample
+            x = up(x)  # nearest x2: band rows [s, e) -> [2s, 2e), a copy
+            x = conv_rows(conv, self.rows.halo(x, 1, 1), 2 * full)
+        elif m.mode.startswith('downsample'):
+            zero_pad, conv = m.resample  # ZeroPad2d((0, 1, 0, 1)): rows below come from the halo
+            left, right, top, bottom = zero_pad.padding
+            x = F.pad(self.rows.halo(x, top, bottom), (left, right, 0, 0))
+            x = conv_rows(conv, x, full + top + bottom)
+        else:
+            x = m.resample(x)
+        x = rearrange(x, '(b t) c h w -> b c t h w', t=t)
+        if m.mode == 'downsample3d':
+            x = self._time_downsample(m, x, feat_cache, feat_idx)
+        return x
+
+    def _time_upsample(self, m, x, feat_cache, feat_idx) -> torch.Tensor:
+        """``Resample.forward``'s upsample3d time_conv part, with its 'Rep' first chunk."""
+        b, c, t, h, w = x.size()
+        idx = feat_idx[0]
+        old = feat_cache[idx]
+        feat_idx[0] += 1
+        if old is None:
+            feat_cache[idx] = 'Rep'
+            return x
+        rep = isinstance(old, str)
+        cache_x = x[:, :, -self.eng.CACHE_T:].clone()
+        if cache_x.shape[2] < 2:
+            first = torch.zeros_like(cache_x) if rep else old[:, :, -1].unsqueeze(2).to(cache_x.device)
+            cache_x = torch.cat([first, cache_x], dim=2)
+        x = self.conv(m.time_conv, x, None if rep else old)
+        feat_cache[idx] = cache_x
+        x = x.reshape(b, 2, c, t, h, w)
+        x = torch.stack((x[:, 0, :, :, :, :], x[:, 1, :, :, :, :]), 3)
+        return x.reshape(b, c, t * 2, h, w)
+
+    def _time_downsample(self, m, x, feat_cache, feat_idx) -> torch.Tensor:
+        """``Resample.forward``'s downsample3d time_conv part (the first chunk is only cached)."""
+        idx = feat_idx[0]
+        feat_idx[0] += 1
+        if feat_cache[idx] is None:
+            feat_cache[idx] = x.clone()
+            return x
+        cache_x = x[:, :, -1:, :, :].clone()
+        x = self.conv(m.time_conv, torch.cat([feat_cache[idx][:, :, -1:, :, :], x], 2))
+        feat_cache[idx] = cache_x
+        return x
+
+    # ----- encoder / decoder
+    def _run(self, parts: Sequence[nn.Module], x, feat_cache, feat_idx) -> torch.Tensor:
+        for part in parts:
+            for m in (part if isinstance(part, nn.Sequential) else [part]):
+                x = self.layer(m, x, feat_cache, feat_idx)
+        return x
+
+    def encoder(self, enc, x, feat_cache, feat_idx) -> torch.Tensor:
+        return self._run([enc.conv1, enc.downsamples, enc.middle, enc.head], x, feat_cache, feat_idx)
+
+    def decoder(self, dec, x, feat_cache, feat_idx) -> torch.Tensor:
+        return self._run([dec.conv1, dec.middle, dec.upsamples, dec.head], x, feat_cache, feat_idx)
+
+    def encode(self, x: torch.Tensor, scale) -> torch.Tensor:
+        """``WanVAE_.encode`` on the band ``x`` (pixel rows): chunks of 1, 4, 4, ... frames."""
+        model = self.model
+        feat_cache = [None] * self.eng.count_conv3d(model.encoder)
+        t = x.shape[2]
+        out = None
+        for i in range(1 + (t - 1) // 4):
+            chunk = x[:, :, :1] if i == 0 else x[:, :, 1 + 4 * (i - 1):1 + 4 * i]
+            out_ = self.encoder(model.encoder, chunk, feat_cache, [0])
+            out = out_ if out is None else torch.cat([out, out_], 2)
+        mu, log_var = self.conv(model.conv1, out).chunk(2, dim=1)
+        if isinstance(scale[0], torch.Tensor):
+            return (mu - scale[0].view(1, model.z_dim, 1, 1, 1)) * scale[1].view(1, model.z_dim, 1, 1, 1)
+        return (mu - scale[0]) * scale[1]
+
+    def decode(self, z: torch.Tensor, scale) -> torch.Tensor:
+        """``WanVAE_.decode`` on the band ``z`` (latent rows), one latent frame at a time."""
+        model = self.model
+        if isinstance(scale[0], torch.Tensor):
+            z = z / scale[1].view(1, model.z_dim, 1, 1, 1) + scale[0].view(1, model.z_dim, 1, 1, 1)
+        else:
+            z = z / scale[1] + scale[0]
+        x = self.conv(model.conv2, z)
+        feat_cache = [None] * self.eng.count_conv3d(model.decoder)
+        out = None
+        for i in range(z.shape[2]):
+            out_ = self.decoder(model.decoder, x[:, :, i:i + 1], feat_cache, [0])
+            out = out_ if out is None else torch.cat([out, out_], 2)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def _split_world(group) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _levels(modules, prefix: str, eng) -> int:
+    """Spatial resampling levels (each x2) among ``modules``."""
+    return sum(1 for m in modules if isinstance(m, eng.Resample) and m.mode.startswith(prefix))
+
+
+@contextmanager
+def _engine_autocast(vae) -> Iterator[None]:
+    """What ``Wan2_1_VAE.encode``/``decode`` run under: ``torch.cuda.amp.autocast(dtype=vae.dtype)``
+    (on CUDA with the fp32 VAE this overrides the caller's bf16 autocast; off CUDA it is off)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA is not available.*")
+        ctx = torch.amp.autocast("cuda", dtype=vae.dtype)
+    with ctx:
+        yield
+
+
+def _unsplit(result: list, group, dst: Optional[int]) -> Optional[list]:
+    """``result`` where it is returned (``dst``, or every rank for None), else None."""
+    if dst is None or not dist.is_initialized() or dist.get_rank(group) == dst:
+        return result
+    return None
+
+
+@torch.no_grad()
+def split_encode(vae, videos: Sequence[torch.Tensor], group=None,
+                 dst: Optional[int] = 0) -> Optional[list[torch.Tensor]]:
+    """``vae.encode(videos)`` (a ``Wan2_1_VAE``; each video ``[C, T, H, W]``, H a multiple of 8,
+    given in full on every rank of ``group``), computed in row bands over the group's ranks.
+    Collective: every rank of ``group`` (default: the world) calls it with the same inputs.
+
+    Returns the engine's list of latents on group rank ``dst`` (None on the others), or on every
+    rank for ``dst=None``. Bit-identical to the engine on CPU (see the module docstring). Needs at
+    most one rank per latent row. A process without a process group (or a group of one) runs the
+    engine's own ``vae.encode``.
+    """
+    if _split_world(group) == 1:
+        return _unsplit(vae.encode(videos), group, dst)
+    model = vae.model
+    eng = sys.modules[type(model).__module__]
+    factor = 2 ** _levels(model.encoder.downsamples, 'downsample', eng)
+    out = []
+    with _engine_autocast(vae):
+        for u in videos:
+            rows = _Rows(group, _latent_rows(u.shape[-2], factor, _split_world(group)), u.device)
+            band = rows.own(u.unsqueeze(0), factor)
+            mu = _BandVAE(model, rows).encode(band, vae.scale).float().squeeze(0)
+            out.append(rows.gather_to(mu, dst))
+    return _unsplit(out, group, dst)
+
+
+@torch.no_grad()
+def split_decode(vae, zs: Sequence[torch.Tensor], group=None,
+                 dst: Optional[int] = 0) -> Optional[list[torch.Tensor]]:
+    """``vae.decode(zs)`` (each latent ``[16, T, h, w]``, given in full on every rank of
+    ``group``), computed in row bands over the group's ranks; returned like ``split_encode``."""
+    if _split_world(group) == 1:
+        return _unsplit(vae.decode(zs), group, dst)
+    model = vae.model
+    eng = sys.modules[type(model).__module__]
+    factor = 2 ** _levels(model.decoder.upsamples, 'upsample', eng)
+    out = []
+    with _engine_autocast(vae):
+        for z in zs:
+            rows = _Rows(group, _latent_rows(z.shape[-2], 1, _split_world(group)), z.device)
+            band = rows.own(z.unsqueeze(0), 1)
+            x = _BandVAE(model, rows).decode(band, vae.scale).float().clamp_(-1, 1).squeeze(0)
+            assert x.shape[-2] == (rows.stop - rows.start) * factor
+            out.append(rows.gather_to(x, dst))
+    return _unsplit(out, group, dst)
