@@ -1,5 +1,5 @@
-"""Benchmark for issue #8 (our generation loop): every layout side by side with one rank, on a
-compute-bound preset, in one invocation.
+"""Benchmark for our generation loop (issues #8 and #13): every layout side by side with one
+rank, on a compute-bound preset, in one invocation.
 
 The tiny demo checkpoint does almost no arithmetic, so splitting its DiT only measures gloo
 latency (docs/bench.md, first section). This bench builds (once, cached under ``--cache``) a
@@ -15,12 +15,16 @@ image and 1 s of synthetic speech, then runs, one after another, ``python -m wan
     fsdp-fixed+cfg  --nproc 2 --mode fsdp-fixed --cfg-parallel
     hybrid          --nproc 2 --mode hybrid
     hybrid+cfg      --nproc 2 --mode hybrid --cfg-parallel
+    ulysses/vae0, ulysses+cfg/vae0, ...   the same with --no-vae-parallel (rank 0 runs the VAE)
 
-all with ``--device cpu --threads 1 --size 256*256 --infer-frames 8 --num-clips 1 --steps N
---seed 42``, and prints one table: rank 0's ``denoise`` seconds and its ratio to 1 rank; the
-input-encoding + VAE work stages (audio_encode, ref_encode, text_encode, decode, motion_encode)
-summed over ranks and their ratio to 1 rank; peak host RSS of rank 0 and the max of the other
-ranks; the run's wall time; and whether the frames (``--frames-out``) equal the 1-rank run's.
+(the 2-rank layouts split the VAE over both ranks unless named ``/vae0``), all with ``--device
+cpu --threads 1 --size 256*256 --infer-frames 8 --num-clips C --steps N --seed 42``, and prints
+one table: rank 0's ``denoise`` seconds and its ratio to 1 rank; the input-encoding + VAE work
+stages (audio_encode, ref_encode, text_encode, decode, motion_encode) summed over ranks and their
+ratio to 1 rank; the VAE stages (ref_encode, decode, motion_encode) of the slowest rank and their
+ratio to 1 rank; peak host RSS of rank 0 and the max of the other ranks; the run's wall time and
+its ratio; and whether the frames (``--frames-out``) equal the 1-rank run's. ``--num-clips 2``
+(default 1) includes a motion re-encode.
 
     .venv/bin/python bench/bench_loop.py                         # everything, compute preset
     .venv/bin/python bench/bench_loop.py --preset tiny --layouts 1,ulysses --steps 1  # smoke test
@@ -61,18 +65,22 @@ AUDIO_SECONDS = 1.0
 SAMPLE_RATE = 16000
 CACHE_FORMAT = 1  # bump to invalidate cached presets
 
-#: layout name -> (nproc, mode, cfg_parallel)
-LAYOUTS: dict[str, tuple[int, str, bool]] = {
-    "1": (1, "ulysses", False),
-    "ulysses": (2, "ulysses", False),
-    "ulysses+cfg": (2, "ulysses", True),
-    "fsdp-fixed": (2, "fsdp-fixed", False),
-    "fsdp-fixed+cfg": (2, "fsdp-fixed", True),
-    "hybrid": (2, "hybrid", False),
-    "hybrid+cfg": (2, "hybrid", True),
+#: layout name -> (nproc, mode, cfg_parallel, vae_parallel)
+LAYOUTS: dict[str, tuple[int, str, bool, bool]] = {
+    "1": (1, "ulysses", False, False),
+    "ulysses": (2, "ulysses", False, True),
+    "ulysses+cfg": (2, "ulysses", True, True),
+    "fsdp-fixed": (2, "fsdp-fixed", False, True),
+    "fsdp-fixed+cfg": (2, "fsdp-fixed", True, True),
+    "hybrid": (2, "hybrid", False, True),
+    "hybrid+cfg": (2, "hybrid", True, True),
 }
+LAYOUTS.update({f"{name}/vae0": (n, mode, cfg, False) for name, (n, mode, cfg, _) in list(LAYOUTS.items())
+                if n > 1})
+DEFAULT_LAYOUTS = [n for n in LAYOUTS if not n.endswith("/vae0")]
 #: the stages that do input-encoding / VAE work (not the receive_* waits of the other ranks)
 WORK_STAGES = ("audio_encode", "ref_encode", "text_encode", "decode", "motion_encode")
+VAE_STAGES = ("ref_encode", "decode", "motion_encode")
 
 
 # --------------------------------------------------------------------------- assets
@@ -122,19 +130,21 @@ def ensure_assets(cache: Path, preset: str, overrides: Optional[dict] = None) ->
 
 # --------------------------------------------------------------------------- one run
 def run_argv(a, name: str, ckpt: Path, image: Path, audio: Path, work: Path) -> list[str]:
-    nproc, mode, cfg = LAYOUTS[name]
-    tag = name.replace("+", "-")
+    nproc, mode, cfg, vae = LAYOUTS[name]
+    tag = name.replace("+", "-").replace("/", "-")
     argv = [sys.executable, "-m", "wan_s2v_runner", "run",
             "--ckpt-dir", str(ckpt), "--image", str(image), "--audio", str(audio),
             "--prompt", "a person talking",
             "--device", "cpu", "--threads", str(a.threads),
-            "--size", a.size, "--infer-frames", str(a.infer_frames), "--num-clips", "1",
+            "--size", a.size, "--infer-frames", str(a.infer_frames), "--num-clips", str(a.num_clips),
             "--steps", str(a.steps), "--seed", str(a.seed),
             "--nproc", str(nproc), "--mode", mode,
             "--output", str(work / f"{tag}.mp4"), "--frames-out", str(work / f"{tag}.pt"),
             "--runs-root", str(work / "runs" / tag), "--json"]
     if cfg:
         argv.append("--cfg-parallel")
+    if nproc > 1:
+        argv.append("--vae-parallel" if vae else "--no-vae-parallel")
     if a.skip_preflight:
         argv.append("--skip-preflight")
     return argv
@@ -163,7 +173,7 @@ def _manifest(stdout: str, runs_root: Path) -> Optional[dict]:
 
 def one(a, name: str, assets, work: Path) -> dict:
     argv = run_argv(a, name, *assets, work)
-    tag = name.replace("+", "-")
+    tag = name.replace("+", "-").replace("/", "-")
     print(f"== {name}: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -227,13 +237,14 @@ def one(a, name: str, assets, work: Path) -> dict:
         work_s=round(sum(r["stage_seconds"].get(s, 0.0) for r in ranks.values() for s in WORK_STAGES), 3),
         work_by_stage={s: round(sum(r["stage_seconds"].get(s, 0.0) for r in ranks.values()), 3)
                        for s in WORK_STAGES},
+        vae_max_s=round(max(sum(r["stage_seconds"].get(s, 0.0) for s in VAE_STAGES) for r in ranks.values()), 3),
         rss0_mb=r0["host_peak_rss_mb"],
         rss_others_mb=max((r["host_peak_rss_mb"] or 0.0) for r in others) if others else None,
         stage_seconds={k: r["stage_seconds"] for k, r in ranks.items()},
         torch=(m.get("versions") or {}).get("torch"),
     )
     print(f"   {name}: wall {row['wall_s']:.1f} s, denoise {row['denoise_s']:.1f} s, "
-          f"enc+VAE {row['work_s']:.1f} s", file=sys.stderr, flush=True)
+          f"enc+VAE {row['work_s']:.1f} s, VAE max rank {row['vae_max_s']:.1f} s", file=sys.stderr, flush=True)
     return row
 
 
@@ -253,7 +264,8 @@ def compare_frames(ref: Path, other: Path) -> str:
 
 # --------------------------------------------------------------------------- table
 COLUMNS = ["layout", "ranks", "denoise s", "denoise x", "enc+VAE s (sum ranks)", "enc+VAE x",
-           "RSS r0 MB", "RSS others max MB", "wall s", "frames vs 1 rank"]
+           "VAE s (max rank)", "VAE x", "RSS r0 MB", "RSS others max MB", "wall s", "wall x",
+           "frames vs 1 rank"]
 
 
 def _f(v, fmt: str) -> str:
@@ -265,14 +277,17 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
     out = []
     for r in rows:
         if not r["ok"]:
-            out.append([r["layout"], str(r["ranks"]), "FAILED", "", "", "", "", "", "",
-                        str(r.get("error", ""))[:100]])
+            out.append([r["layout"], str(r["ranks"]), "FAILED"] + [""] * (len(COLUMNS) - 4)
+                       + [str(r.get("error", ""))[:100]])
             continue
-        dx = r["denoise_s"] / ref["denoise_s"] if ref and ref["denoise_s"] else None
-        wx = r["work_s"] / ref["work_s"] if ref and ref["work_s"] else None
-        out.append([r["layout"], str(r["ranks"]), _f(r["denoise_s"], ".2f"), _f(dx, ".2f"),
-                    _f(r["work_s"], ".2f"), _f(wx, ".2f"), _f(r["rss0_mb"], ".0f"),
-                    _f(r["rss_others_mb"], ".0f"), _f(r["wall_s"], ".2f"), r.get("frames_check", "-")])
+
+        def ratio(key):
+            return r[key] / ref[key] if ref and ref[key] else None
+        out.append([r["layout"], str(r["ranks"]), _f(r["denoise_s"], ".2f"), _f(ratio("denoise_s"), ".2f"),
+                    _f(r["work_s"], ".2f"), _f(ratio("work_s"), ".2f"),
+                    _f(r["vae_max_s"], ".2f"), _f(ratio("vae_max_s"), ".2f"), _f(r["rss0_mb"], ".0f"),
+                    _f(r["rss_others_mb"], ".0f"), _f(r["wall_s"], ".2f"), _f(ratio("wall_s"), ".2f"),
+                    r.get("frames_check", "-")])
     return out
 
 
@@ -283,7 +298,8 @@ def render(rows: list[dict], markdown: bool) -> str:
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in body]
         return "\n".join(lines)
     widths = [max(len(COLUMNS[i]), *(len(r[i]) for r in body)) for i in range(len(COLUMNS))]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i in (0, 9) else c.rjust(w)  # noqa: E731
+    last = len(COLUMNS) - 1
+    fmt = lambda cells: "  ".join(c.ljust(w) if i in (0, last) else c.rjust(w)  # noqa: E731
                                   for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([fmt(COLUMNS)] + [fmt(r) for r in body])
 
@@ -302,13 +318,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="checkpoint preset (default: compute; tiny: smoke test)")
     ap.add_argument("--cache", type=Path, default=Path("~/.cache/wan-s2v/bench"),
                     help="where presets are built once and reused (default: ~/.cache/wan-s2v/bench)")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS),
-                    help=f"comma-separated subset of {','.join(LAYOUTS)} (default: all)")
+    ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
+                    help=f"comma-separated subset of {','.join(LAYOUTS)} (default: {','.join(DEFAULT_LAYOUTS)})")
     for dim in ("dit_dim", "dit_heads", "dit_layers", "vae_dim"):
         ap.add_argument("--" + dim.replace("_", "-"), type=int,
                         help="override the preset's checkpoint dimension (own cache entry)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--infer-frames", type=int, default=8)
+    ap.add_argument("--num-clips", type=int, default=1, help="clips (2+: includes a motion re-encode)")
     ap.add_argument("--size", default=None, help="WIDTH*HEIGHT (default: the preset's)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--seed", type=int, default=42)
@@ -354,7 +371,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(render(rows, a.markdown))
     torch_v = next((r["torch"] for r in rows if r.get("torch")), "?")
     note = (f"preset {a.preset} ({ckpt_desc}), size {a.size}, {a.infer_frames} frames, "
-            f"1 clip, {a.steps} steps, seed {a.seed}, cpu/gloo, {a.threads} thread(s)/rank, torch {torch_v}; "
+            f"{a.num_clips} clip(s), {a.steps} steps, seed {a.seed}, cpu/gloo, {a.threads} thread(s)/rank, torch {torch_v}; "
             f"ratios to the 1-rank row of this invocation; bench total {total:.0f} s; "
             f"1-min load average {load_before} before, {load_after} after")
     print(f"\n{note}" if a.markdown else f"({note})")
