@@ -557,3 +557,17 @@ def test_plain_display_coalesces_stage_lines(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[1:] == ["[0:00] load: ranks 0-1", "[0:00] denoise clip 1/2: rank 0 (1 of 2)",
                        "[0:00] rank 1 ERROR in load: E: m"], out
+
+
+def test_cpu_ranks_get_the_heap_reusing_malloc_settings_unless_the_user_set_them(tmp_path, monkeypatch):
+    from wan_s2v_runner.launch import CPU_MALLOC_ENV, worker_env
+
+    spec = _supervisor(tmp_path).spec
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    env = worker_env(spec)
+    assert all(env[k] == v for k, v in CPU_MALLOC_ENV.items()) and env["OMP_NUM_THREADS"] == str(spec.threads)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert worker_env(spec)["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    gpu = spec.model_copy(update={"device": "cuda"})
+    assert "MALLOC_MMAP_THRESHOLD_" not in worker_env(gpu)
