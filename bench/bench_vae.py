@@ -36,33 +36,18 @@ def worker(a) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    from patches import checkpoint_dims
     from wan_s2v_runner.engine import import_wan
-    import_wan()
-    from wan.modules.vae2_1 import WanVAE_
+    wan = import_wan()
+    checkpoint_dims.apply(wan)  # the VAE width comes from the file, as in a run
+    from wan.modules.vae2_1 import Wan2_1_VAE
 
     from wan_s2v_runner.vae_split import split_decode, split_encode
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    ckpt = Path(a.ckpt)
-    state = torch.load(ckpt / "Wan2.1_VAE.pth", map_location="cpu", weights_only=True)
-    dim = state["encoder.conv1.weight"].shape[0]
-    model = WanVAE_(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-                    temperal_downsample=[False, True, True], dropout=0.0).eval().requires_grad_(False)
-    model.load_state_dict(state)
-
-    class Vae:  # the Wan2_1_VAE surface split_* and the loop use
-        dtype = torch.float32
-        scale = [torch.zeros(16), torch.ones(16)]
-
-        def encode(self, videos):
-            return [model.encode(u.unsqueeze(0), self.scale).float().squeeze(0) for u in videos]
-
-        def decode(self, zs):
-            return [model.decode(u.unsqueeze(0), self.scale).float().clamp_(-1, 1).squeeze(0) for u in zs]
-
-    Vae.model = model
-    vae = Vae()
+    vae = Wan2_1_VAE(vae_pth=str(Path(a.ckpt) / "Wan2.1_VAE.pth"), device="cpu")  # as the engine builds it
+    dim = vae.model.dim
     h, w = a.height, a.width
     video = torch.zeros(3, 73, h, w)
     g = torch.Generator().manual_seed(0)

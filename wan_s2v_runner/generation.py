@@ -73,7 +73,8 @@ class Encoded:
     context: list  # [tensor [L, 4096]] on device
     context_null: list
     drop_first_motion: bool
-    #: the initial "last 73 frames" (pixels); only the decoding rank has them
+    #: the initial "last 73 frames" (pixels); on the ranks that decode (rank 0, or every rank when
+    #: the VAE is split)
     last_frames: Optional[torch.Tensor] = None
 
 
@@ -333,7 +334,7 @@ class S2VGenerator:
                 latents = torch.stack(latents)
                 if not vae_here:  # waits for the decoding rank (its next motion latents, or the end)
                     h.stage(Stage.RECEIVE_MOTION, clip=r + 1, clips=enc.num_repeat)
-                if vae_here:
+                else:
                     h.stage(Stage.DECODE, clip=r + 1, clips=enc.num_repeat)
                     decode_latents = torch.cat([ref_latents_or_motion(drop, enc.ref_latents, motion_latents), latents],
                                                dim=2)

@@ -469,6 +469,20 @@ def _unsplit(result: list, group, dst: Optional[int]) -> Optional[list]:
     return None
 
 
+def _split_call(vae, inputs: Sequence[torch.Tensor], group, dst: Optional[int], in_factor: int,
+                compute) -> Optional[list[torch.Tensor]]:
+    """Each input's row band (``in_factor`` input rows per latent row) through
+    ``compute(band_vae, band)``, the bands' outputs gathered like the engine's list result."""
+    world = _split_world(group)
+    out = []
+    with _engine_autocast(vae):
+        for u in inputs:
+            rows = _Rows(group, _latent_rows(u.shape[-2], in_factor, world), u.device)
+            band = rows.own(u.unsqueeze(0), in_factor)
+            out.append(rows.gather_to(compute(_BandVAE(vae.model, rows), band).squeeze(0), dst))
+    return _unsplit(out, group, dst)
+
+
 @torch.no_grad()
 def split_encode(vae, videos: Sequence[torch.Tensor], group=None,
                  dst: Optional[int] = 0) -> Optional[list[torch.Tensor]]:
@@ -483,17 +497,10 @@ def split_encode(vae, videos: Sequence[torch.Tensor], group=None,
     """
     if _split_world(group) == 1:
         return _unsplit(vae.encode(videos), group, dst)
-    model = vae.model
-    eng = sys.modules[type(model).__module__]
-    factor = 2 ** _levels(model.encoder.downsamples, 'downsample', eng)
-    out = []
-    with _engine_autocast(vae):
-        for u in videos:
-            rows = _Rows(group, _latent_rows(u.shape[-2], factor, _split_world(group)), u.device)
-            band = rows.own(u.unsqueeze(0), factor)
-            mu = _BandVAE(model, rows).encode(band, vae.scale).float().squeeze(0)
-            out.append(rows.gather_to(mu, dst))
-    return _unsplit(out, group, dst)
+    eng = sys.modules[type(vae.model).__module__]
+    factor = 2 ** _levels(vae.model.encoder.downsamples, 'downsample', eng)
+    return _split_call(vae, videos, group, dst, factor,
+                       lambda band_vae, band: band_vae.encode(band, vae.scale).float())
 
 
 @torch.no_grad()
@@ -503,15 +510,13 @@ def split_decode(vae, zs: Sequence[torch.Tensor], group=None,
     ``group``), computed in row bands over the group's ranks; returned like ``split_encode``."""
     if _split_world(group) == 1:
         return _unsplit(vae.decode(zs), group, dst)
-    model = vae.model
-    eng = sys.modules[type(model).__module__]
-    factor = 2 ** _levels(model.decoder.upsamples, 'upsample', eng)
-    out = []
-    with _engine_autocast(vae):
-        for z in zs:
-            rows = _Rows(group, _latent_rows(z.shape[-2], 1, _split_world(group)), z.device)
-            band = rows.own(z.unsqueeze(0), 1)
-            x = _BandVAE(model, rows).decode(band, vae.scale).float().clamp_(-1, 1).squeeze(0)
-            assert x.shape[-2] == (rows.stop - rows.start) * factor
-            out.append(rows.gather_to(x, dst))
-    return _unsplit(out, group, dst)
+    eng = sys.modules[type(vae.model).__module__]
+    factor = 2 ** _levels(vae.model.decoder.upsamples, 'upsample', eng)
+
+    def decode(band_vae, band):
+        x = band_vae.decode(band, vae.scale).float().clamp_(-1, 1)
+        rows = band_vae.rows
+        assert x.shape[-2] == (rows.stop - rows.start) * factor
+        return x
+
+    return _split_call(vae, zs, group, dst, 1, decode)
