@@ -37,6 +37,9 @@ class ModeRunner:
             from patches import sp_group
             applied["sp_group"] = f"{len(sp_group.apply(plan.sp_group))} names bound to the SP group"
         parts = components.load(wan, config, str(spec.ckpt_dir), plan, device, device_id)
+        from patches import context_cache
+        blocks = context_cache.apply(parts.noise_model)  # done by components.load; idempotent
+        applied["context_cache"] = f"text embedding and {blocks} blocks' cross-attention k/v once per context"
         return plan, parts, applied
 
     def launch(self, spec: RunSpec, **kwargs) -> int:

@@ -56,6 +56,10 @@ def test_our_loop_equals_upstream_generate(engine_cpu, solver, start_from_ref):
     ours = S2VGenerator(parts, plan, hooks=_recording(stages)).generate(request_for(spec))
     assert ours.shape == ref.shape == (3, 2 * 8 - (0 if start_from_ref else 3), 64, 64)
     assert torch.equal(ours, ref), f"max abs diff {(ours - ref).abs().max()}"
+    # ... with the text k/v cache serving every step after the first (upstream's model has none)
+    from patches import context_cache
+    cache = context_cache.stats(parts.noise_model)
+    assert cache["kv_misses"] == 2 * len(parts.noise_model.blocks) and cache["kv_hits"] > cache["kv_misses"]
     assert stages.count("denoise") == 2 and stages.count("decode") == 2  # progress from the loop
 
 

@@ -1,5 +1,6 @@
 """The engine patches that have no end-to-end test of their own: the two pre-import patches
-(fresh processes, since they act on import) and the CPU device proxy."""
+(fresh processes, since they act on import) and the CPU device proxy; and the context cache's
+bookkeeping (its exactness end to end is in test_generation's upstream-parity test)."""
 from __future__ import annotations
 
 import subprocess
@@ -64,3 +65,31 @@ def test_cpu_device_proxy_maps_cuda_calls_and_leaves_torch_alone():
         assert t.randn(3, generator=g.manual_seed(1)).shape == (3,)  # everything else is torch's
     finally:
         s2v.torch = torch
+
+
+def test_context_cache_serves_equal_contexts_bounded_and_steps_aside_under_grad():
+    from patches import attention, context_cache
+    from wan_s2v_runner.engine import import_wan
+
+    wan = import_wan()
+    attention.apply(wan, "sdpa")
+    torch.manual_seed(0)
+    attn = wan.modules.model.WanCrossAttention(32, 4, qk_norm=True).eval()
+    emb = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(32, 32))
+    x = torch.randn(1, 6, 32)
+    raw = [torch.randn(1, 5, 8) for _ in range(3)]  # prompt, negative prompt, a third context
+    with torch.no_grad():
+        want = [attn(x, emb(r), None) for r in raw]  # upstream, uncached
+    emb_memo = context_cache.memo_text_embedding(emb)
+    kv_memo = context_cache.memo_cross_attention(attn)
+    with torch.no_grad():
+        for _step in range(3):
+            for r, w in zip(raw[:2], want):
+                assert torch.equal(attn(x, emb(r.clone()), None), w)  # an equal input, a new object
+    assert (emb_memo.hits, emb_memo.misses, kv_memo.hits, kv_memo.misses) == (4, 2, 4, 2)
+    with torch.no_grad():
+        assert torch.equal(attn(x, emb(raw[2]), None), want[2])
+    assert len(emb_memo.entries) == len(kv_memo.entries) == 2  # the oldest context was dropped
+    got = attn(x, emb(raw[0]), None)  # grad enabled (training): upstream's path, nothing stored
+    assert got.requires_grad and torch.equal(got.detach(), want[0])
+    assert (emb_memo.misses, kv_memo.misses) == (3, 3)

@@ -6,7 +6,8 @@ DiT: Ulysses rebinding, barrier, FSDP sharding), but only for the parts this ran
 (:class:`~wan_s2v_runner.parallel.RankPlan`): rank 0 loads T5 (unless it is FSDP-sharded, when
 every rank does), wav2vec2 and the VAE; every rank loads the DiT. The result is a ``WanS2V``
 built with ``__new__`` and the same attributes, so our loop calls upstream's own helper methods
-(``encode_audio``, ``get_gen_size``, ...) on it.
+(``encode_audio``, ``get_gen_size``, ...) on it. The DiT gets ``patches.context_cache``: its text
+embedding and cross-attention keys/values are computed once per context, not at every step.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from patches import context_cache
 from wan_s2v_runner.ckpt_layout import WAV2VEC_DIR
 
 log = logging.getLogger("wan_s2v.components")
@@ -74,6 +76,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int)
         noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype)
     self.noise_model = self._configure_model(model=noise_model, use_sp=lay.use_sp, dit_fsdp=lay.dit_fsdp,
                                              shard_fn=shard_fn, convert_model_dtype=False)
+    context_cache.apply(self.noise_model)
     self.audio_encoder = None
     if plan.needs_audio_encoder:
         self.audio_encoder = s2v_mod.AudioEncoder(model_id=os.path.join(ckpt_dir, WAV2VEC_DIR))
