@@ -66,6 +66,14 @@ def main() -> None:
         f"encode/{world}": compare(split_encode(vae, videos, dst=last), ref_enc, rank == last),
         f"decode/{world}": compare(split_decode(vae, zs, dst=None), ref_dec, True),
     }
+    # one latent row per rank: bands too thin for a residual block's 2-row exchange at latent
+    # resolution (a halo per conv there), thick enough above it (one exchange per block)
+    thin_v = [torch.rand(3, 5, 8 * world, 96, generator=g) * 2 - 1]
+    thin_z = [torch.randn(16, 2, world, 12, generator=g)]
+    with torch.no_grad():
+        ref_thin_enc, ref_thin_dec = vae.encode(thin_v), vae.decode(thin_z)
+    report[f"encode/{world}/thin"] = compare(split_encode(vae, thin_v, dst=None), ref_thin_enc, True)
+    report[f"decode/{world}/thin"] = compare(split_decode(vae, thin_z, dst=None), ref_thin_dec, True)
     sub = dist.new_group(list(range(1, world)))  # every rank takes part in creating it
     if rank >= 1:
         report[f"encode/{world - 1}"] = compare(split_encode(vae, videos, group=sub, dst=None),

@@ -16,6 +16,12 @@ How the engine's forward is split (it runs the engine's own modules and weights;
   Conv2d (ZeroPad2d(0, 1, 0, 1), 3x3, stride 2) 1 below only. Halo rows come from the neighbouring
   ranks (``batch_isend_irecv``); at the frame's top/bottom they are the zeros of the engine's own
   padding. Norms (RMS over channels), SiLU, dropout and the nearest upsample are per pixel.
+- A residual block (norm, SiLU, 3x3 conv, norm, SiLU, 3x3 conv) exchanges once, 2 rows each side:
+  its first conv also computes the neighbours' row next to the band (the arithmetic they use for
+  it, see below), its second reads that row; past the frame's edges those rows are set to the
+  zeros the engine pads with. That halves the exchanges (latency-bound: ~550 per 73-frame encode
+  before) for one extra row per side of the first conv. Bands thinner than 2 rows at a block's
+  resolution exchange per conv.
 - Temporal caches stay per band: each rank keeps its own ``feat_cache`` with the engine's
   bookkeeping (1 + 4k frame chunks on encode, one latent frame at a time on decode); a conv's
   cache holds its input rows including the halo rows, so the next chunk needs no extra exchange.
@@ -37,7 +43,9 @@ are padded with zero rows up to ``MIN_GEMM_COLUMNS`` pixels (or up to the whole 
 smaller) and cropped (without it the test's 56x16 frame decodes 2.4e-6 off). One measured caveat: with fewer than 8 output channels (only the decoder's
 3-channel head) MKL's tail kernels make a pixel's bits depend on its position modulo 4..8 in the
 gemm; bands start on whole rows, so this is exact when the pixel width is a multiple of 8, as
-every Wan size is. The per-pixel ops (RMS norm, SiLU, the scale, clamp) and the gathered
+every Wan size is. Frames only a few latent columns wide are the other limit: split into
+1-latent-row bands, a 24x16 frame encoded 1.9e-7 off (the whole-frame call is itself in MKL's
+small-matrix range there; the tests use 12 latent columns, real sizes have 60 or more). The per-pixel ops (RMS norm, SiLU, the scale, clamp) and the gathered
 attention (the whole frame, as the engine computes it) are exact as they are. On CUDA the convs go
 through the normal dispatch: cuDNN chooses its algorithm per shape, so a band may differ from the
 whole frame in the last bits (not measured; nothing is pinned there).
@@ -184,14 +192,29 @@ class _Rows:
     def _peer(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
-    def factor(self, x: torch.Tensor) -> int:
-        f, rem = divmod(x.shape[-2], self.stop - self.start)
-        assert rem == 0 and f > 0, (x.shape, self.start, self.stop)
+    def factor(self, x: torch.Tensor, extra: int = 0) -> int:
+        """``x``'s resolution in rows per latent row; ``extra``: rows ``x`` holds beyond its band
+        on each side."""
+        f, rem = divmod(x.shape[-2] - 2 * extra, self.stop - self.start)
+        assert rem == 0 and f > 0, (x.shape, extra, self.start, self.stop)
         return f
 
-    def full_rows(self, x: torch.Tensor) -> int:
+    def full_rows(self, x: torch.Tensor, extra: int = 0) -> int:
         """Rows of the whole frame at ``x``'s resolution."""
-        return self.latent_rows * self.factor(x)
+        return self.latent_rows * self.factor(x, extra)
+
+    def min_band(self, x: torch.Tensor) -> int:
+        """Rows of the smallest band at ``x``'s resolution (``x``: a band without extra rows)."""
+        return min(e - s for s, e in self.bands) * self.factor(x)
+
+    def zero_outside(self, x: torch.Tensor, extra: int) -> torch.Tensor:
+        """``x`` (a fresh tensor; changed in place) with its ``extra`` rows past the frame's top
+        or bottom edge set to zero: what the whole-frame conv's zero padding reads there."""
+        if self.rank == 0:
+            x.narrow(-2, 0, extra).zero_()
+        if self.rank == self.world - 1:
+            x.narrow(-2, x.shape[-2] - extra, extra).zero_()
+        return x
 
     def own(self, full: torch.Tensor, f: int) -> torch.Tensor:
         """This rank's rows of a whole frame at resolution ``f``."""
@@ -296,12 +319,19 @@ class _BandVAE:
             padding[4] -= cache.shape[2]
         return conv_rows(conv, F.pad(x, padding), full_rows)
 
-    def cached_conv(self, conv, x, feat_cache, feat_idx) -> torch.Tensor:
+    def cached_conv(self, conv, x, feat_cache, feat_idx, extra: int = 0) -> torch.Tensor:
         """The engine's ``cache_x`` bookkeeping around a CausalConv3d; the cache keeps the
-        halo rows too, so the next chunk's conv has its rows without another exchange."""
+        halo rows too, so the next chunk's conv has its rows without another exchange.
+        ``extra``: rows ``x`` already holds beyond its band on each side (an earlier, deeper
+        exchange); the conv reads its halo from them, and its output keeps ``extra - halo``."""
         halo = conv._padding[2]
-        full = self.rows.full_rows(x) + 2 * halo
-        x = self.rows.halo(x, halo, halo)
+        if extra:
+            assert extra >= halo, (extra, halo)
+            full = self.rows.full_rows(x, extra) + 2 * halo
+            x = self.rows.zero_outside(x, extra)
+        else:
+            full = self.rows.full_rows(x) + 2 * halo
+            x = self.rows.halo(x, halo, halo)
         idx = feat_idx[0]
         cache_x = x[:, :, -self.eng.CACHE_T:].clone()
         if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
@@ -329,8 +359,24 @@ class _BandVAE:
     def residual(self, block, x, feat_cache, feat_idx) -> torch.Tensor:
         h = self.conv(block.shortcut, x) if isinstance(block.shortcut, self.eng.CausalConv3d) \
             else block.shortcut(x)
+        convs = [m for m in block.residual if isinstance(m, self.eng.CausalConv3d)]
+        depth = sum(c._padding[2] for c in convs)
+        if not depth or self.rows.min_band(x) < depth:  # a halo per conv
+            for m in block.residual:
+                x = self.layer(m, x, feat_cache, feat_idx)
+            return x + h
+        # One exchange for the block: ``depth`` rows each side (2: its two 3x3 convs), the
+        # first conv computing the neighbours' row next to the band as well (the same
+        # arithmetic as theirs: conv_rows), the second reading it. Norms/SiLU are per pixel.
+        x = self.rows.halo(x, depth, depth)
+        extra = depth
         for m in block.residual:
-            x = self.layer(m, x, feat_cache, feat_idx)
+            if isinstance(m, self.eng.CausalConv3d):
+                x = self.cached_conv(m, x, feat_cache, feat_idx, extra)
+                extra -= m._padding[2]
+            else:
+                x = self.layer(m, x, feat_cache, feat_idx)
+        assert extra == 0, extra
         return x + h
 
     def attention(self, block, x) -> torch.Tensor:
