@@ -350,6 +350,10 @@ def test_unresolvable_master_addr():
     ctx = ctx_for(facts("a100_8x_nvlink"), nnodes=2, node_rank=1, master_addr="node0.invalid")
     r = result(ctx, "communication", "comm.master_addr")
     assert_finding(r, Status.FAIL, "--master-addr 'node0.invalid' does not resolve")
+    # loopback: right only when every node's launcher runs on this machine (a warning, not a stop)
+    ctx = ctx_for(facts("a100_8x_nvlink"), nnodes=2, node_rank=1, master_addr="127.0.0.1")
+    assert_finding(result(ctx, "communication", "comm.master_addr"), Status.WARN,
+                   "is a loopback address (127.0.0.1) with 2 nodes")
 
 
 # --------------------------------------------------------------------------- recorded machines

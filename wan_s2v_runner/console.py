@@ -287,6 +287,10 @@ class Display:
         if self.json_mode:
             print(json.dumps(manifest, indent=2, default=str), flush=True)
             return
+        if outcome.code == 0 and not spec.writes_output:
+            self._print(f"node {spec.node_rank} done in {manifest['wall_s']:.1f}s: its ranks finished; node 0 "
+                        f"writes {spec.output}; manifest {run_dir / 'run.json'}")
+            return
         if outcome.code == 0:
             out = manifest.get("output") or {}
             self._print(f"done in {manifest['wall_s']:.1f}s: {out.get('path')} "

@@ -507,7 +507,8 @@ def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional
         cleanup_partial_outputs(spec, rank_pids)
         _remove_empty_stacks(run_dir)
         sup.reader.poll()
-        if outcome.code == exit_codes.OK and (not spec.output.is_file() or _output_stamp(spec.output) == before):
+        if outcome.code == exit_codes.OK and spec.writes_output and \
+                (not spec.output.is_file() or _output_stamp(spec.output) == before):
             outcome = Outcome(code=exit_codes.RANK_FAILED, torchrun_rc=outcome.torchrun_rc,
                               reason=f"the run ended but {spec.output} was not written")
         data = manifest.build(spec, run_dir, sup.reader, outcome, started, time.time(),

@@ -233,6 +233,12 @@ class RunSpec(BaseModel):
         return self.nproc * self.nnodes
 
     @property
+    def writes_output(self) -> bool:
+        """Whether this node hosts global rank 0, which writes the mp4 and ``--frames-out``: node 0
+        (several nodes use torchrun's static rendezvous, which numbers ranks in node order)."""
+        return self.node_rank == 0
+
+    @property
     def layout(self) -> Layout:
         return Layout.for_mode(self.mode, self.world_size, self.cfg_parallel, self.vae_parallel)
 
