@@ -3,7 +3,8 @@ rendezvous on loopback, configured by flags, or only by the variables a cluster 
 (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE`` = nodes, ``RANK`` = node index, as Vertex AI
 and PyTorchJob do). Node 0 writes frames equal to one process's; node 1 ends cleanly and says
 that node 0 writes the output. The environment case adds ``--cfg-parallel``: at 2 nodes x 1 rank
-the two CFG branches run on different nodes."""
+the two CFG branches run on different nodes. A node that never joins ends the other node's run
+at the load watchdog's limit, with the missing node named."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY_FLAGS, asset_flags
+from conftest import ROOT, TINY_FLAGS, asset_flags, run_cli
+from wan_s2v_runner import exit_codes
 
 
 def _free_port() -> int:
@@ -60,3 +62,13 @@ def test_two_nodes_on_loopback_equal_one_process(tiny_assets, reference_frames, 
         assert (lay["world_size"], lay["nnodes"], lay["node_rank"]) == (2, 2, i)
         assert lay["cfg_degree"] == (2 if configured_by == "environment" else 1)
     assert manifests[0]["output"]["sha256"] and manifests[1]["output"] is None
+
+
+def test_a_node_that_never_joins_is_named(tiny_assets, tmp_path):
+    r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "1", "--nnodes", "2",
+                 "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                 "--watchdog-load", "8", "--output", str(tmp_path / "o.mp4"),
+                 "--runs-root", str(tmp_path / "runs")], cwd=tmp_path, timeout=120)
+    assert r.returncode == exit_codes.HUNG, r.output
+    assert "waiting for node 1 of 2" in r.output, r.output
+    assert not (tmp_path / "o.mp4").exists()

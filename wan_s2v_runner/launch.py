@@ -107,6 +107,19 @@ def rendezvous_argv(spec: RunSpec) -> list[str]:
     return ["--master-addr", spec.master_addr, "--master-port", str(port)]
 
 
+def not_started_note(spec: RunSpec) -> str:
+    """Why a rank of this node that never reported has no process: with several nodes, torchrun
+    starts its workers only when every node has joined the rendezvous."""
+    if spec.nnodes == 1:
+        return "torchrun did not start it"
+    others = [n for n in range(spec.nnodes) if n != spec.node_rank]
+    which = f"node {others[0]}" if len(others) == 1 else \
+        f"nodes {', '.join(map(str, others))} (at least one of them)"
+    return (f"torchrun on node {spec.node_rank} is still at the rendezvous on {spec.master_addr}:"
+            f"{spec.master_port}, waiting for {which} of {spec.nnodes}: start the same command there "
+            "with its --node-rank, or check that it can reach that address")
+
+
 def expected_ranks(spec: RunSpec) -> list[int]:
     """Global ranks started on this node (node-major: one node's are 0..nproc-1)."""
     return list(range(spec.node_rank * spec.nproc, (spec.node_rank + 1) * spec.nproc))
@@ -394,7 +407,8 @@ class Supervisor:
         stuck_ranks = sorted(r for rs in stuck.values() for r in rs)
         report = describe_hang(stuck, self.reader.ranks, now=now, limits=self.limits,
                                stacks_dir=self.run_dir / "stacks",
-                               stack_lines=analyse_stacks(self.run_dir, stuck_ranks), silent=silent)
+                               stack_lines=analyse_stacks(self.run_dir, stuck_ranks), silent=silent,
+                               not_started=not_started_note(self.spec))
         return Outcome(code=exit_codes.HUNG, stuck=stuck, failed_stage=next(iter(stuck)),
                        reason=report.reason, hint=report.hint, details=list(report.details),
                        traceback=None if stacks else "no stack dumps were written",

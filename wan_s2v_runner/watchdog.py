@@ -83,12 +83,15 @@ class HangReport:
 
 def describe_hang(stuck: Stuck, ranks: Mapping[int, RankState], *, now: float,
                   limits: WatchdogLimits, stacks_dir: Path, stack_lines: Sequence[str] = (),
-                  silent: Optional[Mapping[int, tuple[int, str]]] = None) -> HangReport:
+                  silent: Optional[Mapping[int, tuple[int, str]]] = None,
+                  not_started: str = "torchrun did not start it") -> HangReport:
     """The hang report for :func:`stalled`'s result.
 
     ``stack_lines``: the analysis of the stack dumps (:func:`diagnose.analyse_stacks`);
     ``silent``: for ranks that never reported, the (pid, process state) of the worker process
-    found for them while the run was still up (a rank missing there had no process)."""
+    found for them while the run was still up (a rank missing there had no process);
+    ``not_started``: why such a rank has no process (the launcher knows: a rendezvous with other
+    nodes, :func:`wan_s2v_runner.launch.not_started_note`)."""
     silent = silent or {}
     limit = max(limits.for_stage(s) for s in stuck)
     parts = []
@@ -107,7 +110,7 @@ def describe_hang(stuck: Stuck, ranks: Mapping[int, RankState], *, now: float,
                            "as registering faulthandler")
         else:
             details.append(f"rank {r} never reported (no events) and no worker process was "
-                           "found for it: torchrun did not start it (rendezvous with other nodes?)")
+                           f"found for it: {not_started}")
     details.extend(stack_lines)
     for r in sorted(r for rs in stuck.values() for r in rs):
         st = ranks.get(r)
