@@ -1,6 +1,6 @@
 """What every mode runner provides: its mode, what that mode does to the engine (from
 :data:`wan_s2v_runner.layout.MODES`), how a rank prepares for it (:meth:`ModeRunner.prepare`:
-the (cfg, sp) plan, the SP-group patch when CFG-parallel splits the world, the engine parts this
+the (cfg, sp) plan, Ulysses on the SP group for any degree (``patches.ulysses_sp``), the engine parts this
 rank loads), and one spawn path (``launch.run``)."""
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ class ModeRunner:
         return self.traits.summary
 
     def prepare(self, wan, config, spec: RunSpec, device, device_id: int):
-        """On one rank: this rank's plan, the SP-group patch when CFG-parallel splits the ranks
-        of a sequence-parallel mode, and the engine parts the plan needs (DiT sharded/split as
+        """On one rank: this rank's plan, Ulysses bound to its SP group (any degree) in a
+        sequence-parallel mode, and the engine parts the plan needs (DiT sharded/split as
         the layout says; T5, wav2vec2 and VAE only where they run). Returns (plan, parts,
         patches applied here)."""
         from wan_s2v_runner import components
@@ -33,10 +33,14 @@ class ModeRunner:
         lay = spec.layout
         plan = rank_plan(lay, device.type)
         applied = {}
-        if lay.cfg_degree > 1 and lay.use_sp:
-            from patches import sp_group
-            applied["sp_group"] = f"{len(sp_group.apply(plan.sp_group))} names bound to the SP group"
+        if lay.use_sp:
+            from patches import ulysses_sp
+            bound = len(ulysses_sp.apply(plan.sp_group))
         parts = components.load(wan, config, str(spec.ckpt_dir), plan, device, device_id)
+        if lay.use_sp:
+            heads = "/".join(map(str, lay.head_split(parts.noise_model.num_heads)))
+            applied["ulysses_sp"] = (f"{bound} names bound to the SP group; heads {heads} per rank; "
+                                     "sequence padded to a multiple of the degree")
         from patches import context_cache
         blocks = context_cache.apply(parts.noise_model)  # done by components.load; idempotent
         applied["context_cache"] = f"text embedding and {blocks} blocks' cross-attention k/v once per context"

@@ -1,7 +1,8 @@
 """Our generation loop: at one process it gives exactly upstream ``WanS2V.generate``'s frames
 (CPU, fp32; 2 clips, both solvers, with and without --start-from-ref), and CFG-parallel layouts
-(2 ranks; CFG 2 x SP 2 at 4 ranks) give exactly one process's frames over real gloo ranks.
-(hybrid + --cfg-parallel, FSDP across the CFG branches, is in tests/test_lora.py.)"""
+(2 ranks, the VAE on rank 0) give exactly one process's frames over real gloo ranks.
+(hybrid + --cfg-parallel, FSDP across the CFG branches, is in tests/test_lora.py; CFG 2 x SP 3
+over 6 ranks in tests/test_any_degree.py.)"""
 from __future__ import annotations
 
 import json
@@ -81,8 +82,7 @@ def _run(tiny_assets, tmp_path, name, *extra):
 @pytest.mark.parametrize("extra, cfg, sp, vae_split", [
     # rank 0 runs the VAE alone and broadcasts the motion latents
     (["--nproc", "2", "--cfg-parallel", "--no-vae-parallel"], 2, 1, False),
-    # the VAE split by rows over 4 ranks (the default with more than one rank)
-    (["--nproc", "4", "--cfg-parallel"], 2, 2, True),
+    # CFG 2 x SP 3 over 6 ranks with the VAE split over all of them: tests/test_any_degree.py
 ])
 def test_cfg_parallel_equals_one_process(tiny_assets, reference_frames, tmp_path, extra, cfg, sp, vae_split):
     frames, manifest = _run(tiny_assets, tmp_path, "cfg", *extra)

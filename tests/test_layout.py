@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from wan_s2v_runner import layout as layout_mod
-from wan_s2v_runner.layout import MODES, Layout, Mode, sp_degree_fits, valid_sp_degrees
+from wan_s2v_runner.layout import (MODES, Layout, Mode, padded_length, sp_degree_fits, split_evenly,
+                                   valid_sp_degrees)
 from wan_s2v_runner.preflight import CheckContext, MachineFacts, Status, recommend_mode, run_checks
 from wan_s2v_runner.preflight.core import find
 from wan_s2v_runner.preflight.registry import groups_for
@@ -32,16 +33,48 @@ def test_modes_map_to_layouts():
 
 
 def test_degree_rule():
-    assert sp_degree_fits(4, 40, [63360, 57152]) and not sp_degree_fits(3, 40, [])
-    assert not sp_degree_fits(8, 40, [100])  # heads fit, tokens do not
-    assert valid_sp_degrees(40, [32760]) == [1, 2, 4, 8]
-    assert valid_sp_degrees(40, [63360], range(1, 11)) == [1, 2, 4, 5, 8, 10]
+    """Any degree up to the head count and the shortest sequence: heads split as evenly as
+    possible, tokens padded to a multiple of the degree."""
+    assert sp_degree_fits(4, 40, [63360, 57152]) and sp_degree_fits(3, 40, [63360])
+    assert sp_degree_fits(7, 40, [100]) and not sp_degree_fits(41, 40, [])
+    assert not sp_degree_fits(8, 40, [5])  # a rank without a real token
+    assert valid_sp_degrees(40, [32760], range(1, 17)) == list(range(1, 17))
+    assert split_evenly(40, 3) == [14, 13, 13] and split_evenly(40, 8) == [5] * 8
+    assert split_evenly(4, 3) == [2, 1, 1] and sum(split_evenly(40, 7)) == 40
+    assert padded_length(63360, 7) == 63364 and padded_length(64, 4) == 64
     lay = Layout.for_mode(Mode.ULYSSES, 3)
-    assert lay.problems(40, [99]) == ["world size 3 does not divide the 40 heads"]
-    lay = Layout.for_mode(Mode.ULYSSES, 4)
-    assert lay.bad_lengths([100, 102]) == [102] and lay.heads_per_rank(40) == 10
-    assert "does not divide the 100/102-token sequences" in lay.problems(40, [100, 102])[0]
+    assert lay.problems(40, [99]) == [] and lay.head_split(40) == [14, 13, 13] and lay.heads_per_rank(40) == 14
+    assert lay.padded_lengths([99, 100]) == [100] and lay.padding(100) == 2
+    assert lay.padding_overhead([99, 100]) == 0.02
+    assert "exceeds the 2 attention heads" in lay.problems(2, [99])[0]
+    assert "exceeds the 2-token sequence" in Layout.for_mode(Mode.ULYSSES, 4).problems(40, [2, 100])[0]
+    cfg = Layout.for_mode(Mode.ULYSSES, 6, cfg_parallel=True)  # CFG 2 x SP 3: the degree is 3
+    assert cfg.sp_degree == 3 and cfg.padding(100) == 2 and cfg.head_split(4) == [2, 1, 1]
     assert Layout.for_mode(Mode.FSDP_FIXED, 3).problems(40, [7]) == []  # no SP: nothing to divide
+
+
+def test_plans_per_gpu_count():
+    """The doctor's table: the fastest valid split of each GPU count, explained."""
+    from wan_s2v_runner.plans import best_plan, plan_table
+    lengths = [59136, 63360]  # 1024x704, 80 frames: clip 1 and later clips
+    table = plan_table(Mode.ULYSSES, 40, 5120, 13824, lengths)
+    assert [p.world_size for p in table] == list(range(1, 17)) and all(p.valid for p in table)
+    # even counts split CFG (same compute, all-to-alls among half the ranks); odd counts cannot
+    assert [p.cfg_degree for p in table] == [1 if n % 2 else 2 for n in range(1, 17)]
+    six = table[5]
+    assert (six.cfg_degree, six.sp_degree, six.head_split) == (2, 3, [14, 13, 13])
+    assert "CFG 2 x SP 3, heads 14/13/13 per rank, no padding, CFG split" in six.describe()
+    seven = table[6]
+    assert seven.padding_overhead > 0 and "padding 0/4 token(s)" in seven.describe()
+    # uneven heads cost: 14 heads of 40 on the busiest rank of 3, not 13.33
+    assert 2.8 < table[2].speedup < 3.0 and table[3].speedup == pytest.approx(4.0)
+    assert table[15].speedup == pytest.approx(16.0)
+    # no uncond pass (guide scale <= 1): no CFG split to offer
+    assert best_plan(Mode.ULYSSES, 6, 40, 5120, 13824, lengths, cfg_possible=False).sp_degree == 6
+    # fsdp-fixed does not split the sequence: only the CFG split speeds it up
+    assert [p.speedup for p in plan_table(Mode.FSDP_FIXED, 40, 5120, 13824, lengths, worlds=(3, 4))] == [1.0, 2.0]
+    too_many = best_plan(Mode.ULYSSES, 3, 2, 64, 128, [100], cfg_possible=False)
+    assert not too_many.valid and "exceeds the 2 attention heads" in too_many.describe()
 
 
 def test_check_groups_follow_the_modes_traits():
@@ -60,12 +93,9 @@ def test_checks_and_recommendation_ask_the_layout(monkeypatch):
     monkeypatch.setattr(layout_mod, "sp_degree_fits", lambda degree, heads, lengths: degree == 1)
     ctx = CheckContext.for_values({"nproc": 2, "mode": "ulysses"}, a100x8())
     r = find(run_checks(ctx, ["ulysses_degree"]), "ulysses.heads")
-    assert r.status is Status.FAIL and "use 1 ranks" in r.fix
+    assert r.status is Status.FAIL and "every rank needs at least one" in r.finding
     rec = recommend_mode(CheckContext.for_values({"nproc": 2}, a100x8()))
-    assert rec.mode is Mode.FSDP_FIXED and "does not divide" in rec.reason
-    r = find(run_checks(CheckContext.for_values({"nproc": 16, "mode": "ulysses"}, a100x8()), ["gpus"]),
-             "gpus.count")
-    assert r.status is Status.FAIL and "(valid for ulysses with 40 heads: 1)" in r.fix
+    assert rec.mode is Mode.FSDP_FIXED and "exceeds the 40 attention heads" in rec.reason
 
 
 @pytest.mark.parametrize("mode", list(Mode))

@@ -290,27 +290,35 @@ def test_writable_output_leaves_nothing_behind(tiny, tmp_path):
 
 
 # --------------------------------------------------------------------------- ulysses / comm
-def test_ulysses_size_3_tiny_heads(tiny):
+def test_ulysses_degree_above_the_tiny_heads_fails(tiny):
     r = result(tiny_ctx(tiny, nproc=3), ["checkpoint", "ulysses_degree"], "ulysses.heads")
-    assert_finding(r, Status.FAIL, "Ulysses degree 3 does not divide the 4 attention heads (config.json)")
+    assert_finding(r, Status.OK, "4 heads over 3 ranks: 2/1/1", "(config.json)")
+    r = result(tiny_ctx(tiny, nproc=5), ["checkpoint", "ulysses_degree"], "ulysses.heads")
+    assert_finding(r, Status.FAIL, "Ulysses degree 5 exceeds the 4 attention heads (config.json)",
+                   "use at most 4 ranks per CFG branch")
+    # --cfg-parallel halves the degree: 6 ranks = CFG 2 x SP 3
+    r = result(tiny_ctx(tiny, nproc=6, cfg_parallel=True), ["checkpoint", "ulysses_degree"], "ulysses.heads")
+    assert_finding(r, Status.OK, "4 heads over 3 ranks: 2/1/1")
 
 
 def test_ulysses_size_3_real_model_heads():
     ctx = ctx_for(facts("a100_8x_nvlink"), nproc=3, mode="ulysses")
     r = result(ctx, "ulysses_degree", "ulysses.heads")
-    assert_finding(r, Status.FAIL, "Ulysses degree 3 does not divide the 40 attention heads", "use 1, 2, 4, 8 ranks")
+    assert_finding(r, Status.OK, "40 heads over 3 ranks: 14/13/13", "1.05x the even share")
+    assert r.data["head_split"] == [14, 13, 13]
 
 
-def test_ulysses_degree_5_divides_heads_but_not_tokens(tmp_path):
+def test_ulysses_degree_5_pads_the_tokens(tmp_path):
     from PIL import Image
     img = tmp_path / "landscape.png"
     Image.new("RGB", (1024, 704), (1, 2, 3)).save(img)
     ctx = ctx_for(facts("a100_8x_nvlink"), nproc=5, mode="ulysses", image=img)
     results = run_checks(ctx, ["inputs", "ulysses_degree"])
     assert_finding(find(results, "ulysses.heads"), Status.OK, "40 heads / 5 = 8 per rank")
-    # clip 1: 20 latent frames x 44x64 + 44x64 ref = 59136 tokens (not a multiple of 5)
-    assert_finding(find(results, "ulysses.tokens"), Status.FAIL,
-                   "Ulysses degree 5 does not divide the DiT sequence of 59136 tokens", "56320 noisy + 2816 ref")
+    # clip 1: 20 latent frames x 44x64 + 44x64 ref = 59136 tokens (not a multiple of 5): 4 padding tokens
+    r = find(results, "ulysses.tokens")
+    assert_finding(r, Status.OK, "sequence 59136 and 63360 tokens", "padded by 4/0 token(s) to a multiple of 5")
+    assert r.data["padding"] == [4, 0]
 
 
 def test_token_counts_match_measured_engine_sequences():
@@ -371,10 +379,16 @@ def test_recommended_mode_per_machine(machine, mode, needles):
         assert n in rec.reason, (n, rec.reason)
 
 
-def test_recommendation_for_3_gpus_is_fsdp_fixed():
+def test_recommendation_for_3_and_6_gpus_explains_the_plan():
     rec = recommend_mode(ctx_for(facts("a100_8x_nvlink"), nproc=3))
-    assert rec.mode is Mode.FSDP_FIXED
-    assert "world size 3 does not divide the 40 heads" in rec.reason and "2, 4, 8" in rec.reason
+    assert rec.mode is Mode.ULYSSES and not rec.cfg_parallel
+    assert "Plan: SP 3, heads 14/13/13 per rank" in rec.text and "CFG not split" in rec.text
+    rec = recommend_mode(ctx_for(facts("a100_8x_nvlink"), nproc=6))
+    assert rec.mode is Mode.ULYSSES and rec.cfg_parallel
+    assert "Plan: CFG 2 x SP 3, heads 14/13/13 per rank" in rec.text and "CFG split (--cfg-parallel)" in rec.text
+    assert rec.to_json()["plan"]["head_split"] == [14, 13, 13]
+    # no unconditional pass to split off: guide scale 1
+    assert not recommend_mode(ctx_for(facts("a100_8x_nvlink"), nproc=6, guide_scale=1.0)).cfg_parallel
 
 
 def test_gpu_count_below_nproc_fails():
@@ -555,6 +569,26 @@ def test_doctor_on_recorded_machine_with_tiny_checkpoint(tiny, monkeypatch, caps
     out = capsys.readouterr().out
     assert rc == exit_codes.DOCTOR_FAILED  # the 64 MiB /dev/shm of that container
     assert "comm.shm" in out and "memory plan per rank" in out and "recommended mode:" in out
+    assert "fastest plan per GPU count (64x64, 48/72 tokens, 4 heads" in out
+    assert "Ulysses degree 5 exceeds the 4 attention heads" in out  # 5 GPUs: no plan for 4 heads
+
+
+def test_doctor_lists_plans_for_1_to_16_gpus(monkeypatch, capsys):
+    """For a given size and model (the real 14B's 40 heads, a 1024x704 image): one plan per GPU
+    count, each with its split (the tiny 4-head model's table is in the test above)."""
+    monkeypatch.setenv("WAN_S2V_FACTS", str(MACHINES / "a100_8x_nvlink.json"))
+    rc = cli.main(["doctor", "--json", "--nproc", "7"])
+    plans = json.loads(capsys.readouterr().out)["parallel_plans"]
+    assert rc in (exit_codes.OK, exit_codes.DOCTOR_FAILED)
+    rows = plans["by_gpu_count"]
+    assert [r["world_size"] for r in rows] == list(range(1, 17)) and all(r["valid"] for r in rows)
+    assert plans["heads"] == 40 and plans["lengths"] == [59136, 63360]
+    assert rows[6]["head_split"] == [6, 6, 6, 6, 6, 5, 5] and rows[6]["padding_tokens"] == [0, 4]
+    assert rows[5]["cfg_parallel"] and rows[5]["sp_degree"] == 3
+    rc = cli.main(["doctor", "--nproc", "7"])
+    out = capsys.readouterr().out
+    assert "fastest plan per GPU count (1024x704, 59136/63360 tokens, 40 heads" in out
+    assert "CFG 2 x SP 3 (--cfg-parallel)" in out and "Plan: SP 7, heads 6/6/6/6/6/5/5 per rank" in out
 
 
 def test_probe_reads_nvml_links_and_free_memory(monkeypatch):

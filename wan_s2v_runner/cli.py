@@ -38,8 +38,12 @@ def make_spec(args, defaults: Optional[dict] = None) -> RunSpec:
     if mode_auto:
         from wan_s2v_runner.preflight import recommend_mode
         rec = recommend_mode(spec)
-        spec = spec.model_copy(update={"mode": rec.mode})
-        print(f"--mode auto: {rec.mode.value} ({rec.reason})", file=sys.stderr)
+        update = {"mode": rec.mode}
+        if "cfg_parallel" not in values:  # the plan's CFG split, unless --[no-]cfg-parallel was given
+            update["cfg_parallel"] = rec.cfg_parallel
+        spec = RunSpec(**{**values, **update})  # validated again: the layout changed
+        print(f"--mode auto: {rec.mode.value}{' --cfg-parallel' if spec.cfg_parallel else ''} ({rec.text})",
+              file=sys.stderr)
     return spec
 
 

@@ -52,11 +52,23 @@ MODES: dict[Mode, ModeTraits] = {
 
 
 # --------------------------------------------------------------------------- the one rule
+def split_evenly(n: int, parts: int) -> list[int]:
+    """``n`` items over ``parts`` ranks as evenly as possible, the larger shares first
+    (40 heads on 3 ranks: [14, 13, 13]). How Ulysses splits the attention heads."""
+    return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+
+
+def padded_length(length: int, degree: int) -> int:
+    """The sequence length after padding to a multiple of the Ulysses degree (every rank then
+    holds ``padded_length // degree`` tokens; the padding is never attended to)."""
+    return -(-length // degree) * degree
+
+
 def sp_degree_fits(degree: int, heads: int, lengths: Iterable[int]) -> bool:
-    """Upstream Ulysses splits the heads and the token sequence evenly with no padding
-    (``torch.chunk`` of the sequence; all-to-all of equal head groups), so the degree must
-    divide the head count and every sequence length the DiT chunks."""
-    return degree >= 1 and heads % degree == 0 and all(n % degree == 0 for n in lengths)
+    """Our Ulysses (``patches.ulysses_sp``) splits the heads unevenly and pads the token sequence
+    to a multiple of the degree, so any degree works that gives every rank at least one head
+    and one real token of every sequence."""
+    return 1 <= degree <= heads and all(n >= degree for n in lengths)
 
 
 def valid_sp_degrees(heads: int, lengths: Sequence[int],
@@ -128,16 +140,34 @@ class Layout(BaseModel):
         """'cpu', 'fsdp' or 'gpu' (on the rank's device)."""
         return "cpu" if self.t5_cpu else ("fsdp" if self.t5_fsdp else "gpu")
 
+    def head_split(self, heads: int) -> list[int]:
+        """Attention heads per rank of an SP group (rank order)."""
+        return split_evenly(heads, self.sp_degree)
+
     def heads_per_rank(self, heads: int) -> int:
-        return heads // self.sp_degree
+        """The most heads any rank attends (the rank that sets the pace)."""
+        return max(self.head_split(heads))
+
+    def padding(self, length: int) -> int:
+        """Padding tokens added to a ``length``-token sequence (0 without SP or when it divides)."""
+        return padded_length(length, self.sp_degree) - length
+
+    def padding_overhead(self, lengths: Sequence[int]) -> float:
+        """Largest share of padding tokens over the sequences (0.0 = none)."""
+        return max((self.padding(n) / n for n in lengths if n), default=0.0)
 
     # ----- validity -----
     def divides_heads(self, heads: int) -> bool:
+        """Every rank of an SP group gets at least one head (the split need not be even)."""
         return sp_degree_fits(self.sp_degree, heads, ())
 
     def bad_lengths(self, lengths: Iterable[int]) -> list[int]:
-        """Sequence lengths the Ulysses degree does not divide."""
-        return [n for n in lengths if n % self.sp_degree]
+        """Sequences too short to give every rank of an SP group a real token."""
+        return [n for n in lengths if n < self.sp_degree]
+
+    def padded_lengths(self, lengths: Iterable[int]) -> list[int]:
+        """Sequences the degree does not divide (they run padded: :meth:`padding`)."""
+        return [n for n in lengths if self.padding(n)]
 
     def fits(self, heads: int, lengths: Sequence[int]) -> bool:
         return sp_degree_fits(self.sp_degree, heads, lengths)
@@ -150,10 +180,11 @@ class Layout(BaseModel):
         if self.t5_cpu and self.t5_fsdp:
             out.append("T5 on CPU together with T5 FSDP: the engine accepts it but it is unsupported")
         if not self.divides_heads(heads):
-            out.append(f"world size {self.sp_degree} does not divide the {heads} heads")
+            out.append(f"Ulysses degree {self.sp_degree} exceeds the {heads} attention heads "
+                       "(every rank needs at least one)")
         elif self.bad_lengths(lengths):
-            out.append(f"world size {self.sp_degree} does not divide the "
-                       f"{'/'.join(map(str, lengths))}-token sequences")
+            out.append(f"Ulysses degree {self.sp_degree} exceeds the {min(self.bad_lengths(lengths))}-token "
+                       "sequence (every rank needs at least one token)")
         return out
 
     def to_json(self) -> dict:

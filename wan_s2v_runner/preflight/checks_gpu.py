@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 
 from wan_s2v_runner.attention_backends import FA2_MIN_CC, FA3_CC, BackendUnavailable, choose_backend
-from wan_s2v_runner.layout import COMMON_GPU_COUNTS, MODES, Layout
 
 from .core import fail, ok, skip, warn
 
@@ -53,16 +52,9 @@ def check_count(ctx):
     if n == 0:
         return skip("gpus.count", "no GPU (see gpus.visible)")
     if ctx.spec.nproc > n:
-        fits = ""
-        if MODES[ctx.mode].sequence_parallel:  # which --nproc the layout could run (heads rule)
-            from .checks_parallel import num_heads
-            heads = num_heads(ctx)[0]
-            ok_n = [p for p in COMMON_GPU_COUNTS
-                    if p <= n and Layout.for_mode(ctx.mode, p * ctx.spec.nnodes).divides_heads(heads)]
-            fits = f" (valid for {ctx.mode.value} with {heads} heads: {', '.join(map(str, ok_n))})" if ok_n else ""
         return fail("gpus.count", f"--nproc {ctx.spec.nproc} ranks on this node but only {n} GPU"
                     f"{'s' if n > 1 else ''} visible (one GPU per rank)",
-                    f"use --nproc {n} or fewer{fits}, or expose more GPUs via CUDA_VISIBLE_DEVICES",
+                    f"use --nproc {n} or fewer (any count works: Ulysses splits heads unevenly and pads tokens), or expose more GPUs via CUDA_VISIBLE_DEVICES",
                     nproc=ctx.spec.nproc, gpus=n)
     if ctx.spec.nproc < n:
         return ok("gpus.count", f"{ctx.spec.nproc} of {n} visible GPUs used (ranks 0..{ctx.spec.nproc - 1} -> "

@@ -1,12 +1,11 @@
-"""Groups ``ulysses_degree`` and ``fsdp``: whether the run's layout fits the DiT's head count
-(config.json; 40 for the real model) and every sequence length the DiT chunks (noisy + reference
-tokens on clip 1, + FramePack motion tokens on later clips; see :mod:`.geometry`); FSDP layout
+"""Groups ``ulysses_degree`` and ``fsdp``: how the run's layout splits the DiT's heads
+(config.json; 40 for the real model; unevenly when the degree does not divide them) and every
+sequence length the DiT chunks (noisy + reference tokens on clip 1, + FramePack motion tokens on
+later clips, see :mod:`.geometry`; padded to a multiple of the degree); FSDP layout
 sanity (T5 on CPU vs T5 FSDP, one-rank FSDP). The rules themselves are the layout's
 (:mod:`wan_s2v_runner.layout`); these checks only ask and word the answer.
 """
 from __future__ import annotations
-
-from wan_s2v_runner.layout import COMMON_GPU_COUNTS, valid_sp_degrees
 
 from .core import fail, ok, skip, warn
 from .geometry import REAL_NUM_HEADS, generation_size, token_counts
@@ -37,12 +36,16 @@ def check_heads(ctx):
         return skip("ulysses.heads", "no sequence parallelism")
     d = lay.sp_degree
     if not lay.divides_heads(heads):
-        ok_d = valid_sp_degrees(heads, [], COMMON_GPU_COUNTS + ((16,) if d > 8 else ()))
-        return fail("ulysses.heads", f"Ulysses degree {d} does not divide the {heads} attention heads ({src})",
-                    f"use {', '.join(map(str, ok_d))} ranks (--nproc), or --mode fsdp-fixed for any GPU count",
-                    degree=d, heads=heads)
-    return ok("ulysses.heads", f"{heads} heads / {d} = {lay.heads_per_rank(heads)} per rank ({src})",
-              degree=d, heads=heads)
+        return fail("ulysses.heads", f"Ulysses degree {d} exceeds the {heads} attention heads ({src}): "
+                    "every rank needs at least one",
+                    f"use at most {heads} ranks per CFG branch (--nproc; --cfg-parallel halves the degree), "
+                    "or --mode fsdp-fixed", degree=d, heads=heads)
+    split = lay.head_split(heads)
+    even = len(set(split)) == 1
+    desc = (f"{heads} heads / {d} = {split[0]} per rank" if even else
+            f"{heads} heads over {d} ranks: {'/'.join(map(str, split))} (uneven: the ranks with "
+            f"{max(split)} set the pace, {max(split) * d / heads:.3g}x the even share)")
+    return ok("ulysses.heads", f"{desc} ({src})", degree=d, heads=heads, head_split=split)
 
 
 def check_tokens(ctx):
@@ -59,18 +62,17 @@ def check_tokens(ctx):
     tc = token_counts(gh, gw, ctx.spec.infer_frames)
     n_clips = ctx.cache.get("n_clips") or (ctx.spec.num_clips or 2)
     lengths = tc.lengths(n_clips, ctx.spec.start_from_ref)
-    bad = lay.bad_lengths(lengths)
     desc = " and ".join(str(n) for n in lengths)
-    if bad:
-        heads, _ = num_heads(ctx)
-        good = valid_sp_degrees(heads, lengths, range(2, 17))
-        return fail("ulysses.tokens", f"Ulysses degree {d} does not divide the DiT sequence of {bad[0]} tokens "
-                    f"({gw}x{gh}, {ctx.spec.infer_frames} frames: {tc.noisy} noisy + {tc.ref} ref"
-                    f"{f' + {tc.motion} motion' if bad[0] == tc.later_clips else ''}); S2V does not pad",
-                    (f"use {', '.join(map(str, good))} ranks" if good else "use fewer ranks")
-                    + " or another --size/--infer-frames", lengths=lengths, degree=d)
+    data = dict(lengths=lengths, degree=d, padding=[lay.padding(n) for n in lengths])
+    if lay.bad_lengths(lengths):
+        return fail("ulysses.tokens", f"Ulysses degree {d} exceeds the DiT sequence of "
+                    f"{min(lay.bad_lengths(lengths))} tokens ({gw}x{gh}): every rank needs at least one",
+                    "use fewer ranks or a larger --size/--infer-frames", **data)
+    pad = lay.padded_lengths(lengths)
+    tail = (f"; padded by {'/'.join(str(lay.padding(n)) for n in lengths)} token(s) to a multiple of {d} "
+            f"({lay.padding_overhead(lengths) * 100:.3g}%; never attended to)" if pad else "")
     return ok("ulysses.tokens", f"{gw}x{gh}, {ctx.spec.infer_frames} frames: sequence {desc} tokens, "
-              f"{lengths[-1] // d} per rank", lengths=lengths, degree=d)
+              f"{-(-lengths[-1] // d)} per rank{tail}", **data)
 
 
 def check_t5_placement(ctx):

@@ -4,7 +4,7 @@
   against the complete spec -> :class:`GateReport` (refused when any check fails).
 * :func:`diagnose` / :func:`doctor` (``wan-s2v doctor``): a lenient context (no checkpoint or
   inputs needed), the recommended mode (checked unless ``--mode`` is given), every check, the
-  memory plan of each mode -> :class:`DoctorReport`. ``WAN_S2V_FACTS=machine.json`` makes the
+  memory plan of each mode, the fastest parallel plan for 1..16 GPUs -> :class:`DoctorReport`. ``WAN_S2V_FACTS=machine.json`` makes the
   doctor judge recorded facts instead of this machine.
 
 Both reports have ``to_json``; :mod:`.render` words them for a person. Nothing here parses argv
@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from wan_s2v_runner import exit_codes
+from wan_s2v_runner.plans import Plan, plan_table
 
 from .context import CheckContext, ModeSource
 from .core import CheckGroup, CheckResult, Status, counts
@@ -64,6 +65,7 @@ class DoctorReport:
     plans: dict[str, ModePlan]
     sizes: ModelSizes
     workload: Workload
+    parallel_plans: list[Plan]  # the fastest split of 1..16 GPUs for the checked mode
 
     @property
     def counts(self) -> dict[str, int]:
@@ -95,6 +97,10 @@ class DoctorReport:
                              "clips": wl.n_clips, "audio_seconds": wl.audio_seconds, "assumed": wl.assumed},
                 "modes": {m: p.to_json() for m, p in self.plans.items()},
             },
+            "parallel_plans": {"mode": ctx.mode.value, "lengths": list(wl.tokens.lengths(2, spec.start_from_ref)),
+                               "heads": self.parallel_plans[0].heads if self.parallel_plans else None,
+                               "estimate": "DiT compute per rank, communication not included (wan_s2v_runner/plans.py)",
+                               "by_gpu_count": [p.to_json() for p in self.parallel_plans]},
             "exit_code": self.exit_code,
         }
 
@@ -113,8 +119,12 @@ def diagnose(ctx: CheckContext) -> DoctorReport:
         ctx.with_mode(rec.mode, ModeSource.RECOMMENDED)
     groups = groups_for(ctx.mode)
     results = run_checks(ctx, groups)
+    sizes, wl = model_sizes(ctx), workload(ctx)
+    heads = ctx.cache.get("num_heads") or sizes.num_heads
+    table = plan_table(ctx.mode, heads, sizes.dim, sizes.ffn_dim, wl.tokens.lengths(2, ctx.spec.start_from_ref),
+                       cfg_possible=ctx.spec.guide_scale > 1)
     return DoctorReport(ctx=ctx, recommendation=rec, results=results, groups=groups, plans=plan_all(ctx),
-                        sizes=model_sizes(ctx), workload=workload(ctx))
+                        sizes=sizes, workload=wl, parallel_plans=table)
 
 
 def machine_facts(env=None) -> MachineFacts:

@@ -2,13 +2,18 @@
 
 Rules, in order (each reason names the fact that decided):
 1. no CUDA GPU / ``--device cpu`` -> ``ulysses`` on CPU ranks with gloo: a demo, not the 14B model;
-2. a world size the Ulysses constraints reject (must divide the heads and the token counts; for
-   the real model 1, 2, 4, 8) -> ``fsdp-fixed`` (any GPU count, memory relief, no speed-up);
+2. a world size Ulysses cannot split (more ranks than attention heads or tokens: 41+ ranks for
+   the real model; any count up to that works, heads split unevenly, tokens padded) ->
+   ``fsdp-fixed`` (memory relief, no speed-up);
 3. the full model fits on each GPU (memory plan vs free memory) -> ``ulysses`` (fastest: only
    activations move, the sequence is split); on PCIe without P2P the reason says that the
    all-to-all crosses host memory, since FSDP modes would move the weights over the same link;
 4. otherwise -> ``hybrid`` (DiT sharded, T5 on CPU: the lowest GPU memory per rank), with a
    warning when even that does not fit.
+
+Then the plan for that mode at this world size (:mod:`wan_s2v_runner.plans`): the fastest split
+of the ranks into CFG branches x Ulysses degree, explained (heads per rank, padding, whether CFG
+is split); ``--mode auto`` applies its ``--cfg-parallel`` unless the flag was given.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from wan_s2v_runner.layout import Layout, Mode, valid_sp_degrees
+from wan_s2v_runner.plans import Plan, best_plan
 from wan_s2v_runner.spec import RunSpec
 
 from .context import CheckContext
@@ -31,9 +37,22 @@ GPU_FIT = 0.9
 class Recommendation:
     mode: Mode
     reason: str
+    plan: Optional[Plan] = None  # the fastest split of the ranks for that mode
+
+    @property
+    def cfg_parallel(self) -> bool:
+        return bool(self.plan and self.plan.valid and self.plan.cfg_degree > 1)
+
+    @property
+    def text(self) -> str:
+        """The reason, then the plan."""
+        if self.plan is None or not self.plan.valid or self.plan.world_size == 1:
+            return self.reason
+        return f"{self.reason}. Plan: {self.plan.describe()}"
 
     def to_json(self) -> dict:
-        return {"mode": self.mode.value, "reason": self.reason}
+        return {"mode": self.mode.value, "reason": self.reason, "cfg_parallel": self.cfg_parallel,
+                "plan": self.plan.to_json() if self.plan else None, "text": self.text}
 
 
 def _ensure_image_size(ctx: CheckContext) -> None:
@@ -70,6 +89,15 @@ def _link_summary(ctx) -> tuple[bool, str]:
 
 
 def recommend(ctx: CheckContext) -> Recommendation:
+    """The mode (rules in the module docstring) and its fastest plan at this world size."""
+    rec = _recommend_mode(ctx)
+    sizes, wl = model_sizes(ctx), workload(ctx)
+    plan = best_plan(rec.mode, ctx.world_size, _heads(ctx, sizes), sizes.dim, sizes.ffn_dim,
+                     wl.tokens.lengths(2, ctx.spec.start_from_ref), cfg_possible=ctx.spec.guide_scale > 1)
+    return Recommendation(rec.mode, rec.reason, plan)
+
+
+def _recommend_mode(ctx: CheckContext) -> Recommendation:
     f = ctx.facts
     ws = ctx.world_size
     _ensure_image_size(ctx)
@@ -78,7 +106,7 @@ def recommend(ctx: CheckContext) -> Recommendation:
     lengths = wl.tokens.lengths(2, ctx.spec.start_from_ref)
     sp_problems = Layout.for_mode(Mode.ULYSSES, ws).problems(heads, lengths)
     sp_ok, sp_why = not sp_problems, "; ".join(sp_problems)
-    good_ws = valid_sp_degrees(heads, lengths)
+    good_ws = valid_sp_degrees(heads, lengths, range(min(ws - 1, heads), 1, -1))[:1]  # the most that split
 
     if ctx.spec.device == "cpu" or f.gpu_count == 0:
         why = "--device cpu" if f.gpu_count else f"no CUDA GPU visible (torch {f.torch.get('version')})"
@@ -111,7 +139,7 @@ def recommend(ctx: CheckContext) -> Recommendation:
     else:
         pre = ""
     if not sp_ok:
-        alt = f"; {', '.join(map(str, good_ws))} GPUs with ulysses/hybrid would be faster" if good_ws else ""
+        alt = f"; {good_ws[-1]} GPUs with ulysses/hybrid would be faster" if good_ws else ""
         fit = "" if fits(Mode.FSDP_FIXED) else f" (est. {est(Mode.FSDP_FIXED)}/rank does not fit {gib(free)} free)"
         return Recommendation(Mode.FSDP_FIXED, f"{pre}{sp_why}, so Ulysses (ulysses/hybrid) is impossible; "
                               f"fsdp-fixed runs on any GPU count but every rank computes the whole "
@@ -126,7 +154,7 @@ def recommend(ctx: CheckContext) -> Recommendation:
                                   f"(est. {est(Mode.HYBRID)}). Better: 2+ GPUs with hybrid")
         return Recommendation(Mode.HYBRID, f"{pre}1 GPU with {gib(free)} free cannot hold the "
                               f"{sizes.dit_params / 1e9:.3g}B-param DiT (est. {est(Mode.HYBRID)} even with "
-                              f"T5 on CPU): use 2, 4 or 8 GPUs with hybrid")
+                              f"T5 on CPU): use 2 or more GPUs with hybrid")
     if fits(Mode.ULYSSES):
         if fast:
             return Recommendation(Mode.ULYSSES, f"{pre}{ws} GPUs ({name}) with {link} each hold the full model "
@@ -140,7 +168,7 @@ def recommend(ctx: CheckContext) -> Recommendation:
         return Recommendation(Mode.HYBRID, f"{pre}the full model does not fit per GPU (est. {est(Mode.ULYSSES)} "
                               f"> {gib(free)} free on {name}): hybrid shards the DiT over {ws} ranks and keeps "
                               f"T5 on the CPU (est. {est(Mode.HYBRID)}/rank){pcie}")
-    more = [d for d in good_ws if d > ws]
+    more = valid_sp_degrees(heads, lengths, [2 * ws])  # hybrid shards the DiT over more ranks
     size = largest_fitting_size(ctx, Mode.HYBRID, free)
     return Recommendation(Mode.HYBRID, f"{pre}nothing fits in {gib(free)} free per GPU ({name}): even hybrid "
                           f"needs est. {est(Mode.HYBRID)}/rank at {wl.width}x{wl.height}"

@@ -94,10 +94,35 @@ def render_doctor(report: DoctorReport, console=None) -> None:
         mt.add_row(name + mark, str(p.world_size), gpu, gib(p.host_peak), gib(p.host_node_total),
                    gib(free) if free else "-")
     console.print(mt)
+    _render_plans(report, console)
     console.print(f"sizes: {report.sizes.source}" + (f"; assumed {', '.join(wl.assumed)}" if wl.assumed else ""))
-    console.print(f"[bold]recommended mode:[/] {rec.mode.value} — {rec.reason}")
+    console.print(f"[bold]recommended mode:[/] {rec.mode.value} — {rec.text}")
     if ctx.mode_source is ModeSource.FLAG and ctx.mode is not rec.mode:
         console.print(f"[yellow]checked --mode {ctx.mode.value} as requested[/]")
     c = report.counts
     console.print(f"{c['ok']} ok, {c['warn']} warn, {c['fail']} fail, {c['skip']} skipped "
                   f"-> exit {report.exit_code}")
+
+
+def _render_plans(report: DoctorReport, console) -> None:
+    """The fastest plan of the checked mode for each GPU count (wan_s2v_runner.plans)."""
+    from rich.table import Table
+
+    ctx, wl = report.ctx, report.workload
+    lengths = "/".join(map(str, wl.tokens.lengths(2, ctx.spec.start_from_ref)))
+    t = Table(title=f"{ctx.mode.value}: fastest plan per GPU count ({wl.width}x{wl.height}, {lengths} tokens, "
+              f"{report.parallel_plans[0].heads} heads; est. DiT speed-up from per-rank compute, "
+              "communication not included)", header_style="bold")
+    for col in ("GPUs", "plan", "heads/rank", "padding", "est. speed-up"):
+        t.add_column(col)
+    for p in report.parallel_plans:
+        mark = " *" if p.world_size == ctx.world_size else ""
+        if not p.valid:
+            t.add_row(f"{p.world_size}{mark}", f"[red]{'; '.join(p.problems)}[/]", "-", "-", "-")
+            continue
+        split = p.head_split
+        heads = str(split[0]) if len(set(split)) == 1 else f"{max(split)}/{min(split)}"
+        pad = f"{p.padding_overhead * 100:.2g}%" if p.padding_overhead else "-"
+        shape = p.shape + (" (--cfg-parallel)" if p.cfg_degree > 1 else "")
+        t.add_row(f"{p.world_size}{mark}", shape, heads, pad, f"{p.speedup:.2f}x")
+    console.print(t)

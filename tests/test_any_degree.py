@@ -1,0 +1,62 @@
+"""Any Ulysses degree, exactly: real gloo ranks give one process's frames bit for bit (CPU, fp32)
+where upstream cannot run at all.
+
+The tiny DiT has 4 heads, and at 64x64 with 12 frames per clip the DiT sees 64 tokens on clip 1
+and 88 on clip 2: at degree 3 the heads split 2/1/1 and both sequences are padded (to 66 and 90),
+so upstream's even all-to-all and unpadded ``torch.chunk`` would abort inside gloo. Run twice:
+Ulysses over 3 ranks, and CFG 2 x SP 3 over 6 ranks (the SP helpers bound to each CFG branch's
+group; the VAE split over all 6 ranks).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_FLAGS, asset_flags, run_cli
+from wan_s2v_runner.layout import Layout, Mode
+from wan_s2v_runner.preflight.geometry import token_counts
+
+#: 12 frames per clip: sequences of 64 and 88 tokens, neither a multiple of 3
+FLAGS = [f if f != "8" else "12" for f in TINY_FLAGS]
+assert FLAGS[FLAGS.index("--infer-frames") + 1] == "12"
+
+
+def _run(tiny_assets, tmp_path, name, *extra):
+    d = tmp_path / name
+    d.mkdir()
+    r = run_cli(["run", *FLAGS, *asset_flags(tiny_assets), "--output", str(d / "o.mp4"),
+                 "--frames-out", str(d / "f.pt"), "--runs-root", str(d / "runs"), *extra], cwd=d)
+    assert r.returncode == 0, r.output
+    run_dir = next((d / "runs").glob("*"))
+    plans = [json.loads(line) for p in sorted((run_dir / "events").glob("*.jsonl"))
+             for line in p.read_text().splitlines() if '"kind": "plan"' in line]
+    return torch.load(d / "f.pt"), json.loads((run_dir / "run.json").read_text()), plans
+
+
+@pytest.fixture(scope="module")
+def frames_12(tiny_assets, tmp_path_factory):
+    frames, _, _ = _run(tiny_assets, tmp_path_factory.mktemp("one"), "one", "--nproc", "1")
+    return frames
+
+
+def test_the_sizes_need_uneven_heads_and_padding():
+    lengths = token_counts(64, 64, 12).lengths(2, False)
+    lay = Layout.for_mode(Mode.ULYSSES, 3)
+    assert lengths == [64, 88] and [lay.padding(n) for n in lengths] == [2, 2]
+    assert lay.head_split(4) == [2, 1, 1]
+
+
+@pytest.mark.parametrize("extra, cfg, sp", [
+    (["--nproc", "3"], 1, 3),
+    (["--nproc", "6", "--cfg-parallel"], 2, 3),
+])
+def test_uneven_ulysses_equals_one_process(tiny_assets, frames_12, tmp_path, extra, cfg, sp):
+    frames, manifest, plans = _run(tiny_assets, tmp_path, "sp", *extra)
+    assert torch.equal(frames, frames_12), f"max abs diff {(frames - frames_12).abs().max()}"
+    assert frames.shape == (3, 2 * 12 - 3, 64, 64)
+    lay = manifest["layout"]
+    assert (lay["cfg_degree"], lay["ulysses_degree"], lay["world_size"]) == (cfg, sp, cfg * sp)
+    assert len(plans) == cfg * sp
+    assert all("heads 2/1/1 per rank" in p["patches"]["ulysses_sp"] for p in plans)

@@ -1,0 +1,147 @@
+"""Parallel plans for a GPU count: how the ranks split the work (CFG branches x Ulysses degree),
+what each split costs, and which is fastest. The doctor's plan table and recommendation ask here.
+
+A plan is a :class:`~wan_s2v_runner.layout.Layout` judged against one model and one size:
+heads per rank (Ulysses splits them as evenly as possible), the padding its degree adds to the
+token sequence, and an estimated DiT speed-up over one GPU from the per-rank arithmetic:
+
+* a DiT pass over L tokens costs, per block, ``L (12 C^2 + 4 C F)`` multiply-adds of per-token
+  work (self-attention q/k/v/o 8 C^2, text cross-attention q/o 4 C^2 -- its k/v are cached -- and
+  the FFN 4 C F) plus ``4 L^2 C`` of attention (scores and weighted sum), C = dim, F = ffn_dim;
+* a rank of a (cfg c, sp d) plan runs 2/c passes per step (CFG: conditional + unconditional),
+  each over ``ceil(L / d)`` tokens of per-token work (padding included) and the attention of
+  ``max(heads per rank) / heads`` of the heads over the L real tokens;
+* speed-up = one GPU's work / the busiest rank's work, on the longest sequence.
+
+Communication is not in the number: on ties the plan with the smaller sequence-parallel group
+wins (its all-to-alls move less and stay among fewer GPUs; a CFG split costs one small
+all-gather per step). At 1024x704 (63,360 tokens) attention is ~68% of the 14B DiT's work, so
+an uneven head split costs more than the padding (at most degree - 1 tokens).
+
+This module imports only :mod:`wan_s2v_runner.layout`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from wan_s2v_runner.layout import Layout, Mode
+
+#: GPU counts the doctor's plan table covers
+PLAN_WORLD_SIZES = tuple(range(1, 17))
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    heads: int
+    lengths: tuple[int, ...]
+    speedup: float  # estimated DiT step speed-up over one GPU (compute only)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def cfg_degree(self) -> int:
+        return self.layout.cfg_degree
+
+    @property
+    def sp_degree(self) -> int:
+        return self.layout.sp_degree
+
+    @property
+    def head_split(self) -> list[int]:
+        return self.layout.head_split(self.heads)
+
+    @property
+    def padding_overhead(self) -> float:
+        return self.layout.padding_overhead(self.lengths)
+
+    @property
+    def problems(self) -> list[str]:
+        return self.layout.problems(self.heads, self.lengths)
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+    @property
+    def shape(self) -> str:
+        """'CFG 2 x SP 3', 'SP 4', 'CFG 2', '1 rank'."""
+        parts = ([f"CFG {self.cfg_degree}"] if self.cfg_degree > 1 else []) + \
+                ([f"SP {self.sp_degree}"] if self.sp_degree > 1 else [])
+        return " x ".join(parts) or ("1 rank" if self.world_size == 1 else f"{self.world_size} ranks")
+
+    def heads_text(self) -> str:
+        split = self.head_split
+        if len(set(split)) == 1:
+            return f"{split[0]} heads per rank"
+        if len(split) <= 8:
+            return f"heads {'/'.join(map(str, split))} per rank"
+        return f"{max(split)} or {min(split)} heads per rank"
+
+    def padding_text(self) -> str:
+        pad = [self.layout.padding(n) for n in self.lengths]
+        if not any(pad):
+            return "no padding"
+        return (f"padding {'/'.join(map(str, pad))} token(s) ({self.padding_overhead * 100:.3g}% of the "
+                f"{'/'.join(map(str, self.lengths))}-token sequence{'s' if len(self.lengths) > 1 else ''})")
+
+    def describe(self) -> str:
+        """One line: the split, heads per rank, padding, CFG, estimated speed-up."""
+        if not self.valid:
+            return f"{self.shape}: " + "; ".join(self.problems)
+        bits = [self.shape]
+        if self.layout.use_sp:
+            bits += [self.heads_text(), self.padding_text()]
+        bits.append("CFG split (--cfg-parallel)" if self.cfg_degree > 1 else "CFG not split")
+        return ", ".join(bits) + f"; est. {self.speedup:.2f}x DiT speed-up"
+
+    def to_json(self) -> dict:
+        return {"world_size": self.world_size, "cfg_degree": self.cfg_degree, "sp_degree": self.sp_degree,
+                "head_split": self.head_split, "padding_tokens": [self.layout.padding(n) for n in self.lengths],
+                "padding_overhead": round(self.padding_overhead, 6), "speedup_estimate": round(self.speedup, 3),
+                "valid": self.valid, "problems": self.problems, "cfg_parallel": self.cfg_degree > 1,
+                "text": self.describe()}
+
+
+def estimate_speedup(layout: Layout, heads: int, dim: int, ffn_dim: int, length: int) -> float:
+    """One GPU's DiT step work / the busiest rank's (module docstring); 0.0 for an invalid plan."""
+    if not layout.fits(heads, [length]) or length <= 0:
+        return 0.0
+    per_token = 12 * dim * dim + 4 * dim * ffn_dim
+    attention = 4 * length * length * dim
+    one_gpu = 2 * (length * per_token + attention)
+    local = -(-length // layout.sp_degree)
+    rank = (2 / layout.cfg_degree) * (local * per_token + attention * layout.heads_per_rank(heads) / heads)
+    return one_gpu / rank
+
+
+def candidates(mode: Mode, world_size: int, cfg_possible: bool = True) -> list[Layout]:
+    """The layouts of ``mode`` at ``world_size``: without and (even world, CFG on) with the CFG split."""
+    out = [Layout.for_mode(mode, world_size)]
+    if cfg_possible and world_size % 2 == 0:
+        out.append(Layout.for_mode(mode, world_size, cfg_parallel=True))
+    return out
+
+
+def plans_for(mode: Mode, world_size: int, heads: int, dim: int, ffn_dim: int, lengths: Sequence[int],
+              cfg_possible: bool = True) -> list[Plan]:
+    """Every candidate plan at ``world_size``, fastest first (ties: smaller SP group first)."""
+    longest = max(lengths) if lengths else 0
+    plans = [Plan(lay, heads, tuple(lengths), estimate_speedup(lay, heads, dim, ffn_dim, longest))
+             for lay in candidates(mode, world_size, cfg_possible)]
+    return sorted(plans, key=lambda p: (not p.valid, -round(p.speedup, 3), p.sp_degree))
+
+
+def best_plan(mode: Mode, world_size: int, heads: int, dim: int, ffn_dim: int, lengths: Sequence[int],
+              cfg_possible: bool = True) -> Plan:
+    """The fastest plan at ``world_size`` (the first candidate, invalid, when none is valid)."""
+    return plans_for(mode, world_size, heads, dim, ffn_dim, lengths, cfg_possible)[0]
+
+
+def plan_table(mode: Mode, heads: int, dim: int, ffn_dim: int, lengths: Sequence[int],
+               cfg_possible: bool = True, worlds: Iterable[int] = PLAN_WORLD_SIZES) -> list[Plan]:
+    """The best plan of ``mode`` for each GPU count in ``worlds`` (1..16 by default)."""
+    return [best_plan(mode, w, heads, dim, ffn_dim, lengths, cfg_possible) for w in worlds]
