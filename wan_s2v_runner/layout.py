@@ -157,7 +157,7 @@ class Layout(BaseModel):
         return max((self.padding(n) / n for n in lengths if n), default=0.0)
 
     # ----- validity -----
-    def divides_heads(self, heads: int) -> bool:
+    def splits_heads(self, heads: int) -> bool:
         """Every rank of an SP group gets at least one head (the split need not be even)."""
         return sp_degree_fits(self.sp_degree, heads, ())
 
@@ -179,7 +179,7 @@ class Layout(BaseModel):
             out.append(f"--cfg-parallel needs an even world size (got {self.world_size})")
         if self.t5_cpu and self.t5_fsdp:
             out.append("T5 on CPU together with T5 FSDP: the engine accepts it but it is unsupported")
-        if not self.divides_heads(heads):
+        if not self.splits_heads(heads):
             out.append(f"Ulysses degree {self.sp_degree} exceeds the {heads} attention heads "
                        "(every rank needs at least one)")
         elif self.bad_lengths(lengths):

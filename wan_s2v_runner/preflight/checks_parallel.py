@@ -35,7 +35,7 @@ def check_heads(ctx):
     if not lay.use_sp:
         return skip("ulysses.heads", "no sequence parallelism")
     d = lay.sp_degree
-    if not lay.divides_heads(heads):
+    if not lay.splits_heads(heads):
         return fail("ulysses.heads", f"Ulysses degree {d} exceeds the {heads} attention heads ({src}): "
                     "every rank needs at least one",
                     f"use at most {heads} ranks per CFG branch (--nproc; --cfg-parallel halves the degree), "

@@ -12,8 +12,9 @@ Read from wan/speech2video.py and wan/modules/s2v/{model_s2v,motioner}.py (Wan2.
   reference-image tokens ``(H/16) * (W/16)``, and the FramePack motion tokens (buckets 1, 2, 16
   latent frames patchified at 1x, 2x, 4x: ``(H/16)(W/16) + (H/32)(W/32) + 4 (H/64)(W/64)``). The
   motion tokens are dropped on the first clip (``drop_first_motion``, unless the run starts
-  from the reference image), so two lengths occur. S2V does not pad: each must divide by the
-  Ulysses degree, and the 40 heads too.
+  from the reference image), so two lengths occur. Upstream does not pad (each must divide by
+  the Ulysses degree, and the 40 heads too); ``patches.ulysses_sp`` pads both to a multiple of
+  the degree and splits the heads unevenly.
 * Clips: ``floor(seconds * 16 / infer_frames) + 1`` (``get_audio_embed_bucket_fps``), capped by
   ``--num-clips``.
 """
