@@ -4,14 +4,18 @@ rendezvous on loopback, configured by flags, or only by the variables a cluster 
 and PyTorchJob do). Node 0 writes frames equal to one process's; node 1 ends cleanly and says
 that node 0 writes the output. The environment case adds ``--cfg-parallel``: at 2 nodes x 1 rank
 the two CFG branches run on different nodes. A node that never joins ends the other node's run
-at the load watchdog's limit, with the missing node named."""
+at the load watchdog's limit, with the missing node named; so does a node that dies (killed) or
+freezes (stopped) mid-run, at once or at the step watchdog's limit."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -72,3 +76,56 @@ def test_a_node_that_never_joins_is_named(tiny_assets, tmp_path):
     assert r.returncode == exit_codes.HUNG, r.output
     assert "waiting for node 1 of 2" in r.output, r.output
     assert not (tmp_path / "o.mp4").exists()
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_a_node_that_dies_mid_run_is_named(tiny_assets, tmp_path, how):
+    """Node 1 vanishes while both nodes generate: its launcher, torchrun and worker SIGKILLed
+    (sockets closed: node 0's rank gets a connection error at once), or SIGSTOPped (a machine
+    that froze or fell off the network: node 0's rank waits until the step watchdog). Node 0
+    ends with the documented exit code and names node 1."""
+    from wan_s2v_runner import proctree
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+
+    def start(node: int) -> subprocess.Popen:
+        d = tmp_path / f"node{node}"
+        d.mkdir()
+        args = ["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "1", "--nnodes", "2",
+                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "--steps", "8", "--watchdog-step", "10", "--output", str(d / "o.mp4"), "--runs-root", str(d / "runs")]
+        return subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", *args], cwd=d, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    nodes = [start(0), start(1)]
+    victims: set[int] = set()
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not any(
+                '"denoise"' in p.read_text() for p in (tmp_path / "node1" / "runs").glob("*/events/*.jsonl")):
+            assert nodes[1].poll() is None and nodes[0].poll() is None, "a node ended before denoising"
+            time.sleep(0.3)
+        victims = proctree.descendants([nodes[1].pid], proctree.ppid_map()) | {nodes[1].pid}
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        out = nodes[0].communicate(timeout=120)[0]
+        took = time.monotonic() - t0
+    finally:
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for p in nodes:
+            p.kill()
+            p.communicate()
+    if how == "killed":
+        assert nodes[0].returncode == exit_codes.RANK_FAILED, out
+        assert "peer on another node: node 1 of 2 (global rank 1) went away first" in out, out
+        assert took < 30
+    else:
+        assert nodes[0].returncode == exit_codes.HUNG, out
+        assert "what holds them up is on node 1 of 2 (global rank 1)" in out, out
+        assert took < 10 + 30  # the step watchdog's limit, plus its polling and the stack dumps
+    assert not (tmp_path / "node0" / "o.mp4").exists()

@@ -178,6 +178,30 @@ def test_the_first_error_is_the_cause_and_connection_errors_are_consequences():
     assert _attribute(ranks)[0].rank == 0
 
 
+def test_a_peer_lost_on_another_node_names_that_node(tmp_path):
+    from wan_s2v_runner.diagnose import analyse_stacks, other_nodes_text
+    msg = "Connection reset by peer [10.0.0.2]:29500"
+    assert "read the other ranks' errors" in hint_for(msg, Stage.DENOISE, _spec(tmp_path))
+    two = _spec(tmp_path, nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=29500)
+    assert other_nodes_text(two) == "node 1 of 2 (global ranks 2-3)"
+    hint = hint_for(msg, Stage.DENOISE, two)
+    assert "peer on another node: node 1 of 2 (global ranks 2-3) went away first, peer address 10.0.0.2" in hint
+    four = _spec(tmp_path, nnodes=4, node_rank=2, master_addr="10.0.0.1", master_port=29500)
+    assert other_nodes_text(four) == "one of nodes 0, 1, 3 of 4 (global ranks 0-1, 2-3, 6-7)"
+    # a hang where every rank of this node waits (a collective, or the split VAE's halo rows)
+    stacks = tmp_path / "stacks"
+    stacks.mkdir()
+    for r, (path, fn) in enumerate([("torch/distributed/distributed_c10d.py", "all_gather"),
+                                    ("wan_s2v_runner/vae_split.py", "await_peers")]):
+        (stacks / f"rank{r}.txt").write_text(
+            f'Current thread 0x0001 (most recent call first):\n  File "/x/{path}", line 9 in {fn}\n'
+            '  File "/x/wan_s2v_runner/worker.py", line 1 in main\n')
+    lines = analyse_stacks(tmp_path, [0, 1], remote=other_nodes_text(two))
+    assert lines[1] == "rank 1: waiting in collective await_peers (top frame vae_split.py:9 in await_peers)"
+    assert "every rank of this node waits for its peers, so what holds them up is on node 1 of 2" in lines[-1]
+    assert len(analyse_stacks(tmp_path, [0, 1])) == 2  # one node: nothing to point at
+
+
 def test_a_rank_killed_by_a_signal_without_an_error_record_is_named_with_the_signal(tmp_path):
     ranks = {0: _in_denoise(0, 1000.0, error=_error(1100.1, "RuntimeError", "Connection reset by peer")),
              1: _in_denoise(1, 1000.0)}  # no error, no end: only its exit says it failed

@@ -109,9 +109,15 @@ _THREAD_RE = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.M)
 _FRAME_RE = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)', re.M)
 
 
-def analyse_stacks(run_dir: Path, ranks: list[int]) -> list[str]:
+#: our functions that block on point-to-point transfers (``vae_split.await_peers``)
+PEER_WAITS = ("await_peers",)
+
+
+def analyse_stacks(run_dir: Path, ranks: list[int], remote: Optional[str] = None) -> list[str]:
     """One line per rank: where its main thread is (top frame), and whether it waits in a
-    torch.distributed collective. Ranks *not* in a collective while others wait are the suspects."""
+    torch.distributed collective (or a point-to-point wait). Ranks *not* waiting while others
+    wait are the suspects. ``remote``: the other nodes (:func:`other_nodes_text`), named when
+    every rank here waits, so the one holding them up is elsewhere."""
     lines, in_coll, outside = [], [], []
     for r in ranks:
         try:
@@ -124,7 +130,7 @@ def analyse_stacks(run_dir: Path, ranks: list[int]) -> list[str]:
             continue
         frames = _FRAME_RE.findall(main)
         top = frames[0]
-        coll = next((fn for path, _, fn in frames if path.endswith("distributed_c10d.py")), None)
+        coll = next((fn for path, _, fn in frames if path.endswith("distributed_c10d.py") or fn in PEER_WAITS), None)
         at = f"{Path(top[0]).name}:{top[1]} in {top[2]}"
         if coll:
             in_coll.append(r)
@@ -135,6 +141,9 @@ def analyse_stacks(run_dir: Path, ranks: list[int]) -> list[str]:
     if in_coll and outside:
         lines.append(f"-> rank(s) {','.join(map(str, outside))} did not reach the collective the others "
                      "wait in: look there first")
+    elif in_coll and remote:
+        lines.append(f"-> every rank of this node waits for its peers, so what holds them up is on {remote}: "
+                     "that node stopped, froze, or lost its network. Read its launcher output and run directory")
     return lines
 
 
@@ -215,13 +224,38 @@ HINTS = [
 ]
 
 
+def other_nodes_text(spec: RunSpec) -> str:
+    """'node 1 of 2 (global rank 1)', 'one of nodes 1, 2, 3 of 4 (global ranks 8-31)'."""
+    others = spec.other_nodes
+    ranks = [r for n in others for r in spec.node_ranks(n)]
+    which = f"node {others[0]}" if len(others) == 1 else f"one of nodes {', '.join(map(str, others))}"
+    span = f"global rank {ranks[0]}" if len(ranks) == 1 else f"global ranks {ranks[0]}-{ranks[-1]}"
+    if len(others) > 1 and ranks != list(range(ranks[0], ranks[-1] + 1)):
+        span = "global ranks " + ", ".join(f"{spec.node_ranks(n)[0]}-{spec.node_ranks(n)[-1]}" for n in others)
+    return f"{which} of {spec.nnodes} ({span})"
+
+
+_PEER_ADDR_RE = re.compile(r"\[([0-9a-fA-F.:]+)\]:(\d+)")
+
+
+def peer_lost_hint(text: str, spec: Optional[RunSpec] = None) -> str:
+    """A rank lost its connection to a peer: with several nodes and no local cause, name them."""
+    if spec is None or spec.nnodes == 1:
+        return ("This rank lost its connection to a peer: the peer failed or was killed first (read "
+                "the other ranks' errors above).")
+    m = _PEER_ADDR_RE.search(text)
+    addr = f", peer address {m.group(1)}" if m else ""
+    return (f"This rank lost its connection to a peer on another node: {other_nodes_text(spec)} went away "
+            f"first{addr} (a rank there failed, the node was stopped, or it went down or off the "
+            "network). Read that node's launcher output and its run directory.")
+
+
 def hint_for(text: str, stage: Union[Stage, str, None] = None,
              spec: Optional[RunSpec] = None) -> Optional[str]:
     """A hint for an error message raised in ``stage`` (None when no known cause matches)."""
     low = text.lower()
     if is_secondary(text):
-        return ("This rank lost its connection to a peer: the peer failed or was killed first (if "
-                "it is on another node, read that node's run directory).")
+        return peer_lost_hint(text, spec)
     for key, hint in HINTS:
         if key in low:
             return hint if hint is not None else _oom_hint(stage if stage is not None else "?", spec)

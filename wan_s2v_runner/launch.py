@@ -35,6 +35,7 @@ from wan_s2v_runner.diagnose import (
     attribute_failures,
     describe_exit,
     has_frame,
+    other_nodes_text,
     parse_torchrun_exits,
     read_error_files,
     tail_lines,
@@ -112,11 +113,8 @@ def not_started_note(spec: RunSpec) -> str:
     starts its workers only when every node has joined the rendezvous."""
     if spec.nnodes == 1:
         return "torchrun did not start it"
-    others = [n for n in range(spec.nnodes) if n != spec.node_rank]
-    which = f"node {others[0]}" if len(others) == 1 else \
-        f"nodes {', '.join(map(str, others))} (at least one of them)"
     return (f"torchrun on node {spec.node_rank} is still at the rendezvous on {spec.master_addr}:"
-            f"{spec.master_port}, waiting for {which} of {spec.nnodes}: start the same command there "
+            f"{spec.master_port}, waiting for {other_nodes_text(spec)}: start the same command there "
             "with its --node-rank, or check that it can reach that address")
 
 
@@ -407,7 +405,8 @@ class Supervisor:
         stuck_ranks = sorted(r for rs in stuck.values() for r in rs)
         report = describe_hang(stuck, self.reader.ranks, now=now, limits=self.limits,
                                stacks_dir=self.run_dir / "stacks",
-                               stack_lines=analyse_stacks(self.run_dir, stuck_ranks), silent=silent,
+                               stack_lines=analyse_stacks(self.run_dir, stuck_ranks, remote=other_nodes_text(self.spec)
+                                                           if self.spec.nnodes > 1 else None), silent=silent,
                                not_started=not_started_note(self.spec))
         return Outcome(code=exit_codes.HUNG, stuck=stuck, failed_stage=next(iter(stuck)),
                        reason=report.reason, hint=report.hint, details=list(report.details),

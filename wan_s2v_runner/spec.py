@@ -238,6 +238,14 @@ class RunSpec(BaseModel):
         (several nodes use torchrun's static rendezvous, which numbers ranks in node order)."""
         return self.node_rank == 0
 
+    def node_ranks(self, node: int) -> range:
+        """Global ranks on ``node`` (node-major, as the static rendezvous numbers them)."""
+        return range(node * self.nproc, (node + 1) * self.nproc)
+
+    @property
+    def other_nodes(self) -> list[int]:
+        return [n for n in range(self.nnodes) if n != self.node_rank]
+
     @property
     def layout(self) -> Layout:
         return Layout.for_mode(self.mode, self.world_size, self.cfg_parallel, self.vae_parallel)

@@ -173,6 +173,14 @@ def conv_rows(conv: nn.Module, x: torch.Tensor, full_rows: int,
 # communication
 
 
+
+def await_peers(works) -> None:
+    """Wait for point-to-point transfers (the halo rows). Named so that a hang report's stack
+    analysis (``diagnose.analyse_stacks``, which looks for this name) counts a rank blocked
+    here as waiting for its peers, like one blocked in a collective."""
+    for work in works:
+        work.wait()
+
 class _Rows:
     """This rank's band of a frame in a process group, and the exchanges between bands.
 
@@ -253,8 +261,7 @@ class _Rows:
             if below:
                 recv("below", below, self.rank + 1)
         if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+            await_peers(dist.batch_isend_irecv(ops))
 
         def edge(key, n):  # received rows, or the frame's zero padding at its top/bottom
             return [got[key].to(x.device) if key in got else x.new_zeros(shape[:-2] + [n, shape[-1]])] \
