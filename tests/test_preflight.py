@@ -615,3 +615,15 @@ def test_probe_reads_nvml_links_and_free_memory(monkeypatch):
     f = MachineFacts({"gpus": gpus, "links": links, "p2p": [[True, True, False], [True, True, False],
                                                              [False, False, True]]})
     assert f.nvlink(0, 1) and not f.nvlink(0, 2) and f.p2p(2, 0) is False
+
+
+def test_srun_with_one_task_per_gpu_is_refused():
+    f = facts("a100_8x_nvlink")
+    f.raw["env"] = {"SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu[1-2]", "SLURMD_NODENAME": "gpu2",
+                    "SLURM_STEP_NUM_TASKS": "16"}
+    r = result(ctx_for(f, nproc=8), "communication", "comm.slurm")
+    assert_finding(r, Status.FAIL, "srun started 16 tasks on 2 node(s)", "srun --ntasks-per-node=1")
+    f.raw["env"]["SLURM_STEP_NUM_TASKS"] = "2"
+    r = result(ctx_for(f, nproc=8), "communication", "comm.slurm")
+    assert_finding(r, Status.OK, "2 node(s), this is node 1, rendezvous on gpu1")
+    assert result(ctx_for(facts("a100_8x_nvlink"), nproc=8), "communication", "comm.slurm").status is Status.SKIP

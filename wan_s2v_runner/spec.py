@@ -369,9 +369,12 @@ def load_toml(path: Path) -> dict[str, Any]:
 
 def env_values(env) -> dict[str, Any]:
     """Field values from the environment variables the fields declare (``Flag.env``), e.g. the
-    PyTorchJob-style MASTER_ADDR/MASTER_PORT/WORLD_SIZE (= nodes)/RANK (= node). A value that
-    does not validate for its field is ignored (other tools set these variables too)."""
-    out: dict[str, Any] = {}
+    PyTorchJob-style MASTER_ADDR/MASTER_PORT/WORLD_SIZE (= nodes)/RANK (= node), over the node
+    layout of a Slurm ``srun`` step (:mod:`wan_s2v_runner.slurm`). A value that does not
+    validate for its field is ignored (other tools set these variables too)."""
+    from wan_s2v_runner.slurm import step_values
+
+    out: dict[str, Any] = dict(step_values(env))
     for name in RunSpec.model_fields:
         var = flag_of(name).env
         raw = (env.get(var) or "").strip() if var else ""

@@ -219,3 +219,24 @@ def check_master_addr(ctx):
                     f"{ctx.spec.nnodes} nodes: only launchers on this machine can join",
                     "use node 0's address on the shared network (unless every node runs here)")
     return ok("comm.master_addr", f"{addr} -> {', '.join(ips)}")
+
+
+def check_slurm(ctx):
+    """Under ``srun``: one launcher per node (it starts one process per GPU itself)."""
+    from wan_s2v_runner.slurm import step_values, tasks_per_node
+
+    env = ctx.facts.env
+    per_node = tasks_per_node(env)
+    if per_node is None:
+        return skip("comm.slurm", "not in a Slurm job step")
+    if per_node != 1:
+        return fail("comm.slurm", f"srun started {env.get('SLURM_STEP_NUM_TASKS')} tasks on "
+                    f"{env.get('SLURM_STEP_NUM_NODES')} node(s): {per_node} launchers per node would each "
+                    "start their own ranks on the same GPUs",
+                    "srun --ntasks-per-node=1 (wan-s2v starts --nproc ranks per node itself)", tasks_per_node=per_node)
+    step = step_values(env)
+    if not step:
+        return warn("comm.slurm", "a Slurm step whose node list does not parse: nodes not taken from it",
+                    "pass --nnodes, --node-rank and --master-addr")
+    return ok("comm.slurm", f"Slurm step: {step['nnodes']} node(s), this is node {step['node_rank']}, "
+              f"rendezvous on {step['master_addr']} (flags and MASTER_ADDR/WORLD_SIZE/RANK override)", **step)

@@ -48,7 +48,8 @@ MODULES = ("torchvision", "transformers", "diffusers", "huggingface_hub", "accel
            "flash_attn_interface", "pynvml")
 _ENV_RE = re.compile(r"^(NCCL_|TORCH_NCCL_|TORCH_DISTRIBUTED|PYTORCH_.*ALLOC_CONF$|CUDA_VISIBLE_DEVICES$|"
                      r"CUDA_DEVICE_ORDER$|OMP_NUM_THREADS$|MASTER_ADDR$|MASTER_PORT$|WORLD_SIZE$|RANK$|"
-                     r"LOCAL_RANK$|GLOO_SOCKET_IFNAME$|WAN_REPO$)")
+                     r"LOCAL_RANK$|GLOO_SOCKET_IFNAME$|WAN_REPO$|SLURM_STEP_NUM_(NODES|TASKS)$|SLURM_STEP_NODELIST$|"
+                     r"SLURMD_NODENAME$|SLURM_NODEID$)")
 _TOPO = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 
 

@@ -37,6 +37,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.COMMUNICATION, checks_comm.check_shm),
     (G.COMMUNICATION, checks_comm.check_master_port),
     (G.COMMUNICATION, checks_comm.check_master_addr),
+    (G.COMMUNICATION, checks_comm.check_slurm),
     (G.ATTENTION, checks_gpu.check_fa2),
     (G.ATTENTION, checks_gpu.check_fa3),
     (G.ATTENTION, checks_gpu.check_capability),
