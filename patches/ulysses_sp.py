@@ -71,7 +71,7 @@ def seq_to_heads(x: torch.Tensor, group, head_sizes: list[int]) -> torch.Tensor:
 
 def heads_to_seq(x: torch.Tensor, group, head_sizes: list[int]) -> torch.Tensor:
     """The inverse of :func:`seq_to_heads`: [B, world * s, h_me, d] -> [B, s, H, d]."""
-    world, me = len(head_sizes), dist.get_rank(group)
+    world = len(head_sizes)
     b, full, h_me, d = x.shape
     s = full // world
     send = x.reshape(b, world, s, h_me, d).transpose(0, 1).contiguous()  # [world, B, s, h_me, d]

@@ -64,6 +64,51 @@ def asset_flags(assets) -> list[str]:
     return ["--ckpt-dir", str(assets.ckpt_dir), "--image", str(assets.image), "--audio", str(assets.audio)]
 
 
+@pytest.fixture(scope="module")
+def engine_cpu(tiny_assets):
+    """The engine imported and patched for an fp32 CPU run in this process (no process group):
+    (wan, engine config, the tiny spec of TINY_FLAGS). Undone after the module."""
+    from patches import apply_for_run
+    from wan_s2v_runner.engine import import_wan
+    from wan_s2v_runner.spec import RunSpec
+    from wan_s2v_runner.worker import engine_config
+
+    torch.set_num_threads(1)
+    wan = import_wan()
+    spec = RunSpec(ckpt_dir=tiny_assets.ckpt_dir, image=tiny_assets.image, audio=tiny_assets.audio,
+                   prompt="a person talking", device="cpu", max_area=64 * 64, infer_frames=8, steps=2, seed=42)
+    cfg = engine_config(wan, spec)
+    apply_for_run(wan, spec, cfg.param_dtype)
+    yield wan, cfg, spec
+    wan.speech2video.torch = torch  # undo the CPU device proxy for the tests that apply it themselves
+
+
+def one_process_frames(engine_cpu, **updates) -> "torch.Tensor":
+    """Our loop at one process, in this process, for the tiny spec with ``updates`` (the frames
+    a ``--nproc 1`` run of the same flags writes: its worker runs this same loop)."""
+    from wan_s2v_runner import components
+    from wan_s2v_runner.generation import S2VGenerator
+    from wan_s2v_runner.layout import Layout, Mode
+    from wan_s2v_runner.parallel import RankPlan
+    from wan_s2v_runner.worker import request_for
+
+    wan, cfg, spec = engine_cpu
+    spec = spec.model_copy(update=updates)
+    plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
+    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0)
+    return S2VGenerator(parts, plan).generate(request_for(spec))
+
+
+def run_frames(assets, d: Path, flags: list[str], *extra: str) -> tuple["torch.Tensor", Path]:
+    """`wan-s2v run` of ``flags`` in a new directory ``d`` (frames written with --frames-out):
+    (the frames, the run directory). Fails the test when the run fails."""
+    d.mkdir()
+    r = run_cli(["run", *flags, *asset_flags(assets), "--output", str(d / "o.mp4"), "--frames-out",
+                 str(d / "f.pt"), "--runs-root", str(d / "runs"), *extra], cwd=d)
+    assert r.returncode == 0, r.output
+    return torch.load(d / "f.pt"), next((d / "runs").glob("*"))
+
+
 @pytest.fixture(scope="session")
 def reference_frames(tiny_assets, tmp_path_factory):
     """Frames of a 1-process run of the shared tiny spec: what every parallel mode must equal."""

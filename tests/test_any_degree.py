@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from conftest import TINY_FLAGS, asset_flags, run_cli
+from conftest import TINY_FLAGS, one_process_frames, run_frames
 from wan_s2v_runner.layout import Layout, Mode
 from wan_s2v_runner.preflight.geometry import token_counts
 
@@ -23,22 +23,18 @@ FLAGS = [f if f != "8" else "12" for f in TINY_FLAGS]
 assert FLAGS[FLAGS.index("--infer-frames") + 1] == "12"
 
 
-def _run(tiny_assets, tmp_path, name, *extra):
-    d = tmp_path / name
-    d.mkdir()
-    r = run_cli(["run", *FLAGS, *asset_flags(tiny_assets), "--output", str(d / "o.mp4"),
-                 "--frames-out", str(d / "f.pt"), "--runs-root", str(d / "runs"), *extra], cwd=d)
-    assert r.returncode == 0, r.output
-    run_dir = next((d / "runs").glob("*"))
+def _run(tiny_assets, d, *extra):
+    """Frames, run.json and the ranks' plan events of a run of FLAGS."""
+    frames, run_dir = run_frames(tiny_assets, d, FLAGS, *extra)
     plans = [json.loads(line) for p in sorted((run_dir / "events").glob("*.jsonl"))
              for line in p.read_text().splitlines() if '"kind": "plan"' in line]
-    return torch.load(d / "f.pt"), json.loads((run_dir / "run.json").read_text()), plans
+    return frames, json.loads((run_dir / "run.json").read_text()), plans
 
 
 @pytest.fixture(scope="module")
-def frames_12(tiny_assets, tmp_path_factory):
-    frames, _, _ = _run(tiny_assets, tmp_path_factory.mktemp("one"), "one", "--nproc", "1")
-    return frames
+def frames_12(engine_cpu):
+    """One process's frames for FLAGS (in this process: the loop a --nproc 1 run's worker runs)."""
+    return one_process_frames(engine_cpu, infer_frames=12)
 
 
 def test_the_sizes_need_uneven_heads_and_padding():
@@ -53,7 +49,7 @@ def test_the_sizes_need_uneven_heads_and_padding():
     (["--nproc", "6", "--cfg-parallel"], 2, 3),
 ])
 def test_uneven_ulysses_equals_one_process(tiny_assets, frames_12, tmp_path, extra, cfg, sp):
-    frames, manifest, plans = _run(tiny_assets, tmp_path, "sp", *extra)
+    frames, manifest, plans = _run(tiny_assets, tmp_path / "sp", *extra)
     assert torch.equal(frames, frames_12), f"max abs diff {(frames - frames_12).abs().max()}"
     assert frames.shape == (3, 2 * 12 - 3, 64, 64)
     lay = manifest["layout"]

@@ -10,26 +10,8 @@ import json
 import pytest
 import torch
 
-from conftest import TINY_FLAGS, asset_flags, run_cli
+from conftest import TINY_FLAGS, run_frames
 from wan_s2v_runner.layout import Layout, Mode
-from wan_s2v_runner.spec import RunSpec
-
-
-@pytest.fixture(scope="module")
-def engine_cpu(tiny_assets):
-    """The engine imported and patched for an fp32 CPU run in this process (no process group)."""
-    from patches import apply_for_run
-    from wan_s2v_runner.engine import import_wan
-    from wan_s2v_runner.worker import engine_config
-
-    torch.set_num_threads(1)
-    wan = import_wan()
-    spec = RunSpec(ckpt_dir=tiny_assets.ckpt_dir, image=tiny_assets.image, audio=tiny_assets.audio,
-                   prompt="a person talking", device="cpu", max_area=64 * 64, infer_frames=8, steps=2)
-    cfg = engine_config(wan, spec)
-    apply_for_run(wan, spec, cfg.param_dtype)
-    yield wan, cfg, spec
-    wan.speech2video.torch = torch  # undo the CPU device proxy for the tests that apply it themselves
 
 
 @pytest.mark.parametrize("solver, start_from_ref", [("unipc", False), ("dpm++", True)])
@@ -69,15 +51,6 @@ def _recording(stages):
     return Hooks(stage=lambda s, **k: stages.append(str(s)))
 
 
-def _run(tiny_assets, tmp_path, name, *extra):
-    d = tmp_path / name
-    d.mkdir()
-    r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--output", str(d / "o.mp4"),
-                 "--frames-out", str(d / "f.pt"), "--runs-root", str(d / "runs"), *extra], cwd=d)
-    assert r.returncode == 0, r.output
-    manifest = json.loads(next((d / "runs").glob("*/run.json")).read_text())
-    return torch.load(d / "f.pt"), manifest
-
 
 @pytest.mark.parametrize("extra, cfg, sp, vae_split", [
     # rank 0 runs the VAE alone and broadcasts the motion latents
@@ -85,7 +58,8 @@ def _run(tiny_assets, tmp_path, name, *extra):
     # CFG 2 x SP 3 over 6 ranks with the VAE split over all of them: tests/test_any_degree.py
 ])
 def test_cfg_parallel_equals_one_process(tiny_assets, reference_frames, tmp_path, extra, cfg, sp, vae_split):
-    frames, manifest = _run(tiny_assets, tmp_path, "cfg", *extra)
+    frames, run_dir = run_frames(tiny_assets, tmp_path / "cfg", TINY_FLAGS, *extra)
+    manifest = json.loads((run_dir / "run.json").read_text())
     assert torch.equal(frames, reference_frames), f"max abs diff {(frames - reference_frames).abs().max()}"
     lay = manifest["layout"]
     assert (lay["cfg_degree"], lay["ulysses_degree"], lay["vae_parallel"]) == (cfg, sp, vae_split)

@@ -112,3 +112,15 @@ def test_a_slurm_step_supplies_the_nodes_and_explicit_variables_win():
     assert tasks_per_node(step) == 1 and tasks_per_node({**step, "SLURM_STEP_NUM_TASKS": "16"}) == 8
     spec = RunSpec(**{**env_values(step), "ckpt_dir": "c", "image": "i", "audio": "a", "prompt": "p", "nproc": 4})
     assert (spec.world_size, spec.writes_output, list(spec.node_ranks(1))) == (8, False, [4, 5, 6, 7])
+
+
+def test_mode_auto_applies_the_recommended_cfg_split_unless_the_flag_is_given(capsys):
+    """--mode auto takes the doctor's plan: at 2 CPU ranks the CFG split (the same compute as
+    Ulysses 2, without its all-to-alls); --no-cfg-parallel / --cfg-parallel are kept as given."""
+    spec = cli.make_spec(_args(BASE + ["--mode", "auto", "--nproc", "2", "--device", "cpu"]))
+    assert spec.mode is Mode.ULYSSES and spec.cfg_parallel
+    assert "--mode auto: ulysses --cfg-parallel" in capsys.readouterr().err
+    spec = cli.make_spec(_args(BASE + ["--mode", "auto", "--nproc", "2", "--device", "cpu", "--no-cfg-parallel"]))
+    assert not spec.cfg_parallel
+    spec = cli.make_spec(_args(BASE + ["--mode", "auto", "--nproc", "3", "--device", "cpu"]))
+    assert not spec.cfg_parallel and spec.layout.sp_degree == 3  # odd: no CFG split
