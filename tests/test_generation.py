@@ -55,7 +55,7 @@ def _recording(stages):
 @pytest.mark.parametrize("extra, cfg, sp, vae_split", [
     # rank 0 runs the VAE alone and broadcasts the motion latents
     (["--nproc", "2", "--cfg-parallel", "--no-vae-parallel"], 2, 1, False),
-    # CFG 2 x SP 3 over 6 ranks with the VAE split over all of them: tests/test_any_degree.py
+    # CFG 2 x SP 3 over 6 ranks: tests/test_any_degree.py
 ])
 def test_cfg_parallel_equals_one_process(tiny_assets, reference_frames, tmp_path, extra, cfg, sp, vae_split):
     frames, run_dir = run_frames(tiny_assets, tmp_path / "cfg", TINY_FLAGS, *extra)
