@@ -93,7 +93,7 @@ def helpers(group, ulysses_module) -> dict:
     def get_world_size():
         return dist.get_world_size(group)
 
-    def all_to_all(x, scatter_dim, gather_dim, **kwargs):
+    def all_to_all(x, scatter_dim, gather_dim, group=group, **kwargs):
         """Upstream's even all-to-all over the group (no S2V caller once distributed_attention
         is ours; bound so nothing reaches the WORLD group by this name)."""
         world = dist.get_world_size(group)
@@ -114,17 +114,18 @@ def helpers(group, ulysses_module) -> dict:
 
     def distributed_attention(q, k, v, seq_lens, window_size=(-1, -1)):
         """Upstream's Ulysses attention with uneven head groups and the padding tokens cut off."""
-        world = dist.get_world_size(group)
-        q_heads, kv_heads = split_evenly(q.shape[2], world), split_evenly(k.shape[2], world)
-        q = seq_to_heads(q, group, q_heads)
-        k, v = (seq_to_heads(t, group, kv_heads) for t in (k, v))
+        if k.shape[2] != q.shape[2]:  # S2V has none; an uneven split would cut GQA groups apart
+            raise NotImplementedError(f"Ulysses over {q.shape[2]} query / {k.shape[2]} key-value heads "
+                                      "(grouped-query attention) is not supported by patches.ulysses_sp")
+        heads = split_evenly(q.shape[2], dist.get_world_size(group))
+        q, k, v = (seq_to_heads(t, group, heads) for t in (q, k, v))
         full, real = q.shape[1], int(seq_lens.max())
         if real < full:  # the padding of inject_motion: not a key, not a query
             q, k, v = q[:, :real], k[:, :real], v[:, :real]
         x = ulysses_module.flash_attention(q, k, v, k_lens=seq_lens, window_size=window_size)
         if real < full:
             x = torch.cat([x, x.new_zeros(x.shape[0], full - real, *x.shape[2:])], dim=1)
-        return heads_to_seq(x, group, q_heads)
+        return heads_to_seq(x, group, heads)
 
     fns = {"get_rank": get_rank, "get_world_size": get_world_size, "all_to_all": all_to_all,
            "gather_forward": gather_forward, "distributed_attention": distributed_attention}

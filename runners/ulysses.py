@@ -1,8 +1,8 @@
 """Mode ``ulysses`` (default): Ulysses sequence parallelism over all ranks, no FSDP.
 
 Every rank holds the whole DiT, T5 and VAE; the DiT's self-attention is split by heads with
-all-to-all (upstream ``sp_attn_forward_s2v``). Needs the Ulysses degree (= world size) to divide
-the head count (40 for the real model) and the token count: 1, 2, 4 or 8 ranks.
+all-to-all (upstream ``sp_attn_forward_s2v``). Any degree up to the head count (40 for the real
+model) runs: ``patches.ulysses_sp`` splits the heads unevenly and pads the token sequence.
 """
 from wan_s2v_runner.layout import Mode
 

@@ -95,6 +95,8 @@ def test_checks_and_recommendation_ask_the_layout(monkeypatch):
     r = find(run_checks(ctx, ["ulysses_degree"]), "ulysses.heads")
     assert r.status is Status.FAIL and "every rank needs at least one" in r.finding
     rec = recommend_mode(CheckContext.for_values({"nproc": 2}, a100x8()))
+    assert rec.mode is Mode.ULYSSES and rec.cfg_parallel  # CFG 2 x SP 1 needs no SP degree above 1
+    rec = recommend_mode(CheckContext.for_values({"nproc": 4}, a100x8()))
     assert rec.mode is Mode.FSDP_FIXED and "exceeds the 40 attention heads" in rec.reason
 
 

@@ -623,7 +623,19 @@ def test_srun_with_one_task_per_gpu_is_refused():
                     "SLURM_STEP_NUM_TASKS": "16"}
     r = result(ctx_for(f, nproc=8), "communication", "comm.slurm")
     assert_finding(r, Status.FAIL, "srun started 16 tasks on 2 node(s)", "srun --ntasks-per-node=1")
+    f.raw["env"]["SLURM_STEP_NUM_TASKS"] = "3"  # 2 launchers on one of the nodes
+    assert result(ctx_for(f, nproc=8), "communication", "comm.slurm").status is Status.FAIL
     f.raw["env"]["SLURM_STEP_NUM_TASKS"] = "2"
     r = result(ctx_for(f, nproc=8), "communication", "comm.slurm")
     assert_finding(r, Status.OK, "2 node(s), this is node 1, rendezvous on gpu1")
     assert result(ctx_for(facts("a100_8x_nvlink"), nproc=8), "communication", "comm.slurm").status is Status.SKIP
+
+
+def test_the_plan_fits_the_gpus_and_counts_past_the_heads_use_the_cfg_split():
+    # 4 x 24 GB: hybrid; CFG 2 x SP 2 (est. 26 GiB/rank: a branch's tokens on 2 ranks) would not
+    # fit, SP 4 (22 GiB) does, so the plan is SP 4 although both estimate 4x
+    rec = recommend_mode(ctx_for(facts("rtx4090_4x_nop2p"), nproc=4))
+    assert rec.mode is Mode.HYBRID and not rec.cfg_parallel and "Plan: SP 4" in rec.text
+    # 6 nodes x 8 = 48 ranks: more than the 40 heads for one SP group, fine as CFG 2 x SP 24
+    rec = recommend_mode(ctx_for(facts("a100_8x_nvlink"), nproc=8, nnodes=6, master_addr="10.0.0.1"))
+    assert rec.mode is Mode.ULYSSES and rec.cfg_parallel and "CFG 2 x SP 24" in rec.text

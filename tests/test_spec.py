@@ -98,7 +98,7 @@ def test_a_slurm_step_supplies_the_nodes_and_explicit_variables_win():
     """srun --nodes 2 --ntasks-per-node 1: node count, this node's index (its host in the step's
     node list) and the rendezvous host (the first node); MASTER_ADDR/WORLD_SIZE/RANK and flags
     override; an salloc shell (no step variables) is one node."""
-    from wan_s2v_runner.slurm import expand_hostlist, tasks_per_node
+    from wan_s2v_runner.slurm import expand_hostlist
     from wan_s2v_runner.spec import env_values
 
     assert expand_hostlist("gpu[01-03,07],login") == ["gpu01", "gpu02", "gpu03", "gpu07", "login"]
@@ -107,9 +107,9 @@ def test_a_slurm_step_supplies_the_nodes_and_explicit_variables_win():
             "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "5"}
     assert env_values(step) == {"nnodes": 2, "node_rank": 1, "master_addr": "gpu07"}
     assert env_values({**step, "MASTER_ADDR": "10.0.0.1", "RANK": "0"})["master_addr"] == "10.0.0.1"
-    assert env_values({**step, "SLURMD_NODENAME": "elsewhere"})["node_rank"] == 5  # SLURM_NODEID
+    assert env_values({**step, "SLURMD_NODENAME": "elsewhere", "SLURM_NODEID": "1"})["node_rank"] == 1
+    assert env_values({**step, "SLURMD_NODENAME": "elsewhere"}) == {}  # node 5 of the job, not of the step
     assert env_values({"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"}) == {}  # salloc: not a step
-    assert tasks_per_node(step) == 1 and tasks_per_node({**step, "SLURM_STEP_NUM_TASKS": "16"}) == 8
     spec = RunSpec(**{**env_values(step), "ckpt_dir": "c", "image": "i", "audio": "a", "prompt": "p", "nproc": 4})
     assert (spec.world_size, spec.writes_output, list(spec.node_ranks(1))) == (8, False, [4, 5, 6, 7])
 

@@ -144,6 +144,8 @@ def analyse_stacks(run_dir: Path, ranks: list[int], remote: Optional[str] = None
     elif in_coll and remote:
         lines.append(f"-> every rank of this node waits for its peers, so what holds them up is on {remote}: "
                      "that node stopped, froze, or lost its network. Read its launcher output and run directory")
+    elif remote and lines:  # NCCL returns from a collective at once and blocks later, elsewhere
+        lines.append(f"-> with several nodes, the rank holding these up may be on {remote}: check that node too")
     return lines
 
 
@@ -224,15 +226,23 @@ HINTS = [
 ]
 
 
+def _spans(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 6, 7] -> '0-3, 6-7'; [1] -> '1'."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(r) if r == start else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
+
+
 def other_nodes_text(spec: RunSpec) -> str:
-    """'node 1 of 2 (global rank 1)', 'one of nodes 1, 2, 3 of 4 (global ranks 8-31)'."""
+    """'node 1 of 2 (global rank 1)', 'one of nodes 0, 1, 3 of 4 (global ranks 0-3, 6-7)'."""
     others = spec.other_nodes
     ranks = [r for n in others for r in spec.node_ranks(n)]
     which = f"node {others[0]}" if len(others) == 1 else f"one of nodes {', '.join(map(str, others))}"
-    span = f"global rank {ranks[0]}" if len(ranks) == 1 else f"global ranks {ranks[0]}-{ranks[-1]}"
-    if len(others) > 1 and ranks != list(range(ranks[0], ranks[-1] + 1)):
-        span = "global ranks " + ", ".join(f"{spec.node_ranks(n)[0]}-{spec.node_ranks(n)[-1]}" for n in others)
-    return f"{which} of {spec.nnodes} ({span})"
+    return f"{which} of {spec.nnodes} (global rank{'s' if len(ranks) > 1 else ''} {_spans(ranks)})"
 
 
 _PEER_ADDR_RE = re.compile(r"\[([0-9a-fA-F.:]+)\]:(\d+)")

@@ -18,7 +18,7 @@ from typing import Iterable, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-#: GPU counts per node people actually have; the doctor suggests these when a world size fails
+#: GPU counts per node people usually have: the default candidates of :func:`valid_sp_degrees`
 COMMON_GPU_COUNTS = (1, 2, 4, 8)
 
 
@@ -67,7 +67,7 @@ def padded_length(length: int, degree: int) -> int:
 def sp_degree_fits(degree: int, heads: int, lengths: Iterable[int]) -> bool:
     """Our Ulysses (``patches.ulysses_sp``) splits the heads unevenly and pads the token sequence
     to a multiple of the degree, so any degree works that gives every rank at least one head
-    and one real token of every sequence."""
+    and is no larger than the shortest sequence (past that, ranks would hold only padding)."""
     return 1 <= degree <= heads and all(n >= degree for n in lengths)
 
 
@@ -162,7 +162,7 @@ class Layout(BaseModel):
         return sp_degree_fits(self.sp_degree, heads, ())
 
     def bad_lengths(self, lengths: Iterable[int]) -> list[int]:
-        """Sequences too short to give every rank of an SP group a real token."""
+        """Sequences shorter than the degree (some ranks would hold only padding)."""
         return [n for n in lengths if n < self.sp_degree]
 
     def padded_lengths(self, lengths: Iterable[int]) -> list[int]:
@@ -184,7 +184,7 @@ class Layout(BaseModel):
                        "(every rank needs at least one)")
         elif self.bad_lengths(lengths):
             out.append(f"Ulysses degree {self.sp_degree} exceeds the {min(self.bad_lengths(lengths))}-token "
-                       "sequence (every rank needs at least one token)")
+                       "sequence (ranks would hold only padding)")
         return out
 
     def to_json(self) -> dict:

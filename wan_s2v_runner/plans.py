@@ -5,9 +5,9 @@ A plan is a :class:`~wan_s2v_runner.layout.Layout` judged against one model and 
 heads per rank (Ulysses splits them as evenly as possible), the padding its degree adds to the
 token sequence, and an estimated DiT speed-up over one GPU from the per-rank arithmetic:
 
-* a DiT pass over L tokens costs, per block, ``L (12 C^2 + 4 C F)`` multiply-adds of per-token
-  work (self-attention q/k/v/o 8 C^2, text cross-attention q/o 4 C^2 -- its k/v are cached -- and
-  the FFN 4 C F) plus ``4 L^2 C`` of attention (scores and weighted sum), C = dim, F = ffn_dim;
+* a DiT pass over L tokens costs, per block, work proportional to ``L (12 C^2 + 4 C F)`` (per-token
+  work: self-attention q/k/v/o 8 C^2, text cross-attention q/o 4 C^2 -- its k/v are cached -- and
+  the FFN 4 C F) plus ``4 L^2 C`` (attention: scores and weighted sum), C = dim, F = ffn_dim;
 * a rank of a (cfg c, sp d) plan runs 2/c passes per step (CFG: conditional + unconditional),
   each over ``ceil(L / d)`` tokens of per-token work (padding included) and the attention of
   ``max(heads per rank) / heads`` of the heads over the L real tokens;
@@ -85,8 +85,8 @@ class Plan:
         pad = [self.layout.padding(n) for n in self.lengths]
         if not any(pad):
             return "no padding"
-        return (f"padding {'/'.join(map(str, pad))} token(s) ({self.padding_overhead * 100:.3g}% of the "
-                f"{'/'.join(map(str, self.lengths))}-token sequence{'s' if len(self.lengths) > 1 else ''})")
+        return (f"padding {'/'.join(map(str, pad))} token(s) to the {'/'.join(map(str, self.lengths))}-token "
+                f"sequence{'s' if len(self.lengths) > 1 else ''} (at most {self.padding_overhead * 100:.3g}%)")
 
     def describe(self) -> str:
         """One line: the split, heads per rank, padding, CFG, estimated speed-up."""

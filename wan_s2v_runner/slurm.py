@@ -74,12 +74,15 @@ def step_values(env: Mapping[str, str]) -> dict[str, Any]:
             node = int(env.get("SLURM_NODEID", ""))
         except ValueError:
             return {}
+        if not 0 <= node < nnodes:  # the job's node index, not the step's: unusable
+            return {}
     return {"nnodes": nnodes, "node_rank": node, "master_addr": hosts[0]}
 
 
-def tasks_per_node(env: Mapping[str, str]) -> Optional[int]:
-    """Tasks srun started per node in this step (one launcher each), None outside a step."""
+def tasks_and_nodes(env: Mapping[str, str]) -> Optional[tuple[int, int]]:
+    """(tasks, nodes) of this srun step (one launcher per task), None outside a step. One task
+    per node is the only right shape: ``tasks == nodes``."""
     try:
-        return int(env["SLURM_STEP_NUM_TASKS"]) // max(1, int(env["SLURM_STEP_NUM_NODES"]))
+        return int(env["SLURM_STEP_NUM_TASKS"]), int(env["SLURM_STEP_NUM_NODES"])
     except (KeyError, ValueError):
         return None

@@ -171,15 +171,13 @@ def conv_rows(conv: nn.Module, x: torch.Tensor, full_rows: int,
 
 # --------------------------------------------------------------------------------------------
 # communication
-
-
-
 def await_peers(works) -> None:
     """Wait for point-to-point transfers (the halo rows). Named so that a hang report's stack
     analysis (``diagnose.analyse_stacks``, which looks for this name) counts a rank blocked
     here as waiting for its peers, like one blocked in a collective."""
     for work in works:
         work.wait()
+
 
 class _Rows:
     """This rank's band of a frame in a process group, and the exchanges between bands.

@@ -223,17 +223,17 @@ def check_master_addr(ctx):
 
 def check_slurm(ctx):
     """Under ``srun``: one launcher per node (it starts one process per GPU itself)."""
-    from wan_s2v_runner.slurm import step_values, tasks_per_node
+    from wan_s2v_runner.slurm import step_values, tasks_and_nodes
 
     env = ctx.facts.env
-    per_node = tasks_per_node(env)
-    if per_node is None:
+    shape = tasks_and_nodes(env)
+    if shape is None:
         return skip("comm.slurm", "not in a Slurm job step")
-    if per_node != 1:
-        return fail("comm.slurm", f"srun started {env.get('SLURM_STEP_NUM_TASKS')} tasks on "
-                    f"{env.get('SLURM_STEP_NUM_NODES')} node(s): {per_node} launchers per node would each "
-                    "start their own ranks on the same GPUs",
-                    "srun --ntasks-per-node=1 (wan-s2v starts --nproc ranks per node itself)", tasks_per_node=per_node)
+    tasks, nodes = shape
+    if tasks != nodes:
+        return fail("comm.slurm", f"srun started {tasks} tasks on {nodes} node(s): the launchers of one node "
+                    "would each start their own ranks on the same GPUs",
+                    "srun --ntasks-per-node=1 (wan-s2v starts --nproc ranks per node itself)", tasks=tasks, nodes=nodes)
     step = step_values(env)
     if not step:
         return warn("comm.slurm", "a Slurm step whose node list does not parse: nodes not taken from it",

@@ -54,7 +54,8 @@ def check_count(ctx):
     if ctx.spec.nproc > n:
         return fail("gpus.count", f"--nproc {ctx.spec.nproc} ranks on this node but only {n} GPU"
                     f"{'s' if n > 1 else ''} visible (one GPU per rank)",
-                    f"use --nproc {n} or fewer (any count works: Ulysses splits heads unevenly and pads tokens), or expose more GPUs via CUDA_VISIBLE_DEVICES",
+                    f"use --nproc {n} or fewer (any count works: Ulysses splits heads unevenly and pads "
+                    "tokens), or expose more GPUs via CUDA_VISIBLE_DEVICES",
                     nproc=ctx.spec.nproc, gpus=n)
     if ctx.spec.nproc < n:
         return ok("gpus.count", f"{ctx.spec.nproc} of {n} visible GPUs used (ranks 0..{ctx.spec.nproc - 1} -> "

@@ -25,8 +25,9 @@ def check_degree(ctx):
     if not lay.use_sp:
         return ok("ulysses.degree", f"world size {ctx.world_size}: no sequence parallelism")
     where = f" ({ctx.spec.nnodes} nodes x {ctx.spec.nproc})" if ctx.spec.nnodes > 1 else ""
-    return ok("ulysses.degree", f"Ulysses degree {lay.sp_degree} = world size {ctx.world_size}{where}",
-              degree=lay.sp_degree)
+    of = (f"world size {ctx.world_size}{where} / {lay.cfg_degree} CFG branches" if lay.cfg_degree > 1
+          else f"world size {ctx.world_size}{where}")
+    return ok("ulysses.degree", f"Ulysses degree {lay.sp_degree} = {of}", degree=lay.sp_degree)
 
 
 def check_heads(ctx):
@@ -66,7 +67,7 @@ def check_tokens(ctx):
     data = dict(lengths=lengths, degree=d, padding=[lay.padding(n) for n in lengths])
     if lay.bad_lengths(lengths):
         return fail("ulysses.tokens", f"Ulysses degree {d} exceeds the DiT sequence of "
-                    f"{min(lay.bad_lengths(lengths))} tokens ({gw}x{gh}): every rank needs at least one",
+                    f"{min(lay.bad_lengths(lengths))} tokens ({gw}x{gh}): ranks would hold only padding",
                     "use fewer ranks or a larger --size/--infer-frames", **data)
     pad = lay.padded_lengths(lengths)
     tail = (f"; padded by {'/'.join(str(lay.padding(n)) for n in lengths)} token(s) to a multiple of {d} "

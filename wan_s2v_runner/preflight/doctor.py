@@ -22,8 +22,8 @@ from wan_s2v_runner.plans import Plan, plan_table
 from .context import CheckContext, ModeSource
 from .core import CheckGroup, CheckResult, Status, counts
 from .facts import MachineFacts
-from .memory import ModelSizes, ModePlan, Workload, model_sizes, plan_all, workload
-from .recommend import Recommendation, recommend
+from .memory import REFERENCE, ModelSizes, ModePlan, Workload, model_sizes, plan_all, workload
+from .recommend import Recommendation, heads_of, recommend
 from .registry import groups_for, run_checks
 
 FACTS_ENV = "WAN_S2V_FACTS"
@@ -120,9 +120,8 @@ def diagnose(ctx: CheckContext) -> DoctorReport:
     groups = groups_for(ctx.mode)
     results = run_checks(ctx, groups)
     sizes, wl = model_sizes(ctx), workload(ctx)
-    heads = ctx.cache.get("num_heads") or sizes.num_heads
-    table = plan_table(ctx.mode, heads, sizes.dim, sizes.ffn_dim, wl.tokens.lengths(2, ctx.spec.start_from_ref),
-                       cfg_possible=ctx.spec.guide_scale > 1)
+    table = plan_table(ctx.mode, heads_of(ctx, sizes), sizes.dim or REFERENCE.dim, sizes.ffn_dim or REFERENCE.ffn_dim,
+                       wl.tokens.lengths(2, ctx.spec.start_from_ref), cfg_possible=ctx.spec.guide_scale > 1)
     return DoctorReport(ctx=ctx, recommendation=rec, results=results, groups=groups, plans=plan_all(ctx),
                         sizes=sizes, workload=wl, parallel_plans=table)
 

@@ -176,7 +176,7 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     use_sp, dit_fsdp, t5_fsdp, t5_cpu = layout.use_sp, layout.dit_fsdp, layout.t5_fsdp, layout.t5_cpu
     dim, ffn = sizes.dim or REFERENCE.dim, sizes.ffn_dim or REFERENCE.ffn_dim
     l_full = wl.tokens.max_len
-    l_loc = -(-l_full // ws) if use_sp else l_full
+    l_loc = -(-l_full // layout.sp_degree) if use_sp else l_full  # a CFG branch splits over its SP group
     w_dit, w_t5, w_vae = sizes.dit_params * pb, sizes.t5_params * pb, sizes.vae_params * 4
     w_w2v = sizes.wav2vec_params * 4
     act = _act(l_loc, l_full, dim, ffn, use_sp)

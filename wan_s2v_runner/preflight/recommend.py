@@ -20,14 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from wan_s2v_runner.layout import Layout, Mode, valid_sp_degrees
-from wan_s2v_runner.plans import Plan, best_plan
+from wan_s2v_runner.layout import Mode, valid_sp_degrees
+from wan_s2v_runner.plans import Plan, plans_for
 from wan_s2v_runner.spec import RunSpec
 
 from .context import CheckContext
 from .core import gib
 from .geometry import REAL_NUM_HEADS
-from .memory import largest_fitting_size, model_sizes, plan_all, workload
+from .memory import REFERENCE, largest_fitting_size, model_sizes, plan_all, plan_mode, workload
 from .facts import MachineFacts
 
 GPU_FIT = 0.9
@@ -66,10 +66,6 @@ def _ensure_image_size(ctx: CheckContext) -> None:
         pass
 
 
-def _heads(ctx, sizes) -> int:
-    return ctx.cache.get("num_heads") or sizes.num_heads or REAL_NUM_HEADS
-
-
 def _link_summary(ctx) -> tuple[bool, str]:
     """(fast, description) of the interconnect between the GPUs the ranks use."""
     f = ctx.facts
@@ -89,12 +85,33 @@ def _link_summary(ctx) -> tuple[bool, str]:
 
 
 def recommend(ctx: CheckContext) -> Recommendation:
-    """The mode (rules in the module docstring) and its fastest plan at this world size."""
+    """The mode (rules in the module docstring) and its fastest plan at this world size that
+    fits the GPUs' free memory (the CFG split keeps a whole branch's tokens on each rank, so it
+    can need more activation memory than the plain split it ties with)."""
     rec = _recommend_mode(ctx)
     sizes, wl = model_sizes(ctx), workload(ctx)
-    plan = best_plan(rec.mode, ctx.world_size, _heads(ctx, sizes), sizes.dim, sizes.ffn_dim,
-                     wl.tokens.lengths(2, ctx.spec.start_from_ref), cfg_possible=ctx.spec.guide_scale > 1)
-    return Recommendation(rec.mode, rec.reason, plan)
+    plans = plans_for(rec.mode, ctx.world_size, heads_of(ctx, sizes), sizes.dim or REFERENCE.dim,
+                      sizes.ffn_dim or REFERENCE.ffn_dim, wl.tokens.lengths(2, ctx.spec.start_from_ref),
+                      cfg_possible=ctx.spec.guide_scale > 1)
+    free = _free_gpu_bytes(ctx)
+    if free and ctx.spec.device != "cpu":
+        def fits(p: Plan) -> bool:
+            peak = plan_mode(p.layout, sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device,
+                             offload=ctx.offload).gpu_peak
+            return not peak or peak <= free
+        plans = [p for p in plans if fits(p)] or plans
+    return Recommendation(rec.mode, rec.reason, plans[0])
+
+
+def _free_gpu_bytes(ctx) -> int:
+    gpus = [g for g in ctx.local_gpus if g.get("free_mib") is not None] or ctx.facts.gpus
+    return min((g.get("free_mib") or g.get("total_mib") or 0 for g in gpus), default=0) * 2**20
+
+
+def heads_of(ctx, sizes) -> int:
+    """The DiT's attention heads: config.json (read by the checkpoint checks), else the sizes
+    read from the checkpoint, else the 14B model's 40."""
+    return ctx.cache.get("num_heads") or sizes.num_heads or REAL_NUM_HEADS
 
 
 def _recommend_mode(ctx: CheckContext) -> Recommendation:
@@ -102,10 +119,10 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
     ws = ctx.world_size
     _ensure_image_size(ctx)
     sizes, wl = model_sizes(ctx), workload(ctx)
-    heads = _heads(ctx, sizes)
+    heads = heads_of(ctx, sizes)
     lengths = wl.tokens.lengths(2, ctx.spec.start_from_ref)
-    sp_problems = Layout.for_mode(Mode.ULYSSES, ws).problems(heads, lengths)
-    sp_ok, sp_why = not sp_problems, "; ".join(sp_problems)
+    sp_plans = plans_for(Mode.ULYSSES, ws, heads, 1, 1, lengths, cfg_possible=ctx.spec.guide_scale > 1)
+    sp_ok, sp_why = sp_plans[0].valid, "; ".join(sp_plans[0].problems)
     good_ws = valid_sp_degrees(heads, lengths, range(min(ws - 1, heads), 1, -1))[:1]  # the most that split
 
     if ctx.spec.device == "cpu" or f.gpu_count == 0:
@@ -121,7 +138,7 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
 
     plans = plan_all(ctx)
     gpus = [g for g in ctx.local_gpus if g.get("free_mib") is not None] or f.gpus
-    free = min(g.get("free_mib") or g["total_mib"] for g in gpus) * 2**20
+    free = _free_gpu_bytes(ctx)
     name = gpus[0].get("name", "GPU")
     avail = f.host_available_bytes()
 
