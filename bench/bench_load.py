@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_loop import PRESETS, ensure_assets  # noqa: E402
+from wan_s2v_runner.proctree import descendants, ppid_map  # noqa: E402
 
 #: layout -> (nproc, mode); "@1" = the same mode on one rank (the ratio's reference)
 LAYOUTS = {f"{m}@1": (1, m) for m in ("ulysses", "fsdp-fixed", "hybrid")}
@@ -51,27 +52,6 @@ LAYOUTS.update({m: (2, m) for m in ("ulysses", "fsdp-fixed", "hybrid")})
 
 
 # --------------------------------------------------------------------------- /proc sampling
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
-def _tree(root: int) -> list[int]:
-    kids, out, todo = _children(), [], [root]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(kids.get(p, []))
-    return out
-
-
 def _kb(text: str, key: str) -> int:
     for line in text.splitlines():
         if line.startswith(key):
@@ -124,7 +104,8 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            self.samples.append(sample(_tree(self.root), self.ckpt))
+            pids = sorted(descendants([self.root], ppid_map()) | {self.root})
+            self.samples.append(sample(pids, self.ckpt))
             self.stop.wait(self.interval)
 
 

@@ -29,24 +29,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_node(d, args: list[str], **env_vars: str) -> subprocess.Popen:
+    """One "node": ``wan-s2v run ARGS`` in the new directory ``d``, with no cluster variables
+    from this environment but ``env_vars``; stdout and stderr together."""
+    d.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(env_vars)
+    return subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "run", *args], cwd=d, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
 @pytest.mark.parametrize("configured_by", ["flags", "environment"])
 def test_two_nodes_on_loopback_equal_one_process(tiny_assets, reference_frames, tmp_path, configured_by):
     port = _free_port()
 
     def start(node: int) -> subprocess.Popen:
         d = tmp_path / f"node{node}"
-        d.mkdir()
-        args = ["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "1", "--output", str(d / "o.mp4"),
+        args = [*TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "1", "--output", str(d / "o.mp4"),
                 "--frames-out", str(d / "f.pt"), "--runs-root", str(d / "runs")]
-        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         if configured_by == "flags":
             args += ["--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        else:
-            args += ["--cfg-parallel"]
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(node))
-        return subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", *args], cwd=d, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            return _start_node(d, args)
+        return _start_node(d, args + ["--cfg-parallel"], MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           WORLD_SIZE="2", RANK=str(node))
 
     nodes = [start(0), start(1)]
     try:
@@ -86,17 +92,12 @@ def test_a_node_that_dies_mid_run_is_named(tiny_assets, tmp_path):
     from wan_s2v_runner import proctree
 
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
 
     def start(node: int) -> subprocess.Popen:
         d = tmp_path / f"node{node}"
-        d.mkdir()
-        args = ["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "1", "--nnodes", "2",
-                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                "--steps", "8", "--output", str(d / "o.mp4"), "--runs-root", str(d / "runs")]
-        return subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", *args], cwd=d, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return _start_node(d, [*TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "1", "--nnodes", "2",
+                               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "--steps", "8", "--output", str(d / "o.mp4"), "--runs-root", str(d / "runs")])
 
     nodes = [start(0), start(1)]
     victims: set[int] = set()

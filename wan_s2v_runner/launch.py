@@ -403,10 +403,10 @@ class Supervisor:
         self.stop(grace_s=2.0)
         self.reader.poll()
         stuck_ranks = sorted(r for rs in stuck.values() for r in rs)
+        remote = other_nodes_text(self.spec) if self.spec.nnodes > 1 else None
         report = describe_hang(stuck, self.reader.ranks, now=now, limits=self.limits,
                                stacks_dir=self.run_dir / "stacks",
-                               stack_lines=analyse_stacks(self.run_dir, stuck_ranks, remote=other_nodes_text(self.spec)
-                                                           if self.spec.nnodes > 1 else None), silent=silent,
+                               stack_lines=analyse_stacks(self.run_dir, stuck_ranks, remote=remote), silent=silent,
                                not_started=not_started_note(self.spec))
         return Outcome(code=exit_codes.HUNG, stuck=stuck, failed_stage=next(iter(stuck)),
                        reason=report.reason, hint=report.hint, details=list(report.details),

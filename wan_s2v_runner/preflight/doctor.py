@@ -4,8 +4,8 @@
   against the complete spec -> :class:`GateReport` (refused when any check fails).
 * :func:`diagnose` / :func:`doctor` (``wan-s2v doctor``): a lenient context (no checkpoint or
   inputs needed), the recommended mode (checked unless ``--mode`` is given), every check, the
-  memory plan of each mode, the fastest parallel plan for 1..16 GPUs -> :class:`DoctorReport`. ``WAN_S2V_FACTS=machine.json`` makes the
-  doctor judge recorded facts instead of this machine.
+  memory plan of each mode, the fastest parallel plan for 1..16 GPUs -> :class:`DoctorReport`.
+  ``WAN_S2V_FACTS=machine.json`` makes the doctor judge recorded facts instead of this machine.
 
 Both reports have ``to_json``; :mod:`.render` words them for a person. Nothing here parses argv
 or prints.
@@ -22,8 +22,8 @@ from wan_s2v_runner.plans import Plan, plan_table
 from .context import CheckContext, ModeSource
 from .core import CheckGroup, CheckResult, Status, counts
 from .facts import MachineFacts
-from .memory import REFERENCE, ModelSizes, ModePlan, Workload, model_sizes, plan_all, workload
-from .recommend import Recommendation, heads_of, recommend
+from .memory import ModelSizes, ModePlan, Workload, model_sizes, plan_all, workload
+from .recommend import Recommendation, plan_inputs, recommend
 from .registry import groups_for, run_checks
 
 FACTS_ENV = "WAN_S2V_FACTS"
@@ -97,8 +97,8 @@ class DoctorReport:
                              "clips": wl.n_clips, "audio_seconds": wl.audio_seconds, "assumed": wl.assumed},
                 "modes": {m: p.to_json() for m, p in self.plans.items()},
             },
-            "parallel_plans": {"mode": ctx.mode.value, "lengths": list(wl.tokens.lengths(2, spec.start_from_ref)),
-                               "heads": self.parallel_plans[0].heads if self.parallel_plans else None,
+            "parallel_plans": {"mode": ctx.mode.value, "lengths": list(self.parallel_plans[0].lengths),
+                               "heads": self.parallel_plans[0].heads,
                                "estimate": "DiT compute per rank, communication not included (wan_s2v_runner/plans.py)",
                                "by_gpu_count": [p.to_json() for p in self.parallel_plans]},
             "exit_code": self.exit_code,
@@ -119,11 +119,9 @@ def diagnose(ctx: CheckContext) -> DoctorReport:
         ctx.with_mode(rec.mode, ModeSource.RECOMMENDED)
     groups = groups_for(ctx.mode)
     results = run_checks(ctx, groups)
-    sizes, wl = model_sizes(ctx), workload(ctx)
-    table = plan_table(ctx.mode, heads_of(ctx, sizes), sizes.dim or REFERENCE.dim, sizes.ffn_dim or REFERENCE.ffn_dim,
-                       wl.tokens.lengths(2, ctx.spec.start_from_ref), cfg_possible=ctx.spec.guide_scale > 1)
     return DoctorReport(ctx=ctx, recommendation=rec, results=results, groups=groups, plans=plan_all(ctx),
-                        sizes=sizes, workload=wl, parallel_plans=table)
+                        sizes=model_sizes(ctx), workload=workload(ctx),
+                        parallel_plans=plan_table(ctx.mode, **plan_inputs(ctx)))
 
 
 def machine_facts(env=None) -> MachineFacts:

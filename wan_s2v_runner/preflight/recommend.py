@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from wan_s2v_runner.layout import Mode, valid_sp_degrees
-from wan_s2v_runner.plans import Plan, plans_for
+from wan_s2v_runner.plans import Plan, candidates, plans_for
 from wan_s2v_runner.spec import RunSpec
 
 from .context import CheckContext
@@ -90,9 +90,7 @@ def recommend(ctx: CheckContext) -> Recommendation:
     can need more activation memory than the plain split it ties with)."""
     rec = _recommend_mode(ctx)
     sizes, wl = model_sizes(ctx), workload(ctx)
-    plans = plans_for(rec.mode, ctx.world_size, heads_of(ctx, sizes), sizes.dim or REFERENCE.dim,
-                      sizes.ffn_dim or REFERENCE.ffn_dim, wl.tokens.lengths(2, ctx.spec.start_from_ref),
-                      cfg_possible=ctx.spec.guide_scale > 1)
+    plans = plans_for(rec.mode, ctx.world_size, **plan_inputs(ctx))
     free = _free_gpu_bytes(ctx)
     if free and ctx.spec.device != "cpu":
         def fits(p: Plan) -> bool:
@@ -114,6 +112,16 @@ def heads_of(ctx, sizes) -> int:
     return ctx.cache.get("num_heads") or sizes.num_heads or REAL_NUM_HEADS
 
 
+def plan_inputs(ctx) -> dict:
+    """What :mod:`wan_s2v_runner.plans` judges a plan by, for this context: the model's heads
+    and widths (the 14B's where the checkpoint gives none), the DiT's sequence lengths (clip 1
+    and later clips), and whether there is an unconditional pass to split off."""
+    sizes, wl = model_sizes(ctx), workload(ctx)
+    return dict(heads=heads_of(ctx, sizes), dim=sizes.dim or REFERENCE.dim,
+                ffn_dim=sizes.ffn_dim or REFERENCE.ffn_dim,
+                lengths=wl.tokens.lengths(2, ctx.spec.start_from_ref), cfg_possible=ctx.spec.guide_scale > 1)
+
+
 def _recommend_mode(ctx: CheckContext) -> Recommendation:
     f = ctx.facts
     ws = ctx.world_size
@@ -121,8 +129,9 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
     sizes, wl = model_sizes(ctx), workload(ctx)
     heads = heads_of(ctx, sizes)
     lengths = wl.tokens.lengths(2, ctx.spec.start_from_ref)
-    sp_plans = plans_for(Mode.ULYSSES, ws, heads, 1, 1, lengths, cfg_possible=ctx.spec.guide_scale > 1)
-    sp_ok, sp_why = sp_plans[0].valid, "; ".join(sp_plans[0].problems)
+    sp_layouts = candidates(Mode.ULYSSES, ws, cfg_possible=ctx.spec.guide_scale > 1)  # with/without CFG split
+    sp_ok = any(not lay.problems(heads, lengths) for lay in sp_layouts)
+    sp_why = "; ".join(sp_layouts[0].problems(heads, lengths))
     good_ws = valid_sp_degrees(heads, lengths, range(min(ws - 1, heads), 1, -1))[:1]  # the most that split
 
     if ctx.spec.device == "cpu" or f.gpu_count == 0:

@@ -108,10 +108,10 @@ def _render_plans(report: DoctorReport, console) -> None:
     """The fastest plan of the checked mode for each GPU count (wan_s2v_runner.plans)."""
     from rich.table import Table
 
-    ctx, wl = report.ctx, report.workload
-    lengths = "/".join(map(str, wl.tokens.lengths(2, ctx.spec.start_from_ref)))
+    ctx, wl, first = report.ctx, report.workload, report.parallel_plans[0]
+    lengths = "/".join(map(str, first.lengths))
     t = Table(title=f"{ctx.mode.value}: fastest plan per GPU count ({wl.width}x{wl.height}, {lengths} tokens, "
-              f"{report.parallel_plans[0].heads} heads; est. DiT speed-up from per-rank compute, "
+              f"{first.heads} heads; est. DiT speed-up from per-rank compute, "
               "communication not included)", header_style="bold")
     for col in ("GPUs", "plan", "heads/rank", "padding", "est. speed-up"):
         t.add_column(col)
