@@ -23,6 +23,7 @@ shape differs from what the file holds.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -183,6 +184,17 @@ def apply(wan_module: ModuleType) -> None:
         setattr(_video_vae, _MARK, True)
         _video_vae.__wan_s2v_original__ = original_video_vae
         vae._video_vae = _video_vae
+
+
+@contextlib.contextmanager
+def t5_checkpoint(path):
+    """While inside, the patched ``umt5_xxl`` takes its sizes from ``path`` (what the wrapped
+    ``T5EncoderModel.__init__`` does for its own call; lean loading builds the T5 itself)."""
+    token = _T5_PATH.set(os.fspath(path))
+    try:
+        yield
+    finally:
+        _T5_PATH.reset(token)
 
 
 def is_applied(wan_module: ModuleType) -> bool:

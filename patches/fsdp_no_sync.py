@@ -10,11 +10,21 @@ ranks that differ from rank 0 — with no broadcast, different weights would sil
 frames (measured rel. error 0.30); (2) calls upstream ``shard_model`` with
 ``sync_module_states=False``, ``device_id`` = the CPU device on CPU (the CUDA index on GPU), and
 ``param_dtype`` = the run's param dtype (fp32 on CPU).
-Proof: tests/test_parity.py (fsdp-fixed and hybrid equal one process) and the mismatch test
-(one rank's weights perturbed -> the run fails with the fingerprint error naming that rank).
+A model whose parameters are on the meta device (lean loading, ``wan_s2v_runner.lean_load``)
+is wrapped without materializing it: FSDP gets a ``param_init_fn`` that allocates each unit with
+``to_empty`` (untouched pages), and FSDP's flattening copy (``FlatParamHandle.flatten_tensors``,
+a ``torch.cat`` of the unit) is replaced, for this call only, by an uninitialized flat tensor, so
+a rank's memory holds its shards and nothing else. The weights are read into those shards
+afterwards (``lean_load.fill_fsdp_shards``), and the fingerprint is taken on the files there
+(``lean_load.verify_same_checkpoint``), because there are no weights to fingerprint yet here.
+Proof: tests/test_parity.py (fsdp-fixed and hybrid equal one process, lean and full loading),
+the mismatch tests (full loading: one rank's weights perturbed; lean loading: one rank given a
+different checkpoint file -> the run fails with the fingerprint error naming that rank), and
+tests/test_lean_load.py (a lean FSDP shard equals the fully loaded model's shard).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -73,18 +83,55 @@ def _maybe_perturb(model: torch.nn.Module) -> None:
             next(model.parameters()).add_(1e-3)
 
 
+def is_meta(model: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+@contextlib.contextmanager
+def wrapping_on_meta(fsdp_module, device: torch.device):
+    """While inside, upstream's ``shard_model`` (which looks ``FSDP`` up in ``fsdp_module``)
+    materializes meta units with ``to_empty`` and FSDP skips its flattening copy: each unit's
+    flat parameter is allocated uninitialized and only this rank's shard is ever touched."""
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+    upstream_fsdp = fsdp_module.FSDP
+    upstream_flatten = FlatParamHandle.flatten_tensors
+
+    def flatten_tensors(self, tensors, aligned_numel):
+        if aligned_numel > 0:
+            return upstream_flatten(self, tensors, aligned_numel)
+        return torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+
+    fsdp_module.FSDP = functools.partial(upstream_fsdp,
+                                         param_init_fn=lambda m: m.to_empty(device=device, recurse=False))
+    FlatParamHandle.flatten_tensors = flatten_tensors
+    try:
+        yield
+    finally:
+        fsdp_module.FSDP = upstream_fsdp
+        FlatParamHandle.flatten_tensors = upstream_flatten
+
+
 def make_shard_model(upstream_shard_model, param_dtype: torch.dtype, on_cpu: bool, on_event=None):
+    fsdp_module = __import__(upstream_shard_model.__module__, fromlist=["FSDP"])
+
     @functools.wraps(upstream_shard_model)
     def shard_model(model, device_id, **kwargs):
         what = type(model).__name__
-        _maybe_perturb(model)
-        if on_event:
-            on_event(Stage.FINGERPRINT, what=what)
-        check_same_weights(model, what)
         kwargs["sync_module_states"] = False
         kwargs.setdefault("param_dtype", param_dtype)
         if on_cpu:
             device_id = torch.device("cpu")
+        if is_meta(model):
+            if on_event:
+                on_event(Stage.SHARD, what=what)
+            device = device_id if isinstance(device_id, torch.device) else torch.device("cuda", device_id)
+            log.info("FSDP-wrapping %s on meta (lean loading: each rank allocates its shards)", what)
+            with wrapping_on_meta(fsdp_module, device):
+                return upstream_shard_model(model, device_id=device_id, **kwargs)
+        _maybe_perturb(model)
+        if on_event:
+            on_event(Stage.FINGERPRINT, what=what)
+        check_same_weights(model, what)
         if on_event:
             on_event(Stage.SHARD, what=what)
         log.info("FSDP-wrapping %s (sync_module_states=False, weights verified identical)", what)

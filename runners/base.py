@@ -22,7 +22,7 @@ class ModeRunner:
     def summary(self) -> str:
         return self.traits.summary
 
-    def prepare(self, wan, config, spec: RunSpec, device, device_id: int):
+    def prepare(self, wan, config, spec: RunSpec, device, device_id: int, on_event=None):
         """On one rank: this rank's plan, Ulysses bound to its SP group (any degree) in a
         sequence-parallel mode, and the engine parts the plan needs (DiT sharded/split as
         the layout says; T5, wav2vec2 and VAE only where they run). Returns (plan, parts,
@@ -36,7 +36,8 @@ class ModeRunner:
         if lay.use_sp:
             from patches import ulysses_sp
             bound = len(ulysses_sp.apply(plan.sp_group))
-        parts = components.load(wan, config, str(spec.ckpt_dir), plan, device, device_id)
+        parts = components.load(wan, config, str(spec.ckpt_dir), plan, device, device_id,
+                                strategy=spec.load, waves=spec.load_waves or 1, on_event=on_event)
         if lay.use_sp:
             heads = "/".join(map(str, lay.head_split(parts.noise_model.num_heads)))
             applied["ulysses_sp"] = (f"{bound} names bound to the SP group; heads {heads} per rank; "

@@ -8,6 +8,11 @@ every rank does), wav2vec2 and the VAE; every rank loads the DiT. The result is 
 built with ``__new__`` and the same attributes, so our loop calls upstream's own helper methods
 (``encode_audio``, ``get_gen_size``, ...) on it. The DiT gets ``patches.context_cache``: its text
 embedding and cross-attention keys/values are computed once per context, not at every step.
+
+How the weights get there is the run's ``--load`` strategy: ``lean`` (default; models built on
+meta, FSDP shards read slice by slice, a replicated CPU DiT read once per node: see
+:mod:`wan_s2v_runner.lean_load`) or ``full`` (upstream's constructors: every rank reads every file
+it needs whole). What a rank read is in :attr:`Components.load_report`.
 """
 from __future__ import annotations
 
@@ -20,7 +25,11 @@ from typing import Any
 import torch
 
 from patches import context_cache
+from wan_s2v_runner import lean_load
 from wan_s2v_runner.ckpt_layout import WAV2VEC_DIR
+from wan_s2v_runner.ckpt_read import PthFile, SafetensorsFiles
+from wan_s2v_runner.layout import LoadStrategy
+from wan_s2v_runner.stages import Stage
 
 log = logging.getLogger("wan_s2v.components")
 
@@ -28,6 +37,7 @@ log = logging.getLogger("wan_s2v.components")
 @dataclass
 class Components:
     shell: Any  # a WanS2V (made with __new__) holding the loaded parts and their settings
+    load_report: lean_load.LoadReport = None
 
     @property
     def noise_model(self):
@@ -42,8 +52,11 @@ class Components:
         return self.shell.param_dtype
 
 
-def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int) -> Components:
-    """The parts ``plan`` needs, loaded as ``WanS2V.__init__`` would load them."""
+def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
+         strategy: LoadStrategy = LoadStrategy.LEAN, waves: int = 1, on_event=None) -> Components:
+    """The parts ``plan`` needs, loaded as ``WanS2V.__init__`` would load them (``strategy``
+    ``full``) or leanly (``lean``: same modules, same values, less memory and reading).
+    ``waves`` > 1 reads in turns of local ranks; ``on_event(stage, **data)`` enters a stage."""
     s2v_mod = wan.speech2video
     lay = plan.layout
     self = s2v_mod.WanS2V.__new__(s2v_mod.WanS2V)
@@ -59,8 +72,14 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int)
     # looked up at call time: patches.fsdp_no_sync rebinds shard_model in wan.speech2video
     shard_fn = partial(_shard, s2v_mod, device_id=device_id)
 
+    lean = strategy is LoadStrategy.LEAN
+    report = lean_load.LoadReport(waves=waves)
+    on_event = on_event or (lambda *a, **k: None)
+
     self.text_encoder = None
-    if plan.needs_t5:
+    if plan.needs_t5 and lean:
+        self.text_encoder = _lean_t5(wan, config, ckpt_dir, lay, shard_fn, report, on_event)
+    elif plan.needs_t5:
         self.text_encoder = s2v_mod.T5EncoderModel(
             text_len=config.text_len, dtype=config.t5_dtype, device=torch.device('cpu'),
             checkpoint_path=os.path.join(ckpt_dir, config.t5_checkpoint),
@@ -69,13 +88,17 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int)
     self.vae = None
     if plan.needs_vae:
         self.vae = s2v_mod.Wan2_1_VAE(vae_pth=os.path.join(ckpt_dir, config.vae_checkpoint), device=self.device)
-    if not lay.dit_fsdp:
-        noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype,
-                                                           device_map=self.device)
+    if lean:
+        self.noise_model = _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event)
     else:
-        noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype)
-    self.noise_model = self._configure_model(model=noise_model, use_sp=lay.use_sp, dit_fsdp=lay.dit_fsdp,
-                                             shard_fn=shard_fn, convert_model_dtype=False)
+        if not lay.dit_fsdp:
+            noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype,
+                                                               device_map=self.device)
+        else:
+            noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype)
+        self.noise_model = self._configure_model(model=noise_model, use_sp=lay.use_sp, dit_fsdp=lay.dit_fsdp,
+                                                 shard_fn=shard_fn, convert_model_dtype=False)
+        report.strategy["dit"] = "full"
     context_cache.apply(self.noise_model)
     self.audio_encoder = None
     if plan.needs_audio_encoder:
@@ -86,8 +109,64 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int)
     self.drop_first_motion = config.drop_first_motion
     self.fps = config.sample_fps
     self.audio_sample_m = 0
-    log.info("rank %d loaded %s", plan.rank, ", ".join(plan.describe()["loads"]))
-    return Components(self)
+    log.info("rank %d loaded %s (%s read)", plan.rank, ", ".join(plan.describe()["loads"]),
+             lean_load.describe_bytes(report.counter.total) if lean else "whole files")
+    return Components(self, report)
+
+
+def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event):
+    """The DiT built on meta and filled as the layout needs (see ``lean_load``)."""
+    from patches import lora_merge
+    model = lean_load.empty_dit(s2v_mod.WanModel_S2V, ckpt_dir, self.param_dtype)
+    with lean_load.closing(SafetensorsFiles.in_dir(ckpt_dir, counter=report.counter)) as src:
+        lean_load.check_same_keys(model, src, "DiT")
+        if not lay.dit_fsdp:
+            if self.device.type == "cpu":
+                lean_load.node_shared_weights(model, src, report, "dit")
+            else:
+                lean_load.in_turns(report.waves, lambda: lean_load.device_weights(model, src, self.device,
+                                                                                  report, "dit"))
+            return self._configure_model(model=model, use_sp=lay.use_sp, dit_fsdp=False, shard_fn=shard_fn,
+                                         convert_model_dtype=False)
+        model = self._configure_model(model=model, use_sp=lay.use_sp, dit_fsdp=True, shard_fn=shard_fn,
+                                      convert_model_dtype=False)  # wraps on meta: shards allocated
+        on_event(Stage.FINGERPRINT, what="WanModel_S2V")
+        lean_load.verify_same_checkpoint(src, "DiT")
+        on_event(Stage.LOAD, what="WanModel_S2V shards")
+        lean_load.in_turns(report.waves, lambda: lean_load.fill_fsdp_shards(model, src))
+    deltas = getattr(self, lora_merge.PENDING, None)
+    if deltas is not None:
+        lean_load.merge_deltas_into_shards(model, deltas)
+        delattr(self, lora_merge.PENDING)
+    report.strategy["dit"] = "fsdp shards"
+    return model
+
+
+def _lean_t5(wan, config, ckpt_dir, lay, shard_fn, report, on_event):
+    """``T5EncoderModel`` as upstream's ``__init__`` builds it, with the weights read leanly:
+    FSDP shards (``t5_fsdp``) or one private copy (the rank that encodes the prompt)."""
+    cls = wan.modules.t5.T5EncoderModel
+    te = cls.__new__(cls)
+    te.text_len, te.dtype, te.device = config.text_len, config.t5_dtype, torch.device("cpu")
+    te.checkpoint_path = os.path.join(ckpt_dir, config.t5_checkpoint)
+    te.tokenizer_path = os.path.join(ckpt_dir, config.t5_tokenizer)
+    model = lean_load.empty_t5(wan, te.checkpoint_path, te.dtype)
+    src = PthFile(te.checkpoint_path, counter=report.counter)
+    with lean_load.closing(src):
+        lean_load.check_same_keys(model, src, "T5")
+        if lay.t5_fsdp:
+            model = shard_fn(model, sync_module_states=False)
+            on_event(Stage.FINGERPRINT, what="T5Encoder")
+            lean_load.verify_same_checkpoint(src, "T5")
+            on_event(Stage.LOAD, what="T5Encoder shards")
+            lean_load.in_turns(report.waves, lambda: lean_load.fill_fsdp_shards(model, src))
+            report.strategy["t5"] = "fsdp shards"
+        else:
+            lean_load.device_weights(model, src, te.device, report, "t5")
+    te.model = model
+    te.tokenizer = wan.modules.t5.HuggingfaceTokenizer(name=te.tokenizer_path, seq_len=te.text_len,
+                                                       clean="whitespace")
+    return te
 
 
 def _shard(s2v_mod, model, device_id, **kwargs):

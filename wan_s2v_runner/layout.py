@@ -30,6 +30,13 @@ class Mode(str, Enum):
     HYBRID = "hybrid"
 
 
+class LoadStrategy(str, Enum):
+    """How ranks get their weights (issue #9; ``wan_s2v_runner.lean_load``)."""
+
+    LEAN = "lean"  # meta models; FSDP shards read slice by slice; a replicated CPU DiT once per node
+    FULL = "full"  # upstream's constructors: every rank reads every file it needs, whole
+
+
 @dataclass(frozen=True)
 class ModeTraits:
     """What a mode does with the engine's parts (independent of the world size)."""

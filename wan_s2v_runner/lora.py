@@ -223,37 +223,54 @@ class LoraSource:
     strength: float
 
 
+class LoraDeltas:
+    """The LoRAs of a run, checked against the DiT's parameter shapes and held in memory (LoRA
+    files are small); :meth:`delta` computes one parameter's summed change on demand, so merging
+    never holds more than one parameter's delta."""
+
+    def __init__(self, loras: Iterable[LoraSource], shapes: Mapping[str, Sequence[int]],
+                 allow_partial: bool = False):
+        from safetensors.torch import load_file
+        self._loaded: list[tuple[LoraPlan, dict, float]] = []
+        self.records: list[dict] = []
+        names: dict[str, None] = {}
+        for src in loras:
+            p = plan(file_shapes(src.path), shapes)
+            if p.refused(allow_partial):
+                raise ValueError(f"LoRA {src.path.name} does not fit this DiT ({'; '.join(p.problems()) or 'no keys'}): "
+                                 f"{p.likely_cause()}")
+            self._loaded.append((p, load_file(str(src.path), device="cpu"), src.strength))
+            names.update(dict.fromkeys(p.targets))
+            self.records.append({"path": str(src.path), "strength": src.strength, "format": p.format,
+                                 "matched_modules": len(p.matched_modules), "unmatched_modules": len(p.unmatched),
+                                 "parameters_changed": len(p.targets)})
+        self.names = tuple(names)
+
+    def delta(self, name: str, device=None):
+        """Sum over the LoRAs, in order, of ``strength * delta`` for parameter ``name`` (fp32)."""
+        total = None
+        for p, tensors, strength in self._loaded:
+            if name in p.targets:
+                d = delta_for(name, p, tensors)
+                d = (d.to(device) if device is not None else d) * strength
+                total = d if total is None else total + d
+        return total
+
+
 def merge(model, loras: Iterable[LoraSource], allow_partial: bool = False) -> list[dict]:
     """Merge LoRAs into ``model``'s parameters in place: for every parameter, the sum over LoRAs
     of ``strength * delta`` in fp32 (on the parameter's device), added to the fp32 weight, rounded
     once to the parameter's dtype. Raises ValueError on keys that do not map (unless
     ``allow_partial``) or on a shape mismatch. Returns one record per LoRA."""
     import torch
-    from safetensors.torch import load_file
 
     params = dict(model.named_parameters())
-    shapes = {n: tuple(p.shape) for n, p in params.items()}
-    pending: dict[str, torch.Tensor] = {}
-    records = []
-    for src in loras:
-        p = plan(file_shapes(src.path), shapes)
-        if p.refused(allow_partial):
-            raise ValueError(f"LoRA {src.path.name} does not fit this DiT ({'; '.join(p.problems()) or 'no keys'}): "
-                             f"{p.likely_cause()}")
-        tensors = load_file(str(src.path), device="cpu")
-        for name in p.targets:
-            d = delta_for(name, p, tensors)
-            d = d.to(params[name].device) * src.strength
-            pending[name] = d if name not in pending else pending[name] + d
-        records.append({"path": str(src.path), "strength": src.strength, "format": p.format,
-                        "matched_modules": len(p.matched_modules), "unmatched_modules": len(p.unmatched),
-                        "parameters_changed": len(p.targets)})
-        del tensors
+    deltas = LoraDeltas(loras, {n: tuple(p.shape) for n, p in params.items()}, allow_partial)
     with torch.no_grad():
-        for name, d in pending.items():
+        for name in deltas.names:
             w = params[name]
-            w.copy_((w.float() + d).to(w.dtype))
-    return records
+            w.copy_((w.float() + deltas.delta(name, w.device)).to(w.dtype))
+    return deltas.records
 
 
 def describe(refs: Sequence, ckpt_dir: Optional[Path]) -> list[dict]:

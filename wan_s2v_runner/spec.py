@@ -24,7 +24,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       ValidationError, model_validator)
 from pydantic.fields import FieldInfo
 
-from wan_s2v_runner.layout import Layout, Mode
+from wan_s2v_runner.layout import Layout, LoadStrategy, Mode
 
 try:  # Python 3.11+
     import tomllib
@@ -171,6 +171,12 @@ class RunSpec(BaseModel):
     vae_parallel: Annotated[Optional[bool], Flag(_LA, default_text="on when world > 1")] = Field(
         None, description="split the VAE's reference encode, per-clip decode and motion re-encode over "
                           "all ranks by rows (exact; off: rank 0 runs them alone)")
+    load: Annotated[LoadStrategy, Flag(_LA)] = Field(
+        LoadStrategy.LEAN, description="how ranks get the weights: lean (FSDP ranks read only their shards, "
+                                       "a node reads a replicated CPU DiT once) or full (upstream: every "
+                                       "rank reads whole files)")
+    load_waves: Annotated[Optional[int], Flag(_LA, metavar="N", default_text="from the memory plan")] = Field(
+        None, ge=1, description="read weights in N turns of this node's ranks (1: all at once)")
     nproc: Annotated[int, Flag(_LA, aliases=("--nproc-per-node",), metavar="N")] = Field(
         1, ge=1, description="ranks (GPUs) on this node")
     nnodes: Annotated[int, Flag(_LA, env="WORLD_SIZE", metavar="N")] = Field(

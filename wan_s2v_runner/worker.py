@@ -142,8 +142,10 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
 
         events.stage(Stage.LOAD)
         device = torch.device("cpu") if spec.device == "cpu" else torch.device("cuda", local_rank)
-        plan, parts, more = runners.get(spec.mode).prepare(wan, cfg, spec, device, local_rank)
+        plan, parts, more = runners.get(spec.mode).prepare(wan, cfg, spec, device, local_rank,
+                                                           on_event=events.stage)
         events.emit("plan", **plan.describe(), patches=more)
+        events.emit("loaded", **parts.load_report.as_dict())
 
         hooks = Hooks(stage=events.stage, step=events.step, fault_point=events.fault_point)
         resume_state = None

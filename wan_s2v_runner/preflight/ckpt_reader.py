@@ -36,6 +36,8 @@ class SafetensorsInfo:
     header_len: int
     data_bytes: int  # max end offset
     tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # name -> (dtype, shape)
+    starts: dict[str, int] = field(default_factory=dict)  # name -> byte offset in the file
+
 
     @property
     def params(self) -> int:
@@ -62,6 +64,7 @@ def read_safetensors_header(path: Path) -> SafetensorsInfo:
     if not isinstance(header, dict):
         raise CheckpointFileError(f"{path.name}: header is not a JSON object")
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    starts: dict[str, int] = {}
     max_end = 0
     for name, meta in header.items():
         if name == "__metadata__":
@@ -77,13 +80,14 @@ def read_safetensors_header(path: Path) -> SafetensorsInfo:
             raise CheckpointFileError(f"{path.name}: tensor {name!r} spans {end - start} bytes, its "
                                       f"{dtype} shape {list(shape)} needs {want}")
         tensors[name] = (dtype, shape)
+        starts[name] = 8 + n + start
         max_end = max(max_end, end)
     expected = 8 + n + max_end
     if size != expected:
         what = "truncated" if size < expected else "has trailing bytes"
         raise CheckpointFileError(f"{path.name} is {size} bytes but its header describes {expected} "
                                   f"(8 + {n} header + {max_end} data): {what}")
-    return SafetensorsInfo(path, size, n, max_end, tensors)
+    return SafetensorsInfo(path, size, n, max_end, tensors, starts)
 
 
 def read_index(path: Path) -> dict[str, str]:

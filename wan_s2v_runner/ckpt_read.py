@@ -1,0 +1,198 @@
+"""Reading parts of checkpoint files: a tensor's bytes, or a slice of its flattened elements,
+straight into the tensor that will hold them, counting every byte read.
+
+Lean loading (``wan_s2v_runner.lean_load``) fills each rank's FSDP shard from the files without
+ever holding a whole tensor: :class:`SafetensorsFiles` indexes a diffusers checkpoint
+(``diffusion_pytorch_model*.safetensors``, single or sharded with its index) from the headers
+alone and reads byte ranges with ``pread`` (no mapping, so nothing lands in the process's RSS
+but the destination); :class:`PthFile` does the same for a plain ``torch.save`` state dict
+(``.pth``: T5, VAE) through ``torch.load(mmap=True)``, copying only the slice's pages and
+handing them back to the kernel afterwards (``madvise(MADV_DONTNEED)``). Both count the bytes
+they read in a :class:`ReadCounter` (the proof that a rank reads only its slices, and the
+benchmark's bytes-per-rank column). Dtype conversion happens chunk by chunk (``copy_``: the
+same rounding as ``Tensor.to``), so a bf16 file fills an fp32 model with a bounded buffer.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from wan_s2v_runner.preflight.ckpt_reader import read_index, read_safetensors_header
+
+#: safetensors dtype names -> torch dtypes (the ones a Wan checkpoint can hold)
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+             "U8": torch.uint8, "BOOL": torch.bool}
+#: elements converted per chunk when the file's dtype differs from the destination's
+CHUNK_ELEMENTS = 1 << 24
+_PAGE = mmap.PAGESIZE
+
+
+@dataclass
+class ReadCounter:
+    """Bytes read from checkpoint files, by purpose ("weights", "verify")."""
+    by_purpose: dict[str, int] = field(default_factory=dict)
+
+    def add(self, n: int, purpose: str = "weights") -> None:
+        self.by_purpose[purpose] = self.by_purpose.get(purpose, 0) + int(n)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_purpose.values())
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    key: str
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the first element in the file
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def _read_into(fd: int, buf: memoryview, offset: int) -> None:
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n <= 0:
+            raise OSError(f"unexpected end of file reading {len(buf)} bytes at {offset}")
+        got += n
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, without copying."""
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+class SafetensorsFiles:
+    """The tensors of a safetensors checkpoint (one file, or shards with an index), by key."""
+
+    def __init__(self, files: list[Path], counter: Optional[ReadCounter] = None):
+        self.counter = counter if counter is not None else ReadCounter()
+        self.entries: dict[str, TensorEntry] = {}
+        for path in files:
+            info = read_safetensors_header(path)  # validated against the file size
+            for key, (dtype, shape) in info.tensors.items():
+                self.entries[key] = TensorEntry(key, Path(path), ST_DTYPES[dtype], shape, info.starts[key])
+        self._fds: dict[Path, int] = {}
+
+    @classmethod
+    def in_dir(cls, ckpt_dir, stem: str = "diffusion_pytorch_model", counter=None) -> "SafetensorsFiles":
+        d = Path(ckpt_dir)
+        index = d / f"{stem}.safetensors.index.json"
+        if index.is_file():
+            names = sorted(set(read_index(index).values()))
+            files = [d / n for n in names]
+        else:
+            files = [d / f"{stem}.safetensors"]
+        return cls(files, counter)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def _fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def read_flat(self, key: str, start: int, out: torch.Tensor, purpose: str = "weights") -> None:
+        """Elements ``[start, start + out.numel())`` of tensor ``key`` (flattened, row-major)
+        into the contiguous CPU tensor ``out``, converted to ``out``'s dtype."""
+        e = self.entries[key]
+        n = out.numel()
+        if start < 0 or start + n > e.numel:
+            raise ValueError(f"{key}: elements [{start}, {start + n}) outside its {e.numel}")
+        fd, isz = self._fd(e.path), e.itemsize
+        if e.dtype == out.dtype:
+            _read_into(fd, _bytes_view(out), e.offset + start * isz)
+            self.counter.add(n * isz, purpose)
+            return
+        tmp = torch.empty(min(n, CHUNK_ELEMENTS) * isz, dtype=torch.uint8)
+        for s in range(0, n, CHUNK_ELEMENTS):
+            m = min(CHUNK_ELEMENTS, n - s)
+            chunk = tmp[:m * isz]
+            _read_into(fd, _bytes_view(chunk), e.offset + (start + s) * isz)
+            out[s:s + m].copy_(chunk.view(e.dtype))
+            self.counter.add(m * isz, purpose)
+
+
+_libc = None
+
+
+def _release_pages(t: torch.Tensor) -> None:
+    """Hand the pages under ``t`` (a view into a private file mapping) back to the kernel: they
+    stay in the page cache, not in this process's RSS."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    addr = t.data_ptr()
+    lo = (addr // _PAGE) * _PAGE
+    hi = -(-(addr + t.numel() * t.element_size()) // _PAGE) * _PAGE
+    _libc.madvise(lo, hi - lo, 4)  # MADV_DONTNEED
+
+
+class PthFile:
+    """A ``torch.save``'d state dict, memory-mapped (no tensor data read until sliced)."""
+
+    def __init__(self, path, counter: Optional[ReadCounter] = None):
+        self.path = Path(path)
+        self.counter = counter if counter is not None else ReadCounter()
+        self.tensors: dict[str, torch.Tensor] = torch.load(self.path, map_location="cpu", mmap=True,
+                                                           weights_only=True)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def read_flat(self, key: str, start: int, out: torch.Tensor, purpose: str = "weights") -> None:
+        src = self.tensors[key]
+        if not src.is_contiguous():
+            raise ValueError(f"{self.path.name}: {key} is not stored contiguously")
+        n = out.numel()
+        part = src.reshape(-1)[start:start + n]
+        out.copy_(part)
+        self.counter.add(n * src.element_size(), purpose)
+        _release_pages(part)
+
+    def close(self) -> None:
+        self.tensors = {}
+
+
+def sample_windows(keys_numels: Iterator[tuple[str, int]], width: int = 64) -> list[tuple[str, int, int]]:
+    """(key, start, count): one deterministic window of ``width`` elements per tensor, at a
+    position that depends on the key alone (every rank picks the same windows)."""
+    import zlib
+    out = []
+    for key, numel in keys_numels:
+        count = min(width, numel)
+        start = zlib.crc32(key.encode()) % (numel - count + 1)
+        out.append((key, start, count))
+    return out
