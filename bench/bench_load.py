@@ -46,9 +46,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_loop import PRESETS, ensure_assets  # noqa: E402
 from wan_s2v_runner.proctree import descendants, ppid_map  # noqa: E402
 
-#: layout -> (nproc, mode); "@1" = the same mode on one rank (the ratio's reference)
-LAYOUTS = {f"{m}@1": (1, m) for m in ("ulysses", "fsdp-fixed", "hybrid")}
-LAYOUTS.update({m: (2, m) for m in ("ulysses", "fsdp-fixed", "hybrid")})
+#: layout -> (nproc, mode, --load); "@1" = the same mode on one rank (the ratio's reference);
+#: "full:" = upstream's loading (every rank reads whole files: the baseline lean loading is
+#: measured against)
+_MODES = ("ulysses", "fsdp-fixed", "hybrid")
+LAYOUTS = {}
+for _load in ("lean", "full"):
+    _pre = "" if _load == "lean" else "full:"
+    LAYOUTS.update({f"{_pre}{m}@1": (1, m, _load) for m in _MODES})
+    LAYOUTS.update({f"{_pre}{m}": (2, m, _load) for m in _MODES})
 
 
 # --------------------------------------------------------------------------- /proc sampling
@@ -110,9 +116,25 @@ class Sampler(threading.Thread):
 
 
 # --------------------------------------------------------------------------- one run
+def loaded_bytes(run_dir: Path) -> dict[int, int]:
+    """rank -> checkpoint bytes its loader read (the ``loaded`` event; lean loading counts them)."""
+    out = {}
+    for f in sorted((run_dir / "events").glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("kind") == "loaded" and "bytes_read_total" in e:
+                out[int(e["rank"])] = int(e["bytes_read_total"])
+    return out
+
+
 def load_windows(run_dir: Path) -> dict[int, tuple[int, float, float]]:
-    """rank -> (pid, load start, load end) from the run's event files."""
+    """rank -> (pid, load start, load end) from the run's event files: from the ``load`` stage to
+    the first stage that is not loading (the input encodes that follow are not loading)."""
     from wan_s2v_runner.stages import Stage
+    LOADING = {Stage.LOAD, Stage.FINGERPRINT, Stage.SHARD}
 
     out = {}
     for f in sorted((run_dir / "events").glob("*.jsonl")):
@@ -129,7 +151,7 @@ def load_windows(run_dir: Path) -> dict[int, tuple[int, float, float]]:
             st = Stage.lookup(e.get("stage"))
             if st is Stage.LOAD and start is None:
                 start = e["t"]
-            elif start is not None and end is None and st is not None and not st.is_load_class:
+            elif start is not None and end is None and st is not None and st not in LOADING:
                 end = e["t"]
         if pid and start:
             out[int(f.stem.replace("rank", ""))] = (pid, start, end or time.time())
@@ -137,13 +159,13 @@ def load_windows(run_dir: Path) -> dict[int, tuple[int, float, float]]:
 
 
 def measure(a, name: str, assets, work: Path) -> dict:
-    nproc, mode = LAYOUTS[name]
+    nproc, mode, load = LAYOUTS[name]
     ckpt, image, audio = assets
-    tag = name.replace("@", "-at-")
+    tag = name.replace("@", "-at-").replace(":", "-")
     argv = [sys.executable, "-m", "wan_s2v_runner", "run", "--ckpt-dir", str(ckpt), "--image", str(image),
             "--audio", str(audio), "--prompt", "a person talking", "--device", "cpu", "--threads", "1",
             "--size", PRESETS[a.preset]["size"], "--infer-frames", "4", "--num-clips", "1",
-            "--steps", str(a.steps), "--seed", "42", "--nproc", str(nproc), "--mode", mode,
+            "--steps", str(a.steps), "--seed", "42", "--nproc", str(nproc), "--mode", mode, "--load", load,
             "--output", str(work / f"{tag}.mp4"), "--frames-out", str(work / f"{tag}.pt"),
             "--runs-root", str(work / "runs" / tag)]
     env = dict(os.environ)
@@ -162,6 +184,7 @@ def measure(a, name: str, assets, work: Path) -> dict:
         print((work / f"{tag}.log").read_text()[-3000:], file=sys.stderr)
         return {"name": name, "rc": rc}
     windows = load_windows(runs[-1])
+    counted = loaded_bytes(runs[-1])
     samples = sampler.samples
 
     def inside(s: Sample, w) -> bool:
@@ -174,10 +197,10 @@ def measure(a, name: str, assets, work: Path) -> dict:
         if not mine:
             continue
         rss[rank] = max(s.rss[pid] for s in mine)
-        read[rank] = (max(0, mine[-1].rchar.get(pid, 0) - mine[0].rchar.get(pid, 0))
-                      + max(s.ckpt_mapped.get(pid, 0) for s in mine))
+        read[rank] = counted.get(rank, 0) if any(counted.values()) else \
+            (max(0, mine[-1].rchar.get(pid, 0) - mine[0].rchar.get(pid, 0)) + max(s.ckpt_mapped.get(pid, 0) for s in mine))
     node = [sum(s.pss.values()) for s in samples if any(inside(s, w) for w in windows.values())]
-    return {"name": name, "rc": rc, "nproc": nproc, "mode": mode,
+    return {"name": name, "rc": rc, "nproc": nproc, "mode": mode, "load": load, "counted": any(counted.values()),
             "load_s": max(w[2] - w[1] for w in windows.values()),
             "rss_rank_max": max(rss.values(), default=None), "rss": rss,
             "node_pss_peak": max(node, default=None), "read_rank_max": max(read.values(), default=None),
@@ -189,25 +212,31 @@ def table(results: list[dict], markdown: bool) -> str:
     import torch
 
     gb = 2**30
-    ref = {r["mode"]: r for r in results if r.get("rc") == 0 and r["nproc"] == 1}
-    ref_frames = {m: torch.load(r["frames"]) for m, r in ref.items()}
-    head = ["layout", "ranks", "load s", "RSS/rank GB", "vs 1 rank", "node PSS GB", "vs 1 rank",
-            "ckpt bytes/rank GB (>=)", "frames == 1 rank"]
+    ok = [r for r in results if r.get("rc") == 0]
+    ref = {(r["mode"], r["load"]): r for r in ok if r["nproc"] == 1}
+    full = {(r["mode"], r["nproc"]): r for r in ok if r["load"] == "full"}
+    frames = {r["name"]: torch.load(r["frames"]) for r in ok}
+    # the frames a mode must give: its own 1-rank run with upstream's loading (else lean's)
+    ref_frames = {m: frames[r["name"]] for (m, load), r in sorted(ref.items(), key=lambda kv: kv[0][1] == "full")}
+    head = ["layout", "load", "ranks", "load s", "vs full", "RSS/rank GB", "vs 1 rank", "node PSS GB",
+            "vs 1 rank", "ckpt bytes/rank GB", "frames == full@1"]
     rows = []
     for r in results:
         if r.get("rc") != 0:
-            rows.append([r["name"], "-", "failed"] + ["-"] * 6)
+            rows.append([r["name"], "-", "-", "failed"] + ["-"] * 7)
             continue
-        one = ref.get(r["mode"])
-        same = "-" if r["mode"] not in ref_frames else \
-            ("yes" if torch.equal(torch.load(r["frames"]), ref_frames[r["mode"]]) else "NO")
+        one, base = ref.get((r["mode"], r["load"])), full.get((r["mode"], r["nproc"]))
+        want = ref_frames.get(r["mode"])
+        same = "-" if want is None else ("yes" if torch.equal(frames[r["name"]], want) else "NO")
 
-        def ratio(key):
-            return f"{r[key] / one[key]:.2f}" if one and r.get(key) and one.get(key) else "-"
+        def ratio(key, other):
+            return f"{r[key] / other[key]:.2f}" if other and r.get(key) and other.get(key) else "-"
 
-        rows.append([r["name"], str(r["nproc"]), f"{r['load_s']:.1f}", f"{r['rss_rank_max'] / gb:.2f}",
-                     ratio("rss_rank_max"), f"{r['node_pss_peak'] / gb:.2f}", ratio("node_pss_peak"),
-                     f"{r['read_rank_max'] / gb:.2f}", same])
+        read = f"{r['read_rank_max'] / gb:.3f}" + ("" if r["counted"] else " (>=)")
+        rows.append([r["name"], r["load"], str(r["nproc"]), f"{r['load_s']:.1f}",
+                     ratio("load_s", base) if r["load"] == "lean" else "-",
+                     f"{r['rss_rank_max'] / gb:.2f}", ratio("rss_rank_max", one),
+                     f"{r['node_pss_peak'] / gb:.2f}", ratio("node_pss_peak", one), read, same])
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]

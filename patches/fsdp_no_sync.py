@@ -12,9 +12,10 @@ frames (measured rel. error 0.30); (2) calls upstream ``shard_model`` with
 ``param_dtype`` = the run's param dtype (fp32 on CPU).
 A model whose parameters are on the meta device (lean loading, ``wan_s2v_runner.lean_load``)
 is wrapped without materializing it: FSDP gets a ``param_init_fn`` that allocates each unit with
-``to_empty`` (untouched pages), and FSDP's flattening copy (``FlatParamHandle.flatten_tensors``,
-a ``torch.cat`` of the unit) is replaced, for this call only, by an uninitialized flat tensor, so
-a rank's memory holds its shards and nothing else. The weights are read into those shards
+``to_empty`` (untouched pages), and, for this call only, FSDP's flattening copy
+(``FlatParamHandle.flatten_tensors``, a ``torch.cat`` of the unit) and its shard copy
+(``FlatParamHandle._get_shard``: ``clone`` then ``F.pad``) are replaced by uninitialized tensors
+(the padding zeroed, as FSDP pads), so a rank's memory holds its shards and nothing else. The weights are read into those shards
 afterwards (``lean_load.fill_fsdp_shards``), and the fingerprint is taken on the files there
 (``lean_load.verify_same_checkpoint``), because there are no weights to fingerprint yet here.
 Proof: tests/test_parity.py (fsdp-fixed and hybrid equal one process, lean and full loading),
@@ -95,20 +96,29 @@ def wrapping_on_meta(fsdp_module, device: torch.device):
     from torch.distributed.fsdp._flat_param import FlatParamHandle
     upstream_fsdp = fsdp_module.FSDP
     upstream_flatten = FlatParamHandle.flatten_tensors
+    upstream_get_shard = FlatParamHandle.__dict__["_get_shard"]  # the staticmethod object
 
     def flatten_tensors(self, tensors, aligned_numel):
         if aligned_numel > 0:
             return upstream_flatten(self, tensors, aligned_numel)
         return torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
 
+    def get_shard(tensor, rank, world_size):  # upstream: chunk.clone(), then F.pad (two copies)
+        chunk, numel_to_pad = FlatParamHandle._get_unpadded_shard(tensor, rank, world_size)
+        shard = torch.empty(chunk.numel() + numel_to_pad, dtype=tensor.dtype, device=tensor.device)
+        shard[chunk.numel():].zero_()  # FSDP's padding is zeros; the rest is read from the files
+        return shard, numel_to_pad
+
     fsdp_module.FSDP = functools.partial(upstream_fsdp,
                                          param_init_fn=lambda m: m.to_empty(device=device, recurse=False))
     FlatParamHandle.flatten_tensors = flatten_tensors
+    FlatParamHandle._get_shard = staticmethod(get_shard)
     try:
         yield
     finally:
         fsdp_module.FSDP = upstream_fsdp
         FlatParamHandle.flatten_tensors = upstream_flatten
+        FlatParamHandle._get_shard = upstream_get_shard
 
 
 def make_shard_model(upstream_shard_model, param_dtype: torch.dtype, on_cpu: bool, on_event=None):

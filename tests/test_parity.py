@@ -1,8 +1,11 @@
 """Parity is the contract: every parallel mode at 2 ranks gives the frames of one process.
 
 Real ``torch.distributed.run`` over gloo, fp32 on CPU: equality is exact (max abs diff 0).
-Also: FSDP without ``sync_module_states`` refuses ranks holding different weights, and the demo
-command writes an mp4 with H.264 video + AAC audio and the expected frame count.
+Also: FSDP without ``sync_module_states`` refuses ranks holding different weights (full loading:
+weights perturbed in memory; lean loading: a rank given other checkpoint files), under lean
+loading (the default) each FSDP rank reads only its slices of the files and the Ulysses ranks of
+a node share one DiT, and the demo command writes an mp4 with H.264 video + AAC audio and the
+expected frame count.
 """
 from __future__ import annotations
 
@@ -15,17 +18,36 @@ from conftest import TINY_FLAGS, asset_flags, run_cli
 from wan_s2v_runner import exit_codes, media
 
 
-def _run_mode(mode, tiny_assets, tmp_path, extra_env=None, name="out"):
+def _run_mode(mode, tiny_assets, tmp_path, extra_env=None, name="out", extra=()):
     out = tmp_path / f"{name} with space's.mp4"
     r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "2", "--mode", mode,
                  "--output", str(out), "--frames-out", str(tmp_path / f"{name}.pt"),
-                 "--runs-root", str(tmp_path / "runs")], cwd=tmp_path, env=extra_env)
+                 "--runs-root", str(tmp_path / "runs"), *extra], cwd=tmp_path, env=extra_env)
     return r, out
 
 
-@pytest.mark.parametrize("mode", ["fsdp-fixed", "hybrid"])
-def test_mode_equals_one_process(mode, tiny_assets, reference_frames, tmp_path):
-    r, out = _run_mode(mode, tiny_assets, tmp_path)
+def _loaded(runs_root) -> dict[int, dict]:
+    """rank -> its ``loaded`` event (what lean loading read)."""
+    out = {}
+    for f in next(runs_root.glob("*")).glob("events/*.jsonl"):
+        for line in f.read_text().splitlines():
+            e = json.loads(line)
+            if e.get("kind") == "loaded":
+                out[e["rank"]] = e
+    return out
+
+
+def _tensor_bytes(ckpt) -> dict[str, int]:
+    from wan_s2v_runner.ckpt_read import PthFile, SafetensorsFiles
+    dit = SafetensorsFiles.in_dir(ckpt)
+    t5 = PthFile(ckpt / "models_t5_umt5-xxl-enc-bf16.pth")
+    return {"dit": sum(e.numel * e.itemsize for e in dit.entries.values()),
+            "t5": sum(t.numel() * t.element_size() for t in t5.tensors.values())}
+
+
+@pytest.mark.parametrize("mode, extra", [("fsdp-fixed", ()), ("hybrid", ("--load-waves", "2"))])
+def test_mode_equals_one_process(mode, extra, tiny_assets, reference_frames, tmp_path):
+    r, out = _run_mode(mode, tiny_assets, tmp_path, extra=extra)
     assert r.returncode == 0, r.output
     frames = torch.load(tmp_path / "out.pt")
     assert frames.shape == reference_frames.shape
@@ -34,6 +56,16 @@ def test_mode_equals_one_process(mode, tiny_assets, reference_frames, tmp_path):
     assert manifest["layout"]["world_size"] == 2 and manifest["layout"]["dit_fsdp"] is True
     assert manifest["layout"]["t5_cpu"] is (mode == "hybrid")
     assert manifest["layout"]["use_sp"] is (mode == "hybrid")
+    # lean loading: every byte of the sharded files read exactly once over the ranks, half each
+    loaded, size = _loaded(tmp_path / "runs"), _tensor_bytes(tiny_assets.ckpt_dir)
+    read = {rank: e["bytes_read"]["weights"] for rank, e in loaded.items()}
+    assert loaded[1]["strategy"]["dit"] == "fsdp shards" and loaded[1]["waves"] == (2 if extra else 1)
+    if mode == "fsdp-fixed":  # DiT and T5 sharded
+        assert read[0] + read[1] == size["dit"] + size["t5"]
+        assert max(read.values()) <= 0.51 * (size["dit"] + size["t5"])
+    else:  # DiT sharded; T5 read whole by rank 0 alone (it encodes the prompt on the CPU)
+        assert read[0] + read[1] == size["dit"] + size["t5"]
+        assert read[1] <= 0.51 * size["dit"]
 
 
 def test_demo_writes_mp4_with_audio_and_equals_one_process(tiny_assets, reference_frames, tmp_path):
@@ -55,14 +87,37 @@ def test_demo_writes_mp4_with_audio_and_equals_one_process(tiny_assets, referenc
     assert (info.width, info.height) == (frames.shape[3], frames.shape[2])
     manifest = json.loads(next((tmp_path / "runs").glob("*/run.json")).read_text())
     assert manifest["mode"] == "ulysses" and manifest["layout"]["use_sp"] is True
+    loaded = _loaded(tmp_path / "runs")  # one DiT per node: rank 0 reads it, rank 1 maps rank 0's copy
+    assert loaded[0]["strategy"]["dit"] == loaded[1]["strategy"]["dit"] == "node-shared"
+    assert loaded[1]["bytes_read_total"] == 0
     assert manifest["output"]["sha256"] == media.sha256_file(out)
 
 
 def test_fsdp_refuses_ranks_with_different_weights(tiny_assets, tmp_path):
-    r, out = _run_mode("fsdp-fixed", tiny_assets, tmp_path,
+    r, out = _run_mode("fsdp-fixed", tiny_assets, tmp_path, extra=("--load", "full"),
                        extra_env={"WAN_S2V_TEST_PERTURB_WEIGHTS_RANK": "1"})
     assert r.returncode == exit_codes.RANK_FAILED, r.output
     assert "WeightMismatch" in r.output and "rank(s) [1] do not match rank 0" in r.output
     assert "fingerprint" in r.output  # the stage it failed in
     assert not out.exists()
     assert not list(tmp_path.glob(".*.mp4")), "a temporary file was left behind"
+
+
+def test_lean_fsdp_refuses_a_rank_whose_checkpoint_differs(tiny_assets, tmp_path):
+    """Lean loading fingerprints the files (each rank holds only shards): rank 1's node has a
+    checkpoint where one DiT tensor differs; the run stops before generating and names rank 1."""
+    from safetensors.torch import load_file, save_file
+    other = tmp_path / "other ckpt"
+    other.mkdir()
+    for f in tiny_assets.ckpt_dir.iterdir():
+        if f.name != "diffusion_pytorch_model.safetensors":
+            (other / f.name).symlink_to(f, target_is_directory=f.is_dir())
+    tensors = load_file(str(tiny_assets.ckpt_dir / "diffusion_pytorch_model.safetensors"))
+    key = "blocks.0.self_attn.q.weight"
+    tensors[key] = tensors[key] * 1.01
+    save_file(tensors, str(other / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    r, out = _run_mode("fsdp-fixed", tiny_assets, tmp_path, extra_env={"WAN_S2V_TEST_CKPT_FOR_RANK": f"1:{other}"})
+    assert r.returncode == exit_codes.RANK_FAILED, r.output
+    assert "WeightMismatch" in r.output and "DiT checkpoint differs between ranks: rank(s) [1]" in r.output
+    assert "fingerprint" in r.output
+    assert not out.exists()

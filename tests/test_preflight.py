@@ -499,20 +499,62 @@ def test_torch_without_kernels_for_the_gpu():
 def test_host_ram_eight_ranks_hybrid_real_sizes():
     raw = copy.deepcopy(facts("a100_8x_nvlink").raw)
     raw["host"]["mem_available_mib"] = 128 * 1024
-    ctx = ctx_for(MachineFacts(raw), mode="hybrid", nproc=8)
+    ctx = ctx_for(MachineFacts(raw), mode="hybrid", nproc=8, load="full")
     ctx.cache["sizes"] = replace(REFERENCE, source="checkpoint (test: Wan2.2-S2V-14B sizes)")
     r = result(ctx, "memory", "memory.host")
-    # every rank: T5 (11.4 GB bf16) + the whole DiT (32.6 GB) on the CPU before FSDP shards it
-    assert_finding(r, Status.FAIL, "host RAM exhausted at load: 8 local ranks x 43.9 GiB peak", "128.0 GiB available")
+    # upstream's loading: every rank builds T5 (11.4 GB bf16) and the whole DiT (32.6 GB) on the
+    # CPU before FSDP shards it
+    assert_finding(r, Status.FAIL, "host RAM exhausted at load: 8 local ranks x 43.9 GiB (full loading)",
+                   "128.0 GiB available", "drop --load full")
     ctx.cache["sizes"] = REFERENCE  # without a checkpoint the same finding only warns
     assert result(ctx, "memory", "memory.host").status is Status.WARN
+    # lean loading (the default): rank 0 holds T5 (it encodes on the CPU), the others a staging tensor
+    lean = ctx_for(MachineFacts(raw), mode="hybrid", nproc=8)
+    lean.cache["sizes"] = replace(REFERENCE, source="checkpoint (test: Wan2.2-S2V-14B sizes)")
+    r = result(lean, "memory", "memory.host")
+    assert_finding(r, Status.OK, "8 local ranks x 14.8 GiB (rank 0) / 3.1 GiB (lean loading)")
+    assert r.data["need"] < 0.35 * 128 * 2**30
+
+
+def test_host_ram_lean_loads_in_waves_only_when_it_must():
+    raw = copy.deepcopy(facts("a100_8x_nvlink").raw)
+    ctx = ctx_for(MachineFacts(raw), mode="fsdp-fixed", nproc=8)
+    ctx.cache["sizes"] = replace(REFERENCE, source="checkpoint (test: Wan2.2-S2V-14B sizes)")
+    p = plan_all(ctx)["fsdp-fixed"]
+    assert p.host_load_transient > 0 and p.node_total(2) < p.node_total(1)
+    raw["host"]["mem_available_mib"] = (p.node_total(1) - p.host_load_transient) / 2**20
+    ctx2 = ctx_for(MachineFacts(raw), mode="fsdp-fixed", nproc=8)
+    ctx2.cache["sizes"] = ctx.cache["sizes"]
+    r = result(ctx2, "memory", "memory.host")
+    assert_finding(r, Status.WARN, "cannot load all its ranks at once; loading in 2 waves")
+    assert r.data["waves"] == 2
+    raw["host"]["mem_available_mib"] = (p.node_total(8) - 1) / 2**20  # not even one rank at a time
+    ctx3 = ctx_for(MachineFacts(raw), mode="fsdp-fixed", nproc=8)
+    ctx3.cache["sizes"] = ctx.cache["sizes"]
+    assert_finding(result(ctx3, "memory", "memory.host"), Status.FAIL, "host RAM exhausted at load", "8 waves")
+
+
+def test_lean_cpu_plan_counts_a_replicated_dit_once_per_node():
+    from wan_s2v_runner.layout import LoadStrategy, Mode
+    from wan_s2v_runner.preflight.memory import plan_mode, workload
+    ctx = ctx_for(facts("cpu_only"), device="cpu", nproc=2)
+    sizes, wl = REFERENCE, workload(ctx)
+    lean = plan_mode(ctx.layout_for(Mode.ULYSSES), sizes, wl, nproc=2, device="cpu", offload=False)
+    full = plan_mode(ctx.layout_for(Mode.ULYSSES), sizes, wl, nproc=2, device="cpu", offload=False,
+                     load=LoadStrategy.FULL)
+    w_dit = sizes.dit_params * 4
+    assert lean.host_shared == w_dit and full.host_shared == 0
+    assert full.host_node_total - lean.host_node_total > 0.9 * w_dit  # one DiT copy fewer
 
 
 def test_memory_plan_orders_modes_sensibly():
     ctx = ctx_for(facts("rtx4090_4x_nop2p"))
     plans = plan_all(ctx)
     assert plans["hybrid"].gpu_peak < plans["fsdp-fixed"].gpu_peak < plans["ulysses"].gpu_peak
-    assert plans["ulysses"].host_peak < plans["hybrid"].host_peak  # hybrid: T5 + whole DiT on CPU per rank
+    # lean loading: the DiT streams to the GPUs in every mode, so the host holds the same
+    assert plans["ulysses"].host_peak == plans["hybrid"].host_peak
+    full = plan_all(ctx_for(facts("rtx4090_4x_nop2p"), load="full"))  # hybrid: whole DiT on CPU per rank
+    assert full["ulysses"].host_peak < full["hybrid"].host_peak
     h100 = plan_all(ctx_for(facts("h100_1x")))["ulysses"]
     assert 32.6e9 < h100.gpu_peak < 80e9
 

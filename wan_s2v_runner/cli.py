@@ -71,9 +71,12 @@ def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
               "a job known to fail may be spawned.", file=sys.stderr)
     else:
         from wan_s2v_runner import preflight
-        refused = preflight.gate(spec, json_mode=args.json)
-        if refused is not None:
-            return refused
+        report = preflight.gate_report(spec, json_mode=args.json)
+        if report.refused:
+            return exit_codes.PREFLIGHT
+        waves = report.data_of("memory.host").get("waves")
+        if spec.load_waves is None and waves and waves > 1:  # the memory plan's safety net
+            spec = spec.model_copy(update={"load_waves": waves})
     return runners.get(spec.mode).launch(spec, display=Display.auto(json_mode=args.json), extra_env=extra_env)
 
 

@@ -5,7 +5,8 @@ Format: ``RANK:STAGE[@CLIP]:ACTION`` (STAGE a :class:`~wan_s2v_runner.stages.Sta
 one of ``raise`` (RuntimeError), ``exit`` (os._exit 3), ``hang`` (sleep forever, still
 heart-beating). Checked at every stage change and every denoising step of the given rank, and
 as stage ``start`` before the rank writes any event (there ``hang`` is a rank that never
-reports). Users never set it; the supervision tests do.
+reports). Users never set it; the supervision tests do. ``WAN_S2V_TEST_CKPT_FOR_RANK`` gives one
+rank other checkpoint files (the lean-loading fingerprint test).
 """
 from __future__ import annotations
 
@@ -50,3 +51,16 @@ def maybe_fire(rank: int, stage: Stage, fault=None, clip: Optional[int] = None) 
         os._exit(3)
     while True:  # hang
         time.sleep(3600)
+
+
+#: test-only: ``RANK:DIR`` gives that rank another checkpoint directory (a node whose files differ)
+CKPT_ENV = "WAN_S2V_TEST_CKPT_FOR_RANK"
+
+
+def checkpoint_for(rank: int) -> Optional[str]:
+    """The checkpoint directory :data:`CKPT_ENV` gives ``rank``, or None."""
+    value = os.environ.get(CKPT_ENV)
+    if not value:
+        return None
+    r, _, path = value.partition(":")
+    return path if int(r) == rank else None

@@ -75,10 +75,10 @@ def empty_t5(wan, checkpoint_path, dtype: torch.dtype):
 
 
 def check_same_keys(model, source, what: str) -> None:
-    """The model's parameters and the file's tensors: same names, same shapes (strict, like
-    ``load_state_dict``)."""
+    """The (unwrapped) model's parameters and the file's tensors: same names, same shapes
+    (strict, like ``load_state_dict``)."""
     from patches.checkpoint_dims import CheckpointLayoutError
-    names = {n: tuple(p.shape) for n, p in _original_params(model)}
+    names = {n: tuple(p.shape) for n, p in model.named_parameters()}
     keys = set(source.entries) if hasattr(source, "entries") else set(source.tensors)
     missing, unexpected = sorted(set(names) - keys), sorted(keys - set(names))
     bad = [n for n in names if n in keys and tuple(_shape(source, n)) != names[n]]
@@ -95,17 +95,6 @@ def check_same_keys(model, source, what: str) -> None:
 
 def _shape(source, key):
     return source.entries[key].shape if hasattr(source, "entries") else source.tensors[key].shape
-
-
-def _original_params(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor of the original shape) for every parameter, FSDP-wrapped or not."""
-    units = list(fsdp_units(model))
-    if not units:
-        yield from model.named_parameters()
-        return
-    for prefix, fp in units:
-        for fqn, shape in zip(fp._fqns, fp._shapes):
-            yield prefix + fqn, torch.empty(shape, device="meta")
 
 
 # --------------------------------------------------------------------------- FSDP shards

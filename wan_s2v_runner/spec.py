@@ -229,6 +229,8 @@ class RunSpec(BaseModel):
         if self.cfg_parallel and self.guide_scale <= 1:
             raise ValueError(f"--cfg-parallel with guide_scale {self.guide_scale:g}: there is no unconditional "
                              "pass to split (the engine skips it when guide_scale <= 1); drop --cfg-parallel")
+        if (self.load_waves or 1) > 1 and self.load is LoadStrategy.FULL:
+            raise ValueError("--load-waves reads weights in turns under lean loading; drop it or --load full")
         if self.output.suffix.lower() != ".mp4":
             raise ValueError(f"output must be an .mp4 file, got {self.output.name!r}")
         return self

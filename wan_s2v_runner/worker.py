@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = spec_path.parent
     spec = RunSpec.from_json_file(spec_path)
     rank = int(os.environ.get("RANK", 0))
+    other_ckpt = faults.checkpoint_for(rank)  # test hook: this rank's node has other files
+    if other_ckpt:
+        spec = spec.model_copy(update={"ckpt_dir": Path(other_ckpt)})
     _setup_logging(rank)
     stack_files = _register_stack_dump(run_dir, rank)  # noqa: F841 (open for the process's life)
     faults.maybe_fire(rank, Stage.START)  # test hook: a rank that fails/hangs before its first event

@@ -3,7 +3,7 @@
 Checks are data (:class:`CheckResult`: status, one-line finding with the measured value, fix),
 listed once in :mod:`.registry` by :class:`CheckGroup`; a run's groups follow from its mode's
 layout. Hardware facts come from one injectable probe (:mod:`.facts` schema, :mod:`.probe`
-collection; recorded machines in ``tests/data/machines/``). ``run`` calls :func:`gate`;
+collection; recorded machines in ``tests/data/machines/``). ``run`` calls :func:`gate_report`;
 ``wan-s2v doctor`` gets a :class:`DoctorReport` from :func:`doctor` and prints it with
 :mod:`.render`; ``--mode auto`` uses :func:`recommend_mode`. Nothing here parses argv: the CLI
 (:mod:`wan_s2v_runner.cli`) does. Checks and exit codes are listed in ``docs/preflight.md``;
@@ -15,8 +15,8 @@ from .doctor import DoctorReport, GateReport, check_run, diagnose, doctor, machi
 from .facts import MachineFacts
 from .recommend import Recommendation, recommend_mode
 from .registry import groups_for, run_checks
-from .render import gate
+from .render import gate, gate_report
 
-__all__ = ["gate", "check_run", "doctor", "diagnose", "machine_facts", "recommend_mode", "Recommendation",
+__all__ = ["gate", "gate_report", "check_run", "doctor", "diagnose", "machine_facts", "recommend_mode", "Recommendation",
            "run_checks", "groups_for", "CheckResult", "CheckGroup", "Status", "CheckContext", "ModeSource",
            "MachineFacts", "DoctorReport", "GateReport"]

@@ -72,20 +72,37 @@ def _better_mode(ctx, free) -> str:
 
 
 def check_host(ctx):
+    """The node's host RAM for all local ranks at load. Under lean loading, when all at once does
+    not fit but reading in turns of local ranks does, the run loads in waves (``--load-waves``
+    unset) and this says so; it fails only when even one rank at a time cannot fit."""
     avail = ctx.facts.host_available_bytes()
     if avail is None:
         return skip("memory.host", "host memory unknown")
     p = ctx.cache.get("plans", {}).get(ctx.mode.value) or current_plan(ctx)
-    need = p.host_node_total
     lim = ctx.facts.host.get("cgroup_limit_mib")
     src = f"available (cgroup limit {lim / 1024:.0f} GiB)" if lim else "available"
-    detail = (f"{ctx.spec.nproc} local rank{'s' if ctx.spec.nproc > 1 else ''} x {gib(p.host_peak)} peak"
-              f" = {gib(need)} vs {gib(avail)} {src}")
+    n = ctx.spec.nproc
+    ranks = f"{n} local rank{'s' if n > 1 else ''}"
+    shared = f" + {gib(p.host_shared)} shared DiT" if p.host_shared else ""
+    per_rank = gib(p.host_peak - p.host_shared) if n == 1 or p.host_others == p.host_peak else \
+        f"{gib(p.host_peak - p.host_shared)} (rank 0) / {gib(p.host_others)}"
+    chosen = ctx.spec.load_waves
+    waves = chosen or p.waves_needed(avail) or (n if p.host_load_transient else 1)
+    need = p.node_total(waves)
+    how = f"{p.load} loading" + (f", {waves} waves" if waves > 1 else "")
+    detail = f"{ranks} x {per_rank}{shared} ({how}) = {gib(need)} vs {gib(avail)} {src}"
     if need > avail:
-        return _fail_or_warn(ctx)("memory.host", f"host RAM exhausted at load: {detail}",
-                    "fewer ranks per node, --mode fsdp-fixed (T5 sharded off the CPU) or a machine with more "
-                    "RAM; every rank loads T5 (and under FSDP the whole DiT) on the CPU", need=need, avail=avail)
+        lean = p.load == "lean"
+        fix = ("fewer ranks per node, --mode hybrid or fsdp-fixed (each rank holds a shard of the DiT) or a "
+               "machine with more RAM" if lean else
+               "drop --load full (lean loading reads only each rank's shard and one copy per node)")
+        return _fail_or_warn(ctx)("memory.host", f"host RAM exhausted at load: {detail}", fix,
+                                  need=need, avail=avail, waves=waves)
+    if waves > 1 and chosen is None:
+        return warn("memory.host", f"the node cannot load all its ranks at once; loading in {waves} waves: {detail}",
+                    "nothing to do (slower loading); more RAM or fewer ranks per node would load at once",
+                    need=need, avail=avail, waves=waves)
     if need > HOST_WARN * avail:
         return warn("memory.host", f"tight: {detail}", "close other programs; expect swapping risk",
-                    need=need, avail=avail)
-    return ok("memory.host", detail, need=need, avail=avail)
+                    need=need, avail=avail, waves=waves)
+    return ok("memory.host", detail, need=need, avail=avail, waves=waves)

@@ -47,6 +47,10 @@ class GateReport:
     def refused(self) -> bool:
         return bool(self.with_status(Status.FAIL))
 
+    def data_of(self, check_id: str) -> dict:
+        """The measured values of check ``check_id`` ({} if it did not run)."""
+        return next((r.data for r in self.results if r.id == check_id), {})
+
     def to_json(self) -> dict:
         shown = self.with_status(Status.FAIL) + self.with_status(Status.WARN)
         return {"status": "preflight-refused" if self.refused else "preflight-passed",

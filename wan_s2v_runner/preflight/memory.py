@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from wan_s2v_runner.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
-from wan_s2v_runner.layout import Layout, Mode
+from wan_s2v_runner.layout import Layout, LoadStrategy, Mode
 
 from . import ckpt_reader as cr
 from .geometry import TokenCounts, generation_size, output_frames, token_counts
@@ -26,6 +26,8 @@ GPU_RUNTIME = int(1.0 * GiB)  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buff
 HOST_BASE_CUDA = int(3.0 * GiB)  # python + torch/CUDA libraries + transformers/diffusers imports
 HOST_BASE_CPU = int(0.8 * GiB)  # measured ~0.8 GB RSS per rank for the tiny CPU demo
 W2V_ACT_PER_S = 18 * 2**20  # wav2vec2 (fp32, CPU) activations per second of audio, all 25 layers
+#: lean loading's conversion buffer on the CPU (ckpt_read.CHUNK_ELEMENTS of a bf16 file)
+LEAN_CHUNK = 2**24 * 2
 
 
 @dataclass
@@ -143,9 +145,27 @@ class ModePlan:
     world_size: int
     gpu_peak: Optional[int]  # per rank, bytes; None on CPU
     gpu_phases: dict[str, int]
-    host_peak: int  # per rank
-    host_node_total: int  # all local ranks + rank 0's output video
+    host_peak: int  # per rank (the largest: rank 0), a node-shared DiT included
+    host_node_total: int  # all local ranks loading at once + rank 0's output video
     parts: dict[str, int]
+    load: str = LoadStrategy.LEAN.value
+    host_others: int = 0  # per rank other than rank 0 (node-shared weights not included)
+    host_shared: int = 0  # held once per node, mapped by every local rank (lean: a replicated CPU DiT)
+    host_load_transient: int = 0  # per rank, only while reading weights (what waves spread out)
+    nproc: int = 1
+
+    def node_total(self, waves: int = 1) -> int:
+        """Host RAM the node needs when its ranks read their weights in ``waves`` turns."""
+        waves = max(1, min(waves, self.nproc))
+        extra = self.host_load_transient * (self.nproc - -(-self.nproc // waves))
+        return self.host_node_total - extra
+
+    def waves_needed(self, avail: int) -> Optional[int]:
+        """The fewest waves whose node total fits ``avail`` (1: all at once), None if none does."""
+        for w in range(1, self.nproc + 1):
+            if self.node_total(w) <= avail:
+                return w
+        return None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -168,8 +188,9 @@ def _vae_ws(h: int, w: int) -> int:
 
 
 def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, device: str,
-              offload: bool) -> ModePlan:
-    """The plan of one layout: what it shards, splits or keeps on the CPU decides every term."""
+              offload: bool, load: LoadStrategy = LoadStrategy.LEAN) -> ModePlan:
+    """The plan of one layout: what it shards, splits or keeps on the CPU decides every term;
+    the host figures also follow the loading strategy (``load``)."""
     on_cuda = device == "cuda"
     pb = 2 if on_cuda else 4  # param_dtype/t5_dtype: bf16 on CUDA, fp32 on CPU (worker.engine_config)
     ws = max(1, layout.world_size)
@@ -206,8 +227,22 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         phases["denoise"] = dit_res + dit_gathered + t5_denoise + w_vae + act
         phases["decode"] = (0 if offload else dit_res + t5_denoise) + w_vae + vae_ws + dec_out
         gpu_peak = max(phases.values()) + GPU_RUNTIME
+    else:
+        gpu_peak = None
+    w2v_phase = w_w2v + int(wl.audio_seconds * W2V_ACT_PER_S)
+    base = HOST_BASE_CUDA if on_cuda else HOST_BASE_CPU
+    if load is LoadStrategy.LEAN:
+        host0, others, shared, transient = _lean_host(
+            layout, on_cuda=on_cuda, offload=offload, pb=pb, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
+            w2v_phase=w2v_phase, dit_res=dit_res, dit_gathered=dit_gathered, act=act, vae=vae_ws + dec_out,
+            staging=(dim * ffn * pb) if on_cuda else LEAN_CHUNK)
+        host0, others = host0 + base, others + base
+        name = layout.mode.value if layout.mode else "custom"
+        node = host0 + (nproc - 1) * others + shared + video
+        return ModePlan(name, ws, gpu_peak, phases, int(host0 + shared), int(node), parts, load.value,
+                        int(others), int(shared), int(transient), nproc)
+    if on_cuda:
         t5_build = sizes.t5_params * 4 + (0 if pb == 2 else sizes.t5_params * 2)  # fp32 init (+ file)
-        w2v_phase = w_w2v + int(wl.audio_seconds * W2V_ACT_PER_S)
         t5_resident = w_t5 if not t5_fsdp else 0
         # an FSDP DiT is loaded whole on the CPU before sharding (a sharded T5 is on the GPU by
         # then); otherwise it goes straight to the GPU (device_map)
@@ -217,7 +252,6 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
             host += w_dit + (0 if t5_cpu else w_t5)  # DiT and T5 parked on the CPU between uses
         host += HOST_BASE_CUDA
     else:
-        gpu_peak = None
         t5_build = sizes.t5_params * 4 + sizes.t5_params * 2
         run = (dit_res + dit_gathered + w_t5 + w_vae + w_w2v + act + vae_ws + dec_out
                + int(wl.audio_seconds * W2V_ACT_PER_S))
@@ -225,14 +259,38 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         if dit_fsdp:  # the whole DiT is loaded on every rank before sharding
             host = max(host, w_t5 + w_dit + HOST_BASE_CPU)
     name = layout.mode.value if layout.mode else "custom"
-    return ModePlan(name, ws, gpu_peak, phases, int(host), int(nproc * host + video), parts)
+    # --load full: upstream's constructors; reading in waves is lean loading's (no transient here)
+    return ModePlan(name, ws, gpu_peak, phases, int(host), int(nproc * host + video), parts, load.value,
+                    int(host), 0, 0, nproc)
+
+
+def _lean_host(layout: Layout, *, on_cuda, offload, pb, w_dit, w_t5, w_vae, w2v_phase, dit_res,
+               dit_gathered, act, vae, staging) -> tuple[int, int, int, int]:
+    """Host bytes under lean loading, base excluded: (rank 0, any other rank, shared once per
+    node, per-rank transient while reading). Rank 0 alone holds T5 (unless FSDP-sharded) and
+    runs wav2vec2; weights stream to the GPU through a one-tensor staging buffer; on the CPU a
+    replicated DiT is one node-shared copy and an FSDP rank holds its shards."""
+    ws = max(1, layout.world_size)
+    t5_shard = -(-w_t5 // ws)
+    if on_cuda:
+        t5_host = 0 if layout.t5_fsdp else w_t5  # built on the CPU, moved to the GPU when used
+        host0 = t5_host + max(w2v_phase, staging)
+        if offload:
+            host0 += w_dit + (0 if layout.t5_cpu else w_t5)  # parked on the CPU between uses
+        return host0, staging, 0, staging
+    dit_local, shared = (dit_res, 0) if layout.dit_fsdp else (0, w_dit)
+    t5_0, t5_other = (t5_shard, t5_shard) if layout.t5_fsdp else (w_t5, 0)
+    vae_other = (w_vae + vae // max(1, ws)) if layout.vae_parallel else 0
+    host0 = dit_local + dit_gathered + t5_0 + w_vae + w2v_phase + act + vae + staging
+    others = dit_local + dit_gathered + t5_other + vae_other + act + staging
+    return host0, others, shared, staging
 
 
 def plan_all(ctx) -> dict[str, ModePlan]:
     """The plan of every mode at this context's world size (keys: mode values)."""
     sizes, wl = model_sizes(ctx), workload(ctx)
     return {m.value: plan_mode(ctx.layout_for(m), sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device,
-                               offload=ctx.offload)
+                               offload=ctx.offload, load=ctx.spec.load)
             for m in Mode}
 
 

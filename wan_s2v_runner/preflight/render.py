@@ -51,9 +51,14 @@ def print_gate(report: GateReport, json_mode: bool = False) -> None:
 def gate(spec, json_mode: bool = False, facts: Optional[MachineFacts] = None) -> Optional[int]:
     """Check ``spec``, print the verdict, and return :data:`exit_codes.PREFLIGHT` when the run
     must not be spawned (None otherwise)."""
+    return exit_codes.PREFLIGHT if gate_report(spec, json_mode, facts).refused else None
+
+
+def gate_report(spec, json_mode: bool = False, facts: Optional[MachineFacts] = None) -> GateReport:
+    """:func:`gate`, returning the report (its findings' data: e.g. the load waves chosen)."""
     report = check_run(spec, facts)
     print_gate(report, json_mode)
-    return exit_codes.PREFLIGHT if report.refused else None
+    return report
 
 
 def render_doctor(report: DoctorReport, console=None) -> None:
