@@ -67,6 +67,7 @@ def test_lean_dit_equals_upstreams_from_pretrained(engine_cpu, monkeypatch):
     wan, cfg, spec = engine_cpu
     for var in ("LOCAL_RANK", "GROUP_RANK"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # as if not alone on the node: the shared path
     cls = wan.speech2video.WanModel_S2V
     ref = cls.from_pretrained(str(spec.ckpt_dir), torch_dtype=cfg.param_dtype)
     model = lean_load.empty_dit(cls, spec.ckpt_dir, cfg.param_dtype)

@@ -27,14 +27,9 @@ def _run_mode(mode, tiny_assets, tmp_path, extra_env=None, name="out", extra=())
 
 
 def _loaded(runs_root) -> dict[int, dict]:
-    """rank -> its ``loaded`` event (what lean loading read)."""
-    out = {}
-    for f in next(runs_root.glob("*")).glob("events/*.jsonl"):
-        for line in f.read_text().splitlines():
-            e = json.loads(line)
-            if e.get("kind") == "loaded":
-                out[e["rank"]] = e
-    return out
+    """rank -> what its loading read, and how (run.json ``ranks.N.load``)."""
+    manifest = json.loads(next(runs_root.glob("*/run.json")).read_text())
+    return {int(r): info["load"] for r, info in manifest["ranks"].items()}
 
 
 def _tensor_bytes(ckpt) -> dict[str, int]:

@@ -127,6 +127,7 @@ class RankState:
     mem: dict[str, Any] = field(default_factory=dict)  # last heartbeat's memory figures
     end: Optional[dict[str, Any]] = None
     error: Optional[dict[str, Any]] = None
+    loaded: Optional[dict[str, Any]] = None  # what the rank's loading read, and how (``loaded`` event)
 
 
 def denoise_position(p: dict) -> str:
@@ -216,6 +217,8 @@ class EventReader:
             st.mem = {k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")}
         elif kind == "end":
             st.end = ev
+        elif kind == "loaded":
+            st.loaded = {k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")}
         elif kind == "error":
             if st.error is None:  # keep the first (a later one is teardown noise)
                 st.error = ev

@@ -225,8 +225,13 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 
 def node_shared_weights(model, source, report: LoadReport, what: str) -> str:
     """Fill ``model``'s (meta) parameters on the CPU with one copy per node: local rank 0 reads
-    the file into a memfd, the node's other ranks map it. Returns the strategy used."""
+    the file into a memfd, the node's other ranks map it. A rank alone on its node reads into
+    private memory (faster: anonymous pages fault in huge pages, shared memory in 4 KiB ones).
+    Returns the strategy used."""
     import torch.distributed as dist
+    if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= 1:  # alone on the node: nothing to share
+        device_weights(model, source, torch.device("cpu"), report, what)
+        return report.strategy[what]
     layout, total = _layout(model)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     node = os.environ.get("GROUP_RANK", "0")

@@ -81,6 +81,7 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
             "gpu_peak_allocated_mb": gpu_alloc,
             "gpu_peak_reserved_mb": gpu_res,
             "wall_s": end.get("wall_s"),
+            "load": st.loaded,
             "error": st.error and {k: st.error.get(k) for k in ("error_type", "message", "stage")},
         }
     r0 = reader.ranks.get(min(reader.ranks)) if reader.ranks else None
