@@ -92,6 +92,13 @@ class SafetensorsFiles:
             for key, (dtype, shape) in info.tensors.items():
                 self.entries[key] = TensorEntry(key, Path(path), ST_DTYPES[dtype], shape, info.starts[key])
         self._fds: dict[Path, int] = {}
+        self._tmp = torch.empty(0, dtype=torch.uint8)
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """One conversion buffer, reused (fresh memory per read would fault in every page again)."""
+        if self._tmp.numel() < nbytes:
+            self._tmp = torch.empty(nbytes, dtype=torch.uint8)
+        return self._tmp[:nbytes]
 
     @classmethod
     def in_dir(cls, ckpt_dir, stem: str = "diffusion_pytorch_model", counter=None) -> "SafetensorsFiles":
@@ -116,6 +123,7 @@ class SafetensorsFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._tmp = torch.empty(0, dtype=torch.uint8)
 
     def __enter__(self):
         return self
@@ -135,7 +143,7 @@ class SafetensorsFiles:
             _read_into(fd, _bytes_view(out), e.offset + start * isz)
             self.counter.add(n * isz, purpose)
             return
-        tmp = torch.empty(min(n, CHUNK_ELEMENTS) * isz, dtype=torch.uint8)
+        tmp = self._buffer(min(n, CHUNK_ELEMENTS) * isz)
         for s in range(0, n, CHUNK_ELEMENTS):
             m = min(CHUNK_ELEMENTS, n - s)
             chunk = tmp[:m * isz]
