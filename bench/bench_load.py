@@ -44,17 +44,18 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_loop import PRESETS, ensure_assets  # noqa: E402
+from wan_s2v_runner.layout import LoadStrategy, Mode  # noqa: E402
 from wan_s2v_runner.proctree import descendants, ppid_map  # noqa: E402
 
 #: layout -> (nproc, mode, --load); "@1" = the same mode on one rank (the ratio's reference);
 #: "full:" = upstream's loading (every rank reads whole files: the baseline lean loading is
 #: measured against)
-_MODES = ("ulysses", "fsdp-fixed", "hybrid")
+_MODES = tuple(m.value for m in Mode)
 LAYOUTS = {}
-for _load in ("lean", "full"):
-    _pre = "" if _load == "lean" else "full:"
-    LAYOUTS.update({f"{_pre}{m}@1": (1, m, _load) for m in _MODES})
-    LAYOUTS.update({f"{_pre}{m}": (2, m, _load) for m in _MODES})
+for _load in LoadStrategy:
+    _pre = "" if _load is LoadStrategy.LEAN else f"{_load.value}:"
+    LAYOUTS.update({f"{_pre}{m}@1": (1, m, _load.value) for m in _MODES})
+    LAYOUTS.update({f"{_pre}{m}": (2, m, _load.value) for m in _MODES})
 
 
 # --------------------------------------------------------------------------- /proc sampling
@@ -214,10 +215,10 @@ def table(results: list[dict], markdown: bool) -> str:
     gb = 2**30
     ok = [r for r in results if r.get("rc") == 0]
     ref = {(r["mode"], r["load"]): r for r in ok if r["nproc"] == 1}
-    full = {(r["mode"], r["nproc"]): r for r in ok if r["load"] == "full"}
+    full = {(r["mode"], r["nproc"]): r for r in ok if r["load"] == LoadStrategy.FULL}
     frames = {r["name"]: torch.load(r["frames"]) for r in ok}
     # the frames a mode must give: its own 1-rank run with upstream's loading (else lean's)
-    ref_frames = {m: frames[r["name"]] for (m, load), r in sorted(ref.items(), key=lambda kv: kv[0][1] == "full")}
+    ref_frames = {m: frames[r["name"]] for (m, load), r in sorted(ref.items(), key=lambda kv: kv[0][1] == LoadStrategy.FULL)}
     head = ["layout", "load", "ranks", "load s", "vs full", "RSS/rank GB", "vs 1 rank", "node PSS GB",
             "vs 1 rank", "ckpt bytes/rank GB", "frames == full@1"]
     rows = []
@@ -234,7 +235,7 @@ def table(results: list[dict], markdown: bool) -> str:
 
         read = f"{r['read_rank_max'] / gb:.3f}" + ("" if r["counted"] else " (>=)")
         rows.append([r["name"], r["load"], str(r["nproc"]), f"{r['load_s']:.1f}",
-                     ratio("load_s", base) if r["load"] == "lean" else "-",
+                     ratio("load_s", base) if r["load"] == LoadStrategy.LEAN else "-",
                      f"{r['rss_rank_max'] / gb:.2f}", ratio("rss_rank_max", one),
                      f"{r['node_pss_peak'] / gb:.2f}", ratio("node_pss_peak", one), read, same])
     if markdown:

@@ -15,9 +15,10 @@ is wrapped without materializing it: FSDP gets a ``param_init_fn`` that allocate
 ``to_empty`` (untouched pages), and, for this call only, FSDP's flattening copy
 (``FlatParamHandle.flatten_tensors``, a ``torch.cat`` of the unit) and its shard copy
 (``FlatParamHandle._get_shard``: ``clone`` then ``F.pad``) are replaced by uninitialized tensors
-(the padding zeroed, as FSDP pads), so a rank's memory holds its shards and nothing else. The weights are read into those shards
-afterwards (``lean_load.fill_fsdp_shards``), and the fingerprint is taken on the files there
-(``lean_load.verify_same_checkpoint``), because there are no weights to fingerprint yet here.
+(the padding zeroed, as FSDP pads), so a rank's memory holds its shards and nothing else. The
+weights are read into those shards afterwards (``lean_load.fill_fsdp_shards``), and the
+fingerprint is taken on the files there (``lean_load.verify_same_checkpoint``), because there are
+no weights to fingerprint yet here.
 Proof: tests/test_parity.py (fsdp-fixed and hybrid equal one process, lean and full loading),
 the mismatch tests (full loading: one rank's weights perturbed; lean loading: one rank given a
 different checkpoint file -> the run fails with the fingerprint error naming that rank), and
@@ -29,6 +30,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -122,7 +124,7 @@ def wrapping_on_meta(fsdp_module, device: torch.device):
 
 
 def make_shard_model(upstream_shard_model, param_dtype: torch.dtype, on_cpu: bool, on_event=None):
-    fsdp_module = __import__(upstream_shard_model.__module__, fromlist=["FSDP"])
+    fsdp_module = sys.modules[upstream_shard_model.__module__]  # where shard_model looks FSDP up
 
     @functools.wraps(upstream_shard_model)
     def shard_model(model, device_id, **kwargs):

@@ -52,6 +52,7 @@ def test_pth_slices_equal_torch_load(tiny_assets):
         src.read_flat(key, 1, out)
         assert torch.equal(out, t.float().reshape(-1)[1:]), key
     assert src.counter.total == sum((t.numel() - 1) * t.element_size() for t in ref.values())
+    assert src.tensor_bytes() == sum(t.numel() * t.element_size() for t in ref.values())
 
 
 def test_sample_windows_depend_on_the_key_only():
@@ -73,7 +74,7 @@ def test_lean_dit_equals_upstreams_from_pretrained(engine_cpu, monkeypatch):
     model = lean_load.empty_dit(cls, spec.ckpt_dir, cfg.param_dtype)
     assert all(p.is_meta for p in model.parameters())
     report = lean_load.LoadReport()
-    with lean_load.closing(ckpt_read.SafetensorsFiles.in_dir(spec.ckpt_dir, counter=report.counter)) as src:
+    with ckpt_read.SafetensorsFiles.in_dir(spec.ckpt_dir, counter=report.counter) as src:
         lean_load.check_same_keys(model, src, "DiT")
         assert lean_load.node_shared_weights(model, src, report, "dit") == "node-shared"
     got, want = dict(model.named_parameters()), dict(ref.named_parameters())
@@ -81,8 +82,7 @@ def test_lean_dit_equals_upstreams_from_pretrained(engine_cpu, monkeypatch):
     for name, p in want.items():
         assert got[name].dtype == p.dtype and torch.equal(got[name], p), name
     assert torch.equal(model.freqs, ref.freqs)
-    tensor_bytes = sum(e.numel * e.itemsize for e in src.entries.values())
-    assert report.counter.total == tensor_bytes  # each byte once
+    assert report.counter.total == src.tensor_bytes()  # each byte once
     # the weights live in a shared mapping (not private memory), copy-on-write for this process
     w = next(model.parameters())
     before = w.detach().clone()

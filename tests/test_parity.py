@@ -34,10 +34,8 @@ def _loaded(runs_root) -> dict[int, dict]:
 
 def _tensor_bytes(ckpt) -> dict[str, int]:
     from wan_s2v_runner.ckpt_read import PthFile, SafetensorsFiles
-    dit = SafetensorsFiles.in_dir(ckpt)
-    t5 = PthFile(ckpt / "models_t5_umt5-xxl-enc-bf16.pth")
-    return {"dit": sum(e.numel * e.itemsize for e in dit.entries.values()),
-            "t5": sum(t.numel() * t.element_size() for t in t5.tensors.values())}
+    with SafetensorsFiles.in_dir(ckpt) as dit, PthFile(ckpt / "models_t5_umt5-xxl-enc-bf16.pth") as t5:
+        return {"dit": dit.tensor_bytes(), "t5": t5.tensor_bytes()}
 
 
 @pytest.mark.parametrize("mode, extra", [("fsdp-fixed", ()), ("hybrid", ("--load-waves", "2"))])

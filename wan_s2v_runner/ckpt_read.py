@@ -15,6 +15,7 @@ same rounding as ``Tensor.to``), so a bf16 file fills an fp32 model with a bound
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from wan_s2v_runner.preflight.ckpt_reader import read_index, read_safetensors_header
+from wan_s2v_runner.preflight.ckpt_reader import dit_files, read_safetensors_header
 
 #: safetensors dtype names -> torch dtypes (the ones a Wan checkpoint can hold)
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -57,14 +58,11 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 def _read_into(fd: int, buf: memoryview, offset: int) -> None:
@@ -81,7 +79,35 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
-class SafetensorsFiles:
+class CheckpointSource:
+    """What lean loading reads from: a file's tensor table, and ``read_flat`` of any slice."""
+
+    counter: ReadCounter
+
+    def table(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Tensor name -> (dtype, shape), from the file (no tensor data read)."""
+        raise NotImplementedError
+
+    def read_flat(self, key: str, start: int, out: torch.Tensor, purpose: str = "weights") -> None:
+        """Elements ``[start, start + out.numel())`` of tensor ``key`` (flattened, row-major)
+        into the contiguous CPU tensor ``out``, converted to ``out``'s dtype."""
+        raise NotImplementedError
+
+    def tensor_bytes(self) -> int:
+        """The bytes of all the file's tensors."""
+        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.table().values())
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SafetensorsFiles(CheckpointSource):
     """The tensors of a safetensors checkpoint (one file, or shards with an index), by key."""
 
     def __init__(self, files: list[Path], counter: Optional[ReadCounter] = None):
@@ -101,18 +127,12 @@ class SafetensorsFiles:
         return self._tmp[:nbytes]
 
     @classmethod
-    def in_dir(cls, ckpt_dir, stem: str = "diffusion_pytorch_model", counter=None) -> "SafetensorsFiles":
-        d = Path(ckpt_dir)
-        index = d / f"{stem}.safetensors.index.json"
-        if index.is_file():
-            names = sorted(set(read_index(index).values()))
-            files = [d / n for n in names]
-        else:
-            files = [d / f"{stem}.safetensors"]
-        return cls(files, counter)
+    def in_dir(cls, ckpt_dir, counter=None) -> "SafetensorsFiles":
+        """The DiT files of a checkpoint directory."""
+        return cls(dit_files(Path(ckpt_dir)), counter)
 
-    def __contains__(self, key: str) -> bool:
-        return key in self.entries
+    def table(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {k: (e.dtype, e.shape) for k, e in self.entries.items()}
 
     def _fd(self, path: Path) -> int:
         if path not in self._fds:
@@ -125,15 +145,7 @@ class SafetensorsFiles:
         self._fds.clear()
         self._tmp = torch.empty(0, dtype=torch.uint8)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def read_flat(self, key: str, start: int, out: torch.Tensor, purpose: str = "weights") -> None:
-        """Elements ``[start, start + out.numel())`` of tensor ``key`` (flattened, row-major)
-        into the contiguous CPU tensor ``out``, converted to ``out``'s dtype."""
         e = self.entries[key]
         n = out.numel()
         if start < 0 or start + n > e.numel:
@@ -168,7 +180,7 @@ def _release_pages(t: torch.Tensor) -> None:
     _libc.madvise(lo, hi - lo, 4)  # MADV_DONTNEED
 
 
-class PthFile:
+class PthFile(CheckpointSource):
     """A ``torch.save``'d state dict, memory-mapped (no tensor data read until sliced)."""
 
     def __init__(self, path, counter: Optional[ReadCounter] = None):
@@ -177,8 +189,8 @@ class PthFile:
         self.tensors: dict[str, torch.Tensor] = torch.load(self.path, map_location="cpu", mmap=True,
                                                            weights_only=True)
 
-    def __contains__(self, key: str) -> bool:
-        return key in self.tensors
+    def table(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {k: (t.dtype, tuple(t.shape)) for k, t in self.tensors.items()}
 
     def read_flat(self, key: str, start: int, out: torch.Tensor, purpose: str = "weights") -> None:
         src = self.tensors[key]

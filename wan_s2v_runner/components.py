@@ -118,7 +118,7 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event):
     """The DiT built on meta and filled as the layout needs (see ``lean_load``)."""
     from patches import lora_merge
     model = lean_load.empty_dit(s2v_mod.WanModel_S2V, ckpt_dir, self.param_dtype)
-    with lean_load.closing(SafetensorsFiles.in_dir(ckpt_dir, counter=report.counter)) as src:
+    with SafetensorsFiles.in_dir(ckpt_dir, counter=report.counter) as src:
         lean_load.check_same_keys(model, src, "DiT")
         if not lay.dit_fsdp:
             if self.device.type == "cpu":
@@ -151,8 +151,7 @@ def _lean_t5(wan, config, ckpt_dir, lay, shard_fn, report, on_event):
     te.checkpoint_path = os.path.join(ckpt_dir, config.t5_checkpoint)
     te.tokenizer_path = os.path.join(ckpt_dir, config.t5_tokenizer)
     model = lean_load.empty_t5(wan, te.checkpoint_path, te.dtype)
-    src = PthFile(te.checkpoint_path, counter=report.counter)
-    with lean_load.closing(src):
+    with PthFile(te.checkpoint_path, counter=report.counter) as src:
         lean_load.check_same_keys(model, src, "T5")
         if lay.t5_fsdp:
             model = shard_fn(model, sync_module_states=False)

@@ -25,9 +25,9 @@ hold every rank's loading at once (``--load-waves``).
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -79,9 +79,9 @@ def check_same_keys(model, source, what: str) -> None:
     (strict, like ``load_state_dict``)."""
     from patches.checkpoint_dims import CheckpointLayoutError
     names = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    keys = set(source.entries) if hasattr(source, "entries") else set(source.tensors)
-    missing, unexpected = sorted(set(names) - keys), sorted(keys - set(names))
-    bad = [n for n in names if n in keys and tuple(_shape(source, n)) != names[n]]
+    table = source.table()
+    missing, unexpected = sorted(set(names) - set(table)), sorted(set(table) - set(names))
+    bad = [n for n in names if n in table and tuple(table[n][1]) != names[n]]
     if missing or unexpected or bad:
         parts = []
         if missing:
@@ -91,10 +91,6 @@ def check_same_keys(model, source, what: str) -> None:
         if bad:
             parts.append(f"shape differs for {bad[:3]}")
         raise CheckpointLayoutError(f"{what}: the checkpoint does not match the model ({'; '.join(parts)})")
-
-
-def _shape(source, key):
-    return source.entries[key].shape if hasattr(source, "entries") else source.tensors[key].shape
 
 
 # --------------------------------------------------------------------------- FSDP shards
@@ -121,9 +117,8 @@ def shard_slices(model) -> Iterator[tuple[str, int, torch.Tensor]]:
                     flat[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard]
 
 
-def fill_fsdp_shards(model, source) -> int:
-    """Read this rank's slices of every tensor into its FSDP shards; returns the bytes read."""
-    before = source.counter.total
+def fill_fsdp_shards(model, source) -> None:
+    """Read this rank's slices of every tensor into its FSDP shards."""
     with torch.no_grad():
         for name, start, dest in shard_slices(model):
             if dest.device.type == "cpu":
@@ -132,23 +127,18 @@ def fill_fsdp_shards(model, source) -> int:
                 staging = torch.empty(dest.numel(), dtype=dest.dtype)
                 source.read_flat(name, start, staging)
                 dest.copy_(staging)
-    return source.counter.total - before
 
 
-def merge_deltas_into_shards(model, deltas) -> int:
+def merge_deltas_into_shards(model, deltas) -> None:
     """Add the LoRAs' fp32 deltas (a :class:`~wan_s2v_runner.lora.LoraDeltas`; one parameter's
     delta at a time) to the slices this rank holds, rounding once to the weight's dtype: element
-    for element what a merge into the whole tensor gives. Returns the number of slices changed."""
-    n = 0
+    for element what a merge into the whole tensor gives."""
     wanted = set(deltas.names)
     with torch.no_grad():
         for name, start, dest in shard_slices(model):
             if name in wanted:
-                d = deltas.delta(name)
-                part = d.reshape(-1)[start:start + dest.numel()].to(dest.device)
+                part = deltas.delta(name).reshape(-1)[start:start + dest.numel()].to(dest.device)
                 dest.copy_((dest.float() + part).to(dest.dtype))
-                n += 1
-    return n
 
 
 def verify_same_checkpoint(source, what: str, group=None) -> None:
@@ -159,10 +149,10 @@ def verify_same_checkpoint(source, what: str, group=None) -> None:
 
     from patches.fsdp_no_sync import WeightMismatch
     h = hashlib.sha256()
-    entries = _table(source)
-    for key, dtype, shape in entries:
-        h.update(f"{key}|{dtype}|{shape};".encode())
-    windows = sample_windows((k, _numel(s)) for k, _, s in entries)
+    entries = sorted(source.table().items())
+    for key, (dtype, shape) in entries:
+        h.update(f"{key}|{dtype}|{tuple(shape)};".encode())
+    windows = sample_windows((k, math.prod(shape)) for k, (_, shape) in entries)
     for key, start, count in windows:
         buf = torch.empty(count, dtype=torch.float64)
         source.read_flat(key, start, buf, purpose="verify")
@@ -181,19 +171,6 @@ def verify_same_checkpoint(source, what: str, group=None) -> None:
             "every node the same checkpoint files (compare sha256 of the .safetensors/.pth files).")
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _table(source) -> list[tuple[str, str, tuple]]:
-    if hasattr(source, "entries"):
-        return sorted((k, str(e.dtype), tuple(e.shape)) for k, e in source.entries.items())
-    return sorted((k, str(t.dtype), tuple(t.shape)) for k, t in source.tensors.items())
-
-
 # --------------------------------------------------------------------------- replicated weights
 def _layout(model) -> tuple[list[tuple[str, int, torch.dtype, tuple]], int]:
     """(name, byte offset, dtype, shape) of every parameter packed into one aligned buffer."""
@@ -208,9 +185,8 @@ def _layout(model) -> tuple[list[tuple[str, int, torch.dtype, tuple]], int]:
 def _views(storage, layout) -> dict[str, torch.Tensor]:
     sd = {}
     for name, off, dtype, shape in layout:
-        isz = torch.empty((), dtype=dtype).element_size()
         t = torch.empty(0, dtype=dtype)
-        t.set_(storage, off // isz, shape, _contiguous_strides(shape))
+        t.set_(storage, off // dtype.itemsize, shape, _contiguous_strides(shape))
         sd[name] = t
     return sd
 
@@ -245,7 +221,6 @@ def node_shared_weights(model, source, report: LoadReport, what: str) -> str:
             for name, t in _views(writable, layout).items():
                 source.read_flat(name, 0, t.view(-1))
         del writable
-    strategy = "node-shared"
     if dist.is_initialized() and dist.get_world_size() > 1:
         infos: list = [None] * dist.get_world_size()
         dist.all_gather_object(infos, (node, local_rank, os.getpid(), fd))
@@ -255,22 +230,18 @@ def node_shared_weights(model, source, report: LoadReport, what: str) -> str:
     try:
         if path is None:
             raise OSError("no local rank 0 on this node")
-        storage = torch.UntypedStorage.from_file(path if not leader else f"/proc/self/fd/{fd}", False, total)
-        sd = _views(storage, layout)
+        model.load_state_dict(_views(torch.UntypedStorage.from_file(path, False, total), layout),
+                              strict=True, assign=True)
+        report.strategy[what] = "node-shared"
     except (OSError, RuntimeError) as e:  # e.g. /proc/PID/fd not readable: a private copy
         log.warning("%s: cannot map local rank 0's weights (%s); reading a private copy", what, e)
-        strategy = "private (node sharing unavailable)"
-        sd = {name: torch.empty(shape, dtype=dtype) for name, _, dtype, shape in layout}
-        with torch.no_grad():
-            for name, t in sd.items():
-                source.read_flat(name, 0, t.view(-1))
+        device_weights(model, source, torch.device("cpu"), report, what)
+        report.strategy[what] = "private (node sharing unavailable)"
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()  # every local rank has mapped the file before its creator closes it
     if fd is not None:
         os.close(fd)  # the mappings keep the memory alive
-    model.load_state_dict(sd, strict=True, assign=True)
-    report.strategy[what] = strategy
-    return strategy
+    return report.strategy[what]
 
 
 def device_weights(model, source, device: torch.device, report: LoadReport, what: str) -> None:
@@ -299,14 +270,6 @@ def in_turns(waves: int, fn: Callable[[], None]) -> None:
         if turn == mine:
             fn()
         dist.barrier()
-
-
-@contextlib.contextmanager
-def closing(source):
-    try:
-        yield source
-    finally:
-        source.close()
 
 
 def describe_bytes(n: int) -> str:

@@ -3,6 +3,8 @@ rank and available host RAM for all local ranks (MemAvailable, capped by a cgrou
 """
 from __future__ import annotations
 
+from wan_s2v_runner.layout import LoadStrategy
+
 from .core import fail, gib, human_count, ok, skip, warn
 from .memory import largest_fitting_size, model_sizes, plan_all, workload
 
@@ -89,10 +91,10 @@ def check_host(ctx):
     chosen = ctx.spec.load_waves
     waves = chosen or p.waves_needed(avail) or (n if p.host_load_transient else 1)
     need = p.node_total(waves)
-    how = f"{p.load} loading" + (f", {waves} waves" if waves > 1 else "")
+    how = f"{p.load.value} loading" + (f", {waves} waves" if waves > 1 else "")
     detail = f"{ranks} x {per_rank}{shared} ({how}) = {gib(need)} vs {gib(avail)} {src}"
     if need > avail:
-        lean = p.load == "lean"
+        lean = p.load is LoadStrategy.LEAN
         fix = ("fewer ranks per node, --mode hybrid or fsdp-fixed (each rank holds a shard of the DiT) or a "
                "machine with more RAM" if lean else
                "drop --load full (lean loading reads only each rank's shard and one copy per node)")

@@ -102,17 +102,22 @@ def read_index(path: Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in wm.items()}
 
 
-def dit_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
-    """DiT tensor name -> shape from the safetensors headers (single file or sharded with an
-    index). Reads no tensor data; raises CheckpointFileError/OSError."""
+def dit_files(ckpt: Path) -> list[Path]:
+    """The DiT's safetensors files in a checkpoint directory: the shards its index names, or the
+    single file. Raises CheckpointFileError for a bad index."""
     from wan_s2v_runner.ckpt_layout import DIT_INDEX, DIT_WEIGHTS
 
     ckpt = Path(ckpt)
     idx = ckpt / DIT_INDEX
-    files = sorted(set(read_index(idx).values())) if idx.is_file() else [DIT_WEIGHTS]
+    return [ckpt / f for f in (sorted(set(read_index(idx).values())) if idx.is_file() else [DIT_WEIGHTS])]
+
+
+def dit_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    """DiT tensor name -> shape from the safetensors headers (single file or sharded with an
+    index). Reads no tensor data; raises CheckpointFileError/OSError."""
     out: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        out.update({k: shape for k, (_, shape) in read_safetensors_header(ckpt / f).tensors.items()})
+    for f in dit_files(ckpt):
+        out.update({k: shape for k, (_, shape) in read_safetensors_header(f).tensors.items()})
     return out
 
 

@@ -148,7 +148,7 @@ class ModePlan:
     host_peak: int  # per rank (the largest: rank 0), a node-shared DiT included
     host_node_total: int  # all local ranks loading at once + rank 0's output video
     parts: dict[str, int]
-    load: str = LoadStrategy.LEAN.value
+    load: LoadStrategy = LoadStrategy.LEAN
     host_others: int = 0  # per rank other than rank 0 (node-shared weights not included)
     host_shared: int = 0  # held once per node, mapped by every local rank (lean: a replicated CPU DiT)
     host_load_transient: int = 0  # per rank, only while reading weights (what waves spread out)
@@ -233,13 +233,13 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     base = HOST_BASE_CUDA if on_cuda else HOST_BASE_CPU
     if load is LoadStrategy.LEAN:
         host0, others, shared, transient = _lean_host(
-            layout, on_cuda=on_cuda, offload=offload, pb=pb, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
+            layout, on_cuda=on_cuda, offload=offload, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
             w2v_phase=w2v_phase, dit_res=dit_res, dit_gathered=dit_gathered, act=act, vae=vae_ws + dec_out,
             staging=(dim * ffn * pb) if on_cuda else LEAN_CHUNK)
         host0, others = host0 + base, others + base
         name = layout.mode.value if layout.mode else "custom"
         node = host0 + (nproc - 1) * others + shared + video
-        return ModePlan(name, ws, gpu_peak, phases, int(host0 + shared), int(node), parts, load.value,
+        return ModePlan(name, ws, gpu_peak, phases, int(host0 + shared), int(node), parts, load,
                         int(others), int(shared), int(transient), nproc)
     if on_cuda:
         t5_build = sizes.t5_params * 4 + (0 if pb == 2 else sizes.t5_params * 2)  # fp32 init (+ file)
@@ -260,11 +260,11 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
             host = max(host, w_t5 + w_dit + HOST_BASE_CPU)
     name = layout.mode.value if layout.mode else "custom"
     # --load full: upstream's constructors; reading in waves is lean loading's (no transient here)
-    return ModePlan(name, ws, gpu_peak, phases, int(host), int(nproc * host + video), parts, load.value,
+    return ModePlan(name, ws, gpu_peak, phases, int(host), int(nproc * host + video), parts, load,
                     int(host), 0, 0, nproc)
 
 
-def _lean_host(layout: Layout, *, on_cuda, offload, pb, w_dit, w_t5, w_vae, w2v_phase, dit_res,
+def _lean_host(layout: Layout, *, on_cuda, offload, w_dit, w_t5, w_vae, w2v_phase, dit_res,
                dit_gathered, act, vae, staging) -> tuple[int, int, int, int]:
     """Host bytes under lean loading, base excluded: (rank 0, any other rank, shared once per
     node, per-rank transient while reading). Rank 0 alone holds T5 (unless FSDP-sharded) and
