@@ -3,7 +3,8 @@
 Every record is one line ``{"t": unix time, "rank": global rank, "kind": ..., "stage": ..., ...}``
 (``stage`` is the stage the rank is in when it writes the record). Kinds:
 
-- ``hello``: first record; ``pid``, ``host``, ``local_rank``.
+- ``hello``: first record; ``pid``, ``host``, ``local_rank``, ``cpus`` (the CPUs a CPU rank is
+  bound to, or null).
 - ``stage``: the rank entered a stage (:class:`~wan_s2v_runner.stages.Stage`, written as its
   plain name); ``denoise`` carries ``clip``/``clips``.
 - ``progress``: a denoising step finished; ``clip``, ``clips``, ``step``, ``steps``.
@@ -124,6 +125,7 @@ class RankState:
     pid: Optional[int] = None
     host: Optional[str] = None
     local_rank: Optional[int] = None
+    cpus: Optional[list] = None  # CPU runs: the CPUs the rank is bound to (--pin-cpus), None: unbound
     mem: dict[str, Any] = field(default_factory=dict)  # last heartbeat's memory figures
     end: Optional[dict[str, Any]] = None
     error: Optional[dict[str, Any]] = None
@@ -212,6 +214,7 @@ class EventReader:
             st.progress.update({k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")})
         elif kind == "hello":
             st.pid, st.host, st.local_rank = ev.get("pid"), ev.get("host"), ev.get("local_rank")
+            st.cpus = ev.get("cpus")
             st.last_progress_t = t
         elif kind == "heartbeat":
             st.mem = {k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")}

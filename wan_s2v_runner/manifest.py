@@ -73,7 +73,7 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
         gpu_alloc, _ = _mem(st, "gpu_peak_allocated_mb", seen)
         gpu_res, _ = _mem(st, "gpu_peak_reserved_mb", seen)
         ranks[str(r)] = {
-            "pid": st.pid, "host": st.host, "local_rank": st.local_rank, "last_stage": st.stage,
+            "pid": st.pid, "host": st.host, "local_rank": st.local_rank, "cpus": st.cpus, "last_stage": st.stage,
             "progress": st.progress or None,
             "finished": bool(st.end) and not st.error,
             "stage_seconds": stage_durations(st),

@@ -227,7 +227,8 @@ class _Rows:
         return full.narrow(-2, self.start * f, (self.stop - self.start) * f).contiguous()
 
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
-        return t.cpu() if self.stage else t.contiguous()
+        t = t.contiguous()  # first: a copy to the CPU keeps the strides, and gloo wants dense
+        return t.cpu() if self.stage else t
 
     def halo(self, x: torch.Tensor, above: int, below: int) -> torch.Tensor:
         """``x`` with ``above`` rows of the previous band on top and ``below`` rows of the next

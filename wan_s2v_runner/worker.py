@@ -23,6 +23,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from wan_s2v_runner import atomic, engine, faults
+from wan_s2v_runner.cpu_binding import cpu_binding
 from wan_s2v_runner.events import RANK_LOG_FORMAT, EventWriter
 from wan_s2v_runner.spec import RunSpec
 from wan_s2v_runner.stages import Stage
@@ -182,6 +183,22 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
     return 0
 
 
+def _bind_cpus(spec: RunSpec) -> list[int] | None:
+    """CPU runs: bind this rank to its CPUs (``--pin-cpus``, :mod:`~wan_s2v_runner.cpu_binding`);
+    the CPUs, or None when left to the OS."""
+    if spec.device != "cpu":
+        return None
+    cpus = cpu_binding(spec.pin_cpus, spec.threads, int(os.environ.get("LOCAL_RANK", 0)),
+                       int(os.environ.get("LOCAL_WORLD_SIZE", 1)), sorted(os.sched_getaffinity(0)))
+    if cpus is None and spec.pin_cpus:
+        logging.getLogger("wan_s2v").warning(
+            "--pin-cpus: %d local ranks x %d threads need more CPUs than the %d allowed here; not binding",
+            int(os.environ.get("LOCAL_WORLD_SIZE", 1)), spec.threads, len(os.sched_getaffinity(0)))
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    return cpus
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -195,9 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(rank)
     stack_files = _register_stack_dump(run_dir, rank)  # noqa: F841 (open for the process's life)
     faults.maybe_fire(rank, Stage.START)  # test hook: a rank that fails/hangs before its first event
+    cpus = _bind_cpus(spec)  # before any thread starts: threads inherit the binding
     events = RankEvents(run_dir, rank, mem_fn=lambda: _peak_memory(spec, heartbeat=True))
     events.emit("hello", pid=os.getpid(), host=os.uname().nodename,
-                local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+                local_rank=int(os.environ.get("LOCAL_RANK", 0)), cpus=cpus)
     t0 = time.time()
     try:
         run_rank(spec, run_dir, events)
