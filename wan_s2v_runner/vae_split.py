@@ -46,9 +46,16 @@ gemm; bands start on whole rows, so this is exact when the pixel width is a mult
 every Wan size is. Frames only a few latent columns wide are the other limit: split into
 1-latent-row bands, a 24x16 frame encoded 1.9e-7 off (the whole-frame call is itself in MKL's
 small-matrix range there; the tests use 12 latent columns, real sizes have 60 or more). The per-pixel ops (RMS norm, SiLU, the scale, clamp) and the gathered
-attention (the whole frame, as the engine computes it) are exact as they are. On CUDA the convs go
-through the normal dispatch: cuDNN chooses its algorithm per shape, so a band may differ from the
-whole frame in the last bits (not measured; nothing is pinned there).
+attention (the whole frame, as the engine computes it) are exact as they are.
+
+On CUDA the convs go through the normal dispatch (measured on an H100, torch 2.11 + cuDNN 9.19,
+the real VAE width, 2 and 3 ranks, 256x448 and 704x1024; bench/gpu_vae.py, docs/gpu.md): with
+TF32 off (``torch.backends.cudnn.allow_tf32 = False``) the split
+equals the unsplit VAE bit for bit; with PyTorch's default, which lets cuDNN run fp32 convs in
+TF32, cuDNN's per-shape choice of algorithm rounds a band differently from the whole frame:
+up to 9.9e-4 on latents and 3.2e-3 on frames in [-1, 1] (0.4 of an 8-bit level; a 73-frame
+encode and a 39-latent-frame decode at 704x1024), the size of TF32's own error; ``cudnn.deterministic`` does not change that. The engine's own fp32
+VAE runs under that default, and we keep it.
 """
 from __future__ import annotations
 
