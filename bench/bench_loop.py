@@ -16,7 +16,7 @@ image and 1 s of synthetic speech, then runs, one after another, ``python -m wan
     hybrid          --nproc 2 --mode hybrid
     hybrid+cfg      --nproc 2 --mode hybrid --cfg-parallel
     ulysses/vae0, ulysses+cfg/vae0, ...   the same with --no-vae-parallel (rank 0 runs the VAE)
-    1/nopin, ulysses+cfg/nopin, ...       the same with --no-pin-cpus (ranks not bound to CPUs)
+    1/pin, ulysses+cfg/pin, ...           the same with --pin-cpus (each rank bound to its own CPU)
 
 (the 2-rank layouts split the VAE over both ranks unless named ``/vae0``), all with ``--device
 cpu --threads 1 --size 256*256 --infer-frames 8 --num-clips C --steps N --seed 42``, and prints
@@ -68,17 +68,17 @@ CACHE_FORMAT = 1  # bump to invalidate cached presets
 
 #: layout name -> (nproc, mode, cfg_parallel, vae_parallel, pin_cpus)
 LAYOUTS: dict[str, tuple[int, str, bool, bool, bool]] = {
-    "1": (1, "ulysses", False, False, True),
-    "ulysses": (2, "ulysses", False, True, True),
-    "ulysses+cfg": (2, "ulysses", True, True, True),
-    "fsdp-fixed": (2, "fsdp-fixed", False, True, True),
-    "fsdp-fixed+cfg": (2, "fsdp-fixed", True, True, True),
-    "hybrid": (2, "hybrid", False, True, True),
-    "hybrid+cfg": (2, "hybrid", True, True, True),
+    "1": (1, "ulysses", False, False, False),
+    "ulysses": (2, "ulysses", False, True, False),
+    "ulysses+cfg": (2, "ulysses", True, True, False),
+    "fsdp-fixed": (2, "fsdp-fixed", False, True, False),
+    "fsdp-fixed+cfg": (2, "fsdp-fixed", True, True, False),
+    "hybrid": (2, "hybrid", False, True, False),
+    "hybrid+cfg": (2, "hybrid", True, True, False),
 }
 _BASE = list(LAYOUTS.items())
-LAYOUTS.update({f"{name}/vae0": (n, mode, cfg, False, True) for name, (n, mode, cfg, _, _) in _BASE if n > 1})
-LAYOUTS.update({f"{name}/nopin": (n, mode, cfg, vae, False) for name, (n, mode, cfg, vae, _) in _BASE})
+LAYOUTS.update({f"{name}/vae0": (n, mode, cfg, False, False) for name, (n, mode, cfg, _, _) in _BASE if n > 1})
+LAYOUTS.update({f"{name}/pin": (n, mode, cfg, vae, True) for name, (n, mode, cfg, vae, _) in _BASE})
 DEFAULT_LAYOUTS = [n for n in LAYOUTS if "/" not in n]
 #: the stages that do input-encoding / VAE work (not the receive_* waits of the other ranks)
 WORK_STAGES = ("audio_encode", "ref_encode", "text_encode", "decode", "motion_encode")
@@ -147,8 +147,8 @@ def run_argv(a, name: str, ckpt: Path, image: Path, audio: Path, work: Path) -> 
         argv.append("--cfg-parallel")
     if nproc > 1:
         argv.append("--vae-parallel" if vae else "--no-vae-parallel")
-    if not pin:
-        argv.append("--no-pin-cpus")
+    if pin:
+        argv.append("--pin-cpus")
     if a.skip_preflight:
         argv.append("--skip-preflight")
     return argv

@@ -34,8 +34,8 @@ def _loaded(runs_root) -> dict[int, dict]:
 
 
 def assert_cpu_binding(manifest, pinned: bool) -> None:
-    """run.json ``ranks.N.cpus``: with binding asked for (auto), each of the 2 one-thread ranks
-    on its own allowed CPU when there are 2; else (``--no-pin-cpus``, or one CPU) unbound."""
+    """run.json ``ranks.N.cpus``: with ``--pin-cpus``, each of the 2 one-thread ranks on its own
+    allowed CPU when there are 2; else (the default, or one CPU) unbound."""
     cpus = {int(r): info["cpus"] for r, info in manifest["ranks"].items()}
     allowed = sorted(os.sched_getaffinity(0))
     if pinned and len(allowed) >= 2:
@@ -50,7 +50,7 @@ def _tensor_bytes(ckpt) -> dict[str, int]:
         return {"dit": dit.tensor_bytes(), "t5": t5.tensor_bytes()}
 
 
-@pytest.mark.parametrize("mode, extra", [("fsdp-fixed", ()), ("hybrid", ("--load-waves", "2", "--no-pin-cpus"))])
+@pytest.mark.parametrize("mode, extra", [("fsdp-fixed", ("--pin-cpus",)), ("hybrid", ("--load-waves", "2"))])
 def test_mode_equals_one_process(mode, extra, tiny_assets, reference_frames, tmp_path):
     r, out = _run_mode(mode, tiny_assets, tmp_path, extra=extra)
     assert r.returncode == 0, r.output
@@ -65,7 +65,7 @@ def test_mode_equals_one_process(mode, extra, tiny_assets, reference_frames, tmp
     loaded, size = _loaded(tmp_path / "runs"), _tensor_bytes(tiny_assets.ckpt_dir)
     read = {rank: e["bytes_read"]["weights"] for rank, e in loaded.items()}
     assert loaded[1]["strategy"]["dit"] == "fsdp shards" and loaded[1]["waves"] == (2 if extra else 1)
-    assert_cpu_binding(manifest, pinned="--no-pin-cpus" not in extra)
+    assert_cpu_binding(manifest, pinned="--pin-cpus" in extra)
     if mode == "fsdp-fixed":  # DiT and T5 sharded
         assert read[0] + read[1] == size["dit"] + size["t5"]
         assert max(read.values()) <= 0.51 * (size["dit"] + size["t5"])
@@ -97,7 +97,7 @@ def test_demo_writes_mp4_with_audio_and_equals_one_process(tiny_assets, referenc
     assert loaded[0]["strategy"]["dit"] == loaded[1]["strategy"]["dit"] == "node-shared"
     assert loaded[1]["bytes_read_total"] == 0
     assert manifest["output"]["sha256"] == media.sha256_file(out)
-    assert_cpu_binding(manifest, pinned=True)  # --pin-cpus auto
+    assert_cpu_binding(manifest, pinned=False)  # off by default
 
 
 def test_fsdp_refuses_ranks_with_different_weights(tiny_assets, tmp_path):

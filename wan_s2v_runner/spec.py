@@ -193,9 +193,9 @@ class RunSpec(BaseModel):
     attention: Annotated[Literal["auto", "fa3", "fa2", "sdpa"], Flag(_LA)] = Field(
         "auto", description="attention backend; the choice is logged and recorded")
     threads: Annotated[int, Flag(_LA, metavar="N")] = Field(1, ge=1, description="torch threads per rank on CPU")
-    pin_cpus: Annotated[Optional[bool], Flag(_LA, default_text="on when the node has a CPU per thread")] = Field(
-        None, description="CPU runs: bind local rank r to its own CPUs (r*threads .. (r+1)*threads-1 of "
-                          "those allowed); faster gloo exchanges (docs/bench.md); ignored on CUDA")
+    pin_cpus: Annotated[bool, Flag(_LA)] = Field(
+        False, description="CPU runs: bind local rank r to its own CPUs (r*threads .. (r+1)*threads-1 of "
+                           "those allowed; not when there are too few); ignored on CUDA (docs/bench.md)")
     # ----- supervision & outputs: no progress on any rank for this long -> stacks dumped, run stopped
     pg_timeout_s: Annotated[float, Flag(_SU, name="--pg-timeout", metavar="S")] = Field(
         3600.0, gt=0, description="process-group collective timeout, s (must exceed the watchdog limits)")
