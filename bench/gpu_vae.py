@@ -82,7 +82,7 @@ def worker(a) -> None:
     say(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
         f"{torch.cuda.get_device_name(0) if cuda else 'CPU'}, {world} ranks on one device, gloo; VAE width {vae.model.dim} "
         f"({sum(p.numel() for p in vae.model.parameters()) / 1e6:.0f}M params)")
-    groups = {2: dist.new_group([0, 1]), 3: dist.new_group(list(range(min(3, world))))}
+    groups = {n: dist.new_group(list(range(n))) for n in (2, 3) if n <= world}  # every rank creates each
     results: dict = {"setup": log}
 
     def diff(got, ref):
@@ -111,8 +111,6 @@ def worker(a) -> None:
             ref_d = vae.decode([z.to(dev)])[0]
             row = {"cudnn.allow_tf32": torch.backends.cudnn.allow_tf32}
             for n, grp in groups.items():
-                if n > world:
-                    continue
                 e = split_encode(vae, [video.to(dev)], group=grp, dst=None) if rank < n else None
                 d = split_decode(vae, [z.to(dev)], group=grp, dst=None) if rank < n else None
                 dist.barrier()
@@ -130,13 +128,15 @@ def worker(a) -> None:
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = defaults
     torch.backends.cudnn.deterministic = False
 
-    if a.exact_only:
+    def finish(name: str) -> None:  # results to OUT/name (rank 0), then leave together
         if rank == 0 and a.out:
             Path(a.out).mkdir(parents=True, exist_ok=True)
-            Path(a.out, "gpu_vae_exact.json").write_text(json.dumps(results, indent=1))
+            Path(a.out, name).write_text(json.dumps(results, indent=1))
         dist.barrier()
         dist.destroy_process_group()
-        return
+
+    if a.exact_only:
+        return finish("gpu_vae_exact.json")
 
     # ---- 2. the real size
     H, W = a.height, a.width
@@ -180,8 +180,6 @@ def worker(a) -> None:
                         "s": round(t, 2), "peak_GiB": round(peak, 2)}
             dist.barrier()
             for n, grp in groups.items():
-                if n > world:
-                    continue
                 got, t, peak = timed(lambda: split(vae, [x], group=grp, dst=0)) if rank < n else (None, 0.0, 0.0)
                 stats = [None] * world
                 dist.all_gather_object(stats, (t, peak))
@@ -198,11 +196,7 @@ def worker(a) -> None:
         real[label] = row
         say(f"{label} at {W}x{H}:", json.dumps(row))
     results["real_size"] = real
-    if rank == 0 and a.out:
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        Path(a.out, "gpu_vae.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish("gpu_vae.json")
 
 
 def main(argv=None) -> int:

@@ -64,7 +64,8 @@ def test_mode_equals_one_process(mode, extra, tiny_assets, reference_frames, tmp
     # lean loading: every byte of the sharded files read exactly once over the ranks, half each
     loaded, size = _loaded(tmp_path / "runs"), _tensor_bytes(tiny_assets.ckpt_dir)
     read = {rank: e["bytes_read"]["weights"] for rank, e in loaded.items()}
-    assert loaded[1]["strategy"]["dit"] == "fsdp shards" and loaded[1]["waves"] == (2 if "--load-waves" in extra else 1)
+    assert loaded[1]["strategy"]["dit"] == "fsdp shards"
+    assert loaded[1]["waves"] == (2 if "--load-waves" in extra else 1)
     assert_cpu_binding(manifest, pinned="--pin-cpus" in extra)
     if mode == "fsdp-fixed":  # DiT and T5 sharded
         assert read[0] + read[1] == size["dit"] + size["t5"]

@@ -50,12 +50,12 @@ attention (the whole frame, as the engine computes it) are exact as they are.
 
 On CUDA the convs go through the normal dispatch (measured on an H100, torch 2.11 + cuDNN 9.19,
 the real VAE width, 2 and 3 ranks, 256x448 and 704x1024; bench/gpu_vae.py, docs/gpu.md): with
-TF32 off (``torch.backends.cudnn.allow_tf32 = False``) the split
-equals the unsplit VAE bit for bit; with PyTorch's default, which lets cuDNN run fp32 convs in
-TF32, cuDNN's per-shape choice of algorithm rounds a band differently from the whole frame:
-up to 9.9e-4 on latents and 3.2e-3 on frames in [-1, 1] (0.4 of an 8-bit level; a 73-frame
-encode and a 39-latent-frame decode at 704x1024), the size of TF32's own error; ``cudnn.deterministic`` does not change that. The engine's own fp32
-VAE runs under that default, and we keep it.
+TF32 off (``torch.backends.cudnn.allow_tf32 = False``) the split equals the unsplit VAE bit for
+bit; with PyTorch's default, which lets cuDNN run fp32 convs in TF32, cuDNN's per-shape choice of
+algorithm rounds a band differently from the whole frame: up to 9.9e-4 on latents and 3.2e-3 on
+frames in [-1, 1] (0.4 of an 8-bit level; a 73-frame encode and a 39-latent-frame decode at
+704x1024), the size of TF32's own error; ``cudnn.deterministic`` does not change that. The
+engine's own fp32 VAE runs under that default, and we keep it.
 """
 from __future__ import annotations
 

@@ -188,12 +188,12 @@ def _bind_cpus(spec: RunSpec) -> list[int] | None:
     the CPUs, or None when left to the OS."""
     if spec.device != "cpu":
         return None
-    cpus = cpu_binding(spec.pin_cpus, spec.threads, int(os.environ.get("LOCAL_RANK", 0)),
-                       int(os.environ.get("LOCAL_WORLD_SIZE", 1)), sorted(os.sched_getaffinity(0)))
+    local_world, allowed = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), os.sched_getaffinity(0)
+    cpus = cpu_binding(spec.pin_cpus, spec.threads, int(os.environ.get("LOCAL_RANK", 0)), local_world, allowed)
     if cpus is None and spec.pin_cpus:
         logging.getLogger("wan_s2v").warning(
             "--pin-cpus: %d local ranks x %d threads need more CPUs than the %d allowed here; not binding",
-            int(os.environ.get("LOCAL_WORLD_SIZE", 1)), spec.threads, len(os.sched_getaffinity(0)))
+            local_world, spec.threads, len(allowed))
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
     return cpus
