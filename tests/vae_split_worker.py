@@ -1,8 +1,9 @@
 """torchrun worker for tests/test_vae_split.py: ``split_encode``/``split_decode`` against the
 engine's ``Wan2_1_VAE.encode``/``decode`` on the same seeded inputs, over gloo on CPU.
 
-Two splits per launch: over the whole world (encode gathered on the last rank, decode on all),
-and over the subgroup of ranks 1..world-1 (group ranks differ from global ranks there; encode
+Two splits per launch: over the whole world (encode gathered on the last rank, decode on all;
+and as the generation loop calls it: decode kept in bands and gathered on rank 0, encode from
+each rank's band), and over the subgroup of ranks 1..world-1 (group ranks differ from global ranks there; encode
 on all its ranks, decode gathered on its rank 0 = global rank 1). Every rank computes the
 unsplit reference itself (the tiny VAE is cheap) and writes ``OUT/rank{r}.json``: per call,
 whether its result is ``torch.equal`` to the reference (or, off the destination rank, whether it
@@ -50,7 +51,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     from patches import checkpoint_dims
     from wan_s2v_runner.engine import import_wan
-    from wan_s2v_runner.vae_split import split_decode, split_encode
+    from wan_s2v_runner.vae_split import decode_bands, gather_bands, own_band, split_decode, split_encode
 
     wan = import_wan()
     checkpoint_dims.apply(wan)
@@ -66,6 +67,13 @@ def main() -> None:
         f"encode/{world}": compare(split_encode(vae, videos, dst=last), ref_enc, rank == last),
         f"decode/{world}": compare(split_decode(vae, zs, dst=None), ref_dec, True),
     }
+    # the loop's way: each rank keeps its rows of the decode, gathered whole on rank 0 only,
+    # and encodes from its rows alone
+    bands = decode_bands(vae, zs)
+    report[f"decode/{world}/band"] = compare(bands, [own_band(vae, r) for r in ref_dec], True)
+    report[f"decode/{world}/gathered"] = compare(gather_bands(vae, bands, a.height, dst=0), ref_dec, rank == 0)
+    report[f"encode/{world}/from-bands"] = compare(
+        split_encode(vae, [own_band(vae, v) for v in videos], dst=None, height=a.height), ref_enc, True)
     # one latent row per rank: bands too thin for a residual block's 2-row exchange at latent
     # resolution (a halo per conv there), thick enough above it (one exchange per block)
     thin_v = [torch.rand(3, 5, 8 * world, 96, generator=g) * 2 - 1]

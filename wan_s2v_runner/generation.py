@@ -15,8 +15,10 @@ What differs is *where* work runs (:class:`~wan_s2v_runner.parallel.RankPlan`):
   ranks and the two noise predictions are exchanged with one all-gather per step;
 * the VAE work (reference and initial-motion encode, each clip's decode, the motion re-encode of
   its last frames) is split by rows over every rank (:mod:`~wan_s2v_runner.vae_split`, exact;
-  ``--vae-parallel``, on with more than one rank), each rank ending with the whole result, so no
-  latents are broadcast; without it rank 0 runs it alone and broadcasts the motion latents;
+  ``--vae-parallel``, on with more than one rank): every rank ends an encode with the whole
+  latents (no broadcast), a decode with its own rows of the frames (rank 0 also gathers them
+  whole, for the output), and the motion re-encode reads each rank's own rows of the last frames;
+  without it rank 0 runs the VAE alone and broadcasts the motion latents;
 * the pose-condition VAE encode, whose result upstream multiplies by zero when there is no pose
   video, is not run (its zeros are made directly);
 * the audio encode runs under ``no_grad``.
@@ -182,19 +184,24 @@ class S2VGenerator:
                        context=context, context_null=context_null, drop_first_motion=bool(meta[3]),
                        last_frames=last_frames)
 
-    def _encode(self, videos, split: bool) -> torch.Tensor:
+    def _encode(self, videos, split: bool, height: Optional[int] = None) -> torch.Tensor:
         """The engine's ``vae.encode``, or its row-split equivalent (every rank calls it and gets
-        the whole result)."""
+        the whole result; with ``height``, each rank gives only its band of the videos)."""
         if split:
             from wan_s2v_runner.vae_split import split_encode
-            return torch.stack(split_encode(self.s2v.vae, videos, dst=None))
+            return torch.stack(split_encode(self.s2v.vae, videos, dst=None, height=height))
         return torch.stack(self.s2v.vae.encode(videos))
 
-    def _decode(self, zs, split: bool) -> torch.Tensor:
-        if split:
-            from wan_s2v_runner.vae_split import split_decode
-            return torch.stack(split_decode(self.s2v.vae, zs, dst=None))
-        return torch.stack(self.s2v.vae.decode(zs))
+    def _decode(self, zs, split: bool, height: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The engine's ``vae.decode``: (the whole frames on the decoding rank, else None; with
+        ``split``, this rank's row band of them, else None). The whole frames are gathered on the
+        decoding rank only: the next motion encode reads the bands."""
+        if not split:
+            return torch.stack(self.s2v.vae.decode(zs)), None
+        from wan_s2v_runner.vae_split import decode_bands, gather_bands
+        band = torch.stack(decode_bands(self.s2v.vae, zs))
+        whole = gather_bands(self.s2v.vae, band, height, dst=0)
+        return (torch.stack(whole) if whole is not None else None), band
 
     def _encode_reference(self, req: Request, size, split: bool):
         """Upstream's reference-image and initial-motion encodes (speech2video L461-507).
@@ -297,6 +304,22 @@ class S2VGenerator:
         split_vae = plan.splits_vae(HEIGHT)
         vae_here = plan.decodes or split_vae  # this rank takes part in decode and motion re-encode
         motion_latents, videos_last_frames = state.motion_latents, state.videos_last_frames
+        last_band = None  # split VAE: this rank's rows of videos_last_frames, which only rank 0 keeps whole
+        if split_vae:
+            from wan_s2v_runner.vae_split import own_band
+            last_band = own_band(s2v.vae, videos_last_frames)
+            if not plan.decodes:
+                videos_last_frames = None
+
+        def clip_frames(image, drop: bool):  # the frames a clip adds (upstream's slicing of its decode)
+            image = image[:, :, -(infer_frames):]
+            return image[:, :, 3:] if drop else image
+
+        def roll(last, image):  # upstream's update of the last motion_frames frames
+            overlap_frames_num = min(s2v.motion_frames, image.shape[2])
+            last = torch.cat([last[:, :, overlap_frames_num:], image[:, :, -overlap_frames_num:]], dim=2)
+            return last.to(dtype=motion_latents.dtype, device=motion_latents.device)
+
         out = [] if plan.decodes else None
         autocast = torch.amp.autocast(self.device.type, dtype=self.param_dtype, enabled=self.device.type == "cuda")
         with autocast, torch.no_grad():
@@ -338,24 +361,22 @@ class S2VGenerator:
                     h.stage(Stage.DECODE, clip=r + 1, clips=enc.num_repeat)
                     decode_latents = torch.cat([ref_latents_or_motion(drop, enc.ref_latents, motion_latents), latents],
                                                dim=2)
-                    image = self._decode(decode_latents, split_vae)
-                    image = image[:, :, -(infer_frames):]
-                    if drop:
-                        image = image[:, :, 3:]
-                    overlap_frames_num = min(s2v.motion_frames, image.shape[2])
-                    videos_last_frames = torch.cat([videos_last_frames[:, :, overlap_frames_num:],
-                                                    image[:, :, -overlap_frames_num:]], dim=2)
-                    videos_last_frames = videos_last_frames.to(dtype=motion_latents.dtype,
-                                                               device=motion_latents.device)
+                    image, image_band = self._decode(decode_latents, split_vae, HEIGHT)
+                    if image is not None:
+                        image = clip_frames(image, drop)
+                        videos_last_frames = roll(videos_last_frames, image)
+                    if image_band is not None:
+                        last_band = roll(last_band, clip_frames(image_band, drop))
                     if plan.decodes:
                         frames = image.cpu()
                         out.append(frames)
-                    del image
+                    del image, image_band
                 last = r == enc.num_repeat - 1
                 if not last:  # upstream also re-encodes after the last clip, for nothing
                     if vae_here:
                         h.stage(Stage.MOTION_ENCODE, clip=r + 1, clips=enc.num_repeat)
-                        motion_latents = self._encode(videos_last_frames, split_vae)
+                        motion_latents = (self._encode(last_band, True, HEIGHT) if split_vae
+                                          else self._encode(videos_last_frames, False))
                     if plan.world_size > 1 and not split_vae:
                         motion_latents = broadcast_tensors({"m": motion_latents} if plan.decodes else {}, src=0,
                                                            device=self.device)["m"]

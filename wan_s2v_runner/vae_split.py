@@ -71,7 +71,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-__all__ = ["MIN_GEMM_COLUMNS", "band_rows", "conv_rows", "split_decode", "split_encode"]
+__all__ = ["MIN_GEMM_COLUMNS", "band_rows", "conv_rows", "decode_bands", "gather_bands", "own_band",
+           "split_decode", "split_encode"]
 
 #: gemm-backed (im2col + sgemm) band convs get at least this many output pixels per image, by
 #: zero rows appended below the band and cropped off (MKL's small-matrix path, which computes a
@@ -186,6 +187,19 @@ def await_peers(works) -> None:
         work.wait()
 
 
+class _PendingHalo:
+    """Halo rows on their way (``_Rows.start_halo``): ``wait()`` returns ([the rows above] or [],
+    [the rows below] or []), zeros past the frame's edges."""
+
+    def __init__(self, works, sent, rows):
+        self._works, self._sent, self._rows = works, sent, rows
+
+    def wait(self) -> tuple[list, list]:
+        await_peers(self._works)
+        self._sent = None
+        return self._rows()
+
+
 class _Rows:
     """This rank's band of a frame in a process group, and the exchanges between bands.
 
@@ -242,11 +256,16 @@ class _Rows:
         band underneath; zero rows (the whole frame's zero padding) past the frame's edges."""
         if not above and not below:
             return x
+        top, bottom = self.start_halo(x, above, below).wait()
+        return torch.cat(top + [x] + bottom, dim=-2)
+
+    def start_halo(self, x: torch.Tensor, above: int, below: int) -> "_PendingHalo":
+        """Posts the exchange of ``halo``'s rows and returns at once; ``.wait()`` gives them."""
         rows = x.shape[-2]
         assert rows >= max(above, below), (rows, above, below)
         shape = list(x.shape)
         wire = torch.device("cpu") if self.stage else x.device
-        ops, got = [], {}
+        ops, got, sent = [], {}, []
 
         def recv(key, n, peer):
             buf = torch.empty(shape[:-2] + [n, shape[-1]], dtype=x.dtype, device=wire)
@@ -254,7 +273,8 @@ class _Rows:
             ops.append(dist.P2POp(dist.irecv, buf, self._peer(peer), self.group))
 
         def send(t, peer):
-            ops.append(dist.P2POp(dist.isend, self._wire(t), self._peer(peer), self.group))
+            sent.append(self._wire(t))  # kept alive until the transfer is waited for
+            ops.append(dist.P2POp(dist.isend, sent[-1], self._peer(peer), self.group))
 
         if self.rank > 0:
             if above:
@@ -266,13 +286,12 @@ class _Rows:
                 send(x.narrow(-2, rows - above, above), self.rank + 1)
             if below:
                 recv("below", below, self.rank + 1)
-        if ops:
-            await_peers(dist.batch_isend_irecv(ops))
+        works = dist.batch_isend_irecv(ops) if ops else []
 
         def edge(key, n):  # received rows, or the frame's zero padding at its top/bottom
             return [got[key].to(x.device) if key in got else x.new_zeros(shape[:-2] + [n, shape[-1]])] \
                 if n else []
-        return torch.cat(edge("above", above) + [x] + edge("below", below), dim=-2)
+        return _PendingHalo(works, sent, lambda: (edge("above", above), edge("below", below)))
 
     def _padded(self, x: torch.Tensor, f: int) -> tuple[torch.Tensor, list[int]]:
         heights = [(e - s) * f for s, e in self.bands]
@@ -315,6 +334,8 @@ class _BandVAE:
         self.model = model
         self.rows = rows
         self.eng = sys.modules[type(model).__module__]  # wan.modules.vae2_1, wherever it lives
+        #: layers that compute each pixel from that pixel alone
+        self._pixelwise = (self.eng.RMS_norm, nn.SiLU, nn.Dropout, nn.Identity)
 
     # ----- convolutions
     def conv(self, conv: nn.Module, x: torch.Tensor, cache=None) -> torch.Tensor:
@@ -365,32 +386,92 @@ class _BandVAE:
             return self.attention(m, x)
         if isinstance(m, e.CausalConv3d):
             return self.cached_conv(m, x, feat_cache, feat_idx)
-        if isinstance(m, (e.RMS_norm, nn.SiLU, nn.Dropout, nn.Identity)):  # per pixel
+        if isinstance(m, self._pixelwise):
             return m(x)
         raise NotImplementedError(f"split VAE: no band forward for {type(m).__name__}")
 
     def residual(self, block, x, feat_cache, feat_idx) -> torch.Tensor:
-        h = self.conv(block.shortcut, x) if isinstance(block.shortcut, self.eng.CausalConv3d) \
-            else block.shortcut(x)
-        convs = [m for m in block.residual if isinstance(m, self.eng.CausalConv3d)]
+        layers = list(block.residual)
+        convs = [m for m in layers if isinstance(m, self.eng.CausalConv3d)]
         depth = sum(c._padding[2] for c in convs)
         if not depth or self.rows.min_band(x) < depth:  # a halo per conv
-            for m in block.residual:
+            h = self._shortcut(block, x)
+            for m in layers:
                 x = self.layer(m, x, feat_cache, feat_idx)
             return x + h
         # One exchange for the block: ``depth`` rows each side (2: its two 3x3 convs), the
         # first conv computing the neighbours' row next to the band as well (the same
         # arithmetic as theirs: conv_rows), the second reading it. Norms/SiLU are per pixel.
-        x = self.rows.halo(x, depth, depth)
-        extra = depth
-        for m in block.residual:
+        # The exchange runs while the shortcut, the layers before the first conv and that
+        # conv's rows that need no halo are computed (``_overlapped_conv``).
+        first = layers.index(convs[0])
+        pending = self.rows.start_halo(x, depth, depth)
+        h = self._shortcut(block, x)
+        before = layers[:first]
+        assert all(isinstance(m, self._pixelwise) for m in before), before
+        y = x
+        for m in before:
+            y = m(y)
+        if self.rows.min_band(x) > 2 * convs[0]._padding[2]:
+            y = self._overlapped_conv(convs[0], y, pending, before, feat_cache, feat_idx, depth)
+        else:  # too thin for rows without a halo
+            top, bottom = pending.wait()
+            y = torch.cat([self._per_pixel(before, t) for t in top] + [y] +
+                          [self._per_pixel(before, t) for t in bottom], dim=-2)
+            y = self.cached_conv(convs[0], y, feat_cache, feat_idx, depth)
+        extra = depth - convs[0]._padding[2]
+        for m in layers[first + 1:]:
             if isinstance(m, self.eng.CausalConv3d):
-                x = self.cached_conv(m, x, feat_cache, feat_idx, extra)
+                y = self.cached_conv(m, y, feat_cache, feat_idx, extra)
                 extra -= m._padding[2]
             else:
-                x = self.layer(m, x, feat_cache, feat_idx)
+                y = self.layer(m, y, feat_cache, feat_idx)
         assert extra == 0, extra
-        return x + h
+        return y + h
+
+    def _shortcut(self, block, x) -> torch.Tensor:
+        return self.conv(block.shortcut, x) if isinstance(block.shortcut, self.eng.CausalConv3d) \
+            else block.shortcut(x)
+
+    @staticmethod
+    def _per_pixel(layers, x) -> torch.Tensor:
+        for m in layers:
+            x = m(x)
+        return x
+
+    def _overlapped_conv(self, conv, x, pending, before, feat_cache, feat_idx, extra: int) -> torch.Tensor:
+        """``cached_conv(conv, halo rows + x, ..., extra)`` with the halo still on its way: the
+        output rows that read only ``x`` first, then (halo received, put through the per-pixel
+        layers ``before``) the ``extra`` rows at each end. Every piece is ``conv_rows`` of the
+        whole frame's kernel, and a conv output row's bits do not depend on which rows are
+        computed with it (module docstring), so the rows are those of one call. The cache keeps
+        the whole input, halo rows included, like ``cached_conv``."""
+        k = conv._padding[2]
+        rows = x.shape[-2]
+        full = self.rows.full_rows(x) + 2 * k
+        idx = feat_idx[0]
+        old = feat_cache[idx]  # rows -extra .. rows + extra - 1 of the previous chunk's input
+
+        def cached(a, b):  # the cache's rows a .. b - 1 (band row numbers), or None
+            return None if old is None else old.narrow(-2, a + extra, b - a)
+
+        middle = self._causal(conv, x, cached(0, rows), full)  # rows k .. rows - k - 1
+        top, bottom = pending.wait()
+        top, bottom = self._per_pixel(before, top[0]), self._per_pixel(before, bottom[0])
+        if self.rows.rank == 0:  # the engine's zero padding of the conv input at the frame's edges
+            top.zero_()
+        if self.rows.rank == self.rows.world - 1:
+            bottom.zero_()
+        first = self._causal(conv, torch.cat([top, x.narrow(-2, 0, 2 * k)], dim=-2),
+                             cached(-extra, 2 * k), full)
+        last = self._causal(conv, torch.cat([x.narrow(-2, rows - 2 * k, 2 * k), bottom], dim=-2),
+                            cached(rows - 2 * k, rows + extra), full)
+        cache_x = torch.cat([t[:, :, -self.eng.CACHE_T:] for t in (top, x, bottom)], dim=-2)
+        if cache_x.shape[2] < 2 and old is not None:
+            cache_x = torch.cat([old[:, :, -1].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
+        feat_cache[idx] = cache_x
+        feat_idx[0] += 1
+        return torch.cat([first, middle, last], dim=-2)
 
     def attention(self, block, x) -> torch.Tensor:
         """The whole frame is gathered; each rank runs the engine's block and keeps its rows."""
@@ -528,26 +609,40 @@ def _unsplit(result: list, group, dst: Optional[int]) -> Optional[list]:
     return None
 
 
-def _split_call(vae, inputs: Sequence[torch.Tensor], group, dst: Optional[int], in_factor: int,
-                compute) -> Optional[list[torch.Tensor]]:
+def _split_call(vae, inputs: Sequence[torch.Tensor], group, in_factor: int, compute,
+                height: Optional[int] = None) -> list[tuple[_Rows, torch.Tensor]]:
     """Each input's row band (``in_factor`` input rows per latent row) through
-    ``compute(band_vae, band)``, the bands' outputs gathered like the engine's list result."""
+    ``compute(band_vae, band)``: per input, its ``_Rows`` and this rank's output band. The inputs
+    are whole frames, or (``height``) this rank's bands of frames ``height`` rows tall."""
     world = _split_world(group)
     out = []
     with _engine_autocast(vae):
         for u in inputs:
-            rows = _Rows(group, _latent_rows(u.shape[-2], in_factor, world), u.device)
-            band = rows.own(u.unsqueeze(0), in_factor)
-            out.append(rows.gather_to(compute(_BandVAE(vae.model, rows), band).squeeze(0), dst))
-    return _unsplit(out, group, dst)
+            rows = _Rows(group, _latent_rows(height or u.shape[-2], in_factor, world), u.device)
+            band = u.unsqueeze(0) if height else rows.own(u.unsqueeze(0), in_factor)
+            if height:
+                assert band.shape[-2] == (rows.stop - rows.start) * in_factor, (band.shape, rows.bands)
+            out.append((rows, compute(_BandVAE(vae.model, rows), band).squeeze(0)))
+    return out
+
+
+def _gathered(results: list[tuple[_Rows, torch.Tensor]], group, dst: Optional[int]) -> Optional[list]:
+    return _unsplit([rows.gather_to(band, dst) for rows, band in results], group, dst)
+
+
+def _encoder_factor(vae) -> int:
+    eng = sys.modules[type(vae.model).__module__]
+    return 2 ** _levels(vae.model.encoder.downsamples, 'downsample', eng)
 
 
 @torch.no_grad()
-def split_encode(vae, videos: Sequence[torch.Tensor], group=None,
-                 dst: Optional[int] = 0) -> Optional[list[torch.Tensor]]:
+def split_encode(vae, videos: Sequence[torch.Tensor], group=None, dst: Optional[int] = 0,
+                 height: Optional[int] = None) -> Optional[list[torch.Tensor]]:
     """``vae.encode(videos)`` (a ``Wan2_1_VAE``; each video ``[C, T, H, W]``, H a multiple of 8,
     given in full on every rank of ``group``), computed in row bands over the group's ranks.
     Collective: every rank of ``group`` (default: the world) calls it with the same inputs.
+    With ``height``, each rank gives only its own rows of videos ``height`` rows tall (what
+    ``own_band`` or ``decode_bands`` hold): nobody needs the whole video.
 
     Returns the engine's list of latents on group rank ``dst`` (None on the others), or on every
     rank for ``dst=None``. Bit-identical to the engine on CPU (see the module docstring). Needs at
@@ -556,19 +651,12 @@ def split_encode(vae, videos: Sequence[torch.Tensor], group=None,
     """
     if _split_world(group) == 1:
         return _unsplit(vae.encode(videos), group, dst)
-    eng = sys.modules[type(vae.model).__module__]
-    factor = 2 ** _levels(vae.model.encoder.downsamples, 'downsample', eng)
-    return _split_call(vae, videos, group, dst, factor,
-                       lambda band_vae, band: band_vae.encode(band, vae.scale).float())
+    return _gathered(_split_call(vae, videos, group, _encoder_factor(vae),
+                                 lambda band_vae, band: band_vae.encode(band, vae.scale).float(), height),
+                     group, dst)
 
 
-@torch.no_grad()
-def split_decode(vae, zs: Sequence[torch.Tensor], group=None,
-                 dst: Optional[int] = 0) -> Optional[list[torch.Tensor]]:
-    """``vae.decode(zs)`` (each latent ``[16, T, h, w]``, given in full on every rank of
-    ``group``), computed in row bands over the group's ranks; returned like ``split_encode``."""
-    if _split_world(group) == 1:
-        return _unsplit(vae.decode(zs), group, dst)
+def _decode_results(vae, zs, group) -> list[tuple[_Rows, torch.Tensor]]:
     eng = sys.modules[type(vae.model).__module__]
     factor = 2 ** _levels(vae.model.decoder.upsamples, 'upsample', eng)
 
@@ -578,4 +666,47 @@ def split_decode(vae, zs: Sequence[torch.Tensor], group=None,
         assert x.shape[-2] == (rows.stop - rows.start) * factor
         return x
 
-    return _split_call(vae, zs, group, dst, 1, decode)
+    return _split_call(vae, zs, group, 1, decode)
+
+
+@torch.no_grad()
+def decode_bands(vae, zs: Sequence[torch.Tensor], group=None) -> list[torch.Tensor]:
+    """``vae.decode(zs)`` (each latent ``[16, T, h, w]``, given in full on every rank of
+    ``group``), computed in row bands over the group's ranks; each rank gets its own rows of each
+    decoded video (``own_band`` of what ``vae.decode`` returns; all of it without a split).
+    Collective like ``split_encode``; ``gather_bands`` assembles the whole videos."""
+    if _split_world(group) == 1:
+        return vae.decode(zs)
+    return [band for _, band in _decode_results(vae, zs, group)]
+
+
+def own_band(vae, x: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's rows (dim -2) of a whole frame at pixel resolution: the band ``split_encode``
+    computes from, and ``decode_bands`` returns (``x`` itself without a split)."""
+    world = _split_world(group)
+    if world == 1:
+        return x
+    factor = _encoder_factor(vae)
+    return _Rows(group, _latent_rows(x.shape[-2], factor, world), x.device).own(x, factor)
+
+
+def gather_bands(vae, bands: Sequence[torch.Tensor], height: int, group=None,
+                 dst: Optional[int] = 0) -> Optional[list[torch.Tensor]]:
+    """The whole videos (``height`` rows) from every rank's ``bands`` (pixel resolution), on group
+    rank ``dst`` (None on the others), or on every rank for ``dst=None``. Collective."""
+    world = _split_world(group)
+    if world == 1:
+        return _unsplit(list(bands), group, dst)
+    factor = _encoder_factor(vae)
+    results = [(_Rows(group, _latent_rows(height, factor, world), b.device), b) for b in bands]
+    return _gathered(results, group, dst)
+
+
+@torch.no_grad()
+def split_decode(vae, zs: Sequence[torch.Tensor], group=None,
+                 dst: Optional[int] = 0) -> Optional[list[torch.Tensor]]:
+    """``vae.decode(zs)`` computed in row bands over the group's ranks (``decode_bands``) and
+    gathered like ``split_encode``'s result."""
+    if _split_world(group) == 1:
+        return _unsplit(vae.decode(zs), group, dst)
+    return _gathered(_decode_results(vae, zs, group), group, dst)
