@@ -1,5 +1,6 @@
 """Our generation loop: at one process it gives exactly upstream ``WanS2V.generate``'s frames
-(CPU, fp32; 2 clips, both solvers, with and without --start-from-ref), and CFG-parallel layouts
+(CPU, fp32; 2 clips, both solvers, with and without --start-from-ref; without it the dead
+initial-motion encode is skipped), and CFG-parallel layouts
 (2 ranks, the VAE on rank 0) give exactly one process's frames over real gloo ranks.
 (hybrid + --cfg-parallel, FSDP across the CFG branches, is in tests/test_lora.py; CFG 2 x SP 3
 over 6 ranks in tests/test_any_degree.py.)"""
@@ -35,10 +36,15 @@ def test_our_loop_equals_upstream_generate(engine_cpu, solver, start_from_ref):
     del upstream
     plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
     parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0)
-    stages = []
+    stages, encoded = [], []
+    engine_encode = parts.shell.vae.encode
+    parts.shell.vae.encode = lambda videos: encoded.append(videos[0].shape[1]) or engine_encode(videos)
     ours = S2VGenerator(parts, plan, hooks=_recording(stages)).generate(request_for(spec))
     assert ours.shape == ref.shape == (3, 2 * 8 - (0 if start_from_ref else 3), 64, 64)
     assert torch.equal(ours, ref), f"max abs diff {(ours - ref).abs().max()}"
+    # frames encoded: the reference image, the initial motion (73 frames) only when its latents are
+    # read (--start-from-ref; else the first clip drops them), the motion re-encode after clip 1
+    assert encoded == [1] + ([73] if start_from_ref else []) + [73]
     # ... with the text k/v cache serving every step after the first (upstream's model has none)
     from patches import context_cache
     cache = context_cache.stats(parts.noise_model)

@@ -21,6 +21,10 @@ What differs is *where* work runs (:class:`~wan_s2v_runner.parallel.RankPlan`):
   without it rank 0 runs the VAE alone and broadcasts the motion latents;
 * the pose-condition VAE encode, whose result upstream multiplies by zero when there is no pose
   video, is not run (its zeros are made directly);
+* the initial-motion VAE encode (73 frames of zeros) is not run when the first clip drops its
+  motion frames (``drop_first_motion``, the S2V-14B default, without ``--start-from-ref``) and the
+  DiT is one whose dropped motion tokens are never read (frame-pack or plain: ``_dropped_motion_unread``);
+  its latents' shape is kept with zeros (upstream decodes that clip after the reference latents);
 * the audio encode runs under ``no_grad``.
 Progress (stages and steps) is reported from here.
 """
@@ -230,8 +234,23 @@ class S2VGenerator:
             if req.init_first_frame:
                 drop_first_motion = False
                 motion_latents[:, :, -6:] = ref_pixel_values
-            motion_latents = self._encode(motion_latents, split)
+            if drop_first_motion and self._dropped_motion_unread():
+                # the first clip's motion tokens are dropped, and nothing else reads these latents:
+                # the 73-frame encode is skipped, its shape kept (the decode starts from ref_latents)
+                motion_latents = torch.zeros(
+                    [1, s2v.vae.model.z_dim, (s2v.motion_frames - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8],
+                    dtype=torch.float32, device=self.device)
+            else:
+                motion_latents = self._encode(motion_latents, split)
         return ref_latents, motion_latents, drop_first_motion, last_frames
+
+    def _dropped_motion_unread(self) -> bool:
+        """Whether the DiT reads nothing of the motion latents of a clip whose motion frames are
+        dropped (``drop_motion_frames``): its frame-pack path (S2V-14B) slices the packed motion
+        tokens to length 0 and the plain path returns none, both before any value is used
+        (model_s2v ``process_motion_frame_pack`` / ``process_motion``); the motioner path
+        (``enable_motioner``) computes from them and multiplies by 0.0, so it keeps the encode."""
+        return getattr(self.parts.noise_model, "enable_motioner", True) is False
 
     def _encode_text(self, req: Request):
         s2v = self.s2v

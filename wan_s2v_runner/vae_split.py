@@ -2,8 +2,12 @@
 
 ``split_encode`` / ``split_decode`` return what the engine's ``Wan2_1_VAE.encode`` / ``.decode``
 (``wan/modules/vae2_1.py``) return, bit for bit, with the work spread over the ranks of a process
-group: every rank holds the whole input (our calling convention), computes the output rows of its
-own band only, and the bands are gathered on one rank (``dst``) or on all (``dst=None``).
+group: every rank holds the whole input, or only its own rows of it (``split_encode(height=)``),
+computes the output rows of its own band only, and the bands are gathered on one rank (``dst``) or
+on all (``dst=None``), or stay where they are (``decode_bands``; ``gather_bands`` assembles them).
+The generation loop keeps each decoded clip in bands: rank 0 gathers it for the output, and the
+motion re-encode of its last frames reads every rank's own rows, so no other rank holds a whole
+decoded clip.
 
 How the engine's forward is split (it runs the engine's own modules and weights; nothing copied):
 
@@ -21,7 +25,10 @@ How the engine's forward is split (it runs the engine's own modules and weights;
   it, see below), its second reads that row; past the frame's edges those rows are set to the
   zeros the engine pads with. That halves the exchanges (latency-bound: ~550 per 73-frame encode
   before) for one extra row per side of the first conv. Bands thinner than 2 rows at a block's
-  resolution exchange per conv.
+  resolution exchange per conv. The exchange is posted first and waited for only after the
+  block's shortcut, its norms and the first conv's output rows that read no halo row are computed
+  (``_overlapped_conv``); the first conv's rows at each end follow, so a rank that is a little
+  behind its neighbour costs the neighbour nothing.
 - Temporal caches stay per band: each rank keeps its own ``feat_cache`` with the engine's
   bookkeeping (1 + 4k frame chunks on encode, one latent frame at a time on decode); a conv's
   cache holds its input rows including the halo rows, so the next chunk needs no extra exchange.
