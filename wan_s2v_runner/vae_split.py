@@ -28,7 +28,8 @@ How the engine's forward is split (it runs the engine's own modules and weights;
   resolution exchange per conv. The exchange is posted first and waited for only after the
   block's shortcut, its norms and the first conv's output rows that read no halo row are computed
   (``_overlapped_conv``); the first conv's rows at each end follow, so a rank that is a little
-  behind its neighbour costs the neighbour nothing.
+  behind its neighbour costs the neighbour nothing. The other cached 3x3 convs (the encoder's and
+  decoder's first conv and head) overlap their exchange with their own interior rows the same way.
 - Temporal caches stay per band: each rank keeps its own ``feat_cache`` with the engine's
   bookkeeping (1 + 4k frame chunks on encode, one latent frame at a time on decode); a conv's
   cache holds its input rows including the halo rows, so the next chunk needs no extra exchange.
@@ -370,6 +371,9 @@ class _BandVAE:
             assert extra >= halo, (extra, halo)
             full = self.rows.full_rows(x, extra) + 2 * halo
             x = self.rows.zero_outside(x, extra)
+        elif halo and x.shape[-2] > 2 * halo:  # the rows that need no halo while it travels
+            return self._overlapped_conv(conv, x, self.rows.start_halo(x, halo, halo), [], feat_cache,
+                                         feat_idx, halo)
         else:
             full = self.rows.full_rows(x) + 2 * halo
             x = self.rows.halo(x, halo, halo)
