@@ -238,7 +238,7 @@ class S2VGenerator:
                 # the first clip's motion tokens are dropped, and nothing else reads these latents:
                 # the 73-frame encode is skipped, its shape kept (the decode starts from ref_latents)
                 motion_latents = torch.zeros(
-                    [1, s2v.vae.model.z_dim, (s2v.motion_frames - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8],
+                    [1, s2v.vae.model.z_dim, (s2v.motion_frames + 3) // 4, HEIGHT // 8, WIDTH // 8],
                     dtype=torch.float32, device=self.device)
             else:
                 motion_latents = self._encode(motion_latents, split)

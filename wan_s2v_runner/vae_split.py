@@ -420,10 +420,8 @@ class _BandVAE:
         h = self._shortcut(block, x)
         before = layers[:first]
         assert all(isinstance(m, self._pixelwise) for m in before), before
-        y = x
-        for m in before:
-            y = m(y)
-        if self.rows.min_band(x) > 2 * convs[0]._padding[2]:
+        y = self._per_pixel(before, x)
+        if x.shape[-2] > 2 * convs[0]._padding[2]:  # rows that need no halo (as in cached_conv)
             y = self._overlapped_conv(convs[0], y, pending, before, feat_cache, feat_idx, depth)
         else:  # too thin for rows without a halo
             top, bottom = pending.wait()
