@@ -24,12 +24,17 @@ one table: rank 0's ``denoise`` seconds and its ratio to 1 rank; the input-encod
 stages (audio_encode, ref_encode, text_encode, decode, motion_encode) summed over ranks and their
 ratio to 1 rank; the VAE stages (ref_encode, decode, motion_encode) of the slowest rank and their
 ratio to 1 rank; peak host RSS of rank 0 and the max of the other ranks; the run's wall time and
-its ratio; and whether the frames (``--frames-out``) equal the 1-rank run's. ``--num-clips 2``
-(default 1) includes a motion re-encode.
+its ratio; the CPU seconds the launcher and torchrun's agent used (run.json ``launcher.cpu_s``:
+on 2 cores with 2 ranks they are taken from a rank; torchrun's include its start); and whether the frames (``--frames-out``)
+equal the 1-rank run's. ``--num-clips 2`` (default 1) includes a motion re-encode. Each row's
+ratios are to the latest 1-rank row before it: ``--layouts 1,ulysses+cfg --repeat 3`` runs three
+side-by-side pairs and ends with each layout's median ratio (this machine's speed drifts 10-25%
+between runs, so one pair is not a measurement).
 
     .venv/bin/python bench/bench_loop.py                         # everything, compute preset
     .venv/bin/python bench/bench_loop.py --preset tiny --layouts 1,ulysses --steps 1  # smoke test
     .venv/bin/python bench/bench_loop.py --markdown              # table for docs/bench.md
+    .venv/bin/python bench/bench_loop.py --markdown --num-clips 2 --steps 2 --layouts 1,ulysses+cfg --repeat 3
 
 Each rank runs with one torch thread, so a 2-rank layout wants 2 idle cores: the footer records
 the 1-minute load average before and after (anything else running skews the ratios).
@@ -131,9 +136,8 @@ def ensure_assets(cache: Path, preset: str, overrides: Optional[dict] = None) ->
 
 
 # --------------------------------------------------------------------------- one run
-def run_argv(a, name: str, ckpt: Path, image: Path, audio: Path, work: Path) -> list[str]:
+def run_argv(a, name: str, ckpt: Path, image: Path, audio: Path, work: Path, tag: str) -> list[str]:
     nproc, mode, cfg, vae, pin = LAYOUTS[name]
-    tag = name.replace("+", "-").replace("/", "-")
     argv = [sys.executable, "-m", "wan_s2v_runner", "run",
             "--ckpt-dir", str(ckpt), "--image", str(image), "--audio", str(audio),
             "--prompt", "a person talking",
@@ -175,9 +179,9 @@ def _manifest(stdout: str, runs_root: Path) -> Optional[dict]:
     return None
 
 
-def one(a, name: str, assets, work: Path) -> dict:
-    argv = run_argv(a, name, *assets, work)
-    tag = name.replace("+", "-").replace("/", "-")
+def one(a, name: str, assets, work: Path, repeat: int = 0) -> dict:
+    tag = name.replace("+", "-").replace("/", "-") + (f"-{repeat + 1}" if repeat else "")
+    argv = run_argv(a, name, *assets, work, tag)
     print(f"== {name}: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -246,10 +250,21 @@ def one(a, name: str, assets, work: Path) -> dict:
         rss_others_mb=max((r["host_peak_rss_mb"] or 0.0) for r in others) if others else None,
         stage_seconds={k: r["stage_seconds"] for k, r in ranks.items()},
         torch=(m.get("versions") or {}).get("torch"),
+        supervision_cpu_s=_supervision_cpu(m),
     )
     print(f"   {name}: wall {row['wall_s']:.1f} s, denoise {row['denoise_s']:.1f} s, "
           f"enc+VAE {row['work_s']:.1f} s, VAE max rank {row['vae_max_s']:.1f} s", file=sys.stderr, flush=True)
     return row
+
+
+def _supervision_cpu(m: dict) -> dict:
+    """CPU seconds the launcher and torchrun's agent used (run.json ``launcher.cpu_s``; torchrun's
+    include its own start, mostly importing torch, before any rank runs)."""
+    return dict((m.get("launcher") or {}).get("cpu_s") or {})
+
+
+def _cpu_cell(cpu: dict) -> str:
+    return " / ".join(_f(cpu.get(k), ".2f") for k in ("launcher", "torchrun")) if cpu else "-"
 
 
 def compare_frames(ref: Path, other: Path) -> str:
@@ -269,30 +284,72 @@ def compare_frames(ref: Path, other: Path) -> str:
 # --------------------------------------------------------------------------- table
 COLUMNS = ["layout", "ranks", "denoise s", "denoise x", "enc+VAE s (sum ranks)", "enc+VAE x",
            "VAE s (max rank)", "VAE x", "RSS r0 MB", "RSS others max MB", "wall s", "wall x",
-           "frames vs 1 rank"]
+           "launcher / torchrun CPU s", "frames vs 1 rank"]
+#: the ratios the repeat summary reports (row key, column name)
+RATIOS = (("denoise_s", "denoise x"), ("vae_max_s", "VAE x"), ("wall_s", "wall x"))
 
 
 def _f(v, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def table_rows(rows: list[dict]) -> list[list[str]]:
-    ref = next((r for r in rows if r["layout"] == "1" and r["ok"]), None)
-    out = []
+def reference_rows(rows: list[dict]) -> list[Optional[dict]]:
+    """For each row, the 1-rank row its ratios are taken against: the latest successful one
+    before it (so ``--repeat`` gives side-by-side pairs on a machine whose speed drifts), or the
+    first one when none came before."""
+    first = next((r for r in rows if r["layout"] == "1" and r["ok"]), None)
+    refs, last = [], None
     for r in rows:
+        if r["layout"] == "1" and r["ok"]:
+            last = r
+        refs.append(last or first)
+    return refs
+
+
+def ratio(row: dict, ref: Optional[dict], key: str) -> Optional[float]:
+    return row[key] / ref[key] if row.get("ok") and ref and ref[key] else None
+
+
+def table_rows(rows: list[dict]) -> list[list[str]]:
+    out = []
+    for r, ref in zip(rows, reference_rows(rows)):
         if not r["ok"]:
             out.append([r["layout"], str(r["ranks"]), "FAILED"] + [""] * (len(COLUMNS) - 4)
                        + [str(r.get("error", ""))[:100]])
             continue
-
-        def ratio(key):
-            return r[key] / ref[key] if ref and ref[key] else None
-        out.append([r["layout"], str(r["ranks"]), _f(r["denoise_s"], ".2f"), _f(ratio("denoise_s"), ".2f"),
-                    _f(r["work_s"], ".2f"), _f(ratio("work_s"), ".2f"),
-                    _f(r["vae_max_s"], ".2f"), _f(ratio("vae_max_s"), ".2f"), _f(r["rss0_mb"], ".0f"),
-                    _f(r["rss_others_mb"], ".0f"), _f(r["wall_s"], ".2f"), _f(ratio("wall_s"), ".2f"),
-                    r.get("frames_check", "-")])
+        out.append([r["layout"], str(r["ranks"]), _f(r["denoise_s"], ".2f"), _f(ratio(r, ref, "denoise_s"), ".2f"),
+                    _f(r["work_s"], ".2f"), _f(ratio(r, ref, "work_s"), ".2f"),
+                    _f(r["vae_max_s"], ".2f"), _f(ratio(r, ref, "vae_max_s"), ".2f"), _f(r["rss0_mb"], ".0f"),
+                    _f(r["rss_others_mb"], ".0f"), _f(r["wall_s"], ".2f"), _f(ratio(r, ref, "wall_s"), ".2f"),
+                    _cpu_cell(r.get("supervision_cpu_s") or {}), r.get("frames_check", "-")])
     return out
+
+
+def summary(rows: list[dict]) -> list[tuple[str, int, dict[str, tuple[float, float, float]]]]:
+    """Per layout other than 1 rank, over its successful rows: (layout, n, {ratio column:
+    (median, min, max)}) of each row's ratio to its own 1-rank row (:func:`reference_rows`)."""
+    import statistics
+    by_layout: dict[str, list[tuple[dict, dict]]] = {}
+    for r, ref in zip(rows, reference_rows(rows)):
+        if r["ok"] and r["layout"] != "1" and ref is not None:
+            by_layout.setdefault(r["layout"], []).append((r, ref))
+    out = []
+    for name, pairs in by_layout.items():
+        stats = {}
+        for key, col in RATIOS:
+            xs = [x for x in (ratio(r, ref, key) for r, ref in pairs) if x is not None]
+            if xs:
+                stats[col] = (statistics.median(xs), min(xs), max(xs))
+        out.append((name, len(pairs), stats))
+    return out
+
+
+def render_summary(rows: list[dict], markdown: bool) -> str:
+    lines = []
+    for name, n, stats in summary(rows):
+        cells = ", ".join(f"{col} {med:.2f} (min {lo:.2f}, max {hi:.2f})" for col, (med, lo, hi) in stats.items())
+        lines.append(f"{'- ' if markdown else ''}{name}: median of {n} row(s), each against its own 1-rank row: {cells}")
+    return "\n".join(lines)
 
 
 def render(rows: list[dict], markdown: bool) -> str:
@@ -333,6 +390,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--size", default=None, help="WIDTH*HEIGHT (default: the preset's)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the --layouts sequence this many times, in order (e.g. --layouts "
+                         "1,ulysses+cfg --repeat 3: three pairs); a summary gives each layout's "
+                         "median ratio to its own 1-rank row")
     ap.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
     ap.add_argument("--skip-preflight", action="store_true", help="pass --skip-preflight to each run")
     ap.add_argument("--no-frames-check", action="store_true", help="skip the frames comparison")
@@ -356,7 +417,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"work directory: {work}", file=sys.stderr, flush=True)
     load_before = _load1()
     t0 = time.perf_counter()
-    rows = [one(a, n, assets, work) for n in names]
+    rows = [one(a, n, assets, work, i) for i in range(max(1, a.repeat)) for n in names]
     total = time.perf_counter() - t0
     load_after = _load1()
     ref = next((r for r in rows if r["layout"] == "1" and r["ok"]), None)
@@ -373,10 +434,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(rows, indent=2, default=str))
         return 0 if all(r["ok"] for r in rows) else 1
     print(render(rows, a.markdown))
+    if a.repeat > 1 or len(rows) > len(set(r["layout"] for r in rows)):
+        print(("\n" if a.markdown else "") + render_summary(rows, a.markdown))
     torch_v = next((r["torch"] for r in rows if r.get("torch")), "?")
     note = (f"preset {a.preset} ({ckpt_desc}), size {a.size}, {a.infer_frames} frames, "
             f"{a.num_clips} clip(s), {a.steps} steps, seed {a.seed}, cpu/gloo, {a.threads} thread(s)/rank, torch {torch_v}; "
-            f"ratios to the 1-rank row of this invocation; bench total {total:.0f} s; "
+            f"ratios to the latest 1-rank row before each row; bench total {total:.0f} s; "
             f"1-min load average {load_before} before, {load_after} after")
     print(f"\n{note}" if a.markdown else f"({note})")
     return 0 if all(r["ok"] for r in rows) else 1

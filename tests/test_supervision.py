@@ -198,6 +198,8 @@ def test_normal_run_manifest_is_complete(tiny_assets, tmp_path):
     assert m["output"]["sha256"] == media.sha256_file(out)
     assert m["engine"]["s2v_fingerprint"] and m["versions"]["torch"]
     assert m["launcher"]["torchrun_exit_code"] == 0
+    cpu = m["launcher"]["cpu_s"]  # the supervision's own cost, next to the ranks' seconds
+    assert 0 < cpu["launcher"] < m["wall_s"] and 0 < cpu["torchrun"] < m["wall_s"], cpu
     # every denoising step of rank 0 was reported
     steps = [(e["clip"], e["step"]) for e in _events(run_dir, 0) if e["kind"] == "progress"]
     assert steps == [(1, 1), (1, 2), (2, 1), (2, 2)]
@@ -571,3 +573,30 @@ def test_cpu_ranks_get_the_heap_reusing_malloc_settings_unless_the_user_set_them
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     gpu = spec.model_copy(update={"device": "cuda"})
     assert "MALLOC_MMAP_THRESHOLD_" not in worker_env(gpu)
+
+
+def test_proc_table_records_each_exit_as_it_happens_without_polling():
+    """The death watch blocks (no timer) and still sees a process tracked after it started (the
+    wake-up pipe re-arms it): death_t lands within a second of the exit with nobody calling
+    alive(), and a watched process that lives reads as alive."""
+    from wan_s2v_runner.proctree import ProcTable
+    procs = ProcTable()
+    sleeper = [sys.executable, "-c", "import sys, time; time.sleep(float(sys.argv[1]))"]
+    lasting = subprocess.Popen([*sleeper, "60"])
+    try:
+        procs.track(lasting.pid)
+        time.sleep(0.3)  # the watch thread is now blocked on the lasting process alone
+        short = subprocess.Popen([*sleeper, "0.5"])
+        procs.track(short.pid)
+        short.wait()
+        exited = time.time()
+        while time.time() < exited + 5 and short.pid not in procs.death_t:
+            time.sleep(0.02)
+        assert short.pid in procs.death_t, "the exit was never recorded"
+        assert abs(procs.death_t[short.pid] - exited) < 1.0
+        assert procs.alive(lasting.pid) and not procs.alive(short.pid)
+        assert lasting.pid not in procs.death_t
+    finally:
+        lasting.kill()
+        lasting.wait()
+        procs.close()

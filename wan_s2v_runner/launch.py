@@ -44,6 +44,7 @@ from wan_s2v_runner.diagnose import (
 from wan_s2v_runner.events import EventReader, RankState
 from wan_s2v_runner.proctree import (
     ProcTable,
+    cpu_s,
     descendants,
     hwm_mb,
     pdeathsig_preexec,
@@ -62,6 +63,8 @@ FAILURE_GRACE_S = 3.0
 #: a worker found dead without an ``end`` record counts as failed after this long (its last
 #: records may still be on their way through the file system)
 DEATH_SETTLE_S = 0.3
+#: how often the supervisor walks /proc for the run's processes (exits are seen at once anyway)
+TREE_WALK_S = 1.0
 #: rendezvous port of a multi-node run when none is given (torchrun's own default)
 DEFAULT_MASTER_PORT = 29500
 
@@ -190,6 +193,7 @@ class Supervisor:
         self.signal_received: Optional[int] = None
         self.force = False  # a second signal: SIGKILL at once
         self.host_hwm_mb: dict[int, float] = {}  # rank -> VmHWM seen by the launcher
+        self.torchrun_cpu_s: Optional[float] = None  # torchrun's agent, last seen alive
         self.t0 = time.time()
         self._pump_thread: Optional[threading.Thread] = None
         self._needle = str(run_dir / "spec.json").encode()
@@ -303,6 +307,9 @@ class Supervisor:
                 continue
 
     def sample_memory(self) -> None:
+        """Peak RSS of each rank, and torchrun's own CPU seconds so far (for run.json)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.torchrun_cpu_s = cpu_s(self.proc.pid) or self.torchrun_cpu_s
         for st in self.reader.ranks.values():
             if st.pid and self.procs.alive(st.pid):
                 hwm = hwm_mb(st.pid)
@@ -329,14 +336,17 @@ class Supervisor:
         return False
 
     # ----- main loop -----
-    def supervise(self, poll_s: float = 0.1) -> Outcome:
+    def supervise(self, poll_s: float = 0.2) -> Outcome:
         first_failure_t: Optional[float] = None
         tick = 0
+        # /proc walks take CPU from the ranks on a small node: every TREE_WALK_S (and when a rank
+        # says hello), the command-line scan every tenth walk
+        walk_every = max(1, round(TREE_WALK_S / poll_s))
         while True:
             now = time.time()
             new = self.reader.poll()
-            if tick % 3 == 0 or new:
-                self.tree(full=tick % 20 == 0)
+            if tick % walk_every == 0 or any(ev.get("kind") == "hello" for ev in new):
+                self.tree(full=tick % (10 * walk_every) == 0)
                 self.sample_memory()
             tick += 1
             try:
@@ -490,6 +500,13 @@ def _remove_empty_stacks(run_dir: Path) -> None:
         pass
 
 
+def _own_cpu_s() -> float:
+    """CPU seconds of this process, every thread, children excluded."""
+    import resource
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional[dict] = None) -> int:
     """Spawn and supervise one run. Returns an exit code (see exit_codes)."""
     spec = finalize_spec(spec)
@@ -506,6 +523,7 @@ def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional
             old[s] = signal.signal(s, sup.on_signal)
     before = _output_stamp(spec.output)
     started = time.time()
+    cpu_before = _own_cpu_s()
     try:
         try:
             sup.start()
@@ -528,6 +546,8 @@ def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional
                               launcher={"pid": os.getpid(), "torchrun_pid": sup.proc.pid if sup.proc else None,
                                         "torchrun_exit_code": outcome.torchrun_rc,
                                         "host_peak_rss_mb_seen": {str(k): v for k, v in sup.host_hwm_mb.items()},
+                                        "cpu_s": {"launcher": round(_own_cpu_s() - cpu_before, 3),
+                                                  "torchrun": sup.torchrun_cpu_s},
                                         "rank_exit_codes": {str(k): v for k, v in
                                                             parse_torchrun_exits(sup.log_path).items()} or None,
                                         "signal": signal.Signals(sup.signal_received).name

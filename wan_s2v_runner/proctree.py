@@ -51,6 +51,15 @@ def _start_time(pid: int) -> Optional[int]:
         return None
 
 
+def cpu_s(pid: int) -> Optional[float]:
+    """CPU seconds (user + system) ``pid`` itself has used, its children excluded."""
+    f = _stat_fields(pid)
+    try:
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK") if f else None
+    except (IndexError, ValueError):
+        return None
+
+
 def ppid_map() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
@@ -126,8 +135,9 @@ def hwm_mb(pid: int) -> Optional[float]:
 class ProcTable:
     """Processes of one run, each pinned by (pid, start time) and, when possible, a pidfd.
 
-    A thread waits on the pidfds, so the exit time of every tracked process is recorded as it
-    happens (``death_t``). Signals go through the pidfd (or after a start-time check), so a pid
+    A thread blocks on the pidfds (and a wake-up pipe that :meth:`track` and :meth:`close` write
+    to), so the exit time of every tracked process is recorded as it happens (``death_t``) at no
+    cost while nothing exits. Signals go through the pidfd (or after a start-time check), so a pid
     recycled by an unrelated process is never signalled.
     """
 
@@ -137,6 +147,7 @@ class ProcTable:
         self._fds: dict[int, int] = {}  # pid -> pidfd
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = -1, -1  # the watch thread's wake-up pipe, made with it
         self._thread: Optional[threading.Thread] = None  # started with the first pidfd
 
     def track(self, pid: int) -> None:
@@ -160,28 +171,38 @@ class ProcTable:
                 with self._lock:
                     self._fds[pid] = fd
                 if self._thread is None:
+                    self._wake_r, self._wake_w = os.pipe()
+                    os.set_blocking(self._wake_w, False)
                     self._thread = threading.Thread(target=self._watch, daemon=True, name="wan-s2v-deathwatch")
                     self._thread.start()
+                else:
+                    self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # a full pipe wakes the thread all the same
+            pass
 
     def _watch(self) -> None:
+        """Block until a tracked process exits or the set changes; record each exit's time."""
         while not self._stop.is_set():
-            with self._lock:
-                fds = dict(self._fds)
-            if not fds:
-                self._stop.wait(0.05)
-                continue
             poller = select.poll()
-            by_fd = {}
-            for pid, fd in fds.items():
+            poller.register(self._wake_r, select.POLLIN)
+            with self._lock:
+                by_fd = {fd: pid for pid, fd in self._fds.items()}
+            for fd in by_fd:
                 poller.register(fd, select.POLLIN)
-                by_fd[fd] = pid
             try:
-                ready = poller.poll(50)
+                ready = poller.poll()
             except (OSError, ValueError):
                 continue
             now = time.time()
             with self._lock:
                 for fd, _ in ready:
+                    if fd == self._wake_r:
+                        os.read(self._wake_r, 4096)
+                        continue
                     pid = by_fd[fd]
                     self.death_t.setdefault(pid, now)
                     if self._fds.pop(pid, None) is not None:
@@ -190,6 +211,8 @@ class ProcTable:
     def alive(self, pid: int) -> bool:
         if pid not in self.start or pid in self.death_t:
             return False
+        if pid in self._fds:  # watched: its exit lands in death_t as it happens
+            return True
         f = _stat_fields(pid)
         if not f or f[0] in ("Z", "X") or _start_time(pid) != self.start[pid]:
             self.death_t.setdefault(pid, time.time())
@@ -216,11 +239,14 @@ class ProcTable:
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
+            self._wake()
             self._thread.join(timeout=1)
         with self._lock:
-            for fd in self._fds.values():
+            for fd in [*self._fds.values(), self._wake_r, self._wake_w]:
                 try:
-                    os.close(fd)
+                    if fd >= 0:
+                        os.close(fd)
                 except OSError:
                     pass
             self._fds.clear()
+            self._wake_r, self._wake_w = -1, -1
