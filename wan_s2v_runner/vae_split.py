@@ -29,7 +29,8 @@ How the engine's forward is split (it runs the engine's own modules and weights;
   block's shortcut, its norms and the first conv's output rows that read no halo row are computed
   (``_overlapped_conv``); the first conv's rows at each end follow, so a rank that is a little
   behind its neighbour costs the neighbour nothing. The other cached 3x3 convs (the encoder's and
-  decoder's first conv and head) overlap their exchange with their own interior rows the same way.
+  decoder's first conv and head) and the resampling Conv2ds overlap their exchange with their own
+  interior rows the same way.
 - Temporal caches stay per band: each rank keeps its own ``feat_cache`` with the engine's
   bookkeeping (1 + 4k frame chunks on encode, one latent frame at a time on decode); a conv's
   cache holds its input rows including the halo rows, so the next chunk needs no extra exchange.
@@ -498,18 +499,43 @@ class _BandVAE:
         if m.mode.startswith('upsample'):
             up, conv = m.resample
             x = up(x)  # nearest x2: band rows [s, e) -> [2s, 2e), a copy
-            x = conv_rows(conv, self.rows.halo(x, 1, 1), 2 * full)
+            x = self._halo_conv2d(conv, x, 1, 1, 2 * full)
         elif m.mode.startswith('downsample'):
             zero_pad, conv = m.resample  # ZeroPad2d((0, 1, 0, 1)): rows below come from the halo
             left, right, top, bottom = zero_pad.padding
-            x = F.pad(self.rows.halo(x, top, bottom), (left, right, 0, 0))
-            x = conv_rows(conv, x, full + top + bottom)
+            x = self._halo_conv2d(conv, x, top, bottom, full + top + bottom,
+                                  lambda t: F.pad(t, (left, right, 0, 0)))
         else:
             x = m.resample(x)
         x = rearrange(x, '(b t) c h w -> b c t h w', t=t)
         if m.mode == 'downsample3d':
             x = self._time_downsample(m, x, feat_cache, feat_idx)
         return x
+
+    def _halo_conv2d(self, conv, x, above: int, below: int, full_rows: int, prep=lambda t: t) -> torch.Tensor:
+        """``conv_rows(conv, prep(halo(x, above, below)), full_rows)`` (a resampling Conv2d on
+        the band ``x``, its H padding replaced by ``above``/``below`` halo rows) with the exchange
+        overlapped: the output rows that read no halo row are computed while the halo travels,
+        the rows at each end after. Exact for the reason ``_overlapped_conv`` is."""
+        k, s = conv.weight.shape[-2], conv.stride[-2]
+        rows = x.shape[-2]
+        n_out = (above + rows + below - k) // s + 1
+        j0, j1 = -(-above // s), (above + rows - k) // s  # output rows j0..j1 read x alone
+        pending = self.rows.start_halo(x, above, below)
+        if j1 < j0:  # too thin for rows without a halo
+            top, bottom = pending.wait()
+            return conv_rows(conv, prep(torch.cat(top + [x] + bottom, dim=-2)), full_rows)
+        middle = conv_rows(conv, prep(x.narrow(-2, j0 * s - above, (j1 - j0) * s + k)), full_rows)
+        top, bottom = pending.wait()
+        parts = [middle]
+        if j0 > 0:  # input rows 0 .. (j0 - 1) * s + k - 1 of the band with its halo
+            parts.insert(0, conv_rows(conv, prep(torch.cat(top + [x.narrow(-2, 0, (j0 - 1) * s + k - above)],
+                                                           dim=-2)), full_rows))
+        if j1 < n_out - 1:
+            a = (j1 + 1) * s - above  # the first row of x the next output row reads
+            parts.append(conv_rows(conv, prep(torch.cat([x.narrow(-2, a, rows - a)] + bottom, dim=-2)),
+                                   full_rows))
+        return torch.cat(parts, dim=-2)
 
     def _time_upsample(self, m, x, feat_cache, feat_idx) -> torch.Tensor:
         """``Resample.forward``'s upsample3d time_conv part, with its 'Rep' first chunk."""
