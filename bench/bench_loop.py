@@ -25,8 +25,8 @@ stages (audio_encode, ref_encode, text_encode, decode, motion_encode) summed ove
 ratio to 1 rank; the VAE stages (ref_encode, decode, motion_encode) of the slowest rank and their
 ratio to 1 rank; peak host RSS of rank 0 and the max of the other ranks; the run's wall time and
 its ratio; the CPU seconds the launcher and torchrun's agent used (run.json ``launcher.cpu_s``:
-on 2 cores with 2 ranks they are taken from a rank; torchrun's include its start); and whether the frames (``--frames-out``)
-equal the 1-rank run's. ``--num-clips 2`` (default 1) includes a motion re-encode. Each row's
+on 2 cores with 2 ranks they are taken from a rank; torchrun's include its start); and whether
+the frames (``--frames-out``) equal the 1-rank run's. ``--num-clips 2`` (default 1) includes a motion re-encode. Each row's
 ratios are to the latest 1-rank row before it: ``--layouts 1,ulysses+cfg --repeat 3`` runs three
 side-by-side pairs and ends with each layout's median ratio (this machine's speed drifts 10-25%
 between runs, so one pair is not a measurement).
