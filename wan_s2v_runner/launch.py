@@ -230,9 +230,8 @@ class Supervisor:
         """Live processes of the run (torchrun excluded): found from torchrun's and the known
         workers' children, the ranks' hello records, and (``full``) command lines naming our
         spec.json (catches a worker orphaned before it reported)."""
-        for st in self.reader.ranks.values():
-            if st.pid and st.host in (None, self._host):  # never a pid of another machine
-                self.procs.track(st.pid)
+        for pid in self._local_rank_pids():
+            self.procs.track(pid)
         roots = [p for p in self.procs.start if self.procs.alive(p)]
         if self.proc is not None and self.proc.poll() is None:
             roots.append(self.proc.pid)
@@ -245,6 +244,10 @@ class Supervisor:
         for p in found:
             self.procs.track(p)
         return sorted(p for p in self.procs.start if self.procs.alive(p))
+
+    def _local_rank_pids(self) -> list[int]:
+        """Pids the ranks of this node reported (never a pid of another machine)."""
+        return [st.pid for st in self.reader.ranks.values() if st.pid and st.host in (None, self._host)]
 
     def rank_alive(self, st: RankState) -> bool:
         return bool(st.pid) and self.procs.alive(st.pid)
@@ -306,7 +309,7 @@ class Supervisor:
             except (OSError, subprocess.SubprocessError):
                 continue
 
-    def sample_memory(self) -> None:
+    def sample_usage(self) -> None:
         """Peak RSS of each rank, and torchrun's own CPU seconds so far (for run.json)."""
         if self.proc is not None and self.proc.poll() is None:
             self.torchrun_cpu_s = cpu_s(self.proc.pid) or self.torchrun_cpu_s
@@ -340,14 +343,14 @@ class Supervisor:
         first_failure_t: Optional[float] = None
         tick = 0
         # /proc walks take CPU from the ranks on a small node: every TREE_WALK_S (and when a rank
-        # says hello), the command-line scan every tenth walk
+        # reports a pid not tracked yet), the command-line scan every tenth walk
         walk_every = max(1, round(TREE_WALK_S / poll_s))
         while True:
             now = time.time()
             new = self.reader.poll()
-            if tick % walk_every == 0 or any(ev.get("kind") == "hello" for ev in new):
+            if tick % walk_every == 0 or not all(map(self.procs.known, self._local_rank_pids())):
                 self.tree(full=tick % (10 * walk_every) == 0)
-                self.sample_memory()
+                self.sample_usage()
             tick += 1
             try:
                 self.display.update(self.reader, new, now - self.t0)
@@ -500,13 +503,6 @@ def _remove_empty_stacks(run_dir: Path) -> None:
         pass
 
 
-def _own_cpu_s() -> float:
-    """CPU seconds of this process, every thread, children excluded."""
-    import resource
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
 def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional[dict] = None) -> int:
     """Spawn and supervise one run. Returns an exit code (see exit_codes)."""
     spec = finalize_spec(spec)
@@ -523,7 +519,7 @@ def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional
             old[s] = signal.signal(s, sup.on_signal)
     before = _output_stamp(spec.output)
     started = time.time()
-    cpu_before = _own_cpu_s()
+    cpu_before = cpu_s(os.getpid()) or 0.0
     try:
         try:
             sup.start()
@@ -546,7 +542,7 @@ def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional
                               launcher={"pid": os.getpid(), "torchrun_pid": sup.proc.pid if sup.proc else None,
                                         "torchrun_exit_code": outcome.torchrun_rc,
                                         "host_peak_rss_mb_seen": {str(k): v for k, v in sup.host_hwm_mb.items()},
-                                        "cpu_s": {"launcher": round(_own_cpu_s() - cpu_before, 3),
+                                        "cpu_s": {"launcher": round((cpu_s(os.getpid()) or 0.0) - cpu_before, 3),
                                                   "torchrun": sup.torchrun_cpu_s},
                                         "rank_exit_codes": {str(k): v for k, v in
                                                             parse_torchrun_exits(sup.log_path).items()} or None,

@@ -150,8 +150,12 @@ class ProcTable:
         self._wake_r, self._wake_w = -1, -1  # the watch thread's wake-up pipe, made with it
         self._thread: Optional[threading.Thread] = None  # started with the first pidfd
 
+    def known(self, pid: int) -> bool:
+        """Whether ``pid`` was tracked (alive or dead since)."""
+        return pid in self.start or pid in self.death_t
+
     def track(self, pid: int) -> None:
-        if pid in self.start or pid in self.death_t:
+        if self.known(pid):
             return
         st = _start_time(pid)
         if st is None:

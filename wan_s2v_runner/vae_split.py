@@ -521,10 +521,9 @@ class _BandVAE:
         rows = x.shape[-2]
         n_out = (above + rows + below - k) // s + 1
         j0, j1 = -(-above // s), (above + rows - k) // s  # output rows j0..j1 read x alone
-        pending = self.rows.start_halo(x, above, below)
         if j1 < j0:  # too thin for rows without a halo
-            top, bottom = pending.wait()
-            return conv_rows(conv, prep(torch.cat(top + [x] + bottom, dim=-2)), full_rows)
+            return conv_rows(conv, prep(self.rows.halo(x, above, below)), full_rows)
+        pending = self.rows.start_halo(x, above, below)
         middle = conv_rows(conv, prep(x.narrow(-2, j0 * s - above, (j1 - j0) * s + k)), full_rows)
         top, bottom = pending.wait()
         parts = [middle]
