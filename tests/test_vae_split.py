@@ -106,4 +106,5 @@ def test_split_encode_decode_equal_engine_bitwise(tiny_assets, tmp_path):
                     checked.add(call)
                     assert res["unclamped"] > 0.9  # the decode is not clamped flat: values compared
     assert checked == {"encode/3", "decode/3", "encode/2", "decode/2", "encode/3/thin", "decode/3/thin",
-                       "decode/3/band", "decode/3/gathered", "encode/3/from-bands"}
+                       "decode/3/band", "decode/3/gathered", "encode/3/from-bands", "encode/3/ungrouped",
+                       "decode/3/ungrouped"}

@@ -51,6 +51,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     from patches import checkpoint_dims
     from wan_s2v_runner.engine import import_wan
+    from wan_s2v_runner import vae_split
     from wan_s2v_runner.vae_split import decode_bands, gather_bands, own_band, split_decode, split_encode
 
     wan = import_wan()
@@ -82,6 +83,12 @@ def main() -> None:
         ref_thin_enc, ref_thin_dec = vae.encode(thin_v), vae.decode(thin_z)
     report[f"encode/{world}/thin"] = compare(split_encode(vae, thin_v, dst=None), ref_thin_enc, True)
     report[f"decode/{world}/thin"] = compare(split_decode(vae, thin_z, dst=None), ref_thin_dec, True)
+    # chunks one at a time through the layers (what real frame sizes do: GROUP_BYTES); the calls
+    # above run each video's chunks through every layer together
+    group_bytes, vae_split.GROUP_BYTES = vae_split.GROUP_BYTES, 0
+    report[f"encode/{world}/ungrouped"] = compare(split_encode(vae, videos, dst=None), ref_enc, True)
+    report[f"decode/{world}/ungrouped"] = compare(split_decode(vae, zs, dst=None), ref_dec, True)
+    vae_split.GROUP_BYTES = group_bytes
     sub = dist.new_group(list(range(1, world)))  # every rank takes part in creating it
     if rank >= 1:
         report[f"encode/{world - 1}"] = compare(split_encode(vae, videos, group=sub, dst=None),

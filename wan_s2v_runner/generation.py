@@ -196,14 +196,16 @@ class S2VGenerator:
             return torch.stack(split_encode(self.s2v.vae, videos, dst=None, height=height))
         return torch.stack(self.s2v.vae.encode(videos))
 
-    def _decode(self, zs, split: bool, height: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """The engine's ``vae.decode``: (the whole frames on the decoding rank, else None; with
-        ``split``, this rank's row band of them, else None). The whole frames are gathered on the
-        decoding rank only: the next motion encode reads the bands."""
+    def _decode(self, zs, split: bool, height: int, keep: Callable[[torch.Tensor], torch.Tensor]
+                ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``keep`` (a slice of frames) of the engine's ``vae.decode``: (the whole frames on the
+        decoding rank, else None; with ``split``, this rank's row band of them, else None). Only
+        the kept frames are gathered, on the decoding rank only: the next motion encode reads the
+        bands (upstream decodes a clip's motion frames as well, ~10x the frames it keeps)."""
         if not split:
-            return torch.stack(self.s2v.vae.decode(zs)), None
+            return keep(torch.stack(self.s2v.vae.decode(zs))), None
         from wan_s2v_runner.vae_split import decode_bands, gather_bands
-        band = torch.stack(decode_bands(self.s2v.vae, zs))
+        band = keep(torch.stack(decode_bands(self.s2v.vae, zs))).contiguous()
         whole = gather_bands(self.s2v.vae, band, height, dst=0)
         return (torch.stack(whole) if whole is not None else None), band
 
@@ -380,12 +382,12 @@ class S2VGenerator:
                     h.stage(Stage.DECODE, clip=r + 1, clips=enc.num_repeat)
                     decode_latents = torch.cat([ref_latents_or_motion(drop, enc.ref_latents, motion_latents), latents],
                                                dim=2)
-                    image, image_band = self._decode(decode_latents, split_vae, HEIGHT)
+                    image, image_band = self._decode(decode_latents, split_vae, HEIGHT,
+                                                     lambda video: clip_frames(video, drop))
                     if image is not None:
-                        image = clip_frames(image, drop)
                         videos_last_frames = roll(videos_last_frames, image)
                     if image_band is not None:
-                        last_band = roll(last_band, clip_frames(image_band, drop))
+                        last_band = roll(last_band, image_band)
                     if plan.decodes:
                         frames = image.cpu()
                         out.append(frames)

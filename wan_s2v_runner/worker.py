@@ -160,6 +160,8 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
                                           carried["videos_last_frames"]), before)
                 events.emit("resumed", clip=progress.next_clip + 1, clips=progress.num_clips,
                             source=str(spec.resume_from))
+        if dist.get_world_size() > 1:  # every rank starts generating together, so each stage's time
+            dist.barrier()  # is its own work, not a wait for a slower rank's loading
         video = S2VGenerator(parts, plan, hooks).generate(request_for(spec), resuming=bool(spec.resume_from),
                                                           resume=resume_state)
         if rank == 0:
