@@ -205,7 +205,7 @@ class S2VGenerator:
         if not split:
             return keep(torch.stack(self.s2v.vae.decode(zs))), None
         from wan_s2v_runner.vae_split import decode_bands, gather_bands
-        band = keep(torch.stack(decode_bands(self.s2v.vae, zs))).contiguous()
+        band = keep(torch.stack(decode_bands(self.s2v.vae, zs))).contiguous()  # a copy: frees the rest
         whole = gather_bands(self.s2v.vae, band, height, dst=0)
         return (torch.stack(whole) if whole is not None else None), band
 

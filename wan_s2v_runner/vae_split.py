@@ -316,16 +316,14 @@ class _Rows:
                 recv("below", below, self.rank + 1)
         works = dist.batch_isend_irecv(ops) if ops else []
 
-        def edge(key, n, i):  # chunk i's received rows, or the frame's zero padding at its top/bottom
+        def edges(key, n) -> list[list]:  # per chunk: its received rows, or the frame's zero padding
             if not n:
-                return []
+                return [[] for _ in xs]
             if key not in got:
-                return [xs[i].new_zeros(part(shapes[i], n))]
-            start = sum(math.prod(part(s, n)) for s in shapes[:i])
-            return [got[key].narrow(0, start, math.prod(part(shapes[i], n))).view(part(shapes[i], n))
-                    .to(xs[i].device)]
-        return _PendingHalo(works, sent, lambda: [(edge("above", above, i), edge("below", below, i))
-                                                  for i in range(len(xs))])
+                return [[x.new_zeros(part(s, n))] for x, s in zip(xs, shapes)]
+            pieces = got[key].split([math.prod(part(s, n)) for s in shapes])
+            return [[p.view(part(s, n)).to(x.device)] for p, x, s in zip(pieces, xs, shapes)]
+        return _PendingHalo(works, sent, lambda: list(zip(edges("above", above), edges("below", below))))
 
     def _padded(self, x: torch.Tensor, f: int) -> tuple[torch.Tensor, list[int]]:
         heights = [(e - s) * f for s, e in self.bands]
@@ -366,7 +364,7 @@ class _BandVAE:
 
     The engine runs its chunks (1 + 4k frames on encode, one latent frame on decode) one after
     the other through every layer. Here a group of consecutive chunks goes through each layer
-    before the next layer (``group_chunks``): a layer's halo exchange carries the rows of every
+    before the next layer (``_groups``, ``GROUP_BYTES``): a layer's halo exchange carries the rows of every
     chunk of the group in one message, so a group of G chunks makes G times fewer exchanges, each
     of them one point where both ranks wait for the slower. The arithmetic is the engine's: every
     conv runs per chunk, on the same input as in the engine's order, and a conv's temporal cache
@@ -512,18 +510,14 @@ class _BandVAE:
         k = conv._padding[2]
         rows = xs[0].shape[-2]
         full = self.rows.full_rows(xs[0]) + 2 * k
-        olds = [feat_cache[idx]]  # olds[c]: the cache chunk c reads (rows -extra .. rows + extra - 1)
+        old = feat_cache[idx]  # rows -extra .. rows + extra - 1 of the previous chunk's input
+        band_old = None if old is None else old.narrow(-2, extra, rows)
         middles = []  # rows k .. rows - k - 1 of each chunk's output
         for x in xs:
-            old = olds[-1]
-            middles.append(self._causal(conv, x, None if old is None else old.narrow(-2, extra, rows), full))
-            olds.append(None)  # the next chunk's cache: only its band rows are known before the halo
-            band_tail = self._tail(x, None if old is None else old.narrow(-2, extra, rows))
-            olds[-1] = F.pad(band_tail, (0, 0, extra, extra))  # halo rows filled in below
+            middles.append(self._causal(conv, x, band_old, full))
+            band_old = self._tail(x, band_old)  # the band rows of the cache the next chunk reads
         out = []
-        for c, (x, (top, bottom)) in enumerate(zip(xs, pending.wait())):
-            old = olds[c]
-
+        for x, middle, (top, bottom) in zip(xs, middles, pending.wait()):
             def cached(a, b):  # the cache's rows a .. b - 1 (band row numbers), or None
                 return None if old is None else old.narrow(-2, a + extra, b - a)
 
@@ -536,11 +530,9 @@ class _BandVAE:
                                  cached(-extra, 2 * k), full)
             last = self._causal(conv, torch.cat([x.narrow(-2, rows - 2 * k, 2 * k), bottom], dim=-2),
                                 cached(rows - 2 * k, rows + extra), full)
-            olds[c + 1] = torch.cat([t[:, :, -self.eng.CACHE_T:] for t in (top, x, bottom)], dim=-2)
-            if olds[c + 1].shape[2] < 2 and old is not None:
-                olds[c + 1] = torch.cat([old[:, :, -1].unsqueeze(2).to(x.device), olds[c + 1]], dim=2)
-            out.append(torch.cat([first, middles[c], last], dim=-2))
-        feat_cache[idx] = olds[-1]
+            out.append(torch.cat([first, middle, last], dim=-2))
+            old = self._tail(torch.cat([t[:, :, -self.eng.CACHE_T:] for t in (top, x, bottom)], dim=-2), old)
+        feat_cache[idx] = old
         return out
 
     def attention(self, block, xs) -> list[torch.Tensor]:
@@ -685,7 +677,7 @@ class _BandVAE:
             z = z / scale[1] + scale[0]
         x = self.conv(model.conv2, z)
         feat_cache = [None] * self.eng.count_conv3d(model.decoder)
-        factor = 2 ** _levels(model.decoder.upsamples, 'upsample', self.eng)
+        factor = _decoder_factor(model)
         outs = []
         for group in self._groups([x[:, :, i:i + 1] for i in range(z.shape[2])],
                                   z.shape[-2] * z.shape[-1] * factor * factor, x.element_size()):
@@ -750,6 +742,11 @@ def _encoder_factor(vae) -> int:
     return 2 ** _levels(vae.model.encoder.downsamples, 'downsample', eng)
 
 
+def _decoder_factor(model) -> int:
+    """Pixel rows per latent row of the decoder's output (``model``: the engine's WanVAE_)."""
+    return 2 ** _levels(model.decoder.upsamples, 'upsample', sys.modules[type(model).__module__])
+
+
 @torch.no_grad()
 def split_encode(vae, videos: Sequence[torch.Tensor], group=None, dst: Optional[int] = 0,
                  height: Optional[int] = None) -> Optional[list[torch.Tensor]]:
@@ -772,8 +769,7 @@ def split_encode(vae, videos: Sequence[torch.Tensor], group=None, dst: Optional[
 
 
 def _decode_results(vae, zs, group) -> list[tuple[_Rows, torch.Tensor]]:
-    eng = sys.modules[type(vae.model).__module__]
-    factor = 2 ** _levels(vae.model.decoder.upsamples, 'upsample', eng)
+    factor = _decoder_factor(vae.model)
 
     def decode(band_vae, band):
         x = band_vae.decode(band, vae.scale).float().clamp_(-1, 1)
