@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_loop import PRESETS, ensure_assets  # noqa: E402
-from wan_s2v_runner.layout import LoadStrategy, Mode  # noqa: E402
-from wan_s2v_runner.proctree import descendants, ppid_map  # noqa: E402
+from wan_s2v_runner.shared.layout import LoadStrategy, Mode  # noqa: E402
+from wan_s2v_runner.launcher.proctree import descendants, ppid_map  # noqa: E402
 
 #: layout -> (nproc, mode, --load); "@1" = the same mode on one rank (the ratio's reference);
 #: "full:" = upstream's loading (every rank reads whole files: the baseline lean loading is
@@ -134,7 +134,7 @@ def loaded_bytes(run_dir: Path) -> dict[int, int]:
 def load_windows(run_dir: Path) -> dict[int, tuple[int, float, float]]:
     """rank -> (pid, load start, load end) from the run's event files: from the ``load`` stage to
     the first stage that is not loading (the input encodes that follow are not loading)."""
-    from wan_s2v_runner.stages import Stage
+    from wan_s2v_runner.shared.stages import Stage
     LOADING = {Stage.LOAD, Stage.FINGERPRINT, Stage.SHARD}
 
     out = {}

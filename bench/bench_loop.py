@@ -94,9 +94,9 @@ VAE_STAGES = ("ref_encode", "decode", "motion_encode")
 def ensure_assets(cache: Path, preset: str, overrides: Optional[dict] = None) -> tuple[Path, Path, Path]:
     """(ckpt_dir, image, audio) of ``preset`` (with builder ``overrides``) under ``cache``, built
     once. A marker with the parameters is written last; a missing or different marker rebuilds."""
-    from wan_s2v_runner.atomic import atomic_write, write_text
-    from wan_s2v_runner.demo_assets import dir_lock
-    from wan_s2v_runner.tiny_checkpoint import (TINY_FORMAT_VERSION, build_tiny_checkpoint,
+    from wan_s2v_runner.shared.atomic import atomic_write, write_text
+    from wan_s2v_runner.demo.assets import dir_lock
+    from wan_s2v_runner.demo.tiny_checkpoint import (TINY_FORMAT_VERSION, build_tiny_checkpoint,
                                                 checkpoint_is_complete)
     p = PRESETS[preset]
     if overrides:
@@ -120,7 +120,7 @@ def ensure_assets(cache: Path, preset: str, overrides: Optional[dict] = None) ->
     d.mkdir(parents=True, exist_ok=True)
     with dir_lock(d / ".lock"):
         if not valid():
-            from wan_s2v_runner.synthetic_inputs import make_reference_image, make_speech_audio
+            from wan_s2v_runner.demo.synthetic_inputs import make_reference_image, make_speech_audio
             marker.unlink(missing_ok=True)
             t0 = time.perf_counter()
             print(f"building the {preset!r} preset in {d} ({p['ckpt']}) ...", file=sys.stderr, flush=True)

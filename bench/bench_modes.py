@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from wan_s2v_runner import launch  # noqa: E402
-from wan_s2v_runner.console import Display  # noqa: E402
-from wan_s2v_runner.spec import RunSpec, parse_size  # noqa: E402
+from wan_s2v_runner.launcher import launch  # noqa: E402
+from wan_s2v_runner.launcher.console import Display  # noqa: E402
+from wan_s2v_runner.shared.spec import RunSpec, parse_size  # noqa: E402
 
 
 def one(spec: RunSpec) -> dict:
@@ -54,7 +54,7 @@ def main() -> int:
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="wan-s2v-bench-"))
     if a.ckpt_dir is None:
-        from wan_s2v_runner.demo_assets import ensure_demo_assets
+        from wan_s2v_runner.demo.assets import ensure_demo_assets
         assets = ensure_demo_assets(work / "demo")
         a.ckpt_dir, a.image, a.audio = assets.ckpt_dir, assets.image, assets.audio
     base = dict(ckpt_dir=a.ckpt_dir, image=a.image, audio=a.audio, prompt="a person talking",

@@ -37,7 +37,7 @@ def worker(a) -> None:
 
     torch.set_num_threads(1)
     from patches import checkpoint_dims
-    from wan_s2v_runner.engine import import_wan
+    from wan_s2v_runner.loading.engine import import_wan
     wan = import_wan()
     checkpoint_dims.apply(wan)  # the VAE width comes from the file, as in a run
     from wan.modules.vae2_1 import Wan2_1_VAE

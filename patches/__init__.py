@@ -1,7 +1,7 @@
 """Engine patches: small, named, tested changes to the official ``wan`` code, applied at run time.
 
 The engine's files are never edited. Each module here says what upstream does, why we change
-it, and which test proves it. Two apply before ``import wan`` (see ``wan_s2v_runner.engine``):
+it, and which test proves it. Two apply before ``import wan`` (see ``wan_s2v_runner.loading.engine``):
 ``torchvision_cpu`` and ``t5_import_device``. The rest apply after import, per run, through
 :func:`apply_for_run`, which returns the names applied (recorded in the run manifest).
 """

@@ -30,7 +30,7 @@ Change:
   * ``resolve_backend(requested, device_type)`` picks fa3 > fa2 > sdpa for ``auto`` on CUDA after a
     real import *and* a tiny kernel call (catches ABI mismatch, wrong GPU arch), always sdpa on
     CPU; an explicit fa3/fa2 that cannot work raises a one-line RuntimeError with the fix. The
-    measurement and the rule live in ``wan_s2v_runner.attention_backends``
+    measurement and the rule live in ``wan_s2v_runner.shared.attention_backends``
     (``measure_availability`` + ``choose_backend``), which the doctor applies to recorded facts,
     so its prediction and the run's choice cannot drift apart; ``guard_flash_attn_imports`` is
     there too and re-exported here.
@@ -56,7 +56,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from wan_s2v_runner.attention_backends import (  # noqa: F401  (engine.py calls the guard from here)
+from wan_s2v_runner.shared.attention_backends import (  # noqa: F401  (engine.py calls the guard from here)
     BACKENDS,
     BackendUnavailable,
     choose_backend,

@@ -10,7 +10,7 @@ ranks that differ from rank 0 — with no broadcast, different weights would sil
 frames (measured rel. error 0.30); (2) calls upstream ``shard_model`` with
 ``sync_module_states=False``, ``device_id`` = the CPU device on CPU (the CUDA index on GPU), and
 ``param_dtype`` = the run's param dtype (fp32 on CPU).
-A model whose parameters are on the meta device (lean loading, ``wan_s2v_runner.lean_load``)
+A model whose parameters are on the meta device (lean loading, ``wan_s2v_runner.loading.lean_load``)
 is wrapped without materializing it: FSDP gets a ``param_init_fn`` that allocates each unit with
 ``to_empty`` (untouched pages), and, for this call only, FSDP's flattening copy
 (``FlatParamHandle.flatten_tensors``, a ``torch.cat`` of the unit) and its shard copy
@@ -35,7 +35,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from wan_s2v_runner.stages import Stage
+from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.fsdp")
 

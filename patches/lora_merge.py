@@ -5,13 +5,13 @@ device, or on the CPU when it will be FSDP-sharded) and hands it to ``self._conf
 which rebinds the Ulysses attention forwards and FSDP-wraps it; the S2V pipeline has no LoRA
 support at all.
 Change: wrap ``WanS2V._configure_model`` so that it first merges the LoRAs into the model it is
-given (:func:`wan_s2v_runner.lora.merge`: fp32 accumulation on the weight's device, rounded once
+given (:func:`wan_s2v_runner.loading.lora.merge`: fp32 accumulation on the weight's device, rounded once
 to the weight's dtype), then calls upstream's. Sharding, Ulysses and the FSDP weight fingerprint
 therefore see plain, merged weights: no mode needs a LoRA code path, and a LoRA costs nothing
 per step. With no LoRA in the spec the patch is not applied. Under lean loading an FSDP DiT
 arrives here still on the meta device (its shards are read after wrapping): the LoRAs are then
 checked against its shapes and left on the model shell as ``PENDING`` (a
-:class:`~wan_s2v_runner.lora.LoraDeltas`), and ``lean_load.merge_deltas_into_shards`` adds each
+:class:`~wan_s2v_runner.loading.lora.LoraDeltas`), and ``lean_load.merge_deltas_into_shards`` adds each
 delta to the slices the rank holds once they are filled — element for element the same merge.
 Proof: tests/test_lora.py (merged DiT == peft's un-merged adapter on the same DiT; strength 0 ==
 no LoRA; the three formats give the same frames; fsdp-fixed and hybrid at 2 ranks == 1 process).
@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from wan_s2v_runner.lora import LoraDeltas, LoraSource, merge
+from wan_s2v_runner.loading.lora import LoraDeltas, LoraSource, merge
 
 log = logging.getLogger("wan_s2v.lora")
 _MARK = "_wan_s2v_lora_merge"

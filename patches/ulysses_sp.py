@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from patches.local_audio import SEQ_LEN_ATTR
-from wan_s2v_runner.layout import padded_length, split_evenly
+from wan_s2v_runner.shared.layout import padded_length, split_evenly
 
 _MARK = "_wan_s2v_ulysses_sp"
 _HELPER_MODULES = ("wan.distributed.util", "wan.distributed.ulysses", "wan.distributed.sequence_parallel",

@@ -1,5 +1,5 @@
 """One module per parallel mode; ``get(mode)`` returns its :class:`~runners.base.ModeRunner`."""
-from wan_s2v_runner.layout import Mode
+from wan_s2v_runner.shared.layout import Mode
 
 from . import fsdp_fixed, hybrid, ulysses
 from .base import ModeRunner

@@ -1,13 +1,13 @@
 """What every mode runner provides: its mode, what that mode does to the engine (from
-:data:`wan_s2v_runner.layout.MODES`), how a rank prepares for it (:meth:`ModeRunner.prepare`:
+:data:`wan_s2v_runner.shared.layout.MODES`), how a rank prepares for it (:meth:`ModeRunner.prepare`:
 the (cfg, sp) plan, Ulysses on the SP group for any degree (``patches.ulysses_sp``), the engine parts this
 rank loads), and one spawn path (``launch.run``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wan_s2v_runner.layout import MODES, Mode, ModeTraits
-from wan_s2v_runner.spec import RunSpec
+from wan_s2v_runner.shared.layout import MODES, Mode, ModeTraits
+from wan_s2v_runner.shared.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class ModeRunner:
         sequence-parallel mode, and the engine parts the plan needs (DiT sharded/split as
         the layout says; T5, wav2vec2 and VAE only where they run). Returns (plan, parts,
         patches applied here)."""
-        from wan_s2v_runner import components
-        from wan_s2v_runner.parallel import rank_plan
+        from wan_s2v_runner.loading import components
+        from wan_s2v_runner.rank.parallel import rank_plan
 
         lay = spec.layout
         plan = rank_plan(lay, device.type)
@@ -49,7 +49,7 @@ class ModeRunner:
 
     def launch(self, spec: RunSpec, **kwargs) -> int:
         """Spawn ``python -m torch.distributed.run`` for this mode and supervise it."""
-        from wan_s2v_runner import launch
+        from wan_s2v_runner.launcher import launch
         if spec.mode is not self.mode:
             spec = spec.model_copy(update={"mode": self.mode})
         return launch.run(spec, **kwargs)

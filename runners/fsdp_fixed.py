@@ -5,7 +5,7 @@ reported init hang; ``patches.fsdp_no_sync`` turns that off and instead proves e
 identical weights (all-gathered fingerprint). No sequence parallelism: every rank denoises the
 whole sequence, so it helps memory, not speed.
 """
-from wan_s2v_runner.layout import Mode
+from wan_s2v_runner.shared.layout import Mode
 
 from .base import ModeRunner
 

@@ -34,7 +34,7 @@ TINY_FLAGS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "--st
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
     """The demo's tiny checkpoint, reference image and speech audio (built once per session)."""
-    from wan_s2v_runner.demo_assets import ensure_demo_assets
+    from wan_s2v_runner.demo.assets import ensure_demo_assets
 
     return ensure_demo_assets(tmp_path_factory.mktemp("assets") / "demo")
 
@@ -69,9 +69,9 @@ def engine_cpu(tiny_assets):
     """The engine imported and patched for an fp32 CPU run in this process (no process group):
     (wan, engine config, the tiny spec of TINY_FLAGS). Undone after the module."""
     from patches import apply_for_run
-    from wan_s2v_runner.engine import import_wan
-    from wan_s2v_runner.spec import RunSpec
-    from wan_s2v_runner.worker import engine_config
+    from wan_s2v_runner.loading.engine import import_wan
+    from wan_s2v_runner.shared.spec import RunSpec
+    from wan_s2v_runner.rank.worker import engine_config
 
     torch.set_num_threads(1)
     wan = import_wan()
@@ -86,11 +86,11 @@ def engine_cpu(tiny_assets):
 def one_process_frames(engine_cpu, **updates) -> "torch.Tensor":
     """Our loop at one process, in this process, for the tiny spec with ``updates`` (the frames
     a ``--nproc 1`` run of the same flags writes: its worker runs this same loop)."""
-    from wan_s2v_runner import components
-    from wan_s2v_runner.generation import S2VGenerator
-    from wan_s2v_runner.layout import Layout, Mode
-    from wan_s2v_runner.parallel import RankPlan
-    from wan_s2v_runner.worker import request_for
+    from wan_s2v_runner.loading import components
+    from wan_s2v_runner.rank.generation import S2VGenerator
+    from wan_s2v_runner.shared.layout import Layout, Mode
+    from wan_s2v_runner.rank.parallel import RankPlan
+    from wan_s2v_runner.rank.worker import request_for
 
     wan, cfg, spec = engine_cpu
     spec = spec.model_copy(update=updates)

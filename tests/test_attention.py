@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from wan_s2v_runner.engine import import_wan
+from wan_s2v_runner.loading.engine import import_wan
 import torch
 
 from patches import attention as pa
 from patches.attention import apply, resolve_backend, sdpa_attention
-from wan_s2v_runner.attention_backends import (BackendUnavailable, choose_backend,
+from wan_s2v_runner.shared.attention_backends import (BackendUnavailable, choose_backend,
                                                describe_import_error, measure_availability)
 from wan_s2v_runner.preflight.facts import MachineFacts
 
@@ -206,7 +206,7 @@ def test_choose_backend_on_recorded_machines():
 def test_broken_flash_attn_is_measured_as_an_abi_mismatch(tmp_path, monkeypatch):
     """A flash_attn whose import fails with 'undefined symbol' (a wheel for another torch): the
     measurement says so before and after the pre-import guard parks it, and auto avoids it."""
-    import wan_s2v_runner.attention_backends as ab
+    import wan_s2v_runner.shared.attention_backends as ab
 
     pkg = tmp_path / "flash_attn"
     pkg.mkdir()

@@ -1,9 +1,9 @@
-"""``--pin-cpus``: which CPUs a CPU rank binds to (:func:`wan_s2v_runner.cpu_binding.cpu_binding`).
+"""``--pin-cpus``: which CPUs a CPU rank binds to (:func:`wan_s2v_runner.rank.cpu_binding.cpu_binding`).
 The end-to-end binding (a 2-rank run's ``run.json`` ``ranks.N.cpus``) is asserted in test_parity."""
 from __future__ import annotations
 
-from wan_s2v_runner import cli
-from wan_s2v_runner.cpu_binding import cpu_binding
+from wan_s2v_runner.launcher import cli
+from wan_s2v_runner.rank.cpu_binding import cpu_binding
 
 
 def test_each_local_rank_gets_its_own_run_of_threads_cpus():

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from wan_s2v_runner import cli, flags
-from wan_s2v_runner.spec import RunSpec, env_values, flag_name, flag_of, load_toml
+from wan_s2v_runner.launcher import cli, flags
+from wan_s2v_runner.shared.spec import RunSpec, env_values, flag_name, flag_of, load_toml
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -86,6 +86,6 @@ def test_readme_flags_table_is_generated_from_the_fields():
     text = README.read_text(encoding="utf-8")
     assert flags.README_BEGIN in text and flags.README_END in text
     assert flags.replace_readme_block(text) == text, \
-        "README flags table is stale: run `python -m wan_s2v_runner.flags --write README.md`"
+        "README flags table is stale: run `python -m wan_s2v_runner.launcher.flags --write README.md`"
     for name in RunSpec.model_fields:
         assert f"`{flag_name(name)}" in text

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from conftest import TINY_FLAGS, run_frames
-from wan_s2v_runner.layout import Layout, Mode
+from wan_s2v_runner.shared.layout import Layout, Mode
 
 
 @pytest.mark.parametrize("solver, start_from_ref", [("unipc", False), ("dpm++", True)])
 def test_our_loop_equals_upstream_generate(engine_cpu, solver, start_from_ref):
-    from wan_s2v_runner import components
-    from wan_s2v_runner.generation import S2VGenerator
-    from wan_s2v_runner.parallel import RankPlan
-    from wan_s2v_runner.worker import request_for
+    from wan_s2v_runner.loading import components
+    from wan_s2v_runner.rank.generation import S2VGenerator
+    from wan_s2v_runner.rank.parallel import RankPlan
+    from wan_s2v_runner.rank.worker import request_for
 
     wan, cfg, spec = engine_cpu
     spec = spec.model_copy(update={"solver": solver, "start_from_ref": start_from_ref, "seed": 7, "num_clips": 2})
@@ -53,7 +53,7 @@ def test_our_loop_equals_upstream_generate(engine_cpu, solver, start_from_ref):
 
 
 def _recording(stages):
-    from wan_s2v_runner.generation import Hooks
+    from wan_s2v_runner.rank.generation import Hooks
     return Hooks(stage=lambda s, **k: stages.append(str(s)))
 
 

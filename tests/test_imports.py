@@ -76,7 +76,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_graph_is_read_from_the_sources():
     g = import_graph()
-    assert "wan_s2v_runner.spec" in g["wan_s2v_runner.cli"]  # sanity: edges are found
+    assert "wan_s2v_runner.shared.spec" in g["wan_s2v_runner.launcher.cli"]  # sanity: edges are found
     assert "wan_s2v_runner.preflight.checks_parallel" in g["wan_s2v_runner.preflight.registry"]
 
 
@@ -92,7 +92,7 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_vocabularies_import_nothing_from_the_project():
     g = import_graph()
-    for leaf in ("wan_s2v_runner.layout", "wan_s2v_runner.stages", "wan_s2v_runner.exit_codes"):
+    for leaf in ("wan_s2v_runner.shared.layout", "wan_s2v_runner.shared.stages", "wan_s2v_runner.shared.exit_codes"):
         assert g[leaf] == set(), (leaf, g[leaf])
 
 
@@ -100,4 +100,4 @@ def test_preflight_does_not_import_the_cli():
     g = import_graph()
     for mod, deps in g.items():
         if mod.startswith("wan_s2v_runner.preflight"):
-            assert "wan_s2v_runner.cli" not in deps, mod
+            assert "wan_s2v_runner.launcher.cli" not in deps, mod

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from wan_s2v_runner import layout as layout_mod
-from wan_s2v_runner.layout import (MODES, Layout, Mode, padded_length, sp_degree_fits, split_evenly,
+from wan_s2v_runner.shared import layout as layout_mod
+from wan_s2v_runner.shared.layout import (MODES, Layout, Mode, padded_length, sp_degree_fits, split_evenly,
                                    valid_sp_degrees)
 from wan_s2v_runner.preflight import CheckContext, MachineFacts, Status, recommend_mode, run_checks
 from wan_s2v_runner.preflight.core import find
 from wan_s2v_runner.preflight.registry import groups_for
-from wan_s2v_runner.spec import RunSpec
+from wan_s2v_runner.shared.spec import RunSpec
 
 MACHINES = Path(__file__).parent / "data" / "machines"
 
@@ -55,7 +55,7 @@ def test_degree_rule():
 
 def test_plans_per_gpu_count():
     """The doctor's table: the fastest valid split of each GPU count, explained."""
-    from wan_s2v_runner.plans import best_plan, plan_table
+    from wan_s2v_runner.preflight.plans import best_plan, plan_table
     lengths = [59136, 63360]  # 1024x704, 80 frames: clip 1 and later clips
     table = plan_table(Mode.ULYSSES, 40, 5120, 13824, lengths)
     assert [p.world_size for p in table] == list(range(1, 17)) and all(p.valid for p in table)
@@ -112,7 +112,7 @@ def test_memory_plan_follows_the_layout_not_the_mode_name(mode):
 
 
 def test_vae_split_is_on_with_several_ranks_unless_switched_off_or_too_few_rows():
-    from wan_s2v_runner.parallel import RankPlan
+    from wan_s2v_runner.rank.parallel import RankPlan
 
     assert not Layout.for_mode(Mode.ULYSSES, 1).splits_vae(704)  # one rank: the engine's own VAE calls
     two = Layout.for_mode(Mode.ULYSSES, 2)

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from wan_s2v_runner import ckpt_read, lean_load
+from wan_s2v_runner.loading import ckpt_read, lean_load
 
 
 @pytest.fixture(scope="module")

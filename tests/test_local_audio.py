@@ -23,7 +23,7 @@ DIMS = dict(seed=7, dit_dim=64, dit_heads=4, dit_layers=2, wav2vec_hidden=32)
 @pytest.fixture(scope="module")
 def wan():
     from patches import attention
-    from wan_s2v_runner.engine import import_wan
+    from wan_s2v_runner.loading.engine import import_wan
     w = import_wan()
     attention.apply(w, "sdpa")
     return w
@@ -46,7 +46,7 @@ def ms(wan):
 @pytest.fixture(scope="module")
 def model(local_audio, ms, tmp_path_factory):
     """The tiny DiT after one (one-process) forward: the state after_transformer_block reads."""
-    from wan_s2v_runner.tiny_checkpoint import build_tiny_checkpoint
+    from wan_s2v_runner.demo.tiny_checkpoint import build_tiny_checkpoint
     ckpt = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", **DIMS)
     dit = ms.WanModel_S2V.from_pretrained(str(ckpt), torch_dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)

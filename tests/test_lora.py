@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from conftest import TINY_FLAGS, asset_flags, run_cli
-from wan_s2v_runner import cli, exit_codes
-from wan_s2v_runner.lora import LoraFormat, LoraSource, merge, plan
-from wan_s2v_runner.preflight.ckpt_reader import dit_shapes
+from wan_s2v_runner.launcher import cli
+from wan_s2v_runner.shared import exit_codes
+from wan_s2v_runner.loading.lora import LoraFormat, LoraSource, merge, plan
+from wan_s2v_runner.loading.ckpt_tables import dit_shapes
 
 TARGETS = (r"(blocks\.\d+\.(self_attn|cross_attn)\.(q|k|v|o)|blocks\.\d+\.ffn\.(0|2)"
            r"|audio_injector\.injector\.\d+\.(q|k|v|o))")
@@ -24,7 +25,7 @@ RANK = 4
 @pytest.fixture(scope="module")
 def wan():
     from patches import attention
-    from wan_s2v_runner.engine import import_wan
+    from wan_s2v_runner.loading.engine import import_wan
     w = import_wan()
     attention.apply(w, "sdpa")
     return w
@@ -86,7 +87,7 @@ def same_lora(tiny_assets, wan, tmp_path_factory):
 
 # --------------------------------------------------------------------------- mapping (pure)
 def test_formats_map_to_the_same_parameters(tiny_assets, same_lora):
-    from wan_s2v_runner.lora import file_shapes
+    from wan_s2v_runner.loading.lora import file_shapes
     dit = dit_shapes(tiny_assets.ckpt_dir)
     plans = {f: plan(file_shapes(p), dit) for f, p in same_lora.items()}
     for f, p in plans.items():
@@ -215,7 +216,7 @@ def test_partial_lora_rule_is_the_same_in_preflight_and_merge(tiny_assets, wan, 
                "blocks.9.self_attn.q.lora_A.weight": torch.randn(RANK, 32),
                "blocks.9.self_attn.q.lora_B.weight": torch.randn(32, RANK),
                "extra.note": torch.zeros(1)}, str(path))
-    from wan_s2v_runner.lora import file_shapes
+    from wan_s2v_runner.loading.lora import file_shapes
     p = plan(file_shapes(path), dit_shapes(tiny_assets.ckpt_dir))
     assert p.refused(False) and not p.refused(True)
     with pytest.raises(ValueError, match="does not fit this DiT"):

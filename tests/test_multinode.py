@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_FLAGS, asset_flags, run_cli
-from wan_s2v_runner import exit_codes
+from wan_s2v_runner.shared import exit_codes
 
 
 def _free_port() -> int:
@@ -89,7 +89,7 @@ def test_a_node_that_dies_mid_run_is_named(tiny_assets, tmp_path):
     and names node 1. (A node that freezes instead -- SIGSTOP, or a machine off the network --
     ends node 0's run at the step watchdog, the report pointing at node 1: measured by hand, 21 s
     with --watchdog-step 20; its stack analysis is unit-tested in tests/test_verdicts.py.)"""
-    from wan_s2v_runner import proctree
+    from wan_s2v_runner.launcher import proctree
 
     port = _free_port()
 

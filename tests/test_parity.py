@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import TINY_FLAGS, asset_flags, run_cli
-from wan_s2v_runner import exit_codes, media
+from wan_s2v_runner.shared import exit_codes, media
 
 
 def _run_mode(mode, tiny_assets, tmp_path, extra_env=None, name="out", extra=()):
@@ -45,7 +45,7 @@ def assert_cpu_binding(manifest, pinned: bool) -> None:
 
 
 def _tensor_bytes(ckpt) -> dict[str, int]:
-    from wan_s2v_runner.ckpt_read import PthFile, SafetensorsFiles
+    from wan_s2v_runner.loading.ckpt_read import PthFile, SafetensorsFiles
     with SafetensorsFiles.in_dir(ckpt) as dit, PthFile(ckpt / "models_t5_umt5-xxl-enc-bf16.pth") as t5:
         return {"dit": dit.tensor_bytes(), "t5": t5.tensor_bytes()}
 

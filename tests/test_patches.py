@@ -37,7 +37,7 @@ def test_wan_imports_on_cpu_and_current_device_is_restored():
     patched = _py(
         "import torch\n"
         "orig = torch.cuda.current_device\n"
-        "from wan_s2v_runner.engine import import_wan\n"
+        "from wan_s2v_runner.loading.engine import import_wan\n"
         "wan = import_wan()\n"
         "assert hasattr(wan, 'WanS2V')\n"
         "assert torch.cuda.current_device is orig\n")
@@ -47,7 +47,7 @@ def test_wan_imports_on_cpu_and_current_device_is_restored():
 @cpu_torch_only
 def test_cpu_device_proxy_maps_cuda_calls_and_leaves_torch_alone():
     from patches import cpu_device
-    from wan_s2v_runner.engine import import_wan
+    from wan_s2v_runner.loading.engine import import_wan
 
     wan = import_wan()
     s2v = wan.speech2video
@@ -69,7 +69,7 @@ def test_cpu_device_proxy_maps_cuda_calls_and_leaves_torch_alone():
 
 def test_context_cache_serves_equal_contexts_bounded_and_steps_aside_under_grad():
     from patches import attention, context_cache
-    from wan_s2v_runner.engine import import_wan
+    from wan_s2v_runner.loading.engine import import_wan
 
     wan = import_wan()
     attention.apply(wan, "sdpa")

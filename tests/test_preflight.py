@@ -18,15 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from wan_s2v_runner import cli, exit_codes
-from wan_s2v_runner.ckpt_layout import DIT_WEIGHTS as DIT
+from wan_s2v_runner.launcher import cli
+
+from wan_s2v_runner.shared import exit_codes
+from wan_s2v_runner.shared.ckpt_layout import DIT_WEIGHTS as DIT
 from wan_s2v_runner.preflight import (CheckContext, MachineFacts, Status, gate, recommend_mode,
                                       run_checks)
 from wan_s2v_runner.preflight.core import find
 from wan_s2v_runner.preflight.geometry import generation_size, token_counts
 from wan_s2v_runner.preflight.memory import REFERENCE, model_sizes, plan_all
 from wan_s2v_runner.preflight.probe import probe_machine
-from wan_s2v_runner.spec import Layout, Mode
+from wan_s2v_runner.shared.spec import Layout, Mode
 
 MACHINES = Path(__file__).parent / "data" / "machines"
 
@@ -34,8 +36,8 @@ MACHINES = Path(__file__).parent / "data" / "machines"
 # --------------------------------------------------------------------------- fixtures / helpers
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from wan_s2v_runner.synthetic_inputs import make_reference_image, make_speech_audio
-    from wan_s2v_runner.tiny_checkpoint import build_tiny_checkpoint
+    from wan_s2v_runner.demo.synthetic_inputs import make_reference_image, make_speech_audio
+    from wan_s2v_runner.demo.tiny_checkpoint import build_tiny_checkpoint
     root = tmp_path_factory.mktemp("tiny")
     ckpt = build_tiny_checkpoint(root / "ckpt")
     image = make_reference_image(root / "ref.png", 64, 64)
@@ -443,7 +445,7 @@ def test_flash_attn_abi_mismatch_names_the_symbol():
 def test_doctor_predicts_the_backend_the_run_picks_here():
     """The doctor (recorded availability + choose_backend) == the patch (live measurement) here."""
     from patches.attention import resolve_backend
-    from wan_s2v_runner.attention_backends import BackendUnavailable
+    from wan_s2v_runner.shared.attention_backends import BackendUnavailable
     from wan_s2v_runner.preflight.checks_gpu import check_backend, predict_backend
 
     f = live()
@@ -535,7 +537,7 @@ def test_host_ram_lean_loads_in_waves_only_when_it_must():
 
 
 def test_lean_cpu_plan_counts_a_replicated_dit_once_per_node():
-    from wan_s2v_runner.layout import LoadStrategy, Mode
+    from wan_s2v_runner.shared.layout import LoadStrategy, Mode
     from wan_s2v_runner.preflight.memory import plan_mode, workload
     ctx = ctx_for(facts("cpu_only"), device="cpu", nproc=2)
     sizes, wl = REFERENCE, workload(ctx)
@@ -569,7 +571,7 @@ def test_t5_cpu_with_t5_fsdp_conflict(monkeypatch):
 
 # --------------------------------------------------------------------------- gate / cli / doctor
 def test_gate_passes_a_good_tiny_run(tiny, capsys):
-    from wan_s2v_runner.spec import RunSpec
+    from wan_s2v_runner.shared.spec import RunSpec
     spec = RunSpec(ckpt_dir=tiny["ckpt"], image=tiny["image"], audio=tiny["audio"], prompt="hi", device="cpu",
                    nproc=2, max_area=64 * 64, infer_frames=8, output=tiny["root"] / "out" / "a.mp4",
                    runs_root=tiny["root"] / "runs")

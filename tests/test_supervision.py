@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from conftest import ROOT, TINY_FLAGS, asset_flags, run_cli
-from wan_s2v_runner import exit_codes, media
+from wan_s2v_runner.shared import exit_codes, media
 
 #: watchdog limits for the tests. Load-class stages (spawn .. text_encode) measured on this
 #: 2-core box with three 2-rank runs at once: longest single stage 13 s (engine_import),
@@ -248,7 +248,7 @@ def test_hang_fires_watchdog_with_stacks_of_every_rank(tiny_assets, tmp_path):
         assert "rank 1: not in a collective, at faults.py" in r.stderr, r.stderr
         for rank in (0, 1):
             text = (run_dir / "stacks" / f"rank{rank}.txt").read_text()
-            assert 'File "' in text and "wan_s2v_runner/worker.py" in text, text
+            assert 'File "' in text and "wan_s2v_runner/rank/worker.py" in text, text
         assert "in maybe_fire" in (run_dir / "stacks" / "rank1.txt").read_text()
         m = _manifest(run_dir)
         assert m["exit"]["status"] == "hung" and m["exit"]["stuck"] == {"denoise": [0, 1]}
@@ -390,7 +390,7 @@ def test_sigint_to_launcher_stops_every_process(tiny_assets, tmp_path):
 
 # ----- unit tests (nothing spawned) -----
 def test_event_reader_handles_partial_lines_and_garbage(tmp_path):
-    from wan_s2v_runner.events import EventReader
+    from wan_s2v_runner.shared.events import EventReader
 
     d = tmp_path / "events"
     d.mkdir()
@@ -412,9 +412,9 @@ def test_event_reader_handles_partial_lines_and_garbage(tmp_path):
 
 
 def _supervisor(tmp_path, **spec_kw):
-    from wan_s2v_runner.console import Display
-    from wan_s2v_runner.launch import Supervisor
-    from wan_s2v_runner.spec import RunSpec
+    from wan_s2v_runner.launcher.console import Display
+    from wan_s2v_runner.launcher.launch import Supervisor
+    from wan_s2v_runner.shared.spec import RunSpec
 
     spec = RunSpec(ckpt_dir=tmp_path, image=tmp_path / "i.png", audio=tmp_path / "a.wav",
                    prompt="p", output=tmp_path / "o.mp4", nproc=2, device="cpu", **spec_kw)
@@ -424,7 +424,7 @@ def _supervisor(tmp_path, **spec_kw):
 
 
 def test_watchdog_stalled_is_stage_aware(tmp_path):
-    from wan_s2v_runner.events import RankState
+    from wan_s2v_runner.shared.events import RankState
 
     sup = _supervisor(tmp_path, watchdog_load_s=100, watchdog_step_s=10)
     # a rank that never reported counts as stuck in 'start' since the spawn (load limit)
@@ -453,7 +453,7 @@ def test_rendezvous_lets_the_os_pick_the_port_on_one_node(tmp_path):
     """No port is picked before torchrun binds it: one node without --master-port gets the c10d
     rendezvous on localhost:0 (torchrun --standalone); a given port or several nodes keep the
     static --master-addr/--master-port rendezvous (29500 by default with several nodes)."""
-    from wan_s2v_runner.launch import finalize_spec, torchrun_argv
+    from wan_s2v_runner.launcher.launch import finalize_spec, torchrun_argv
 
     def argv(**kw):
         spec = finalize_spec(_supervisor(tmp_path, **kw).spec)
@@ -471,7 +471,7 @@ def test_rendezvous_lets_the_os_pick_the_port_on_one_node(tmp_path):
 
 
 def test_log_filter_keeps_rank0_logs_and_drops_noise():
-    from wan_s2v_runner.console import LogFilter
+    from wan_s2v_runner.launcher.console import LogFilter
 
     f = LogFilter()
     lines = [
@@ -499,7 +499,7 @@ def test_log_filter_keeps_rank0_logs_and_drops_noise():
 def test_rank_log_format_is_what_the_filter_reads():
     import logging
 
-    from wan_s2v_runner.events import RANK_LOG_FORMAT, rank_log_level
+    from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, rank_log_level
 
     fmt = logging.Formatter(RANK_LOG_FORMAT.replace("{rank}", "3"))
     rec = logging.LogRecord("wan", logging.INFO, __file__, 1, "loading [x] 1/2", None, None)
@@ -519,17 +519,17 @@ def test_gate_prints_each_warning_with_its_finding_and_fix_on_one_line():
 
 
 def test_stack_analysis_names_the_rank_outside_the_collective(tmp_path):
-    from wan_s2v_runner.launch import analyse_stacks
+    from wan_s2v_runner.launcher.launch import analyse_stacks
 
     (tmp_path / "stacks").mkdir()
     waiting = ('Current thread 0x1 (most recent call first):\n'
                '  File "/t/torch/distributed/distributed_c10d.py", line 5279 in all_to_all\n'
-               '  File "/w/wan_s2v_runner/worker.py", line 90 in generate_frames\n')
+               '  File "/w/wan_s2v_runner/rank/worker.py", line 90 in generate_frames\n')
     sleeping = ('Thread 0x2 (most recent call first):\n'
                 '  File "/p/threading.py", line 331 in wait\n\n'
                 'Current thread 0x1 (most recent call first):\n'
-                '  File "/w/wan_s2v_runner/faults.py", line 38 in maybe_fire\n'
-                '  File "/w/wan_s2v_runner/worker.py", line 90 in generate_frames\n')
+                '  File "/w/wan_s2v_runner/rank/faults.py", line 38 in maybe_fire\n'
+                '  File "/w/wan_s2v_runner/rank/worker.py", line 90 in generate_frames\n')
     (tmp_path / "stacks" / "rank0.txt").write_text(waiting)
     (tmp_path / "stacks" / "rank1.txt").write_text(sleeping)
     lines = analyse_stacks(tmp_path, [0, 1])
@@ -541,8 +541,8 @@ def test_stack_analysis_names_the_rank_outside_the_collective(tmp_path):
 def test_plain_display_coalesces_stage_lines(capsys):
     from types import SimpleNamespace
 
-    from wan_s2v_runner.console import Display
-    from wan_s2v_runner.events import EventReader
+    from wan_s2v_runner.launcher.console import Display
+    from wan_s2v_runner.shared.events import EventReader
 
     d = Display(rich=False)
     d.started(SimpleNamespace(node_rank=0, nproc=2, world_size=2, device="cpu", seed=1,
@@ -562,7 +562,7 @@ def test_plain_display_coalesces_stage_lines(capsys):
 
 
 def test_cpu_ranks_get_the_heap_reusing_malloc_settings_unless_the_user_set_them(tmp_path, monkeypatch):
-    from wan_s2v_runner.launch import CPU_MALLOC_ENV, worker_env
+    from wan_s2v_runner.launcher.launch import CPU_MALLOC_ENV, worker_env
 
     spec = _supervisor(tmp_path).spec
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
@@ -579,7 +579,7 @@ def test_proc_table_records_each_exit_as_it_happens_without_polling():
     """The death watch blocks (no timer) and still sees a process tracked after it started (the
     wake-up pipe re-arms it): death_t lands within a second of the exit with nobody calling
     alive(), and a watched process that lives reads as alive."""
-    from wan_s2v_runner.proctree import ProcTable
+    from wan_s2v_runner.launcher.proctree import ProcTable
     procs = ProcTable()
     sleeper = [sys.executable, "-c", "import sys, time; time.sleep(float(sys.argv[1]))"]
     lasting = subprocess.Popen([*sleeper, "60"])

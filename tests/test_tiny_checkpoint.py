@@ -21,9 +21,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from patches import checkpoint_dims  # noqa: E402
-from wan_s2v_runner import ckpt_layout, demo_assets, synthetic_inputs  # noqa: E402
-from wan_s2v_runner import tiny_checkpoint as tc  # noqa: E402
-from wan_s2v_runner.preflight.ckpt_reader import find_entry  # noqa: E402
+from wan_s2v_runner.shared import ckpt_layout  # noqa: E402
+from wan_s2v_runner.demo import assets as demo_assets, synthetic_inputs  # noqa: E402
+from wan_s2v_runner.demo import tiny_checkpoint as tc  # noqa: E402
+from wan_s2v_runner.loading.ckpt_tables import find_entry  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -33,9 +34,9 @@ DIMS = dict(seed=3, dit_dim=48, dit_heads=4, dit_layers=3, vae_dim=16, t5_layers
 
 
 def _import_wan():
-    """`import wan` with this machine's pre-import fixes (wan_s2v_runner.engine.import_wan)."""
+    """`import wan` with this machine's pre-import fixes (wan_s2v_runner.loading.engine.import_wan)."""
     try:
-        from wan_s2v_runner.engine import import_wan
+        from wan_s2v_runner.loading.engine import import_wan
     except ImportError:  # engine module not there: the two workarounds inline
         if "wan" in sys.modules:
             return sys.modules["wan"]

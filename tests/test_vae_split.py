@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from wan_s2v_runner import vae_split
-from wan_s2v_runner.ckpt_layout import VAE_FILE
+from wan_s2v_runner.shared.ckpt_layout import VAE_FILE
 from wan_s2v_runner.vae_split import band_rows, conv_rows
 
 ROOT = Path(__file__).resolve().parent.parent

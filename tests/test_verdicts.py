@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from wan_s2v_runner.diagnose import (DEATH, ERROR_EVENT, ERROR_FILE, RankFailure, attribute_failures,
+from wan_s2v_runner.launcher.diagnose import (DEATH, ERROR_EVENT, ERROR_FILE, RankFailure, attribute_failures,
                                      hint_for, read_error_files)
-from wan_s2v_runner.events import EventReader, EventWriter, RankState
-from wan_s2v_runner.stages import Stage, gets_load_limit
-from wan_s2v_runner.watchdog import WatchdogLimits, describe_hang, stalled
+from wan_s2v_runner.shared.events import EventReader, EventWriter, RankState
+from wan_s2v_runner.shared.stages import Stage, gets_load_limit
+from wan_s2v_runner.launcher.watchdog import WatchdogLimits, describe_hang, stalled
 
 SPAWN = 1000.0
 LIMITS = WatchdogLimits(load_s=100.0, step_s=10.0)
 
 
 def _spec(tmp_path: Path, **kw):
-    from wan_s2v_runner.spec import RunSpec
+    from wan_s2v_runner.shared.spec import RunSpec
 
     return RunSpec(ckpt_dir=tmp_path, image=tmp_path / "i.png", audio=tmp_path / "a.wav", prompt="p",
                    output=tmp_path / "o.mp4", nproc=2, device="cpu", **kw)
@@ -179,7 +179,7 @@ def test_the_first_error_is_the_cause_and_connection_errors_are_consequences():
 
 
 def test_a_peer_lost_on_another_node_names_that_node(tmp_path):
-    from wan_s2v_runner.diagnose import analyse_stacks, other_nodes_text
+    from wan_s2v_runner.launcher.diagnose import analyse_stacks, other_nodes_text
     msg = "Connection reset by peer [10.0.0.2]:29500"
     assert "read the other ranks' errors" in hint_for(msg, Stage.DENOISE, _spec(tmp_path))
     two = _spec(tmp_path, nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=29500)
@@ -195,15 +195,15 @@ def test_a_peer_lost_on_another_node_names_that_node(tmp_path):
                                     ("wan_s2v_runner/vae_split.py", "await_peers")]):
         (stacks / f"rank{r}.txt").write_text(
             f'Current thread 0x0001 (most recent call first):\n  File "/x/{path}", line 9 in {fn}\n'
-            '  File "/x/wan_s2v_runner/worker.py", line 1 in main\n')
+            '  File "/x/wan_s2v_runner/rank/worker.py", line 1 in main\n')
     lines = analyse_stacks(tmp_path, [0, 1], remote=other_nodes_text(two))
     assert lines[1] == "rank 1: waiting in collective await_peers (top frame vae_split.py:9 in await_peers)"
     assert "every rank of this node waits for its peers, so what holds them up is on node 1 of 2" in lines[-1]
     assert len(analyse_stacks(tmp_path, [0, 1])) == 2  # one node: nothing to point at
     # NCCL: a rank blocks at a later CUDA sync, not in the collective; the other node is still named
     (stacks / "rank1.txt").write_text('Current thread 0x0001 (most recent call first):\n'
-                                      '  File "/x/wan_s2v_runner/generation.py", line 5 in step\n'
-                                      '  File "/x/wan_s2v_runner/worker.py", line 1 in main\n')
+                                      '  File "/x/wan_s2v_runner/rank/generation.py", line 5 in step\n'
+                                      '  File "/x/wan_s2v_runner/rank/worker.py", line 1 in main\n')
     lines = analyse_stacks(tmp_path, [1], remote=other_nodes_text(two))
     assert lines[-1].startswith("-> with several nodes, the rank holding these up may be on node 1 of 2")
 

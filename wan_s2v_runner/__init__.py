@@ -1,0 +1,20 @@
+"""wan-s2v: run the official Wan2.2 S2V engine (the ``wan`` package) on one or many GPUs, or a CPU.
+
+The package is cut by who runs the code. Each folder's ``__init__`` says what lives there and,
+on its ``May import:`` line, which other folders its modules may import (lazy imports inside
+functions count too); ``tests/test_imports.py`` reads those lines and holds the tree to them.
+
+* ``launcher/`` -- the user's process: the command line, spawning torchrun, supervision, the
+  console, failure and hang verdicts, the run manifest.
+* ``preflight/`` -- the launcher's checks before anything is spawned, and ``wan-s2v doctor``.
+* ``demo/`` -- the tiny random-weight checkpoint and synthetic inputs of the demo and the tests.
+* ``rank/`` -- one rank under torchrun: the worker, the generation loop, the rank's parallel plan.
+* ``loading/`` -- the engine and its weights: importing ``wan``, reading checkpoint files, lean
+  loading, LoRA merging, the parts a rank loads.
+* ``vae_split/`` -- the engine's VAE split over ranks by rows of pixels (exact).
+* ``shared/`` -- what both sides read: the run spec, the parallel layout, stages, events, exit
+  codes, the checkpoint's file names, media, clip checkpoints.
+
+Beside the package: ``runners/`` (one module per parallel mode, rank side) and ``patches/``
+(named changes to the engine, applied at run time).
+"""

@@ -1,3 +1,3 @@
-from wan_s2v_runner.cli import entry
+from wan_s2v_runner.launcher.cli import entry
 
 entry()

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from wan_s2v_runner.ckpt_layout import (
+from wan_s2v_runner.shared.ckpt_layout import (
     DIT_CONFIG,
     DIT_INDEX,
     DIT_WEIGHTS,
@@ -27,7 +27,7 @@ from wan_s2v_runner.ckpt_layout import (
     WAV2VEC_DIR,
 )
 
-from .ckpt_reader import (
+from wan_s2v_runner.loading.ckpt_tables import (
     CheckpointFileError,
     find_entry,
     pth_params,

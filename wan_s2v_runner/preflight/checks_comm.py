@@ -223,7 +223,7 @@ def check_master_addr(ctx):
 
 def check_slurm(ctx):
     """Under ``srun``: one launcher per node (it starts one process per GPU itself)."""
-    from wan_s2v_runner.slurm import step_values, tasks_and_nodes
+    from wan_s2v_runner.shared.slurm import step_values, tasks_and_nodes
 
     env = ctx.facts.env
     shape = tasks_and_nodes(env)

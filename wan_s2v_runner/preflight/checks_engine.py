@@ -12,7 +12,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from wan_s2v_runner import engine
+from wan_s2v_runner.loading import engine
 
 from .core import fail, ok, warn
 
@@ -138,7 +138,7 @@ def _ffmpeg_probe(exe: str) -> tuple[bool, str, bool, str]:
 
 
 def check_ffmpeg(ctx):
-    from wan_s2v_runner import media
+    from wan_s2v_runner.shared import media
     try:
         exe = media.ffmpeg_exe()
     except media.MediaError as e:

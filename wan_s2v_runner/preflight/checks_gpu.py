@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from wan_s2v_runner.attention_backends import FA2_MIN_CC, FA3_CC, BackendUnavailable, choose_backend
+from wan_s2v_runner.shared.attention_backends import FA2_MIN_CC, FA3_CC, BackendUnavailable, choose_backend
 
 from .core import fail, ok, skip, warn
 

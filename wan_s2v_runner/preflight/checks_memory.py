@@ -3,7 +3,7 @@ rank and available host RAM for all local ranks (MemAvailable, capped by a cgrou
 """
 from __future__ import annotations
 
-from wan_s2v_runner.layout import LoadStrategy
+from wan_s2v_runner.shared.layout import LoadStrategy
 
 from .core import fail, gib, human_count, ok, skip, warn
 from .memory import largest_fitting_size, model_sizes, plan_all, workload

@@ -3,7 +3,7 @@
 sequence length the DiT chunks (noisy + reference tokens on clip 1, + FramePack motion tokens on
 later clips, see :mod:`.geometry`; padded to a multiple of the degree); FSDP layout
 sanity (T5 on CPU vs T5 FSDP, one-rank FSDP). The rules themselves are the layout's
-(:mod:`wan_s2v_runner.layout`); these checks only ask and word the answer.
+(:mod:`wan_s2v_runner.shared.layout`); these checks only ask and word the answer.
 """
 from __future__ import annotations
 

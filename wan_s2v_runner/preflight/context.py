@@ -1,7 +1,7 @@
 """What checks read: :class:`CheckContext` = a run spec (complete, or the lenient draft the
 doctor works on) + the machine's facts + what checks measured for each other.
 
-``run`` builds it from a validated :class:`~wan_s2v_runner.spec.RunSpec` (:meth:`for_spec`).
+``run`` builds it from a validated :class:`~wan_s2v_runner.shared.spec.RunSpec` (:meth:`for_spec`).
 ``doctor`` may have no checkpoint, inputs or prompt, so :meth:`for_values` takes the partial
 values (environment, config file, flags), assumes what the machine suggests for ``--device`` and
 ``--nproc`` when they are not given (recorded in ``notes``), and builds the view with
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
-from wan_s2v_runner.flags import format_validation_error
-from wan_s2v_runner.layout import Layout, Mode
-from wan_s2v_runner.spec import RunSpec
+from wan_s2v_runner.launcher.flags import format_validation_error
+from wan_s2v_runner.shared.layout import Layout, Mode
+from wan_s2v_runner.shared.spec import RunSpec
 
 from .facts import MachineFacts
 

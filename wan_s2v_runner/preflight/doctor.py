@@ -16,8 +16,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from wan_s2v_runner import exit_codes
-from wan_s2v_runner.plans import Plan, plan_table
+from wan_s2v_runner.shared import exit_codes
+from .plans import Plan, plan_table
 
 from .context import CheckContext, ModeSource
 from .core import CheckGroup, CheckResult, Status, counts
@@ -103,7 +103,7 @@ class DoctorReport:
             },
             "parallel_plans": {"mode": ctx.mode.value, "lengths": list(self.parallel_plans[0].lengths),
                                "heads": self.parallel_plans[0].heads,
-                               "estimate": "DiT compute per rank, communication not included (wan_s2v_runner/plans.py)",
+                               "estimate": "DiT compute per rank, communication not included (wan_s2v_runner/preflight/plans.py)",
                                "by_gpu_count": [p.to_json() for p in self.parallel_plans]},
             "exit_code": self.exit_code,
         }

@@ -7,7 +7,7 @@ versions, ``arch_list``), ``driver``, ``gpus`` (name, ``capability``, ``total_mi
 ``p2p`` and ``links`` (GPU-pair matrices; links in ``nvidia-smi topo -m`` notation), ``host``
 (RAM, cgroup limit, ``/dev/shm``, container), ``packages``/``modules``, ``dep_conflicts``,
 ``attention`` (per flash-attn backend: ``installed``/``usable``/``reason``/``import_error``, plus
-what ``auto`` picks; see :mod:`wan_s2v_runner.attention_backends`) and ``env``.
+what ``auto`` picks; see :mod:`wan_s2v_runner.shared.attention_backends`) and ``env``.
 Checks read only these facts. Nothing here collects anything: importing it is cheap.
 """
 from __future__ import annotations

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from wan_s2v_runner.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
-from wan_s2v_runner.layout import Layout, LoadStrategy, Mode
+from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
+from wan_s2v_runner.shared.layout import Layout, LoadStrategy, Mode
 
-from . import ckpt_reader as cr
+from wan_s2v_runner.loading import ckpt_tables as cr
 from .geometry import TokenCounts, generation_size, output_frames, token_counts
 
 GiB = 2**30
@@ -300,7 +300,7 @@ SIZES = ("1024*704", "960*640", "832*480", "704*448", "640*384", "512*320")
 
 def largest_fitting_size(ctx, mode: Mode, free: int) -> str:
     """The largest of :data:`SIZES` below ``--size`` whose plan fits in ``free`` bytes, or ''."""
-    from wan_s2v_runner.spec import parse_size
+    from wan_s2v_runner.shared.spec import parse_size
     for s in SIZES:
         if parse_size(s) >= ctx.spec.max_area:
             continue

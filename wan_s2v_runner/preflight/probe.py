@@ -9,7 +9,7 @@ versions (``importlib.metadata``, no imports), flash-attn usability and the rele
 variables. Checks read only these facts, so they run the same on recorded facts of real machines
 (``tests/data/machines/*.json``). The document's schema and its reader, :class:`MachineFacts`,
 are in :mod:`.facts`; this module only collects. flash-attn availability is measured by
-:func:`wan_s2v_runner.attention_backends.measure_availability`, the same function the attention
+:func:`wan_s2v_runner.shared.attention_backends.measure_availability`, the same function the attention
 patch uses at run time.
 
 Where CUDA may be present the probe runs in a child process (``python -m
@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from wan_s2v_runner.attention_backends import choose_backend, measure_availability
+from wan_s2v_runner.shared.attention_backends import choose_backend, measure_availability
 
 from .facts import SCHEMA, MiB, MachineFacts
 

@@ -11,7 +11,7 @@ Rules, in order (each reason names the fact that decided):
 4. otherwise -> ``hybrid`` (DiT sharded, T5 on CPU: the lowest GPU memory per rank), with a
    warning when even that does not fit.
 
-Then the plan for that mode at this world size (:mod:`wan_s2v_runner.plans`): the fastest split
+Then the plan for that mode at this world size (:mod:`wan_s2v_runner.preflight.plans`): the fastest split
 of the ranks into CFG branches x Ulysses degree, explained (heads per rank, padding, whether CFG
 is split); ``--mode auto`` applies its ``--cfg-parallel`` unless the flag was given.
 """
@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from wan_s2v_runner.layout import Mode, valid_sp_degrees
-from wan_s2v_runner.plans import Plan, candidates, plans_for
-from wan_s2v_runner.spec import RunSpec
+from wan_s2v_runner.shared.layout import Mode, valid_sp_degrees
+from .plans import Plan, candidates, plans_for
+from wan_s2v_runner.shared.spec import RunSpec
 
 from .context import CheckContext
 from .core import gib
@@ -113,7 +113,7 @@ def heads_of(ctx, sizes) -> int:
 
 
 def plan_inputs(ctx) -> dict:
-    """What :mod:`wan_s2v_runner.plans` judges a plan by, for this context: the model's heads
+    """What :mod:`wan_s2v_runner.preflight.plans` judges a plan by, for this context: the model's heads
     and widths (the 14B's where the checkpoint gives none), the DiT's sequence lengths (clip 1
     and later clips), and whether there is an unconditional pass to split off."""
     sizes, wl = model_sizes(ctx), workload(ctx)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
-from wan_s2v_runner.layout import MODES, Mode
+from wan_s2v_runner.shared.layout import MODES, Mode
 
 from . import (checks_checkpoint, checks_comm, checks_engine, checks_gpu, checks_inputs, checks_lora,
                checks_memory, checks_parallel, checks_python)
@@ -79,7 +79,7 @@ COMMON_GROUPS = (G.PYTHON_TORCH, G.GPUS, G.COMMUNICATION, G.ATTENTION, G.ENGINE,
 
 
 def groups_for(mode: Mode) -> tuple[CheckGroup, ...]:
-    """The check groups a mode needs, from what the mode does (:data:`~wan_s2v_runner.layout.MODES`)."""
+    """The check groups a mode needs, from what the mode does (:data:`~wan_s2v_runner.shared.layout.MODES`)."""
     t = MODES[Mode(mode)]
     return (COMMON_GROUPS + ((G.ULYSSES_DEGREE,) if t.sequence_parallel else ())
             + ((G.FSDP,) if t.dit_fsdp or t.t5_fsdp else ()))

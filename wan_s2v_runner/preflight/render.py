@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Optional
 
-from wan_s2v_runner import exit_codes
+from wan_s2v_runner.shared import exit_codes
 
 from .context import ModeSource
 from .core import CheckResult, Status, gib
@@ -110,7 +110,7 @@ def render_doctor(report: DoctorReport, console=None) -> None:
 
 
 def _render_plans(report: DoctorReport, console) -> None:
-    """The fastest plan of the checked mode for each GPU count (wan_s2v_runner.plans)."""
+    """The fastest plan of the checked mode for each GPU count (wan_s2v_runner.preflight.plans)."""
     from rich.table import Table
 
     ctx, wl, first = report.ctx, report.workload, report.parallel_plans[0]

@@ -5,7 +5,7 @@ Every record is one line ``{"t": unix time, "rank": global rank, "kind": ..., "s
 
 - ``hello``: first record; ``pid``, ``host``, ``local_rank``, ``cpus`` (the CPUs a CPU rank is
   bound to, or null).
-- ``stage``: the rank entered a stage (:class:`~wan_s2v_runner.stages.Stage`, written as its
+- ``stage``: the rank entered a stage (:class:`~wan_s2v_runner.shared.stages.Stage`, written as its
   plain name); ``denoise`` carries ``clip``/``clips``.
 - ``progress``: a denoising step finished; ``clip``, ``clips``, ``step``, ``steps``.
 - ``heartbeat``: every few seconds from a daemon thread, with memory figures (``rss_mb``,
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from wan_s2v_runner.stages import Stage
+from wan_s2v_runner.shared.stages import Stage
 
 #: error text of a rank whose *peer* went away (gloo/NCCL): the peer is the one to look at
 SECONDARY = ("connection closed by peer", "connection reset by peer", "broken pipe",

@@ -1,4 +1,4 @@
-"""One rank of a run: ``python -m wan_s2v_runner.worker SPEC_JSON`` (spawned by torchrun).
+"""One rank of a run: ``python -m wan_s2v_runner.rank.worker SPEC_JSON`` (spawned by torchrun).
 
 Reads the spec the launcher wrote, joins the process group (gloo on CPU, nccl on CUDA, with an
 explicit timeout), imports the engine, applies the patches, builds the engine's ``WanS2V`` with
@@ -22,11 +22,15 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from wan_s2v_runner import atomic, engine, faults
-from wan_s2v_runner.cpu_binding import cpu_binding
-from wan_s2v_runner.events import RANK_LOG_FORMAT, EventWriter
-from wan_s2v_runner.spec import RunSpec
-from wan_s2v_runner.stages import Stage
+from wan_s2v_runner.shared import atomic
+
+from wan_s2v_runner.loading import engine
+
+from wan_s2v_runner.rank import faults
+from wan_s2v_runner.rank.cpu_binding import cpu_binding
+from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventWriter
+from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.worker")
 
@@ -88,7 +92,7 @@ def engine_config(wan, spec: RunSpec):
 
 def request_for(spec: RunSpec):
     """The generate() arguments of a run (upstream's names)."""
-    from wan_s2v_runner.generation import Request
+    from wan_s2v_runner.rank.generation import Request
     return Request(prompt=spec.prompt, ref_image_path=str(spec.image), audio_path=str(spec.audio),
                    num_repeat=spec.num_clips, max_area=spec.max_area, infer_frames=spec.infer_frames,
                    shift=spec.shift, sample_solver=spec.solver, sampling_steps=spec.steps,
@@ -119,9 +123,9 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
 
     import runners
     from patches import apply_for_run
-    from wan_s2v_runner import media
-    from wan_s2v_runner import resume
-    from wan_s2v_runner.generation import ClipState, Hooks, S2VGenerator
+    from wan_s2v_runner.shared import media
+    from wan_s2v_runner.shared import resume
+    from wan_s2v_runner.rank.generation import ClipState, Hooks, S2VGenerator
 
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -186,7 +190,7 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
 
 
 def _bind_cpus(spec: RunSpec) -> list[int] | None:
-    """CPU runs: bind this rank to its CPUs (``--pin-cpus``, :mod:`~wan_s2v_runner.cpu_binding`);
+    """CPU runs: bind this rank to its CPUs (``--pin-cpus``, :mod:`~wan_s2v_runner.rank.cpu_binding`);
     the CPUs, or None when left to the OS."""
     if spec.device != "cpu":
         return None

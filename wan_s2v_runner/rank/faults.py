@@ -1,6 +1,6 @@
 """Test-only fault injection, honoured only when ``WAN_S2V_TEST_FAULT`` is set.
 
-Format: ``RANK:STAGE[@CLIP]:ACTION`` (STAGE a :class:`~wan_s2v_runner.stages.Stage` name; with
+Format: ``RANK:STAGE[@CLIP]:ACTION`` (STAGE a :class:`~wan_s2v_runner.shared.stages.Stage` name; with
 ``@CLIP`` only while that 1-based clip is generated) with ACTION
 one of ``raise`` (RuntimeError), ``exit`` (os._exit 3), ``hang`` (sleep forever, still
 heart-beating). Checked at every stage change and every denoising step of the given rank, and
@@ -14,7 +14,7 @@ import os
 import time
 from typing import Optional
 
-from wan_s2v_runner.stages import Stage
+from wan_s2v_runner.shared.stages import Stage
 
 ENV = "WAN_S2V_TEST_FAULT"
 

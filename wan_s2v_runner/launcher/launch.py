@@ -28,9 +28,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from wan_s2v_runner import atomic, exit_codes, manifest
-from wan_s2v_runner.console import Display
-from wan_s2v_runner.diagnose import (
+from wan_s2v_runner.shared import atomic, exit_codes
+
+from wan_s2v_runner.launcher import manifest
+from wan_s2v_runner.launcher.console import Display
+from wan_s2v_runner.launcher.diagnose import (
     analyse_stacks,
     attribute_failures,
     describe_exit,
@@ -41,8 +43,8 @@ from wan_s2v_runner.diagnose import (
     tail_lines,
     where_ranks_were,
 )
-from wan_s2v_runner.events import EventReader, RankState
-from wan_s2v_runner.proctree import (
+from wan_s2v_runner.shared.events import EventReader, RankState
+from wan_s2v_runner.launcher.proctree import (
     ProcTable,
     cpu_s,
     descendants,
@@ -53,11 +55,11 @@ from wan_s2v_runner.proctree import (
     proc_state,
     worker_rank,
 )
-from wan_s2v_runner.spec import RunSpec
-from wan_s2v_runner.stages import Stage
-from wan_s2v_runner.watchdog import Stuck, WatchdogLimits, describe_hang, stalled
+from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.stages import Stage
+from wan_s2v_runner.launcher.watchdog import Stuck, WatchdogLimits, describe_hang, stalled
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 #: after the first failure, torchrun gets this long to tear the others down before we do
 FAILURE_GRACE_S = 3.0
 #: a worker found dead without an ``end`` record counts as failed after this long (its last
@@ -134,7 +136,7 @@ def torchrun_argv(spec: RunSpec, run_dir: Path) -> list[str]:
             "--max-restarts", "0",
             "--log-dir", str(run_dir / "logs"), "--redirects", "3", "--tee", "3",
             "--local-ranks-filter", "0",
-            "-m", "wan_s2v_runner.worker", str(run_dir / "spec.json")]
+            "-m", "wan_s2v_runner.rank.worker", str(run_dir / "spec.json")]
 
 
 #: glibc malloc settings for CPU ranks (each kept if the user set it). By default glibc serves
@@ -237,7 +239,7 @@ class Supervisor:
             roots.append(self.proc.pid)
         found = descendants(roots, ppid_map())
         if full:
-            found |= pids_with_cmdline(b"wan_s2v_runner.worker", self._needle)
+            found |= pids_with_cmdline(b"wan_s2v_runner.rank.worker", self._needle)
         found.discard(os.getpid())
         if self.proc is not None:
             found.discard(self.proc.pid)

@@ -31,7 +31,7 @@ class Mode(str, Enum):
 
 
 class LoadStrategy(str, Enum):
-    """How ranks get their weights (issue #9; ``wan_s2v_runner.lean_load``)."""
+    """How ranks get their weights (issue #9; ``wan_s2v_runner.loading.lean_load``)."""
 
     LEAN = "lean"  # meta models; FSDP shards read slice by slice; a replicated CPU DiT once per node
     FULL = "full"  # upstream's constructors: every rank reads every file it needs, whole

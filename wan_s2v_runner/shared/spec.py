@@ -4,7 +4,7 @@ Like torchtitan's ``ParallelDims``, a :class:`RunSpec` validates itself on const
 everything else asks it (``spec.world_size``, ``spec.layout``, ``spec.offload``). Each field
 carries its own command-line surface as :class:`Flag` metadata (flag name, aliases, group,
 environment default, how its default reads in help), so the argparse flags
-(:mod:`wan_s2v_runner.flags`), the TOML keys, the README flags table and the doctor's lenient
+(:mod:`wan_s2v_runner.launcher.flags`), the TOML keys, the README flags table and the doctor's lenient
 view (:meth:`RunSpec.draft`) are all generated from these fields. Adding a run setting is one
 field here (plus its use).
 
@@ -24,7 +24,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       ValidationError, model_validator)
 from pydantic.fields import FieldInfo
 
-from wan_s2v_runner.layout import Layout, LoadStrategy, Mode
+from wan_s2v_runner.shared.layout import Layout, LoadStrategy, Mode
 
 try:  # Python 3.11+
     import tomllib
@@ -381,9 +381,9 @@ def load_toml(path: Path) -> dict[str, Any]:
 def env_values(env) -> dict[str, Any]:
     """Field values from the environment variables the fields declare (``Flag.env``), e.g. the
     PyTorchJob-style MASTER_ADDR/MASTER_PORT/WORLD_SIZE (= nodes)/RANK (= node), over the node
-    layout of a Slurm ``srun`` step (:mod:`wan_s2v_runner.slurm`). A value that does not
+    layout of a Slurm ``srun`` step (:mod:`wan_s2v_runner.shared.slurm`). A value that does not
     validate for its field is ignored (other tools set these variables too)."""
-    from wan_s2v_runner.slurm import step_values
+    from wan_s2v_runner.shared.slurm import step_values
 
     out: dict[str, Any] = dict(step_values(env))
     for name in RunSpec.model_fields:

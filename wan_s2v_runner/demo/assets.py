@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from wan_s2v_runner.atomic import atomic_write, write_text
-from wan_s2v_runner.synthetic_inputs import make_reference_image, make_speech_audio
-from wan_s2v_runner.tiny_checkpoint import (
+from wan_s2v_runner.shared.atomic import atomic_write, write_text
+from wan_s2v_runner.demo.synthetic_inputs import make_reference_image, make_speech_audio
+from wan_s2v_runner.demo.tiny_checkpoint import (
     TINY_FORMAT_VERSION,
     build_tiny_checkpoint,
     checkpoint_is_complete,
@@ -98,7 +98,7 @@ def ensure_demo_assets(cache_dir: Path) -> DemoAssets:
     return assets
 
 
-if __name__ == "__main__":  # python -m wan_s2v_runner.demo_assets CACHE_DIR
+if __name__ == "__main__":  # python -m wan_s2v_runner.demo.assets CACHE_DIR
     import sys
     import time
 

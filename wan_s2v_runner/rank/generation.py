@@ -7,7 +7,7 @@ order, with upstream's numerics: per clip a generator on the run's device seeded
 the same noise, scheduler, CFG combine ``u + g * (c - u)`` and decode/re-encode. Upstream's
 ``generate`` stays the reference (tests/test_generation.py: our loop == upstream exactly).
 
-What differs is *where* work runs (:class:`~wan_s2v_runner.parallel.RankPlan`):
+What differs is *where* work runs (:class:`~wan_s2v_runner.rank.parallel.RankPlan`):
 * audio features, text contexts (prompt and negative), reference and initial-motion latents are
   computed by the encoding rank (rank 0) and broadcast; with an FSDP-sharded T5 every rank takes
   part in the text encode (FSDP needs it) and no broadcast of contexts is needed;
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from wan_s2v_runner.stages import Stage
+from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.generation")
 
@@ -132,7 +132,7 @@ def broadcast_tensors(tensors: dict, src: int, device: torch.device, group=None)
 # --------------------------------------------------------------------------- the loop
 class S2VGenerator:
     """Runs the S2V loop on one rank of a plan. ``parts`` is the engine component holder
-    (:class:`~wan_s2v_runner.components.Components`), ``plan`` this rank's place."""
+    (:class:`~wan_s2v_runner.loading.components.Components`), ``plan`` this rank's place."""
 
     def __init__(self, parts, plan, hooks: Optional[Hooks] = None):
         self.parts, self.plan, self.hooks = parts, plan, hooks or Hooks()

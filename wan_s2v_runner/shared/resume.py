@@ -42,7 +42,7 @@ def clip_file(run_dir: Path, clip: int) -> Path:
 
 def spec_digest(spec) -> str:
     """The frame-deciding settings and the contents of the image and audio files."""
-    from wan_s2v_runner.media import sha256_file
+    from wan_s2v_runner.shared.media import sha256_file
 
     data = json.loads(spec.model_dump_json(include=set(FRAME_FIELDS)))
     data["image_sha256"] = sha256_file(spec.image)
@@ -53,7 +53,7 @@ def spec_digest(spec) -> str:
 
 def checkpoint_digest(ckpt_dir: Path) -> str:
     """Names and sizes of every checkpoint file, and the DiT config's bytes (cheap: no weights read)."""
-    from wan_s2v_runner.ckpt_layout import DIT_CONFIG
+    from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG
 
     ckpt_dir = Path(ckpt_dir)
     rows = sorted((str(p.relative_to(ckpt_dir)), p.stat().st_size) for p in ckpt_dir.rglob("*") if p.is_file())
@@ -65,7 +65,7 @@ def checkpoint_digest(ckpt_dir: Path) -> str:
 
 
 def engine_digest(wan_repo: Optional[Path]) -> str:
-    from wan_s2v_runner import engine
+    from wan_s2v_runner.loading import engine
     return engine.s2v_fingerprint(engine.locate(wan_repo).package_dir)
 
 
@@ -94,7 +94,7 @@ class ClipWriter:
     def __call__(self, clip: int, frames, state, num_clips: int) -> None:
         import torch
 
-        from wan_s2v_runner import atomic
+        from wan_s2v_runner.shared import atomic
         frames = frames.contiguous()
         atomic.atomic_write(clip_file(self.run_dir, clip), lambda p: torch.save(frames, p))
         # after the last clip there is no next clip: no motion latents (not computed)

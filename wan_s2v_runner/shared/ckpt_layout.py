@@ -17,7 +17,7 @@
   ``Wav2Vec2Processor`` + ``Wav2Vec2ForCTC.from_pretrained`` (transformers' file names).
 
 :data:`LAYOUT` lists these entries with their accepted alternatives; the preflight checks it,
-the tiny test checkpoint (``wan_s2v_runner.tiny_checkpoint``) is built in it. All paths are
+the tiny test checkpoint (``wan_s2v_runner.demo.tiny_checkpoint``) is built in it. All paths are
 relative to the checkpoint directory, with ``/`` separators. Nothing here reads a file.
 """
 from __future__ import annotations

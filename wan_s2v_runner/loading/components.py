@@ -3,7 +3,7 @@
 Upstream's ``__init__`` loads T5, the VAE, the DiT and wav2vec2 on every rank. We replay its
 steps (same classes from ``wan.speech2video``, same arguments, same ``_configure_model`` for the
 DiT: Ulysses rebinding, barrier, FSDP sharding), but only for the parts this rank's plan needs
-(:class:`~wan_s2v_runner.parallel.RankPlan`): rank 0 loads T5 (unless it is FSDP-sharded, when
+(:class:`~wan_s2v_runner.rank.parallel.RankPlan`): rank 0 loads T5 (unless it is FSDP-sharded, when
 every rank does), wav2vec2 and the VAE; every rank loads the DiT. The result is a ``WanS2V``
 built with ``__new__`` and the same attributes, so our loop calls upstream's own helper methods
 (``encode_audio``, ``get_gen_size``, ...) on it. The DiT gets ``patches.context_cache``: its text
@@ -11,7 +11,7 @@ embedding and cross-attention keys/values are computed once per context, not at 
 
 How the weights get there is the run's ``--load`` strategy: ``lean`` (default; models built on
 meta, FSDP shards read slice by slice, a replicated CPU DiT read once per node: see
-:mod:`wan_s2v_runner.lean_load`) or ``full`` (upstream's constructors: every rank reads every file
+:mod:`wan_s2v_runner.loading.lean_load`) or ``full`` (upstream's constructors: every rank reads every file
 it needs whole). What a rank read is in :attr:`Components.load_report`.
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from patches import context_cache
-from wan_s2v_runner import lean_load
-from wan_s2v_runner.ckpt_layout import WAV2VEC_DIR
-from wan_s2v_runner.ckpt_read import PthFile, SafetensorsFiles
-from wan_s2v_runner.layout import LoadStrategy
-from wan_s2v_runner.stages import Stage
+from wan_s2v_runner.loading import lean_load
+from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
+from wan_s2v_runner.loading.ckpt_read import PthFile, SafetensorsFiles
+from wan_s2v_runner.shared.layout import LoadStrategy
+from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.components")
 

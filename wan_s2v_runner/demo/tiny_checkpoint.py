@@ -1,7 +1,7 @@
 """Tiny random-weight Wan2.2-S2V checkpoint in the real file layout, for tests and CPU smoke runs.
 
 ``build_tiny_checkpoint`` writes a directory in the *real* Wan2.2-S2V-14B file layout
-(:mod:`wan_s2v_runner.ckpt_layout`), loadable by the unmodified engine
+(:mod:`wan_s2v_runner.shared.ckpt_layout`), loadable by the unmodified engine
 (``wan.WanS2V(config=WAN_CONFIGS['s2v-14B'], checkpoint_dir=...)`` with ``param_dtype``/``t5_dtype``
 set to float32 on CPU), but with tiny dimensions (~12 MB with the defaults, built in about a
 second after ``import wan``)::
@@ -21,8 +21,8 @@ read both from the files, so it must be applied before loading this checkpoint.
 
 All weights are random but deterministic for a seed, and every tensor is re-randomized after
 construction (upstream zero-inits several layers, which would make the DiT output exactly zero).
-Demo inputs are in :mod:`wan_s2v_runner.synthetic_inputs`, the demo cache in
-:mod:`wan_s2v_runner.demo_assets`.
+Demo inputs are in :mod:`wan_s2v_runner.demo.synthetic_inputs`, the demo cache in
+:mod:`wan_s2v_runner.demo.assets`.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from wan_s2v_runner.ckpt_layout import (
+from wan_s2v_runner.shared.ckpt_layout import (
     DIT_CONFIG,
     DIT_WEIGHTS,
     T5_FILE,
@@ -92,7 +92,7 @@ VAE_Z_DIM = 16  # Wan2_1_VAE hard-codes z_dim 16 (and 16 latent means/stds).
 
 def _wan():
     """The engine, imported with this machine's pre-import fixes."""
-    from wan_s2v_runner.engine import import_wan
+    from wan_s2v_runner.loading.engine import import_wan
 
     return import_wan()
 
@@ -447,7 +447,7 @@ def build_tiny_checkpoint(out_dir: Path, *, seed: int = 0, dit_dim: int = 32, di
     return out_dir
 
 
-if __name__ == "__main__":  # python -m wan_s2v_runner.tiny_checkpoint OUT_DIR
+if __name__ == "__main__":  # python -m wan_s2v_runner.demo.tiny_checkpoint OUT_DIR
     import sys
     import time
 

@@ -7,8 +7,10 @@ from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from wan_s2v_runner import engine, exit_codes, lora
-from wan_s2v_runner.events import EventReader, stage_durations
+from wan_s2v_runner.loading import engine, lora
+
+from wan_s2v_runner.shared import exit_codes
+from wan_s2v_runner.shared.events import EventReader, stage_durations
 
 VERSIONED = ("torch", "torchvision", "wan22", "transformers", "diffusers", "huggingface-hub",
              "accelerate", "peft", "librosa", "decord", "imageio-ffmpeg", "flash-attn", "pydantic")
@@ -52,7 +54,7 @@ def _resume_info(spec):
     """Where a resumed run took over: the source run directory and the first clip it generated."""
     if not spec.resume_from:
         return None
-    from wan_s2v_runner import resume
+    from wan_s2v_runner.shared import resume
     try:
         p = resume.read_progress(spec.resume_from)
     except resume.ResumeError:
@@ -62,7 +64,7 @@ def _resume_info(spec):
 
 def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, ended: float,
           launcher: dict | None = None) -> dict:
-    from wan_s2v_runner import media
+    from wan_s2v_runner.shared import media
 
     launcher = launcher or {}
     seen = launcher.get("host_peak_rss_mb_seen") or {}

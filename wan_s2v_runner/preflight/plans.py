@@ -1,7 +1,7 @@
 """Parallel plans for a GPU count: how the ranks split the work (CFG branches x Ulysses degree),
 what each split costs, and which is fastest. The doctor's plan table and recommendation ask here.
 
-A plan is a :class:`~wan_s2v_runner.layout.Layout` judged against one model and one size:
+A plan is a :class:`~wan_s2v_runner.shared.layout.Layout` judged against one model and one size:
 heads per rank (Ulysses splits them as evenly as possible), the padding its degree adds to the
 token sequence, and an estimated DiT speed-up over one GPU from the per-rank arithmetic:
 
@@ -18,14 +18,14 @@ wins (its all-to-alls move less and stay among fewer GPUs; a CFG split costs one
 all-gather per step). At 1024x704 (63,360 tokens) attention is ~68% of the 14B DiT's work, so
 an uneven head split costs more than the padding (at most degree - 1 tokens).
 
-This module imports only :mod:`wan_s2v_runner.layout`.
+This module imports only :mod:`wan_s2v_runner.shared.layout`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from wan_s2v_runner.layout import Layout, Mode
+from wan_s2v_runner.shared.layout import Layout, Mode
 
 #: GPU counts the doctor's plan table covers
 PLAN_WORLD_SIZES = tuple(range(1, 17))

@@ -18,8 +18,8 @@ from typing import Optional
 
 import numpy as np
 
-from wan_s2v_runner.atomic import temp_name
-from wan_s2v_runner.stages import Stage
+from wan_s2v_runner.shared.atomic import temp_name
+from wan_s2v_runner.shared.stages import Stage
 
 
 class MediaError(RuntimeError):

@@ -1,9 +1,9 @@
 """Command line: ``wan-s2v run|demo|doctor`` (``run_s2v_multi_gpu.py`` is ``wan-s2v run``).
 
 Owns argv and what a person reads when it is wrong. The flags are generated from the run spec
-(:mod:`wan_s2v_runner.flags`); values are layered defaults < environment (MASTER_ADDR,
+(:mod:`wan_s2v_runner.launcher.flags`); values are layered defaults < environment (MASTER_ADDR,
 MASTER_PORT, WORLD_SIZE = nodes, RANK = node rank, WAN_REPO) < ``--config run.toml`` < flags.
-``run`` validates a :class:`~wan_s2v_runner.spec.RunSpec`, runs preflight and hands the spec
+``run`` validates a :class:`~wan_s2v_runner.shared.spec.RunSpec`, runs preflight and hands the spec
 to the mode's runner; ``doctor`` builds a preflight report from the same (partial) values and
 prints it. Bad input exits with code 2 and a one-line cause and fix before anything is spawned.
 """
@@ -18,10 +18,10 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from wan_s2v_runner import exit_codes
-from wan_s2v_runner.flags import (Command, add_spec_flags, base_values, flag_values,
+from wan_s2v_runner.shared import exit_codes
+from wan_s2v_runner.launcher.flags import (Command, add_spec_flags, base_values, flag_values,
                                   format_validation_error)
-from wan_s2v_runner.spec import RunSpec, flag_name, merge_values
+from wan_s2v_runner.shared.spec import RunSpec, flag_name, merge_values
 
 
 def spec_values(args: argparse.Namespace, defaults: Optional[dict] = None) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def cmd_run(args, defaults: Optional[dict] = None, extra_env=None) -> int:
 
 def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
     import runners
-    from wan_s2v_runner.console import Display
+    from wan_s2v_runner.launcher.console import Display
 
     if args.skip_preflight:
         from wan_s2v_runner.preflight import groups_for
@@ -83,7 +83,7 @@ def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
 def cmd_resume(args, extra_env=None) -> int:
     """Continue RUN_DIR's run from its last complete clip; layout flags may change, the inputs
     and frame settings may not (they decide the frames already written)."""
-    from wan_s2v_runner import resume
+    from wan_s2v_runner.shared import resume
 
     run_dir = Path(args.run_dir).expanduser().absolute()
     try:
@@ -115,7 +115,7 @@ def default_cache_dir() -> Path:
 
 
 def cmd_demo(args) -> int:
-    from wan_s2v_runner.demo_assets import ensure_demo_assets
+    from wan_s2v_runner.demo.assets import ensure_demo_assets
 
     cache = args.cache_dir or default_cache_dir()
     print(f"demo: tiny random-weight checkpoint + inputs in {cache / 'demo'} (built once, then reused)")

@@ -1,7 +1,7 @@
 """Reading parts of checkpoint files: a tensor's bytes, or a slice of its flattened elements,
 straight into the tensor that will hold them, counting every byte read.
 
-Lean loading (``wan_s2v_runner.lean_load``) fills each rank's FSDP shard from the files without
+Lean loading (``wan_s2v_runner.loading.lean_load``) fills each rank's FSDP shard from the files without
 ever holding a whole tensor: :class:`SafetensorsFiles` indexes a diffusers checkpoint
 (``diffusion_pytorch_model*.safetensors``, single or sharded with its index) from the headers
 alone and reads byte ranges with ``pread`` (no mapping, so nothing lands in the process's RSS
@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from wan_s2v_runner.preflight.ckpt_reader import dit_files, read_safetensors_header
+from wan_s2v_runner.loading.ckpt_tables import dit_files, read_safetensors_header
 
 #: safetensors dtype names -> torch dtypes (the ones a Wan checkpoint can hold)
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

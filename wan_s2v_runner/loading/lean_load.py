@@ -1,5 +1,5 @@
 """Lean loading: each rank holds only the weights it computes with, and a node reads a
-non-sharded model once (issue #9). Used by :mod:`wan_s2v_runner.components` under
+non-sharded model once (issue #9). Used by :mod:`wan_s2v_runner.loading.components` under
 ``--load lean`` (the default); ``--load full`` keeps upstream's way (every rank reads every file).
 
 Models are built on the meta device (no memory), then:
@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from wan_s2v_runner.ckpt_read import ReadCounter, sample_windows
+from wan_s2v_runner.loading.ckpt_read import ReadCounter, sample_windows
 
 log = logging.getLogger("wan_s2v.lean_load")
 
@@ -130,7 +130,7 @@ def fill_fsdp_shards(model, source) -> None:
 
 
 def merge_deltas_into_shards(model, deltas) -> None:
-    """Add the LoRAs' fp32 deltas (a :class:`~wan_s2v_runner.lora.LoraDeltas`; one parameter's
+    """Add the LoRAs' fp32 deltas (a :class:`~wan_s2v_runner.loading.lora.LoraDeltas`; one parameter's
     delta at a time) to the slices this rank holds, rounding once to the weight's dtype: element
     for element what a merge into the whole tensor gives."""
     wanted = set(deltas.names)

@@ -1,6 +1,6 @@
 """The hang watchdog's verdicts: is the run stuck, and how to say where.
 
-Pure functions over the ranks' states (:class:`~wan_s2v_runner.events.RankState`) and what the
+Pure functions over the ranks' states (:class:`~wan_s2v_runner.shared.events.RankState`) and what the
 launcher gathered; the launcher (:mod:`launch`) owns the processes, the clock and the stack
 dumps, and calls these. A run is stuck when every unfinished rank has gone longer than its
 stage's limit without a ``stage`` or ``progress`` record: load-class stages
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
-from wan_s2v_runner.diagnose import progress_suffix
-from wan_s2v_runner.events import RankState
-from wan_s2v_runner.stages import Stage, gets_load_limit
+from wan_s2v_runner.launcher.diagnose import progress_suffix
+from wan_s2v_runner.shared.events import RankState
+from wan_s2v_runner.shared.stages import Stage, gets_load_limit
 
 #: {stage: [ranks]}: where the unfinished ranks were when the watchdog fired
 Stuck = dict[Union[Stage, str], list[int]]
@@ -91,7 +91,7 @@ def describe_hang(stuck: Stuck, ranks: Mapping[int, RankState], *, now: float,
     ``silent``: for ranks that never reported, the (pid, process state) of the worker process
     found for them while the run was still up (a rank missing there had no process);
     ``not_started``: why such a rank has no process (the launcher knows: a rendezvous with other
-    nodes, :func:`wan_s2v_runner.launch.not_started_note`)."""
+    nodes, :func:`wan_s2v_runner.launcher.launch.not_started_note`)."""
     silent = silent or {}
     limit = max(limits.for_stage(s) for s in stuck)
     parts = []

@@ -1,6 +1,6 @@
 """This rank's place in the run's parallel plan: the (cfg, sp) device mesh and what work it does.
 
-The layout (:class:`~wan_s2v_runner.layout.Layout`) says the degrees; :func:`rank_plan` builds
+The layout (:class:`~wan_s2v_runner.shared.layout.Layout`) says the degrees; :func:`rank_plan` builds
 the process groups from one ``DeviceMesh`` with the sequence-parallel dimension innermost (an
 SP group is consecutive ranks, i.e. one node; CFG groups span nodes) and answers who does what:
 rank 0 encodes audio and text and keeps the clips' frames; the other ranks load neither wav2vec2
@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from wan_s2v_runner.layout import Layout
+from wan_s2v_runner.shared.layout import Layout
 
 
 @dataclass

@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from wan_s2v_runner.events import denoise_position, is_secondary, rank_log_level
-from wan_s2v_runner.stages import Stage
+from wan_s2v_runner.shared.events import denoise_position, is_secondary, rank_log_level
+from wan_s2v_runner.shared.stages import Stage
 
 #: in plain mode, print a step line at least this often (besides each clip's first/last step)
 PROGRESS_EVERY_S = 10.0

@@ -7,7 +7,7 @@
 * ``.pth`` (T5, VAE): ``torch.load(mmap=True, weights_only=True)`` maps the zip and unpickles
   only the small record of tensor metadata (milliseconds for the 11 GB T5 file).
 
-The file names of a Wan2.2-S2V-14B checkpoint directory are in :mod:`wan_s2v_runner.ckpt_layout`.
+The file names of a Wan2.2-S2V-14B checkpoint directory are in :mod:`wan_s2v_runner.shared.ckpt_layout`.
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def read_index(path: Path) -> dict[str, str]:
 def dit_files(ckpt: Path) -> list[Path]:
     """The DiT's safetensors files in a checkpoint directory: the shards its index names, or the
     single file. Raises CheckpointFileError for a bad index."""
-    from wan_s2v_runner.ckpt_layout import DIT_INDEX, DIT_WEIGHTS
+    from wan_s2v_runner.shared.ckpt_layout import DIT_INDEX, DIT_WEIGHTS
 
     ckpt = Path(ckpt)
     idx = ckpt / DIT_INDEX

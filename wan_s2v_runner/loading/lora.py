@@ -191,7 +191,7 @@ def _check_shapes(name, terms: ModuleTerms, lora_shapes, dit_shapes) -> str:
 # --------------------------------------------------------------------------- files
 def file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape from a .safetensors header (no tensor data read)."""
-    from wan_s2v_runner.preflight.ckpt_reader import read_safetensors_header
+    from wan_s2v_runner.loading.ckpt_tables import read_safetensors_header
     return {k: shape for k, (_, shape) in read_safetensors_header(Path(path)).tensors.items()}
 
 
@@ -276,8 +276,8 @@ def merge(model, loras: Iterable[LoraSource], allow_partial: bool = False) -> li
 def describe(refs: Sequence, ckpt_dir: Optional[Path]) -> list[dict]:
     """For run.json: each LoRA's path, sha256, format, strength and matched-module count (from
     the headers, by the same :func:`plan` the merge uses)."""
-    from wan_s2v_runner.media import sha256_file
-    from wan_s2v_runner.preflight.ckpt_reader import CheckpointFileError, dit_shapes
+    from wan_s2v_runner.shared.media import sha256_file
+    from wan_s2v_runner.loading.ckpt_tables import CheckpointFileError, dit_shapes
 
     try:
         dit = dit_shapes(ckpt_dir) if ckpt_dir else None

@@ -1,0 +1,12 @@
+"""Launcher side: the user's process. It parses the command line (:mod:`.cli`, flags generated
+from the spec by :mod:`.flags`), runs preflight, writes the run directory, spawns
+``torch.distributed.run`` (:mod:`.torchrun`) and supervises it (:mod:`.processes` tracks the
+process tree, :mod:`.supervisor` gathers what the ranks report and decides, :mod:`.launch` runs
+one launch end to end), shows progress (:mod:`.console`), turns failures and hangs into verdicts
+(:mod:`.diagnose`, :mod:`.watchdog`) and writes ``run.json`` (:mod:`.manifest`).
+
+Nothing here imports torch at start-up: ``wan-s2v --help`` and preflight's refusals come before
+any heavy import (``tests/test_imports.py`` checks it in a fresh interpreter).
+
+May import: shared, preflight, demo, loading.
+"""

@@ -1,0 +1,12 @@
+"""Shared vocabulary: what the launcher and the ranks both read, and nothing that runs a model.
+
+The run spec (:mod:`.spec`, validated once, written to ``spec.json``), the parallel layout and
+modes (:mod:`.layout`), stages (:mod:`.stages`), the event files ranks write and the launcher
+reads (:mod:`.events`), exit codes (:mod:`.exit_codes`), the checkpoint's file names
+(:mod:`.ckpt_layout`), where the engine is and which one (:mod:`.engine_source`), the attention
+backends a machine has (:mod:`.attention_backends`), mp4 and audio (:mod:`.media`), clip
+checkpoints (:mod:`.resume`), the cluster environment (:mod:`.slurm`), and writes by temporary
+name then rename (:mod:`.atomic`).
+
+May import: nothing else from the project.
+"""
