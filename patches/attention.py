@@ -56,7 +56,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from wan_s2v_runner.shared.attention_backends import (  # noqa: F401  (engine.py calls the guard from here)
+from wan_s2v_runner.shared.attention_backends import (  # noqa: F401  (loading/engine.py calls the guard from here)
     BACKENDS,
     BackendUnavailable,
     choose_backend,

@@ -1,4 +1,7 @@
-"""One module per parallel mode; ``get(mode)`` returns its :class:`~runners.base.ModeRunner`."""
+"""One module per parallel mode; ``get(mode)`` returns its :class:`~runners.base.ModeRunner`.
+
+May import: shared, rank, loading, patches (folders of wan_s2v_runner, and patches/).
+"""
 from wan_s2v_runner.shared.layout import Mode
 
 from . import fsdp_fixed, hybrid, ulysses

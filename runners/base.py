@@ -1,7 +1,8 @@
 """What every mode runner provides: its mode, what that mode does to the engine (from
 :data:`wan_s2v_runner.shared.layout.MODES`), how a rank prepares for it (:meth:`ModeRunner.prepare`:
 the (cfg, sp) plan, Ulysses on the SP group for any degree (``patches.ulysses_sp``), the engine parts this
-rank loads), and one spawn path (``launch.run``)."""
+rank loads). Spawning a run is the launcher's (``wan_s2v_runner.launcher.launch.run``), the same for
+every mode."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,10 +47,3 @@ class ModeRunner:
         blocks = context_cache.apply(parts.noise_model)  # done by components.load; idempotent
         applied["context_cache"] = f"text embedding and {blocks} blocks' cross-attention k/v once per context"
         return plan, parts, applied
-
-    def launch(self, spec: RunSpec, **kwargs) -> int:
-        """Spawn ``python -m torch.distributed.run`` for this mode and supervise it."""
-        from wan_s2v_runner.launcher import launch
-        if spec.mode is not self.mode:
-            spec = spec.model_copy(update={"mode": self.mode})
-        return launch.run(spec, **kwargs)

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from wan_s2v_runner.launcher import cli, flags
+from wan_s2v_runner.shared import spec as spec_mod
 from wan_s2v_runner.shared.spec import RunSpec, env_values, flag_name, flag_of, load_toml
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -63,7 +64,7 @@ def test_toml_accepts_flag_spellings_and_rejects_unknown_keys(tmp_path):
     (tmp_path / "bad.toml").write_text('[run]\nstepz = 3\n')
     with pytest.raises(ValidationError) as e:
         RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p", **load_toml(tmp_path / "bad.toml"))
-    assert "unknown setting 'stepz'" in flags.format_validation_error(e.value)
+    assert "unknown setting 'stepz'" in spec_mod.format_validation_error(e.value)
 
 
 def test_env_defaults_are_declared_on_fields():
@@ -78,7 +79,7 @@ def test_env_defaults_are_declared_on_fields():
 def test_errors_name_the_flag_users_type():
     with pytest.raises(ValidationError) as e:
         RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p", pg_timeout_s=-1)
-    text = flags.format_validation_error(e.value)
+    text = spec_mod.format_validation_error(e.value)
     assert text.startswith("error: --pg-timeout: ") and "Fix: correct --pg-timeout." in text
 
 

@@ -1,8 +1,14 @@
-"""The project's modules form no import cycle (every import counts, including the lazy ones
-inside functions), and the vocabulary modules import nothing from the project."""
+"""The house's import rules, read from the sources (every import counts, including the lazy ones
+inside functions): no cycle; each folder imports only the folders its ``__init__`` docstring lists
+on its ``May import:`` line (so the launcher never reaches rank code and the rank side never
+reaches the console); the vocabulary modules import nothing from the project; and the launcher
+starts without importing torch."""
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,10 +80,45 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
+def area_of(mod: str) -> str:
+    """The folder a module lives in: ``runners``, ``patches``, or a folder of ``wan_s2v_runner``
+    (its ``__init__``/``__main__`` are the package's own: ``wan_s2v_runner``)."""
+    parts = mod.split(".")
+    if parts[0] != "wan_s2v_runner":
+        return parts[0]
+    return parts[1] if len(parts) > 1 and (ROOT / "wan_s2v_runner" / parts[1]).is_dir() else "wan_s2v_runner"
+
+
+def allowed_imports() -> dict[str, set[str]]:
+    """{folder: the folders it may import}, from each folder's ``May import:`` docstring line."""
+    out = {"wan_s2v_runner": {"launcher"}}  # ``python -m wan_s2v_runner`` is the command line
+    folders = [ROOT / "runners", ROOT / "patches"] + sorted(
+        d for d in (ROOT / "wan_s2v_runner").iterdir() if (d / "__init__.py").is_file())
+    for d in folders:
+        doc = ast.get_docstring(ast.parse((d / "__init__.py").read_text(encoding="utf-8"))) or ""
+        m = re.search(r"^May import: (.*?)\.?$", doc, re.M)
+        assert m, f"{d.relative_to(ROOT)}/__init__.py: its docstring has no 'May import:' line"
+        words = re.sub(r"\(.*?\)", "", m.group(1))
+        out[d.name] = set() if words.startswith("nothing") else {w.strip() for w in words.split(",")}
+    return out
+
+
+def violations(graph: dict[str, set[str]], allowed: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        here = area_of(mod)
+        for dep in sorted(deps):
+            there = area_of(dep)
+            if there != here and there not in allowed[here]:
+                bad.append(f"{mod} ({here}/) imports {dep} ({there}/), not in its May import: line")
+    return bad
+
+
 def test_graph_is_read_from_the_sources():
     g = import_graph()
     assert "wan_s2v_runner.shared.spec" in g["wan_s2v_runner.launcher.cli"]  # sanity: edges are found
     assert "wan_s2v_runner.preflight.checks_parallel" in g["wan_s2v_runner.preflight.registry"]
+    assert "wan_s2v_runner.loading.engine" in g["wan_s2v_runner.rank.worker"]  # "from pkg import mod"
 
 
 def test_no_import_cycle():
@@ -90,14 +131,48 @@ def test_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) == []
 
 
+def test_every_module_lives_in_a_folder():
+    flat = sorted(f.name for f in (ROOT / "wan_s2v_runner").glob("*.py")
+                  if f.name not in ("__init__.py", "__main__.py"))
+    assert not flat, f"modules outside the folders by role: {flat} (see wan_s2v_runner/__init__.py)"
+
+
+def test_folders_import_only_what_their_docstring_allows():
+    allowed = allowed_imports()
+    assert allowed["shared"] == set()
+    assert "launcher" not in allowed["rank"] and "rank" not in allowed["launcher"]
+    assert set(allowed) >= {"launcher", "rank", "loading", "vae_split", "shared", "demo", "preflight",
+                            "runners", "patches"}
+    bad = violations(import_graph(), allowed)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_rule_catches_a_rank_module_importing_the_console():
+    graph = {"wan_s2v_runner.rank.worker": {"wan_s2v_runner.launcher.console"},
+             "wan_s2v_runner.launcher.console": set()}
+    assert violations(graph, allowed_imports()) == [
+        "wan_s2v_runner.rank.worker (rank/) imports wan_s2v_runner.launcher.console (launcher/), "
+        "not in its May import: line"]
+
+
 def test_vocabularies_import_nothing_from_the_project():
     g = import_graph()
     for leaf in ("wan_s2v_runner.shared.layout", "wan_s2v_runner.shared.stages", "wan_s2v_runner.shared.exit_codes"):
         assert g[leaf] == set(), (leaf, g[leaf])
 
 
-def test_preflight_does_not_import_the_cli():
-    g = import_graph()
-    for mod, deps in g.items():
-        if mod.startswith("wan_s2v_runner.preflight"):
-            assert "wan_s2v_runner.launcher.cli" not in deps, mod
+def test_the_launcher_starts_without_torch():
+    """``wan-s2v`` parses its flags and prints help in a fresh interpreter without importing torch
+    (nor the engine, nor the rank side): start-up stays fast, and preflight refuses before any
+    heavy import."""
+    code = ("import sys, contextlib, io\n"
+            "from wan_s2v_runner.launcher import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try:\n        cli.main(['run', '--help'])\n"
+            "    except SystemExit:\n        pass\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'wan', 'runners')\n"
+            "               or m.startswith(('wan_s2v_runner.rank', 'wan_s2v_runner.vae_split')))\n"
+            "print(heavy)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -18,10 +18,9 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from wan_s2v_runner.launcher.flags import Command, add_spec_flags, base_values, flag_values
 from wan_s2v_runner.shared import exit_codes
-from wan_s2v_runner.launcher.flags import (Command, add_spec_flags, base_values, flag_values,
-                                  format_validation_error)
-from wan_s2v_runner.shared.spec import RunSpec, flag_name, merge_values
+from wan_s2v_runner.shared.spec import RunSpec, flag_name, format_validation_error, merge_values
 
 
 def spec_values(args: argparse.Namespace, defaults: Optional[dict] = None) -> dict[str, Any]:
@@ -62,7 +61,7 @@ def cmd_run(args, defaults: Optional[dict] = None, extra_env=None) -> int:
 
 
 def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
-    import runners
+    from wan_s2v_runner.launcher import launch
     from wan_s2v_runner.launcher.console import Display
 
     if args.skip_preflight:
@@ -77,7 +76,7 @@ def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
         waves = report.data_of("memory.host").get("waves")
         if spec.load_waves is None and waves and waves > 1:  # the memory plan's safety net
             spec = spec.model_copy(update={"load_waves": waves})
-    return runners.get(spec.mode).launch(spec, display=Display.auto(json_mode=args.json), extra_env=extra_env)
+    return launch.run(spec, display=Display.auto(json_mode=args.json), extra_env=extra_env)
 
 
 def cmd_resume(args, extra_env=None) -> int:

@@ -22,7 +22,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import ValidationError
 
 from wan_s2v_runner.shared.spec import (FlagGroup, RunSpec, default_of, env_values, flag_name, flag_of,
                                  load_toml, merge_values)
@@ -151,24 +150,6 @@ def base_values(args: argparse.Namespace, env=None) -> dict[str, Any]:
     env = os.environ if env is None else env
     config = getattr(args, "config", None)
     return merge_values(env_values(env), load_toml(config) if config else None)
-
-
-# --------------------------------------------------------------------------- errors
-def format_validation_error(e: ValidationError) -> str:
-    """One line per problem: the flag, the cause, and a fix."""
-    lines = []
-    for err in e.errors():
-        field = str(err["loc"][0]) if err["loc"] else ""
-        flag = flag_name(field) if field in RunSpec.model_fields else ("--" + field.replace("_", "-") if field else "")
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "missing":
-            lines.append(f"error: {flag} is required. Fix: pass {flag} (or set {field} in --config).")
-        elif err["type"] == "extra_forbidden":
-            lines.append(f"error: unknown setting {field!r}. Fix: remove it from --config "
-                         "(see the flags table in the README).")
-        else:
-            lines.append(f"error: {flag or 'spec'}: {msg}. Fix: correct {flag or 'the flags'}.")
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- README table

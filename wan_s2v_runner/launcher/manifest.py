@@ -7,7 +7,8 @@ from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from wan_s2v_runner.loading import engine, lora
+from wan_s2v_runner.loading import lora
+from wan_s2v_runner.shared import engine_source
 
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.events import EventReader, stage_durations
@@ -28,12 +29,12 @@ def package_versions() -> dict:
 
 def engine_info(spec) -> dict:
     try:
-        loc = engine.locate(spec.wan_repo)
-    except engine.EngineNotFound as e:
+        loc = engine_source.locate(spec.wan_repo)
+    except engine_source.EngineNotFound as e:
         return {"error": str(e)}
-    fp = engine.s2v_fingerprint(loc.package_dir)
-    return {"source": loc.source, "path": str(loc.package_dir), "version": engine.engine_version(loc),
-            "s2v_fingerprint": fp, "matches_known_upstream": fp == engine.KNOWN_S2V_FINGERPRINT}
+    fp = engine_source.s2v_fingerprint(loc.package_dir)
+    return {"source": loc.source, "path": str(loc.package_dir), "version": engine_source.engine_version(loc),
+            "s2v_fingerprint": fp, "matches_known_upstream": fp == engine_source.KNOWN_S2V_FINGERPRINT}
 
 
 def _mem(st, key: str, launcher_seen: dict):

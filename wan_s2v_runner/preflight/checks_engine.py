@@ -12,7 +12,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from wan_s2v_runner.loading import engine
+from wan_s2v_runner.shared import engine_source
 
 from .core import fail, ok, warn
 
@@ -50,15 +50,15 @@ def V(s):
 
 def check_located(ctx):
     try:
-        loc = engine.locate(ctx.spec.wan_repo)
-    except engine.EngineNotFound as e:
+        loc = engine_source.locate(ctx.spec.wan_repo)
+    except engine_source.EngineNotFound as e:
         cause, _, fix = str(e).partition(" Fix: ")
         return fail("engine.found", cause.strip(), fix.strip() or "pip install --no-deps wan22==2.2.11")
     ctx.cache["engine_location"] = loc
-    where = f"package wan22 {engine.engine_version(loc)}" if loc.source == "package" \
-        else f"checkout {loc.repo_root} ({engine.engine_version(loc)})"
+    where = f"package wan22 {engine_source.engine_version(loc)}" if loc.source == "package" \
+        else f"checkout {loc.repo_root} ({engine_source.engine_version(loc)})"
     return ok("engine.found", f"{where} at {loc.package_dir}", source=loc.source,
-              version=engine.engine_version(loc), path=str(loc.package_dir))
+              version=engine_source.engine_version(loc), path=str(loc.package_dir))
 
 
 def check_fingerprint(ctx):
@@ -66,15 +66,15 @@ def check_fingerprint(ctx):
     if loc is None:
         return fail("engine.fingerprint", "no engine to fingerprint (see engine.found)",
                     "install the engine first")
-    hashes = engine.s2v_file_hashes(loc.package_dir)
+    hashes = engine_source.s2v_file_hashes(loc.package_dir)
     missing = [rel for rel, h in hashes.items() if h is None]
     if missing:
         return fail("engine.fingerprint", f"S2V files missing from {loc.package_dir}: {', '.join(missing)}",
                     "reinstall: pip install --no-deps --force-reinstall wan22==2.2.11 (or update the checkout)")
-    fp = engine.s2v_fingerprint(loc.package_dir)
-    if fp != engine.KNOWN_S2V_FINGERPRINT:
+    fp = engine_source.s2v_fingerprint(loc.package_dir)
+    if fp != engine_source.KNOWN_S2V_FINGERPRINT:
         return warn("engine.fingerprint", f"S2V files differ from upstream Wan2.2 42bf4cf (fingerprint "
-                    f"{fp[:12]}, expected {engine.KNOWN_S2V_FINGERPRINT[:12]})",
+                    f"{fp[:12]}, expected {engine_source.KNOWN_S2V_FINGERPRINT[:12]})",
                     "the patches were tested against upstream 42bf4cf / wan22 2.2.11; use that version "
                     "or re-run the test suite against this one", fingerprint=fp)
     return ok("engine.fingerprint", f"{len(hashes)} S2V files match upstream 42bf4cf ({fp[:12]})", fingerprint=fp)

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
-from wan_s2v_runner.launcher.flags import format_validation_error
 from wan_s2v_runner.shared.layout import Layout, Mode
-from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.spec import RunSpec, format_validation_error
 
 from .facts import MachineFacts
 

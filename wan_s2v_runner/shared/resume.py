@@ -65,8 +65,8 @@ def checkpoint_digest(ckpt_dir: Path) -> str:
 
 
 def engine_digest(wan_repo: Optional[Path]) -> str:
-    from wan_s2v_runner.loading import engine
-    return engine.s2v_fingerprint(engine.locate(wan_repo).package_dir)
+    from wan_s2v_runner.shared import engine_source
+    return engine_source.s2v_fingerprint(engine_source.locate(wan_repo).package_dir)
 
 
 def identity(spec) -> dict:

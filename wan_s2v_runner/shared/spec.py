@@ -423,3 +423,20 @@ def default_of(name: str) -> Union[str, Any]:
     if isinstance(d, float) and d.is_integer():
         return str(int(d))
     return str(d)
+
+
+def format_validation_error(e: ValidationError) -> str:
+    """One line per problem: the flag, the cause, and a fix."""
+    lines = []
+    for err in e.errors():
+        field = str(err["loc"][0]) if err["loc"] else ""
+        flag = flag_name(field) if field in RunSpec.model_fields else ("--" + field.replace("_", "-") if field else "")
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            lines.append(f"error: {flag} is required. Fix: pass {flag} (or set {field} in --config).")
+        elif err["type"] == "extra_forbidden":
+            lines.append(f"error: unknown setting {field!r}. Fix: remove it from --config "
+                         "(see the flags table in the README).")
+        else:
+            lines.append(f"error: {flag or 'spec'}: {msg}. Fix: correct {flag or 'the flags'}.")
+    return "\n".join(lines)

@@ -73,6 +73,8 @@ algorithm rounds a band differently from the whole frame: up to 9.9e-4 on latent
 frames in [-1, 1] (0.4 of an 8-bit level; a 73-frame encode and a 39-latent-frame decode at
 704x1024), the size of TF32's own error; ``cudnn.deterministic`` does not change that. The
 engine's own fp32 VAE runs under that default, and we keep it.
+
+May import: nothing else from the project.
 """
 from __future__ import annotations
 
