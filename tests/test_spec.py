@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from wan_s2v_runner.launcher import cli, launch
+from wan_s2v_runner.launcher import cli, torchrun
 
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.spec import Mode, RunSpec
@@ -46,11 +46,11 @@ def test_cluster_env_defaults_below_flags(monkeypatch):
 def test_seed_minus_one_is_chosen_once_by_the_launcher():
     spec = RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p", output="o.mp4", nproc=2)
     assert spec.seed == -1
-    a, b = launch.finalize_spec(spec), launch.finalize_spec(spec)
+    a, b = torchrun.finalize_spec(spec), torchrun.finalize_spec(spec)
     assert a.seed >= 0 and b.seed >= 0 and a.seed != b.seed  # random per run...
     assert RunSpec.model_validate_json(a.to_json()).seed == a.seed  # ...and recorded for every rank
     assert a.master_port is None  # single node: the OS picks it at rendezvous (c10d on localhost:0)
-    fixed = launch.finalize_spec(spec.model_copy(update={"seed": 5}))
+    fixed = torchrun.finalize_spec(spec.model_copy(update={"seed": 5}))
     assert fixed.seed == 5
 
 
@@ -89,9 +89,9 @@ def test_layout_per_mode():
 
 
 def test_torchrun_gets_an_argument_list(tmp_path):
-    spec = launch.finalize_spec(RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p",
+    spec = torchrun.finalize_spec(RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p",
                                         output=tmp_path / "it's a \"file\".mp4", nproc=2))
-    argv = launch.torchrun_argv(spec, tmp_path / "run dir")
+    argv = torchrun.torchrun_argv(spec, tmp_path / "run dir")
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
     assert argv[-1] == str(tmp_path / "run dir" / "spec.json")  # one element, spaces and all

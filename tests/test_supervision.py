@@ -413,7 +413,7 @@ def test_event_reader_handles_partial_lines_and_garbage(tmp_path):
 
 def _supervisor(tmp_path, **spec_kw):
     from wan_s2v_runner.launcher.console import Display
-    from wan_s2v_runner.launcher.launch import Supervisor
+    from wan_s2v_runner.launcher.supervisor import Supervisor
     from wan_s2v_runner.shared.spec import RunSpec
 
     spec = RunSpec(ckpt_dir=tmp_path, image=tmp_path / "i.png", audio=tmp_path / "a.wav",
@@ -453,7 +453,7 @@ def test_rendezvous_lets_the_os_pick_the_port_on_one_node(tmp_path):
     """No port is picked before torchrun binds it: one node without --master-port gets the c10d
     rendezvous on localhost:0 (torchrun --standalone); a given port or several nodes keep the
     static --master-addr/--master-port rendezvous (29500 by default with several nodes)."""
-    from wan_s2v_runner.launcher.launch import finalize_spec, torchrun_argv
+    from wan_s2v_runner.launcher.torchrun import finalize_spec, torchrun_argv
 
     def argv(**kw):
         spec = finalize_spec(_supervisor(tmp_path, **kw).spec)
@@ -519,7 +519,7 @@ def test_gate_prints_each_warning_with_its_finding_and_fix_on_one_line():
 
 
 def test_stack_analysis_names_the_rank_outside_the_collective(tmp_path):
-    from wan_s2v_runner.launcher.launch import analyse_stacks
+    from wan_s2v_runner.launcher.diagnose import analyse_stacks
 
     (tmp_path / "stacks").mkdir()
     waiting = ('Current thread 0x1 (most recent call first):\n'
@@ -562,7 +562,7 @@ def test_plain_display_coalesces_stage_lines(capsys):
 
 
 def test_cpu_ranks_get_the_heap_reusing_malloc_settings_unless_the_user_set_them(tmp_path, monkeypatch):
-    from wan_s2v_runner.launcher.launch import CPU_MALLOC_ENV, worker_env
+    from wan_s2v_runner.launcher.torchrun import CPU_MALLOC_ENV, worker_env
 
     spec = _supervisor(tmp_path).spec
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)

@@ -15,10 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
+from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
 from wan_s2v_runner.shared.events import EventReader, RankState, denoise_position, is_secondary
 from wan_s2v_runner.shared.layout import MODES, ModeTraits
 from wan_s2v_runner.shared.spec import RunSpec
 from wan_s2v_runner.shared.stages import Stage
+
+#: how the worker module appears in a stack dump's frames
+WORKER_FILE = WORKER_MODULE.replace(".", "/") + ".py"
 
 
 def has_frame(path: Path) -> bool:
@@ -125,7 +129,7 @@ def analyse_stacks(run_dir: Path, ranks: list[int], remote: Optional[str] = None
         except OSError:
             continue
         blocks = [b for b in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text) if _FRAME_RE.search(b)]
-        main = next((b for b in blocks if "wan_s2v_runner/rank/worker.py" in b or "in <module>" in b), None)
+        main = next((b for b in blocks if WORKER_FILE in b or "in <module>" in b), None)
         if main is None:
             continue
         frames = _FRAME_RE.findall(main)

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
+
 
 def pdeathsig_preexec():
     """A preexec_fn that makes the child get SIGTERM when the launcher dies (Linux), so a
@@ -98,7 +100,7 @@ def pids_with_cmdline(*needles: bytes) -> set[int]:
 def worker_rank(pid: int) -> Optional[int]:
     """RANK from a worker's environment (same user), for workers that never reported."""
     try:
-        if b"wan_s2v_runner.rank.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if WORKER_MODULE.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
             return None
         for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
             if kv.startswith(b"RANK="):

@@ -1,7 +1,7 @@
 """The hang watchdog's verdicts: is the run stuck, and how to say where.
 
 Pure functions over the ranks' states (:class:`~wan_s2v_runner.shared.events.RankState`) and what the
-launcher gathered; the launcher (:mod:`launch`) owns the processes, the clock and the stack
+launcher gathered; the launcher (:mod:`.supervisor`, :mod:`.processes`) owns the processes, the clock and the stack
 dumps, and calls these. A run is stuck when every unfinished rank has gone longer than its
 stage's limit without a ``stage`` or ``progress`` record: load-class stages
 (:attr:`Stage.is_load_class`) get ``watchdog_load_s``, the others ``watchdog_step_s``; a rank
@@ -91,7 +91,7 @@ def describe_hang(stuck: Stuck, ranks: Mapping[int, RankState], *, now: float,
     ``silent``: for ranks that never reported, the (pid, process state) of the worker process
     found for them while the run was still up (a rank missing there had no process);
     ``not_started``: why such a rank has no process (the launcher knows: a rendezvous with other
-    nodes, :func:`wan_s2v_runner.launcher.launch.not_started_note`)."""
+    nodes, :func:`wan_s2v_runner.launcher.supervisor.not_started_note`)."""
     silent = silent or {}
     limit = max(limits.for_stage(s) for s in stuck)
     parts = []

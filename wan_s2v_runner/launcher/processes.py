@@ -1,0 +1,176 @@
+"""The processes of one run: torchrun (its own session, PR_SET_PDEATHSIG) and every worker it
+starts. :class:`RunProcesses` spawns torchrun with its output pumped to ``torchrun.log`` and the
+display, finds the run's processes (torchrun's descendants, the pids ranks report, command lines
+naming the run's ``spec.json``), notes each exit as it happens (:class:`~.proctree.ProcTable`),
+samples their memory and CPU, asks them for stack dumps, and stops them all. It decides nothing:
+:class:`~.supervisor.Supervisor` does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from wan_s2v_runner.launcher.console import Display
+from wan_s2v_runner.launcher.diagnose import has_frame
+from wan_s2v_runner.launcher.proctree import (
+    ProcTable,
+    cpu_s,
+    descendants,
+    hwm_mb,
+    pdeathsig_preexec,
+    pids_with_cmdline,
+    ppid_map,
+)
+from wan_s2v_runner.launcher.torchrun import WORKER_MODULE, torchrun_argv, worker_env
+from wan_s2v_runner.shared import atomic
+from wan_s2v_runner.shared.events import EventReader, RankState
+from wan_s2v_runner.shared.spec import RunSpec
+
+
+class RunProcesses:
+    """Owns the torchrun process tree of one run."""
+
+    def __init__(self, spec: RunSpec, run_dir: Path, reader: EventReader, display: Display, extra_env=None):
+        self.spec, self.run_dir, self.reader, self.display = spec, run_dir, reader, display
+        self.log_path = run_dir / "torchrun.log"
+        self.proc: Optional[subprocess.Popen] = None
+        self.procs = ProcTable()
+        self.extra_env = extra_env
+        self.force = False  # stop with SIGKILL at once (a second signal, or the launcher failed)
+        self.host_hwm_mb: dict[int, float] = {}  # rank -> VmHWM seen by the launcher
+        self.torchrun_cpu_s: Optional[float] = None  # torchrun's agent, last seen alive
+        self._pump_thread: Optional[threading.Thread] = None
+        self._needle = str(run_dir / "spec.json").encode()
+        self._host = os.uname().nodename
+
+    def start(self) -> float:
+        """Spawn torchrun; returns the time it was started."""
+        argv = torchrun_argv(self.spec, self.run_dir)
+        atomic.write_text(self.run_dir / "command.json", json.dumps(argv, indent=1))
+        t0 = time.time()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=worker_env(self.spec, self.extra_env),
+                                     start_new_session=True, cwd=os.getcwd(),
+                                     preexec_fn=pdeathsig_preexec())
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True, name="wan-s2v-pump")
+        self._pump_thread.start()
+        return t0
+
+    def _pump(self) -> None:
+        with open(self.log_path, "w", encoding="utf-8") as log:
+            for raw in self.proc.stdout:  # type: ignore[union-attr]
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                log.write(line + "\n")
+                log.flush()
+                try:
+                    self.display.log_line(line)
+                except Exception:  # the display must never stop the log
+                    pass
+
+    def join_pump(self, timeout: float = 3.0) -> None:
+        if self._pump_thread is not None:
+            self._pump_thread.join(timeout)
+
+    def tree(self, full: bool = False) -> list[int]:
+        """Live processes of the run (torchrun excluded): found from torchrun's and the known
+        workers' children, the ranks' hello records, and (``full``) command lines naming our
+        spec.json (catches a worker orphaned before it reported)."""
+        for pid in self.local_rank_pids():
+            self.procs.track(pid)
+        roots = [p for p in self.procs.start if self.procs.alive(p)]
+        if self.proc is not None and self.proc.poll() is None:
+            roots.append(self.proc.pid)
+        found = descendants(roots, ppid_map())
+        if full:
+            found |= pids_with_cmdline(WORKER_MODULE.encode(), self._needle)
+        found.discard(os.getpid())
+        if self.proc is not None:
+            found.discard(self.proc.pid)
+        for p in found:
+            self.procs.track(p)
+        return sorted(p for p in self.procs.start if self.procs.alive(p))
+
+    def local_rank_pids(self) -> list[int]:
+        """Pids the ranks of this node reported (never a pid of another machine)."""
+        return [st.pid for st in self.reader.ranks.values() if st.pid and st.host in (None, self._host)]
+
+    def rank_alive(self, st: RankState) -> bool:
+        return bool(st.pid) and self.procs.alive(st.pid)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM torchrun and every process of the run, SIGKILL what is left after grace_s.
+        Returns when none is left (or after a last 10 s of SIGKILL)."""
+        if self.proc is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            if self.force:
+                sig = signal.SIGKILL
+            if self.proc.poll() is None:
+                try:
+                    self.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+            for p in self.tree(full=True):
+                self.procs.kill(p, sig)
+            deadline = time.time() + wait_s
+            while time.time() < deadline:
+                time.sleep(0.05)
+                if self.proc.poll() is None:
+                    continue
+                if not self.tree(full=True):
+                    return
+                if self.force and sig == signal.SIGTERM:
+                    break
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def dump_stacks(self, wait_s: float = 3.0) -> list[Path]:
+        """SIGUSR1 every live rank (faulthandler writes stacks/rank{r}.txt); wait until each
+        file has a Python frame (or wait_s); then py-spy, if installed."""
+        live = [st for st in self.reader.ranks.values() if self.rank_alive(st)]
+        for st in live:
+            self.procs.kill(st.pid, signal.SIGUSR1)
+        deadline = time.time() + wait_s
+        files = [self.run_dir / "stacks" / f"rank{st.rank}.txt" for st in live]
+        while time.time() < deadline:
+            if all(has_frame(f) for f in files):
+                break
+            time.sleep(0.05)
+        self._pyspy(live)
+        return [f for f in files if has_frame(f)]
+
+    def _pyspy(self, live: list[RankState]) -> None:
+        import shutil
+        exe = shutil.which("py-spy")
+        if not exe:
+            return
+        for st in live:
+            try:
+                out = subprocess.run([exe, "dump", "--pid", str(st.pid)], capture_output=True,
+                                     text=True, timeout=20)
+                (self.run_dir / "stacks" / f"rank{st.rank}.py-spy.txt").write_text(out.stdout + out.stderr)
+            except (OSError, subprocess.SubprocessError):
+                continue
+
+    def sample_usage(self) -> None:
+        """Peak RSS of each rank, and torchrun's own CPU seconds so far (for run.json)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.torchrun_cpu_s = cpu_s(self.proc.pid) or self.torchrun_cpu_s
+        for st in self.reader.ranks.values():
+            if st.pid and self.procs.alive(st.pid):
+                hwm = hwm_mb(st.pid)
+                if hwm is not None:
+                    self.host_hwm_mb[st.rank] = max(hwm, self.host_hwm_mb.get(st.rank, 0.0))
+
+    def close(self) -> None:
+        self.procs.close()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.join_pump(timeout=2.0)

@@ -1,0 +1,109 @@
+"""How a run is spawned: its run directory, its torchrun command line and the workers' environment.
+
+:func:`torchrun_argv` is the whole command (an argument list, no shell): ``python -m
+torch.distributed.run`` with this node's share of the world, the rendezvous (:func:`rendezvous_argv`),
+per-rank logs and torch elastic error files under ``logs/``, and the worker module
+(:data:`WORKER_MODULE`) reading the run's ``spec.json``. :func:`finalize_spec` resolves what the
+launcher decides once (seed, multi-node port) before the spec is written.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+from wan_s2v_runner.shared.spec import RunSpec
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+#: the module every rank runs (``python -m``); the supervisor finds workers by it in /proc
+WORKER_MODULE = "wan_s2v_runner.rank.worker"
+#: rendezvous port of a multi-node run when none is given (torchrun's own default)
+DEFAULT_MASTER_PORT = 29500
+
+
+def make_run_dir(spec: RunSpec) -> Path:
+    root = spec.runs_root
+    root.mkdir(parents=True, exist_ok=True)
+    base = f"{datetime.now():%Y%m%d-%H%M%S}-{spec.mode.value}"
+    for i in range(1000):
+        d = root / (base if i == 0 else f"{base}-{i}")
+        try:
+            d.mkdir()
+            return d
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a run directory under {root}")
+
+
+def finalize_spec(spec: RunSpec) -> RunSpec:
+    """Resolve what the launcher decides once: the seed, and the rendezvous port of a
+    multi-node run (:data:`DEFAULT_MASTER_PORT` unless given). A one-node run without a port
+    keeps ``master_port=None``: torchrun's rendezvous then binds port 0 and the OS picks
+    (:func:`rendezvous_argv`)."""
+    spec = spec.with_resolved_seed()
+    if spec.master_port is None and spec.nnodes > 1:
+        spec = spec.model_copy(update={"master_port": DEFAULT_MASTER_PORT})
+    return spec
+
+
+def rendezvous_argv(spec: RunSpec) -> list[str]:
+    """torchrun's rendezvous flags.
+
+    One node, no ``--master-port``: what ``torchrun --standalone`` does, a c10d rendezvous on
+    ``localhost:0``. Its store binds port 0 and keeps the port the OS gave it (no port is picked
+    first and bound later, so runs started together cannot collide); the agent then serves the
+    store the ranks join, also on an OS-picked port, and hands every rank ``MASTER_ADDR``
+    (``--local-addr``: this host) and ``MASTER_PORT`` for ``init_process_group("env://")``.
+    Otherwise (a port given, or several nodes): the static rendezvous on
+    ``--master-addr:--master-port``."""
+    if spec.master_port is None and spec.nnodes == 1:
+        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+                "--rdzv-id", uuid.uuid4().hex, "--local-addr", "127.0.0.1"]
+    port = spec.master_port or DEFAULT_MASTER_PORT
+    return ["--master-addr", spec.master_addr, "--master-port", str(port)]
+
+
+def expected_ranks(spec: RunSpec) -> list[int]:
+    """Global ranks started on this node (node-major: one node's are 0..nproc-1)."""
+    return list(range(spec.node_rank * spec.nproc, (spec.node_rank + 1) * spec.nproc))
+
+
+def torchrun_argv(spec: RunSpec, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
+            "--nproc-per-node", str(spec.nproc),
+            *rendezvous_argv(spec),
+            "--max-restarts", "0",
+            "--log-dir", str(run_dir / "logs"), "--redirects", "3", "--tee", "3",
+            "--local-ranks-filter", "0",
+            "-m", WORKER_MODULE, str(run_dir / "spec.json")]
+
+
+#: glibc malloc settings for CPU ranks (each kept if the user set it). By default glibc serves
+#: large blocks (the VAE's and DiT's activations) with fresh mmap()s and returns them on free, so
+#: every large tensor is page-faulted and zeroed again: measured, a 73-frame 256x256 VAE encode of
+#: the bench preset took 17.2 s, 15.7 s of it system time, against 9.4-9.9 s with these (the heap
+#: keeps and reuses freed blocks). Numerics are untouched; freed memory stays with the process.
+CPU_MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),  # blocks up to 32 MiB (glibc's maximum) from the heap
+    "MALLOC_TRIM_THRESHOLD_": str(16 << 30),  # do not hand the heap's top back after each free
+    "MALLOC_TOP_PAD_": str(1 << 30),  # grow the heap in 1 GiB steps (address space, not RSS)
+}
+
+
+def worker_env(spec: RunSpec, extra: Optional[dict] = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if spec.device == "cpu":
+        env["OMP_NUM_THREADS"] = str(spec.threads)
+        for k, v in CPU_MALLOC_ENV.items():
+            env.setdefault(k, v)
+    else:  # fragmentation is a common cause of OOM in long autoregressive runs; user value wins
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env.update(extra or {})
+    return env
