@@ -64,7 +64,7 @@ def test_conv_rows_computes_a_band_with_the_whole_frame_kernel():
         x = torch.randn(1, 32, 3, 240, 10)
         full = conv(F.pad(x, (0, 0, 1, 1)))
         band = F.pad(x, (0, 0, 1, 1))[..., :42, :]
-        assert vae_split._engine_backend(conv, band, 242, (0, 0, 0)) == "Mkldnn"
+        assert vae_split.convs._engine_backend(conv, band, 242, (0, 0, 0)) == "Mkldnn"
         assert torch._C._select_conv_backend(band, conv.weight, conv.bias, [1] * 3, [0] * 3, [1] * 3,
                                              False, [0] * 3, 1, None).name == "Slow3d"
         _bands_equal_whole(conv, x, full, [(0, 40), (40, 41), (41, 150), (150, 240)], 1)

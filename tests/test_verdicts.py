@@ -192,12 +192,12 @@ def test_a_peer_lost_on_another_node_names_that_node(tmp_path):
     stacks = tmp_path / "stacks"
     stacks.mkdir()
     for r, (path, fn) in enumerate([("torch/distributed/distributed_c10d.py", "all_gather"),
-                                    ("wan_s2v_runner/vae_split.py", "await_peers")]):
+                                    ("wan_s2v_runner/vae_split/halo.py", "await_peers")]):
         (stacks / f"rank{r}.txt").write_text(
             f'Current thread 0x0001 (most recent call first):\n  File "/x/{path}", line 9 in {fn}\n'
             '  File "/x/wan_s2v_runner/rank/worker.py", line 1 in main\n')
     lines = analyse_stacks(tmp_path, [0, 1], remote=other_nodes_text(two))
-    assert lines[1] == "rank 1: waiting in collective await_peers (top frame vae_split.py:9 in await_peers)"
+    assert lines[1] == "rank 1: waiting in collective await_peers (top frame halo.py:9 in await_peers)"
     assert "every rank of this node waits for its peers, so what holds them up is on node 1 of 2" in lines[-1]
     assert len(analyse_stacks(tmp_path, [0, 1])) == 2  # one node: nothing to point at
     # NCCL: a rank blocks at a later CUDA sync, not in the collective; the other node is still named

@@ -85,10 +85,10 @@ def main() -> None:
     report[f"decode/{world}/thin"] = compare(split_decode(vae, thin_z, dst=None), ref_thin_dec, True)
     # chunks one at a time through the layers (what real frame sizes do: GROUP_BYTES); the calls
     # above run each video's chunks through every layer together
-    group_bytes, vae_split.GROUP_BYTES = vae_split.GROUP_BYTES, 0
+    group_bytes, vae_split.layers.GROUP_BYTES = vae_split.layers.GROUP_BYTES, 0
     report[f"encode/{world}/ungrouped"] = compare(split_encode(vae, videos, dst=None), ref_enc, True)
     report[f"decode/{world}/ungrouped"] = compare(split_decode(vae, zs, dst=None), ref_dec, True)
-    vae_split.GROUP_BYTES = group_bytes
+    vae_split.layers.GROUP_BYTES = group_bytes
     sub = dist.new_group(list(range(1, world)))  # every rank takes part in creating it
     if rank >= 1:
         report[f"encode/{world - 1}"] = compare(split_encode(vae, videos, group=sub, dst=None),
