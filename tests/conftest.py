@@ -5,6 +5,7 @@ which spawns real ``torch.distributed.run`` processes over gloo. Nothing is mock
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -64,23 +65,32 @@ def asset_flags(assets) -> list[str]:
     return ["--ckpt-dir", str(assets.ckpt_dir), "--image", str(assets.image), "--audio", str(assets.audio)]
 
 
-@pytest.fixture(scope="module")
-def engine_cpu(tiny_assets):
+@contextlib.contextmanager
+def cpu_engine(assets):
     """The engine imported and patched for an fp32 CPU run in this process (no process group):
-    (wan, engine config, the tiny spec of TINY_FLAGS). Undone after the module."""
+    (wan, engine config, the tiny spec of TINY_FLAGS). The CPU device proxy is undone after."""
     from patches import apply_for_run
     from wan_s2v_runner.loading.engine import import_wan
-    from wan_s2v_runner.shared.spec import RunSpec
     from wan_s2v_runner.rank.worker import engine_config
+    from wan_s2v_runner.shared.spec import RunSpec
 
     torch.set_num_threads(1)
     wan = import_wan()
-    spec = RunSpec(ckpt_dir=tiny_assets.ckpt_dir, image=tiny_assets.image, audio=tiny_assets.audio,
+    spec = RunSpec(ckpt_dir=assets.ckpt_dir, image=assets.image, audio=assets.audio,
                    prompt="a person talking", device="cpu", max_area=64 * 64, infer_frames=8, steps=2, seed=42)
     cfg = engine_config(wan, spec)
     apply_for_run(wan, spec, cfg.param_dtype)
-    yield wan, cfg, spec
-    wan.speech2video.torch = torch  # undo the CPU device proxy for the tests that apply it themselves
+    try:
+        yield wan, cfg, spec
+    finally:
+        wan.speech2video.torch = torch  # undo the CPU device proxy for the tests that apply it themselves
+
+
+@pytest.fixture(scope="module")
+def engine_cpu(tiny_assets):
+    """:func:`cpu_engine` for a test module."""
+    with cpu_engine(tiny_assets) as engine:
+        yield engine
 
 
 def one_process_frames(engine_cpu, **updates) -> "torch.Tensor":
@@ -110,11 +120,49 @@ def run_frames(assets, d: Path, flags: list[str], *extra: str) -> tuple["torch.T
 
 
 @pytest.fixture(scope="session")
-def reference_frames(tiny_assets, tmp_path_factory):
-    """Frames of a 1-process run of the shared tiny spec: what every parallel mode must equal."""
-    d = tmp_path_factory.mktemp("reference")
-    r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "1",
-                 "--output", str(d / "ref.mp4"), "--frames-out", str(d / "ref.pt"),
-                 "--runs-root", str(d / "runs")], cwd=d)
-    assert r.returncode == 0, r.output
-    return torch.load(d / "ref.pt")
+def reference_frames(tiny_assets):
+    """One process's frames for the shared tiny spec (TINY_FLAGS), computed in this process by the
+    loop a ``--nproc 1`` run's worker runs: what every parallel layout must equal."""
+    with cpu_engine(tiny_assets) as engine:
+        return one_process_frames(engine)
+
+
+@dataclass
+class SharedRun:
+    """A spawned run several tests assert on (see :func:`hybrid_run`)."""
+
+    dir: Path  # its cwd; run directory under runs/
+    result: CliResult
+    output: Path
+    frames: Path
+    other_dir: Path  # the run started at the same moment
+    other_result: CliResult
+
+    @property
+    def run_dir(self) -> Path:
+        return next((self.dir / "runs").glob("*-*"))
+
+
+@pytest.fixture(scope="session")
+def hybrid_run(tiny_assets, tmp_path_factory) -> SharedRun:
+    """One 2-rank ``hybrid`` run of the shared tiny spec (``--load-waves 2``, an output name with a
+    space and a quote), spawned once per session for the tests that read it: parity (frames, lean
+    loading: tests/test_parity.py) and supervision (run.json, console, rendezvous ports:
+    tests/test_supervision.py). A second 2-rank run (one clip, one step) starts at the same moment;
+    neither names a --master-port, so each rendezvous binds a port the OS picks."""
+    d, other = tmp_path_factory.mktemp("hybrid"), tmp_path_factory.mktemp("hybrid_other")
+    common = [*TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "2", "--watchdog-load", "90"]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    second = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "run", *common, "--num-clips", "1",
+                               "--steps", "1", "--output", str(other / "out" / "video.mp4"),
+                               "--runs-root", str(other / "runs")], cwd=other, env=env, text=True,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        output = d / "out with space's.mp4"
+        r = run_cli(["run", *common, "--mode", "hybrid", "--load-waves", "2", "--output", str(output),
+                     "--frames-out", str(d / "out.pt"), "--runs-root", str(d / "runs")], cwd=d)
+        out, err = second.communicate(timeout=300)
+    finally:
+        second.kill()
+    return SharedRun(d, r, output, d / "out.pt", other, CliResult(second.returncode, out, err))

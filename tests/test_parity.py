@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 import torch
 
 from conftest import TINY_FLAGS, asset_flags, run_cli
@@ -50,19 +49,18 @@ def _tensor_bytes(ckpt) -> dict[str, int]:
         return {"dit": dit.tensor_bytes(), "t5": t5.tensor_bytes()}
 
 
-@pytest.mark.parametrize("mode, extra", [("fsdp-fixed", ("--pin-cpus",)), ("hybrid", ("--load-waves", "2"))])
-def test_mode_equals_one_process(mode, extra, tiny_assets, reference_frames, tmp_path):
-    r, out = _run_mode(mode, tiny_assets, tmp_path, extra=extra)
+def _assert_fsdp_mode_equals_one_process(mode, extra, r, out, frames_pt, runs, tiny_assets, reference_frames):
     assert r.returncode == 0, r.output
-    frames = torch.load(tmp_path / "out.pt")
+    assert out.is_file()
+    frames = torch.load(frames_pt)
     assert frames.shape == reference_frames.shape
     assert torch.equal(frames, reference_frames), f"max abs diff {(frames - reference_frames).abs().max()}"
-    manifest = json.loads(next((tmp_path / "runs").glob("*/run.json")).read_text())
+    manifest = json.loads(next(runs.glob("*/run.json")).read_text())
     assert manifest["layout"]["world_size"] == 2 and manifest["layout"]["dit_fsdp"] is True
     assert manifest["layout"]["t5_cpu"] is (mode == "hybrid")
     assert manifest["layout"]["use_sp"] is (mode == "hybrid")
     # lean loading: every byte of the sharded files read exactly once over the ranks, half each
-    loaded, size = _loaded(tmp_path / "runs"), _tensor_bytes(tiny_assets.ckpt_dir)
+    loaded, size = _loaded(runs), _tensor_bytes(tiny_assets.ckpt_dir)
     read = {rank: e["bytes_read"]["weights"] for rank, e in loaded.items()}
     assert loaded[1]["strategy"]["dit"] == "fsdp shards"
     assert loaded[1]["waves"] == (2 if "--load-waves" in extra else 1)
@@ -73,6 +71,18 @@ def test_mode_equals_one_process(mode, extra, tiny_assets, reference_frames, tmp
     else:  # DiT sharded; T5 read whole by rank 0 alone (it encodes the prompt on the CPU)
         assert read[0] + read[1] == size["dit"] + size["t5"]
         assert read[1] <= 0.51 * size["dit"]
+
+
+def test_fsdp_fixed_equals_one_process(tiny_assets, reference_frames, tmp_path):
+    r, out = _run_mode("fsdp-fixed", tiny_assets, tmp_path, extra=("--pin-cpus",))
+    _assert_fsdp_mode_equals_one_process("fsdp-fixed", ("--pin-cpus",), r, out, tmp_path / "out.pt",
+                                         tmp_path / "runs", tiny_assets, reference_frames)
+
+
+def test_hybrid_equals_one_process(tiny_assets, reference_frames, hybrid_run):
+    """The session's shared hybrid run (conftest.hybrid_run: ``--load-waves 2``)."""
+    _assert_fsdp_mode_equals_one_process("hybrid", ("--load-waves", "2"), hybrid_run.result, hybrid_run.output,
+                                         hybrid_run.frames, hybrid_run.dir / "runs", tiny_assets, reference_frames)
 
 
 def test_demo_writes_mp4_with_audio_and_equals_one_process(tiny_assets, reference_frames, tmp_path):

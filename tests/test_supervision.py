@@ -158,26 +158,20 @@ def _ended(manifest: dict) -> float:
 
 
 # ----- distributed tests -----
-def test_normal_run_manifest_is_complete(tiny_assets, tmp_path):
-    """hybrid (Ulysses + FSDP DiT + T5 on CPU): every stage of the list appears, with a time.
-    A second 2-rank run (one clip, one step) starts at the same moment: with no --master-port,
-    each rendezvous binds a port the OS picks, so both succeed."""
-    other = tmp_path / "other"
-    other.mkdir()
-    p = _popen(_args(tiny_assets, other, "--num-clips", "1", "--steps", "1"), cwd=other)
-    try:
-        r = run_cli(_args(tiny_assets, tmp_path, "--mode", "hybrid"), cwd=tmp_path)
-        assert r.returncode == 0, r.output
-        assert p.wait(timeout=300) == 0, _output(other)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    for d in (tmp_path, other):
+def test_normal_run_manifest_is_complete(hybrid_run):
+    """hybrid (Ulysses + FSDP DiT + T5 on CPU; the session's shared run, conftest.hybrid_run):
+    every stage of the list appears, with a time. A second 2-rank run (one clip, one step) started
+    at the same moment: with no --master-port, each rendezvous binds a port the OS picks, so both
+    succeed."""
+    r, tmp_path = hybrid_run.result, hybrid_run.dir
+    assert r.returncode == 0, r.output
+    assert hybrid_run.other_result.returncode == 0, hybrid_run.other_result.output
+    for d in (tmp_path, hybrid_run.other_dir):
         rd = _run_dir(d)
         argv = json.loads((rd / "command.json").read_text())
         assert "--master-port" not in argv and argv[argv.index("--rdzv-endpoint") + 1] == "localhost:0"
         assert _manifest(rd)["spec"]["master_port"] is None
-    first, second = (_manifest(_run_dir(d))["started"] for d in (tmp_path, other))
+    first, second = (_manifest(_run_dir(d))["started"] for d in (tmp_path, hybrid_run.other_dir))
     assert abs(datetime.fromisoformat(first).timestamp() - datetime.fromisoformat(second).timestamp()) < 5
     run_dir = _run_dir(tmp_path)
     m = _manifest(run_dir)
@@ -193,7 +187,7 @@ def test_normal_run_manifest_is_complete(tiny_assets, tmp_path):
         assert "gpu_peak_allocated_mb" in info and info["gpu_peak_allocated_mb"] is None
         assert info["finished"] and info["error"] is None
         assert info["progress"] == {"clip": 2, "clips": 2, "step": 2, "steps": 2}
-    out = tmp_path / "out" / "video.mp4"
+    out = hybrid_run.output
     assert m["output"]["path"] == str(out)
     assert m["output"]["sha256"] == media.sha256_file(out)
     assert m["engine"]["s2v_fingerprint"] and m["versions"]["torch"]
