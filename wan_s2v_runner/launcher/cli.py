@@ -1,4 +1,4 @@
-"""Command line: ``wan-s2v run|demo|doctor`` (``run_s2v_multi_gpu.py`` is ``wan-s2v run``).
+"""Command line: ``wan-s2v run|demo|doctor|resume|batch`` (``run_s2v_multi_gpu.py`` is ``wan-s2v run``).
 
 Owns argv and what a person reads when it is wrong. The flags are generated from the run spec
 (:mod:`wan_s2v_runner.launcher.flags`); values are layered defaults < environment (MASTER_ADDR,
@@ -109,6 +109,20 @@ def cmd_resume(args, extra_env=None) -> int:
     return _check_and_launch(spec, args, extra_env)
 
 
+def cmd_batch(args, extra_env=None) -> int:
+    """Every job of the jobs file from one load (:mod:`wan_s2v_runner.launcher.batch`)."""
+    from wan_s2v_runner.launcher.batch import run_batch
+
+    try:
+        base = spec_values(args)
+    except (ValueError, OSError) as e:
+        return _usage_error(e)
+    jobs = Path(args.jobs).expanduser().absolute()
+    output_dir = (args.output_dir or Path("outputs") / jobs.stem).expanduser().absolute()
+    return run_batch(jobs, base, output_dir, json_mode=args.json, skip_preflight=args.skip_preflight,
+                     extra_env=extra_env)
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "wan-s2v"
 
@@ -155,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "change: --mode, --nproc, --cfg-parallel, ...).")
     res.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run directory (runs/<time>-<mode>)")
     add_spec_flags(res, Command.RESUME)
+    b = sub.add_parser(Command.BATCH.value, help="make every video of a jobs file from one load",
+                       description="Make every job of JOBS (JSON Lines or CSV: one job a line) with one "
+                                   "rank group that loads once. Flags give every job's defaults and the "
+                                   "group's settings; a line sets its own inputs and sampling fields.")
+    b.add_argument("jobs", metavar="JOBS", type=Path, help="the jobs file (.jsonl, or .csv with a header row)")
+    add_spec_flags(b, Command.BATCH)
     return p
 
 
@@ -167,6 +187,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return cmd_demo(args)
     if command is Command.RESUME:
         return cmd_resume(args)
+    if command is Command.BATCH:
+        return cmd_batch(args)
     return cmd_doctor(args)
 
 

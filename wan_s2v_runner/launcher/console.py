@@ -139,11 +139,13 @@ class Display:
         self._first: int = 0
         self._header = ""
         # plain-mode state
-        self._groups: dict = {}  # (stage, clip) -> {"first_t", "pending": [(rank, t)], "printed": set}
+        self._groups: dict = {}  # (stage, clip, job) -> {"first_t", "pending": [(rank, t)], "printed": set}
         self._last_progress_print = 0.0
         self._denoise_t0: Optional[float] = None
         self._t0 = time.time()
         self._rank_clip: dict = {}  # rank -> (clip, clips) it is working on
+        self._rank_job: dict = {}  # rank -> the job (1-based) of the rank group it is working on
+        self._job_t0: float = 0.0  # when the first rank started its current job
 
     @classmethod
     def auto(cls, json_mode: bool = False) -> "Display":
@@ -181,7 +183,7 @@ class Display:
         t0 = self._t0 = now - elapsed
         st0 = reader.ranks.get(self._first)
         if self._denoise_t0 is None and st0 is not None:
-            self._denoise_t0 = next((t for s, t in st0.transitions if s == Stage.DENOISE), None)
+            self._denoise_t0 = next((t for s, t in st0.transitions if s == Stage.DENOISE and t >= self._job_t0), None)
         # both modes: stage lines and errors scroll (the history); plain mode: step lines too;
         # rich mode: a live table of every rank below them
         for ev in new_events:
@@ -189,17 +191,24 @@ class Display:
             t = float(ev.get("t", now))
             if kind in ("stage", "hello"):
                 if kind == "hello":
-                    key = ("started", None)
+                    key = ("started", None, 1)
                 else:
                     if ev.get("clip"):
                         self._rank_clip[r] = (ev["clip"], ev.get("clips"))
                     stage = Stage.coerce(ev.get("stage", "?"))  # a name it does not know: a plain line
                     per_clip = isinstance(stage, Stage) and stage.repeats_per_clip
-                    key = (stage, self._rank_clip.get(r) if per_clip else None)
+                    key = (stage, self._rank_clip.get(r) if per_clip else None, self._rank_job.get(r, 1))
                 g = self._groups.setdefault(key, {"first_t": t, "pending": [], "printed": set(), "pids": {}})
                 g["pending"].append((r, t))
                 if kind == "hello":
                     g["pids"][r] = ev.get("pid")
+            elif kind == "job":  # a rank group's next job: its stages and clips start again
+                self._rank_job[r] = ev.get("job")
+                self._rank_clip.pop(r, None)
+                if r == self._first:
+                    self._flush(t0, force=True)
+                    self._job_t0, self._denoise_t0 = t, None
+                    self._print(f"[{_fmt_s(t - t0)}] job {ev.get('job')}/{ev.get('jobs')}: {ev.get('id')}")
             elif kind == "progress" and r == self._first and not self.rich:
                 self._flush(t0, force=True)
                 p = {k: ev.get(k) for k in ("clip", "clips", "step", "steps")}
@@ -227,7 +236,7 @@ class Display:
         # ordered by the latest entry: a group is placed where it became complete (e.g. "done"
         # after rank 0's save/mux, though rank 1 was done earlier)
         waiting = [(max(t for _, t in g["pending"]), key, g) for key, g in self._groups.items() if g["pending"]]
-        for _, (stage, clip), g in sorted(waiting, key=lambda x: x[0]):
+        for _, (stage, clip, _job), g in sorted(waiting, key=lambda x: x[0]):
             ranks = {r for r, _ in g["pending"]}
             oldest = min(t for _, t in g["pending"])
             first_only = isinstance(stage, Stage) and stage.first_rank_only

@@ -35,6 +35,7 @@ class Command(str, Enum):
     DEMO = "demo"
     DOCTOR = "doctor"
     RESUME = "resume"
+    BATCH = "batch"
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,14 @@ class CommandOption:
 ALL = tuple(Command)
 COMMAND_OPTIONS = (
     CommandOption("--config", "TOML file with spec fields (flags override it)",
-                  (Command.RUN, Command.DEMO, Command.DOCTOR), kind="path",
+                  (Command.RUN, Command.DEMO, Command.DOCTOR, Command.BATCH), kind="path",
                   default_text="none", metavar="FILE"),
     CommandOption("--json", "print the result (run manifest / doctor report) as JSON", ALL),
     CommandOption("--skip-preflight", "spawn without preflight checks (prints what it skips; not recommended)",
-                  (Command.RUN, Command.DEMO, Command.RESUME)),
+                  (Command.RUN, Command.DEMO, Command.RESUME, Command.BATCH)),
+    CommandOption("--output-dir", "where each job's ID.mp4 and ID.json record go (and .work/: clip "
+                  "checkpoints, seeds)", (Command.BATCH,), kind="path", default_text="outputs/JOBS-NAME",
+                  metavar="DIR"),
     CommandOption("--cache-dir", "where the demo's tiny checkpoint and inputs are cached", (Command.DEMO,),
                   kind="path", default_text="~/.cache/wan-s2v", metavar="DIR"),
 )

@@ -24,6 +24,7 @@ from wan_s2v_runner.launcher.proctree import cpu_s
 from wan_s2v_runner.launcher.supervisor import Outcome, Supervisor
 from wan_s2v_runner.launcher.torchrun import finalize_spec, make_run_dir
 from wan_s2v_runner.shared import atomic, exit_codes
+from wan_s2v_runner.shared.jobs import Job, write_jobs
 from wan_s2v_runner.shared.spec import RunSpec
 
 
@@ -68,12 +69,17 @@ def _remove_empty_stacks(run_dir: Path) -> None:
         pass
 
 
-def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional[dict] = None) -> int:
-    """Spawn and supervise one run. Returns an exit code (see exit_codes)."""
+def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional[dict] = None,
+        jobs: Optional[list[Job]] = None) -> int:
+    """Spawn and supervise one run: a rank group that makes ``spec``'s video, or, with ``jobs``,
+    each job's in turn (``spec``: the first job's, for the group's settings). Returns an exit code
+    (see exit_codes)."""
     spec = finalize_spec(spec)
     display = display or Display.auto()
     run_dir = make_run_dir(spec)
     atomic.write_text(run_dir / "spec.json", spec.to_json())
+    if jobs:
+        write_jobs(run_dir, jobs)
     display.started(spec, run_dir)
     sup = Supervisor(spec, run_dir, display, extra_env)
     old = {}

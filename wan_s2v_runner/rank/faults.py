@@ -1,7 +1,8 @@
 """Test-only fault injection, honoured only when ``WAN_S2V_TEST_FAULT`` is set.
 
-Format: ``RANK:STAGE[@CLIP]:ACTION`` (STAGE a :class:`~wan_s2v_runner.shared.stages.Stage` name; with
-``@CLIP`` only while that 1-based clip is generated) with ACTION
+Format: ``RANK:STAGE[@CLIP][#JOB]:ACTION`` (STAGE a :class:`~wan_s2v_runner.shared.stages.Stage` name; with
+``@CLIP`` only while that 1-based clip is generated, with ``#JOB`` only in that 1-based job of the
+rank group) with ACTION
 one of ``raise`` (RuntimeError), ``exit`` (os._exit 3), ``hang`` (sleep forever, still
 heart-beating). Checked at every stage change and every denoising step of the given rank, and
 as stage ``start`` before the rank writes any event (there ``hang`` is a rank that never
@@ -23,26 +24,27 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def parse(value: Optional[str]) -> Optional[tuple[int, Stage, str, Optional[int]]]:
-    """``"1:denoise@2:raise"`` -> (1, Stage.DENOISE, "raise", 2); None when unset. A stage or
+def parse(value: Optional[str]) -> Optional[tuple[int, Stage, str, Optional[int], Optional[int]]]:
+    """``"1:denoise@2#3:raise"`` -> (1, Stage.DENOISE, "raise", 2, 3); None when unset. A stage or
     action that does not exist raises ValueError (a misspelt fault would otherwise never fire)."""
     if not value:
         return None
     rank, stage, action = value.split(":")
+    stage, _, job = stage.partition("#")
     stage, _, clip = stage.partition("@")
     if action not in ("raise", "exit", "hang"):
         raise ValueError(f"{ENV}: unknown action {action!r}")
     found = Stage.lookup(stage)
     if found is None:
         raise ValueError(f"{ENV}: unknown stage {stage!r} (one of {', '.join(s.value for s in Stage)})")
-    return int(rank), found, action, int(clip) if clip else None
+    return int(rank), found, action, int(clip) if clip else None, int(job) if job else None
 
 
-def maybe_fire(rank: int, stage: Stage, fault=None, clip: Optional[int] = None) -> None:
+def maybe_fire(rank: int, stage: Stage, fault=None, clip: Optional[int] = None, job: Optional[int] = None) -> None:
     fault = fault if fault is not None else parse(os.environ.get(ENV))
     if not fault or fault[0] != rank or fault[1] != stage:
         return
-    if fault[3] is not None and fault[3] != clip:
+    if (fault[3] is not None and fault[3] != clip) or (fault[4] is not None and fault[4] != job):
         return
     action = fault[2]
     if action == "raise":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import faulthandler
+import json
 import logging
 import os
 import resource
@@ -29,6 +30,7 @@ from wan_s2v_runner.loading import engine
 from wan_s2v_runner.rank import faults
 from wan_s2v_runner.rank.cpu_binding import cpu_binding
 from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventWriter
+from wan_s2v_runner.shared.jobs import Job, read_jobs
 from wan_s2v_runner.shared.spec import RunSpec
 from wan_s2v_runner.shared.stages import Stage
 
@@ -42,6 +44,7 @@ class RankEvents(EventWriter):
         super().__init__(run_dir, rank, mem_fn=mem_fn)
         self._fault = faults.parse(os.environ.get(faults.ENV))
         self.error_reported = False
+        self.job = 1  # the rank group's job in progress (1-based)
 
     def error(self, e: BaseException) -> None:
         """Record the rank's failure once, as early as possible (before comms are torn down)."""
@@ -51,7 +54,7 @@ class RankEvents(EventWriter):
 
     def fault_point(self, stage: Stage, clip=None) -> None:
         if self._fault:
-            faults.maybe_fire(self.rank, stage, self._fault, clip=clip)
+            faults.maybe_fire(self.rank, stage, self._fault, clip=clip, job=self.job)
 
     def stage(self, stage: Stage, **data) -> None:
         super().stage(stage, **data)
@@ -118,14 +121,102 @@ def _peak_memory(spec: RunSpec, heartbeat: bool = False) -> dict:
     return out
 
 
+class StageClock:
+    """The seconds one job spent in each stage on this rank (from the stage changes it reports)."""
+
+    def __init__(self):
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, stage) -> None:
+        self.marks.append((str(stage), time.time()))
+
+    def seconds(self, end: float) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (stage, t), (_, t_next) in zip(self.marks, self.marks[1:] + [("", end)]):
+            out[stage] = round(out.get(stage, 0.0) + t_next - t, 3)
+        return out
+
+
+class RankGroup:
+    """This rank's part of a rank group: the engine parts it loaded once, and the jobs it makes
+    with them, one after another (``wan-s2v run``: one job; ``wan-s2v batch``: many). Nothing of
+    a job outlives it but the loaded weights: each job gets its own request, generator seeds,
+    clip state, hooks and clip checkpoints."""
+
+    def __init__(self, spec: RunSpec, run_dir: Path, events: "RankEvents", rank: int, cfg, plan, parts):
+        self.spec, self.run_dir, self.events, self.rank = spec, run_dir, events, rank
+        self.cfg, self.plan, self.parts = cfg, plan, parts
+
+    def jobs(self) -> list[Job]:
+        """Rank 0's list (the launcher's ``jobs.jsonl``, or the run's own spec as one job), given
+        to every rank: on several nodes only node 0's list counts."""
+        import torch.distributed as dist
+
+        listed = None
+        if self.rank == 0:
+            listed = read_jobs(self.run_dir) or [Job(id="run", spec=self.spec, work_dir=self.run_dir)]
+            listed = [job.model_dump_json() for job in listed]
+        box = [listed]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        return [Job.model_validate_json(text) for text in box[0]]
+
+    def run_job(self, job: Job, index: int, total: int) -> None:
+        from wan_s2v_runner.rank.generation import ClipState, Hooks, S2VGenerator
+        from wan_s2v_runner.shared import media, resume
+
+        spec, events, plan = job.spec, self.events, self.plan
+        events.job = index + 1
+        if total > 1 or job.record is not None:
+            events.emit("job", id=job.id, job=index + 1, jobs=total)
+        started, clock = time.time(), StageClock()
+
+        def stage(s, **data):
+            clock.mark(s)
+            events.stage(s, **data)
+
+        hooks = Hooks(stage=stage, step=events.step, fault_point=events.fault_point)
+        resume_state, identity = None, None
+        if plan.decodes:  # clip checkpoints: a crash loses at most the clip in progress
+            identity = resume.identity(spec)
+            hooks.clip_done = resume.ClipWriter(job.work_dir, identity)
+            if spec.resume_from:
+                progress = resume.read_progress(spec.resume_from)
+                carried, before = resume.load(spec.resume_from, progress)
+                resume.adopt(spec.resume_from, job.work_dir, progress.next_clip)
+                resume_state = (ClipState(progress.next_clip, carried["motion_latents"],
+                                          carried["videos_last_frames"]), before)
+                events.emit("resumed", clip=progress.next_clip + 1, clips=progress.num_clips,
+                            source=str(spec.resume_from))
+        video = S2VGenerator(self.parts, plan, hooks).generate(request_for(spec), resuming=bool(spec.resume_from),
+                                                               resume=resume_state)
+        if self.rank != 0:
+            events.emit("job_done", id=job.id, job=index + 1, **_peak_memory(spec, heartbeat=True))
+            return
+        if video is None:
+            raise RuntimeError("rank 0 got no frames from the engine")
+        events.emit("frames", shape=list(video.shape))
+        if spec.frames_out:
+            frames = video.contiguous()
+            atomic.atomic_write(spec.frames_out, lambda p: torch.save(frames, p))
+        media.save_video_with_audio(video, self.cfg.sample_fps, spec.audio, spec.output, on_stage=stage)
+        if job.record is not None:
+            ended = time.time()
+            record = {"id": job.id, "status": "ok", "seed": spec.seed, "started": started, "finished": ended,
+                      "wall_s": round(ended - started, 3), "stage_seconds": clock.seconds(ended),
+                      "resumed_at_clip": resume_state[0].clip + 1 if resume_state else None,
+                      "frames": list(video.shape), "identity": identity, **_peak_memory(spec),
+                      "output": {"path": str(spec.output), "sha256": media.sha256_file(spec.output)},
+                      "spec": json.loads(spec.model_dump_json())}
+            atomic.write_text(job.record, json.dumps(record, indent=1))
+        events.emit("job_done", id=job.id, job=index + 1, **_peak_memory(spec, heartbeat=True))
+
+
 def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
     import torch.distributed as dist
 
     import runners
     from patches import apply_for_run
-    from wan_s2v_runner.shared import media
-    from wan_s2v_runner.shared import resume
-    from wan_s2v_runner.rank.generation import ClipState, Hooks, S2VGenerator
 
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -152,31 +243,12 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
         events.emit("plan", **plan.describe(), patches=more)
         events.emit("loaded", **parts.load_report.as_dict())
 
-        hooks = Hooks(stage=events.stage, step=events.step, fault_point=events.fault_point)
-        resume_state = None
-        if plan.decodes:  # clip checkpoints: a crash loses at most the clip in progress
-            hooks.clip_done = resume.ClipWriter(run_dir, resume.identity(spec))
-            if spec.resume_from:
-                progress = resume.read_progress(spec.resume_from)
-                carried, before = resume.load(spec.resume_from, progress)
-                resume.adopt(spec.resume_from, run_dir, progress.next_clip)
-                resume_state = (ClipState(progress.next_clip, carried["motion_latents"],
-                                          carried["videos_last_frames"]), before)
-                events.emit("resumed", clip=progress.next_clip + 1, clips=progress.num_clips,
-                            source=str(spec.resume_from))
         if dist.get_world_size() > 1:  # every rank starts generating together, so each stage's time
             dist.barrier()  # is its own work, not a wait for a slower rank's loading
-        video = S2VGenerator(parts, plan, hooks).generate(request_for(spec), resuming=bool(spec.resume_from),
-                                                          resume=resume_state)
-        if rank == 0:
-            if video is None:
-                raise RuntimeError("rank 0 got no frames from the engine")
-            events.emit("frames", shape=list(video.shape))
-            if spec.frames_out:
-                frames = video.contiguous()
-                atomic.atomic_write(spec.frames_out, lambda p: torch.save(frames, p))
-            media.save_video_with_audio(video, cfg.sample_fps, spec.audio, spec.output,
-                                        on_stage=events.stage)
+        group = RankGroup(spec, run_dir, events, rank, cfg, plan, parts)
+        jobs = group.jobs()
+        for index, job in enumerate(jobs):
+            group.run_job(job, index, len(jobs))
         events.stage(Stage.DONE)
     except BaseException as e:
         # Record the failure before anything closes this rank's connections: peers then fail

@@ -1,0 +1,119 @@
+"""``wan-s2v batch``: one rank group loads once and makes several videos in a row, each exactly the
+frames one process makes for that job's spec (different sizes, seeds, prompts, solvers: nothing
+of one job leaks into the next); a bad line is refused with its cause and the others run; after a
+rank fails in the middle of a job, the same command skips the finished job and resumes the
+interrupted one from its last clip, and its mp4 is the uninterrupted one's."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_FLAGS, asset_flags, one_process_frames, run_cli
+from wan_s2v_runner.launcher.batch import JobState, plan_lines
+from wan_s2v_runner.shared import exit_codes, media
+from wan_s2v_runner.shared.spec import RunSpec
+
+#: jobs 2 and 3 differ from job 1 (the shared tiny spec) in size, seed, prompt, solver, first frame
+OTHER_JOBS = {"big": dict(seed=7, max_area=128 * 128, prompt="someone else", solver="dpm++"),
+              "third": dict(seed=5, prompt="a third person", start_from_ref=True)}
+
+
+@pytest.fixture(scope="module")
+def other_frames(engine_cpu):
+    """One process's frames for each of OTHER_JOBS (the loop a --nproc 1 worker runs, here)."""
+    return {name: one_process_frames(engine_cpu, **fields) for name, fields in OTHER_JOBS.items()}
+
+
+def _write_jobs(path, lines: list[dict]) -> None:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+@pytest.mark.parametrize("layout", [["--nproc", "2"], ["--nproc", "2", "--mode", "hybrid", "--cfg-parallel"]])
+def test_jobs_in_a_row_equal_one_process(tiny_assets, reference_frames, other_frames, tmp_path, layout):
+    jobs = tmp_path / "my jobs.jsonl"
+    _write_jobs(jobs, [
+        {"id": "first", "frames_out": str(tmp_path / "first.pt")},
+        {"id": "big", "size": "128*128", "seed": 7, "prompt": "someone else", "solver": "dpm++",
+         "frames_out": str(tmp_path / "big.pt")},
+        {"id": "missing", "audio": str(tmp_path / "nowhere.wav")},
+        {"id": "third", "seed": 5, "prompt": "a third person", "start_from_ref": True,
+         "frames_out": str(tmp_path / "third.pt")},
+    ])
+    out = tmp_path / "out"
+    r = run_cli(["batch", str(jobs), *TINY_FLAGS, *asset_flags(tiny_assets), *layout, "--output-dir", str(out),
+                 "--runs-root", str(tmp_path / "runs")], cwd=tmp_path)
+    # the bad line is refused with its cause, the others are made: exit 3 says a line was refused
+    assert r.returncode == exit_codes.PREFLIGHT, r.output
+    assert "line 3 (missing) refused: preflight inputs.audio" in r.stderr and "does not exist" in r.stderr
+    assert len(list((tmp_path / "runs").iterdir())) == 1  # one rank group for all three
+    assert "job 1/3: first" in r.stdout and "job 3/3: third" in r.stdout, r.stdout
+    expected = {"first": reference_frames, **other_frames}
+    for name, want in expected.items():
+        got = torch.load(tmp_path / f"{name}.pt")
+        assert got.shape == want.shape and torch.equal(got, want), f"{name}: {(got - want).abs().max()}"
+        record = json.loads((out / f"{name}.json").read_text())
+        assert record["status"] == "ok" and record["output"]["sha256"] == media.sha256_file(out / f"{name}.mp4")
+        assert record["stage_seconds"]["denoise"] > 0
+    summary = r.stdout[r.stdout.index("line  id"):]
+    assert [row.split()[2] for row in summary.splitlines()[1:]] == ["done", "done", "refused", "done"], summary
+
+
+def test_batch_resumes_the_interrupted_job_and_skips_the_finished_one(tiny_assets, engine_cpu, tmp_path):
+    three_clips = {"infer_frames": 4, "num_clips": 3}
+    jobs = tmp_path / "jobs.jsonl"
+    _write_jobs(jobs, [{"id": "one"}, {"id": "two", "seed": 9, **three_clips}])
+    out = tmp_path / "out"
+    argv = ["batch", str(jobs), *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "2", "--output-dir", str(out),
+            "--runs-root", str(tmp_path / "runs")]
+    r = run_cli(argv, cwd=tmp_path, env={"WAN_S2V_TEST_FAULT": "1:denoise@2#2:raise"})  # job 2, clip 2
+    assert r.returncode == exit_codes.RANK_FAILED, r.output
+    assert "rank 1 failed in stage denoise" in r.stderr
+    assert (out / "one.json").is_file() and not (out / "two.mp4").exists()
+    state = json.loads((out / ".work" / "two" / "clips" / "state.json").read_text())
+    assert state["next_clip"] == 1
+    one_mtime = (out / "one.mp4").stat().st_mtime_ns
+
+    r = run_cli(argv, cwd=tmp_path)  # the same command again
+    assert r.returncode == 0, r.output
+    assert "line 1 (one) done before" in r.stderr and "line 2 (two) resumes at clip 2" in r.stderr, r.stderr
+    assert (out / "one.mp4").stat().st_mtime_ns == one_mtime  # not made again
+    assert json.loads((out / "two.json").read_text())["resumed_at_clip"] == 2
+    whole = tmp_path / "whole.mp4"  # the uninterrupted job: one process's frames, written as rank 0 does
+    frames = one_process_frames(engine_cpu, seed=9, **three_clips)
+    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, tiny_assets.audio, whole)
+    assert media.sha256_file(out / "two.mp4") == media.sha256_file(whole)
+
+
+def test_lines_are_checked_before_anything_runs(tiny_assets, tmp_path):
+    """No spawn: how lines become job specs or refusals (JSON Lines and CSV)."""
+    base = dict(ckpt_dir=tiny_assets.ckpt_dir, image=tiny_assets.image, audio=tiny_assets.audio,
+                prompt="p", device="cpu", nproc=2)
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"id": "ok", "sample_steps": 3, "size": "64*64"}\n'
+                    "not json\n"
+                    '{"id": "ok"}\n'
+                    '{"nproc": 4}\n'
+                    '{"infer_frames": 5}\n'
+                    '# a comment\n'
+                    '{"prompt": "no id: one is made from the settings", "image": "pics/a b.png"}\n')
+    lines = plan_lines(jobs, base, tmp_path / "out")
+    states = [(line.number, line.state) for line in lines]
+    assert states == [(1, JobState.QUEUED), (2, JobState.REFUSED), (3, JobState.REFUSED), (4, JobState.REFUSED),
+                      (5, JobState.REFUSED), (7, JobState.QUEUED)]
+    ok = lines[0].spec
+    assert isinstance(ok, RunSpec) and ok.steps == 3 and ok.max_area == 64 * 64 and ok.output == tmp_path / "out" / "ok.mp4"
+    assert lines[0].spec.seed >= 0  # -1 resolved once, and kept for the job (a resumed job keeps it)
+    assert "not JSON" in lines[1].cause
+    assert "used by an earlier line" in lines[2].cause
+    assert "nproc: set once for the whole rank group" in lines[3].cause and "--nproc" in lines[3].cause
+    assert "multiple of 4" in lines[4].cause
+    assert len(lines[5].id) == 12 and lines[5].id == plan_lines(jobs, base, tmp_path / "out")[5].id
+    assert lines[5].spec.image == tmp_path / "pics" / "a b.png"  # relative to the jobs file's folder
+
+    csv_jobs = tmp_path / "jobs.csv"
+    csv_jobs.write_text("id,prompt,seed,steps\nx,hello there,3,\ny,\"a, comma\",4,5\n")
+    rows = plan_lines(csv_jobs, base, tmp_path / "out")
+    assert [(row.id, row.spec.prompt, row.spec.seed, row.spec.steps) for row in rows] == [
+        ("x", "hello there", 3, 40), ("y", "a, comma", 4, 5)]
