@@ -41,7 +41,7 @@ def test_stages_in_run_order_with_their_classes():
     assert [s.value for s in Stage] == [
         "start", "init_pg", "engine_import", "load", "fingerprint", "shard", "audio_encode",
         "ref_encode", "text_encode", "receive_inputs", "denoise", "decode", "motion_encode",
-        "receive_motion", "clip_checkpoint", "save", "mux", "done"]
+        "receive_motion", "clip_checkpoint", "save", "mux", "idle", "done"]
     load_class = [s for s in Stage if s.is_load_class]
     assert load_class == list(Stage)[:list(Stage).index(Stage.DENOISE)]  # everything before denoising
     assert all(s.is_step_class != s.is_load_class for s in Stage)

@@ -95,10 +95,37 @@ def read_lines(path: Path) -> list[tuple[int, Any]]:
     return out
 
 
-def _normalized(values: dict) -> dict:
+def normalized(values: dict) -> dict:
     """Keys as field names (flag and TOML spellings accepted: ``size``, ``sample_steps``, ...)."""
     names = key_aliases()
     return {names.get(k.replace("-", "_"), k.replace("-", "_")): v for k, v in values.items()}
+
+
+def job_spec(values: dict[str, Any], base: dict[str, Any], output_dir: Path, jid: str,
+             first: Optional[RunSpec] = None) -> tuple[Optional[RunSpec], str]:
+    """A job's spec: its own values (field names, :func:`normalized`) over ``base`` (the command's
+    values: the group's settings and every job's defaults), output ``output_dir/ID.mp4``, a seed
+    of -1 resolved once and kept in its work folder. Returns (spec, "") or (None, the cause: one
+    line) when the values set a group setting, do not validate, or differ from ``first``'s
+    group settings."""
+    fixed = sorted(k for k in values if k in RunSpec.model_fields and k not in JOB_FIELDS)
+    if fixed:
+        return None, (f"{', '.join(fixed)}: set once for the whole rank group, not per job. Fix: give "
+                      f"{', '.join(flag_name(k) for k in fixed)} on the command line")
+    work = output_dir / WORK_DIR / jid
+    merged = {**base, "output": output_dir / f"{jid}.mp4", **values}
+    if int(merged.get("seed", -1)) == -1 and (work / SEED_FILE).is_file():
+        merged["seed"] = int((work / SEED_FILE).read_text())
+    try:
+        spec = RunSpec(**merged).with_resolved_seed()
+    except (ValidationError, ValueError) as e:
+        text = format_validation_error(e) if isinstance(e, ValidationError) else str(e)
+        return None, text.splitlines()[0].removeprefix("error: ")
+    differs = group_differences(first, spec) if first is not None else []
+    if differs:
+        return None, (f"{', '.join(differs)} differ from the first job's; one rank group runs one setting of "
+                      "those")
+    return spec, ""
 
 
 def plan_lines(path: Path, base: dict[str, Any], output_dir: Path) -> list[Line]:
@@ -110,7 +137,7 @@ def plan_lines(path: Path, base: dict[str, Any], output_dir: Path) -> list[Line]
         if isinstance(values, str):
             lines.append(Line(number, f"line{number}", JobState.REFUSED, cause=values))
             continue
-        values = _normalized(values)
+        values = normalized(values)
         jid = str(values.pop("id", "") or job_id(values))
         for key in PATH_FIELDS:  # a relative path in the file is relative to the file
             if isinstance(values.get(key), str) and not Path(values[key]).expanduser().is_absolute():
@@ -119,27 +146,9 @@ def plan_lines(path: Path, base: dict[str, Any], output_dir: Path) -> list[Line]
             lines.append(Line(number, jid, JobState.REFUSED, cause=f"id {jid!r} is used by an earlier line"))
             continue
         seen.add(jid)
-        fixed = sorted(k for k in values if k in RunSpec.model_fields and k not in JOB_FIELDS)
-        if fixed:
-            lines.append(Line(number, jid, JobState.REFUSED,
-                              cause=f"{', '.join(fixed)}: set once for the whole rank group, not per job. Fix: give "
-                                    f"{', '.join(flag_name(k) for k in fixed)} on the command line"))
-            continue
-        work = output_dir / WORK_DIR / jid
-        merged = {**base, "output": output_dir / f"{jid}.mp4", **values}
-        if int(merged.get("seed", -1)) == -1 and (work / SEED_FILE).is_file():
-            merged["seed"] = int((work / SEED_FILE).read_text())
-        try:
-            spec = RunSpec(**merged).with_resolved_seed()
-        except (ValidationError, ValueError) as e:
-            text = format_validation_error(e) if isinstance(e, ValidationError) else str(e)
-            lines.append(Line(number, jid, JobState.REFUSED, cause=text.splitlines()[0].removeprefix("error: ")))
-            continue
-        differs = group_differences(first, spec) if first is not None else []
-        if differs:
-            lines.append(Line(number, jid, JobState.REFUSED,
-                              cause=f"{', '.join(differs)} differ from the first job's; one rank group runs one "
-                                    "setting of those"))
+        spec, cause = job_spec(values, base, output_dir, jid, first)
+        if spec is None:
+            lines.append(Line(number, jid, JobState.REFUSED, cause=cause))
             continue
         first = first or spec
         lines.append(Line(number, jid, JobState.QUEUED, spec=spec))
@@ -175,10 +184,18 @@ def prepare_resume(line: Line, work: Path) -> None:
         line.resume_at = progress.next_clip + 1
 
 
+def refusal(report) -> str:
+    """A refused preflight report's first failure, as one line: the check, the cause, the fix."""
+    from wan_s2v_runner.preflight import Status
+
+    fail = report.with_status(Status.FAIL)[0]
+    return f"preflight {fail.id}: {fail.finding}" + (f". Fix: {fail.fix}" if fail.fix else "")
+
+
 def preflight_lines(lines: list[Line], json_mode: bool) -> Optional[int]:
     """Preflight every queued job (the machine probed once); refuse the ones that fail. Returns
     the load waves the memory plan chose for the group, if any."""
-    from wan_s2v_runner.preflight import GateReport, Status, check_run, machine_facts
+    from wan_s2v_runner.preflight import GateReport, check_run, machine_facts
     from wan_s2v_runner.preflight.render import print_gate
 
     facts = machine_facts()
@@ -189,9 +206,8 @@ def preflight_lines(lines: list[Line], json_mode: bool) -> Optional[int]:
             continue
         report: GateReport = check_run(line.spec, facts)
         if report.refused:
-            fail = report.with_status(Status.FAIL)[0]
             line.state = JobState.REFUSED
-            line.cause = f"preflight {fail.id}: {fail.finding}" + (f". Fix: {fail.fix}" if fail.fix else "")
+            line.cause = refusal(report)
             continue
         if not shown:  # the group's checks once, for the first job
             print_gate(report, json_mode)

@@ -1,4 +1,4 @@
-"""Command line: ``wan-s2v run|demo|doctor|resume|batch`` (``run_s2v_multi_gpu.py`` is ``wan-s2v run``).
+"""Command line: ``wan-s2v run|demo|doctor|resume|batch|serve`` (``run_s2v_multi_gpu.py`` is ``wan-s2v run``).
 
 Owns argv and what a person reads when it is wrong. The flags are generated from the run spec
 (:mod:`wan_s2v_runner.launcher.flags`); values are layered defaults < environment (MASTER_ADDR,
@@ -123,6 +123,21 @@ def cmd_batch(args, extra_env=None) -> int:
                      extra_env=extra_env)
 
 
+def cmd_serve(args, extra_env=None) -> int:
+    """The resident rank group behind the HTTP API (:mod:`wan_s2v_runner.launcher.serve`); on a
+    node other than 0: only its ranks, relaunched whenever node 0 relaunches the group."""
+    from wan_s2v_runner.launcher.serve import setup
+
+    root = args.server_dir.expanduser().absolute()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        base = spec_values(args)
+        group = make_spec(args, setup.group_defaults(root, base))
+    except (ValidationError, ValueError, OSError) as e:
+        return _usage_error(e)
+    return setup.serve(args, group, base, root, extra_env)
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "wan-s2v"
 
@@ -175,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "group's settings; a line sets its own inputs and sampling fields.")
     b.add_argument("jobs", metavar="JOBS", type=Path, help="the jobs file (.jsonl, or .csv with a header row)")
     add_spec_flags(b, Command.BATCH)
+    s = sub.add_parser(Command.SERVE.value, help="keep the model loaded and make videos for HTTP clients",
+                       description="Load once, then make the videos clients submit to POST /v1/videos "
+                                   "(OpenAI-style routes; see the README's serve section). Flags give the "
+                                   "rank group's settings and every job's defaults.")
+    add_spec_flags(s, Command.SERVE)
     return p
 
 
@@ -189,6 +209,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return cmd_resume(args)
     if command is Command.BATCH:
         return cmd_batch(args)
+    if command is Command.SERVE:
+        return cmd_serve(args)
     return cmd_doctor(args)
 
 

@@ -208,7 +208,8 @@ class Display:
                 if r == self._first:
                     self._flush(t0, force=True)
                     self._job_t0, self._denoise_t0 = t, None
-                    self._print(f"[{_fmt_s(t - t0)}] job {ev.get('job')}/{ev.get('jobs')}: {ev.get('id')}")
+                    of = f"/{ev['jobs']}" if ev.get("jobs") else ""  # a served group: no total
+                    self._print(f"[{_fmt_s(t - t0)}] job {ev.get('job')}{of}: {ev.get('id')}")
             elif kind == "progress" and r == self._first and not self.rich:
                 self._flush(t0, force=True)
                 p = {k: ev.get(k) for k in ("clip", "clips", "step", "steps")}

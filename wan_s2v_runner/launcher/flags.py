@@ -36,6 +36,7 @@ class Command(str, Enum):
     DOCTOR = "doctor"
     RESUME = "resume"
     BATCH = "batch"
+    SERVE = "serve"
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,10 @@ class CommandOption:
     flag: str
     help: str
     commands: tuple[Command, ...]
-    kind: str = "store_true"  # "store_true" | "path"
+    kind: str = "store_true"  # "store_true" | "path" | "paths" (repeatable) | "text" | "int"
     default_text: str = "off"
     metavar: Optional[str] = None
+    default: Any = None
 
     @property
     def dest(self) -> str:
@@ -57,16 +59,32 @@ class CommandOption:
 ALL = tuple(Command)
 COMMAND_OPTIONS = (
     CommandOption("--config", "TOML file with spec fields (flags override it)",
-                  (Command.RUN, Command.DEMO, Command.DOCTOR, Command.BATCH), kind="path",
+                  (Command.RUN, Command.DEMO, Command.DOCTOR, Command.BATCH, Command.SERVE), kind="path",
                   default_text="none", metavar="FILE"),
     CommandOption("--json", "print the result (run manifest / doctor report) as JSON", ALL),
     CommandOption("--skip-preflight", "spawn without preflight checks (prints what it skips; not recommended)",
-                  (Command.RUN, Command.DEMO, Command.RESUME, Command.BATCH)),
+                  (Command.RUN, Command.DEMO, Command.RESUME, Command.BATCH, Command.SERVE)),
     CommandOption("--output-dir", "where each job's ID.mp4 and ID.json record go (and .work/: clip "
                   "checkpoints, seeds)", (Command.BATCH,), kind="path", default_text="outputs/JOBS-NAME",
                   metavar="DIR"),
     CommandOption("--cache-dir", "where the demo's tiny checkpoint and inputs are cached", (Command.DEMO,),
                   kind="path", default_text="~/.cache/wan-s2v", metavar="DIR"),
+    CommandOption("--server-dir", "the server's queue (jobs.sqlite), videos/ (ID.mp4, ID.json), uploads/ and runs/",
+                  (Command.SERVE,), kind="path", default_text="wan-s2v-server", metavar="DIR",
+                  default=Path("wan-s2v-server")),
+    CommandOption("--host", "address to listen on; beyond loopback it needs --token or --insecure-no-auth",
+                  (Command.SERVE,), kind="text", default_text="127.0.0.1", metavar="ADDR", default="127.0.0.1"),
+    CommandOption("--port", "port to listen on (0: any free port; the URL goes to SERVER-DIR/server.json)",
+                  (Command.SERVE,), kind="int", default_text="8000", metavar="PORT", default=8000),
+    CommandOption("--token", "bearer token every route but /health requires", (Command.SERVE,), kind="text",
+                  default_text="none (`$WAN_S2V_TOKEN`)", metavar="TOKEN"),
+    CommandOption("--insecure-no-auth", "allow a non-loopback --host without a token", (Command.SERVE,)),
+    CommandOption("--allow-dir", "a directory whose files jobs may name by path (repeatable; else uploads only)",
+                  (Command.SERVE,), kind="paths", default_text="none", metavar="DIR"),
+    CommandOption("--max-upload-mb", "largest image or audio upload", (Command.SERVE,), kind="int",
+                  default_text="200", metavar="MB", default=200),
+    CommandOption("--max-queue", "most jobs waiting at once (more are refused with HTTP 429)", (Command.SERVE,),
+                  kind="int", default_text="1000", metavar="N", default=1000),
 )
 
 
@@ -137,8 +155,13 @@ def add_spec_flags(parser: argparse.ArgumentParser, command: Command) -> None:
     g = parser.add_argument_group("command")
     for opt in COMMAND_OPTIONS:
         if command in opt.commands:
-            if opt.kind == "path":
-                g.add_argument(opt.flag, dest=opt.dest, type=Path, metavar=opt.metavar, help=opt.help)
+            if opt.kind in ("path", "text", "int"):
+                kind = {"path": Path, "text": str, "int": int}[opt.kind]
+                g.add_argument(opt.flag, dest=opt.dest, type=kind, metavar=opt.metavar, help=opt.help,
+                               default=opt.default)
+            elif opt.kind == "paths":
+                g.add_argument(opt.flag, dest=opt.dest, type=Path, metavar=opt.metavar, help=opt.help,
+                               action="append", default=[])
             else:
                 g.add_argument(opt.flag, dest=opt.dest, action="store_true", help=opt.help)
 
@@ -183,6 +206,8 @@ def flags_table() -> str:
             rows.append(f"| {_cell_flag(name)} | {default} | {RunSpec.model_fields[name].description} |")
     for opt in COMMAND_OPTIONS:
         flag = f"`{opt.flag} {opt.metavar}`" if opt.metavar else f"`{opt.flag}`"
+        if opt.kind == "paths":
+            flag += " (repeatable)"
         only = "" if opt.commands == ALL else f" ({', '.join(c.value for c in opt.commands)} only)"
         rows.append(f"| {flag} | {opt.default_text} | {opt.help}{only} |")
     return "\n".join(rows)

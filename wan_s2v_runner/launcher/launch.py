@@ -23,7 +23,7 @@ from wan_s2v_runner.launcher.diagnose import parse_torchrun_exits
 from wan_s2v_runner.launcher.proctree import cpu_s
 from wan_s2v_runner.launcher.supervisor import Outcome, Supervisor
 from wan_s2v_runner.launcher.torchrun import finalize_spec, make_run_dir
-from wan_s2v_runner.shared import atomic, exit_codes
+from wan_s2v_runner.shared import atomic, exit_codes, inbox
 from wan_s2v_runner.shared.jobs import Job, write_jobs
 from wan_s2v_runner.shared.spec import RunSpec
 
@@ -70,18 +70,22 @@ def _remove_empty_stacks(run_dir: Path) -> None:
 
 
 def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional[dict] = None,
-        jobs: Optional[list[Job]] = None) -> int:
+        jobs: Optional[list[Job]] = None, served: bool = False, halt: Optional[threading.Event] = None) -> int:
     """Spawn and supervise one run: a rank group that makes ``spec``'s video, or, with ``jobs``,
-    each job's in turn (``spec``: the first job's, for the group's settings). Returns an exit code
-    (see exit_codes)."""
+    each job's in turn (``spec``: the first job's, for the group's settings), or, ``served``,
+    whatever a server posts to the run directory's inbox (:mod:`wan_s2v_runner.shared.inbox`)
+    until it says stop. ``halt`` set from another thread stops the ranks as a signal would.
+    Returns an exit code (see exit_codes)."""
     spec = finalize_spec(spec)
     display = display or Display.auto()
     run_dir = make_run_dir(spec)
     atomic.write_text(run_dir / "spec.json", spec.to_json())
     if jobs:
         write_jobs(run_dir, jobs)
+    if served:
+        inbox.inbox_of(run_dir).mkdir()
     display.started(spec, run_dir)
-    sup = Supervisor(spec, run_dir, display, extra_env)
+    sup = Supervisor(spec, run_dir, display, extra_env, halt=halt)
     old = {}
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -106,7 +110,7 @@ def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional
         cleanup_partial_outputs(spec, rank_pids)
         _remove_empty_stacks(run_dir)
         sup.reader.poll()
-        if outcome.code == exit_codes.OK and spec.writes_output and \
+        if outcome.code == exit_codes.OK and spec.writes_output and not served and \
                 (not spec.output.is_file() or _output_stamp(spec.output) == before):
             outcome = Outcome(code=exit_codes.RANK_FAILED, torchrun_rc=outcome.torchrun_rc,
                               reason=f"the run ended but {spec.output} was not written")

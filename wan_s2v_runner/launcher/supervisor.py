@@ -12,6 +12,7 @@ whether the run is stuck and how to say it (:mod:`.watchdog`), which rank failed
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,8 +75,10 @@ class Outcome:
 class Supervisor:
     """Watches one run's ranks and processes and decides how it ends."""
 
-    def __init__(self, spec: RunSpec, run_dir: Path, display: Display, extra_env=None):
+    def __init__(self, spec: RunSpec, run_dir: Path, display: Display, extra_env=None,
+                 halt: Optional[threading.Event] = None):
         self.spec, self.run_dir, self.display = spec, run_dir, display
+        self.halt = halt  # set by another thread (a server shutting down): stop as on SIGTERM
         self.reader = EventReader(run_dir)
         self.processes = RunProcesses(spec, run_dir, self.reader, display, extra_env)
         self.expected = expected_ranks(spec)
@@ -123,6 +126,8 @@ class Supervisor:
                 self.display.update(self.reader, new, now - self.t0)
             except Exception:  # a display glitch must never stop supervision
                 pass
+            if self.halt is not None and self.halt.is_set() and self.signal_received is None:
+                self.signal_received = signal.SIGTERM
             if self.signal_received is not None:
                 where = where_ranks_were(self.reader, self.expected)
                 self.processes.stop(grace_s=5.0)

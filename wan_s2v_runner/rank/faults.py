@@ -2,7 +2,8 @@
 
 Format: ``RANK:STAGE[@CLIP][#JOB]:ACTION`` (STAGE a :class:`~wan_s2v_runner.shared.stages.Stage` name; with
 ``@CLIP`` only while that 1-based clip is generated, with ``#JOB`` only in that 1-based job of the
-rank group) with ACTION
+rank group, or, when JOB is a word, only in jobs whose prompt contains it: served jobs have random
+ids and a restarted group counts from 1 again) with ACTION
 one of ``raise`` (RuntimeError), ``exit`` (os._exit 3), ``hang`` (sleep forever, still
 heart-beating). Checked at every stage change and every denoising step of the given rank, and
 as stage ``start`` before the rank writes any event (there ``hang`` is a rank that never
@@ -24,8 +25,9 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def parse(value: Optional[str]) -> Optional[tuple[int, Stage, str, Optional[int], Optional[int]]]:
-    """``"1:denoise@2#3:raise"`` -> (1, Stage.DENOISE, "raise", 2, 3); None when unset. A stage or
+def parse(value: Optional[str]) -> Optional[tuple[int, Stage, str, Optional[int], Optional[int | str]]]:
+    """``"1:denoise@2#3:raise"`` -> (1, Stage.DENOISE, "raise", 2, 3) (``#poison``: the word
+    ``"poison"``); None when unset. A stage or
     action that does not exist raises ValueError (a misspelt fault would otherwise never fire)."""
     if not value:
         return None
@@ -37,14 +39,17 @@ def parse(value: Optional[str]) -> Optional[tuple[int, Stage, str, Optional[int]
     found = Stage.lookup(stage)
     if found is None:
         raise ValueError(f"{ENV}: unknown stage {stage!r} (one of {', '.join(s.value for s in Stage)})")
-    return int(rank), found, action, int(clip) if clip else None, int(job) if job else None
+    return int(rank), found, action, int(clip) if clip else None, (int(job) if job.isdigit() else job) or None
 
 
-def maybe_fire(rank: int, stage: Stage, fault=None, clip: Optional[int] = None, job: Optional[int] = None) -> None:
+def maybe_fire(rank: int, stage: Stage, fault=None, clip: Optional[int] = None, job: Optional[int] = None,
+               prompt: str = "") -> None:
     fault = fault if fault is not None else parse(os.environ.get(ENV))
     if not fault or fault[0] != rank or fault[1] != stage:
         return
-    if (fault[3] is not None and fault[3] != clip) or (fault[4] is not None and fault[4] != job):
+    which = fault[4]
+    if (fault[3] is not None and fault[3] != clip) or (isinstance(which, int) and which != job) or \
+            (isinstance(which, str) and which not in prompt):
         return
     action = fault[2]
     if action == "raise":

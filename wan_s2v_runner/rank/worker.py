@@ -2,9 +2,12 @@
 
 Reads the spec the launcher wrote, joins the process group (gloo on CPU, nccl on CUDA, with an
 explicit timeout), imports the engine, applies the patches, builds the engine's ``WanS2V`` with
-the mode's settings, generates (behind :func:`generate_frames`), and on rank 0 writes the mp4
-with audio. Stages and progress go to the run directory's event files; a failure is recorded by
-torch elastic's ``@record`` (per-rank error file) and as an ``error`` event naming the stage.
+the mode's settings once, then makes the rank group's jobs (:class:`RankGroup`): the run's own
+spec, the launcher's ``jobs.jsonl`` (``wan-s2v batch``), or, when the run directory has an
+``inbox/`` (``wan-s2v serve``), whatever the server posts there until it says stop. Rank 0 writes
+each job's mp4 with audio. Stages and progress go to the run directory's event files; a failure
+is recorded by torch elastic's ``@record`` (per-rank error file) and as an ``error`` event naming
+the stage.
 """
 from __future__ import annotations
 
@@ -19,11 +22,12 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Iterator, Optional
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from wan_s2v_runner.shared import atomic
+from wan_s2v_runner.shared import atomic, inbox
 
 from wan_s2v_runner.loading import engine
 
@@ -36,6 +40,13 @@ from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.worker")
 
+#: an idle served rank says ``waiting`` this often (the hang watchdog's sign of life)
+WAITING_EVERY_S = 2.0
+
+
+class JobCancelled(Exception):
+    """The server cancelled the job in progress; raised on every rank at the same step."""
+
 
 class RankEvents(EventWriter):
     """EventWriter that also checks the test fault hook at every stage."""
@@ -45,6 +56,7 @@ class RankEvents(EventWriter):
         self._fault = faults.parse(os.environ.get(faults.ENV))
         self.error_reported = False
         self.job = 1  # the rank group's job in progress (1-based)
+        self.job_prompt = ""  # its prompt (a test fault may name a word of it: served jobs have random ids)
 
     def error(self, e: BaseException) -> None:
         """Record the rank's failure once, as early as possible (before comms are torn down)."""
@@ -54,7 +66,7 @@ class RankEvents(EventWriter):
 
     def fault_point(self, stage: Stage, clip=None) -> None:
         if self._fault:
-            faults.maybe_fire(self.rank, stage, self._fault, clip=clip, job=self.job)
+            faults.maybe_fire(self.rank, stage, self._fault, clip=clip, job=self.job, prompt=self.job_prompt)
 
     def stage(self, stage: Stage, **data) -> None:
         super().stage(stage, **data)
@@ -146,28 +158,88 @@ class RankGroup:
     def __init__(self, spec: RunSpec, run_dir: Path, events: "RankEvents", rank: int, cfg, plan, parts):
         self.spec, self.run_dir, self.events, self.rank = spec, run_dir, events, rank
         self.cfg, self.plan, self.parts = cfg, plan, parts
+        self.served = False  # jobs come from the server's inbox (set by jobs())
+        self.count: Optional[int] = None  # how many jobs a listed group has (set by jobs())
 
-    def jobs(self) -> list[Job]:
-        """Rank 0's list (the launcher's ``jobs.jsonl``, or the run's own spec as one job), given
-        to every rank: on several nodes only node 0's list counts."""
+    def _from_rank0(self, value):
+        """Rank 0's ``value``, on every rank (on several nodes only node 0's counts)."""
         import torch.distributed as dist
 
-        listed = None
-        if self.rank == 0:
-            listed = read_jobs(self.run_dir) or [Job(id="run", spec=self.spec, work_dir=self.run_dir)]
-            listed = [job.model_dump_json() for job in listed]
-        box = [listed]
+        box = [value]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
-        return [Job.model_validate_json(text) for text in box[0]]
+        return box[0]
 
-    def run_job(self, job: Job, index: int, total: int) -> None:
+    def jobs(self) -> Iterator[Job]:
+        """The group's jobs, in order, on every rank: rank 0's list (the launcher's ``jobs.jsonl``,
+        or the run's own spec as one job), or, for a served group (an ``inbox/`` in the run
+        directory), each job the server posts until it says stop."""
+        first = None
+        if self.rank == 0:
+            if inbox.inbox_of(self.run_dir).is_dir():
+                first = {"serve": True}
+            else:
+                listed = read_jobs(self.run_dir) or [Job(id="run", spec=self.spec, work_dir=self.run_dir)]
+                first = {"jobs": [job.model_dump_json() for job in listed]}
+        first = self._from_rank0(first)
+        if not first.get("serve"):
+            self.count = len(first["jobs"])
+            yield from (Job.model_validate_json(text) for text in first["jobs"])
+            return
+        self.served = True
+        while True:
+            message = self._wait_for_job()
+            if message.get("stop"):
+                return
+            yield Job.model_validate_json(message["job"])
+
+    def _wait_for_job(self) -> dict:
+        """Idle until the server posts a job or says stop: rank 0 looks at the inbox every
+        :data:`~wan_s2v_runner.shared.inbox.IDLE_POLL_S` and tells every rank (``{}``: nothing
+        yet), so no rank waits in one collective long; every rank says ``waiting`` now and then
+        (the hang watchdog's sign of life for an idle group)."""
+        self.events.stage(Stage.IDLE)
+        said = time.time()
+        while True:
+            message: dict = {}
+            if self.rank == 0:
+                deadline = time.time() + inbox.IDLE_POLL_S
+                while not message:
+                    if inbox.stopping(self.run_dir):
+                        message = {"stop": True}
+                    else:
+                        posted = inbox.take_job(self.run_dir)
+                        if posted is not None:
+                            message = {"job": posted}
+                    if message or time.time() >= deadline:
+                        break
+                    time.sleep(0.05)
+            message = self._from_rank0(message)
+            if message:
+                return message
+            if time.time() - said >= WAITING_EVERY_S:
+                said = time.time()
+                self.events.emit("waiting")
+
+    def _step_or_cancel(self, job: Job):
+        """The denoising step hook: report the step; in a served group, stop the job here when the
+        server cancelled it (rank 0 reads the inbox, every rank hears it, every rank raises)."""
+        def step(**counters):
+            self.events.step(**counters)
+            if self.served:
+                asked = inbox.cancelled(self.run_dir, job.id) if self.rank == 0 else None
+                if self._from_rank0(asked):
+                    raise JobCancelled(job.id)
+        return step
+
+    def run_job(self, job: Job, index: int, total: Optional[int]) -> None:
+        """Make one job (``total``: the group's number of jobs, None while serving)."""
         from wan_s2v_runner.rank.generation import ClipState, Hooks, S2VGenerator
         from wan_s2v_runner.shared import media, resume
 
         spec, events, plan = job.spec, self.events, self.plan
-        events.job = index + 1
-        if total > 1 or job.record is not None:
+        events.job, events.job_prompt = index + 1, spec.prompt
+        if total != 1 or job.record is not None:
             events.emit("job", id=job.id, job=index + 1, jobs=total)
         started, clock = time.time(), StageClock()
 
@@ -175,7 +247,7 @@ class RankGroup:
             clock.mark(s)
             events.stage(s, **data)
 
-        hooks = Hooks(stage=stage, step=events.step, fault_point=events.fault_point)
+        hooks = Hooks(stage=stage, step=self._step_or_cancel(job), fault_point=events.fault_point)
         resume_state, identity = None, None
         if plan.decodes:  # clip checkpoints: a crash loses at most the clip in progress
             identity = resume.identity(spec)
@@ -246,9 +318,13 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
         if dist.get_world_size() > 1:  # every rank starts generating together, so each stage's time
             dist.barrier()  # is its own work, not a wait for a slower rank's loading
         group = RankGroup(spec, run_dir, events, rank, cfg, plan, parts)
-        jobs = group.jobs()
-        for index, job in enumerate(jobs):
-            group.run_job(job, index, len(jobs))
+        for index, job in enumerate(group.jobs()):
+            try:
+                group.run_job(job, index, None if group.served else group.count)
+            except JobCancelled:  # every rank stopped it at the same step; the group takes the next
+                events.emit("job_cancelled", id=job.id, job=index + 1)
+                if spec.device == "cuda":
+                    torch.cuda.empty_cache()
         events.stage(Stage.DONE)
     except BaseException as e:
         # Record the failure before anything closes this rank's connections: peers then fail

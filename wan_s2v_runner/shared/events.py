@@ -209,6 +209,8 @@ class EventReader:
                 st.progress.update(clip=ev["clip"], clips=ev.get("clips"), step=0)
                 if ev.get("steps"):
                     st.progress["steps"] = ev["steps"]
+        elif kind == "waiting":  # idle between served jobs, its collectives still answering
+            st.last_progress_t = t
         elif kind == "progress":
             st.last_progress_t = t
             st.progress.update({k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")})

@@ -41,6 +41,7 @@ class Stage(str, Enum):
     CLIP_CHECKPOINT = "clip_checkpoint"  # the first rank writes the clip's frames and carried state
     SAVE = "save"
     MUX = "mux"
+    IDLE = "idle"  # a served rank group between jobs: each rank reports ``waiting`` while it is alive
     DONE = "done"
 
     def __str__(self) -> str:  # the plain name, in f-strings and str() alike

@@ -1,0 +1,360 @@
+"""The keeper: the server's thread that owns the resident rank group.
+
+It launches the group with :func:`wan_s2v_runner.launcher.launch.run` (``served``: the run
+directory gets an inbox, the ranks load once and wait in stage ``idle``), supervised exactly like
+a run (failure attribution, hang watchdog, ``run.json``). The supervisor calls the keeper's
+display after every poll of the ranks' events; there, on the keeper's own thread, it:
+
+- posts the next queued job when the group is idle (one at a time: a job that resumes is
+  prepared from its clip checkpoints, a job whose record and mp4 are already there is completed
+  without running, as ``wan-s2v batch`` does);
+- follows rank 0's events into the job's live progress (:class:`Progress`: stage, clip k/n,
+  step i/m, ETA, seconds per stage), and records ``job_done`` / ``job_cancelled`` in the queue;
+- passes a cancel of the running job to the ranks (the inbox's cancel file).
+
+When the group ends under a job (a rank died or hung), the job goes back to the queue with its
+failure counted (failed for good at :data:`~.queue.MAX_FAILURES`), and the keeper starts a new
+group after a back-off. The HTTP side never waits on any of this.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+from wan_s2v_runner.launcher.batch import WORK_DIR, JobState, Line, mark_done_before, prepare_resume
+from wan_s2v_runner.launcher.console import Display, eta_s
+from wan_s2v_runner.launcher.serve.queue import JobQueue, JobStatus
+from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
+from wan_s2v_runner.shared import atomic, inbox
+from wan_s2v_runner.shared.jobs import Job
+from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.stages import Stage
+
+#: seconds before the keeper starts a new rank group after one failed (doubling, up to the max)
+RESTART_BACKOFF_S = (1.0, 30.0)
+#: a served group's worker pids, so the next server can wait for (or stop) what a killed one left
+GROUP_FILE = "group.json"
+
+
+class GroupState(str, Enum):
+    """What the rank group is doing (``/health``, the status page)."""
+
+    LOADING = "loading"
+    IDLE = "idle"
+    WORKING = "working"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+
+
+@dataclass
+class Progress:
+    """A running job's progress, from rank 0's events."""
+
+    started: float
+    stage: str = ""
+    clip: Optional[int] = None
+    clips: Optional[int] = None
+    step: Optional[int] = None
+    steps: Optional[int] = None
+    eta_s: Optional[float] = None
+    marks: list[tuple[str, float]] = field(default_factory=list)
+    denoise_t0: Optional[float] = None
+
+    def on_event(self, ev: dict[str, Any]) -> None:
+        kind, t = ev.get("kind"), float(ev["t"])
+        if kind == "stage":
+            self.stage = str(ev.get("stage"))
+            self.marks.append((self.stage, t))
+            if self.stage == Stage.DENOISE:
+                self.denoise_t0 = self.denoise_t0 or t
+                self.clip, self.clips, self.step = ev.get("clip"), ev.get("clips"), 0
+                self.steps = ev.get("steps") or self.steps
+        elif kind == "progress":
+            self.clip, self.clips = ev.get("clip"), ev.get("clips")
+            self.step, self.steps = ev.get("step"), ev.get("steps")
+            p = {"clip": self.clip, "clips": self.clips, "step": self.step, "steps": self.steps}
+            self.eta_s = eta_s(p, self.denoise_t0, t)
+
+    def stage_seconds(self, now: float) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (stage, t), (_, t_next) in zip(self.marks, self.marks[1:] + [("", now)]):
+            out[stage] = round(out.get(stage, 0.0) + t_next - t, 3)
+        return out
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {"stage": self.stage or None, "clip": self.clip, "clips": self.clips, "step": self.step,
+                "steps": self.steps, "eta_s": round(self.eta_s, 1) if self.eta_s is not None else None,
+                "stage_seconds": self.stage_seconds(now)}
+
+
+@dataclass(frozen=True)
+class ServerDirs:
+    """Where a server keeps things (``--server-dir``)."""
+
+    root: Path
+
+    @property
+    def videos(self) -> Path:  # ID.mp4 and ID.json: the only files the API ever serves
+        return self.root / "videos"
+
+    @property
+    def uploads(self) -> Path:
+        return self.root / "uploads"
+
+    @property
+    def runs(self) -> Path:
+        return self.root / "runs"
+
+    @property
+    def queue(self) -> Path:
+        return self.root / "jobs.sqlite"
+
+    def work(self, job_id: str) -> Path:
+        return self.videos / WORK_DIR / job_id
+
+
+class _KeeperDisplay(Display):
+    """The plain console (the server's log) plus the keeper's hooks."""
+
+    def __init__(self, keeper: "Keeper"):
+        super().__init__(rich=False, show_logs=False)
+        self.keeper = keeper
+
+    def started(self, spec, run_dir) -> None:
+        super().started(spec, run_dir)
+        self.keeper.group_started(Path(run_dir))
+
+    def update(self, reader, new_events, elapsed: float) -> None:
+        try:
+            self.keeper.on_events(new_events)
+        except Exception:  # never silent: the supervisor swallows display errors
+            traceback.print_exc()
+            self.keeper.last_error = traceback.format_exc(limit=1).strip().splitlines()[-1]
+        super().update(reader, new_events, elapsed)
+
+    def finished(self, spec, run_dir, outcome, manifest: dict) -> None:
+        super().finished(spec, run_dir, outcome, manifest)
+        self.keeper.outcome = outcome
+
+
+class Keeper(threading.Thread):
+    """Runs rank groups for the queue until :meth:`shutdown`."""
+
+    def __init__(self, group_spec: RunSpec, queue: JobQueue, dirs: ServerDirs, extra_env: Optional[dict] = None):
+        super().__init__(name="wan-s2v-keeper", daemon=True)
+        self.group_spec, self.queue, self.dirs, self.extra_env = group_spec, queue, dirs, extra_env
+        self.state = GroupState.LOADING
+        self.restarts = 0
+        self.groups = 0
+        self.run_dir: Optional[Path] = None
+        self.current: Optional[str] = None  # the job the group is making
+        self.progress: dict[str, Progress] = {}  # live progress of the running job (by id)
+        self.outcome = None  # the last group's Outcome
+        self.last_error: Optional[str] = None
+        self.started_at = time.time()
+        self._cancel_sent: set[str] = set()
+        self._seq = 0
+        self._closing = threading.Event()  # shutdown asked
+        self._halt = threading.Event()  # stop the ranks now
+        self._lock = threading.Lock()
+
+    # ----- what the API reads -----
+    def live(self, job_id: str) -> Optional[dict[str, Any]]:
+        with self._lock:
+            p = self.progress.get(job_id)
+            return p.as_dict(time.time()) if p else None
+
+    def cancel_running(self, job_id: str) -> None:
+        """The API marked ``job_id`` cancelled while it runs: tell the ranks (next step boundary)."""
+        with self._lock:
+            self._send_cancel(job_id)
+
+    def _send_cancel(self, job_id: str) -> None:
+        if job_id == self.current and self.run_dir is not None and job_id not in self._cancel_sent:
+            inbox.cancel(self.run_dir, job_id)
+            self._cancel_sent.add(job_id)
+
+    # ----- the thread -----
+    def run(self) -> None:
+        from wan_s2v_runner.launcher import launch
+
+        wait_for_leftovers(self.dirs.root / GROUP_FILE)
+        backoff = RESTART_BACKOFF_S[0]
+        while not self._closing.is_set():
+            self.state, self.outcome = GroupState.LOADING, None
+            self.groups += 1
+            served_before = self.queue.counts()[JobStatus.COMPLETED.value]
+            try:
+                launch.run(self.group_spec, display=_KeeperDisplay(self), extra_env=self.extra_env,
+                           served=True, halt=self._halt)
+            except Exception as e:  # the launcher itself failed: say so, and try again
+                self.last_error = f"{type(e).__name__}: {e}"
+            with self._lock:
+                failed, self.current = self.current, None
+                self.progress.clear()
+                self.run_dir = None
+            remove_partial_videos(self.dirs.videos)
+            reason = (self.outcome.reason if self.outcome is not None and self.outcome.reason
+                      else self.last_error or "the rank group ended")
+            if failed is not None and not self._closing.is_set():
+                self.queue.group_failed(failed, reason)
+            if self._closing.is_set():
+                break
+            self.last_error = reason
+            self.restarts += 1
+            self.state = GroupState.RESTARTING
+            if self.queue.counts()[JobStatus.COMPLETED.value] > served_before:
+                backoff = RESTART_BACKOFF_S[0]  # it did work: not a crash loop
+            self._closing.wait(backoff)
+            backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
+        self.state = GroupState.STOPPED
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop the group: an idle one is told to stop; a job in progress is interrupted (it stays
+        in the queue and resumes from its last clip when the server starts again)."""
+        self._closing.set()
+        with self._lock:
+            run_dir, busy = self.run_dir, self.current is not None
+        if run_dir is not None and not busy:
+            inbox.stop(run_dir)
+        else:
+            self._halt.set()
+        self.join(grace_s)
+        if self.is_alive():
+            self._halt.set()
+            self.join(grace_s)
+
+    # ----- called by the display, on this thread -----
+    def group_started(self, run_dir: Path) -> None:
+        with self._lock:
+            self.run_dir = run_dir
+            self._cancel_sent.clear()
+
+    def on_events(self, new_events: list[dict]) -> None:
+        for ev in new_events:
+            kind = ev.get("kind")
+            if kind == "hello":
+                self._note_worker(ev)
+            if ev.get("rank") != 0:
+                continue
+            self._on_rank0(ev, kind)
+        if self.state is GroupState.IDLE and self.current is None and not self._closing.is_set():
+            self._post_next()
+        if self.current is not None and self.current not in self._cancel_sent:
+            row = self.queue.get(self.current)
+            if row is not None and row.cancel_requested:
+                with self._lock:
+                    self._send_cancel(self.current)
+
+    def _on_rank0(self, ev: dict, kind: Optional[str]) -> None:
+        with self._lock:
+            p = self.progress.get(self.current) if self.current else None
+            if kind == "stage":
+                if ev.get("stage") == Stage.IDLE:
+                    self.state = GroupState.IDLE
+                elif self.current is not None:
+                    self.state = GroupState.WORKING
+            if p is not None and kind in ("stage", "progress"):
+                p.on_event(ev)
+            if kind in ("job_done", "job_cancelled") and ev.get("id") == self.current:
+                job_id, self.current = self.current, None
+                self.progress.pop(job_id, None)
+            else:
+                return
+        if kind == "job_cancelled":
+            self.queue.finish(job_id, JobStatus.CANCELLED, error="cancelled")
+            return
+        try:
+            record = json.loads((self.dirs.videos / f"{job_id}.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            record = None
+        if record is None:
+            self.queue.finish(job_id, JobStatus.FAILED, error="rank 0 finished the job but wrote no record")
+        else:
+            self.queue.finish(job_id, JobStatus.COMPLETED, record=record)
+
+    def _post_next(self) -> None:
+        while True:
+            row = self.queue.claim_next()
+            if row is None:
+                return
+            if row.cancel_requested:  # cancelled while the server was down
+                self.queue.finish(row.id, JobStatus.CANCELLED, error="cancelled")
+                continue
+            line = Line(0, row.id, JobState.QUEUED, spec=RunSpec(**row.spec))
+            mark_done_before(line)
+            if line.state is JobState.DONE_BEFORE:  # its mp4 was written before the server went down
+                self.queue.finish(row.id, JobStatus.COMPLETED,
+                                  record=json.loads(line.record.read_text(encoding="utf-8")))
+                continue
+            work = self.dirs.work(row.id)
+            work.mkdir(parents=True, exist_ok=True)
+            line.record.unlink(missing_ok=True)  # a record says done only when this group writes it
+            prepare_resume(line, work)
+            job = Job(id=row.id, spec=line.spec, work_dir=work, record=line.record)
+            with self._lock:
+                self._seq += 1
+                self.current = row.id
+                self.progress[row.id] = Progress(started=time.time())
+                inbox.post_job(self.run_dir, self._seq, job.model_dump_json())
+            return
+
+    def _note_worker(self, ev: dict) -> None:
+        """Remember the group's worker pids (for the next server, if this one is killed)."""
+        path = self.dirs.root / GROUP_FILE
+        try:
+            known = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            known = {}
+        if known.get("run_dir") != str(self.run_dir):
+            known = {"run_dir": str(self.run_dir), "pids": []}
+        known["pids"].append(ev.get("pid"))
+        atomic.write_text(path, json.dumps(known))
+
+
+def remove_partial_videos(videos: Path) -> list[Path]:
+    """What a killed rank left half-written among the videos (every writer names its temporaries
+    ``.NAME.PID.*``, :func:`~wan_s2v_runner.shared.atomic.temp_name`); only when no group runs."""
+    removed = []
+    for path in videos.glob(".*.*"):
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _is_worker_of(pid: int, run_dir: str) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    args = [a.decode(errors="replace") for a in cmdline]
+    return WORKER_MODULE in args and any(a.startswith(run_dir) for a in args)
+
+
+def wait_for_leftovers(group_file: Path, grace_s: float = 10.0) -> list[int]:
+    """Workers a killed server's group left running (they normally stop with torchrun, which
+    stops with the server): wait ``grace_s`` for them, then SIGKILL. Returns the pids found."""
+    try:
+        known = json.loads(group_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    pids = [p for p in known.get("pids", []) if isinstance(p, int) and _is_worker_of(p, known.get("run_dir", ""))]
+    deadline = time.time() + grace_s
+    while time.time() < deadline and any(_is_worker_of(p, known["run_dir"]) for p in pids):
+        time.sleep(0.2)
+    for p in pids:
+        if _is_worker_of(p, known["run_dir"]):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+    return pids

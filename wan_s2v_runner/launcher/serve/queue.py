@@ -1,0 +1,204 @@
+"""The server's job queue: one SQLite file (``SERVER_DIR/jobs.sqlite``) in WAL mode with
+``synchronous=FULL``, so a job the API answered "queued" survives a kill -9 of the server or a
+power cut. Every change is one transaction; the states are :class:`JobStatus`.
+
+A job moves ``queued -> in_progress -> completed | failed | cancelled`` (a queued job may be
+cancelled directly). After a restart :meth:`JobQueue.recover` puts the jobs that were in progress
+back in the queue, first in line: the server kill was not their fault, and they resume from
+their clip checkpoints. A job whose rank group failed goes back too, with ``failures`` counted;
+at :data:`MAX_FAILURES` it is failed for good.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+#: a job that took its rank group down this many times is failed, not retried again
+MAX_FAILURES = 2
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    status TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    failures INTEGER NOT NULL DEFAULT 0,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    runs INTEGER NOT NULL DEFAULT 0,
+    error TEXT,
+    record TEXT
+)"""
+
+
+class JobStatus(str, Enum):
+    """A served job's state (the OpenAI video object's ``status`` values)."""
+
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class QueueFull(Exception):
+    """More jobs are waiting than the server takes (``--max-queue``)."""
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: str
+    status: JobStatus
+    spec: dict[str, Any]  # the job's RunSpec as JSON values
+    created_at: float
+    started_at: Optional[float]
+    finished_at: Optional[float]
+    failures: int
+    cancel_requested: bool
+    runs: int  # how many rank groups were handed this job (a resumed job: more than one)
+    error: Optional[str]
+    record: Optional[dict[str, Any]]  # the job's record (rank 0's ID.json) once completed
+
+
+class JobQueue:
+    """The queue in ``path``; safe to use from the API's threads and the keeper at once."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _write(self, sql: str, args: tuple = ()) -> int:
+        with self._lock:
+            return self._db.execute(sql, args).rowcount
+
+    # ----- submit -----
+    def add(self, job_id: str, spec: dict[str, Any], max_queued: int) -> None:
+        """Queue a job; :class:`QueueFull` when ``max_queued`` are already waiting."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                (waiting,) = self._db.execute("SELECT COUNT(*) FROM jobs WHERE status = ?",
+                                              (JobStatus.QUEUED.value,)).fetchone()
+                if waiting >= max_queued:
+                    raise QueueFull(f"{waiting} jobs are queued (the server takes {max_queued})")
+                self._db.execute("INSERT INTO jobs (id, status, spec, created_at) VALUES (?, ?, ?, ?)",
+                                 (job_id, JobStatus.QUEUED.value, json.dumps(spec), time.time()))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    # ----- read -----
+    @staticmethod
+    def _row(r: sqlite3.Row) -> JobRow:
+        return JobRow(id=r["id"], status=JobStatus(r["status"]), spec=json.loads(r["spec"]),
+                      created_at=r["created_at"], started_at=r["started_at"], finished_at=r["finished_at"],
+                      failures=r["failures"], cancel_requested=bool(r["cancel_requested"]), runs=r["runs"],
+                      error=r["error"], record=json.loads(r["record"]) if r["record"] else None)
+
+    def get(self, job_id: str) -> Optional[JobRow]:
+        with self._lock:
+            r = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return self._row(r) if r else None
+
+    def all(self, limit: int = 1000) -> list[JobRow]:
+        """The newest ``limit`` jobs, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM (SELECT * FROM jobs ORDER BY seq DESC LIMIT ?) ORDER BY seq",
+                                    (limit,)).fetchall()
+        return [self._row(r) for r in rows]
+
+    def position(self, job_id: str) -> Optional[int]:
+        """1-based place of a queued job in the queue (None when it is not queued)."""
+        with self._lock:
+            r = self._db.execute("SELECT seq, status FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if r is None or r["status"] != JobStatus.QUEUED.value:
+                return None
+            (ahead,) = self._db.execute("SELECT COUNT(*) FROM jobs WHERE status = ? AND seq < ?",
+                                        (JobStatus.QUEUED.value, r["seq"])).fetchone()
+        return ahead + 1
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+        return {s.value: 0 for s in JobStatus} | {r[0]: r[1] for r in rows}
+
+    # ----- the keeper's moves -----
+    def claim_next(self) -> Optional[JobRow]:
+        """The oldest queued job (jobs put back after a restart first), now in progress."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                r = self._db.execute("SELECT * FROM jobs WHERE status = ? ORDER BY started_at IS NULL, seq LIMIT 1",
+                                     (JobStatus.QUEUED.value,)).fetchone()
+                if r is not None:
+                    self._db.execute("UPDATE jobs SET status = ?, started_at = COALESCE(started_at, ?), "
+                                     "runs = runs + 1 WHERE id = ?",
+                                     (JobStatus.IN_PROGRESS.value, time.time(), r["id"]))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return self.get(r["id"]) if r is not None else None
+
+    def finish(self, job_id: str, status: JobStatus, *, error: Optional[str] = None,
+               record: Optional[dict] = None) -> None:
+        self._write("UPDATE jobs SET status = ?, finished_at = ?, error = ?, record = ? WHERE id = ?",
+                    (status.value, time.time(), error, json.dumps(record) if record else None, job_id))
+
+    def group_failed(self, job_id: str, error: str) -> JobStatus:
+        """The job's rank group failed under it: back to the queue, or failed at
+        :data:`MAX_FAILURES`. Returns its new status."""
+        with self._lock:
+            self._db.execute("UPDATE jobs SET failures = failures + 1, error = ? WHERE id = ?", (error, job_id))
+            (failures,) = self._db.execute("SELECT failures FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if failures >= MAX_FAILURES:
+            self.finish(job_id, JobStatus.FAILED,
+                        error=f"the rank group failed {failures} times on this job; last: {error}")
+            return JobStatus.FAILED
+        self._write("UPDATE jobs SET status = ? WHERE id = ? AND status = ?",
+                    (JobStatus.QUEUED.value, job_id, JobStatus.IN_PROGRESS.value))
+        return JobStatus.QUEUED
+
+    def cancel(self, job_id: str) -> Optional[JobStatus]:
+        """Cancel a job: a queued one is cancelled at once; a running one is marked (the keeper
+        stops it at the next step). Returns the job's status after, None if there is no such job."""
+        with self._lock:
+            self._db.execute("UPDATE jobs SET status = ?, finished_at = ? WHERE id = ? AND status = ?",
+                             (JobStatus.CANCELLED.value, time.time(), job_id, JobStatus.QUEUED.value))
+            self._db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ? AND status = ?",
+                             (job_id, JobStatus.IN_PROGRESS.value))
+        row = self.get(job_id)
+        return row.status if row else None
+
+    def recover(self) -> list[str]:
+        """After a restart: jobs left in progress go back to the queue (first in line)."""
+        with self._lock:
+            ids = [r[0] for r in self._db.execute("SELECT id FROM jobs WHERE status = ?",
+                                                  (JobStatus.IN_PROGRESS.value,)).fetchall()]
+            self._db.execute("UPDATE jobs SET status = ? WHERE status = ?",
+                             (JobStatus.QUEUED.value, JobStatus.IN_PROGRESS.value))
+        return ids

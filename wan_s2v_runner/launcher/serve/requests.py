@@ -1,0 +1,194 @@
+"""A job submitted to the server, checked before it is queued.
+
+The fields a client may set are the run spec's job fields (:data:`SUBMIT_FIELDS`, the same
+``JOB_FIELDS`` batch lines set, typed and constrained as the spec types them: the model
+:data:`VideoJobFields` is generated from :class:`~wan_s2v_runner.shared.spec.RunSpec`, not
+written again), any spelling the flags accept (``size``, ``sample_steps``, ...), plus the two
+inputs: ``image`` (also ``input_reference``, OpenAI's name) and ``audio``, each an upload or a
+path on the server. The checks, in order, each refusal one line with its cause and fix:
+
+1. the fields validate (422); unknown fields are refused (``model`` is accepted and ignored:
+   OpenAI clients send it, the server runs one model);
+2. a path is absolute, has no ``..``, and lies (after resolving symlinks) under an
+   ``--allow-dir`` root (403); an upload is at most ``--max-upload-mb`` (413);
+3. the job's spec validates with the server's settings under it (:func:`~..batch.job_spec`) (422);
+4. preflight, as ``run`` does it, for this job (inputs read and decoded as the engine will,
+   sizes, the memory plan for its size) (422).
+
+Only then is the job queued (429 when ``--max-queue`` jobs wait already). Job ids are random.
+"""
+from __future__ import annotations
+
+import re
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Optional, Union
+
+from pydantic import ConfigDict, ValidationError, create_model
+from pydantic.fields import FieldInfo
+
+from wan_s2v_runner.launcher.batch import job_spec, normalized, refusal
+from wan_s2v_runner.shared.jobs import JOB_FIELDS
+from wan_s2v_runner.shared.spec import RunSpec
+
+#: the job fields a client sets besides the two inputs (outputs are the server's)
+SUBMIT_FIELDS = tuple(k for k in JOB_FIELDS if k not in ("image", "audio", "output", "frames_out", "resume_from"))
+#: the inputs: field name -> the names a client may send it under
+INPUT_NAMES = {"image": ("image", "input_reference"), "audio": ("audio",)}
+#: accepted and ignored (OpenAI clients send the model's name)
+IGNORED = ("model",)
+ID_PATTERN = re.compile(r"^video_[0-9a-f]{24}$")
+
+
+def _optional(name: str) -> tuple[Any, FieldInfo]:
+    info = RunSpec.model_fields[name]
+    return Optional[info.annotation], FieldInfo.merge_field_infos(info, default=None)
+
+
+#: a submission's own fields, typed, constrained and described as the run spec's (all optional:
+#: the server's flags give the defaults)
+VideoJobFields = create_model("VideoJobFields", __config__=ConfigDict(extra="forbid"),
+                              **{name: _optional(name) for name in SUBMIT_FIELDS})
+
+
+class Refused(Exception):
+    """A submission the server does not queue: an HTTP status and one line (cause and fix)."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+@dataclass(frozen=True)
+class Upload:
+    """An uploaded file: its name as the client gave it, and its bytes (a file object)."""
+
+    filename: str
+    file: BinaryIO
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the server accepts: path roots and upload size."""
+
+    allow_dirs: tuple[Path, ...]
+    max_upload_bytes: int
+
+
+def new_id() -> str:
+    return f"video_{secrets.token_hex(12)}"
+
+
+def allowed_path(value: str, param: str, policy: Policy) -> Path:
+    """A path input, accepted only under an ``--allow-dir`` root (symlinks resolved first)."""
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        raise Refused(400, f"{param}: {value!r} is not an absolute path. Fix: give the full path on the "
+                           "server, or upload the file", param)
+    if ".." in path.parts:
+        raise Refused(403, f"{param}: {value!r} contains '..'. Fix: give the path without '..'", param)
+    if not policy.allow_dirs:
+        raise Refused(403, f"{param}: this server takes no paths. Fix: upload the file, or start the server "
+                           "with --allow-dir DIR", param)
+    real = path.resolve()
+    for root in policy.allow_dirs:
+        if real.is_relative_to(root.resolve()):
+            return real
+    roots = ", ".join(str(r) for r in policy.allow_dirs)
+    raise Refused(403, f"{param}: {value} is outside the directories this server reads ({roots}). Fix: put the "
+                       "file there, or upload it", param)
+
+
+def save_upload(upload: Upload, dest_dir: Path, name: str, policy: Policy) -> Path:
+    """Copy an upload to ``dest_dir/NAME.SUFFIX`` (its suffix kept if plain), at most
+    ``policy.max_upload_bytes``."""
+    suffix = Path(upload.filename or "").suffix.lower()
+    if not re.fullmatch(r"\.[a-z0-9]{1,8}", suffix):
+        suffix = ""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / f"{name}{suffix}"
+    size = 0
+    with open(dest, "wb") as out:
+        while True:
+            chunk = upload.file.read(1 << 20)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > policy.max_upload_bytes:
+                raise Refused(413, f"{name}: the upload is over {policy.max_upload_bytes // 2**20} MB. Fix: send a "
+                                   "smaller file (or start the server with a larger --max-upload-mb)", name)
+            out.write(chunk)
+    if size == 0:
+        raise Refused(422, f"{name}: the upload is empty. Fix: send the file's contents", name)
+    return dest
+
+
+def _field_error(e: ValidationError) -> Refused:
+    err = e.errors()[0]
+    param = ".".join(str(x) for x in err.get("loc", ())) or None
+    if err.get("type") == "extra_forbidden":
+        known = ", ".join(("image", "audio", *SUBMIT_FIELDS))
+        return Refused(422, f"{param}: not a job field. Fix: use one of {known}", param)
+    return Refused(422, f"{param}: {err.get('msg')} (got {err.get('input')!r})", param)
+
+
+def _param_of(cause: str) -> Optional[str]:
+    """The field a preflight refusal is about, when it says (``preflight inputs.audio: ...``)."""
+    m = re.match(r"preflight (\w+)\.(\w+)", cause)
+    if m and m.group(2) in ("image", "audio", *SUBMIT_FIELDS):
+        return m.group(2)
+    m = re.match(r"(\w+)[:,]", cause)
+    return m.group(1) if m and m.group(1) in ("image", "audio", *SUBMIT_FIELDS) else None
+
+
+def build_job(fields: dict[str, Union[str, Upload]], *, job_id: str, base: dict[str, Any], videos: Path,
+              uploads: Path, policy: Policy, facts=None) -> RunSpec:
+    """A submission's fields -> the job's spec, checked (see the module's docstring); raises
+    :class:`Refused`. Uploads go to ``uploads/ID/`` (removed again when the job is refused)."""
+    try:
+        return _build_job(fields, job_id=job_id, base=base, videos=videos, uploads=uploads, policy=policy,
+                          facts=facts)
+    except Refused:
+        shutil.rmtree(uploads / job_id, ignore_errors=True)
+        raise
+
+
+def _build_job(fields, *, job_id, base, videos, uploads, policy, facts) -> RunSpec:
+    given = {k: v for k, v in fields.items() if k not in IGNORED}
+    inputs: dict[str, Path] = {}
+    for field, names in INPUT_NAMES.items():
+        sent = [given.pop(n) for n in names if n in given]
+        if len(sent) > 1:
+            raise Refused(422, f"{field}: sent twice (as {' and '.join(names)}). Fix: send it once", field)
+        if not sent and base.get(field):  # the server's own default (--image/--audio)
+            inputs[field] = Path(base[field])
+            continue
+        if not sent:
+            raise Refused(422, f"{field}: required. Fix: upload it (multipart field {names[-1]!r}) or give its "
+                               "path on the server", field)
+        value = sent[0]
+        if isinstance(value, Upload):
+            inputs[field] = save_upload(value, uploads / job_id, field, policy)
+        else:
+            inputs[field] = allowed_path(str(value), field, policy)
+    uploads_given = [k for k, v in given.items() if isinstance(v, Upload)]
+    if uploads_given:
+        raise Refused(422, f"{uploads_given[0]}: a file was sent for a field that is not a file. Fix: send "
+                           "it as a plain value", uploads_given[0])
+    values = normalized(given)
+    try:
+        own = VideoJobFields(**values).model_dump(exclude_none=True)
+    except ValidationError as e:
+        raise _field_error(e) from None
+    spec, cause = job_spec({**own, **inputs}, base, videos, job_id)
+    if spec is None:
+        raise Refused(422, cause, _param_of(cause))
+    from wan_s2v_runner.preflight import check_run
+
+    report = check_run(spec, facts)
+    if report.refused:
+        cause = refusal(report)
+        raise Refused(422, cause, _param_of(cause))
+    return spec
