@@ -25,6 +25,9 @@ upstream's. Memory, per model: 2 x text_len x dim values per block per context. 
 model in bf16 that is 10 MB per block, ~0.84 GB for prompt + negative prompt over 40 blocks, and
 half that per rank with --cfg-parallel.
 
+A rank group that makes several jobs clears the cache after each (``clear``), so a job never holds
+another's contexts.
+
 Proof: ``tests/test_generation.py::test_our_loop_equals_upstream_generate`` runs our loop, cached
 (``components.load`` applies this patch), against upstream's ``generate`` on an uncached model:
 exact over 2 clips, and the cache is asserted to have served steps. ``tests/test_patches.py``
@@ -119,6 +122,15 @@ def apply(model: torch.nn.Module) -> int:
         if not hasattr(block.cross_attn, _MARK):
             memo_cross_attention(block.cross_attn)
     return len(dit.blocks)
+
+
+def clear(model: torch.nn.Module) -> None:
+    """Forget every stored context (between a rank group's jobs: a job's prompt is rarely the
+    next one's, and the next job's contexts would otherwise be computed while these are still held)."""
+    for m in model.modules():
+        memo = getattr(m, _MARK, None)
+        if memo is not None:
+            memo.entries.clear()
 
 
 def stats(model: torch.nn.Module) -> dict:

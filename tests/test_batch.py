@@ -30,8 +30,11 @@ def _write_jobs(path, lines: list[dict]) -> None:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
-@pytest.mark.parametrize("layout", [["--nproc", "2"], ["--nproc", "2", "--mode", "hybrid", "--cfg-parallel"]])
-def test_jobs_in_a_row_equal_one_process(tiny_assets, reference_frames, other_frames, tmp_path, layout):
+#: ulysses at 2 ranks takes jobs in a row in tests/test_serve.py (the same RankGroup loop); here hybrid + CFG
+LAYOUT = ["--nproc", "2", "--mode", "hybrid", "--cfg-parallel"]
+
+
+def test_jobs_in_a_row_equal_one_process(tiny_assets, reference_frames, other_frames, tmp_path):
     jobs = tmp_path / "my jobs.jsonl"
     _write_jobs(jobs, [
         {"id": "first", "frames_out": str(tmp_path / "first.pt")},
@@ -42,7 +45,7 @@ def test_jobs_in_a_row_equal_one_process(tiny_assets, reference_frames, other_fr
          "frames_out": str(tmp_path / "third.pt")},
     ])
     out = tmp_path / "out"
-    r = run_cli(["batch", str(jobs), *TINY_FLAGS, *asset_flags(tiny_assets), *layout, "--output-dir", str(out),
+    r = run_cli(["batch", str(jobs), *TINY_FLAGS, *asset_flags(tiny_assets), *LAYOUT, "--output-dir", str(out),
                  "--runs-root", str(tmp_path / "runs")], cwd=tmp_path)
     # the bad line is refused with its cause, the others are made: exit 3 says a line was refused
     assert r.returncode == exit_codes.PREFLIGHT, r.output

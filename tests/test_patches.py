@@ -93,3 +93,7 @@ def test_context_cache_serves_equal_contexts_bounded_and_steps_aside_under_grad(
     got = attn(x, emb(raw[0]), None)  # grad enabled (training): upstream's path, nothing stored
     assert got.requires_grad and torch.equal(got.detach(), want[0])
     assert (emb_memo.misses, kv_memo.misses) == (3, 3)
+    context_cache.clear(torch.nn.ModuleList([emb, attn]))  # between a rank group's jobs
+    assert emb_memo.entries == kv_memo.entries == []
+    with torch.no_grad():
+        assert torch.equal(attn(x, emb(raw[0]), None), want[0]) and kv_memo.misses == 4

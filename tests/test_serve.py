@@ -31,8 +31,9 @@ from wan_s2v_runner.shared import media
 TOKEN = "s3cret token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 #: the module's jobs: the tiny spec (as TINY_FLAGS) is the server's default
-SERVER_FLAGS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "--steps", "2",
-                "--prompt", "a person talking", "--nproc", "2", "--watchdog-load", "120"]
+TINY_DEFAULTS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "--steps", "2",
+                 "--prompt", "a person talking", "--watchdog-load", "120"]
+SERVER_FLAGS = [*TINY_DEFAULTS, "--nproc", "2"]
 #: a job that kills rank 1 at its first denoising step (test-only fault, matched on the prompt)
 POISON = "1:denoise#poison:exit"
 
@@ -317,3 +318,37 @@ def test_queue_moves(tmp_path):
     assert q.cancel("c") is JobStatus.CANCELLED  # queued: dropped at once
     assert q.claim_next().id == "b" and q.cancel("b") is JobStatus.IN_PROGRESS and q.get("b").cancel_requested
     assert q.counts() == {"queued": 0, "in_progress": 1, "completed": 0, "failed": 1, "cancelled": 1}
+
+
+def test_two_nodes_serve(tiny_assets, inputs, engine_cpu, tmp_path):
+    """Node 0 serves (API, queue, rank 0); node 1 runs the same command with --node-rank 1 and
+    only computes. Jobs made by the 2-node group equal one process's."""
+    from test_multinode import _free_port
+
+    port = str(_free_port())
+    common = [*TINY_DEFAULTS, "--nproc", "1", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", port, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--allow-dir", str(inputs["root"])]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    (tmp_path / "node1").mkdir()
+    with open(tmp_path / "node1.log", "w") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "serve", *common, "--node-rank", "1",
+                                  "--server-dir", str(tmp_path / "node1")], cwd=tmp_path / "node1", env=env,
+                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        node0 = ServerProcess(tmp_path / "node0", [*common, "--node-rank", "0", "--token", TOKEN])
+        try:
+            job = node0.submit(image=inputs["image"], audio=inputs["audio"], seed=42).json()
+            done = node0.wait(job["id"], "completed", timeout=180)
+            want = expected_mp4(engine_cpu, inputs["audio"], tmp_path / "want.mp4")
+            assert done["sha256"] == want
+            assert httpx.get(f"{node0.url}/health").json()["world_size"] == 2
+        finally:
+            node0.stop()
+            node1.send_signal(signal.SIGTERM)
+            try:
+                node1.wait(30)
+            except subprocess.TimeoutExpired:
+                node1.kill()
+    text = (tmp_path / "node1.log").read_text()
+    assert "node 1 of 2: computing for the server on node 0" in text, text
+    assert not (tmp_path / "node1" / "videos").exists()  # node 1 keeps no queue and writes no video
