@@ -9,6 +9,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,18 @@ def run_cli(args: list[str], *, cwd: Path, env: dict | None = None, timeout: flo
 
 def asset_flags(assets) -> list[str]:
     return ["--ckpt-dir", str(assets.ckpt_dir), "--image", str(assets.image), "--audio", str(assets.audio)]
+
+
+def wait_for(fn, timeout: float, what: str, detail=lambda: ""):
+    """fn()'s first truthy value, polled every 0.05 s; past the timeout an AssertionError naming
+    what was awaited (and detail(), e.g. a server's log tail)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{detail()}".rstrip())
 
 
 @contextlib.contextmanager

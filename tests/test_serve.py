@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ROOT, one_process_frames
+from conftest import ROOT, one_process_frames, wait_for
 from wan_s2v_runner.shared import media
 
 TOKEN = "s3cret token"
@@ -61,6 +61,10 @@ class ServerProcess:
         self.out.flush()
         return self.log.read_text()
 
+    def tail(self) -> str:
+        """The log's end, for a failed wait."""
+        return self.text()[-3000:]
+
     def video(self, vid: str) -> dict:
         r = self.http.get(f"/v1/videos/{vid}")
         assert r.status_code == 200, r.text
@@ -71,7 +75,7 @@ class ServerProcess:
 
     def wait(self, vid: str, *states: str, timeout: float = 180) -> dict:
         return wait_for(lambda: (v := self.video(vid))["status"] in states and v, timeout,
-                        f"{vid} to be {'/'.join(states)}", self)
+                        f"{vid} to be {'/'.join(states)}", self.tail)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -82,16 +86,6 @@ class ServerProcess:
                 self.proc.kill()
         self.http.close()
         self.out.close()
-
-
-def wait_for(fn, timeout: float, what: str, server: ServerProcess | None = None):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}" + (f"\n{server.text()[-3000:]}" if server else ""))
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +161,7 @@ def test_cancel_queued_and_running(server, inputs):
     queued = server.submit(**paths, prompt="never made").json()
     r = server.http.delete(f"/v1/videos/{queued['id']}")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
-    wait_for(lambda: (server.video(long["id"]).get("step") or 0) >= 1, 120, "the long job's first step", server)
+    wait_for(lambda: (server.video(long["id"]).get("step") or 0) >= 1, 120, "the long job's first step", server.tail)
     r = server.http.delete(f"/v1/videos/{long['id']}")
     assert r.status_code == 200 and r.json()["cancel_requested"]
     gone = server.wait(long["id"], "cancelled", timeout=60)
@@ -267,7 +261,7 @@ def test_kill_9_then_restart_resumes_exactly_once(server, inputs, engine_cpu, tm
     three = dict(seed=9, infer_frames=4, num_clips=3, steps=4)
     job = server.submit(**paths, prompt="three clips", **three).json()
     later = server.submit(**paths, prompt="queued behind it", steps=1, infer_frames=4, num_clips=1).json()
-    wait_for(lambda: (server.video(job["id"]).get("clip") or 0) >= 2, 180, "clip 2", server)
+    wait_for(lambda: (server.video(job["id"]).get("clip") or 0) >= 2, 180, "clip 2", server.tail)
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait(10)
     restarted = ServerProcess(server.dir, server.flags)

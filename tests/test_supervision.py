@@ -20,7 +20,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from conftest import ROOT, TINY_FLAGS, asset_flags, run_cli
+from conftest import ROOT, TINY_FLAGS, asset_flags, run_cli, wait_for
 from wan_s2v_runner.shared import exit_codes, media
 
 #: watchdog limits for the tests. Load-class stages (spawn .. text_encode) measured on this
@@ -129,16 +129,6 @@ class RunProcs:
                 os.kill(p, signal.SIGKILL)
             except OSError:
                 pass
-
-
-def _wait_for(pred, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _assert_nothing_left(procs: RunProcs, run_dir: Path, tmp_path: Path) -> None:
@@ -286,7 +276,7 @@ def test_rank0_stopped_while_muxing_leaves_no_partial_output(tiny_assets, tmp_pa
     try:
         procs.add([p.pid])
         out_dir = tmp_path / "out"
-        temps = _wait_for(lambda: list(out_dir.glob(".video.*.mp4")) if out_dir.is_dir() else None,
+        temps = wait_for(lambda: list(out_dir.glob(".video.*.mp4")) if out_dir.is_dir() else None,
                           150, "rank 0's temporary video")
         procs.add(descendants(p.pid))
         rc = p.wait(timeout=60)
@@ -317,7 +307,7 @@ def _wait_in_denoise(run_dir_fn, rank: int, min_step: int = 2):
         if pid and prog and prog[-1]["step"] >= min_step and prog[-1]["step"] < prog[-1]["steps"]:
             return pid, prog[-1]
         return None
-    return _wait_for(probe, 150, f"rank {rank} in denoise")
+    return wait_for(probe, 150, f"rank {rank} in denoise")
 
 
 def _maybe_run_dir(tmp_path: Path):

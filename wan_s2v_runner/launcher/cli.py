@@ -170,31 +170,35 @@ def cmd_doctor(args) -> int:
     return report.exit_code
 
 
+#: each command's help line, its description (empty: none) and its positional path (name, help)
+SUBCOMMANDS: dict[Command, tuple[str, str, tuple[str, str] | None]] = {
+    Command.RUN: ("generate a talking video", "Generate a talking video.", None),
+    Command.DEMO: ("CPU demo on a tiny random checkpoint (2 ranks)", "", None),
+    Command.DOCTOR: ("check this machine (and a run's inputs) before running", "", None),
+    Command.RESUME: ("continue a run from its last complete clip",
+                     "Continue RUN_DIR's run from its last complete clip (layout flags may change: --mode, "
+                     "--nproc, --cfg-parallel, ...).",
+                     ("run_dir", "the run directory (runs/<time>-<mode>)")),
+    Command.BATCH: ("make every video of a jobs file from one load",
+                    "Make every job of JOBS (JSON Lines or CSV: one job a line) with one rank group that loads "
+                    "once. Flags give every job's defaults and the group's settings; a line sets its own inputs "
+                    "and sampling fields.",
+                    ("jobs", "the jobs file (.jsonl, or .csv with a header row)")),
+    Command.SERVE: ("keep the model loaded and make videos for HTTP clients",
+                    "Load once, then make the videos clients submit to POST /v1/videos (OpenAI-style routes; "
+                    "see the README's serve section). Flags give the rank group's settings and every job's "
+                    "defaults.", None),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wan-s2v", description="Run Wan2.2 S2V-14B on one or many GPUs (or CPU).")
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser(Command.RUN.value, help="generate a talking video", description="Generate a talking video.")
-    add_spec_flags(r, Command.RUN)
-    d = sub.add_parser(Command.DEMO.value, help="CPU demo on a tiny random checkpoint (2 ranks)")
-    add_spec_flags(d, Command.DEMO)
-    doc = sub.add_parser(Command.DOCTOR.value, help="check this machine (and a run's inputs) before running")
-    add_spec_flags(doc, Command.DOCTOR)
-    res = sub.add_parser(Command.RESUME.value, help="continue a run from its last complete clip",
-                         description="Continue RUN_DIR's run from its last complete clip (layout flags may "
-                                     "change: --mode, --nproc, --cfg-parallel, ...).")
-    res.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run directory (runs/<time>-<mode>)")
-    add_spec_flags(res, Command.RESUME)
-    b = sub.add_parser(Command.BATCH.value, help="make every video of a jobs file from one load",
-                       description="Make every job of JOBS (JSON Lines or CSV: one job a line) with one "
-                                   "rank group that loads once. Flags give every job's defaults and the "
-                                   "group's settings; a line sets its own inputs and sampling fields.")
-    b.add_argument("jobs", metavar="JOBS", type=Path, help="the jobs file (.jsonl, or .csv with a header row)")
-    add_spec_flags(b, Command.BATCH)
-    s = sub.add_parser(Command.SERVE.value, help="keep the model loaded and make videos for HTTP clients",
-                       description="Load once, then make the videos clients submit to POST /v1/videos "
-                                   "(OpenAI-style routes; see the README's serve section). Flags give the "
-                                   "rank group's settings and every job's defaults.")
-    add_spec_flags(s, Command.SERVE)
+    for command, (help_, description, positional) in SUBCOMMANDS.items():
+        s = sub.add_parser(command.value, help=help_, description=description or None)
+        if positional:
+            s.add_argument(positional[0], metavar=positional[0].upper(), type=Path, help=positional[1])
+        add_spec_flags(s, command)
     return p
 
 
