@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - create .venv, install, run the CPU demo (2 ranks, tiny random checkpoint)
-#   make test   - create .venv, install, run the test suite
+#   make test   - create .venv, install (and Chromium for the page test: tools/ensure_chromium), run the test suite
 #
 # PYTHON: the interpreter(s) to build .venv with; the first that runs and fits pyproject.toml's
 # requires-python wins (tools/find_python; pyenv installs are found even when not activated).
@@ -33,6 +33,7 @@ demo: $(STAMP)
 	$(BIN)/wan-s2v demo
 
 test: $(STAMP)
+	tools/ensure_chromium
 	$(BIN)/python -m pytest -q
 
 clean:

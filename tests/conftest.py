@@ -179,3 +179,31 @@ def hybrid_run(tiny_assets, tmp_path_factory) -> SharedRun:
     finally:
         second.kill()
     return SharedRun(d, r, output, d / "out.pt", other, CliResult(second.returncode, out, err))
+
+
+@pytest.fixture(scope="session")
+def inputs(tiny_assets, tmp_path_factory):
+    """The allowed root with the tiny inputs in it, a file outside it and a symlink escaping it."""
+    allowed = tmp_path_factory.mktemp("allowed inputs")
+    for name in ("image", "audio"):
+        src = getattr(tiny_assets, name)
+        (allowed / src.name).write_bytes(src.read_bytes())
+    outside = tmp_path_factory.mktemp("outside") / "speech.wav"
+    outside.write_bytes(tiny_assets.audio.read_bytes())
+    (allowed / "escape.wav").symlink_to(outside)
+    return {"root": allowed, "image": allowed / tiny_assets.image.name, "audio": allowed / tiny_assets.audio.name,
+            "outside": outside, "escape": allowed / "escape.wav"}
+
+
+@pytest.fixture(scope="session")
+def server(tiny_assets, inputs, tmp_path_factory):
+    """One ``wan-s2v serve`` (2 ranks, ulysses, a token, ``inputs`` allowed) for the session: the
+    serve, page and client tests take it in turn, the way a server lives."""
+    from serving import POISON, SERVER_FLAGS, TOKEN, ServerProcess
+
+    d = tmp_path_factory.mktemp("serve") / "server dir"
+    flags = [*SERVER_FLAGS, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--token", TOKEN,
+             "--allow-dir", str(inputs["root"]), "--max-queue", "6", "--max-upload-mb", "1"]
+    s = ServerProcess(d, flags, env={"WAN_S2V_TEST_FAULT": POISON})
+    yield s
+    s.stop()

@@ -20,105 +20,13 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import ROOT, one_process_frames, wait_for
+from conftest import ROOT, wait_for
+from serving import AUTH, TINY_DEFAULTS, TOKEN, ServerProcess, expected_mp4
 from wan_s2v_runner.shared import media
-
-TOKEN = "s3cret token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-#: the module's jobs: the tiny spec (as TINY_FLAGS) is the server's default
-TINY_DEFAULTS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "--steps", "2",
-                 "--prompt", "a person talking", "--watchdog-load", "120"]
-SERVER_FLAGS = [*TINY_DEFAULTS, "--nproc", "2"]
-#: a job that kills rank 1 at its first denoising step (test-only fault, matched on the prompt)
-POISON = "1:denoise#poison:exit"
-
-
-class ServerProcess:
-    """``python -m wan_s2v_runner serve`` in a subprocess; its URL from SERVER_DIR/server.json."""
-
-    def __init__(self, server_dir: Path, flags: list[str], env: dict | None = None):
-        self.dir, self.log = server_dir, server_dir.parent / f"{server_dir.name}.{time.time():.0f}.log"
-        (server_dir / "server.json").unlink(missing_ok=True)
-        full = dict(os.environ)
-        full["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([full["PYTHONPATH"]] if full.get("PYTHONPATH") else []))
-        full.update(env or {})
-        self.out = open(self.log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "serve", *flags,
-                                      "--server-dir", str(server_dir), "--port", "0"],
-                                     cwd=server_dir.parent, env=full, stdin=subprocess.DEVNULL,
-                                     stdout=self.out, stderr=subprocess.STDOUT)
-        wait_for(lambda: (server_dir / "server.json").is_file() or self.proc.poll() is not None, 120, "server.json")
-        assert self.proc.poll() is None, self.text()
-        self.url = json.loads((server_dir / "server.json").read_text())["url"]
-        self.http = httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
-
-    def text(self) -> str:
-        self.out.flush()
-        return self.log.read_text()
-
-    def tail(self) -> str:
-        """The log's end, for a failed wait."""
-        return self.text()[-3000:]
-
-    def video(self, vid: str) -> dict:
-        r = self.http.get(f"/v1/videos/{vid}")
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def submit(self, files: dict | None = None, **fields) -> httpx.Response:
-        return self.http.post("/v1/videos", data={k: str(v) for k, v in fields.items()}, files=files)
-
-    def wait(self, vid: str, *states: str, timeout: float = 180) -> dict:
-        return wait_for(lambda: (v := self.video(vid))["status"] in states and v, timeout,
-                        f"{vid} to be {'/'.join(states)}", self.tail)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.http.close()
-        self.out.close()
-
-
-@pytest.fixture(scope="module")
-def inputs(tiny_assets, tmp_path_factory):
-    """The allowed root with the tiny inputs in it, a file outside it and a symlink escaping it."""
-    allowed = tmp_path_factory.mktemp("allowed inputs")
-    for name in ("image", "audio"):
-        src = getattr(tiny_assets, name)
-        (allowed / src.name).write_bytes(src.read_bytes())
-    outside = tmp_path_factory.mktemp("outside") / "speech.wav"
-    outside.write_bytes(tiny_assets.audio.read_bytes())
-    (allowed / "escape.wav").symlink_to(outside)
-    return {"root": allowed, "image": allowed / tiny_assets.image.name, "audio": allowed / tiny_assets.audio.name,
-            "outside": outside, "escape": allowed / "escape.wav"}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_assets, inputs, tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve") / "server dir"
-    flags = [*SERVER_FLAGS, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--token", TOKEN,
-             "--allow-dir", str(inputs["root"]), "--max-queue", "6", "--max-upload-mb", "1"]
-    s = ServerProcess(d, flags, env={"WAN_S2V_TEST_FAULT": POISON})
-    s.flags = flags
-    yield s
-    s.stop()
-
-
-def expected_mp4(engine_cpu, audio: Path, dest: Path, **updates) -> str:
-    """sha256 of the mp4 one process makes for the tiny spec with ``updates``."""
-    frames = one_process_frames(engine_cpu, **updates)
-    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, audio, dest)
-    return media.sha256_file(dest)
-
 
 def test_jobs_in_a_row_equal_one_process(server, inputs, engine_cpu, tmp_path):
     with open(inputs["image"], "rb") as image, open(inputs["audio"], "rb") as audio:
@@ -258,28 +166,25 @@ def test_a_job_that_kills_the_ranks_twice_is_failed(server, inputs):
 
 def test_kill_9_then_restart_resumes_exactly_once(server, inputs, engine_cpu, tmp_path):
     paths = {"image": inputs["image"], "audio": inputs["audio"]}
-    three = dict(seed=9, infer_frames=4, num_clips=3, steps=4)
+    three = dict(seed=9, infer_frames=4, num_clips=3, steps=3)
     job = server.submit(**paths, prompt="three clips", **three).json()
     later = server.submit(**paths, prompt="queued behind it", steps=1, infer_frames=4, num_clips=1).json()
     wait_for(lambda: (server.video(job["id"]).get("clip") or 0) >= 2, 180, "clip 2", server.tail)
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait(10)
-    restarted = ServerProcess(server.dir, server.flags)
-    try:
-        assert "were in progress when the server stopped" in restarted.text()
-        assert restarted.video(later["id"])["status"] in ("queued", "in_progress", "completed")
-        done = restarted.wait(job["id"], "completed", timeout=180)
-        assert done["attempts"] == 2 and done["resumed_at_clip"] >= 2, done
-        want = expected_mp4(engine_cpu, inputs["audio"], tmp_path / "whole.mp4", prompt="three clips", **three)
-        assert (restarted.dir / "videos" / f"{job['id']}.mp4").read_bytes() == (tmp_path / "whole.mp4").read_bytes()
-        assert done["sha256"] == want
-        restarted.wait(later["id"], "completed")
-        made = [ev for f in (server.dir / "runs").glob("*/events/rank0.jsonl")
-                for ev in map(json.loads, f.read_text().splitlines())
-                if ev["kind"] == "job_done" and ev.get("id") == job["id"]]
-        assert len(made) == 1  # finished exactly once, across every rank group
-    finally:
-        restarted.stop()
+    server.restart()  # the session's server from here on
+    assert "were in progress when the server stopped" in server.text()
+    assert server.video(later["id"])["status"] in ("queued", "in_progress", "completed")
+    done = server.wait(job["id"], "completed", timeout=180)
+    assert done["attempts"] == 2 and done["resumed_at_clip"] >= 2, done
+    want = expected_mp4(engine_cpu, inputs["audio"], tmp_path / "whole.mp4", prompt="three clips", **three)
+    assert (server.dir / "videos" / f"{job['id']}.mp4").read_bytes() == (tmp_path / "whole.mp4").read_bytes()
+    assert done["sha256"] == want
+    server.wait(later["id"], "completed")
+    made = [ev for f in (server.dir / "runs").glob("*/events/rank0.jsonl")
+            for ev in map(json.loads, f.read_text().splitlines())
+            if ev["kind"] == "job_done" and ev.get("id") == job["id"]]
+    assert len(made) == 1  # finished exactly once, across every rank group
 
 
 def test_binding_beyond_loopback_needs_auth():
@@ -346,3 +251,81 @@ def test_two_nodes_serve(tiny_assets, inputs, engine_cpu, tmp_path):
     text = (tmp_path / "node1.log").read_text()
     assert "node 1 of 2: computing for the server on node 0" in text, text
     assert not (tmp_path / "node1" / "videos").exists()  # node 1 keeps no queue and writes no video
+
+
+def _metrics(server) -> dict:
+    """/metrics parsed by the Prometheus client's own parser: {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = server.http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_move_as_jobs_run(server, inputs):
+    assert httpx.get(f"{server.url}/metrics").status_code == 401  # the token, as every route but /health
+    before = _metrics(server)
+    job = server.submit(image=inputs["image"], audio=inputs["audio"], prompt="counted", steps=1, infer_frames=4,
+                        num_clips=1).json()
+    server.wait(job["id"], "completed")
+    after = _metrics(server)
+    done = ("wan_s2v_jobs_finished_total", (("status", "completed"),))
+    assert after[done] == before.get(done, 0) + 1
+    assert after[("wan_s2v_job_seconds_count", ())] == before.get(("wan_s2v_job_seconds_count", ()), 0) + 1
+    assert after[("wan_s2v_stage_seconds_count", (("stage", "denoise"),))] >= 1
+    assert after[("wan_s2v_jobs", (("status", "completed"),))] == after[done]
+    assert after[("wan_s2v_queue_length", ())] == after[("wan_s2v_jobs", (("status", "queued"),))]
+    assert after[("wan_s2v_denoise_steps_per_second", ())] > 0
+    assert after[("wan_s2v_rank_group_state", (("state", "idle"),))] + \
+        after[("wan_s2v_rank_group_state", (("state", "working"),))] == 1
+    for rank in ("0", "1"):
+        assert after[("wan_s2v_rank_rss_bytes", (("rank", rank),))] > 100 * 2**20
+    assert ("wan_s2v_rank_group_restarts_total", ()) in after
+
+
+def _client(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = dict(os.environ)
+    full["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([full["PYTHONPATH"]] if full.get("PYTHONPATH") else []))
+    full.pop("WAN_S2V_TOKEN", None)
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "wan_s2v_runner", *args], env=full, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=240)
+
+
+def test_submit_and_jobs_clients(server, inputs, tmp_path):
+    """``wan-s2v submit`` uploads, follows (plain lines: not a terminal) and downloads the mp4
+    the server made; ``wan-s2v jobs`` lists, shows and cancels; refusals and an absent server
+    exit with their documented codes."""
+    at = ["--url", server.url]
+    dest = tmp_path / "my videos" / "it's mine.mp4"
+    r = _client("submit", *at, "--image", str(inputs["image"]), "--audio", str(inputs["audio"]), "--seed", "5",
+                "--steps", "2", "--infer-frames", "4", "--num-clips", "2", "--prompt", "from the terminal",
+                "--output", str(dest), env={"WAN_S2V_TOKEN": TOKEN})
+    assert r.returncode == 0, r.stdout + r.stderr
+    vid = r.stderr.split("submitted ")[1].split()[0]
+    lines = [line for line in r.stdout.splitlines() if vid in line]
+    assert len(lines) >= 3 and "clip 2/2" in r.stdout, r.stdout  # it followed the job through its stages
+    assert f"{vid}: completed" in lines[-1] and str(dest) in lines[-1], r.stdout
+    assert media.sha256_file(dest) == server.video(vid)["sha256"]
+    assert not list(dest.parent.glob(".*"))  # no temporary left
+
+    long = _client("submit", *at, "--token", TOKEN, "--image", str(inputs["image"]), "--audio", str(inputs["audio"]),
+                   "--server-paths", "--steps", "40", "--prompt", "long", "--no-wait")
+    assert long.returncode == 0, long.stderr
+    long_id = long.stdout.strip()
+    listed = _client("jobs", *at, "--token", TOKEN, "--json")
+    assert {vid, long_id} <= {v["id"] for v in json.loads(listed.stdout)}
+    table = _client("jobs", *at, "--token", TOKEN, vid)
+    assert table.returncode == 0 and vid in table.stdout and "from the terminal" in table.stdout
+    cancel = _client("jobs", *at, "--token", TOKEN, "--cancel", long_id, "--json")
+    assert cancel.returncode == 0 and json.loads(cancel.stdout)[0]["id"] == long_id
+    assert server.wait(long_id, "cancelled", timeout=60)["status"] == "cancelled"
+
+    refused = _client("submit", *at, "--token", TOKEN, "--image", str(inputs["image"]), "--audio",
+                      str(inputs["audio"]), "--infer-frames", "5")
+    assert refused.returncode == 3 and "multiple of 4" in refused.stderr, refused.stderr
+    no_token = _client("jobs", *at)
+    assert no_token.returncode == 3 and "401" in no_token.stderr and "Bearer" in no_token.stderr
+    nobody = _client("jobs", "--url", "http://127.0.0.1:9", "--token", TOKEN)
+    assert nobody.returncode == 7 and "cannot reach the server" in nobody.stderr

@@ -1,4 +1,4 @@
-"""Command line: ``wan-s2v run|demo|doctor|resume|batch|serve`` (``run_s2v_multi_gpu.py`` is ``wan-s2v run``).
+"""Command line: ``wan-s2v run|demo|doctor|resume|batch|serve|submit|jobs`` (``run_s2v_multi_gpu.py`` is ``wan-s2v run``).
 
 Owns argv and what a person reads when it is wrong. The flags are generated from the run spec
 (:mod:`wan_s2v_runner.launcher.flags`); values are layered defaults < environment (MASTER_ADDR,
@@ -170,24 +170,33 @@ def cmd_doctor(args) -> int:
     return report.exit_code
 
 
-#: each command's help line, its description (empty: none) and its positional path (name, help)
-SUBCOMMANDS: dict[Command, tuple[str, str, tuple[str, str] | None]] = {
+#: each command's help line, its description (empty: none) and its positional argument (add_argument's
+#: keywords, the first its name)
+SUBCOMMANDS: dict[Command, tuple[str, str, Optional[dict[str, Any]]]] = {
     Command.RUN: ("generate a talking video", "Generate a talking video.", None),
     Command.DEMO: ("CPU demo on a tiny random checkpoint (2 ranks)", "", None),
     Command.DOCTOR: ("check this machine (and a run's inputs) before running", "", None),
     Command.RESUME: ("continue a run from its last complete clip",
                      "Continue RUN_DIR's run from its last complete clip (layout flags may change: --mode, "
                      "--nproc, --cfg-parallel, ...).",
-                     ("run_dir", "the run directory (runs/<time>-<mode>)")),
+                     {"dest": "run_dir", "metavar": "RUN_DIR", "type": Path,
+                      "help": "the run directory (runs/<time>-<mode>)"}),
     Command.BATCH: ("make every video of a jobs file from one load",
                     "Make every job of JOBS (JSON Lines or CSV: one job a line) with one rank group that loads "
                     "once. Flags give every job's defaults and the group's settings; a line sets its own inputs "
                     "and sampling fields.",
-                    ("jobs", "the jobs file (.jsonl, or .csv with a header row)")),
+                    {"dest": "jobs", "metavar": "JOBS", "type": Path,
+                     "help": "the jobs file (.jsonl, or .csv with a header row)"}),
     Command.SERVE: ("keep the model loaded and make videos for HTTP clients",
                     "Load once, then make the videos clients submit to POST /v1/videos (OpenAI-style routes; "
                     "see the README's serve section). Flags give the rank group's settings and every job's "
                     "defaults.", None),
+    Command.SUBMIT: ("send a job to a server, follow it, download the mp4",
+                     "Submit one video to a `wan-s2v serve` server (--url), follow its progress and download "
+                     "the mp4 to --output (default ID.mp4). Flags not given take the server's defaults.", None),
+    Command.JOBS: ("list, show or cancel a server's jobs", "List a `wan-s2v serve` server's jobs, show the ones "
+                   "named, or cancel them with --cancel.",
+                   {"dest": "ids", "metavar": "ID", "nargs": "*", "help": "job ids (default: every job)"}),
 }
 
 
@@ -197,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command, (help_, description, positional) in SUBCOMMANDS.items():
         s = sub.add_parser(command.value, help=help_, description=description or None)
         if positional:
-            s.add_argument(positional[0], metavar=positional[0].upper(), type=Path, help=positional[1])
+            s.add_argument(positional["dest"], **{k: v for k, v in positional.items() if k != "dest"})
         add_spec_flags(s, command)
     return p
 
@@ -215,6 +224,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return cmd_batch(args)
     if command is Command.SERVE:
         return cmd_serve(args)
+    if command in (Command.SUBMIT, Command.JOBS):
+        from wan_s2v_runner.launcher import client
+        return client.cmd_submit(args) if command is Command.SUBMIT else client.cmd_jobs(args)
     return cmd_doctor(args)
 
 

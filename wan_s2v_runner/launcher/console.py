@@ -37,7 +37,7 @@ PROGRESS_EVERY_S = 10.0
 COALESCE_S = 1.0
 
 
-def _fmt_s(s: Optional[float]) -> str:
+def fmt_seconds(s: Optional[float]) -> str:
     if s is None:
         return "-"
     s = max(0, int(round(s)))
@@ -209,7 +209,7 @@ class Display:
                     self._flush(t0, force=True)
                     self._job_t0, self._denoise_t0 = t, None
                     of = f"/{ev['jobs']}" if ev.get("jobs") else ""  # a served group: no total
-                    self._print(f"[{_fmt_s(t - t0)}] job {ev.get('job')}{of}: {ev.get('id')}")
+                    self._print(f"[{fmt_seconds(t - t0)}] job {ev.get('job')}{of}: {ev.get('id')}")
             elif kind == "progress" and r == self._first and not self.rich:
                 self._flush(t0, force=True)
                 p = {k: ev.get(k) for k in ("clip", "clips", "step", "steps")}
@@ -217,13 +217,13 @@ class Display:
                 if first_or_last or now - self._last_progress_print >= PROGRESS_EVERY_S:
                     self._last_progress_print = now
                     eta = eta_s(p, self._denoise_t0, t)
-                    self._print(f"[{_fmt_s(t - t0)}] rank {r}: {denoise_position(p)}"
-                                + (f", ETA {_fmt_s(eta)}" if eta is not None else ""))
+                    self._print(f"[{fmt_seconds(t - t0)}] rank {r}: {denoise_position(p)}"
+                                + (f", ETA {fmt_seconds(eta)}" if eta is not None else ""))
             elif kind == "error":
                 self._flush(t0, force=True)
                 msg = str(ev.get("message") or "").strip().splitlines()
                 first = (msg[0] if msg else "")[:300]
-                self._print(f"[{_fmt_s(t - t0)}] rank {r} ERROR in {ev.get('stage')}: "
+                self._print(f"[{fmt_seconds(t - t0)}] rank {r} ERROR in {ev.get('stage')}: "
                             f"{ev.get('error_type')}: {first}"
                             + (" (a peer went away first)" if is_secondary(first) else ""))
         self._flush(t0)
@@ -250,9 +250,9 @@ class Display:
                 label += f" clip {clip[0]}/{clip[1] or '?'}"
             if g["printed"]:
                 lag = max(t for _, t in g["pending"]) - g["first_t"]
-                line = f"[{_fmt_s(oldest - t0)}] {label}: {fmt_ranks(ranks)} (+{lag:.1f}s)"
+                line = f"[{fmt_seconds(oldest - t0)}] {label}: {fmt_ranks(ranks)} (+{lag:.1f}s)"
             else:
-                line = f"[{_fmt_s(max(t for _, t in g['pending']) - t0)}] {label}: {fmt_ranks(ranks)}"
+                line = f"[{fmt_seconds(max(t for _, t in g['pending']) - t0)}] {label}: {fmt_ranks(ranks)}"
                 if not complete:
                     line += f" ({len(ranks)} of {len(expected)})"
             if stage == "started" and g["pids"]:
@@ -264,7 +264,7 @@ class Display:
     def _table(self, reader, elapsed: float, now: float) -> Table:
         st0 = reader.ranks.get(self._first)
         eta = eta_s(st0.progress, self._denoise_t0, now) if st0 and st0.stage == Stage.DENOISE else None
-        title = f"{self._header} - elapsed {_fmt_s(elapsed)}" + (f" - ETA {_fmt_s(eta)}" if eta else "")
+        title = f"{self._header} - elapsed {fmt_seconds(elapsed)}" + (f" - ETA {fmt_seconds(eta)}" if eta else "")
         t = Table(title=title, title_justify="left")
         for col in ("rank", "pid", "stage", "progress", "host RSS", "no progress for", "heartbeat"):
             t.add_column(col)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 
+from wan_s2v_runner.shared.jobs import SUBMIT_FIELDS
 from wan_s2v_runner.shared.spec import (FlagGroup, RunSpec, default_of, env_values, flag_name, flag_of,
                                  load_toml, merge_values)
 
@@ -37,6 +38,13 @@ class Command(str, Enum):
     RESUME = "resume"
     BATCH = "batch"
     SERVE = "serve"
+    SUBMIT = "submit"
+    JOBS = "jobs"
+
+
+#: the commands that are clients of a server: their spec flags are a job's own fields, or none
+CLIENT_FIELDS: dict[Command, tuple[str, ...]] = {Command.SUBMIT: ("image", "audio", *SUBMIT_FIELDS, "output"),
+                                                 Command.JOBS: ()}
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,7 @@ COMMAND_OPTIONS = (
     CommandOption("--config", "TOML file with spec fields (flags override it)",
                   (Command.RUN, Command.DEMO, Command.DOCTOR, Command.BATCH, Command.SERVE), kind="path",
                   default_text="none", metavar="FILE"),
-    CommandOption("--json", "print the result (run manifest / doctor report) as JSON", ALL),
+    CommandOption("--json", "print the result (run manifest / doctor report / video objects) as JSON", ALL),
     CommandOption("--skip-preflight", "spawn without preflight checks (prints what it skips; not recommended)",
                   (Command.RUN, Command.DEMO, Command.RESUME, Command.BATCH, Command.SERVE)),
     CommandOption("--output-dir", "where each job's ID.mp4 and ID.json record go (and .work/: clip "
@@ -76,8 +84,15 @@ COMMAND_OPTIONS = (
                   (Command.SERVE,), kind="text", default_text="127.0.0.1", metavar="ADDR", default="127.0.0.1"),
     CommandOption("--port", "port to listen on (0: any free port; the URL goes to SERVER-DIR/server.json)",
                   (Command.SERVE,), kind="int", default_text="8000", metavar="PORT", default=8000),
-    CommandOption("--token", "bearer token every route but /health requires", (Command.SERVE,), kind="text",
+    CommandOption("--token", "bearer token: serve requires it on every route but /health; submit and jobs "
+                  "send it", (Command.SERVE, Command.SUBMIT, Command.JOBS), kind="text",
                   default_text="none (`$WAN_S2V_TOKEN`)", metavar="TOKEN"),
+    CommandOption("--url", "the server submit and jobs talk to", (Command.SUBMIT, Command.JOBS), kind="text",
+                  default_text="http://127.0.0.1:8000 (`$WAN_S2V_URL`)", metavar="URL"),
+    CommandOption("--server-paths", "send --image/--audio as paths on the server (under its --allow-dir) "
+                  "instead of uploading them", (Command.SUBMIT,)),
+    CommandOption("--no-wait", "print the job's id and return once it is queued", (Command.SUBMIT,)),
+    CommandOption("--cancel", "cancel the jobs named (a running one stops at its next step)", (Command.JOBS,)),
     CommandOption("--insecure-no-auth", "allow a non-loopback --host without a token", (Command.SERVE,)),
     CommandOption("--allow-dir", "a directory whose files jobs may name by path (repeatable; else uploads only)",
                   (Command.SERVE,), kind="paths", default_text="none", metavar="DIR"),
@@ -112,22 +127,23 @@ def choices_of(name: str) -> Optional[list[str]]:
     return base + list(flag_of(name).extra_choices)
 
 
-def _help(name: str) -> str:
+def _help(name: str, show_default: bool = True) -> str:
     f, info = flag_of(name), RunSpec.model_fields[name]
     text = info.description or ""
-    if not info.is_required():
+    if show_default and not info.is_required():
         text += f" (default: {default_of(name)})"
     if f.env:
         text += f" [${f.env}]"
     return text
 
 
-def argparse_kwargs(name: str) -> dict[str, Any]:
+def argparse_kwargs(name: str, show_default: bool = True) -> dict[str, Any]:
     """The add_argument keyword arguments for a spec field. Every default is None: a flag not
-    given never overrides the environment, the TOML file or the field's own default."""
+    given never overrides the environment, the TOML file or the field's own default (nor, for a
+    client command, the server's: ``show_default`` False)."""
     f = flag_of(name)
     t = _unwrap(RunSpec.model_fields[name].annotation)
-    kw: dict[str, Any] = {"dest": name, "default": None, "help": _help(name)}
+    kw: dict[str, Any] = {"dest": name, "default": None, "help": _help(name, show_default)}
     if f.repeatable:
         kw.update(action="append", metavar=f.metavar)
         return kw
@@ -149,9 +165,10 @@ def argparse_kwargs(name: str) -> dict[str, Any]:
 def add_spec_flags(parser: argparse.ArgumentParser, command: Command) -> None:
     """Every RunSpec field as a flag, in help groups, then the command's own options."""
     groups = {g: parser.add_argument_group(g.value) for g in FlagGroup}
-    for name in RunSpec.model_fields:
+    for name in CLIENT_FIELDS.get(command, RunSpec.model_fields):
         f = flag_of(name)
-        groups[f.group].add_argument(flag_name(name), *f.aliases, **argparse_kwargs(name))
+        groups[f.group].add_argument(flag_name(name), *f.aliases,
+                                     **argparse_kwargs(name, show_default=command not in CLIENT_FIELDS))
     g = parser.add_argument_group("command")
     for opt in COMMAND_OPTIONS:
         if command in opt.commands:

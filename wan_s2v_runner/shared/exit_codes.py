@@ -5,7 +5,10 @@ USAGE = 2  # bad flags or an invalid run spec (one-line cause + fix printed)
 PREFLIGHT = 3  # preflight refused the run; nothing was spawned
 RANK_FAILED = 4  # a rank raised or died; its rank, stage and traceback are printed
 HUNG = 5  # the hang watchdog fired; stacks dumped into the run directory
+JOB_FAILED = 6  # `wan-s2v submit`: the server's job failed or was cancelled (its cause printed)
+SERVER_UNREACHABLE = 7  # `wan-s2v submit`/`jobs`: no server at --url, or it answered with an error
 INTERRUPTED = 130  # Ctrl-C (SIGINT) or SIGTERM; every rank was stopped
 
 NAMES = {OK: "ok", DOCTOR_FAILED: "doctor-failed", USAGE: "usage", PREFLIGHT: "preflight-refused",
-         RANK_FAILED: "rank-failed", HUNG: "hung", INTERRUPTED: "interrupted"}
+         RANK_FAILED: "rank-failed", HUNG: "hung", JOB_FAILED: "job-failed",
+         SERVER_UNREACHABLE: "server-unreachable", INTERRUPTED: "interrupted"}

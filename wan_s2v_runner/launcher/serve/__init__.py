@@ -7,7 +7,11 @@
 - :mod:`.requests`: a job submission, validated by the same rules and preflight as ``run``
   (fields generated from the run spec's job fields), with the path and upload rules;
 - :mod:`.app`: the FastAPI application (OpenAI-style ``/v1/videos`` routes, server-sent
-  progress, ``/health``) and :func:`.app.serve`, the command.
+  progress, ``/health``, ``/v1/server``, ``/metrics``, the page at ``/``) and
+  :func:`.app.run_server`;
+- :mod:`.metrics`: ``/metrics`` (Prometheus, through ``prometheus_client``);
+- :mod:`.page`: the status page's HTML, CSS and JavaScript (shipped in the package);
+- :mod:`.setup`: the command's start (the group checked, then serve or compute).
 
 Part of the launcher: it may import what the launcher may.
 """

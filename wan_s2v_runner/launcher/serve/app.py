@@ -14,7 +14,15 @@ Routes, in the shape of OpenAI's video API (as vLLM-Omni and FastVideo serve it)
   denoising step; the ranks stay up);
 - ``GET /v1/videos/{id}/events``: the video object as server-sent events, whenever it changes,
   until the job ends;
-- ``GET /health``: the server and its rank group (no token needed).
+- ``GET /health``: the server and its rank group (no token needed);
+- ``GET /v1/server``: the server for the status page: model, mode and layout, LoRAs, uptime,
+  the group's state, each rank's stage and memory, and the job fields with the server's defaults
+  (the page's form is built from them);
+- ``GET /v1/events``: the whole server (``/v1/server``'s state and every job) as server-sent
+  events, whenever it changes;
+- ``GET /metrics``: Prometheus text format (:mod:`.metrics`);
+- ``GET /``: the status page (:mod:`.page`: files shipped in the package, no CDN). The page itself
+  is public; it asks for the token once and sends it with each request.
 
 With ``--token`` every route but ``/health`` wants ``Authorization: Bearer TOKEN``. The server
 binds 127.0.0.1 unless told otherwise; another address needs ``--token`` or an explicit
@@ -30,18 +38,21 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.datastructures import UploadFile
 
+from wan_s2v_runner.launcher.serve import page
 from wan_s2v_runner.launcher.serve.keeper import Keeper, ServerDirs, remove_partial_videos
+from wan_s2v_runner.launcher.serve.metrics import CONTENT_TYPE, ServerMetrics
 from wan_s2v_runner.launcher.serve.queue import JobQueue, JobRow, JobStatus, QueueFull
 from wan_s2v_runner.launcher.serve.requests import Policy, Refused, Upload, VideoJobFields, build_job, new_id
 from wan_s2v_runner.shared import atomic
+from wan_s2v_runner.shared.spec import RunSpec
 
 MODEL = "wan2.2-s2v-14b"
 #: the file a started server writes in its directory: its URL and pid (clients and tests read it)
@@ -63,6 +74,7 @@ class Server:
     max_queue: int
     token: Optional[str] = None
     facts: Any = None  # the machine's facts, probed once (preflight of each job)
+    metrics: Optional[ServerMetrics] = None
 
 
 def _error(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
@@ -87,6 +99,7 @@ def video_object(server: Server, row: JobRow) -> dict[str, Any]:
     obj: dict[str, Any] = {
         "id": row.id, "object": "video", "model": MODEL, "status": row.status.value,
         "progress": percent(row, live), "created_at": int(row.created_at),
+        "started_at": int(row.started_at) if row.started_at else None,
         "completed_at": int(row.finished_at) if row.finished_at and row.status is JobStatus.COMPLETED else None,
         "prompt": spec.get("prompt"), "seed": spec.get("seed"), "max_area": spec.get("max_area"),
         "queue_position": server.queue.position(row.id) if row.status is JobStatus.QUEUED else None,
@@ -103,6 +116,45 @@ def video_object(server: Server, row: JobRow) -> dict[str, Any]:
         obj["frames"] = record.get("frames")
         obj["sha256"] = (record.get("output") or {}).get("sha256")
     return obj
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def job_fields(server: Server) -> list[dict[str, Any]]:
+    """The submission fields, in the spec's order, with their type, limits, choices, description
+    and the server's default (what a job gets when it leaves the field out)."""
+    schema = VideoJobFields.model_json_schema()
+    defs = schema.get("$defs", {})
+    out = []
+    for name, prop in schema["properties"].items():
+        kinds = [k for k in prop.get("anyOf", [prop]) if k.get("type") != "null"]
+        kind = kinds[0] if kinds else {}
+        if "$ref" in kind:
+            kind = defs.get(kind["$ref"].rsplit("/", 1)[-1], {})
+        # what a job that leaves the field out gets: the server's flag, else the spec's own default
+        info = RunSpec.model_fields[name]
+        default = server.base[name] if name in server.base else (None if info.is_required() else info.default)
+        out.append({"name": name, "type": kind.get("type", "string"), "enum": kind.get("enum"),
+                    "minimum": kind.get("minimum", kind.get("exclusiveMinimum")),
+                    "maximum": kind.get("maximum"), "description": prop.get("description", ""),
+                    "default": _jsonable(getattr(default, "value", default))})
+    return out
+
+
+def server_state(server: Server) -> dict[str, Any]:
+    """What the status page shows of the server (changes as the group works)."""
+    k, spec = server.keeper, server.keeper.group_spec
+    layout = spec.layout
+    return {"model": MODEL, "group": k.state.value, "restarts": k.restarts, "groups": k.groups,
+            "current": k.current, "last_error": k.last_error, "uptime_s": round(time.time() - k.started_at),
+            "queue": server.queue.counts(), "ranks": k.ranks,
+            "layout": {"mode": spec.mode.value, "world_size": spec.world_size, "nnodes": spec.nnodes,
+                       "nproc": spec.nproc, "cfg_degree": layout.cfg_degree, "sp_degree": layout.sp_degree,
+                       "vae_parallel": layout.vae_parallel, "device": spec.device,
+                       "attention": getattr(spec.attention, "value", spec.attention)},
+            "loras": [str(lora) for lora in spec.lora]}
 
 
 async def _fields(request: Request) -> dict[str, Any]:
@@ -162,6 +214,38 @@ def create_app(server: Server) -> FastAPI:
                 "uptime_s": round(time.time() - k.started_at, 1), "model": MODEL,
                 "mode": server.keeper.group_spec.mode.value, "world_size": server.keeper.group_spec.world_size,
                 "cfg_parallel": server.keeper.group_spec.cfg_parallel, "device": server.keeper.group_spec.device}
+
+    @app.get("/v1/server", dependencies=guarded)
+    def server_info() -> dict[str, Any]:
+        return {**server_state(server), "fields": job_fields(server), "auth": server.token is not None,
+                "max_upload_mb": server.policy.max_upload_bytes // 2**20}
+
+    @app.get("/metrics", dependencies=guarded)
+    def metrics() -> Response:
+        if server.metrics is None:
+            raise Refused(404, "this server keeps no metrics")
+        return Response(server.metrics.text(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/events", dependencies=guarded, response_class=EventSourceResponse)
+    async def all_events(request: Request):
+        """The server and every job, whenever any of it changes (the status page's feed)."""
+        last = None
+        while not await request.is_disconnected():
+            now = {"server": server_state(server),
+                   "videos": [video_object(server, row) for row in server.queue.all()]}
+            view = {"server": {k: v for k, v in now["server"].items() if k != "uptime_s"},
+                    "videos": [{k: v for k, v in o.items() if k != "stage_seconds" or o["status"] != "in_progress"}
+                               for o in now["videos"]]}
+            if view != last:
+                last = view
+                yield ServerSentEvent(data=now, event="server", id=str(time.time()))
+            await asyncio.sleep(EVENTS_POLL_S * 2)
+
+    @app.get("/", include_in_schema=False)
+    def index() -> FileResponse:
+        return FileResponse(page.INDEX, media_type="text/html")
+
+    app.mount("/static", StaticFiles(directory=page.ROOT), name="static")
 
     @app.post("/v1/videos", dependencies=guarded,
               openapi_extra={"requestBody": {"content": {"multipart/form-data": {"schema": {

@@ -27,7 +27,7 @@ import traceback
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from wan_s2v_runner.launcher.batch import WORK_DIR, JobState, Line, mark_done_before, prepare_resume
 from wan_s2v_runner.launcher.console import Display, eta_s
@@ -83,6 +83,12 @@ class Progress:
             p = {"clip": self.clip, "clips": self.clips, "step": self.step, "steps": self.steps}
             self.eta_s = eta_s(p, self.denoise_t0, t)
 
+    def steps_per_s(self, now: float) -> Optional[float]:
+        if self.denoise_t0 is None or not self.step or not self.steps:
+            return None
+        done = (max(self.clip or 1, 1) - 1) * self.steps + self.step
+        return round(done / max(now - self.denoise_t0, 1e-6), 4)
+
     def stage_seconds(self, now: float) -> dict[str, float]:
         out: dict[str, float] = {}
         for (stage, t), (_, t_next) in zip(self.marks, self.marks[1:] + [("", now)]):
@@ -134,6 +140,7 @@ class _KeeperDisplay(Display):
 
     def update(self, reader, new_events, elapsed: float) -> None:
         try:
+            self.keeper.note_ranks(reader.ranks)
             self.keeper.on_events(new_events)
         except Exception:  # never silent: the supervisor swallows display errors
             traceback.print_exc()
@@ -148,9 +155,12 @@ class _KeeperDisplay(Display):
 class Keeper(threading.Thread):
     """Runs rank groups for the queue until :meth:`shutdown`."""
 
-    def __init__(self, group_spec: RunSpec, queue: JobQueue, dirs: ServerDirs, extra_env: Optional[dict] = None):
+    def __init__(self, group_spec: RunSpec, queue: JobQueue, dirs: ServerDirs, extra_env: Optional[dict] = None,
+                 on_completed: Optional[Callable[[dict], None]] = None):
         super().__init__(name="wan-s2v-keeper", daemon=True)
         self.group_spec, self.queue, self.dirs, self.extra_env = group_spec, queue, dirs, extra_env
+        self.on_completed = on_completed  # called with a completed job's record (the metrics)
+        self.ranks: list[dict[str, Any]] = []  # each rank's stage and memory, from its events
         self.state = GroupState.LOADING
         self.restarts = 0
         self.groups = 0
@@ -171,6 +181,22 @@ class Keeper(threading.Thread):
         with self._lock:
             p = self.progress.get(job_id)
             return p.as_dict(time.time()) if p else None
+
+    def steps_per_s(self) -> Optional[float]:
+        """The running job's denoising speed so far (steps a second), None before its second step."""
+        with self._lock:
+            p = self.progress.get(self.current) if self.current else None
+            return p.steps_per_s(time.time()) if p else None
+
+    def note_ranks(self, ranks: dict) -> None:
+        """Each rank's stage and latest memory figures (the status page, /metrics)."""
+        snapshot = [{"rank": r, "stage": str(getattr(st.stage, "value", st.stage)), "host": st.host,
+                     "rss_mb": st.mem.get("rss_mb"), "host_peak_rss_mb": st.mem.get("host_peak_rss_mb"),
+                     "gpu_peak_allocated_mb": st.mem.get("gpu_peak_allocated_mb"),
+                     "gpu_peak_reserved_mb": st.mem.get("gpu_peak_reserved_mb")}
+                    for r, st in sorted(ranks.items())]
+        with self._lock:
+            self.ranks = snapshot
 
     def cancel_running(self, job_id: str) -> None:
         """The API marked ``job_id`` cancelled while it runs: tell the ranks (next step boundary)."""
@@ -201,6 +227,7 @@ class Keeper(threading.Thread):
                 failed, self.current = self.current, None
                 self.progress.clear()
                 self.run_dir = None
+                self.ranks = []
             remove_partial_videos(self.dirs.videos)
             reason = (self.outcome.reason if self.outcome is not None and self.outcome.reason
                       else self.last_error or "the rank group ended")
@@ -280,6 +307,8 @@ class Keeper(threading.Thread):
             self.queue.finish(job_id, JobStatus.FAILED, error="rank 0 finished the job but wrote no record")
         else:
             self.queue.finish(job_id, JobStatus.COMPLETED, record=record)
+            if self.on_completed is not None:
+                self.on_completed(record)
 
     def _post_next(self) -> None:
         while True:

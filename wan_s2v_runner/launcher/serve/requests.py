@@ -30,11 +30,9 @@ from pydantic import ConfigDict, ValidationError, create_model
 from pydantic.fields import FieldInfo
 
 from wan_s2v_runner.launcher.batch import job_spec, normalized, refusal
-from wan_s2v_runner.shared.jobs import JOB_FIELDS
+from wan_s2v_runner.shared.jobs import SUBMIT_FIELDS
 from wan_s2v_runner.shared.spec import RunSpec
 
-#: the job fields a client sets besides the two inputs (outputs are the server's)
-SUBMIT_FIELDS = tuple(k for k in JOB_FIELDS if k not in ("image", "audio", "output", "frames_out", "resume_from"))
 #: the inputs: field name -> the names a client may send it under
 INPUT_NAMES = {"image": ("image", "input_reference"), "audio": ("audio",)}
 #: accepted and ignored (OpenAI clients send the model's name)

@@ -99,6 +99,7 @@ def _serve_node0(args, group: RunSpec, base: dict, root: Path, token: Optional[s
                  extra_env: Optional[dict]) -> int:
     from wan_s2v_runner.launcher.serve.app import Server, run_server
     from wan_s2v_runner.launcher.serve.keeper import Keeper, ServerDirs
+    from wan_s2v_runner.launcher.serve.metrics import ServerMetrics
     from wan_s2v_runner.launcher.serve.queue import JobQueue
     from wan_s2v_runner.launcher.serve.requests import Policy
     from wan_s2v_runner.preflight import machine_facts
@@ -108,7 +109,10 @@ def _serve_node0(args, group: RunSpec, base: dict, root: Path, token: Optional[s
     queue = JobQueue(dirs.queue)
     policy = Policy(allow_dirs=tuple(p.expanduser().resolve() for p in args.allow_dir),
                     max_upload_bytes=args.max_upload_mb * 2**20)
-    server = Server(queue=queue, keeper=Keeper(group, queue, dirs, extra_env), dirs=dirs,
+    metrics = ServerMetrics(queue)
+    keeper = Keeper(group, queue, dirs, extra_env, on_completed=metrics.job_completed)
+    metrics.attach(keeper)
+    server = Server(queue=queue, keeper=keeper, dirs=dirs, metrics=metrics,
                     base={k: v for k, v in base.items() if k not in ("output", "frames_out", "resume_from")},
                     policy=policy, max_queue=args.max_queue, token=token, facts=machine_facts())
     return run_server(server, args.host, args.port)

@@ -1,0 +1,92 @@
+"""The served rank group the tests share: ``wan-s2v serve`` in a subprocess on loopback (one
+server for the session, :func:`conftest.server`), its HTTP client, and the reference a served
+job's mp4 must equal."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from conftest import ROOT, one_process_frames, wait_for
+from wan_s2v_runner.shared import media
+
+TOKEN = "s3cret token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+#: the shared server's jobs: the tiny spec (as TINY_FLAGS) is the server's default
+TINY_DEFAULTS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "--steps", "2",
+                 "--prompt", "a person talking", "--watchdog-load", "120"]
+SERVER_FLAGS = [*TINY_DEFAULTS, "--nproc", "2"]
+#: a job that kills rank 1 at its first denoising step (test-only fault, matched on the prompt)
+POISON = "1:denoise#poison:exit"
+
+
+class ServerProcess:
+    """``python -m wan_s2v_runner serve`` in a subprocess; its URL from SERVER_DIR/server.json."""
+
+    def __init__(self, server_dir: Path, flags: list[str], env: dict | None = None):
+        self.flags, self.env = flags, env
+        self.dir, self.log = server_dir, server_dir.parent / f"{server_dir.name}.{time.time():.0f}.log"
+        (server_dir / "server.json").unlink(missing_ok=True)
+        full = dict(os.environ)
+        full["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([full["PYTHONPATH"]] if full.get("PYTHONPATH") else []))
+        full.update(env or {})
+        self.out = open(self.log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "serve", *flags,
+                                      "--server-dir", str(server_dir), "--port", "0"],
+                                     cwd=server_dir.parent, env=full, stdin=subprocess.DEVNULL,
+                                     stdout=self.out, stderr=subprocess.STDOUT)
+        wait_for(lambda: (server_dir / "server.json").is_file() or self.proc.poll() is not None, 120, "server.json")
+        assert self.proc.poll() is None, self.text()
+        self.url = json.loads((server_dir / "server.json").read_text())["url"]
+        self.http = httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
+
+    def text(self) -> str:
+        self.out.flush()
+        return self.log.read_text()
+
+    def tail(self) -> str:
+        """The log's end, for a failed wait."""
+        return self.text()[-3000:]
+
+    def video(self, vid: str) -> dict:
+        r = self.http.get(f"/v1/videos/{vid}")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def submit(self, files: dict | None = None, **fields) -> httpx.Response:
+        return self.http.post("/v1/videos", data={k: str(v) for k, v in fields.items()}, files=files)
+
+    def wait(self, vid: str, *states: str, timeout: float = 180) -> dict:
+        return wait_for(lambda: (v := self.video(vid))["status"] in states and v, timeout,
+                        f"{vid} to be {'/'.join(states)}", self.tail)
+
+    def restart(self) -> None:
+        """The server again, in the same directory with the same flags (after a kill, say)."""
+        self.http.close()
+        self.out.close()
+        self.__init__(self.dir, self.flags, self.env)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.http.close()
+        self.out.close()
+
+
+def expected_mp4(engine_cpu, audio: Path, dest: Path, **updates) -> str:
+    """sha256 of the mp4 one process makes for the tiny spec with ``updates``."""
+    frames = one_process_frames(engine_cpu, **updates)
+    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, audio, dest)
+    return media.sha256_file(dest)
+
+

@@ -1,0 +1,159 @@
+"""The status page (``GET /``) in a real headless Chromium (Debian's ``chromium`` through its
+``chromedriver``, driven by Selenium), against the session's server on the tiny checkpoint.
+
+It asks for the token once (and keeps it over a reload), shows the layout and both ranks, shows
+a bad upload's preflight message next to the image field, submits a job through the form and
+watches its progress bar move, plays the finished video (``duration`` > 0) with its download
+link, and cancels a second job. Screenshots of each point go to ``test-artifacts/page/``
+(``$WAN_S2V_ARTIFACTS`` elsewhere). Skips, with the reason, only where no Chromium is installed
+(``make test`` installs it where it can: ``tools/ensure_chromium``).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, wait_for
+from serving import TOKEN
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                                reason="no Chromium and ChromeDriver here (tools/ensure_chromium installs Debian's "
+                                       "chromium and chromium-driver where it can)")
+ARTIFACTS = Path(os.environ.get("WAN_S2V_ARTIFACTS", ROOT / "test-artifacts")) / "page"
+
+
+@pytest.fixture
+def browser(tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+                "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--autoplay-policy=no-user-gesture-required", "--window-size=1280,1200",
+                f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    driver.set_script_timeout(30)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    yield driver
+    driver.quit()
+
+
+def shot(driver, name: str) -> None:
+    driver.execute_script("window.scrollTo(0, 0)")
+    driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+
+
+def js(driver, script: str, *args):
+    return driver.execute_script(script, *args)
+
+
+def job_state(driver, job_id: str) -> dict:
+    return js(driver, """
+        const el = document.querySelector(`[data-id="${arguments[0]}"]`);
+        if (!el) return null;
+        const v = el.querySelector("video");
+        return {status: el.dataset.status, progress: el.querySelector(".progress-bar").value,
+                detail: el.querySelector(".detail").textContent,
+                video: v ? {ready: v.readyState, duration: v.duration} : null,
+                download: el.querySelector("a.download") ? el.querySelector("a.download").download : null};
+    """, job_id)
+
+
+def submit(driver, image: Path, audio: Path, **fields) -> None:
+    from selenium.webdriver.common.by import By
+
+    form = driver.find_element(By.ID, "submit-form")
+    for name, path in (("image", image), ("audio", audio)):
+        box = form.find_element(By.NAME, name)
+        box.clear()
+        box.send_keys(str(path))
+    for name, value in fields.items():
+        box = form.find_element(By.NAME, name)
+        box.clear()
+        box.send_keys(str(value))
+    form.find_element(By.ID, "submit-button").click()
+
+
+def newest_job(driver, other_than: set) -> str:
+    return wait_for(lambda: next((i for i in js(driver, "return [...document.querySelectorAll('.job')]"
+                                                "  .map(e => e.dataset.id)") if i not in other_than), None),
+                    30, "the submitted job on the page")
+
+
+def test_status_page_in_chromium(browser, server, inputs, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    driver = browser
+    driver.get(f"{server.url}/")
+    # the token, asked once
+    wait_for(lambda: js(driver, "return document.getElementById('token-dialog').open"), 30, "the token dialog")
+    shot(driver, "01-token")
+    driver.find_element(By.ID, "token-input").send_keys(TOKEN)
+    driver.find_element(By.CSS_SELECTOR, "#token-form button").click()
+    wait_for(lambda: js(driver, "return document.body.dataset.ready === '1'"), 30, "the page to load")
+    driver.refresh()  # kept for the session: no second ask
+    wait_for(lambda: js(driver, "return document.body.dataset.ready === '1'"), 30, "the page to load again")
+    assert not js(driver, "return document.getElementById('token-dialog').open")
+    # the server: its layout, both ranks
+    layout = driver.find_element(By.ID, "layout").text
+    assert "ulysses" in layout and "CFG 1 x SP 2" in layout, layout
+    wait_for(lambda: len(driver.find_elements(By.CSS_SELECTOR, "#ranks tbody tr")) == 2, 60, "both ranks listed")
+
+    # a bad upload: the preflight's cause and fix next to the image field, nothing queued
+    bad = tmp_path / "not an image.png"
+    bad.write_bytes(b"this is not a png")
+    submit(driver, bad, inputs["audio"])
+    slot = driver.find_element(By.CSS_SELECTOR, '[data-error-for="image"]')
+    wait_for(lambda: slot.text, 30, "the image field's error")
+    assert "preflight inputs.image" in slot.text and "Fix" in slot.text, slot.text
+    shot(driver, "02-bad-upload")
+    assert not driver.find_elements(By.CSS_SELECTOR, ".job")
+
+    # a job through the form: its bar moves, then the video plays
+    submit(driver, inputs["image"], inputs["audio"], prompt="from the page", seed=11, steps=6)
+    assert slot.text == ""  # the earlier error is cleared
+    first = newest_job(driver, set())
+    seen, shot_taken = [], False
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        st = job_state(driver, first)
+        seen.append(st["progress"])
+        if st["status"] == "in_progress" and 0 < st["progress"] < 100 and not shot_taken:
+            shot(driver, "03-progress")
+            shot_taken = True
+        if st["status"] == "completed":
+            break
+        time.sleep(0.1)
+    assert st["status"] == "completed", (st, server.tail())
+    moving = sorted(set(p for p in seen if 0 < p < 100))
+    assert len(moving) >= 2 and seen == sorted(seen), seen  # it moved, and only forwards
+    st = wait_for(lambda: (s := job_state(driver, first))["video"] and s["video"]["ready"] >= 1 and s, 60,
+                  "the video's metadata")
+    assert st["video"]["duration"] > 0 and st["download"] == f"{first}.mp4", st
+    played = driver.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        const v = document.querySelector(`[data-id="${arguments[0]}"] video`);
+        v.muted = true;
+        v.play().then(() => setTimeout(() => done({paused: v.paused, t: v.currentTime}), 300),
+                      (e) => done({error: String(e)}));
+    """, first)
+    assert played.get("paused") is False and played["t"] > 0, played
+    shot(driver, "04-done")
+
+    # a second job, cancelled from the page
+    submit(driver, inputs["image"], inputs["audio"], prompt="cancelled from the page", steps=40)
+    second = newest_job(driver, {first})
+    wait_for(lambda: job_state(driver, second)["status"] in ("queued", "in_progress"), 30, "the second job")
+    driver.find_element(By.CSS_SELECTOR, f'[data-id="{second}"] button.cancel').click()
+    wait_for(lambda: job_state(driver, second)["status"] == "cancelled", 60, "the cancel")
+    shot(driver, "05-cancelled")
+    assert server.video(second)["status"] == "cancelled"

@@ -1,0 +1,264 @@
+"""``wan-s2v submit`` and ``wan-s2v jobs``: a terminal client of a ``wan-s2v serve`` server.
+
+``submit`` sends one job (its flags are the job's own fields, generated from the run spec like
+every command's; ``--image``/``--audio`` are uploaded, or sent as server paths with
+``--server-paths``), follows its progress from the server's ``/v1/videos/{id}/events`` stream
+(a live rich view on a terminal, plain lines otherwise), and downloads the mp4 to ``--output``
+(default ``ID.mp4`` in the current directory; temp name, then rename). ``jobs`` lists the
+server's jobs, shows the ones named, or cancels them (``--cancel``). ``--json`` prints the video
+object(s) instead. The server comes from ``--url`` / ``$WAN_S2V_URL``, the token from ``--token``
+/ ``$WAN_S2V_TOKEN``.
+
+Exit codes (README): 0 done; 3 the server refused the job (its cause printed; nothing queued);
+6 the job failed or was cancelled on the server; 7 the server could not be reached or answered
+an error; 130 interrupted (the job goes on on the server: ``wan-s2v jobs ID`` finds it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Optional
+
+import httpx
+
+from wan_s2v_runner.launcher.console import PROGRESS_EVERY_S, fmt_seconds
+from wan_s2v_runner.launcher.flags import flag_values
+from wan_s2v_runner.shared import atomic, exit_codes
+
+URL_ENV, TOKEN_ENV = "WAN_S2V_URL", "WAN_S2V_TOKEN"
+DEFAULT_URL = "http://127.0.0.1:8000"
+TERMINAL = ("completed", "failed", "cancelled")
+
+
+class ClientError(Exception):
+    """A request that did not do what was asked: the exit code and one line to print."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def connect(args) -> httpx.Client:
+    url = (args.url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
+    token = args.token or os.environ.get(TOKEN_ENV)
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"} if token else {},
+                        timeout=httpx.Timeout(60, read=None))
+
+
+def _call(client: httpx.Client, method: str, path: str, **kw) -> dict[str, Any]:
+    """One API call; its JSON body, or :class:`ClientError` with the server's one-line cause."""
+    try:
+        r = client.request(method, path, **kw)
+    except httpx.HTTPError as e:
+        raise ClientError(exit_codes.SERVER_UNREACHABLE,
+                          f"cannot reach the server at {client.base_url} ({e}). Fix: start `wan-s2v serve`, or "
+                          f"give its address with --url / ${URL_ENV}") from None
+    if r.status_code < 400:
+        return r.json()
+    try:
+        message = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = r.text.strip()[:300]
+    code = exit_codes.PREFLIGHT if 400 <= r.status_code < 500 else exit_codes.SERVER_UNREACHABLE
+    raise ClientError(code, f"the server answered {r.status_code}: {message}")
+
+
+# --------------------------------------------------------------------------- submit
+def submission(args) -> tuple[dict[str, str], dict[str, Path]]:
+    """The form fields (the job fields given as flags, as text) and the files to upload."""
+    given = flag_values(args)
+    given.pop("output", None)
+    files: dict[str, Path] = {}
+    fields: dict[str, str] = {}
+    for name, value in given.items():
+        if name in ("image", "audio") and not args.server_paths:
+            files[name] = Path(value).expanduser()
+            continue
+        value = getattr(value, "value", value)
+        fields[name] = str(value).lower() if isinstance(value, bool) else str(value)
+    for name, path in files.items():
+        if not path.is_file():
+            raise ClientError(exit_codes.USAGE, f"--{name} {path}: no such file. Fix: give the path of a file "
+                                                "on this machine (or --server-paths for a path on the server)")
+    return fields, files
+
+
+class Follower:
+    """Shows a job's video objects as they come: a live rich view on a terminal, plain lines
+    otherwise (a stage change, and denoising progress at most every PROGRESS_EVERY_S)."""
+
+    def __init__(self, rich: bool, out=sys.stdout):
+        self.rich, self.out = rich, out
+        self._live = None
+        self._last_key: Optional[tuple] = None
+        self._last_print = 0.0
+        self._t0 = time.time()
+
+    def __enter__(self) -> "Follower":
+        if self.rich:
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(console=Console(file=self.out), refresh_per_second=4, transient=True)
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._live is not None:
+            self._live.stop()
+
+    def show(self, v: dict[str, Any]) -> None:
+        if self._live is not None:
+            self._live.update(self._view(v))
+            return
+        key = (v["status"], v.get("stage"), v.get("clip"))
+        now = time.time()
+        if key != self._last_key or (v.get("step") and now - self._last_print >= PROGRESS_EVERY_S):
+            self._last_key, self._last_print = key, now
+            print(f"[{fmt_seconds(now - self._t0)}] {v['id']}: {status_line(v)}", file=self.out, flush=True)
+
+    def _view(self, v: dict[str, Any]):
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+
+        t = Table(title=f"wan-s2v job {v['id']}", title_justify="left", show_edge=False)
+        for col in ("status", "stage", "clip", "step", "progress", "ETA", "elapsed"):
+            t.add_column(col)
+        t.add_row(v["status"], v.get("stage") or "-", f"{v.get('clip') or '-'}/{v.get('clips') or '-'}",
+                  f"{v.get('step') or 0}/{v.get('steps') or '-'}", ProgressBar(total=100, completed=v["progress"],
+                                                                              width=30),
+                  fmt_seconds(v.get("eta_s")), fmt_seconds(time.time() - self._t0))
+        return t
+
+
+def status_line(v: dict[str, Any]) -> str:
+    """One line of a video object: where it is."""
+    if v["status"] == "queued":
+        return f"queued (position {v.get('queue_position') or '?'})"
+    if v["status"] == "in_progress":
+        where = (f", clip {v.get('clip')}/{v.get('clips') or '?'}, step {v.get('step')}/{v.get('steps') or '?'}"
+                 if v.get("step") is not None else "")
+        eta = f", ETA {fmt_seconds(v['eta_s'])}" if v.get("eta_s") is not None else ""
+        return f"{v.get('stage') or 'starting'}{where} ({v['progress']}%){eta}"
+    if v["status"] == "completed":
+        return f"completed in {fmt_seconds(v.get('wall_s'))}"
+    return f"{v['status']}: {(v.get('error') or {}).get('message', '')}"
+
+
+def follow(client: httpx.Client, video_id: str, follower: Follower) -> dict[str, Any]:
+    """The job's video objects from its event stream until it ends (reconnecting if the stream
+    drops: the server may restart); the last one."""
+    last: Optional[dict[str, Any]] = None
+    while True:
+        try:
+            with client.stream("GET", f"/v1/videos/{video_id}/events") as stream:
+                if stream.status_code >= 400:
+                    stream.read()
+                    return _call(client, "GET", f"/v1/videos/{video_id}")  # raises with the cause
+                for line in stream.iter_lines():
+                    if line.startswith("data:"):
+                        last = json.loads(line[5:])
+                        follower.show(last)
+                        if last["status"] in TERMINAL:
+                            return last
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+        last = _call(client, "GET", f"/v1/videos/{video_id}")
+        if last["status"] in TERMINAL:
+            return last
+
+
+def download(client: httpx.Client, video_id: str, dest: Path) -> Path:
+    """The job's mp4 to ``dest`` (a temporary name, renamed when complete)."""
+    dest = dest.expanduser().absolute()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(tmp: Path) -> None:
+        with client.stream("GET", f"/v1/videos/{video_id}/content") as r:
+            if r.status_code >= 400:
+                r.read()
+                _call(client, "GET", f"/v1/videos/{video_id}/content")
+            with open(tmp, "wb") as f:
+                for chunk in r.iter_bytes():
+                    f.write(chunk)
+
+    atomic.atomic_write(dest, write)
+    return dest
+
+
+def cmd_submit(args) -> int:
+    try:
+        fields, files = submission(args)
+        with connect(args) as client, ExitStack() as opened:
+            uploads = {name: (path.name, opened.enter_context(open(path, "rb"))) for name, path in files.items()}
+            video = _call(client, "POST", "/v1/videos", data=fields, files=uploads or None)
+            opened.close()
+            print(f"submitted {video['id']} to {client.base_url}", file=sys.stderr, flush=True)
+            if args.no_wait:
+                print(json.dumps(video, indent=2) if args.json else video["id"])
+                return exit_codes.OK
+            with Follower(rich=sys.stdout.isatty() and not args.json, out=sys.stderr if args.json else sys.stdout) as f:
+                video = follow(client, video["id"], f)
+            if video["status"] == "completed":
+                dest = download(client, video["id"], args.output or Path(f"{video['id']}.mp4"))
+                video = {**video, "downloaded_to": str(dest)}
+            if args.json:
+                print(json.dumps(video, indent=2))
+            else:
+                print(f"{video['id']}: {status_line(video)}" + (f" -> {video['downloaded_to']}"
+                                                                 if "downloaded_to" in video else ""))
+            return exit_codes.OK if video["status"] == "completed" else exit_codes.JOB_FAILED
+    except ClientError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print("interrupted: the job goes on on the server (wan-s2v jobs lists it)", file=sys.stderr)
+        return exit_codes.INTERRUPTED
+
+
+# --------------------------------------------------------------------------- jobs
+def jobs_table(videos: list[dict[str, Any]], rich: bool) -> None:
+    cols = ("id", "status", "where", "prompt", "seed", "created")
+    rows = [(v["id"], v["status"], status_line(v) if v["status"] != "completed" else fmt_seconds(v.get("wall_s")),
+             (v.get("prompt") or "")[:40], str(v.get("seed")),
+             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v["created_at"]))) for v in videos]
+    if rich:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(show_edge=False)
+        for c in cols:
+            t.add_column(c)
+        for row in rows:
+            t.add_row(*row)
+        Console().print(t)
+    else:
+        for row in rows:
+            print("\t".join(row))
+
+
+def cmd_jobs(args) -> int:
+    try:
+        with connect(args) as client:
+            if args.cancel:
+                if not args.ids:
+                    raise ClientError(exit_codes.USAGE, "--cancel needs the ids of the jobs to cancel. Fix: "
+                                                        "wan-s2v jobs --cancel ID [ID ...]")
+                videos = [_call(client, "DELETE", f"/v1/videos/{i}") for i in args.ids]
+            elif args.ids:
+                videos = [_call(client, "GET", f"/v1/videos/{i}") for i in args.ids]
+            else:
+                videos = _call(client, "GET", "/v1/videos")["data"]
+    except ClientError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.code
+    if args.json:
+        print(json.dumps(videos, indent=2))
+    else:
+        jobs_table(videos, rich=sys.stdout.isatty())
+    return exit_codes.OK

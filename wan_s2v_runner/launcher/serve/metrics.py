@@ -1,0 +1,117 @@
+"""``GET /metrics``: the server in the Prometheus text format, written by ``prometheus_client``.
+
+Each server has its own registry (no process-wide state). What is counted as it happens lives in
+the library's own types: the job and stage seconds histograms (observed when a job completes, and
+at start-up for the jobs the queue already holds as completed, so a restart keeps them). What is
+a state is read at scrape time by a collector: jobs by status, the queue's length, finished jobs
+(a counter: rows are never deleted), rank-group restarts, the running job's denoising speed, each
+rank's memory and the group's state.
+
+=============================================  =========  ======================================
+name                                           type       labels
+=============================================  =========  ======================================
+``wan_s2v_jobs``                               gauge      ``status``
+``wan_s2v_queue_length``                       gauge
+``wan_s2v_jobs_finished_total``                counter    ``status`` (completed, failed, cancelled)
+``wan_s2v_job_seconds``                        histogram  (taken -> mp4 written)
+``wan_s2v_stage_seconds``                      histogram  ``stage``
+``wan_s2v_denoise_steps_per_second``           gauge      (running job, else the last completed)
+``wan_s2v_rank_group_restarts_total``          counter
+``wan_s2v_rank_group_state``                   gauge      ``state`` (1 for the current one)
+``wan_s2v_rank_rss_bytes``                     gauge      ``rank``
+``wan_s2v_rank_gpu_peak_allocated_bytes``      gauge      ``rank`` (GPU runs)
+=============================================  =========  ======================================
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from wan_s2v_runner.launcher.serve.queue import JobQueue, JobStatus
+
+#: job seconds: a tiny CPU job takes seconds, a 40-step 720p job on one GPU an hour
+JOB_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
+STAGE_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, float("inf"))
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _StateCollector:
+    """What the queue and the keeper say at scrape time."""
+
+    def __init__(self, metrics: "ServerMetrics"):
+        self.m = metrics
+
+    def collect(self):
+        counts = self.m.queue.counts()
+        jobs = GaugeMetricFamily("wan_s2v_jobs", "jobs on this server by status", labels=["status"])
+        for status in JobStatus:
+            jobs.add_metric([status.value], counts.get(status.value, 0))
+        yield jobs
+        yield GaugeMetricFamily("wan_s2v_queue_length", "jobs waiting to be taken",
+                                value=counts.get(JobStatus.QUEUED.value, 0))
+        finished = CounterMetricFamily("wan_s2v_jobs_finished", "jobs that ended, by how", labels=["status"])
+        for status in JobStatus:
+            if status.terminal:
+                finished.add_metric([status.value], counts.get(status.value, 0))
+        yield finished
+        keeper = self.m.keeper
+        yield CounterMetricFamily("wan_s2v_rank_group_restarts", "rank groups started again after one ended",
+                                  value=keeper.restarts)
+        state = GaugeMetricFamily("wan_s2v_rank_group_state", "the rank group's state (1: current)",
+                                  labels=["state"])
+        for s in type(keeper.state):
+            state.add_metric([s.value], 1 if s is keeper.state else 0)
+        yield state
+        speed = keeper.steps_per_s()
+        speed = self.m.last_steps_per_s if speed is None else speed
+        if speed is not None:
+            yield GaugeMetricFamily("wan_s2v_denoise_steps_per_second",
+                                    "denoising steps a second (the running job, else the last completed)",
+                                    value=speed)
+        rss = GaugeMetricFamily("wan_s2v_rank_rss_bytes", "each rank's resident host memory", labels=["rank"])
+        gpu = GaugeMetricFamily("wan_s2v_rank_gpu_peak_allocated_bytes", "each rank's peak GPU memory allocated",
+                                labels=["rank"])
+        for r in keeper.ranks:
+            if r.get("rss_mb") is not None:
+                rss.add_metric([str(r["rank"])], r["rss_mb"] * 2**20)
+            if r.get("gpu_peak_allocated_mb") is not None:
+                gpu.add_metric([str(r["rank"])], r["gpu_peak_allocated_mb"] * 2**20)
+        yield rss
+        yield gpu
+
+
+class ServerMetrics:
+    """One server's metrics; :meth:`job_completed` is the keeper's ``on_completed``."""
+
+    def __init__(self, queue: JobQueue, keeper=None):
+        self.queue, self.keeper = queue, keeper
+        self.last_steps_per_s: Optional[float] = None
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.job_seconds = Histogram("wan_s2v_job_seconds", "a completed job's seconds, taken to mp4 written",
+                                     buckets=JOB_BUCKETS, registry=self.registry)
+        self.stage_seconds = Histogram("wan_s2v_stage_seconds", "a completed job's seconds in each stage",
+                                       ["stage"], buckets=STAGE_BUCKETS, registry=self.registry)
+        for row in queue.all(limit=100_000):
+            if row.status is JobStatus.COMPLETED and row.record:
+                self.job_completed(row.record)
+
+    def attach(self, keeper) -> None:
+        """The keeper whose group state and ranks the scrape reads (it starts the collector)."""
+        self.keeper = keeper
+        self.registry.register(_StateCollector(self))
+
+    def job_completed(self, record: dict[str, Any]) -> None:
+        if record.get("wall_s") is not None:
+            self.job_seconds.observe(float(record["wall_s"]))
+        for stage, secs in (record.get("stage_seconds") or {}).items():
+            self.stage_seconds.labels(stage=stage).observe(float(secs))
+        denoise = (record.get("stage_seconds") or {}).get("denoise")
+        spec = record.get("spec") or {}
+        steps = (spec.get("steps") or 0) * (record.get("clips") or spec.get("num_clips") or 0)
+        if denoise and steps:
+            self.last_steps_per_s = round(steps / float(denoise), 4)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

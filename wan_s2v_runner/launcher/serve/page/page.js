@@ -1,0 +1,320 @@
+// wan-s2v status page: reads the server's API like any client (see page/__init__.py).
+"use strict";
+
+const TOKEN_KEY = "wan-s2v-token";
+const $ = (sel, root = document) => root.querySelector(sel);
+const videoUrls = new Map(); // job id -> object URL of its fetched mp4
+let fields = [];
+const AUTO_LOAD_VIDEOS = 3;
+
+// ----- the API, with the token (kept for this browser session) -----
+function headers() {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  return token ? { Authorization: `Bearer ${token}` } : {};
+}
+
+class Unauthorized extends Error {}
+
+async function api(path, options = {}) {
+  const r = await fetch(path, { ...options, headers: { ...headers(), ...(options.headers || {}) } });
+  if (r.status === 401) throw new Unauthorized((await r.json()).error.message);
+  return r;
+}
+
+function askToken(message) {
+  const dialog = $("#token-dialog");
+  $("#token-error").textContent = message || "";
+  if (!dialog.open) dialog.showModal();
+  return new Promise((resolve) => {
+    $("#token-form").onsubmit = () => {
+      sessionStorage.setItem(TOKEN_KEY, $("#token-input").value);
+      resolve();
+    };
+  });
+}
+
+async function withToken(fn) {
+  for (;;) {
+    try {
+      return await fn();
+    } catch (e) {
+      if (!(e instanceof Unauthorized)) throw e;
+      const hadToken = Boolean(headers().Authorization); // a wrong one: say why
+      sessionStorage.removeItem(TOKEN_KEY);
+      await askToken(hadToken ? e.message : "");
+    }
+  }
+}
+
+// ----- formatting -----
+const fmtS = (s) => {
+  if (s === null || s === undefined) return "-";
+  s = Math.max(0, Math.round(s));
+  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), r = s % 60;
+  return (h ? `${h}:${String(m).padStart(2, "0")}` : `${m}`) + `:${String(r).padStart(2, "0")}`;
+};
+const fmtMb = (mb) => (mb === null || mb === undefined ? "-" : mb >= 1024 ? `${(mb / 1024).toFixed(1)} GB` : `${Math.round(mb)} MB`);
+
+// ----- the server -----
+function renderServer(s) {
+  $("#model").textContent = s.model;
+  const badge = $("#group-state");
+  badge.textContent = s.group;
+  badge.className = `badge ${s.group}`;
+  const L = s.layout;
+  const rows = [
+    ["mode", `${L.mode}: CFG ${L.cfg_degree} x SP ${L.sp_degree}${L.vae_parallel ? ", split VAE" : ""}`],
+    ["ranks", `${L.world_size} (${L.nnodes} node${L.nnodes > 1 ? "s" : ""} x ${L.nproc}) on ${L.device}`],
+    ["attention", L.attention],
+    ["LoRAs", s.loras.length ? s.loras.join(", ") : "none"],
+    ["uptime", fmtS(s.uptime_s)],
+    ["rank groups", `${s.groups} started, ${s.restarts} restart${s.restarts === 1 ? "" : "s"}`],
+  ];
+  $("#layout").replaceChildren(...rows.flatMap(([k, v]) => {
+    const dt = document.createElement("dt"), dd = document.createElement("dd");
+    dt.textContent = k; dd.textContent = v;
+    return [dt, dd];
+  }));
+  $("#ranks tbody").replaceChildren(...s.ranks.map((r) => {
+    const tr = document.createElement("tr");
+    for (const v of [r.rank, r.host || "-", r.stage, fmtMb(r.rss_mb), fmtMb(r.host_peak_rss_mb), fmtMb(r.gpu_peak_allocated_mb)]) {
+      const td = document.createElement("td");
+      td.textContent = v;
+      tr.append(td);
+    }
+    return tr;
+  }));
+  $("#last-error").textContent = s.last_error ? `last group error: ${s.last_error}` : "";
+  const q = s.queue;
+  $("#counts").textContent = `${q.queued} queued, ${q.in_progress} running, ${q.completed} completed, ${q.failed} failed, ${q.cancelled} cancelled`;
+}
+
+// ----- the jobs -----
+function detailOf(v) {
+  if (v.status === "queued") return `queued, position ${v.queue_position ?? "?"}`;
+  if (v.status === "in_progress") {
+    const where = v.step !== null && v.step !== undefined ? ` · clip ${v.clip ?? "?"}/${v.clips ?? "?"} · step ${v.step}/${v.steps ?? "?"}` : "";
+    const elapsed = v.started_at ? ` · ${fmtS(Date.now() / 1000 - v.started_at)} elapsed` : "";
+    return `${v.stage || "starting"}${where} · ${v.progress}%${elapsed} · ETA ${fmtS(v.eta_s)}`;
+  }
+  if (v.status === "completed") return `done in ${fmtS(v.wall_s)}${v.resumed_at_clip ? `, resumed at clip ${v.resumed_at_clip}` : ""}`;
+  return v.status;
+}
+
+async function showVideo(v, box) {
+  if (box.dataset.loaded) return;
+  box.dataset.loaded = "1";
+  try {
+    let url = videoUrls.get(v.id);
+    if (!url) {
+      const r = await api(`/v1/videos/${v.id}/content`);
+      if (!r.ok) throw new Error((await r.json()).error.message);
+      url = URL.createObjectURL(await r.blob());
+      videoUrls.set(v.id, url);
+    }
+    const video = document.createElement("video");
+    video.controls = true;
+    video.preload = "metadata";
+    video.src = url;
+    const link = document.createElement("a");
+    link.href = url;
+    link.download = `${v.id}.mp4`;
+    link.className = "download";
+    link.textContent = `Download ${v.id}.mp4`;
+    box.replaceChildren(video, link);
+  } catch (e) {
+    delete box.dataset.loaded;
+    box.textContent = `could not load the video: ${e.message}`;
+  }
+}
+
+// every job (prune: drop the ones the server no longer lists), or just the ones given
+function renderJobs(videos, prune = true) {
+  const list = $("#jobs");
+  const seen = new Set();
+  // the newest finished videos load by themselves; older ones on a click (each is a whole mp4)
+  const autoLoad = new Set(videos.filter((v) => v.status === "completed")
+    .sort((a, b) => b.created_at - a.created_at).slice(0, AUTO_LOAD_VIDEOS).map((v) => v.id));
+  for (const v of [...videos].sort((a, b) => a.created_at - b.created_at)) { // the newest ends on top
+    seen.add(v.id);
+    let el = list.querySelector(`[data-id="${v.id}"]`);
+    if (!el) {
+      el = $("#job-template").content.firstElementChild.cloneNode(true);
+      el.dataset.id = v.id;
+      $(".job-id", el).textContent = v.id;
+      $(".cancel", el).onclick = () => cancel(v.id);
+      list.prepend(el);
+    }
+    el.dataset.status = v.status;
+    $(".status", el).textContent = v.status + (v.cancel_requested && v.status === "in_progress" ? " (cancelling)" : "");
+    $(".status", el).className = `badge status ${v.status}`;
+    $(".prompt", el).textContent = v.prompt || "";
+    $(".prompt", el).title = v.prompt || "";
+    $(".progress-bar", el).value = v.progress;
+    $(".detail", el).textContent = `${detailOf(v)} · seed ${v.seed ?? "-"}`;
+    const stages = v.stage_seconds ? Object.entries(v.stage_seconds).map(([k, s]) => `${k} ${s.toFixed(1)}s`).join(" · ") : "";
+    $(".stages", el).textContent = stages;
+    $(".job-error", el).textContent = v.error && v.status === "failed" ? v.error.message : "";
+    $(".cancel", el).hidden = !(v.status === "queued" || v.status === "in_progress") || v.cancel_requested;
+    if (v.status === "completed") {
+      const box = $(".result", el);
+      if (autoLoad.has(v.id)) showVideo(v, box);
+      else if (!box.dataset.loaded && !box.firstChild) {
+        const b = document.createElement("button");
+        b.type = "button";
+        b.className = "show-video";
+        b.textContent = "Show video";
+        b.onclick = () => showVideo(v, box);
+        box.append(b);
+      }
+    }
+  }
+  if (prune) for (const el of [...list.children]) if (!seen.has(el.dataset.id)) el.remove();
+}
+
+async function cancel(id) {
+  await withToken(async () => {
+    const r = await api(`/v1/videos/${id}`, { method: "DELETE" });
+    if (!r.ok) alert((await r.json()).error.message);
+  });
+}
+
+// ----- the live feed: server-sent events read with fetch (the token goes in a header) -----
+async function follow() {
+  for (;;) {
+    try {
+      const r = await api("/v1/events", { headers: { Accept: "text/event-stream" } });
+      $("#feed").textContent = "live";
+      const reader = r.body.getReader();
+      const decoder = new TextDecoder();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += decoder.decode(value, { stream: true });
+        let cut;
+        while ((cut = buffer.indexOf("\n\n")) >= 0) {
+          const block = buffer.slice(0, cut);
+          buffer = buffer.slice(cut + 2);
+          const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
+          if (data) {
+            const state = JSON.parse(data);
+            renderServer(state.server);
+            renderJobs(state.videos);
+          }
+        }
+      }
+    } catch (e) {
+      if (e instanceof Unauthorized) {
+        sessionStorage.removeItem(TOKEN_KEY);
+        await askToken(e.message);
+        continue;
+      }
+    }
+    $("#feed").textContent = "reconnecting…";
+    await new Promise((ok) => setTimeout(ok, 1000));
+  }
+}
+
+// ----- the submit form, built from the server's job fields -----
+function buildForm(list, maxUploadMb) {
+  fields = list;
+  const box = $("#fields");
+  box.replaceChildren();
+  for (const f of list) {
+    const label = document.createElement("label");
+    label.textContent = f.name;
+    let input;
+    if (f.enum) {
+      input = document.createElement("select");
+      for (const choice of ["", ...f.enum]) {
+        const o = document.createElement("option");
+        o.value = choice;
+        o.textContent = choice === "" ? `default (${f.default ?? "none"})` : choice;
+        input.append(o);
+      }
+    } else if (f.type === "boolean") {
+      input = document.createElement("select");
+      for (const [v, t] of [["", `default (${f.default ?? false})`], ["true", "yes"], ["false", "no"]]) {
+        const o = document.createElement("option");
+        o.value = v; o.textContent = t;
+        input.append(o);
+      }
+    } else if (f.name.includes("prompt")) {
+      input = document.createElement("textarea");
+      input.rows = 2;
+      label.className = "wide";
+    } else {
+      input = document.createElement("input");
+      input.type = f.type === "integer" || f.type === "number" ? "number" : "text";
+      if (f.type === "number") input.step = "any";
+      if (f.minimum !== null && f.minimum !== undefined) input.min = f.minimum;
+      if (f.maximum !== null && f.maximum !== undefined) input.max = f.maximum;
+    }
+    input.name = f.name;
+    if (!f.enum && f.type !== "boolean" && f.default !== null && f.default !== undefined) input.placeholder = String(f.default);
+    const hint = document.createElement("span");
+    hint.className = "hint";
+    hint.textContent = f.description;
+    const err = document.createElement("span");
+    err.className = "error";
+    err.dataset.errorFor = f.name;
+    label.append(input, hint, err);
+    box.append(label);
+  }
+  $("#submit-form").dataset.maxUploadMb = maxUploadMb;
+}
+
+function preview(input, el) {
+  input.onchange = () => {
+    const file = input.files[0];
+    if (!file) { el.hidden = true; return; }
+    el.src = URL.createObjectURL(file);
+    el.hidden = false;
+  };
+}
+
+async function submit(event) {
+  event.preventDefault();
+  const form = event.target;
+  for (const e of form.querySelectorAll("[data-error-for]")) e.textContent = "";
+  const data = new FormData();
+  for (const name of ["image", "audio"]) {
+    const file = form.elements[name].files[0];
+    if (file) data.append(name, file, file.name);
+  }
+  for (const f of fields) {
+    const value = form.elements[f.name].value;
+    if (value !== "") data.append(f.name, value);
+  }
+  $("#submit-button").disabled = true;
+  try {
+    await withToken(async () => {
+      const r = await api("/v1/videos", { method: "POST", body: data });
+      const body = await r.json();
+      if (!r.ok) {
+        const param = body.error.param || "";
+        const slot = form.querySelector(`[data-error-for="${param}"]`) || form.querySelector('[data-error-for=""]');
+        slot.textContent = body.error.message;
+        return;
+      }
+      renderJobs([body], false);
+    });
+  } finally {
+    $("#submit-button").disabled = false;
+  }
+}
+
+async function main() {
+  preview($('input[name="image"]'), $("#image-preview"));
+  preview($('input[name="audio"]'), $("#audio-preview"));
+  $("#submit-form").addEventListener("submit", submit);
+  const info = await withToken(async () => (await api("/v1/server")).json());
+  if ($("#token-dialog").open) $("#token-dialog").close();
+  renderServer(info);
+  buildForm(info.fields, info.max_upload_mb);
+  document.body.dataset.ready = "1";
+  follow();
+}
+
+main();
