@@ -26,6 +26,7 @@ import pytest
 
 from conftest import ROOT, wait_for
 from serving import AUTH, TINY_DEFAULTS, TOKEN, ServerProcess, expected_mp4
+from wan_s2v_runner.launcher.serve.keeper import group_processes
 from wan_s2v_runner.shared import media
 
 def test_jobs_in_a_row_equal_one_process(server, inputs, engine_cpu, tmp_path):
@@ -170,6 +171,8 @@ def test_kill_9_then_restart_resumes_exactly_once(server, inputs, engine_cpu, tm
     job = server.submit(**paths, prompt="three clips", **three).json()
     later = server.submit(**paths, prompt="queued behind it", steps=1, infer_frames=4, num_clips=1).json()
     wait_for(lambda: (server.video(job["id"]).get("clip") or 0) >= 2, 180, "clip 2", server.tail)
+    killed_group = json.loads((server.dir / "group.json").read_text())["run_dir"]
+    assert len(group_processes(killed_group)) == 3  # torchrun and its 2 workers
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait(10)
     server.restart()  # the session's server from here on
@@ -185,6 +188,7 @@ def test_kill_9_then_restart_resumes_exactly_once(server, inputs, engine_cpu, tm
             for ev in map(json.loads, f.read_text().splitlines())
             if ev["kind"] == "job_done" and ev.get("id") == job["id"]]
     assert len(made) == 1  # finished exactly once, across every rank group
+    assert not group_processes(killed_group)  # nothing of the killed server's group is left running
 
 
 def test_binding_beyond_loopback_needs_auth():

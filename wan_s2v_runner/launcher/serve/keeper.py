@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 from wan_s2v_runner.launcher.batch import WORK_DIR, JobState, Line, mark_done_before, prepare_resume
 from wan_s2v_runner.launcher.console import Display, eta_s
+from wan_s2v_runner.launcher.proctree import pids_with_cmdline
 from wan_s2v_runner.launcher.serve.queue import JobQueue, JobStatus
 from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
 from wan_s2v_runner.shared import atomic, inbox
@@ -40,7 +41,7 @@ from wan_s2v_runner.shared.stages import Stage
 
 #: seconds before the keeper starts a new rank group after one failed (doubling, up to the max)
 RESTART_BACKOFF_S = (1.0, 30.0)
-#: a served group's worker pids, so the next server can wait for (or stop) what a killed one left
+#: the running group's run directory, so the next server can find (and stop) what a killed one left
 GROUP_FILE = "group.json"
 
 
@@ -264,15 +265,13 @@ class Keeper(threading.Thread):
         with self._lock:
             self.run_dir = run_dir
             self._cancel_sent.clear()
+        # for the next server, if this one is killed: what to look for among the processes
+        atomic.write_text(self.dirs.root / GROUP_FILE, json.dumps({"run_dir": str(run_dir)}))
 
     def on_events(self, new_events: list[dict]) -> None:
         for ev in new_events:
-            kind = ev.get("kind")
-            if kind == "hello":
-                self._note_worker(ev)
-            if ev.get("rank") != 0:
-                continue
-            self._on_rank0(ev, kind)
+            if ev.get("rank") == 0:
+                self._on_rank0(ev, ev.get("kind"))
         if self.state is GroupState.IDLE and self.current is None and not self._closing.is_set():
             self._post_next()
         if self.current is not None and self.current not in self._cancel_sent:
@@ -336,18 +335,6 @@ class Keeper(threading.Thread):
                 inbox.post_job(self.run_dir, self._seq, job.model_dump_json())
             return
 
-    def _note_worker(self, ev: dict) -> None:
-        """Remember the group's worker pids (for the next server, if this one is killed)."""
-        path = self.dirs.root / GROUP_FILE
-        try:
-            known = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            known = {}
-        if known.get("run_dir") != str(self.run_dir):
-            known = {"run_dir": str(self.run_dir), "pids": []}
-        known["pids"].append(ev.get("pid"))
-        atomic.write_text(path, json.dumps(known))
-
 
 def remove_partial_videos(videos: Path) -> list[Path]:
     """What a killed rank left half-written among the videos (every writer names its temporaries
@@ -360,30 +347,27 @@ def remove_partial_videos(videos: Path) -> list[Path]:
     return removed
 
 
-def _is_worker_of(pid: int, run_dir: str) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    args = [a.decode(errors="replace") for a in cmdline]
-    return WORKER_MODULE in args and any(a.startswith(run_dir) for a in args)
+def group_processes(run_dir: str) -> set[int]:
+    """torchrun and the workers of the rank group in ``run_dir`` (their command lines name its spec)."""
+    return pids_with_cmdline(WORKER_MODULE.encode(), str(Path(run_dir) / "spec.json").encode())
 
 
 def wait_for_leftovers(group_file: Path, grace_s: float = 10.0) -> list[int]:
-    """Workers a killed server's group left running (they normally stop with torchrun, which
-    stops with the server): wait ``grace_s`` for them, then SIGKILL. Returns the pids found."""
+    """What a killed server's group left running: torchrun and its workers normally stop with
+    the server (torchrun gets SIGTERM when it dies, and stops its workers), but a torchrun whose
+    output pipe broke with the server can hang in its shutdown. Wait ``grace_s``, then SIGKILL
+    whatever of the group is left. Returns the pids found."""
     try:
-        known = json.loads(group_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        run_dir = json.loads(group_file.read_text(encoding="utf-8"))["run_dir"]
+    except (OSError, ValueError, KeyError, TypeError):
         return []
-    pids = [p for p in known.get("pids", []) if isinstance(p, int) and _is_worker_of(p, known.get("run_dir", ""))]
+    found = group_processes(run_dir)
     deadline = time.time() + grace_s
-    while time.time() < deadline and any(_is_worker_of(p, known["run_dir"]) for p in pids):
+    while found and time.time() < deadline and group_processes(run_dir):
         time.sleep(0.2)
-    for p in pids:
-        if _is_worker_of(p, known["run_dir"]):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-    return pids
+    for pid in group_processes(run_dir):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return sorted(found)
