@@ -206,4 +206,4 @@ def server(tiny_assets, inputs, tmp_path_factory):
              "--allow-dir", str(inputs["root"]), "--max-queue", "6", "--max-upload-mb", "1"]
     s = ServerProcess(d, flags, env={"WAN_S2V_TEST_FAULT": POISON})
     yield s
-    s.stop()
+    assert s.stop() == [] and "serve: stopping the rank group" in s.text()  # SIGTERM leaves nothing running

@@ -47,7 +47,8 @@ class ServerProcess:
         self.http = httpx.Client(base_url=self.url, headers=AUTH, timeout=60)
 
     def text(self) -> str:
-        self.out.flush()
+        if not self.out.closed:
+            self.out.flush()
         return self.log.read_text()
 
     def tail(self) -> str:
@@ -72,15 +73,31 @@ class ServerProcess:
         self.out.close()
         self.__init__(self.dir, self.flags, self.env)
 
-    def stop(self) -> None:
+    def group_dir(self) -> str | None:
+        """The run directory of the server's current (or last) rank group."""
+        try:
+            return json.loads((self.dir / "group.json").read_text())["run_dir"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def stop(self) -> list[int]:
+        """SIGTERM, as a service manager stops it; returns the pids of its rank group still
+        running after it exited (none: it stops its group before it exits)."""
+        from wan_s2v_runner.launcher.serve.keeper import group_processes
+
+        group = self.group_dir()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.http.close()
         self.out.close()
+        left = sorted(group_processes(group)) if group else []
+        for pid in left:  # never leave them to the next test
+            os.kill(pid, signal.SIGKILL)
+        return left
 
 
 def expected_mp4(engine_cpu, audio: Path, dest: Path, **updates) -> str:

@@ -83,6 +83,10 @@ def submit(driver, image: Path, audio: Path, **fields) -> None:
     form.find_element(By.ID, "submit-button").click()
 
 
+def server_ids(server) -> list[str]:
+    return [v["id"] for v in server.http.get("/v1/videos").json()["data"]]
+
+
 def newest_job(driver, other_than: set) -> str:
     return wait_for(lambda: next((i for i in js(driver, "return [...document.querySelectorAll('.job')]"
                                                 "  .map(e => e.dataset.id)") if i not in other_than), None),
@@ -109,6 +113,7 @@ def test_status_page_in_chromium(browser, server, inputs, tmp_path):
     wait_for(lambda: len(driver.find_elements(By.CSS_SELECTOR, "#ranks tbody tr")) == 2, 60, "both ranks listed")
 
     # a bad upload: the preflight's cause and fix next to the image field, nothing queued
+    jobs_before = len(server.http.get("/v1/videos").json()["data"])
     bad = tmp_path / "not an image.png"
     bad.write_bytes(b"this is not a png")
     submit(driver, bad, inputs["audio"])
@@ -116,12 +121,13 @@ def test_status_page_in_chromium(browser, server, inputs, tmp_path):
     wait_for(lambda: slot.text, 30, "the image field's error")
     assert "preflight inputs.image" in slot.text and "Fix" in slot.text, slot.text
     shot(driver, "02-bad-upload")
-    assert not driver.find_elements(By.CSS_SELECTOR, ".job")
+    assert len(server.http.get("/v1/videos").json()["data"]) == jobs_before
 
     # a job through the form: its bar moves, then the video plays
-    submit(driver, inputs["image"], inputs["audio"], prompt="from the page", seed=11, steps=6)
+    earlier = set(server_ids(server))
+    submit(driver, inputs["image"], inputs["audio"], prompt="from the page", seed=11, steps=8)
     assert slot.text == ""  # the earlier error is cleared
-    first = newest_job(driver, set())
+    first = newest_job(driver, earlier)
     seen, shot_taken = [], False
     deadline = time.time() + 180
     while time.time() < deadline:
@@ -151,7 +157,7 @@ def test_status_page_in_chromium(browser, server, inputs, tmp_path):
 
     # a second job, cancelled from the page
     submit(driver, inputs["image"], inputs["audio"], prompt="cancelled from the page", steps=40)
-    second = newest_job(driver, {first})
+    second = newest_job(driver, earlier | {first})
     wait_for(lambda: job_state(driver, second)["status"] in ("queued", "in_progress"), 30, "the second job")
     driver.find_element(By.CSS_SELECTOR, f'[data-id="{second}"] button.cancel').click()
     wait_for(lambda: job_state(driver, second)["status"] == "cancelled", 60, "the cancel")

@@ -4,14 +4,17 @@
 every command's; ``--image``/``--audio`` are uploaded, or sent as server paths with
 ``--server-paths``), follows its progress from the server's ``/v1/videos/{id}/events`` stream
 (a live rich view on a terminal, plain lines otherwise), and downloads the mp4 to ``--output``
-(default ``ID.mp4`` in the current directory; temp name, then rename). ``jobs`` lists the
+(default ``ID.mp4`` in the current directory, or in ``--output`` when that is a directory; temp
+name, then rename). ``jobs`` lists the
 server's jobs, shows the ones named, or cancels them (``--cancel``). ``--json`` prints the video
 object(s) instead. The server comes from ``--url`` / ``$WAN_S2V_URL``, the token from ``--token``
 / ``$WAN_S2V_TOKEN``.
 
-Exit codes (README): 0 done; 3 the server refused the job (its cause printed; nothing queued);
-6 the job failed or was cancelled on the server; 7 the server could not be reached or answered
-an error; 130 interrupted (the job goes on on the server: ``wan-s2v jobs ID`` finds it).
+Exit codes (README): 0 done; 3 the server refused the request (a 4xx: its cause printed; for
+``submit``, nothing was queued); 6 the job failed or was cancelled on the server; 7 the server
+could not be reached (for ``submit``: for :data:`RECONNECT_S` while following), answered a server
+error, or the finished video could not be downloaded or written; 130 interrupted (the job goes
+on on the server: ``wan-s2v jobs ID`` finds it).
 """
 from __future__ import annotations
 
@@ -32,6 +35,10 @@ from wan_s2v_runner.shared import atomic, exit_codes
 URL_ENV, TOKEN_ENV = "WAN_S2V_URL", "WAN_S2V_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL = ("completed", "failed", "cancelled")
+#: a silent server this long is a dead one (its event streams send a ping every 15 s)
+READ_TIMEOUT_S = 90
+#: how long ``submit`` keeps trying to reach a server that went away while it follows a job
+RECONNECT_S = 300
 
 
 class ClientError(Exception):
@@ -46,25 +53,37 @@ def connect(args) -> httpx.Client:
     url = (args.url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
     token = args.token or os.environ.get(TOKEN_ENV)
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"} if token else {},
-                        timeout=httpx.Timeout(60, read=None))
+                        timeout=httpx.Timeout(60, read=READ_TIMEOUT_S))
 
 
-def _call(client: httpx.Client, method: str, path: str, **kw) -> dict[str, Any]:
-    """One API call; its JSON body, or :class:`ClientError` with the server's one-line cause."""
-    try:
-        r = client.request(method, path, **kw)
-    except httpx.HTTPError as e:
-        raise ClientError(exit_codes.SERVER_UNREACHABLE,
-                          f"cannot reach the server at {client.base_url} ({e}). Fix: start `wan-s2v serve`, or "
-                          f"give its address with --url / ${URL_ENV}") from None
+def _unreachable(client: httpx.Client, e: Exception) -> ClientError:
+    return ClientError(exit_codes.SERVER_UNREACHABLE,
+                       f"cannot reach the server at {client.base_url} ({e}). Fix: start `wan-s2v serve`, or give "
+                       f"its address with --url / ${URL_ENV}")
+
+
+def _raise_for(r: httpx.Response, refused_code: int = exit_codes.PREFLIGHT) -> None:
+    """:class:`ClientError` with the server's one-line cause when ``r`` is an error (a 4xx exits
+    ``refused_code``, a 5xx :data:`~exit_codes.SERVER_UNREACHABLE`); a streamed body is read first."""
     if r.status_code < 400:
-        return r.json()
+        return
+    r.read()
     try:
         message = r.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = r.text.strip()[:300]
-    code = exit_codes.PREFLIGHT if 400 <= r.status_code < 500 else exit_codes.SERVER_UNREACHABLE
+    code = refused_code if r.status_code < 500 else exit_codes.SERVER_UNREACHABLE
     raise ClientError(code, f"the server answered {r.status_code}: {message}")
+
+
+def _call(client: httpx.Client, method: str, path: str, **kw) -> Any:
+    """One API call; its JSON body, or :class:`ClientError` with the server's one-line cause."""
+    try:
+        r = client.request(method, path, **kw)
+    except httpx.HTTPError as e:
+        raise _unreachable(client, e) from None
+    _raise_for(r)
+    return r.json()
 
 
 # --------------------------------------------------------------------------- submit
@@ -150,45 +169,50 @@ def status_line(v: dict[str, Any]) -> str:
 
 
 def follow(client: httpx.Client, video_id: str, follower: Follower) -> dict[str, Any]:
-    """The job's video objects from its event stream until it ends (reconnecting if the stream
-    drops: the server may restart); the last one."""
-    last: Optional[dict[str, Any]] = None
+    """The job's video objects from its event stream until it ends; the last one. A dropped
+    stream or an absent server (it may be restarting: the job resumes there) is retried for up to
+    :data:`RECONNECT_S`."""
+    gone_since: Optional[float] = None
     while True:
         try:
             with client.stream("GET", f"/v1/videos/{video_id}/events") as stream:
-                if stream.status_code >= 400:
-                    stream.read()
-                    return _call(client, "GET", f"/v1/videos/{video_id}")  # raises with the cause
+                _raise_for(stream)
+                gone_since = None
                 for line in stream.iter_lines():
                     if line.startswith("data:"):
                         last = json.loads(line[5:])
                         follower.show(last)
                         if last["status"] in TERMINAL:
                             return last
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-        last = _call(client, "GET", f"/v1/videos/{video_id}")
-        if last["status"] in TERMINAL:
-            return last
+        except httpx.HTTPError as e:
+            gone_since = gone_since or time.time()
+            if time.time() - gone_since > RECONNECT_S:
+                raise _unreachable(client, e) from None
+        time.sleep(2.0)
 
 
 def download(client: httpx.Client, video_id: str, dest: Path) -> Path:
     """The job's mp4 to ``dest`` (a temporary name, renamed when complete)."""
-    dest = dest.expanduser().absolute()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-
     def write(tmp: Path) -> None:
-        with client.stream("GET", f"/v1/videos/{video_id}/content") as r:
-            if r.status_code >= 400:
-                r.read()
-                _call(client, "GET", f"/v1/videos/{video_id}/content")
-            with open(tmp, "wb") as f:
-                for chunk in r.iter_bytes():
-                    f.write(chunk)
+        try:
+            with client.stream("GET", f"/v1/videos/{video_id}/content") as r:
+                _raise_for(r, refused_code=exit_codes.SERVER_UNREACHABLE)
+                with open(tmp, "wb") as f:
+                    for chunk in r.iter_bytes():
+                        f.write(chunk)
+        except httpx.HTTPError as e:
+            raise _unreachable(client, e) from None
 
-    atomic.atomic_write(dest, write)
-    return dest
+    return atomic.atomic_write(dest, write)
+
+
+def destination(output: Optional[Path], video_id: str) -> Path:
+    """Where ``submit`` writes the mp4: ``--output``, ``ID.mp4`` in it when it is a directory,
+    else ``ID.mp4`` here."""
+    if output is None:
+        return Path(f"{video_id}.mp4").absolute()
+    output = output.expanduser().absolute()
+    return output / f"{video_id}.mp4" if output.is_dir() else output
 
 
 def cmd_submit(args) -> int:
@@ -205,7 +229,7 @@ def cmd_submit(args) -> int:
             with Follower(rich=sys.stdout.isatty() and not args.json, out=sys.stderr if args.json else sys.stdout) as f:
                 video = follow(client, video["id"], f)
             if video["status"] == "completed":
-                dest = download(client, video["id"], args.output or Path(f"{video['id']}.mp4"))
+                dest = download(client, video["id"], destination(args.output, video["id"]))
                 video = {**video, "downloaded_to": str(dest)}
             if args.json:
                 print(json.dumps(video, indent=2))
@@ -216,6 +240,10 @@ def cmd_submit(args) -> int:
     except ClientError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.code
+    except OSError as e:  # the mp4 could not be written here
+        print(f"error: {e}. Fix: give --output a writable path (the video stays on the server: wan-s2v jobs)",
+              file=sys.stderr)
+        return exit_codes.SERVER_UNREACHABLE
     except KeyboardInterrupt:
         print("interrupted: the job goes on on the server (wan-s2v jobs lists it)", file=sys.stderr)
         return exit_codes.INTERRUPTED

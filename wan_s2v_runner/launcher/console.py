@@ -301,6 +301,9 @@ class Display:
             self._print(f"node {spec.node_rank} done in {manifest['wall_s']:.1f}s: its ranks finished; node 0 "
                         f"writes {spec.output}; manifest {run_dir / 'run.json'}")
             return
+        if outcome.code == 0 and not (manifest.get("output") or {}).get("path"):  # a group of jobs (batch, serve)
+            self._print(f"done in {manifest['wall_s']:.1f}s: the rank group ended; manifest {run_dir / 'run.json'}")
+            return
         if outcome.code == 0:
             out = manifest.get("output") or {}
             self._print(f"done in {manifest['wall_s']:.1f}s: {out.get('path')} "

@@ -34,24 +34,26 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
-from fastapi.staticfiles import StaticFiles
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.datastructures import UploadFile
 
 from wan_s2v_runner.launcher.serve import page
-from wan_s2v_runner.launcher.serve.keeper import Keeper, ServerDirs, remove_partial_videos
+from wan_s2v_runner.launcher.serve.keeper import (GROUP_FILE, Keeper, ServerDirs, remove_partial_videos,
+                                                  wait_for_leftovers)
 from wan_s2v_runner.launcher.serve.metrics import CONTENT_TYPE, ServerMetrics
 from wan_s2v_runner.launcher.serve.queue import JobQueue, JobRow, JobStatus, QueueFull
 from wan_s2v_runner.launcher.serve.requests import Policy, Refused, Upload, VideoJobFields, build_job, new_id
-from wan_s2v_runner.shared import atomic
+from wan_s2v_runner.shared import atomic, exit_codes
 from wan_s2v_runner.shared.spec import RunSpec
 
 MODEL = "wan2.2-s2v-14b"
@@ -226,13 +228,18 @@ def create_app(server: Server) -> FastAPI:
             raise Refused(404, "this server keeps no metrics")
         return Response(server.metrics.text(), media_type=CONTENT_TYPE)
 
+    def snapshot() -> dict[str, Any]:
+        return {"server": server_state(server), "videos": [video_object(server, row) for row in server.queue.all()]}
+
     @app.get("/v1/events", dependencies=guarded, response_class=EventSourceResponse)
     async def all_events(request: Request):
-        """The server and every job, whenever any of it changes (the status page's feed)."""
+        """The server and every job, whenever any of it changes (the status page's feed). The
+        queue is read on a worker thread, never on the event loop."""
+        from starlette.concurrency import run_in_threadpool
+
         last = None
         while not await request.is_disconnected():
-            now = {"server": server_state(server),
-                   "videos": [video_object(server, row) for row in server.queue.all()]}
+            now = await run_in_threadpool(snapshot)
             view = {"server": {k: v for k, v in now["server"].items() if k != "uptime_s"},
                     "videos": [{k: v for k, v in o.items() if k != "stage_seconds" or o["status"] != "in_progress"}
                                for o in now["videos"]]}
@@ -245,7 +252,11 @@ def create_app(server: Server) -> FastAPI:
     def index() -> FileResponse:
         return FileResponse(page.INDEX, media_type="text/html")
 
-    app.mount("/static", StaticFiles(directory=page.ROOT), name="static")
+    @app.get("/static/{name}", include_in_schema=False)
+    def static(name: str) -> FileResponse:
+        if name not in page.ASSETS:
+            raise Refused(404, f"no page file {name!r}")
+        return FileResponse(page.ROOT / name, media_type=page.ASSETS[name])
 
     @app.post("/v1/videos", dependencies=guarded,
               openapi_extra={"requestBody": {"content": {"multipart/form-data": {"schema": {
@@ -336,7 +347,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(server: Server, host: str, port: int) -> int:
-    """Serve until SIGINT/SIGTERM: the keeper's group in the background, uvicorn in front."""
+    """Serve until SIGINT/SIGTERM: the keeper's group in the background, uvicorn in front; then
+    stop the group and make sure nothing of it is left running."""
     import uvicorn
 
     sock = bind_socket(host, port)
@@ -347,16 +359,36 @@ def run_server(server: Server, host: str, port: int) -> int:
     if recovered:
         print(f"serve: {len(recovered)} job(s) were in progress when the server stopped; they resume first: "
               f"{', '.join(recovered)}", flush=True)
-    server.keeper.start()
-    atomic.write_text(server.dirs.root / SERVER_FILE, json.dumps({"url": url, "pid": os.getpid()}))
-    print(f"serve: {url} (POST /v1/videos, GET /health); server directory {server.dirs.root}", flush=True)
-    config = uvicorn.Config(create_app(server), log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    # uvicorn handles SIGINT/SIGTERM while it runs and, once it has shut down, restores the
+    # handlers it found and raises the signal again: with the default SIGTERM handler that would
+    # end this process before the rank group is stopped (a torchrun left behind). So the handlers
+    # it finds are ours: stop the start-up before uvicorn runs, nothing after it.
+    uvicorn_running = threading.Event()
+
+    def on_signal(sig: int, _frame) -> None:
+        if not uvicorn_running.is_set():
+            raise SystemExit(exit_codes.INTERRUPTED)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        server.keeper.start()
+        atomic.write_text(server.dirs.root / SERVER_FILE, json.dumps({"url": url, "pid": os.getpid()}))
+        print(f"serve: {url} (POST /v1/videos, GET /health); server directory {server.dirs.root}", flush=True)
+        config = uvicorn.Config(create_app(server), log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5)
+        uvicorn_running.set()
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         print("serve: stopping the rank group (a job in progress resumes when the server starts again)",
               file=sys.stderr, flush=True)
-        server.keeper.shutdown()
+        if server.keeper.is_alive():
+            server.keeper.shutdown()
+        left = wait_for_leftovers(server.dirs.root / GROUP_FILE, grace_s=5.0)
+        if left:
+            print(f"serve: stopped what the rank group left running (pids {', '.join(map(str, left))})",
+                  file=sys.stderr, flush=True)
         (server.dirs.root / SERVER_FILE).unlink(missing_ok=True)
         server.queue.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0

@@ -162,6 +162,7 @@ class Keeper(threading.Thread):
         self.group_spec, self.queue, self.dirs, self.extra_env = group_spec, queue, dirs, extra_env
         self.on_completed = on_completed  # called with a completed job's record (the metrics)
         self.ranks: list[dict[str, Any]] = []  # each rank's stage and memory, from its events
+        self.last_steps_per_s: Optional[float] = None  # the last completed job's denoising speed
         self.state = GroupState.LOADING
         self.restarts = 0
         self.groups = 0
@@ -184,10 +185,12 @@ class Keeper(threading.Thread):
             return p.as_dict(time.time()) if p else None
 
     def steps_per_s(self) -> Optional[float]:
-        """The running job's denoising speed so far (steps a second), None before its second step."""
+        """Denoising steps a second, since the job's first step (its decodes included): the
+        running job's so far, else the last completed job's; None before any."""
         with self._lock:
             p = self.progress.get(self.current) if self.current else None
-            return p.steps_per_s(time.time()) if p else None
+            live = p.steps_per_s(time.time()) if p else None
+            return live if live is not None else self.last_steps_per_s
 
     def note_ranks(self, ranks: dict) -> None:
         """Each rank's stage and latest memory figures (the status page, /metrics)."""
@@ -292,7 +295,9 @@ class Keeper(threading.Thread):
                 p.on_event(ev)
             if kind in ("job_done", "job_cancelled") and ev.get("id") == self.current:
                 job_id, self.current = self.current, None
-                self.progress.pop(job_id, None)
+                done = self.progress.pop(job_id, None)
+                if kind == "job_done" and done is not None:
+                    self.last_steps_per_s = done.steps_per_s(float(ev["t"])) or self.last_steps_per_s
             else:
                 return
         if kind == "job_cancelled":
@@ -307,7 +312,10 @@ class Keeper(threading.Thread):
         else:
             self.queue.finish(job_id, JobStatus.COMPLETED, record=record)
             if self.on_completed is not None:
-                self.on_completed(record)
+                try:
+                    self.on_completed(record)
+                except Exception:  # the metrics must never cost the queue an event
+                    traceback.print_exc()
 
     def _post_next(self) -> None:
         while True:

@@ -21,10 +21,12 @@ name                                           type       labels
 ``wan_s2v_rank_rss_bytes``                     gauge      ``rank``
 ``wan_s2v_rank_gpu_peak_allocated_bytes``      gauge      ``rank`` (GPU runs)
 =============================================  =========  ======================================
+
+Steps a second count from a job's first denoising step, its decodes between clips included.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -65,11 +67,10 @@ class _StateCollector:
             state.add_metric([s.value], 1 if s is keeper.state else 0)
         yield state
         speed = keeper.steps_per_s()
-        speed = self.m.last_steps_per_s if speed is None else speed
         if speed is not None:
             yield GaugeMetricFamily("wan_s2v_denoise_steps_per_second",
-                                    "denoising steps a second (the running job, else the last completed)",
-                                    value=speed)
+                                    "denoising steps a second since the job's first step, its decodes included "
+                                    "(the running job, else the last completed)", value=speed)
         rss = GaugeMetricFamily("wan_s2v_rank_rss_bytes", "each rank's resident host memory", labels=["rank"])
         gpu = GaugeMetricFamily("wan_s2v_rank_gpu_peak_allocated_bytes", "each rank's peak GPU memory allocated",
                                 labels=["rank"])
@@ -87,7 +88,6 @@ class ServerMetrics:
 
     def __init__(self, queue: JobQueue, keeper=None):
         self.queue, self.keeper = queue, keeper
-        self.last_steps_per_s: Optional[float] = None
         self.registry = CollectorRegistry(auto_describe=True)
         self.job_seconds = Histogram("wan_s2v_job_seconds", "a completed job's seconds, taken to mp4 written",
                                      buckets=JOB_BUCKETS, registry=self.registry)
@@ -103,15 +103,11 @@ class ServerMetrics:
         self.registry.register(_StateCollector(self))
 
     def job_completed(self, record: dict[str, Any]) -> None:
-        if record.get("wall_s") is not None:
+        if isinstance(record.get("wall_s"), (int, float)):
             self.job_seconds.observe(float(record["wall_s"]))
         for stage, secs in (record.get("stage_seconds") or {}).items():
-            self.stage_seconds.labels(stage=stage).observe(float(secs))
-        denoise = (record.get("stage_seconds") or {}).get("denoise")
-        spec = record.get("spec") or {}
-        steps = (spec.get("steps") or 0) * (record.get("clips") or spec.get("num_clips") or 0)
-        if denoise and steps:
-            self.last_steps_per_s = round(steps / float(denoise), 4)
+            if isinstance(secs, (int, float)):
+                self.stage_seconds.labels(stage=stage).observe(float(secs))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,3 +11,5 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 INDEX = ROOT / "index.html"
+#: the files served under /static/ (nothing else in this folder is)
+ASSETS = {"page.js": "text/javascript", "page.css": "text/css"}

@@ -15,22 +15,39 @@ function headers() {
 
 class Unauthorized extends Error {}
 
+// an error response's one line: the API's {"error": {"message"}}, else its text
+async function errorMessage(r) {
+  const text = await r.text();
+  try {
+    return JSON.parse(text).error.message;
+  } catch {
+    return `${r.status} ${r.statusText}: ${text.slice(0, 200)}`;
+  }
+}
+
 async function api(path, options = {}) {
   const r = await fetch(path, { ...options, headers: { ...headers(), ...(options.headers || {}) } });
-  if (r.status === 401) throw new Unauthorized((await r.json()).error.message);
+  if (r.status === 401) throw new Unauthorized(await errorMessage(r));
   return r;
 }
 
+// one question at a time: every caller that met a 401 waits for the same answer
+let tokenAsked = null;
 function askToken(message) {
   const dialog = $("#token-dialog");
   $("#token-error").textContent = message || "";
   if (!dialog.open) dialog.showModal();
-  return new Promise((resolve) => {
-    $("#token-form").onsubmit = () => {
-      sessionStorage.setItem(TOKEN_KEY, $("#token-input").value);
-      resolve();
-    };
-  });
+  if (!tokenAsked) {
+    tokenAsked = new Promise((resolve) => {
+      $("#token-form").onsubmit = () => {
+        sessionStorage.setItem(TOKEN_KEY, $("#token-input").value);
+        tokenAsked = null;
+        resolve();
+      };
+      dialog.oncancel = (e) => e.preventDefault(); // Escape: the page cannot work without it
+    });
+  }
+  return tokenAsked;
 }
 
 async function withToken(fn) {
@@ -102,13 +119,13 @@ function detailOf(v) {
 }
 
 async function showVideo(v, box) {
-  if (box.dataset.loaded) return;
+  if (box.dataset.loaded) return; // loading, loaded, or failed (then a retry button is there)
   box.dataset.loaded = "1";
   try {
     let url = videoUrls.get(v.id);
     if (!url) {
       const r = await api(`/v1/videos/${v.id}/content`);
-      if (!r.ok) throw new Error((await r.json()).error.message);
+      if (!r.ok) throw new Error(await errorMessage(r));
       url = URL.createObjectURL(await r.blob());
       videoUrls.set(v.id, url);
     }
@@ -123,8 +140,14 @@ async function showVideo(v, box) {
     link.textContent = `Download ${v.id}.mp4`;
     box.replaceChildren(video, link);
   } catch (e) {
-    delete box.dataset.loaded;
-    box.textContent = `could not load the video: ${e.message}`;
+    const retry = document.createElement("button");
+    retry.type = "button";
+    retry.textContent = "Retry";
+    retry.onclick = () => { delete box.dataset.loaded; showVideo(v, box); };
+    const why = document.createElement("span");
+    why.className = "error";
+    why.textContent = `could not load the video: ${e.message} `;
+    box.replaceChildren(why, retry);
   }
 }
 
@@ -169,23 +192,32 @@ function renderJobs(videos, prune = true) {
       }
     }
   }
-  if (prune) for (const el of [...list.children]) if (!seen.has(el.dataset.id)) el.remove();
+  if (prune) {
+    for (const el of [...list.children]) {
+      if (seen.has(el.dataset.id)) continue;
+      if (videoUrls.has(el.dataset.id)) URL.revokeObjectURL(videoUrls.get(el.dataset.id));
+      videoUrls.delete(el.dataset.id);
+      el.remove();
+    }
+  }
 }
 
 async function cancel(id) {
   await withToken(async () => {
     const r = await api(`/v1/videos/${id}`, { method: "DELETE" });
-    if (!r.ok) alert((await r.json()).error.message);
+    if (!r.ok) alert(await errorMessage(r));
   });
 }
 
 // ----- the live feed: server-sent events read with fetch (the token goes in a header) -----
 async function follow() {
   for (;;) {
+    let reader = null;
     try {
       const r = await api("/v1/events", { headers: { Accept: "text/event-stream" } });
+      if (!r.ok) throw new Error(await errorMessage(r));
       $("#feed").textContent = "live";
-      const reader = r.body.getReader();
+      reader = r.body.getReader();
       const decoder = new TextDecoder();
       let buffer = "";
       for (;;) {
@@ -210,6 +242,9 @@ async function follow() {
         await askToken(e.message);
         continue;
       }
+      console.error("wan-s2v feed:", e);
+    } finally {
+      if (reader) reader.cancel().catch(() => {}); // close this stream before opening the next
     }
     $("#feed").textContent = "reconnecting…";
     await new Promise((ok) => setTimeout(ok, 1000));
@@ -267,8 +302,9 @@ function buildForm(list, maxUploadMb) {
 
 function preview(input, el) {
   input.onchange = () => {
+    if (el.src.startsWith("blob:")) URL.revokeObjectURL(el.src);
     const file = input.files[0];
-    if (!file) { el.hidden = true; return; }
+    if (!file) { el.removeAttribute("src"); el.hidden = true; return; }
     el.src = URL.createObjectURL(file);
     el.hidden = false;
   };
@@ -291,15 +327,19 @@ async function submit(event) {
   try {
     await withToken(async () => {
       const r = await api("/v1/videos", { method: "POST", body: data });
-      const body = await r.json();
       if (!r.ok) {
-        const param = body.error.param || "";
-        const slot = form.querySelector(`[data-error-for="${param}"]`) || form.querySelector('[data-error-for=""]');
-        slot.textContent = body.error.message;
+        const text = await r.text();
+        let error;
+        try { error = JSON.parse(text).error; } catch { error = { message: `${r.status}: ${text.slice(0, 200)}` }; }
+        const param = error.param || "";
+        const slot = form.querySelector(`[data-error-for="${CSS.escape(param)}"]`) || form.querySelector('[data-error-for=""]');
+        slot.textContent = error.message;
         return;
       }
-      renderJobs([body], false);
+      renderJobs([await r.json()], false);
     });
+  } catch (e) {
+    form.querySelector('[data-error-for=""]').textContent = `could not submit: ${e.message}`;
   } finally {
     $("#submit-button").disabled = false;
   }
