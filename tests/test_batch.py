@@ -66,7 +66,7 @@ def test_jobs_in_a_row_equal_one_process(tiny_assets, reference_frames, other_fr
 def test_batch_resumes_the_interrupted_job_and_skips_the_finished_one(tiny_assets, engine_cpu, tmp_path):
     three_clips = {"infer_frames": 4, "num_clips": 3}
     jobs = tmp_path / "jobs.jsonl"
-    _write_jobs(jobs, [{"id": "one"}, {"id": "two", "seed": 9, **three_clips}])
+    _write_jobs(jobs, [{"id": "one", "steps": 1, **three_clips, "num_clips": 1}, {"id": "two", "seed": 9, **three_clips}])
     out = tmp_path / "out"
     argv = ["batch", str(jobs), *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "2", "--output-dir", str(out),
             "--runs-root", str(tmp_path / "runs")]

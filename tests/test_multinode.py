@@ -1,9 +1,9 @@
 """Several nodes, proven on one machine: two launcher invocations (the "nodes", one rank each)
-rendezvous on loopback, configured by flags, or only by the variables a cluster sets
-(``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE`` = nodes, ``RANK`` = node index, as Vertex AI
-and PyTorchJob do). Node 0 writes frames equal to one process's; node 1 ends cleanly and says
-that node 0 writes the output. The environment case adds ``--cfg-parallel``: at 2 nodes x 1 rank
-the two CFG branches run on different nodes. A node that never joins ends the other node's run
+rendezvous on loopback, configured only by the variables a cluster sets (``MASTER_ADDR``,
+``MASTER_PORT``, ``WORLD_SIZE`` = nodes, ``RANK`` = node index, as Vertex AI and PyTorchJob do;
+the same by flags is test_serve's two-node server). Node 0 writes frames equal to one process's;
+node 1 ends cleanly and says that node 0 writes the output. With ``--cfg-parallel`` at 2 nodes x
+1 rank the two CFG branches run on different nodes. A node that never joins ends the other node's run
 at the load watchdog's limit, with the missing node named; so does a node killed mid-run, at once."""
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 from conftest import ROOT, TINY_FLAGS, asset_flags, run_cli
@@ -40,19 +39,16 @@ def _start_node(d, args: list[str], **env_vars: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.parametrize("configured_by", ["flags", "environment"])
-def test_two_nodes_on_loopback_equal_one_process(tiny_assets, reference_frames, tmp_path, configured_by):
+def test_two_nodes_on_loopback_equal_one_process(tiny_assets, reference_frames, tmp_path):
+    """Configured only by the cluster's variables (the same layout by flags: test_serve's
+    two-node server, --nnodes/--node-rank/--master-addr/--master-port)."""
     port = _free_port()
 
     def start(node: int) -> subprocess.Popen:
         d = tmp_path / f"node{node}"
         args = [*TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "1", "--output", str(d / "o.mp4"),
-                "--frames-out", str(d / "f.pt"), "--runs-root", str(d / "runs")]
-        if configured_by == "flags":
-            args += ["--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-            return _start_node(d, args)
-        return _start_node(d, args + ["--cfg-parallel"], MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                           WORLD_SIZE="2", RANK=str(node))
+                "--frames-out", str(d / "f.pt"), "--runs-root", str(d / "runs"), "--cfg-parallel"]
+        return _start_node(d, args, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(node))
 
     nodes = [start(0), start(1)]
     try:
@@ -69,7 +65,7 @@ def test_two_nodes_on_loopback_equal_one_process(tiny_assets, reference_frames, 
     for i, m in enumerate(manifests):
         lay = m["layout"]
         assert (lay["world_size"], lay["nnodes"], lay["node_rank"]) == (2, 2, i)
-        assert lay["cfg_degree"] == (2 if configured_by == "environment" else 1)
+        assert lay["cfg_degree"] == 2  # the two CFG branches on different nodes
     assert manifests[0]["output"]["sha256"] and manifests[1]["output"] is None
 
 

@@ -226,7 +226,8 @@ def test_queue_moves(tmp_path):
 
 def test_two_nodes_serve(tiny_assets, inputs, engine_cpu, tmp_path):
     """Node 0 serves (API, queue, rank 0); node 1 runs the same command with --node-rank 1 and
-    only computes. Jobs made by the 2-node group equal one process's."""
+    only computes. Jobs made by the 2-node group equal one process's. (Also the suite's check of
+    a layout over nodes set by flags: test_multinode sets it by the cluster's variables.)"""
     from test_multinode import _free_port
 
     port = str(_free_port())
