@@ -6,6 +6,7 @@ LoRAs are built here from random A/B matrices with peft (on the tiny checkpoint'
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -194,12 +195,17 @@ def test_frames_same_for_every_format_and_layout(tiny_assets, same_lora, referen
     """ComfyUI at 1 process == peft in fsdp-fixed x2 == kohya in hybrid x2 with --cfg-parallel
     (FSDP shards shared by the two CFG branches) (exact, fp32), and != no LoRA. (Strength 0 is
     no LoRA exactly: the weights are unchanged, test_strength_and_several_loras_accumulate_once.)"""
-    runs = {}
-    for name, fmt, layout in (("one", LoraFormat.COMFYUI, ["--nproc", "1"]),
-                              ("fsdp", LoraFormat.PEFT, ["--mode", "fsdp-fixed", "--nproc", "2"]),
-                              ("hybrid", LoraFormat.KOHYA, ["--mode", "hybrid", "--nproc", "2", "--cfg-parallel"])):
+    layouts = (("one", LoraFormat.COMFYUI, ["--nproc", "1"]),
+               ("fsdp", LoraFormat.PEFT, ["--mode", "fsdp-fixed", "--nproc", "2"]),
+               ("hybrid", LoraFormat.KOHYA, ["--mode", "hybrid", "--nproc", "2", "--cfg-parallel"]))
+    for name, _, _ in layouts:
         (tmp_path / name).mkdir()
-        runs[name] = _run(tiny_assets, tmp_path / name, *layout, "--lora", f"{same_lora[fmt]}:0.8")
+    # the three runs at once (each its own launcher and OS-picked rendezvous port): on 2 cores
+    # one run's imports and start-up overlap another's compute
+    with ThreadPoolExecutor(len(layouts)) as pool:
+        futures = {name: pool.submit(_run, tiny_assets, tmp_path / name, *layout, "--lora", f"{same_lora[fmt]}:0.8")
+                   for name, fmt, layout in layouts}
+        runs = {name: f.result() for name, f in futures.items()}
     frames = {k: v[0] for k, v in runs.items()}
     assert (frames["one"] - reference_frames).abs().max() > 1e-3  # the LoRA changes the video
     assert torch.equal(frames["one"], frames["fsdp"]) and torch.equal(frames["one"], frames["hybrid"])

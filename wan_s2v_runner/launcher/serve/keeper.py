@@ -360,7 +360,7 @@ def group_processes(run_dir: str) -> set[int]:
     return pids_with_cmdline(WORKER_MODULE.encode(), str(Path(run_dir) / "spec.json").encode())
 
 
-def wait_for_leftovers(group_file: Path, grace_s: float = 10.0) -> list[int]:
+def wait_for_leftovers(group_file: Path, grace_s: float = 5.0) -> list[int]:
     """What a killed server's group left running: torchrun and its workers normally stop with
     the server (torchrun gets SIGTERM when it dies, and stops its workers), but a torchrun whose
     output pipe broke with the server can hang in its shutdown. Wait ``grace_s``, then SIGKILL
