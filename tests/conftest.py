@@ -52,11 +52,18 @@ class CliResult:
         return self.stdout + self.stderr
 
 
+def cli_env(extra: dict | None = None) -> dict:
+    """This environment, with the project first on PYTHONPATH (a child ``python -m
+    wan_s2v_runner`` imports this checkout), and ``extra`` on top."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra or {})
+    return env
+
+
 def run_cli(args: list[str], *, cwd: Path, env: dict | None = None, timeout: float = 300) -> CliResult:
     """`python -m wan_s2v_runner ARGS` in cwd (argument list, no shell)."""
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else []))
-    full_env.update(env or {})
+    full_env = cli_env(env)
     p = subprocess.run([sys.executable, "-m", "wan_s2v_runner", *args], cwd=cwd, env=full_env,
                        capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     return CliResult(p.returncode, p.stdout, p.stderr)
@@ -165,8 +172,7 @@ def hybrid_run(tiny_assets, tmp_path_factory) -> SharedRun:
     neither names a --master-port, so each rendezvous binds a port the OS picks."""
     d, other = tmp_path_factory.mktemp("hybrid"), tmp_path_factory.mktemp("hybrid_other")
     common = [*TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "2", "--watchdog-load", "90"]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env = cli_env()
     second = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "run", *common, "--num-clips", "1",
                                "--steps", "1", "--output", str(other / "out" / "video.mp4"),
                                "--runs-root", str(other / "runs")], cwd=other, env=env, text=True,

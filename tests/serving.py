@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import ROOT, one_process_frames, wait_for
+from conftest import cli_env, one_process_frames, wait_for
 from wan_s2v_runner.shared import media
 
 TOKEN = "s3cret token"
@@ -33,9 +33,7 @@ class ServerProcess:
         self.flags, self.env = flags, env
         self.dir, self.log = server_dir, server_dir.parent / f"{server_dir.name}.{time.time():.0f}.log"
         (server_dir / "server.json").unlink(missing_ok=True)
-        full = dict(os.environ)
-        full["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([full["PYTHONPATH"]] if full.get("PYTHONPATH") else []))
-        full.update(env or {})
+        full = cli_env(env)
         self.out = open(self.log, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "serve", *flags,
                                       "--server-dir", str(server_dir), "--port", "0"],

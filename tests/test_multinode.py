@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from conftest import ROOT, TINY_FLAGS, asset_flags, run_cli
+from conftest import TINY_FLAGS, asset_flags, cli_env, run_cli
 from wan_s2v_runner.shared import exit_codes
 
 
@@ -32,9 +32,8 @@ def _start_node(d, args: list[str], **env_vars: str) -> subprocess.Popen:
     """One "node": ``wan-s2v run ARGS`` in the new directory ``d``, with no cluster variables
     from this environment but ``env_vars``; stdout and stderr together."""
     d.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.update(env_vars)
+    env = {k: v for k, v in cli_env(env_vars).items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK") or k in env_vars}
     return subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "run", *args], cwd=d, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 

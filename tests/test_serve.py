@@ -13,7 +13,6 @@ its mp4 byte-identical to an uninterrupted run's.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import ROOT, wait_for
+from conftest import cli_env, wait_for
 from serving import AUTH, TINY_DEFAULTS, TOKEN, ServerProcess, expected_mp4
 from wan_s2v_runner.launcher.serve.keeper import group_processes
 from wan_s2v_runner.shared import media
@@ -233,8 +232,7 @@ def test_two_nodes_serve(tiny_assets, inputs, engine_cpu, tmp_path):
     port = str(_free_port())
     common = [*TINY_DEFAULTS, "--nproc", "1", "--nnodes", "2", "--master-addr", "127.0.0.1",
               "--master-port", port, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--allow-dir", str(inputs["root"])]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env = cli_env()
     (tmp_path / "node1").mkdir()
     with open(tmp_path / "node1.log", "w") as log:
         node1 = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "serve", *common, "--node-rank", "1",
@@ -292,8 +290,7 @@ def test_metrics_move_as_jobs_run(server, inputs):
 
 
 def _client(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    full = dict(os.environ)
-    full["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([full["PYTHONPATH"]] if full.get("PYTHONPATH") else []))
+    full = cli_env()
     full.pop("WAN_S2V_TOKEN", None)
     full.update(env or {})
     return subprocess.run([sys.executable, "-m", "wan_s2v_runner", *args], env=full, capture_output=True, text=True,

@@ -20,7 +20,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from conftest import ROOT, TINY_FLAGS, asset_flags, run_cli, wait_for
+from conftest import TINY_FLAGS, asset_flags, cli_env, run_cli, wait_for
 from wan_s2v_runner.shared import exit_codes, media
 
 #: watchdog limits for the tests. Load-class stages (spawn .. text_encode) measured on this
@@ -42,9 +42,7 @@ def _args(assets, tmp_path: Path, *extra: str) -> list[str]:
 
 def _popen(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
     """The CLI as a child we can signal; output to files (no pipe to fill up)."""
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else []))
-    full_env.update(env or {})
+    full_env = cli_env(env)
     return subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", *args], cwd=cwd, env=full_env,
                             stdin=subprocess.DEVNULL, stdout=open(cwd / "cli.out", "w"),
                             stderr=open(cwd / "cli.err", "w"))

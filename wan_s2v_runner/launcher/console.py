@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from wan_s2v_runner.shared.events import denoise_position, is_secondary, rank_log_level
+from wan_s2v_runner.shared.events import denoise_position, is_secondary, rank_log_level, steps_done
 from wan_s2v_runner.shared.stages import Stage
 
 #: in plain mode, print a step line at least this often (besides each clip's first/last step)
@@ -68,7 +68,7 @@ def eta_s(p: dict, denoise_t0: Optional[float], now: float) -> Optional[float]:
     """Time left for the remaining steps at the pace so far (decode time included in the pace)."""
     if not (denoise_t0 and p.get("step") and p.get("clips") and p.get("steps") and p.get("clip")):
         return None
-    done = (p["clip"] - 1) * p["steps"] + p["step"]
+    done = steps_done(p)
     total = p["clips"] * p["steps"]
     return (now - denoise_t0) / done * (total - done) if done > 0 else None
 

@@ -137,6 +137,14 @@ def denoise_position(p: dict) -> str:
     return f"clip {p.get('clip')}/{p.get('clips') or '?'}, step {p.get('step') or 0}/{p.get('steps') or '?'}"
 
 
+def steps_done(p: dict) -> Optional[int]:
+    """Denoising steps done over all clips so far, ``(clip - 1) x steps + step``, from a progress
+    record or RankState.progress; None while the steps per clip are unknown."""
+    if not p.get("steps"):
+        return None
+    return (max(p.get("clip") or 1, 1) - 1) * p["steps"] + (p.get("step") or 0)
+
+
 def stage_durations(st: RankState) -> dict[Union[Stage, str], float]:
     """Seconds spent in each stage (summed over repeats, e.g. per-clip denoise/decode)."""
     out: dict[Union[Stage, str], float] = {}

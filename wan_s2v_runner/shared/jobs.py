@@ -27,9 +27,10 @@ from wan_s2v_runner.shared.spec import AbsPath, RunSpec
 JOB_FIELDS: tuple[str, ...] = ("image", "audio", "prompt", "negative_prompt", "max_area", "infer_frames",
                                "num_clips", "steps", "shift", "guide_scale", "solver", "seed", "start_from_ref",
                                "output", "frames_out", "resume_from")
-#: the job fields a client of ``wan-s2v serve`` sets besides the two inputs (outputs are the server's)
-SUBMIT_FIELDS: tuple[str, ...] = tuple(k for k in JOB_FIELDS
-                                       if k not in ("image", "audio", "output", "frames_out", "resume_from"))
+#: the job fields that say where a job's results go (a server decides them, never a client)
+OUTPUT_FIELDS: tuple[str, ...] = ("output", "frames_out", "resume_from")
+#: the job fields a client of ``wan-s2v serve`` sets besides the two inputs
+SUBMIT_FIELDS: tuple[str, ...] = tuple(k for k in JOB_FIELDS if k not in ("image", "audio", *OUTPUT_FIELDS))
 JOBS_FILE = "jobs.jsonl"
 
 

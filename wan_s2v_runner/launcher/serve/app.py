@@ -54,6 +54,7 @@ from wan_s2v_runner.launcher.serve.metrics import CONTENT_TYPE, ServerMetrics
 from wan_s2v_runner.launcher.serve.queue import JobQueue, JobRow, JobStatus, QueueFull
 from wan_s2v_runner.launcher.serve.requests import Policy, Refused, Upload, VideoJobFields, build_job, new_id
 from wan_s2v_runner.shared import atomic, exit_codes
+from wan_s2v_runner.shared.events import steps_done
 from wan_s2v_runner.shared.spec import RunSpec
 
 MODEL = "wan2.2-s2v-14b"
@@ -62,6 +63,8 @@ SERVER_FILE = "server.json"
 #: how often the events stream looks for a change
 EVENTS_POLL_S = 0.25
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: what /health (no token) tells of :func:`server_state` (not the ranks' hosts, not the LoRAs)
+HEALTH_FIELDS = ("group", "restarts", "groups", "current", "last_error", "queue", "uptime_s", "model")
 
 
 @dataclass
@@ -90,8 +93,7 @@ def percent(row: JobRow, live: Optional[dict]) -> int:
         return 100
     if not live or not live.get("steps") or not live.get("clips"):
         return 0
-    done = (max(live.get("clip") or 1, 1) - 1) * live["steps"] + (live.get("step") or 0)
-    return min(99, int(100 * done / (live["clips"] * live["steps"])))
+    return min(99, int(100 * steps_done(live) / (live["clips"] * live["steps"])))
 
 
 def video_object(server: Server, row: JobRow) -> dict[str, Any]:
@@ -150,13 +152,34 @@ def server_state(server: Server) -> dict[str, Any]:
     k, spec = server.keeper, server.keeper.group_spec
     layout = spec.layout
     return {"model": MODEL, "group": k.state.value, "restarts": k.restarts, "groups": k.groups,
-            "current": k.current, "last_error": k.last_error, "uptime_s": round(time.time() - k.started_at),
+            "current": k.current, "last_error": k.last_error, "uptime_s": round(time.time() - k.started_at, 1),
             "queue": server.queue.counts(), "ranks": k.ranks,
             "layout": {"mode": spec.mode.value, "world_size": spec.world_size, "nnodes": spec.nnodes,
                        "nproc": spec.nproc, "cfg_degree": layout.cfg_degree, "sp_degree": layout.sp_degree,
                        "vae_parallel": layout.vae_parallel, "device": spec.device,
                        "attention": getattr(spec.attention, "value", spec.attention)},
             "loras": [str(lora) for lora in spec.lora]}
+
+
+def _settled(video: dict[str, Any]) -> dict[str, Any]:
+    """A video object without what moves with the clock alone (a running job's stage seconds):
+    an event stream sends a new one only when something else changed."""
+    return {k: v for k, v in video.items() if k != "stage_seconds" or video["status"] != "in_progress"}
+
+
+async def _changes(request: Request, read, view, every_s: float):
+    """``read()`` (on a worker thread: it queries SQLite) every ``every_s`` while the client is
+    connected, yielding it whenever ``view`` of it changed."""
+    from starlette.concurrency import run_in_threadpool
+
+    last = None
+    while not await request.is_disconnected():
+        now = await run_in_threadpool(read)
+        seen = view(now)
+        if seen != last:
+            last = seen
+            yield now
+        await asyncio.sleep(every_s)
 
 
 async def _fields(request: Request) -> dict[str, Any]:
@@ -210,12 +233,11 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        k = server.keeper
-        return {"status": "ok", "group": k.state.value, "restarts": k.restarts, "groups": k.groups,
-                "current": k.current, "last_error": k.last_error, "queue": server.queue.counts(),
-                "uptime_s": round(time.time() - k.started_at, 1), "model": MODEL,
-                "mode": server.keeper.group_spec.mode.value, "world_size": server.keeper.group_spec.world_size,
-                "cfg_parallel": server.keeper.group_spec.cfg_parallel, "device": server.keeper.group_spec.device}
+        state = server_state(server)
+        layout = state["layout"]
+        return {"status": "ok", **{k: state[k] for k in HEALTH_FIELDS},
+                "mode": layout["mode"], "world_size": layout["world_size"], "cfg_parallel": layout["cfg_degree"] == 2,
+                "device": layout["device"]}
 
     @app.get("/v1/server", dependencies=guarded)
     def server_info() -> dict[str, Any]:
@@ -233,20 +255,13 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/v1/events", dependencies=guarded, response_class=EventSourceResponse)
     async def all_events(request: Request):
-        """The server and every job, whenever any of it changes (the status page's feed). The
-        queue is read on a worker thread, never on the event loop."""
-        from starlette.concurrency import run_in_threadpool
+        """The server and every job, whenever any of it changes (the status page's feed)."""
+        def view(now: dict) -> dict:
+            return {"server": {k: v for k, v in now["server"].items() if k != "uptime_s"},
+                    "videos": [_settled(o) for o in now["videos"]]}
 
-        last = None
-        while not await request.is_disconnected():
-            now = await run_in_threadpool(snapshot)
-            view = {"server": {k: v for k, v in now["server"].items() if k != "uptime_s"},
-                    "videos": [{k: v for k, v in o.items() if k != "stage_seconds" or o["status"] != "in_progress"}
-                               for o in now["videos"]]}
-            if view != last:
-                last = view
-                yield ServerSentEvent(data=now, event="server", id=str(time.time()))
-            await asyncio.sleep(EVENTS_POLL_S * 2)
+        async for now in _changes(request, snapshot, view, EVENTS_POLL_S * 2):
+            yield ServerSentEvent(data=now, event="server", id=str(time.time()))
 
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:
@@ -313,16 +328,10 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/v1/videos/{video_id}/events", dependencies=guarded, response_class=EventSourceResponse)
     async def events(video_id: str, request: Request):
         job(video_id)  # 404 before the stream starts
-        last = None
-        while not await request.is_disconnected():
-            obj = video_object(server, job(video_id))
-            view = {k: v for k, v in obj.items() if k != "stage_seconds" or obj["status"] != "in_progress"}
-            if view != last:
-                last = view
-                yield ServerSentEvent(data=obj, event="video", id=str(time.time()))
-                if JobStatus(obj["status"]).terminal:
-                    return
-            await asyncio.sleep(EVENTS_POLL_S)
+        async for obj in _changes(request, lambda: video_object(server, job(video_id)), _settled, EVENTS_POLL_S):
+            yield ServerSentEvent(data=obj, event="video", id=str(time.time()))
+            if JobStatus(obj["status"]).terminal:
+                return
 
     return app
 

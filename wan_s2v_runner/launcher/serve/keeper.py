@@ -35,6 +35,7 @@ from wan_s2v_runner.launcher.proctree import pids_with_cmdline
 from wan_s2v_runner.launcher.serve.queue import JobQueue, JobStatus
 from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
 from wan_s2v_runner.shared import atomic, inbox
+from wan_s2v_runner.shared.events import steps_done
 from wan_s2v_runner.shared.jobs import Job
 from wan_s2v_runner.shared.spec import RunSpec
 from wan_s2v_runner.shared.stages import Stage
@@ -87,7 +88,7 @@ class Progress:
     def steps_per_s(self, now: float) -> Optional[float]:
         if self.denoise_t0 is None or not self.step or not self.steps:
             return None
-        done = (max(self.clip or 1, 1) - 1) * self.steps + self.step
+        done = steps_done({"clip": self.clip, "step": self.step, "steps": self.steps})
         return round(done / max(now - self.denoise_t0, 1e-6), 4)
 
     def stage_seconds(self, now: float) -> dict[str, float]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from wan_s2v_runner.shared import exit_codes
+from wan_s2v_runner.shared.jobs import OUTPUT_FIELDS
 from wan_s2v_runner.shared.spec import RunSpec
 
 GROUP_DIR = ".group"
@@ -113,6 +114,6 @@ def _serve_node0(args, group: RunSpec, base: dict, root: Path, token: Optional[s
     keeper = Keeper(group, queue, dirs, extra_env, on_completed=metrics.job_completed)
     metrics.attach(keeper)
     server = Server(queue=queue, keeper=keeper, dirs=dirs, metrics=metrics,
-                    base={k: v for k, v in base.items() if k not in ("output", "frames_out", "resume_from")},
+                    base={k: v for k, v in base.items() if k not in OUTPUT_FIELDS},
                     policy=policy, max_queue=args.max_queue, token=token, facts=machine_facts())
     return run_server(server, args.host, args.port)
