@@ -30,11 +30,11 @@ import httpx
 
 from wan_s2v_runner.launcher.console import PROGRESS_EVERY_S, fmt_seconds
 from wan_s2v_runner.launcher.flags import flag_values
+from wan_s2v_runner.launcher.serve.queue import JobStatus
 from wan_s2v_runner.shared import atomic, exit_codes
 
 URL_ENV, TOKEN_ENV = "WAN_S2V_URL", "WAN_S2V_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8000"
-TERMINAL = ("completed", "failed", "cancelled")
 #: a silent server this long is a dead one (its event streams send a ping every 15 s)
 READ_TIMEOUT_S = 90
 #: how long ``submit`` keeps trying to reach a server that went away while it follows a job
@@ -156,14 +156,14 @@ class Follower:
 
 def status_line(v: dict[str, Any]) -> str:
     """One line of a video object: where it is."""
-    if v["status"] == "queued":
+    if v["status"] == JobStatus.QUEUED:
         return f"queued (position {v.get('queue_position') or '?'})"
-    if v["status"] == "in_progress":
+    if v["status"] == JobStatus.IN_PROGRESS:
         where = (f", clip {v.get('clip')}/{v.get('clips') or '?'}, step {v.get('step')}/{v.get('steps') or '?'}"
                  if v.get("step") is not None else "")
         eta = f", ETA {fmt_seconds(v['eta_s'])}" if v.get("eta_s") is not None else ""
         return f"{v.get('stage') or 'starting'}{where} ({v['progress']}%){eta}"
-    if v["status"] == "completed":
+    if v["status"] == JobStatus.COMPLETED:
         return f"completed in {fmt_seconds(v.get('wall_s'))}"
     return f"{v['status']}: {(v.get('error') or {}).get('message', '')}"
 
@@ -182,7 +182,7 @@ def follow(client: httpx.Client, video_id: str, follower: Follower) -> dict[str,
                     if line.startswith("data:"):
                         last = json.loads(line[5:])
                         follower.show(last)
-                        if last["status"] in TERMINAL:
+                        if JobStatus(last["status"]).terminal:
                             return last
         except httpx.HTTPError as e:
             gone_since = gone_since or time.time()
@@ -228,7 +228,7 @@ def cmd_submit(args) -> int:
                 return exit_codes.OK
             with Follower(rich=sys.stdout.isatty() and not args.json, out=sys.stderr if args.json else sys.stdout) as f:
                 video = follow(client, video["id"], f)
-            if video["status"] == "completed":
+            if video["status"] == JobStatus.COMPLETED:
                 dest = download(client, video["id"], destination(args.output, video["id"]))
                 video = {**video, "downloaded_to": str(dest)}
             if args.json:
@@ -236,7 +236,7 @@ def cmd_submit(args) -> int:
             else:
                 print(f"{video['id']}: {status_line(video)}" + (f" -> {video['downloaded_to']}"
                                                                  if "downloaded_to" in video else ""))
-            return exit_codes.OK if video["status"] == "completed" else exit_codes.JOB_FAILED
+            return exit_codes.OK if video["status"] == JobStatus.COMPLETED else exit_codes.JOB_FAILED
     except ClientError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.code
@@ -252,7 +252,7 @@ def cmd_submit(args) -> int:
 # --------------------------------------------------------------------------- jobs
 def jobs_table(videos: list[dict[str, Any]], rich: bool) -> None:
     cols = ("id", "status", "where", "prompt", "seed", "created")
-    rows = [(v["id"], v["status"], status_line(v) if v["status"] != "completed" else fmt_seconds(v.get("wall_s")),
+    rows = [(v["id"], v["status"], status_line(v) if v["status"] != JobStatus.COMPLETED else fmt_seconds(v.get("wall_s")),
              (v.get("prompt") or "")[:40], str(v.get("seed")),
              time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v["created_at"]))) for v in videos]
     if rich:

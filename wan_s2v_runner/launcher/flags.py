@@ -47,6 +47,21 @@ CLIENT_FIELDS: dict[Command, tuple[str, ...]] = {Command.SUBMIT: ("image", "audi
                                                  Command.JOBS: ()}
 
 
+class OptionKind(str, Enum):
+    """How a command option is given: a switch, or a value of a type (``PATHS``: repeatable)."""
+
+    SWITCH = "store_true"
+    PATH = "path"
+    PATHS = "paths"
+    TEXT = "text"
+    INT = "int"
+
+    @property
+    def type(self) -> Optional[type]:
+        """The value's type (None for a switch)."""
+        return {OptionKind.PATH: Path, OptionKind.PATHS: Path, OptionKind.TEXT: str, OptionKind.INT: int}.get(self)
+
+
 @dataclass(frozen=True)
 class CommandOption:
     """An option of a command that is not a run setting."""
@@ -54,7 +69,7 @@ class CommandOption:
     flag: str
     help: str
     commands: tuple[Command, ...]
-    kind: str = "store_true"  # "store_true" | "path" | "paths" (repeatable) | "text" | "int"
+    kind: OptionKind = OptionKind.SWITCH
     default_text: str = "off"
     metavar: Optional[str] = None
     default: Any = None
@@ -67,27 +82,27 @@ class CommandOption:
 ALL = tuple(Command)
 COMMAND_OPTIONS = (
     CommandOption("--config", "TOML file with spec fields (flags override it)",
-                  (Command.RUN, Command.DEMO, Command.DOCTOR, Command.BATCH, Command.SERVE), kind="path",
+                  (Command.RUN, Command.DEMO, Command.DOCTOR, Command.BATCH, Command.SERVE), kind=OptionKind.PATH,
                   default_text="none", metavar="FILE"),
     CommandOption("--json", "print the result (run manifest / doctor report / video objects) as JSON", ALL),
     CommandOption("--skip-preflight", "spawn without preflight checks (prints what it skips; not recommended)",
                   (Command.RUN, Command.DEMO, Command.RESUME, Command.BATCH, Command.SERVE)),
     CommandOption("--output-dir", "where each job's ID.mp4 and ID.json record go (and .work/: clip "
-                  "checkpoints, seeds)", (Command.BATCH,), kind="path", default_text="outputs/JOBS-NAME",
+                  "checkpoints, seeds)", (Command.BATCH,), kind=OptionKind.PATH, default_text="outputs/JOBS-NAME",
                   metavar="DIR"),
     CommandOption("--cache-dir", "where the demo's tiny checkpoint and inputs are cached", (Command.DEMO,),
-                  kind="path", default_text="~/.cache/wan-s2v", metavar="DIR"),
+                  kind=OptionKind.PATH, default_text="~/.cache/wan-s2v", metavar="DIR"),
     CommandOption("--server-dir", "the server's queue (jobs.sqlite), videos/ (ID.mp4, ID.json), uploads/ and runs/",
-                  (Command.SERVE,), kind="path", default_text="wan-s2v-server", metavar="DIR",
+                  (Command.SERVE,), kind=OptionKind.PATH, default_text="wan-s2v-server", metavar="DIR",
                   default=Path("wan-s2v-server")),
     CommandOption("--host", "address to listen on; beyond loopback it needs --token or --insecure-no-auth",
-                  (Command.SERVE,), kind="text", default_text="127.0.0.1", metavar="ADDR", default="127.0.0.1"),
+                  (Command.SERVE,), kind=OptionKind.TEXT, default_text="127.0.0.1", metavar="ADDR", default="127.0.0.1"),
     CommandOption("--port", "port to listen on (0: any free port; the URL goes to SERVER-DIR/server.json)",
-                  (Command.SERVE,), kind="int", default_text="8000", metavar="PORT", default=8000),
+                  (Command.SERVE,), kind=OptionKind.INT, default_text="8000", metavar="PORT", default=8000),
     CommandOption("--token", "bearer token: serve requires it on every route but /health; submit and jobs "
-                  "send it", (Command.SERVE, Command.SUBMIT, Command.JOBS), kind="text",
+                  "send it", (Command.SERVE, Command.SUBMIT, Command.JOBS), kind=OptionKind.TEXT,
                   default_text="none (`$WAN_S2V_TOKEN`)", metavar="TOKEN"),
-    CommandOption("--url", "the server submit and jobs talk to", (Command.SUBMIT, Command.JOBS), kind="text",
+    CommandOption("--url", "the server submit and jobs talk to", (Command.SUBMIT, Command.JOBS), kind=OptionKind.TEXT,
                   default_text="http://127.0.0.1:8000 (`$WAN_S2V_URL`)", metavar="URL"),
     CommandOption("--server-paths", "send --image/--audio as paths on the server (under its --allow-dir) "
                   "instead of uploading them", (Command.SUBMIT,)),
@@ -95,11 +110,11 @@ COMMAND_OPTIONS = (
     CommandOption("--cancel", "cancel the jobs named (a running one stops at its next step)", (Command.JOBS,)),
     CommandOption("--insecure-no-auth", "allow a non-loopback --host without a token", (Command.SERVE,)),
     CommandOption("--allow-dir", "a directory whose files jobs may name by path (repeatable; else uploads only)",
-                  (Command.SERVE,), kind="paths", default_text="none", metavar="DIR"),
-    CommandOption("--max-upload-mb", "largest image or audio upload", (Command.SERVE,), kind="int",
+                  (Command.SERVE,), kind=OptionKind.PATHS, default_text="none", metavar="DIR"),
+    CommandOption("--max-upload-mb", "largest image or audio upload", (Command.SERVE,), kind=OptionKind.INT,
                   default_text="200", metavar="MB", default=200),
     CommandOption("--max-queue", "most jobs waiting at once (more are refused with HTTP 429)", (Command.SERVE,),
-                  kind="int", default_text="1000", metavar="N", default=1000),
+                  kind=OptionKind.INT, default_text="1000", metavar="N", default=1000),
 )
 
 
@@ -172,11 +187,10 @@ def add_spec_flags(parser: argparse.ArgumentParser, command: Command) -> None:
     g = parser.add_argument_group("command")
     for opt in COMMAND_OPTIONS:
         if command in opt.commands:
-            if opt.kind in ("path", "text", "int"):
-                kind = {"path": Path, "text": str, "int": int}[opt.kind]
-                g.add_argument(opt.flag, dest=opt.dest, type=kind, metavar=opt.metavar, help=opt.help,
+            if opt.kind in (OptionKind.PATH, OptionKind.TEXT, OptionKind.INT):
+                g.add_argument(opt.flag, dest=opt.dest, type=opt.kind.type, metavar=opt.metavar, help=opt.help,
                                default=opt.default)
-            elif opt.kind == "paths":
+            elif opt.kind is OptionKind.PATHS:
                 g.add_argument(opt.flag, dest=opt.dest, type=Path, metavar=opt.metavar, help=opt.help,
                                action="append", default=[])
             else:
@@ -223,7 +237,7 @@ def flags_table() -> str:
             rows.append(f"| {_cell_flag(name)} | {default} | {RunSpec.model_fields[name].description} |")
     for opt in COMMAND_OPTIONS:
         flag = f"`{opt.flag} {opt.metavar}`" if opt.metavar else f"`{opt.flag}`"
-        if opt.kind == "paths":
+        if opt.kind is OptionKind.PATHS:
             flag += " (repeatable)"
         only = "" if opt.commands == ALL else f" ({', '.join(c.value for c in opt.commands)} only)"
         rows.append(f"| {flag} | {opt.default_text} | {opt.help}{only} |")
