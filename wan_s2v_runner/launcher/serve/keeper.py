@@ -278,11 +278,6 @@ class Keeper(threading.Thread):
                 self._on_rank0(ev, ev.get("kind"))
         if self.state is GroupState.IDLE and self.current is None and not self._closing.is_set():
             self._post_next()
-        if self.current is not None and self.current not in self._cancel_sent:
-            row = self.queue.get(self.current)
-            if row is not None and row.cancel_requested:
-                with self._lock:
-                    self._send_cancel(self.current)
 
     def _on_rank0(self, ev: dict, kind: Optional[str]) -> None:
         with self._lock:
@@ -342,6 +337,12 @@ class Keeper(threading.Thread):
                 self.current = row.id
                 self.progress[row.id] = Progress(started=time.time())
                 inbox.post_job(self.run_dir, self._seq, job.model_dump_json())
+            # a cancel that came after the claim but before ``current`` named it: the API's
+            # cancel_running found another job current, so it is passed on here (a later one
+            # finds this job current and passes itself)
+            if self.queue.get(row.id).cancel_requested:
+                with self._lock:
+                    self._send_cancel(row.id)
             return
 
 
