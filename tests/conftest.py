@@ -147,6 +147,14 @@ def reference_frames(tiny_assets):
         return one_process_frames(engine)
 
 
+@pytest.fixture(scope="session")
+def pose_reference_frames(tiny_assets):
+    """One process's frames for the shared tiny spec with the demo's pose video (``--pose-video``;
+    15 of the 16 pose frames of 2 clips, the last padded): what the layouts run with it must equal."""
+    with cpu_engine(tiny_assets) as engine:
+        return one_process_frames(engine, pose_video=tiny_assets.pose_video)
+
+
 @dataclass
 class SharedRun:
     """A spawned run several tests assert on (see :func:`hybrid_run`)."""
@@ -165,8 +173,8 @@ class SharedRun:
 
 @pytest.fixture(scope="session")
 def hybrid_run(tiny_assets, tmp_path_factory) -> SharedRun:
-    """One 2-rank ``hybrid`` run of the shared tiny spec (``--load-waves 2``, an output name with a
-    space and a quote), spawned once per session for the tests that read it: parity (frames, lean
+    """One 2-rank ``hybrid`` run of the shared tiny spec (``--load-waves 2``, the demo's pose video,
+    an output name with a space and a quote), spawned once per session for the tests that read it: parity (frames, lean
     loading: tests/test_parity.py) and supervision (run.json, console, rendezvous ports:
     tests/test_supervision.py). A second 2-rank run (one clip, one step) starts at the same moment;
     neither names a --master-port, so each rendezvous binds a port the OS picks."""
@@ -179,7 +187,8 @@ def hybrid_run(tiny_assets, tmp_path_factory) -> SharedRun:
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         output = d / "out with space's.mp4"
-        r = run_cli(["run", *common, "--mode", "hybrid", "--load-waves", "2", "--output", str(output),
+        r = run_cli(["run", *common, "--mode", "hybrid", "--load-waves", "2", "--pose-video", str(tiny_assets.pose_video),
+                     "--output", str(output),
                      "--frames-out", str(d / "out.pt"), "--runs-root", str(d / "runs")], cwd=d)
         out, err = second.communicate(timeout=300)
     finally:

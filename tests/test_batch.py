@@ -34,10 +34,10 @@ def _write_jobs(path, lines: list[dict]) -> None:
 LAYOUT = ["--nproc", "2", "--mode", "hybrid", "--cfg-parallel"]
 
 
-def test_jobs_in_a_row_equal_one_process(tiny_assets, reference_frames, other_frames, tmp_path):
+def test_jobs_in_a_row_equal_one_process(tiny_assets, pose_reference_frames, other_frames, tmp_path):
     jobs = tmp_path / "my jobs.jsonl"
     _write_jobs(jobs, [
-        {"id": "first", "frames_out": str(tmp_path / "first.pt")},
+        {"id": "first", "frames_out": str(tmp_path / "first.pt"), "pose_video": str(tiny_assets.pose_video)},
         {"id": "big", "size": "128*128", "seed": 7, "prompt": "someone else", "solver": "dpm++",
          "frames_out": str(tmp_path / "big.pt")},
         {"id": "missing", "audio": str(tmp_path / "nowhere.wav")},
@@ -52,7 +52,7 @@ def test_jobs_in_a_row_equal_one_process(tiny_assets, reference_frames, other_fr
     assert "line 3 (missing) refused: preflight inputs.audio" in r.stderr and "does not exist" in r.stderr
     assert len(list((tmp_path / "runs").iterdir())) == 1  # one rank group for all three
     assert "job 1/3: first" in r.stdout and "job 3/3: third" in r.stdout, r.stdout
-    expected = {"first": reference_frames, **other_frames}
+    expected = {"first": pose_reference_frames, **other_frames}
     for name, want in expected.items():
         got = torch.load(tmp_path / f"{name}.pt")
         assert got.shape == want.shape and torch.equal(got, want), f"{name}: {(got - want).abs().max()}"

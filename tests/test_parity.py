@@ -73,31 +73,36 @@ def _assert_fsdp_mode_equals_one_process(mode, extra, r, out, frames_pt, runs, t
         assert read[1] <= 0.51 * size["dit"]
 
 
-def test_fsdp_fixed_equals_one_process(tiny_assets, reference_frames, tmp_path):
-    r, out = _run_mode("fsdp-fixed", tiny_assets, tmp_path, extra=("--pin-cpus",))
-    _assert_fsdp_mode_equals_one_process("fsdp-fixed", ("--pin-cpus",), r, out, tmp_path / "out.pt",
-                                         tmp_path / "runs", tiny_assets, reference_frames)
+def test_fsdp_fixed_equals_one_process(tiny_assets, pose_reference_frames, tmp_path):
+    """With the demo's pose video (the split VAE encodes each clip's pose condition)."""
+    extra = ("--pin-cpus", "--pose-video", str(tiny_assets.pose_video))
+    r, out = _run_mode("fsdp-fixed", tiny_assets, tmp_path, extra=extra)
+    _assert_fsdp_mode_equals_one_process("fsdp-fixed", extra, r, out, tmp_path / "out.pt",
+                                         tmp_path / "runs", tiny_assets, pose_reference_frames)
 
 
-def test_hybrid_equals_one_process(tiny_assets, reference_frames, hybrid_run):
-    """The session's shared hybrid run (conftest.hybrid_run: ``--load-waves 2``)."""
+def test_hybrid_equals_one_process(tiny_assets, pose_reference_frames, hybrid_run):
+    """The session's shared hybrid run (conftest.hybrid_run: ``--load-waves 2``, a pose video)."""
     _assert_fsdp_mode_equals_one_process("hybrid", ("--load-waves", "2"), hybrid_run.result, hybrid_run.output,
-                                         hybrid_run.frames, hybrid_run.dir / "runs", tiny_assets, reference_frames)
+                                         hybrid_run.frames, hybrid_run.dir / "runs", tiny_assets, pose_reference_frames)
+    manifest = json.loads(next((hybrid_run.dir / "runs").glob("*/run.json")).read_text())
+    assert manifest["stage_seconds"].get("pose_encode", 0) > 0, manifest["stage_seconds"]
 
 
-def test_demo_writes_mp4_with_audio_and_equals_one_process(tiny_assets, reference_frames, tmp_path):
-    """`wan-s2v demo` = ulysses at 2 CPU ranks on the tiny checkpoint (same spec as the reference)."""
+def test_demo_writes_mp4_with_audio_and_equals_one_process(tiny_assets, pose_reference_frames, tmp_path):
+    """`wan-s2v demo --pose` = ulysses at 2 CPU ranks on the tiny checkpoint, the body driven by the
+    demo's pose video (same spec as the reference)."""
     cache = tmp_path / "cache"
     # reuse the session's assets as the demo cache (ensure_demo_assets validates, doesn't rebuild)
     (cache).mkdir()
     (cache / "demo").symlink_to(tiny_assets.ckpt_dir.parent, target_is_directory=True)
     out = tmp_path / "demo out.mp4"
-    r = run_cli(["demo", "--cache-dir", str(cache), "--output", str(out),
+    r = run_cli(["demo", "--pose", "--cache-dir", str(cache), "--output", str(out),
                  "--frames-out", str(tmp_path / "demo.pt"), "--runs-root", str(tmp_path / "runs"),
                  "--prompt", "a person talking"], cwd=tmp_path)
     assert r.returncode == 0, r.output
     frames = torch.load(tmp_path / "demo.pt")
-    assert torch.equal(frames, reference_frames), f"max abs diff {(frames - reference_frames).abs().max()}"
+    assert torch.equal(frames, pose_reference_frames), f"max abs diff {(frames - pose_reference_frames).abs().max()}"
     info = media.probe(out)
     assert info.video_codec == "h264" and info.audio_codec == "aac", info
     assert info.n_frames == frames.shape[1] == 13  # clip 1: 8 - 3 dropped motion frames, clip 2: 8

@@ -28,10 +28,13 @@ from serving import AUTH, TINY_DEFAULTS, TOKEN, ServerProcess, expected_mp4
 from wan_s2v_runner.launcher.serve.keeper import group_processes
 from wan_s2v_runner.shared import media
 
-def test_jobs_in_a_row_equal_one_process(server, inputs, engine_cpu, tmp_path):
-    with open(inputs["image"], "rb") as image, open(inputs["audio"], "rb") as audio:
+def test_jobs_in_a_row_equal_one_process(server, inputs, tiny_assets, engine_cpu, tmp_path):
+    """Two jobs: uploads (with a pose video), then paths on the server."""
+    with open(inputs["image"], "rb") as image, open(inputs["audio"], "rb") as audio, \
+            open(tiny_assets.pose_video, "rb") as pose:
         first = server.submit(files={"input_reference": ("me.png", image, "image/png"),
-                                     "audio": ("my voice.wav", audio, "audio/wav")}, seed=42, model="wan2.2-s2v")
+                                     "audio": ("my voice.wav", audio, "audio/wav"),
+                                     "pose_video": ("my moves.mp4", pose, "video/mp4")}, seed=42, model="wan2.2-s2v")
     assert first.status_code == 200, first.text
     second = server.submit(image=inputs["image"], audio=inputs["audio"], size="128x128", seed=7,
                            prompt="someone else", solver="dpm++")
@@ -53,7 +56,7 @@ def test_jobs_in_a_row_equal_one_process(server, inputs, engine_cpu, tmp_path):
 
     done_a = server.wait(a["id"], "completed")
     assert set(done_a["stage_seconds"]) >= {"audio_encode", "denoise", "decode", "mux"}
-    want = {a["id"]: expected_mp4(engine_cpu, inputs["audio"], tmp_path / "a.mp4"),
+    want = {a["id"]: expected_mp4(engine_cpu, inputs["audio"], tmp_path / "a.mp4", pose_video=tiny_assets.pose_video),
             b["id"]: expected_mp4(engine_cpu, inputs["audio"], tmp_path / "b.mp4", seed=7, max_area=128 * 128,
                                   prompt="someone else", solver="dpm++")}
     for vid, sha in want.items():

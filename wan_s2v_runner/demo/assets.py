@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from wan_s2v_runner.shared.atomic import atomic_write, write_text
-from wan_s2v_runner.demo.synthetic_inputs import make_reference_image, make_speech_audio
+from wan_s2v_runner.demo.synthetic_inputs import make_pose_video, make_reference_image, make_speech_audio
 from wan_s2v_runner.demo.tiny_checkpoint import (
     TINY_FORMAT_VERSION,
     build_tiny_checkpoint,
@@ -32,11 +32,12 @@ class DemoAssets:
     ckpt_dir: Path
     image: Path
     audio: Path
+    pose_video: Path  # a skeleton's moves (wan-s2v demo --pose)
 
 
 _DEMO_MARKER = ".demo_assets_ok"
 _DEMO_SPEC = {"format_version": TINY_FORMAT_VERSION, "seed": 0, "image": [64, 64],
-              "audio_seconds": 1.0, "sample_rate": 16000}
+              "audio_seconds": 1.0, "sample_rate": 16000, "pose": {"size": [84, 80], "frames": 30, "fps": 25}}
 
 
 @contextlib.contextmanager
@@ -56,7 +57,7 @@ def dir_lock(lock_path: Path) -> Iterator[None]:
 
 def _demo_paths(cache_dir: Path) -> DemoAssets:
     return DemoAssets(ckpt_dir=cache_dir / "tiny-s2v-ckpt", image=cache_dir / "reference.png",
-                      audio=cache_dir / "speech.wav")
+                      audio=cache_dir / "speech.wav", pose_video=cache_dir / "pose.mp4")
 
 
 def _demo_valid(cache_dir: Path, assets: DemoAssets) -> bool:
@@ -66,7 +67,7 @@ def _demo_valid(cache_dir: Path, assets: DemoAssets) -> bool:
     except (OSError, ValueError):
         return False
     return (spec == _DEMO_SPEC and checkpoint_is_complete(assets.ckpt_dir)
-            and assets.image.is_file() and assets.audio.is_file())
+            and assets.image.is_file() and assets.audio.is_file() and assets.pose_video.is_file())
 
 
 def ensure_demo_assets(cache_dir: Path) -> DemoAssets:
@@ -94,6 +95,9 @@ def ensure_demo_assets(cache_dir: Path) -> DemoAssets:
         atomic_write(assets.audio, lambda p: make_speech_audio(
             p, seconds=_DEMO_SPEC["audio_seconds"], sample_rate=_DEMO_SPEC["sample_rate"],
             seed=seed))
+        pose = _DEMO_SPEC["pose"]
+        atomic_write(assets.pose_video, lambda p: make_pose_video(
+            p, width=pose["size"][0], height=pose["size"][1], frames=pose["frames"], fps=pose["fps"], seed=seed))
         write_text(marker, json.dumps(_DEMO_SPEC, sort_keys=True))
     return assets
 

@@ -1,9 +1,12 @@
-"""Synthetic demo inputs: a small face-like reference image and a speech-like audio clip.
+"""Synthetic demo inputs: a small face-like reference image, a speech-like audio clip and a pose
+video.
 
 Deterministic for a seed (same seed, same bytes), built from nothing (no downloads), good enough
 to drive the engine end to end: ``make_reference_image`` draws a cartoon head-and-shoulders
 portrait (RGB PNG); ``make_speech_audio`` writes a mono 16-bit WAV with a voiced glottal source,
-a pitch contour, vowel formants and ~4 Hz syllables (wav2vec2 sees speech-like features).
+a pitch contour, vowel formants and ~4 Hz syllables (wav2vec2 sees speech-like features);
+``make_pose_video`` renders a DWPose-style skeleton (coloured limbs on black) waving its arms, as
+an H.264 mp4.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["make_reference_image", "make_speech_audio"]
+__all__ = ["make_reference_image", "make_speech_audio", "make_pose_video"]
 
 
 def make_reference_image(path: Path, width: int = 64, height: int = 64, seed: int = 0) -> Path:
@@ -122,4 +125,49 @@ def make_speech_audio(path: Path, seconds: float = 1.0, sample_rate: int = 16000
         f.setsampwidth(2)
         f.setframerate(int(sample_rate))
         f.writeframes(pcm.tobytes())
+    return path
+
+
+#: DWPose-style body: joints (x, y as fractions of the frame) and coloured limbs between them
+_JOINTS = {"nose": (0.50, 0.30), "neck": (0.50, 0.50), "r_sh": (0.36, 0.52), "l_sh": (0.64, 0.52),
+           "r_hip": (0.42, 0.95), "l_hip": (0.58, 0.95)}
+_LIMBS = [("nose", "neck", (0, 0, 255)), ("neck", "r_sh", (255, 0, 0)), ("neck", "l_sh", (255, 85, 0)),
+          ("neck", "r_hip", (0, 255, 0)), ("neck", "l_hip", (0, 255, 255))]
+
+
+def make_pose_video(path: Path, width: int = 96, height: int = 80, frames: int = 30, fps: float = 25.0,
+                    seed: int = 0) -> Path:
+    """Write a pose video (H.264 mp4, yuv420p): a skeleton whose arms wave and head sways."""
+    import imageio_ffmpeg
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    phase, speed = rng.uniform(0, 2 * np.pi), rng.uniform(0.25, 0.35)
+    w, h = int(width), int(height)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    gen = imageio_ffmpeg.write_frames(str(path), (w, h), fps=fps, codec="libx264", pix_fmt_out="yuv420p",
+                                      macro_block_size=1, quality=8, ffmpeg_log_level="error")
+    gen.send(None)
+    line = max(1, w // 24)
+    for i in range(int(frames)):
+        a = phase + speed * i
+        joints = dict(_JOINTS)
+        joints["nose"] = (0.50 + 0.04 * np.sin(a), 0.30)
+        for side, sign, colour in (("r", -1, (255, 170, 0)), ("l", 1, (170, 255, 0))):
+            sx, sy = joints[f"{side}_sh"]
+            ex, ey = sx + sign * 0.12, sy + 0.10 + 0.08 * np.sin(a + (sign > 0) * np.pi)
+            hx, hy = ex + sign * 0.05, ey - 0.18 * (0.5 + 0.5 * np.sin(a * 1.3 + (sign > 0)))
+            joints[f"{side}_el"], joints[f"{side}_wr"] = (ex, ey), (hx, hy)
+        img = Image.new("RGB", (w, h))
+        d = ImageDraw.Draw(img)
+        limbs = _LIMBS + [("r_sh", "r_el", (255, 170, 0)), ("r_el", "r_wr", (255, 255, 0)),
+                          ("l_sh", "l_el", (170, 255, 0)), ("l_el", "l_wr", (85, 255, 0))]
+        for j1, j2, colour in limbs:
+            (x1, y1), (x2, y2) = joints[j1], joints[j2]
+            d.line([x1 * w, y1 * h, x2 * w, y2 * h], fill=colour, width=line)
+        for x, y in joints.values():
+            d.ellipse([x * w - line, y * h - line, x * w + line, y * h + line], fill=(255, 255, 255))
+        gen.send(np.ascontiguousarray(np.asarray(img)))
+    gen.close()
     return path

@@ -33,13 +33,13 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from wan_s2v_runner.shared import exit_codes
-from wan_s2v_runner.shared.jobs import JOB_FIELDS, Job, group_differences, job_id
+from wan_s2v_runner.shared.jobs import INPUT_FIELDS, JOB_FIELDS, Job, group_differences, job_id
 from wan_s2v_runner.shared.spec import RunSpec, flag_name, format_validation_error, key_aliases
 
 WORK_DIR = ".work"
 SEED_FILE = "seed"
 #: job fields that name files: relative paths in a jobs file are taken from the file's folder
-PATH_FIELDS = ("image", "audio", "output", "frames_out")
+PATH_FIELDS = (*INPUT_FIELDS, "output", "frames_out")
 
 
 class JobState(str, Enum):

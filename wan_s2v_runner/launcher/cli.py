@@ -151,6 +151,8 @@ def cmd_demo(args) -> int:
     defaults = dict(ckpt_dir=assets.ckpt_dir, image=assets.image, audio=assets.audio,
                     prompt="a person talking to the camera", device="cpu", nproc=2, mode="ulysses",
                     max_area=64 * 64, infer_frames=8, steps=2, seed=42, output=Path("outputs/demo.mp4"))
+    if args.pose:  # the body follows the demo's skeleton video
+        defaults.update(pose_video=assets.pose_video, output=Path("outputs/demo-pose.mp4"))
     return cmd_run(args, defaults)
 
 
@@ -211,8 +213,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {o for sp in subs.choices.values() for a in sp._actions for o in a.option_strings}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    from wan_s2v_runner.launcher.upstream_flags import UpstreamFlagError, translate
+
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:  # upstream generate.py's spellings (docs/upstream-flags.md)
+        argv = argv[:1] + translate(argv[1:], _option_strings(parser))
+    except UpstreamFlagError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exit_codes.USAGE
+    args = parser.parse_args(argv)
     command = Command(args.command)
     if command is Command.RUN:
         return cmd_run(args)

@@ -32,6 +32,7 @@ from wan_s2v_runner.launcher.console import PROGRESS_EVERY_S, fmt_seconds
 from wan_s2v_runner.launcher.flags import flag_values
 from wan_s2v_runner.launcher.serve.queue import JobStatus
 from wan_s2v_runner.shared import atomic, exit_codes
+from wan_s2v_runner.shared.jobs import INPUT_FIELDS
 
 URL_ENV, TOKEN_ENV = "WAN_S2V_URL", "WAN_S2V_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -94,7 +95,7 @@ def submission(args) -> tuple[dict[str, str], dict[str, Path]]:
     files: dict[str, Path] = {}
     fields: dict[str, str] = {}
     for name, value in given.items():
-        if name in ("image", "audio") and not args.server_paths:
+        if name in INPUT_FIELDS and not args.server_paths:
             files[name] = Path(value).expanduser()
             continue
         value = getattr(value, "value", value)

@@ -177,7 +177,7 @@ def _modes_that(want, spec: Optional[RunSpec], why=_describe) -> list[str]:
 #: stages that load or place weights: an OOM there is about where the weights live
 _WEIGHT_STAGES = frozenset({Stage.ENGINE_IMPORT, Stage.LOAD, Stage.FINGERPRINT, Stage.SHARD})
 #: stages that run the VAE (every rank decodes the whole clip)
-_VAE_STAGES = frozenset({Stage.REF_ENCODE, Stage.DECODE, Stage.MOTION_ENCODE})
+_VAE_STAGES = frozenset({Stage.REF_ENCODE, Stage.POSE_ENCODE, Stage.DECODE, Stage.MOTION_ENCODE})
 
 
 def _oom_hint(stage: Union[Stage, str], spec: Optional[RunSpec]) -> str:

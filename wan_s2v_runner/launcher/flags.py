@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 
-from wan_s2v_runner.shared.jobs import SUBMIT_FIELDS
+from wan_s2v_runner.shared.jobs import INPUT_FIELDS, SUBMIT_FIELDS
 from wan_s2v_runner.shared.spec import (FlagGroup, RunSpec, default_of, env_values, flag_name, flag_of,
                                  load_toml, merge_values)
 
@@ -43,7 +43,7 @@ class Command(str, Enum):
 
 
 #: the commands that are clients of a server: their spec flags are a job's own fields, or none
-CLIENT_FIELDS: dict[Command, tuple[str, ...]] = {Command.SUBMIT: ("image", "audio", *SUBMIT_FIELDS, "output"),
+CLIENT_FIELDS: dict[Command, tuple[str, ...]] = {Command.SUBMIT: (*INPUT_FIELDS, *SUBMIT_FIELDS, "output"),
                                                  Command.JOBS: ()}
 
 
@@ -90,6 +90,7 @@ COMMAND_OPTIONS = (
     CommandOption("--output-dir", "where each job's ID.mp4 and ID.json record go (and .work/: clip "
                   "checkpoints, seeds)", (Command.BATCH,), kind=OptionKind.PATH, default_text="outputs/JOBS-NAME",
                   metavar="DIR"),
+    CommandOption("--pose", "drive the body with the demo's synthetic pose video (a waving skeleton)", (Command.DEMO,)),
     CommandOption("--cache-dir", "where the demo's tiny checkpoint and inputs are cached", (Command.DEMO,),
                   kind=OptionKind.PATH, default_text="~/.cache/wan-s2v", metavar="DIR"),
     CommandOption("--server-dir", "the server's queue (jobs.sqlite), videos/ (ID.mp4, ID.json), uploads/ and runs/",
@@ -104,7 +105,7 @@ COMMAND_OPTIONS = (
                   default_text="none (`$WAN_S2V_TOKEN`)", metavar="TOKEN"),
     CommandOption("--url", "the server submit and jobs talk to", (Command.SUBMIT, Command.JOBS), kind=OptionKind.TEXT,
                   default_text="http://127.0.0.1:8000 (`$WAN_S2V_URL`)", metavar="URL"),
-    CommandOption("--server-paths", "send --image/--audio as paths on the server (under its --allow-dir) "
+    CommandOption("--server-paths", "send the input files (--image, --audio, --pose-video, --tts-prompt-audio) as paths on the server (under its --allow-dir) "
                   "instead of uploading them", (Command.SUBMIT,)),
     CommandOption("--no-wait", "print the job's id and return once it is queued", (Command.SUBMIT,)),
     CommandOption("--cancel", "cancel the jobs named (a running one stops at its next step)", (Command.JOBS,)),
@@ -253,16 +254,24 @@ def replace_readme_block(text: str) -> str:
     return text[:start] + readme_block() + text[end:]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def generated_table_main(argv: Optional[list[str]], table: str, begin: str, end: str, what: str) -> int:
+    """A generated table's command: print it, or (``--write FILE``) replace FILE's text between
+    ``begin`` and ``end`` with it (markers kept; written by temporary name)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--write"] and len(argv) == 2:
         from wan_s2v_runner.shared import atomic
         path = Path(argv[1])
-        atomic.write_text(path, replace_readme_block(path.read_text(encoding="utf-8")))
-        print(f"updated the flags table in {path}")
+        text = path.read_text(encoding="utf-8")
+        start, stop = text.index(begin), text.index(end) + len(end)
+        atomic.write_text(path, text[:start] + f"{begin}\n{table}\n{end}" + text[stop:])
+        print(f"updated the {what} in {path}")
         return 0
-    print(flags_table())
+    print(table)
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return generated_table_main(argv, flags_table(), README_BEGIN, README_END, "flags table")
 
 
 if __name__ == "__main__":

@@ -136,6 +136,7 @@ def check_safetensors(ctx):
     if not files and not w2v.is_file():
         return skip("ckpt.safetensors", "no safetensors files (see ckpt.files)")
     dit: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     headers: dict[str, set] = {}
     total = 0
     for name in files + ([W2V_WEIGHTS] if w2v.is_file() else []):
@@ -151,6 +152,7 @@ def check_safetensors(ctx):
             continue
         headers[name] = set(info.tensors)
         dit.update({k: math.prod(s) for k, (_, s) in info.tensors.items()})
+        shapes.update({k: tuple(s) for k, (_, s) in info.tensors.items()})
     wm = st.get("weight_map")
     if wm:
         wrong = [k for k, f in wm.items() if k not in headers.get(f, set())]
@@ -158,7 +160,7 @@ def check_safetensors(ctx):
             return fail("ckpt.safetensors", f"{len(wrong)} tensors the index maps to a shard are not in it "
                         f"(e.g. {wrong[0]!r} -> {wm[wrong[0]]})", FIX_DOWNLOAD)
     if dit:
-        st["dit_tensors"] = dit
+        st["dit_tensors"], st["dit_shapes"] = dit, shapes
     n = sum(dit.values())
     return ok("ckpt.safetensors", f"{len(files)} DiT file(s) + wav2vec2: headers match file sizes "
               f"({human_bytes(total)}); DiT {human_count(n)} params", dit_params=n)
@@ -197,6 +199,7 @@ def check_pth(ctx):
         if "vae_shapes" in st:
             vd = vae_dims_from_shapes({k: s for k, (s, _) in st["vae_shapes"].items()}, VAE_FILE)
             results.append(f"VAE width {vd['dim']}")
+            st["vae_dims"] = vd
             if vd.get("z_dim") != 16:
                 return fail("ckpt.pth", f"{VAE_FILE}: z_dim {vd['z_dim']}, the engine's latent statistics "
                             "are 16-channel", FIX_DOWNLOAD)

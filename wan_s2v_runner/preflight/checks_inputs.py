@@ -112,12 +112,14 @@ def check_size(ctx):
               gen_width=gw, gen_height=gh)
 
 
-def decode_audio(path: Path) -> tuple[int, int, str]:
-    """(samples, sample_rate, decoder): libsndfile first, then librosa.load (audioread) like the engine."""
+def decode_audio(path: Path) -> tuple[int, int, str, int]:
+    """(samples, sample_rate, decoder, non-finite samples): libsndfile first, then librosa.load
+    (audioread) like the engine."""
+    import numpy as np
     try:
         import soundfile as sf
         data, sr = sf.read(str(path), dtype="float32", always_2d=True)
-        return int(data.shape[0]), int(sr), "libsndfile"
+        return int(data.shape[0]), int(sr), "libsndfile", int((~np.isfinite(data)).sum())
     except Exception:  # noqa: BLE001 - fall through to librosa's fallback decoders
         pass
     import warnings
@@ -126,11 +128,13 @@ def decode_audio(path: Path) -> tuple[int, int, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         y, sr = librosa.load(str(path), sr=None, mono=True)
-    return int(y.shape[-1]), int(sr), "audioread"
+    return int(y.shape[-1]), int(sr), "audioread", int((~np.isfinite(y)).sum())
 
 
 def check_audio(ctx):
     p = ctx.spec.audio
+    if p is None and getattr(ctx.spec, "tts_text", None):
+        return skip("inputs.audio", "the speech is made from --tts-text at run time (see inputs.tts)")
     if p is None:
         return skip("inputs.audio", "no --audio given")
     if not p.is_file():
@@ -139,7 +143,7 @@ def check_audio(ctx):
     if p.stat().st_size == 0:
         return fail("inputs.audio", f"{p.name} is 0 bytes", "pass a real audio file (wav, mp3, flac, ...)")
     try:
-        n, sr, how = decode_audio(p)
+        n, sr, how, bad = decode_audio(p)
     except Exception as e:  # noqa: BLE001
         what = sniff(p)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -147,6 +151,10 @@ def check_audio(ctx):
                     + (f": it is really {what} (by its first bytes)" if what else f" ({type(e).__name__}: {msg})"),
                     "convert it to wav: ffmpeg -i IN -ac 1 -ar 16000 speech.wav")
     secs = n / sr if sr else 0.0
+    if bad:
+        return fail("inputs.audio", f"{p.name} decodes to {bad} samples that are NaN or infinite: wav2vec2's "
+                    "normalisation turns the whole clip into NaN", "re-export the audio (e.g. ffmpeg -i IN -ac 1 "
+                    "-ar 16000 -c:a pcm_s16le speech.wav)")
     if n == 0 or secs == 0:
         return fail("inputs.audio", f"{p.name} decodes to 0 samples (duration 0 s)", "pass audio with speech in it")
     if secs * 16000 < W2V_MIN_SAMPLES:
@@ -164,6 +172,52 @@ def check_audio(ctx):
                     "allows (the engine caps it)", f"use --num-clips {natural} or less, or longer audio",
                     seconds=secs, clips=clips)
     return ok("inputs.audio", finding, seconds=round(secs, 3), clips=clips, frames=frames)
+
+
+_ORDINAL = {2: "nd", 3: "rd"}
+
+
+def check_pose_video(ctx):
+    """``--pose-video``: it decodes; its frame count, rate and size; how many of the frames the
+    clips take it has (upstream samples every round(fps / 16)-th frame and pads past the end)."""
+    p = getattr(ctx.spec, "pose_video", None)
+    if p is None:
+        return skip("inputs.pose_video", "no --pose-video")
+    if not p.is_file():
+        return fail("inputs.pose_video", f"{p} does not exist" if not p.exists() else f"{p} is not a file",
+                    "pass the pose video (mp4, webm, ...) to --pose-video")
+    from wan_s2v_runner.shared.pose_video import PoseVideoError, video_facts
+    what = sniff(p)
+    if what and "image" in what:  # ffmpeg would read it as a video of one frame
+        return fail("inputs.pose_video", f"{p.name} is {what}, not a video: one pose for one frame, then blank ones",
+                    "pass the pose sequence as a video: ffmpeg -framerate 16 -i pose_%04d.png -pix_fmt yuv420p pose.mp4")
+    try:
+        facts = video_facts(p)
+    except PoseVideoError as e:
+        return fail("inputs.pose_video", f"{p.name} does not decode as a video" + (f" (it is {what})" if what else "")
+                    + f": {e}", "pass a video file: ffmpeg -i IN -c:v libx264 -pix_fmt yuv420p pose.mp4")
+    if facts.frames == 0:
+        return fail("inputs.pose_video", f"{p.name} has no frames", "pass a pose video with frames in it")
+    step = facts.interval()
+    every = "frame" if step == 1 else f"{step}{_ORDINAL.get(step, 'th')} frame"
+    found = (f"{p.name}: {facts.frames} frames {facts.width}x{facts.height} at {facts.fps:g} fps "
+             f"(every {every} at 16 fps)")
+    data = dict(frames=facts.frames, fps=facts.fps, width=facts.width, height=facts.height, interval=step)
+    clips = ctx.cache.get("n_clips")
+    if clips is None:
+        return ok("inputs.pose_video", found + "; the clip count comes from the speech at run time", **data)
+    need = clips * ctx.spec.infer_frames
+    have = facts.sampled(need)
+    gen = ctx.cache.get("gen_size")
+    if have < need:
+        return warn("inputs.pose_video", found + f": {have} of the {need} frames {clips} clip{'s' if clips > 1 else ''} "
+                    f"take; the last {need - have} are padded with blank pose frames, as upstream pads",
+                    f"a pose video of at least {(need - 1) * step + 1} frames at this rate covers every clip",
+                    padded=need - have, **data)
+    if gen is not None and abs(facts.width / facts.height - gen[0] / gen[1]) > 0.1 * gen[0] / gen[1]:
+        return warn("inputs.pose_video", found + f"; its aspect differs from the {gen[0]}x{gen[1]} frames: the "
+                    "centre crop cuts its sides", "render the poses at the reference image's aspect ratio", **data)
+    return ok("inputs.pose_video", found + f": all {need} frames of {clips} clip{'s' if clips > 1 else ''}", **data)
 
 
 # --------------------------------------------------------------------------- output

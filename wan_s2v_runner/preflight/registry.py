@@ -14,7 +14,7 @@ from typing import Iterable
 from wan_s2v_runner.shared.layout import MODES, Mode
 
 from . import (checks_checkpoint, checks_comm, checks_engine, checks_gpu, checks_inputs, checks_lora,
-               checks_memory, checks_parallel, checks_python)
+               checks_memory, checks_parallel, checks_python, checks_submodels, checks_tts)
 from .core import CheckFn, CheckGroup, CheckResult, warn
 
 G = CheckGroup
@@ -53,12 +53,15 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.CHECKPOINT, checks_checkpoint.check_safetensors),
     (G.CHECKPOINT, checks_checkpoint.check_pth),
     (G.CHECKPOINT, checks_checkpoint.check_config),
+    (G.CHECKPOINT, checks_submodels.check_submodels),
     (G.LORA, checks_lora.check_loras),
     (G.INPUTS, checks_inputs.check_flags),
     (G.INPUTS, checks_inputs.check_prompt),
     (G.INPUTS, checks_inputs.check_image),
     (G.INPUTS, checks_inputs.check_size),
     (G.INPUTS, checks_inputs.check_audio),
+    (G.INPUTS, checks_tts.check_tts),
+    (G.INPUTS, checks_inputs.check_pose_video),
     (G.MEMORY, checks_memory.check_plan),
     (G.MEMORY, checks_memory.check_gpu),
     (G.MEMORY, checks_memory.check_host),

@@ -20,7 +20,9 @@ What differs is *where* work runs (:class:`~wan_s2v_runner.rank.parallel.RankPla
   whole, for the output), and the motion re-encode reads each rank's own rows of the last frames;
   without it rank 0 runs the VAE alone and broadcasts the motion latents;
 * the pose-condition VAE encode, whose result upstream multiplies by zero when there is no pose
-  video, is not run (its zeros are made directly);
+  video, is not run (its zeros are made directly); with ``--pose-video`` each clip's condition is
+  read and encoded just before the clip, by the VAE ranks (split by rows, or the decoding rank
+  and a broadcast), not every clip's up front on every rank (:mod:`~wan_s2v_runner.rank.pose`);
 * the initial-motion VAE encode (73 frames of zeros) is not run when the first clip drops its
   motion frames (``drop_first_motion``, the S2V-14B default, without ``--start-from-ref``) and the
   DiT is one whose dropped motion tokens are never read (frame-pack or plain: ``_dropped_motion_unread``);
@@ -64,6 +66,7 @@ class Request:
     seed: int
     offload_model: bool
     init_first_frame: bool
+    pose_video: Optional[str] = None
 
 
 @dataclass
@@ -318,12 +321,13 @@ class S2VGenerator:
         lat_target_frames = (infer_frames + 3 + s2v.motion_frames) // 4 - lat_motion_frames
         target_shape = [lat_target_frames, HEIGHT // 8, WIDTH // 8]
         max_seq_len = np.prod(target_shape) // 4
-        # upstream: COND[0] * 0 from a VAE encode of a -1 pose video: zeros of that shape
+        # upstream without a pose video: COND[0] * 0 from a VAE encode of -1 frames: zeros of that shape
         cond_latents = torch.zeros([1, 16, lat_target_frames, HEIGHT // 8, WIDTH // 8],
                                    dtype=self.param_dtype, device=self.device)
         drop_first_motion = enc.drop_first_motion
         split_vae = plan.splits_vae(HEIGHT)
         vae_here = plan.decodes or split_vae  # this rank takes part in decode and motion re-encode
+        pose = self._pose_condition(req, enc, split_vae) if req.pose_video and vae_here else None
         motion_latents, videos_last_frames = state.motion_latents, state.videos_last_frames
         last_band = None  # split VAE: this rank's rows of videos_last_frames, which only rank 0 keeps whole
         if split_vae:
@@ -345,6 +349,12 @@ class S2VGenerator:
         autocast = torch.amp.autocast(self.device.type, dtype=self.param_dtype, enabled=self.device.type == "cuda")
         with autocast, torch.no_grad():
             for r in range(state.clip, enc.num_repeat):
+                if req.pose_video:  # upstream: COND[r], the r-th chunk of the pose frames, encoded
+                    h.stage(Stage.POSE_ENCODE, clip=r + 1, clips=enc.num_repeat)
+                    cond_latents = pose.latents(r) if pose is not None else None
+                    if plan.world_size > 1 and not split_vae:
+                        cond_latents = broadcast_tensors({"c": cond_latents} if plan.decodes else {}, src=0,
+                                                         device=self.device)["c"]
                 seed_g = torch.Generator(device=self.device)
                 seed_g.manual_seed(seed + r)
                 noise = [torch.randn(16, *target_shape, dtype=self.param_dtype, device=self.device,
@@ -405,9 +415,26 @@ class S2VGenerator:
                     h.stage(Stage.CLIP_CHECKPOINT, clip=r + 1, clips=enc.num_repeat)
                     h.clip_done(r, frames, ClipState(r + 1, None if last else motion_latents, videos_last_frames),
                                 enc.num_repeat)
+        if pose is not None:
+            pose.close()
         if dist.is_initialized():
             dist.barrier()
         return out
+
+    def _pose_condition(self, req: Request, enc: Encoded, split_vae: bool):
+        """The pose video's per-clip condition (:mod:`~wan_s2v_runner.rank.pose`), encoded by this
+        rank's share of the VAE work."""
+        from wan_s2v_runner.rank.pose import PoseCondition
+
+        height = enc.height
+        if split_vae:
+            from wan_s2v_runner.vae_split import own_band
+            band = lambda x: own_band(self.s2v.vae, x)  # noqa: E731
+        else:
+            band = lambda x: x  # noqa: E731
+        return PoseCondition(req.pose_video, (enc.height, enc.width), req.infer_frames, enc.num_repeat,
+                             self.param_dtype, self.device, band=band,
+                             encode=lambda px: self._encode(px, split_vae, height if split_vae else None))
 
     def _empty_cache(self, sync: bool = False) -> None:
         if self.device.type == "cuda":

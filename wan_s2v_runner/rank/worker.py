@@ -110,11 +110,12 @@ def engine_config(wan, spec: RunSpec):
 def request_for(spec: RunSpec):
     """The generate() arguments of a run (upstream's names)."""
     from wan_s2v_runner.rank.generation import Request
-    return Request(prompt=spec.prompt, ref_image_path=str(spec.image), audio_path=str(spec.audio),
+    return Request(prompt=spec.prompt, ref_image_path=str(spec.image), audio_path=str(spec.speech),
                    num_repeat=spec.num_clips, max_area=spec.max_area, infer_frames=spec.infer_frames,
                    shift=spec.shift, sample_solver=spec.solver, sampling_steps=spec.steps,
                    guide_scale=spec.guide_scale, n_prompt=spec.negative_prompt, seed=spec.seed,
-                   offload_model=spec.offload, init_first_frame=spec.start_from_ref)
+                   offload_model=spec.offload, init_first_frame=spec.start_from_ref,
+                   pose_video=str(spec.pose_video) if spec.pose_video else None)
 
 
 def _peak_memory(spec: RunSpec, heartbeat: bool = False) -> dict:
@@ -266,6 +267,10 @@ class RankGroup:
             events.stage(s, **data)
 
         hooks = Hooks(stage=stage, step=self._step_or_cancel(job), fault_point=events.fault_point)
+        if spec.tts_text and plan.encodes:  # the speech first: it is the audio everything below reads
+            from wan_s2v_runner.rank.tts import make_speech
+            stage(Stage.TTS)
+            make_speech(spec, resuming=bool(spec.resume_from))
         resume_state, identity = None, None
         if plan.decodes:  # clip checkpoints: a crash loses at most the clip in progress
             identity = resume.identity(spec)
@@ -289,7 +294,7 @@ class RankGroup:
         if spec.frames_out:
             frames = video.contiguous()
             atomic.atomic_write(spec.frames_out, lambda p: torch.save(frames, p))
-        media.save_video_with_audio(video, self.cfg.sample_fps, spec.audio, spec.output, on_stage=stage)
+        media.save_video_with_audio(video, self.cfg.sample_fps, spec.speech, spec.output, on_stage=stage)
         if job.record is not None:
             ended = time.time()
             record = {"id": job.id, "status": "ok", "seed": spec.seed, "started": started, "finished": ended,

@@ -24,13 +24,15 @@ from wan_s2v_runner.shared import atomic
 from wan_s2v_runner.shared.spec import AbsPath, RunSpec
 
 #: the RunSpec fields a job sets for itself; the rest belong to the rank group
-JOB_FIELDS: tuple[str, ...] = ("image", "audio", "prompt", "negative_prompt", "max_area", "infer_frames",
-                               "num_clips", "steps", "shift", "guide_scale", "solver", "seed", "start_from_ref",
-                               "output", "frames_out", "resume_from")
+JOB_FIELDS: tuple[str, ...] = ("image", "audio", "pose_video", "tts_text", "tts_prompt_audio", "tts_prompt_text",
+                               "prompt", "negative_prompt", "max_area", "infer_frames", "num_clips", "steps", "shift",
+                               "guide_scale", "solver", "seed", "start_from_ref", "output", "frames_out", "resume_from")
+#: the job fields that are input files (a server takes each as an upload or a path under --allow-dir)
+INPUT_FIELDS: tuple[str, ...] = ("image", "audio", "pose_video", "tts_prompt_audio")
 #: the job fields that say where a job's results go (a server decides them, never a client)
 OUTPUT_FIELDS: tuple[str, ...] = ("output", "frames_out", "resume_from")
-#: the job fields a client of ``wan-s2v serve`` sets besides the two inputs
-SUBMIT_FIELDS: tuple[str, ...] = tuple(k for k in JOB_FIELDS if k not in ("image", "audio", *OUTPUT_FIELDS))
+#: the job fields a client of ``wan-s2v serve`` sets besides the input files
+SUBMIT_FIELDS: tuple[str, ...] = tuple(k for k in JOB_FIELDS if k not in (*INPUT_FIELDS, *OUTPUT_FIELDS))
 JOBS_FILE = "jobs.jsonl"
 
 

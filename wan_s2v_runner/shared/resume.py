@@ -41,12 +41,14 @@ def clip_file(run_dir: Path, clip: int) -> Path:
 
 
 def spec_digest(spec) -> str:
-    """The frame-deciding settings and the contents of the image and audio files."""
+    """The frame-deciding settings and the contents of the image, audio (and pose video) files."""
     from wan_s2v_runner.shared.media import sha256_file
 
     data = json.loads(spec.model_dump_json(include=set(FRAME_FIELDS)))
     data["image_sha256"] = sha256_file(spec.image)
-    data["audio_sha256"] = sha256_file(spec.audio)
+    data["audio_sha256"] = sha256_file(spec.speech)  # --tts-text: the speech it made (kept for a resume)
+    if spec.pose_video:
+        data["pose_sha256"] = sha256_file(spec.pose_video)
     data["lora_sha256"] = [sha256_file(ref.path) for ref in spec.lora]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 

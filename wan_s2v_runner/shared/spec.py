@@ -130,7 +130,24 @@ class RunSpec(BaseModel):
                                                 default_text="installed `wan`")] = Field(
         None, description="use this Wan2.2 checkout (repo root) instead of the installed wan package")
     image: Annotated[AbsPath, Flag(_IN, metavar="PATH")] = Field(description="reference image")
-    audio: Annotated[AbsPath, Flag(_IN, metavar="PATH")] = Field(description="speech audio (wav, mp3, ...)")
+    audio: Annotated[Optional[AbsPath], Flag(_IN, metavar="PATH", default_text="required (or --tts-text)")] = Field(
+        None, description="speech audio (wav, mp3, ...)")
+    pose_video: Annotated[Optional[AbsPath], Flag(_IN, metavar="PATH", default_text="none")] = Field(
+        None, description="pose video (e.g. DWPose renders): the body follows it while the face follows the "
+                          "speech; read at the engine's 16 fps as upstream reads it, padded when shorter")
+    tts_text: Annotated[Optional[str], Flag(_IN, metavar="TEXT", default_text="none")] = Field(
+        None, min_length=1, description="speak this text with CosyVoice2 (instead of --audio); the speech is "
+                                        "written next to the output as OUTPUT.speech.wav")
+    tts_prompt_audio: Annotated[Optional[AbsPath], Flag(_IN, metavar="PATH", default_text="none")] = Field(
+        None, description="the voice to speak --tts-text in (16 kHz or more, 5-15 s)")
+    tts_prompt_text: Annotated[Optional[str], Flag(_IN, metavar="TEXT", default_text="none")] = Field(
+        None, min_length=1, description="what --tts-prompt-audio says (zero-shot cloning; without it: "
+                                        "cross-lingual)")
+    cosyvoice_dir: Annotated[Optional[AbsPath], Flag(_IN, metavar="DIR", default_text="CKPT_DIR/CosyVoice")] = Field(
+        None, description="a CosyVoice code checkout (nothing is downloaded at run time)")
+    cosyvoice_model: Annotated[Optional[AbsPath], Flag(_IN, metavar="DIR",
+                                                       default_text="CKPT_DIR/CosyVoice2-0.5B")] = Field(
+        None, description="the CosyVoice2-0.5B model directory")
     prompt: Annotated[str, Flag(_IN, metavar="TEXT")] = Field(min_length=1, description="text prompt")
     negative_prompt: Annotated[str, Flag(_IN, metavar="TEXT", default_text="engine's")] = Field(
         "", description="negative prompt (empty: the engine's default)")
@@ -236,6 +253,13 @@ class RunSpec(BaseModel):
             raise ValueError("--load-waves reads weights in turns under lean loading; drop it or --load full")
         if self.output.suffix.lower() != ".mp4":
             raise ValueError(f"output must be an .mp4 file, got {self.output.name!r}")
+        if (self.audio is None) == (self.tts_text is None):
+            raise ValueError("give the speech as --audio PATH, or as --tts-text TEXT with --tts-prompt-audio PATH "
+                             f"(got {'both' if self.audio else 'neither'})")
+        if self.tts_text is not None and self.tts_prompt_audio is None:
+            raise ValueError("--tts-text needs --tts-prompt-audio PATH (the voice to speak it in)")
+        if self.tts_text is None and (self.tts_prompt_audio or self.tts_prompt_text):
+            raise ValueError("--tts-prompt-audio/--tts-prompt-text are for --tts-text; add --tts-text TEXT or drop them")
         return self
 
     # ----- derived facts everything else asks -----
@@ -260,6 +284,22 @@ class RunSpec(BaseModel):
     @property
     def layout(self) -> Layout:
         return Layout.for_mode(self.mode, self.world_size, self.cfg_parallel, self.vae_parallel)
+
+    @property
+    def speech(self) -> Path:
+        """The audio the video speaks: ``audio``, or the TTS speech written next to the output."""
+        return self.audio if self.audio is not None else self.tts_speech_path
+
+    @property
+    def tts_speech_path(self) -> Path:
+        """Where ``--tts-text``'s speech goes: OUTPUT.speech.wav beside the mp4."""
+        return self.output.with_name(self.output.stem + ".speech.wav")
+
+    @property
+    def cosyvoice_paths(self) -> tuple[Path, Path]:
+        """(CosyVoice code checkout, CosyVoice2 model directory), defaults under the checkpoint."""
+        return (self.cosyvoice_dir or self.ckpt_dir / "CosyVoice",
+                self.cosyvoice_model or self.ckpt_dir / "CosyVoice2-0.5B")
 
     @property
     def offload(self) -> bool:
@@ -297,6 +337,8 @@ class RunSpec(BaseModel):
         """
         given = {k: v for k, v in values.items() if v is not None}
         missing = [k for k in cls.required_fields() if given.get(k) in (None, "")]
+        if given.get("audio") in (None, "") and not given.get("tts_text"):
+            missing.append("audio")  # the speech: --audio, or --tts-text
         fields: dict[str, Any] = {}
         for name, info in cls.model_fields.items():
             if name in given:

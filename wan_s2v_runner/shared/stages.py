@@ -19,8 +19,9 @@ from typing import Optional, Union
 class Stage(str, Enum):
     """Stages in the order a run goes through them.
 
-    ``fingerprint``/``shard`` only in FSDP modes; ``denoise``/``decode``/``motion_encode``
-    repeat per clip; ``save``/``mux`` on the first rank only; ``start`` is a rank that has been
+    ``fingerprint``/``shard`` only in FSDP modes; ``tts`` only with ``--tts-text``;
+    ``pose_encode`` (with ``--pose-video``)/``denoise``/``decode``/``motion_encode`` repeat per
+    clip; ``tts``/``save``/``mux`` on the first rank only; ``start`` is a rank that has been
     spawned but has not reported a stage yet.
     """
 
@@ -30,10 +31,12 @@ class Stage(str, Enum):
     LOAD = "load"
     FINGERPRINT = "fingerprint"
     SHARD = "shard"
+    TTS = "tts"  # the first rank speaks --tts-text (CosyVoice2) before the audio encode
     AUDIO_ENCODE = "audio_encode"
     REF_ENCODE = "ref_encode"
     TEXT_ENCODE = "text_encode"
     RECEIVE_INPUTS = "receive_inputs"  # waiting for the encoding rank's audio/text/latents
+    POSE_ENCODE = "pose_encode"  # --pose-video: the clip's pose frames read and VAE-encoded
     DENOISE = "denoise"
     DECODE = "decode"
     MOTION_ENCODE = "motion_encode"
@@ -90,11 +93,11 @@ class Stage(str, Enum):
 
 
 _LOAD_CLASS = frozenset({Stage.START, Stage.INIT_PG, Stage.ENGINE_IMPORT, Stage.LOAD,
-                         Stage.FINGERPRINT, Stage.SHARD, Stage.AUDIO_ENCODE, Stage.REF_ENCODE,
+                         Stage.FINGERPRINT, Stage.SHARD, Stage.TTS, Stage.AUDIO_ENCODE, Stage.REF_ENCODE,
                          Stage.TEXT_ENCODE, Stage.RECEIVE_INPUTS})
-_PER_CLIP = frozenset({Stage.DENOISE, Stage.DECODE, Stage.MOTION_ENCODE, Stage.RECEIVE_MOTION,
+_PER_CLIP = frozenset({Stage.POSE_ENCODE, Stage.DENOISE, Stage.DECODE, Stage.MOTION_ENCODE, Stage.RECEIVE_MOTION,
                        Stage.CLIP_CHECKPOINT})
-_FIRST_RANK_ONLY = frozenset({Stage.SAVE, Stage.MUX, Stage.CLIP_CHECKPOINT})
+_FIRST_RANK_ONLY = frozenset({Stage.TTS, Stage.SAVE, Stage.MUX, Stage.CLIP_CHECKPOINT})
 
 
 def gets_load_limit(name: object) -> bool:

@@ -279,6 +279,9 @@ def create_app(server: Server) -> FastAPI:
                       "image": {"type": "string", "format": "binary", "description": "reference image (or its path)"},
                       "input_reference": {"type": "string", "format": "binary", "description": "= image"},
                       "audio": {"type": "string", "format": "binary", "description": "speech audio (or its path)"},
+                      "pose_video": {"type": "string", "format": "binary", "description": "pose video (or its path)"},
+                      "tts_prompt_audio": {"type": "string", "format": "binary",
+                                           "description": "voice prompt for tts_text (or its path)"},
                       **VideoJobFields.model_json_schema()["properties"]}}}}}})
     async def create(request: Request) -> dict[str, Any]:
         from starlette.concurrency import run_in_threadpool

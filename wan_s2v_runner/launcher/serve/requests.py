@@ -30,11 +30,13 @@ from pydantic import ConfigDict, ValidationError, create_model
 from pydantic.fields import FieldInfo
 
 from wan_s2v_runner.launcher.batch import job_spec, normalized, refusal
-from wan_s2v_runner.shared.jobs import SUBMIT_FIELDS
+from wan_s2v_runner.shared.jobs import INPUT_FIELDS, SUBMIT_FIELDS
 from wan_s2v_runner.shared.spec import RunSpec
 
 #: the inputs: field name -> the names a client may send it under
-INPUT_NAMES = {"image": ("image", "input_reference"), "audio": ("audio",)}
+INPUT_NAMES = {name: (name,) for name in INPUT_FIELDS} | {"image": ("image", "input_reference")}
+#: input files a job may go without (the audio too when it sends tts_text)
+OPTIONAL_INPUTS = ("pose_video", "tts_prompt_audio")
 #: accepted and ignored (OpenAI clients send the model's name)
 IGNORED = ("model",)
 ID_PATTERN = re.compile(r"^video_[0-9a-f]{24}$")
@@ -127,7 +129,7 @@ def _field_error(e: ValidationError) -> Refused:
     err = e.errors()[0]
     param = ".".join(str(x) for x in err.get("loc", ())) or None
     if err.get("type") == "extra_forbidden":
-        known = ", ".join(("image", "audio", *SUBMIT_FIELDS))
+        known = ", ".join((*INPUT_FIELDS, *SUBMIT_FIELDS))
         return Refused(422, f"{param}: not a job field. Fix: use one of {known}", param)
     return Refused(422, f"{param}: {err.get('msg')} (got {err.get('input')!r})", param)
 
@@ -135,10 +137,10 @@ def _field_error(e: ValidationError) -> Refused:
 def _param_of(cause: str) -> Optional[str]:
     """The field a preflight refusal is about, when it says (``preflight inputs.audio: ...``)."""
     m = re.match(r"preflight (\w+)\.(\w+)", cause)
-    if m and m.group(2) in ("image", "audio", *SUBMIT_FIELDS):
+    if m and m.group(2) in (*INPUT_FIELDS, *SUBMIT_FIELDS):
         return m.group(2)
     m = re.match(r"(\w+)[:,]", cause)
-    return m.group(1) if m and m.group(1) in ("image", "audio", *SUBMIT_FIELDS) else None
+    return m.group(1) if m and m.group(1) in (*INPUT_FIELDS, *SUBMIT_FIELDS) else None
 
 
 def build_job(fields: dict[str, Union[str, Upload]], *, job_id: str, base: dict[str, Any], videos: Path,
@@ -162,6 +164,8 @@ def _build_job(fields, *, job_id, base, videos, uploads, policy, facts) -> RunSp
             raise Refused(422, f"{field}: sent twice (as {' and '.join(names)}). Fix: send it once", field)
         if not sent and base.get(field):  # the server's own default (--image/--audio)
             inputs[field] = Path(base[field])
+            continue
+        if not sent and (field in OPTIONAL_INPUTS or (field == "audio" and given.get("tts_text"))):
             continue
         if not sent:
             raise Refused(422, f"{field}: required. Fix: upload it (multipart field {names[-1]!r}) or give its "

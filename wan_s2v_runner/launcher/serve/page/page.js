@@ -315,7 +315,7 @@ async function submit(event) {
   const form = event.target;
   for (const e of form.querySelectorAll("[data-error-for]")) e.textContent = "";
   const data = new FormData();
-  for (const name of ["image", "audio"]) {
+  for (const name of ["image", "audio", "pose_video"]) {
     const file = form.elements[name].files[0];
     if (file) data.append(name, file, file.name);
   }
@@ -348,6 +348,7 @@ async function submit(event) {
 async function main() {
   preview($('input[name="image"]'), $("#image-preview"));
   preview($('input[name="audio"]'), $("#audio-preview"));
+  preview($('input[name="pose_video"]'), $("#pose-preview"));
   $("#submit-form").addEventListener("submit", submit);
   const info = await withToken(async () => (await api("/v1/server")).json());
   if ($("#token-dialog").open) $("#token-dialog").close();
