@@ -3,8 +3,8 @@
 Upstream (``read_last_n_frames(pose_video, infer_frames * num_repeat, target_fps=16,
 reverse=True)`` with decord) takes every ``round(fps / 16)``-th frame of the video from its first
 (at least every frame), as many as the clips need, and stops at the video's end; the clips past
-it are padded with -1 frames. :func:`sampled_indices` is that rule; :func:`clip_frames` reads
-the frames one clip needs. The frames come from the ffmpeg binary imageio-ffmpeg ships (the
+it are padded with -1 frames. :func:`sampled_indices` is that rule; :class:`PoseFrames` reads
+the frames each clip needs. The frames come from the ffmpeg binary imageio-ffmpeg ships (the
 project's media tool; decoded RGB equal to decord's on H.264 yuv420p, tests/test_pose.py), read
 as a stream that stops after the last frame needed: a clip's frames, never the whole video, are
 in memory. No torch here: the launcher's preflight reads the video's facts with
@@ -13,7 +13,6 @@ in memory. No torch here: the launcher's preflight reads the video's facts with
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -38,24 +37,23 @@ class VideoFacts:
     frames: int  # decodable frames (counted by decoding, not estimated from the duration)
 
     def interval(self, target_fps: int = ENGINE_FPS) -> int:
-        """Upstream's step between sampled frames: ``max(1, round(fps / target_fps))``."""
-        return max(1, round(self.fps / target_fps))
+        return sample_interval(self.fps, target_fps)
 
     def sampled(self, wanted: int, target_fps: int = ENGINE_FPS) -> int:
         """How many of ``wanted`` sampled frames the video has (the rest are padding)."""
         return len(sampled_indices(self.frames, self.fps, wanted, target_fps))
 
 
+def sample_interval(fps: float, target_fps: int = ENGINE_FPS) -> int:
+    """Upstream's step between sampled frames: ``max(1, round(fps / target_fps))``."""
+    return max(1, round(fps / target_fps))
+
+
 def sampled_indices(total_frames: int, fps: float, n_frames: int, target_fps: int = ENGINE_FPS) -> list[int]:
     """Upstream's ``read_last_n_frames(..., reverse=True)`` indices: from frame 0, every
-    ``max(1, round(fps / target_fps))``-th frame, at most ``n_frames``, none past the end."""
-    interval = max(1, round(fps / target_fps))
+    :func:`sample_interval`-th frame, at most ``n_frames``, none past the end."""
+    interval = sample_interval(fps, target_fps)
     return [i * interval for i in range(n_frames) if i * interval < total_frames]
-
-
-def _ffmpeg() -> str:
-    import imageio_ffmpeg
-    return imageio_ffmpeg.get_ffmpeg_exe()
 
 
 def video_header(path: Path) -> tuple[int, int, float]:
