@@ -303,8 +303,10 @@ def _write_dit(out: Path, wan, *, seed: int, dim: int, heads: int, layers: int,
 _W2V_VOCAB = ["<pad>", "<s>", "</s>", "<unk>", "|"] + list("ETAONISRHDLUMCWFGYPBVK'XJQZ")
 
 
-def _write_wav2vec(ckpt: Path, wan, *, seed: int, hidden: int) -> None:
-    """The wav2vec2 folder (WAV2VEC_DIR) inside the checkpoint directory ``ckpt``."""
+def _write_wav2vec(ckpt: Path, wan, *, seed: int, hidden: int, heads: int = 4, intermediate: int = 0,
+                   conv_dim: int = 16) -> None:
+    """The wav2vec2 folder (WAV2VEC_DIR) inside the checkpoint directory ``ckpt``
+    (``intermediate`` 0: twice ``hidden``; wav2vec2-large-xlsr-53 is 1024, 16, 4096, 512)."""
     from transformers import (
         Wav2Vec2Config,
         Wav2Vec2CTCTokenizer,
@@ -328,18 +330,18 @@ def _write_wav2vec(ckpt: Path, wan, *, seed: int, hidden: int) -> None:
         vocab_size=len(vocab),
         hidden_size=hidden,
         num_hidden_layers=WAV2VEC_NUM_LAYERS,
-        num_attention_heads=4,
-        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        intermediate_size=intermediate or 2 * hidden,
         # Real conv strides/kernels (20 ms frames, 50 Hz: the engine interpolates from 50 fps),
-        # narrow channels. Layer-norm variant like xlsr-53.
-        conv_dim=(16,) * 7,
+        # narrow channels by default. Layer-norm variant like xlsr-53.
+        conv_dim=(conv_dim,) * 7,
         conv_stride=(5, 2, 2, 2, 2, 2, 2),
         conv_kernel=(10, 3, 3, 3, 3, 2, 2),
         conv_bias=True,
         feat_extract_norm="layer",
         do_stable_layer_norm=True,
         num_conv_pos_embeddings=128,
-        num_conv_pos_embedding_groups=math.gcd(16, hidden),
+        num_conv_pos_embedding_groups=math.gcd(16, hidden),  # 16 in xlsr-53
         hidden_dropout=0.0,
         attention_dropout=0.0,
         activation_dropout=0.0,

@@ -18,7 +18,8 @@ wins (its all-to-alls move less and stay among fewer GPUs; a CFG split costs one
 all-gather per step). At 1024x704 (63,360 tokens) attention is ~68% of the 14B DiT's work, so
 an uneven head split costs more than the padding (at most degree - 1 tokens).
 
-This module imports only :mod:`wan_s2v_runner.shared.layout`.
+The per-token and attention terms are :mod:`.dit_flops`'s (the whole pass's count lives there).
+This module imports only :mod:`wan_s2v_runner.shared.layout` and :mod:`.dit_flops`.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from wan_s2v_runner.shared.layout import Layout, Mode
+
+from .dit_flops import DitDims, attention_flops, per_token_flops
 
 #: GPU counts the doctor's plan table covers
 PLAN_WORLD_SIZES = tuple(range(1, 17))
@@ -110,8 +113,8 @@ def estimate_speedup(layout: Layout, heads: int, dim: int, ffn_dim: int, length:
     """One GPU's DiT step work / the busiest rank's (module docstring); 0.0 for an invalid plan."""
     if not layout.fits(heads, [length]) or length <= 0:
         return 0.0
-    per_token = 12 * dim * dim + 4 * dim * ffn_dim
-    attention = 4 * length * length * dim
+    dims = DitDims(dim=dim, ffn_dim=ffn_dim, num_heads=heads)
+    per_token, attention = per_token_flops(dims), attention_flops(dims, length)
     one_gpu = 2 * (length * per_token + attention)
     local = -(-length // layout.sp_degree)
     rank = (2 / layout.cfg_degree) * (local * per_token + attention * layout.heads_per_rank(heads) / heads)

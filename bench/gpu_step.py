@@ -1,0 +1,255 @@
+"""One S2V DiT denoising step at real size (issue #29, part 1): seconds, TFLOP/s, MFU, peak memory.
+
+The S2V-14B DiT is built from the engine's own config (``WAN_CONFIGS['s2v-14B'].transformer``:
+dim 5120, 40 heads, 40 layers, 12 audio-injection layers) on the meta device, then every
+parameter is materialized on the device as random bf16 (no checkpoint file, no 33 GB on disk).
+One step is what the generation loop does per timestep: the conditional and the unconditional
+pass (CFG; the unconditional pass zeroes the audio and swaps the text), under
+``autocast(bf16)``, at the real shapes of a later clip (noisy latents of an 80-frame clip, the
+reference latent, the 19 motion latents packed by FramePack: 63,360 tokens at 1024x704).
+
+What it prints (and writes with ``--json``):
+
+* seconds per step (median of ``--repeat`` after ``--warmup``), and per pass;
+* operations per step counted from the shapes (:mod:`wan_s2v_runner.preflight.dit_flops`: every
+  matmul and convolution of the pass, ``2 m k n``; the text embedding and cross-attention
+  keys/values counted unless ``--text-cached``) and with ``--count-flops`` also by
+  ``torch.utils.flop_counter`` over a real pass; achieved TFLOP/s and MFU against the GPU's dense
+  bf16 peak (``--peak-tflops``, else the table below by device name);
+* the attention backend the runner picks (``--attention auto``: FA3, FA2, then SDPA) and, for
+  SDPA, which kernel ran (the CUDA kernel names of one attention call at the real shape, from
+  ``torch.profiler``);
+* peak memory (``torch.cuda.max_memory_allocated``) above the weights, and the weights' bytes;
+* with ``--compile``: the same step with the DiT under ``torch.compile`` (first call's seconds
+  reported as compile time).
+
+    python bench/gpu_step.py                       # CUDA, real size, 1024x704, 80 frames
+    python bench/gpu_step.py --compile --count-flops --json step.json
+    python bench/gpu_step.py --device cpu --preset small --size 256*256 --infer-frames 8  # smoke test
+
+``--preset small`` is a small DiT of the same structure (for a CPU check of the script). The
+engine comes from where the runner finds it (``WAN_REPO`` or the installed ``wan22``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+#: dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device-name substring, first match wins
+PEAK_BF16_TFLOPS = (("H200", 989.4), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.4),
+                    ("GH200", 989.4), ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0),
+                    ("A10G", 70.0), ("L4", 121.0))
+
+#: DiT sizes per preset: the real config, or a small one of the same structure
+PRESETS = {
+    "real": {},
+    "small": {"dim": 256, "ffn_dim": 512, "num_heads": 4, "num_layers": 4, "audio_inject_layers": [0, 2, 3],
+              "audio_dim": 64},
+}
+
+
+def sync(device) -> None:
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def sdpa_kernel_names(device, heads: int, head_dim: int, length: int, dtype) -> list[str]:
+    """CUDA kernels one SDPA call at this shape launches, under the loop's autocast (profiler)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+    q = torch.randn(1, heads, length, head_dim, device=device, dtype=torch.float32)
+    with torch.amp.autocast("cuda", dtype=dtype), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        F.scaled_dot_product_attention(q, q, q)
+        torch.cuda.synchronize(device)
+    return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+
+
+def sdpa_kernel_kind(names: list[str]) -> str:
+    """Which SDPA implementation launched these kernels."""
+    low = " ".join(names).lower()
+    for needle, kind in (("cudnn", "cuDNN attention"), ("flash", "FlashAttention-2 (PyTorch's)"),
+                         ("fmha", "memory-efficient (xformers/cutlass)"), ("efficient", "memory-efficient"),
+                         ("cutlass", "memory-efficient (cutlass)")):
+        if needle in low:
+            return kind
+    return "math (unfused)" if names else "unknown"
+
+
+def peak_tflops(name: str, override: float | None) -> float | None:
+    if override:
+        return override
+    for needle, peak in PEAK_BF16_TFLOPS:
+        if needle in name:
+            return peak
+    return None
+
+
+def run_steps(model, x, t, cond, uncond, device, dtype, warmup: int, repeat: int):
+    """(first call's seconds, median step seconds, median pass seconds) of cond + uncond passes."""
+    import torch
+    autocast = torch.amp.autocast(device.type, dtype=dtype, enabled=device.type == "cuda")
+
+    def one_pass(args):
+        with autocast, torch.no_grad():
+            return model(x, t=t, **args)
+
+    def step():
+        c, u = one_pass(cond), one_pass(uncond)
+        return [u_ + 4.5 * (c_ - u_) for c_, u_ in zip(c, u)]
+
+    first = timed(step, device)
+    for _ in range(max(0, warmup - 1)):
+        timed(step, device)
+    steps = [timed(step, device) for _ in range(repeat)]
+    passes = [timed(lambda: one_pass(cond), device) for _ in range(repeat)]
+    return first, statistics.median(steps), statistics.median(passes)
+
+
+def counted_flops(model, x, t, cond, device, dtype) -> int:
+    """Operations of one conditional pass as ``torch.utils.flop_counter`` counts them."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    counter = FlopCounterMode(display=False)
+    # on the CPU the fused SDPA kernel is not counted: its math form is (CUDA's kernels are)
+    kernels = [SDPBackend.MATH] if device.type == "cpu" else list(SDPBackend)
+    with sdpa_kernel(kernels), counter, torch.amp.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"), torch.no_grad():
+        model(x, t=t, **cond)
+    return int(counter.get_total_flops())
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--preset", default="real", choices=sorted(PRESETS))
+    ap.add_argument("--size", default="1024*704", help="WIDTH*HEIGHT, multiples of 64 (default 1024*704)")
+    ap.add_argument("--infer-frames", type=int, default=80)
+    ap.add_argument("--first-clip", action="store_true", help="clip 1: motion tokens dropped (shorter sequence)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "fa3", "fa2", "sdpa"])
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="also time the step under torch.compile")
+    ap.add_argument("--count-flops", action="store_true", help="also count one pass with torch.utils.flop_counter")
+    ap.add_argument("--text-cached", action="store_true",
+                    help="count FLOPs as the runner runs (text embedding and cross-attention k/v cached)")
+    ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, TFLOP/s (default: by name)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    a = ap.parse_args(argv)
+
+    import torch
+    from patches import attention
+    from wan_s2v_runner.demo.random_weights import dit_kwargs, random_dit, random_dit_inputs
+    from wan_s2v_runner.loading.engine import import_wan
+    from wan_s2v_runner.preflight.dit_flops import DitDims, forward_flops
+    from wan_s2v_runner.preflight.geometry import token_counts
+    from wan_s2v_runner.shared.spec import parse_size
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device here; use --device cpu --preset small for a smoke test")
+    device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    w, h = (int(v) for v in a.size.replace("x", "*").split("*"))
+    if parse_size(a.size) != w * h or w % 64 or h % 64:
+        ap.error(f"--size {a.size}: WIDTH*HEIGHT, each a multiple of 64")
+    torch.manual_seed(0)
+
+    wan = import_wan()
+    backend, reason = attention.resolve_backend(a.attention, device.type)
+    attention.apply(wan, backend)
+    t0 = time.perf_counter()
+    model, weight_bytes = random_dit(wan, device, dtype, **PRESETS[a.preset])
+    build_s = time.perf_counter() - t0
+    cfg = dit_kwargs(wan, **PRESETS[a.preset])
+    dims = DitDims.from_config(cfg)
+    tokens = token_counts(h, w, a.infer_frames)
+    x, t, cond, uncond = random_dit_inputs(int(cfg["audio_dim"]), tokens, a.infer_frames, device, dtype, a.first_clip)
+    flops = forward_flops(dims, tokens, with_motion=not a.first_clip, text_cached=a.text_cached)
+
+    out: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 "torch": torch.__version__, "cuda": torch.version.cuda,
+                 "preset": a.preset, "size": f"{w}*{h}", "infer_frames": a.infer_frames, "tokens": flops.length,
+                 "dims": dims.__dict__, "dtype": str(dtype).replace("torch.", ""),
+                 "attention": {"backend": backend, "reason": reason},
+                 "weights_gib": round(weight_bytes / 2**30, 2), "build_s": round(build_s, 1),
+                 "flops_per_pass": flops.total, "flops_terms": flops.terms,
+                 "flops_per_step": 2 * flops.total, "text_cached": a.text_cached}
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+            out["attention"]["flash_attn"] = getattr(flash_attn, "__version__", "?")
+        except Exception as e:  # noqa: BLE001 - reported, not needed
+            out["attention"]["flash_attn"] = f"not importable ({type(e).__name__})"
+        if backend == "sdpa":
+            names = sdpa_kernel_names(device, dims.num_heads, dims.dim // dims.num_heads, flops.length, dtype)
+            out["attention"]["sdpa_kernel"] = sdpa_kernel_kind(names)
+            out["attention"]["sdpa_cuda_kernels"] = names
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    first, step_s, pass_s = run_steps(model, x, t, cond, uncond, device, dtype, a.warmup, a.repeat)
+    out.update(first_step_s=round(first, 3), step_s=round(step_s, 3), pass_s=round(pass_s, 3))
+    if device.type == "cuda":
+        out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        out["peak_above_weights_gib"] = round((torch.cuda.max_memory_allocated(device) - base) / 2**30, 2)
+        out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
+    tflops = 2 * flops.total / step_s / 1e12
+    peak = peak_tflops(out["device"], a.peak_tflops)
+    out.update(tflops=round(tflops, 1), peak_tflops=peak, mfu=round(tflops / peak, 4) if peak else None)
+    if a.count_flops:
+        out["flops_counted_per_pass"] = counted_flops(model, x, t, cond, device, dtype)
+        out["flops_counted_vs_shapes"] = round(out["flops_counted_per_pass"] / flops.total, 4)
+    if a.compile:
+        compiled = torch.compile(model)
+        c_first, c_step, c_pass = run_steps(compiled, x, t, cond, uncond, device, dtype, a.warmup, a.repeat)
+        c_tflops = 2 * flops.total / c_step / 1e12
+        out["compiled"] = {"first_step_s": round(c_first, 1), "step_s": round(c_step, 3), "pass_s": round(c_pass, 3),
+                           "tflops": round(c_tflops, 1), "mfu": round(c_tflops / peak, 4) if peak else None,
+                           "speedup": round(step_s / c_step, 3)}
+    print(render(out))
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def render(r: dict) -> str:
+    """The results as a small markdown table plus the attention line."""
+    lines = [f"DiT step on {r['device']} (torch {r['torch']}, cuda {r['cuda']}), preset {r['preset']}, "
+             f"{r['size']}, {r['infer_frames']} frames, {r['tokens']} tokens, {r['dtype']}",
+             f"attention: {r['attention']['backend']} ({r['attention']['reason']})"
+             + (f"; SDPA kernel: {r['attention']['sdpa_kernel']}" if "sdpa_kernel" in r["attention"] else ""),
+             "", "| | step s (cond + uncond) | pass s | TFLOP/s | MFU | peak GiB (weights) |", "|---|---|---|---|---|---|"]
+    mfu = lambda v: f"{100 * v:.1f}%" if v is not None else "-"  # noqa: E731
+    mem = f"{r.get('peak_allocated_gib', '-')} ({r['weights_gib']})"
+    lines.append(f"| eager | {r['step_s']} | {r['pass_s']} | {r['tflops']} | {mfu(r['mfu'])} | {mem} |")
+    if "compiled" in r:
+        c = r["compiled"]
+        lines.append(f"| torch.compile (first step {c['first_step_s']} s) | {c['step_s']} | {c['pass_s']} | "
+                     f"{c['tflops']} | {mfu(c['mfu'])} | - |")
+    lines.append("")
+    lines.append(f"operations per step (from shapes): {r['flops_per_step'] / 1e15:.4g} PFLOP; per pass by term: "
+                 + ", ".join(f"{k} {v / r['flops_per_pass'] * 100:.1f}%" for k, v in r["flops_terms"].items()))
+    if "flops_counted_per_pass" in r:
+        lines.append(f"torch.utils.flop_counter, one pass: {r['flops_counted_per_pass'] / 1e15:.4g} PFLOP "
+                     f"({r['flops_counted_vs_shapes']}x the count from shapes)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

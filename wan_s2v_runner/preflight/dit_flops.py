@@ -1,0 +1,126 @@
+"""The S2V DiT's arithmetic: floating-point operations of one forward pass, counted from shapes.
+
+One place for what a denoising step costs. :mod:`.plans` weighs layouts with its per-token and
+attention terms; ``bench/gpu_step.py`` divides its total by measured seconds for TFLOP/s and MFU.
+No torch: the counts follow from ``config.json``'s dims and the token counts of
+:mod:`.geometry`, read from the engine's ``WanModel_S2V.forward`` (Wan2.2 42bf4cf):
+
+* a matmul of (m x k) by (k x n) is ``2 m k n`` operations; a convolution is a matmul over its
+  patches (``2 * outputs * in_channels * kernel volume * out_channels``); elementwise work
+  (norms, RoPE, modulation, softmax) is not counted, as MFU conventions do;
+* the sequence is ``L = noisy + ref + motion`` tokens (motion dropped on a first clip that starts
+  without the reference image); ``N`` = noisy tokens, ``T`` = 512 text tokens, ``C`` = dim,
+  ``F`` = ffn_dim, ``A`` = 4 audio tokens per latent frame;
+* per block: self-attention q/k/v/o ``8 L C^2``, its scores and weighted sum ``4 L^2 C`` (full
+  attention, every head), text cross-attention q/o ``4 L C^2`` + k/v ``4 T C^2`` + scores
+  ``4 L T C``, FFN ``4 L C F``;
+* per audio-injection layer (12 in S2V-14B), on the N noisy tokens frame by frame: AdaLN
+  ``4 f C^2`` (f latent frames), q/o ``4 N C^2``, k/v ``4 f A C^2``, scores ``4 N A C``;
+* once per pass: patch embeddings of the noisy, pose-condition and reference latents, the
+  FramePack motion convolutions, the text embedding ``2 T (4096 C + C^2)``, the time embedding,
+  the head; the audio encoder (causal 1-D convolutions over ~audio frames) is left out (<0.01%
+  at real size).
+
+``tests/test_dit_flops.py`` checks the total against ``torch.utils.flop_counter`` on the engine's
+own model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .geometry import TokenCounts
+
+TEXT_LEN = 512  # text tokens the DiT sees (context padded to text_len)
+TEXT_DIM = 4096  # umt5-xxl width; WanModel_S2V's text_dim
+AUDIO_TOKENS = 4  # num_audio_token per latent frame
+LATENT_CHANNELS = 16  # in_dim, cond_dim and the FramePack input
+#: FramePack's three convolutions (kernel = stride): (latent frames read, temporal kernel,
+#: spatial kernel) at 1x, 2x and 4x (zip_frame_buckets 1, 2, 16)
+FRAMEPACK = ((1, 1, 2), (2, 2, 4), (16, 4, 8))
+
+
+@dataclass(frozen=True)
+class DitDims:
+    """The DiT's sizes that set its arithmetic (``config.json`` of the checkpoint)."""
+    dim: int = 5120
+    ffn_dim: int = 13824
+    num_heads: int = 40
+    num_layers: int = 40
+    audio_layers: int = 12  # len(audio_inject_layers)
+    freq_dim: int = 256
+    out_dim: int = 16
+
+    @classmethod
+    def from_config(cls, cfg: Mapping) -> "DitDims":
+        layers = cfg.get("audio_inject_layers")
+        return cls(dim=int(cfg["dim"]), ffn_dim=int(cfg["ffn_dim"]), num_heads=int(cfg["num_heads"]),
+                   num_layers=int(cfg["num_layers"]),
+                   audio_layers=len(layers) if layers is not None else cls.audio_layers,
+                   freq_dim=int(cfg.get("freq_dim", cls.freq_dim)), out_dim=int(cfg.get("out_dim", cls.out_dim)))
+
+
+def per_token_flops(dims: DitDims) -> int:
+    """One block's work per token that grows linearly with the sequence: self-attention q/k/v/o,
+    text cross-attention q/o (its k/v depend on the text only) and the FFN."""
+    c = dims.dim
+    return 8 * c * c + 4 * c * c + 4 * c * dims.ffn_dim
+
+
+def attention_flops(dims: DitDims, length: int) -> int:
+    """One block's self-attention scores and weighted sum over ``length`` tokens, all heads."""
+    return 4 * length * length * dims.dim
+
+
+@dataclass(frozen=True)
+class ForwardFlops:
+    """One DiT forward pass, by term (operations)."""
+    length: int
+    terms: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+    def share(self, name: str) -> float:
+        return self.terms[name] / self.total if self.total else 0.0
+
+
+def forward_flops(dims: DitDims, tokens: TokenCounts, *, with_motion: bool = True,
+                  text_cached: bool = False) -> ForwardFlops:
+    """Operations of one ``WanModel_S2V.forward`` over the sequence of ``tokens`` (module docstring).
+    ``with_motion=False``: a first clip whose motion tokens are dropped. ``text_cached``: the text
+    embedding and the cross-attention keys/values come from ``patches.context_cache`` (the runner
+    computes them once per prompt), so they are not counted."""
+    c, f_dim, layers = dims.dim, dims.ffn_dim, dims.num_layers
+    n, ref = tokens.noisy, tokens.ref
+    length = n + ref + (tokens.motion if with_motion else 0)
+    frames = tokens.latent_frames
+    t = TEXT_LEN
+    terms = {
+        "self_attn_proj": layers * 8 * length * c * c,
+        "self_attn_scores": layers * attention_flops(dims, length),
+        "cross_attn": layers * (4 * length * c * c + (0 if text_cached else 4 * t * c * c) + 4 * length * t * c),
+        "ffn": layers * 4 * length * c * f_dim,
+        "audio_inject": dims.audio_layers * (4 * frames * c * c + 4 * n * c * c
+                                             + 4 * frames * AUDIO_TOKENS * c * c + 4 * n * AUDIO_TOKENS * c),
+    }
+    patch = LATENT_CHANNELS * 2 * 2  # patch (1, 2, 2) over 16 latent channels
+    embed = 2 * (2 * n + ref) * patch * c  # noisy + pose condition + reference
+    lh, lw = tokens.height // 8, tokens.width // 8  # latent rows and columns
+    for read, kt, ks in FRAMEPACK:  # they run even when a first clip drops their tokens
+        count = (read // kt) * (lh // ks) * (lw // ks)
+        embed += 2 * count * LATENT_CHANNELS * kt * ks * ks * c
+    if not text_cached:
+        embed += 2 * t * (TEXT_DIM * c + c * c)  # text embedding
+    embed += 2 * 2 * (dims.freq_dim * c + c * c + c * 6 * c)  # time embedding (t and the zero timestep)
+    embed += 2 * n * c * dims.out_dim * 4  # head
+    terms["embed_head"] = embed
+    return ForwardFlops(length, terms)
+
+
+def step_flops(dims: DitDims, tokens: TokenCounts, *, guided: bool = True, with_motion: bool = True,
+               text_cached: bool = False) -> int:
+    """One denoising step: the conditional pass, and the unconditional one when guided (CFG)."""
+    one = forward_flops(dims, tokens, with_motion=with_motion, text_cached=text_cached).total
+    return one * (2 if guided else 1)
