@@ -147,6 +147,19 @@ def test_speech_is_required_once(tiny_assets):
     assert spec.cosyvoice_paths == (tiny_assets.ckpt_dir / "CosyVoice", tiny_assets.ckpt_dir / "CosyVoice2-0.5B")
 
 
+def test_resume_of_a_tts_run_names_its_missing_speech(tiny_assets, tmp_path):
+    """`wan-s2v resume` of a --tts-text run whose OUTPUT.speech.wav is gone: one line, cause and fix
+    (it was a bare FileNotFoundError from hashing the file)."""
+    from wan_s2v_runner.shared import resume
+    from wan_s2v_runner.shared.spec import RunSpec
+
+    spec = RunSpec(ckpt_dir=tiny_assets.ckpt_dir, image=tiny_assets.image, prompt="p", tts_text="hi",
+                   tts_prompt_audio=tiny_assets.audio, output=tmp_path / "v.mp4")
+    progress = resume.Progress(tmp_path / "run", 1, 2, {})
+    with pytest.raises(resume.ResumeError, match=r"its speech .*v\.speech\.wav is missing \(--tts-text wrote it.*Fix"):
+        resume.check(progress, spec)
+
+
 @pytest.mark.parametrize("part, edit, needle", [
     ("wav2vec2-large-xlsr-53-english/config.json", lambda c: c.update(hidden_size=48),
      "model.safetensors: holds 24 layers of width 32, its config.json says 24 of 48"),

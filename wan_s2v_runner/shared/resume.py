@@ -126,6 +126,11 @@ def read_progress(run_dir: Path) -> Progress:
 
 def check(progress: Progress, spec) -> None:
     """Raise ResumeError (one line) if ``spec`` would not produce the clips already written."""
+    speech = Path(spec.speech)
+    if not speech.is_file():  # --tts-text: the speech the run made, kept beside its output for a resume
+        made = " (--tts-text wrote it; a resume speaks with it again)" if spec.tts_text else ""
+        raise ResumeError(f"cannot resume {progress.run_dir}: its speech {speech} is missing{made}. "
+                          "Fix: put the file back, or start a new run with `wan-s2v run`.")
     now = identity(spec)
     what = {"spec": ("the inputs or frame settings (prompt, image, audio, size, steps, seed, LoRAs...)",
                      "resume with the original inputs, or start a new run"),
