@@ -7,9 +7,11 @@
    host per rank) -- before anything runs, as a user would.
 3. Runs ``wan-s2v run --device cuda`` (``--nproc 1`` by default) at 1024x704, one clip, two steps,
    and reads its ``run.json``: seconds per stage, what loading read (bytes per component, the
-   strategy) and the GPU peak (``torch.cuda.max_memory_allocated`` / reserved) of every rank.
-4. Prints the stage table and measured vs predicted memory, flagging where the plan is off by
-   more than 10% (``docs/memory-plan.md`` is what to fix then).
+   strategy), the peaks per stage (host RSS, ``torch.cuda.max_memory_allocated``: ``stage_peak_mb``)
+   and the whole-run GPU peak (allocated / reserved) of every rank.
+4. Prints the stage table and measured vs predicted memory -- each GPU phase of the plan (encode,
+   denoise, decode) against the peak of its stages, the whole-run GPU and host peaks -- flagging
+   where the plan is off by more than 10% (``docs/memory-plan.md`` is what to fix then).
 
     python bench/gpu_pipeline.py --ckpt /scratch/s2v-random          # builds it the first time
     python bench/gpu_pipeline.py --ckpt DIR --nproc 1 --mode ulysses --steps 2 --json out.json
@@ -44,40 +46,64 @@ def predicted(doctor: dict, mode: str) -> dict:
             "host_peak": m.get("host_peak"), "host_others": m.get("host_others")}
 
 
+#: the memory plan's GPU phases and the stages each covers (docs/memory-plan.md)
+PHASES = {"encode": ("audio_encode", "ref_encode", "text_encode"), "denoise": ("denoise",),
+          "decode": ("decode", "motion_encode")}
+
+
 def measured(run_json: dict) -> dict:
-    """Rank 0's stages and load, and every rank's memory peaks, from run.json."""
+    """Rank 0's stages, load and peaks per stage, and every rank's whole-run peaks, from run.json."""
     ranks = run_json.get("ranks") or {}
     r0 = ranks.get("0") or {}
     return {"stage_seconds": run_json.get("stage_seconds") or {}, "load": r0.get("load"),
+            "stage_peak_mb": r0.get("stage_peak_mb") or {},
             "wall_s": run_json.get("wall_s"), "exit": run_json.get("exit", {}),
             "gpu_peak_mb": {r: v.get("gpu_peak_allocated_mb") for r, v in ranks.items()},
             "gpu_reserved_mb": {r: v.get("gpu_peak_reserved_mb") for r, v in ranks.items()},
             "host_peak_mb": {r: v.get("host_peak_rss_mb") for r, v in ranks.items()}}
 
 
+def _phase_peak(stage_peaks: dict, stages, key: str):
+    got = [stage_peaks[s][key] for s in stages if key in stage_peaks.get(s, {})]
+    return max(got) if got else None
+
+
+def _row(what: str, p_bytes, m_mb):
+    p_gib = p_bytes / GiB if p_bytes else None
+    m_gib = m_mb * MiB / GiB if m_mb is not None else None
+    if p_gib and m_gib:
+        off = p_gib / m_gib - 1
+        verdict = f"{off * 100:+.0f}%" + (" -> fix the plan (> 10%)" if abs(off) > 0.10 else " (within 10%)")
+    else:
+        verdict = "not measured"
+    return (what, p_gib, m_gib, verdict)
+
+
 def compare(pred: dict, meas: dict) -> list[tuple[str, float | None, float | None, str]]:
-    """(what, predicted GiB, measured GiB, verdict) rows: the GPU peak and host peak of rank 0."""
-    rows = []
-    for what, p, m in (("GPU peak per rank (allocated)", pred["gpu_peak"], max(
-            (v for v in meas["gpu_peak_mb"].values() if v is not None), default=None)),
-                       ("host peak, rank 0", pred["host_peak"], meas["host_peak_mb"].get("0"))):
-        p_gib = p / GiB if p else None
-        m_gib = m * MiB / GiB if m is not None else None
-        if p_gib and m_gib:
-            off = p_gib / m_gib - 1
-            verdict = f"{off * 100:+.0f}%" + (" -> fix the plan (> 10%)" if abs(off) > 0.10 else " (within 10%)")
-        else:
-            verdict = "not measured"
-        rows.append((what, p_gib, m_gib, verdict))
+    """(what, predicted GiB, measured GiB, verdict) rows: each GPU phase of rank 0 (the plan's
+    phase, without its 1 GiB CUDA runtime, against the allocator's peak in that phase's stages),
+    the whole-run GPU peak of the busiest rank (the plan's peak includes the runtime; the
+    allocator's does not: reserved is shown beside it), and rank 0's host peak."""
+    peaks = meas["stage_peak_mb"]
+    rows = [_row(f"GPU {phase} (stages {', '.join(stages)}), allocated", pred["gpu_phases"].get(phase),
+                 _phase_peak(peaks, stages, "gpu_peak_allocated_mb")) for phase, stages in PHASES.items()]
+    gpu = max((v for v in meas["gpu_peak_mb"].values() if v is not None), default=None)
+    reserved = max((v for v in meas["gpu_reserved_mb"].values() if v is not None), default=None)
+    rows.append(_row("GPU peak per rank, allocated (plan: + runtime)", pred["gpu_peak"], gpu))
+    rows.append(_row("GPU peak per rank, reserved (plan: + runtime)", pred["gpu_peak"], reserved))
+    rows.append(_row("host peak, rank 0", pred["host_peak"], meas["host_peak_mb"].get("0")))
     return rows
 
 
 def render(out: dict) -> str:
     meas, pred = out["measured"], out["predicted"]
     lines = [f"pipeline: {out['args']}", f"exit: {meas['exit'].get('code')} {meas['exit'].get('status')} "
-             f"{meas['exit'].get('reason') or ''}".rstrip(), "", "| stage (rank 0) | seconds |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in meas["stage_seconds"].items()]
-    lines.append(f"| wall (run.json) | {meas['wall_s']} |")
+             f"{meas['exit'].get('reason') or ''}".rstrip(), "",
+             "| stage (rank 0) | seconds | peak host RSS MiB | peak GPU allocated MiB |", "|---|---|---|---|"]
+    peaks = meas.get("stage_peak_mb") or {}
+    lines += [f"| {k} | {v} | {peaks.get(k, {}).get('host_peak_rss_mb', '-')} | "
+              f"{peaks.get(k, {}).get('gpu_peak_allocated_mb', '-')} |" for k, v in meas["stage_seconds"].items()]
+    lines.append(f"| wall (run.json) | {meas['wall_s']} | | |")
     load = meas.get("load") or {}
     if load:
         lines += ["", f"loading: strategy {load.get('strategy')}; read "
@@ -102,7 +128,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seconds", type=float, default=4.5, help="speech length (4.5 s: one 80-frame clip)")
     ap.add_argument("--out", type=Path, default=Path("gpu-pipeline"))
     ap.add_argument("--json", type=Path)
-    ap.add_argument("run_args", nargs="*", help="more `wan-s2v run` flags (after --)")
+    ap.add_argument("run_args", nargs="*", help="more flags for `wan-s2v doctor` and `run` (after --)")
     a = ap.parse_args(argv)
 
     from wan_s2v_runner.demo.real_checkpoint import REAL, SMALL, build_real_checkpoint, dir_bytes
@@ -119,14 +145,16 @@ def main(argv=None) -> dict:
     image = make_reference_image(a.out / "ref.png", width=w, height=h)
     audio = make_speech_audio(a.out / "speech.wav", seconds=a.seconds)
     common = ["--device", a.device, "--nproc", str(a.nproc), "--mode", a.mode, "--ckpt-dir", str(a.ckpt),
-              "--image", str(image), "--audio", str(audio), "--size", a.size]
+              "--image", str(image), "--audio", str(audio), "--size", a.size, *a.run_args]
     doc = subprocess.run(cli("doctor", *common, "--json"), capture_output=True, text=True)
+    if not doc.stdout.strip():
+        raise SystemExit(f"wan-s2v doctor said nothing (exit {doc.returncode}): {doc.stderr[-2000:]}")
     out["predicted"] = predicted(json.loads(doc.stdout), a.mode)
     runs = a.out / "runs"
     t0 = time.perf_counter()
     run = subprocess.run(cli("run", *common, "--prompt", "a person talking to the camera", "--num-clips", "1",
                              "--steps", str(a.steps), "--output", str(a.out / "out.mp4"), "--runs-root", str(runs),
-                             "--frames-out", str(a.out / "frames.pt"), *a.run_args),
+                             "--frames-out", str(a.out / "frames.pt")),
                          capture_output=True, text=True)
     out["run_wall_s"] = round(time.perf_counter() - t0, 1)
     newest = max(runs.glob("*/run.json"), key=lambda p: p.stat().st_mtime, default=None)

@@ -173,6 +173,13 @@ def test_normal_run_manifest_is_complete(hybrid_run):
     for r_, info in m["ranks"].items():
         assert info["host_peak_rss_mb"] > 100, info
         assert "gpu_peak_allocated_mb" in info and info["gpu_peak_allocated_mb"] is None
+        # peaks per stage (the kernel's RSS high-water mark, reset at each stage): one for every
+        # stage the rank went through (and its start, before the first), none above the run's, and
+        # the run's is one of them
+        peaks = {k: v["host_peak_rss_mb"] for k, v in info["stage_peak_mb"].items()}
+        assert set(peaks) == set(info["stage_seconds"]) | {"start"}, (peaks, info["stage_seconds"])
+        assert all(0 < v <= info["host_peak_rss_mb"] for v in peaks.values()), (peaks, info)
+        assert max(peaks.values()) >= 0.98 * info["host_peak_rss_mb"], (peaks, info)
         assert info["finished"] and info["error"] is None
         assert info["progress"] == {"clip": 2, "clips": 2, "step": 2, "steps": 2}
     out = hybrid_run.output

@@ -80,6 +80,8 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
             "progress": st.progress or None,
             "finished": bool(st.end) and not st.error,
             "stage_seconds": stage_durations(st),
+            # peak memory while each stage ran (its largest over clips and jobs), MiB
+            "stage_peak_mb": {str(k): v for k, v in st.stage_peaks.items()},
             "host_peak_rss_mb": host, "memory_source": src,
             "gpu_peak_allocated_mb": gpu_alloc,
             "gpu_peak_reserved_mb": gpu_res,

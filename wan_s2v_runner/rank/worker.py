@@ -18,7 +18,6 @@ import gc
 import json
 import logging
 import os
-import resource
 import signal
 import sys
 import time
@@ -35,6 +34,7 @@ from wan_s2v_runner.loading import engine
 
 from wan_s2v_runner.rank import faults
 from wan_s2v_runner.rank.cpu_binding import cpu_binding
+from wan_s2v_runner.rank.memory_peaks import StagePeaks
 from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventWriter
 from wan_s2v_runner.shared.jobs import Job, read_jobs
 from wan_s2v_runner.shared.spec import RunSpec
@@ -51,10 +51,13 @@ class JobCancelled(Exception):
 
 
 class RankEvents(EventWriter):
-    """EventWriter that also checks the test fault hook at every stage."""
+    """EventWriter that also checks the test fault hook at every stage, and reports this rank's
+    memory: peaks per stage (``stage_peak`` records, :mod:`.memory_peaks`) and in heartbeats."""
 
-    def __init__(self, run_dir: Path, rank: int, mem_fn=None):
-        super().__init__(run_dir, rank, mem_fn=mem_fn)
+    def __init__(self, run_dir: Path, rank: int, peaks: StagePeaks):
+        super().__init__(run_dir, rank, mem_fn=lambda: memory_figures(peaks, heartbeat=True),
+                         stage_peak_fn=peaks.take)
+        self.peaks = peaks
         self._fault = faults.parse(os.environ.get(faults.ENV))
         self.error_reported = False
         self.job = 1  # the rank group's job in progress (1-based)
@@ -118,21 +121,16 @@ def request_for(spec: RunSpec):
                    pose_video=str(spec.pose_video) if spec.pose_video else None)
 
 
-def _peak_memory(spec: RunSpec, heartbeat: bool = False) -> dict:
-    out = {"host_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+def memory_figures(peaks: StagePeaks, heartbeat: bool = False) -> dict:
+    """Whole-run peak memory (host RSS, GPU allocated/reserved: MiB; GPU None before CUDA is
+    used), and with ``heartbeat`` the current RSS too."""
+    out = peaks.run_peaks()
     if heartbeat:  # current RSS too (cheap: /proc/self/statm)
         try:
             with open("/proc/self/statm") as f:
                 out["rss_mb"] = round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
         except (OSError, ValueError, IndexError):
             pass
-    # from the heartbeat thread, only query CUDA once the main thread has initialised it
-    if spec.device == "cuda" and torch.cuda.is_available() and (not heartbeat or torch.cuda.is_initialized()):
-        out["gpu_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        out["gpu_peak_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
-    else:
-        out["gpu_peak_allocated_mb"] = None
-        out["gpu_peak_reserved_mb"] = None
     return out
 
 
@@ -286,7 +284,7 @@ class RankGroup:
         video = S2VGenerator(self.parts, plan, hooks).generate(request_for(spec), resuming=bool(spec.resume_from),
                                                                resume=resume_state)
         if self.rank != 0:
-            events.emit("job_done", id=job.id, job=index + 1, **_peak_memory(spec, heartbeat=True))
+            events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
             return
         if video is None:
             raise RuntimeError("rank 0 got no frames from the engine")
@@ -300,11 +298,11 @@ class RankGroup:
             record = {"id": job.id, "status": "ok", "seed": spec.seed, "started": started, "finished": ended,
                       "wall_s": round(ended - started, 3), "stage_seconds": clock.seconds(ended),
                       "resumed_at_clip": resume_state[0].clip + 1 if resume_state else None,
-                      "frames": list(video.shape), "identity": identity, **_peak_memory(spec),
+                      "frames": list(video.shape), "identity": identity, **memory_figures(events.peaks),
                       "output": {"path": str(spec.output), "sha256": media.sha256_file(spec.output)},
                       "spec": json.loads(spec.model_dump_json())}
             atomic.write_text(job.record, json.dumps(record, indent=1))
-        events.emit("job_done", id=job.id, job=index + 1, **_peak_memory(spec, heartbeat=True))
+        events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
 
 
 def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
@@ -389,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     stack_files = _register_stack_dump(run_dir, rank)  # noqa: F841 (open for the process's life)
     faults.maybe_fire(rank, Stage.START)  # test hook: a rank that fails/hangs before its first event
     cpus = _bind_cpus(spec)  # before any thread starts: threads inherit the binding
-    events = RankEvents(run_dir, rank, mem_fn=lambda: _peak_memory(spec, heartbeat=True))
+    events = RankEvents(run_dir, rank, StagePeaks(cuda=spec.device == "cuda"))
     events.emit("hello", pid=os.getpid(), host=os.uname().nodename,
                 local_rank=int(os.environ.get("LOCAL_RANK", 0)), cpus=cpus)
     t0 = time.time()
@@ -399,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         events.error(e)
         raise
     finally:
-        events.emit("end", wall_s=round(time.time() - t0, 3), **_peak_memory(spec))
+        events.stage_peak()  # the last stage's
+        events.emit("end", wall_s=round(time.time() - t0, 3), **memory_figures(events.peaks))
         events.close()
     return 0
 

@@ -11,6 +11,9 @@ Every record is one line ``{"t": unix time, "rank": global rank, "kind": ..., "s
 - ``heartbeat``: every few seconds from a daemon thread, with memory figures (``rss_mb``,
   ``host_peak_rss_mb``, ``gpu_peak_allocated_mb``), so a stuck rank shows as "alive, not
   progressing" and a killed rank still leaves its last memory reading.
+- ``stage_peak``: written as a stage ends (its ``stage``), the peaks while it ran:
+  ``host_peak_rss_mb`` (Linux), ``gpu_peak_allocated_mb``, ``gpu_peak_reserved_mb`` (CUDA);
+  the reader keeps each stage's largest (``RankState.stage_peaks``).
 - ``patches``, ``frames``: informational.
 - ``error``: the rank raised; ``error_type``, ``message`` (written before the process group is
   torn down, so the first failing rank's record comes before its peers' connection errors).
@@ -66,7 +69,8 @@ class EventWriter:
     """Appends one rank's records; each record is a single ``write`` of one line (flushed)."""
 
     def __init__(self, run_dir: Path, rank: int, heartbeat_s: float = 2.0,
-                 mem_fn: Optional[Callable[[], dict]] = None):
+                 mem_fn: Optional[Callable[[], dict]] = None,
+                 stage_peak_fn: Optional[Callable[[], dict]] = None):
         d = events_dir(run_dir)
         d.mkdir(parents=True, exist_ok=True)
         self.rank = rank
@@ -75,6 +79,7 @@ class EventWriter:
         self.current_stage = Stage.START
         self.progress: dict[str, Any] = {}
         self._mem_fn = mem_fn
+        self._stage_peak_fn = stage_peak_fn  # the ending stage's memory peaks (then reset)
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._beat, args=(heartbeat_s,), daemon=True,
                                     name="wan-s2v-heartbeat")
@@ -90,8 +95,17 @@ class EventWriter:
 
     def stage(self, stage: Stage, **data: Any) -> None:
         """Enter ``stage`` (a :class:`Stage`; a plain name that is not one raises ValueError)."""
-        self.current_stage = Stage(stage)
+        new = Stage(stage)
+        self.stage_peak()
+        self.current_stage = new
         self.emit("stage", **data)
+
+    def stage_peak(self) -> None:
+        """Record the memory peaks of the stage in progress (``stage_peak``), when measured."""
+        if self._stage_peak_fn is not None:
+            peaks = self._stage_peak_fn()
+            if peaks:
+                self.emit("stage_peak", **peaks)
 
     def step(self, **counters: Any) -> None:
         self.progress.update(counters)
@@ -130,6 +144,7 @@ class RankState:
     end: Optional[dict[str, Any]] = None
     error: Optional[dict[str, Any]] = None
     loaded: Optional[dict[str, Any]] = None  # what the rank's loading read, and how (``loaded`` event)
+    stage_peaks: dict[Union[Stage, str], dict[str, float]] = field(default_factory=dict)  # MiB, largest per stage
 
 
 def denoise_position(p: dict) -> str:
@@ -228,6 +243,11 @@ class EventReader:
             st.last_progress_t = t
         elif kind == "heartbeat":
             st.mem = {k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")}
+        elif kind == "stage_peak":
+            peaks = st.stage_peaks.setdefault(Stage.coerce(ev.get("stage", "?")), {})
+            for k, v in ev.items():
+                if k not in ("t", "rank", "kind", "stage") and isinstance(v, (int, float)):
+                    peaks[k] = max(peaks.get(k, v), v)
         elif kind == "end":
             st.end = ev
         elif kind == "loaded":
