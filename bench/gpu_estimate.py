@@ -4,8 +4,9 @@ A model, stated with its inputs, not a measurement. Inputs:
 
 * ``--step-json``: ``bench/gpu_step.py --json`` on one GPU: seconds per denoising step at the real
   size and the operation count by term (attention's share decides how Ulysses scales);
-* ``--pipeline-json`` (optional): ``bench/gpu_pipeline.py --json``: the per-clip VAE and the
-  once-per-video stage seconds of one GPU; without it those are left out (said in the table);
+* ``--pipeline-json`` (optional): ``bench/gpu_pipeline.py --json`` of a 5-second video (its
+  default: two clips): the VAE seconds of the video's clips and the once-per-video stages on one
+  GPU; without it those are left out (said in the table);
 * ``--link-gbs``: all-to-all bandwidth per GPU in GB/s (default 300: H100 NVLink 4's 450 GB/s per
   direction at ~2/3 efficiency for all-to-all; measure yours with nccl-tests' alltoall_perf).
 
@@ -18,10 +19,12 @@ Per step, for a layout of CFG degree c and Ulysses degree d (:mod:`wan_s2v_runne
                + (FSDP DiT) (2 / c) passes x the DiT's bytes x (world - 1) / world / link
     step     = compute + comm                        (no overlap assumed: an upper bound)
 
-    video    = clips x steps x step + clips x vae_clip x vae_share(world) + once
+    video    = clips x steps x step + vae x vae_share(world) + once
     clips    = floor(5 s x 16 fps / 80) + 1 = 2;  steps = 40
-    vae_clip = decode + motion_encode seconds per clip on one GPU; vae_share = 0.50 / 0.34 at 2 / 3
-               bands (the split VAE measured on an H100, docs/gpu.md), 1 / bands beyond
+    vae      = the measured video's decode + motion_encode seconds (clip 1 decodes 21 latent frames,
+               later clips 39, and only clips before the last re-encode motion: a pipeline run of
+               fewer clips is scaled by clips and flagged); vae_share = 0.50 / 0.34 at 2 / 3 bands
+               (the split VAE measured on an H100, docs/gpu.md), 1 / bands beyond
     once     = audio, reference and text encoding, save and mux (one GPU's seconds; not split)
 
 Loading is not in the number (it is paid once per server or batch, not per video).
@@ -39,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-VIDEO_SECONDS, FPS, INFER_FRAMES, STEPS = 5.0, 16, 80, 40
+VIDEO_SECONDS, INFER_FRAMES, STEPS = 5.0, 80, 40
 #: the split VAE's band cost as a share of one GPU's VAE time, measured on an H100 (docs/gpu.md):
 #: 2 bands 0.50x, 3 bands 0.34x; more bands: rows / bands (what the band sizes give)
 VAE_SHARE = {1: 1.0, 2: 0.50, 3: 0.34}
@@ -52,18 +55,21 @@ def vae_share(world: int) -> float:
 
 
 def estimate(step: dict, pipeline: dict | None, link_gbs: float, worlds=(1, 2, 4, 8)) -> list[dict]:
+    from wan_s2v_runner.preflight.geometry import VAE_STRIDE, clips_for_audio, latent_frames
     from wan_s2v_runner.preflight.plans import plans_for
     from wan_s2v_runner.shared.layout import Mode
+    from wan_s2v_runner.shared.spec import size_pair
 
     dims = step["dims"]
     length = step["tokens"]
-    clips = math.floor(VIDEO_SECONDS * FPS / INFER_FRAMES) + 1
-    stages = (pipeline or {}).get("measured", {}).get("stage_seconds", {})
-    vae_clip = sum(stages.get(s, 0.0) for s in CLIP_VAE_STAGES)
+    clips = clips_for_audio(VIDEO_SECONDS, INFER_FRAMES)
+    measured = (pipeline or {}).get("measured", {})
+    stages = measured.get("stage_seconds", {})
+    vae = sum(stages.get(s, 0.0) for s in CLIP_VAE_STAGES) * clips / max(1, measured.get("clips") or clips)
     once = sum(stages.get(s, 0.0) for s in ONCE_STAGES)
-    w, h = (int(v) for v in step["size"].split("*"))
+    w, h = size_pair(step["size"])
     weight_bytes = step["weights_gib"] * 2**30
-    pred_bytes = 16 * ((INFER_FRAMES + 76) // 4 - 19) * (h // 8) * (w // 8) * 4
+    pred_bytes = 16 * latent_frames(INFER_FRAMES) * (h // VAE_STRIDE[1]) * (w // VAE_STRIDE[2]) * 4
     rows = []
     for mode in (Mode.ULYSSES, Mode.FSDP_FIXED, Mode.HYBRID):
         for world in worlds:
@@ -81,7 +87,7 @@ def estimate(step: dict, pipeline: dict | None, link_gbs: float, worlds=(1, 2, 4
                 if plan.layout.dit_fsdp and world > 1:  # every pass gathers the other ranks' shards
                     fsdp = (2 / c) * weight_bytes * (world - 1) / world / (link_gbs * 1e9)
                 step_s = compute + a2a + gather + fsdp
-                video = clips * STEPS * step_s + clips * vae_clip * vae_share(world) + once
+                video = clips * STEPS * step_s + vae * vae_share(world) + once
                 rows.append({"mode": mode.value, "gpus": world, "layout": plan.shape, "speedup_compute": plan.speedup,
                              "compute_s": compute, "all_to_all_s": a2a, "cfg_gather_s": gather, "fsdp_gather_s": fsdp, "step_s": step_s,
                              "video_s": video})
@@ -89,7 +95,11 @@ def estimate(step: dict, pipeline: dict | None, link_gbs: float, worlds=(1, 2, 4
 
 
 def render(rows: list[dict], step: dict, pipeline: dict | None, link: float) -> str:
-    lines = [f"inputs: one GPU ({step['device']}) step {step['step_s']} s at {step['size']} ({step['tokens']} tokens); "
+    made = ((pipeline or {}).get("measured") or {}).get("clips")
+    short = pipeline is not None and made is not None and made < 2
+    lines = [f"NOTE: the pipeline run made {made} clip(s); its VAE seconds are scaled by clips "
+             "(clip 1 is the lighter one: this understates the VAE)"] if short else []
+    lines += [f"inputs: one GPU ({step['device']}) step {step['step_s']} s at {step['size']} ({step['tokens']} tokens); "
              f"link {link} GB/s; VAE and once-per-video stages "
              + ("from " + str(pipeline.get("run_json")) if pipeline else "NOT included (no --pipeline-json)"),
              "", "| mode | GPUs | layout | compute speed-up | step s (compute + all-to-all + CFG gather + FSDP gather) | "

@@ -2,10 +2,11 @@
 
 1. Writes (once) a random checkpoint at the real Wan2.2-S2V-14B sizes and layout
    (:mod:`wan_s2v_runner.demo.real_checkpoint`, ~46 GB, tensors made on the GPU), a 1024x704
-   reference image and 4.5 s of synthetic speech (one 80-frame clip).
+   reference image and 5 s of synthetic speech: a 5-second video, two 80-frame clips (the second
+   one has the motion tokens and the motion re-encode the first lacks; ``--num-clips 1`` for one).
 2. Asks ``wan-s2v doctor --json`` for the memory plan of the layout (per-GPU peak by phase,
    host per rank) -- before anything runs, as a user would.
-3. Runs ``wan-s2v run --device cuda`` (``--nproc 1`` by default) at 1024x704, one clip, two steps,
+3. Runs ``wan-s2v run --device cuda`` (``--nproc 1`` by default) at 1024x704, two steps per clip,
    and reads its ``run.json``: seconds per stage, what loading read (bytes per component, the
    strategy), the peaks per stage (host RSS, ``torch.cuda.max_memory_allocated``: ``stage_peak_mb``)
    and the whole-run GPU peak (allocated / reserved) of every rank.
@@ -56,6 +57,7 @@ def measured(run_json: dict) -> dict:
     ranks = run_json.get("ranks") or {}
     r0 = ranks.get("0") or {}
     return {"stage_seconds": run_json.get("stage_seconds") or {}, "load": r0.get("load"),
+            "clips": (r0.get("progress") or {}).get("clips"),
             "stage_peak_mb": r0.get("stage_peak_mb") or {},
             "wall_s": run_json.get("wall_s"), "exit": run_json.get("exit", {}),
             "gpu_peak_mb": {r: v.get("gpu_peak_allocated_mb") for r, v in ranks.items()},
@@ -125,7 +127,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--mode", default="ulysses", choices=["ulysses", "fsdp-fixed", "hybrid"])
     ap.add_argument("--size", default="1024*704")
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--seconds", type=float, default=4.5, help="speech length (4.5 s: one 80-frame clip)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="speech length (5 s: two 80-frame clips)")
+    ap.add_argument("--num-clips", type=int, help="at most this many clips (default: as the speech needs)")
     ap.add_argument("--out", type=Path, default=Path("gpu-pipeline"))
     ap.add_argument("--json", type=Path)
     ap.add_argument("run_args", nargs="*", help="more flags for `wan-s2v doctor` and `run` (after --)")
@@ -133,6 +136,7 @@ def main(argv=None) -> dict:
 
     from wan_s2v_runner.demo.real_checkpoint import REAL, SMALL, build_real_checkpoint, dir_bytes
     from wan_s2v_runner.demo.synthetic_inputs import make_reference_image, make_speech_audio
+    from wan_s2v_runner.shared.spec import size_pair
 
     a.out.mkdir(parents=True, exist_ok=True)
     out: dict = {"args": " ".join(sys.argv[1:] if argv is None else argv)}
@@ -141,19 +145,20 @@ def main(argv=None) -> dict:
         build_real_checkpoint(a.ckpt, device=a.device, sizes=SMALL if a.small else REAL)
         out["checkpoint_build_s"] = round(time.perf_counter() - t0, 1)
     out["checkpoint_gb"] = round(dir_bytes(a.ckpt) / 1e9, 2)
-    w, h = (int(v) for v in a.size.split("*"))
+    w, h = size_pair(a.size)
     image = make_reference_image(a.out / "ref.png", width=w, height=h)
     audio = make_speech_audio(a.out / "speech.wav", seconds=a.seconds)
     common = ["--device", a.device, "--nproc", str(a.nproc), "--mode", a.mode, "--ckpt-dir", str(a.ckpt),
-              "--image", str(image), "--audio", str(audio), "--size", a.size, *a.run_args]
+              "--image", str(image), "--audio", str(audio), "--size", a.size,
+              *(["--num-clips", str(a.num_clips)] if a.num_clips else []), *a.run_args]
     doc = subprocess.run(cli("doctor", *common, "--json"), capture_output=True, text=True)
     if not doc.stdout.strip():
         raise SystemExit(f"wan-s2v doctor said nothing (exit {doc.returncode}): {doc.stderr[-2000:]}")
     out["predicted"] = predicted(json.loads(doc.stdout), a.mode)
     runs = a.out / "runs"
     t0 = time.perf_counter()
-    run = subprocess.run(cli("run", *common, "--prompt", "a person talking to the camera", "--num-clips", "1",
-                             "--steps", str(a.steps), "--output", str(a.out / "out.mp4"), "--runs-root", str(runs),
+    run = subprocess.run(cli("run", *common, "--prompt", "a person talking to the camera", "--steps", str(a.steps),
+                             "--output", str(a.out / "out.mp4"), "--runs-root", str(runs),
                              "--frames-out", str(a.out / "frames.pt")),
                          capture_output=True, text=True)
     out["run_wall_s"] = round(time.perf_counter() - t0, 1)

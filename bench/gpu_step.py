@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 #: dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device-name substring, first match wins
 PEAK_BF16_TFLOPS = (("H200", 989.4), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.4),
                     ("GH200", 989.4), ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0),
-                    ("A10G", 70.0), ("L4", 121.0))
+                    ("L40", 181.0), ("A10G", 70.0), ("L4", 121.0))
 
 #: DiT sizes per preset: the real config, or a small one of the same structure
 PRESETS = {
@@ -162,15 +162,18 @@ def main(argv=None) -> dict:
     from wan_s2v_runner.loading.engine import import_wan
     from wan_s2v_runner.preflight.dit_flops import DitDims, forward_flops
     from wan_s2v_runner.preflight.geometry import token_counts
-    from wan_s2v_runner.shared.spec import parse_size
+    from wan_s2v_runner.shared.spec import size_pair
 
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device here; use --device cpu --preset small for a smoke test")
     device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-    w, h = (int(v) for v in a.size.replace("x", "*").split("*"))
-    if parse_size(a.size) != w * h or w % 64 or h % 64:
-        ap.error(f"--size {a.size}: WIDTH*HEIGHT, each a multiple of 64")
+    try:
+        w, h = size_pair(a.size)
+    except ValueError as e:
+        ap.error(str(e))
+    if w % 64 or h % 64:
+        ap.error(f"--size {a.size}: WIDTH and HEIGHT must be multiples of 64")
     torch.manual_seed(0)
 
     wan = import_wan()
@@ -182,7 +185,7 @@ def main(argv=None) -> dict:
     cfg = dit_kwargs(wan, **PRESETS[a.preset])
     dims = DitDims.from_config(cfg)
     tokens = token_counts(h, w, a.infer_frames)
-    x, t, cond, uncond = random_dit_inputs(int(cfg["audio_dim"]), tokens, a.infer_frames, device, dtype, a.first_clip)
+    x, t, cond, uncond = random_dit_inputs(int(cfg["audio_dim"]), int(cfg["motion_frames"]), tokens, a.infer_frames, device, dtype, a.first_clip)
     flops = forward_flops(dims, tokens, with_motion=not a.first_clip, text_cached=a.text_cached)
 
     out: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

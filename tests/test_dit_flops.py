@@ -41,7 +41,7 @@ def test_count_from_shapes_equals_flop_counter(wan, first_clip):
     model, _ = random_dit(wan, cpu, torch.float32, **SMALL)
     dims = DitDims.from_config(dit_kwargs(wan, **SMALL))
     tokens = token_counts(256, 320, 8)  # not square: rows and columns kept apart
-    x, t, cond, _ = random_dit_inputs(SMALL["audio_dim"], tokens, 8, cpu, torch.float32, first_clip)
+    x, t, cond, _ = random_dit_inputs(SMALL["audio_dim"], 73, tokens, 8, cpu, torch.float32, first_clip)
     counter = FlopCounterMode(display=False)
     with sdpa_kernel([SDPBackend.MATH]), counter, torch.no_grad():
         out = model(x, t=t, **cond)

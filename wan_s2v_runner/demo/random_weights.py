@@ -64,12 +64,13 @@ def random_dit(wan, device, dtype, seed: int = 0, **sizes):
     return model.eval().requires_grad_(False), weight_bytes
 
 
-def random_dit_inputs(audio_dim: int, tokens, infer_frames: int, device, dtype, first_clip: bool):
+def random_dit_inputs(audio_dim: int, motion_frames: int, tokens, infer_frames: int, device, dtype,
+                      first_clip: bool):
     """(x, t, conditional kwargs, unconditional kwargs) of one DiT step as the generation loop
     passes them for a clip of ``tokens`` (:func:`wan_s2v_runner.preflight.geometry.token_counts`):
-    random values, real shapes. ``first_clip``: its motion tokens are dropped."""
+    random values, real shapes. ``audio_dim``, ``motion_frames``: the DiT config's (1024, 73);
+    ``first_clip``: its motion tokens are dropped."""
     import torch
-    motion_frames = 73
     lat_motion = (motion_frames + 3) // 4
     lh, lw = tokens.height // 8, tokens.width // 8
     f = tokens.latent_frames

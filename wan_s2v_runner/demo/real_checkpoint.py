@@ -6,8 +6,8 @@ the sizes of the real one -- the DiT from the engine's own S2V-14B config (16.3 
 bf16, four safetensors shards with diffusers' index, like the release), the umt5-xxl encoder
 (5.7 B, bf16), the VAE at width 96 (127 M, fp32), wav2vec2-large-xlsr-53's shape (317 M, fp32).
 About 46 GB on disk. The DiT and T5 are built on meta and their tensors made on ``device``
-(:mod:`.random_weights`), one component at a time, so host memory holds at most one shard (DiT)
-or the T5 state dict (11.4 GB) at once. The tokenizer is the tiny one (its ids fit any
+(:mod:`.random_weights`), one component at a time, so host memory holds one DiT shard (twice
+while safetensors serializes it: ~20 GB) or the T5 state dict (11.4 GB) at a time. The tokenizer is the tiny one (its ids fit any
 vocabulary). Written in a temporary sibling directory, then renamed into place.
 
     python -m wan_s2v_runner.demo.real_checkpoint OUT_DIR [--device cuda]
@@ -26,7 +26,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG, DIT_INDEX, T5_FILE, TINY_INFO_FILE, VAE_FILE
+from wan_s2v_runner.shared.ckpt_layout import DIT_INDEX, T5_FILE, TINY_INFO_FILE, VAE_FILE
 
 from . import tiny_checkpoint as tiny
 from .random_weights import materialize, on_meta, random_dit

@@ -39,7 +39,8 @@ def engine_info(spec) -> dict:
 
 def _mem(st, key: str, launcher_seen: dict):
     """A peak-memory figure: the rank's own ``end`` record, else its last heartbeat, else (host
-    RSS only) the launcher's reading of /proc/<pid>/status VmHWM while the rank ran."""
+    RSS only) the largest of the launcher's readings of /proc/<pid>/status VmHWM while the rank
+    ran (the rank resets VmHWM at each stage, so a spike between two readings can be missed)."""
     end = st.end or {}
     if end.get(key) is not None:
         return end[key], "end"

@@ -22,12 +22,12 @@ from wan_s2v_runner.launcher.proctree import (
     ProcTable,
     cpu_s,
     descendants,
-    hwm_mb,
     pdeathsig_preexec,
     pids_with_cmdline,
     ppid_map,
 )
 from wan_s2v_runner.launcher.torchrun import WORKER_MODULE, torchrun_argv, worker_env
+from wan_s2v_runner.shared.procfs import hwm_mb
 from wan_s2v_runner.shared import atomic
 from wan_s2v_runner.shared.events import EventReader, RankState
 from wan_s2v_runner.shared.spec import RunSpec

@@ -123,17 +123,6 @@ def proc_state(pid: int) -> str:
     return f"{names.get(state, state)}" + (f" in {wchan}" if wchan and wchan != "0" else "")
 
 
-def hwm_mb(pid: int) -> Optional[float]:
-    """Peak resident set size (VmHWM) of a live process, MiB."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 class ProcTable:
     """Processes of one run, each pinned by (pid, start time) and, when possible, a pidfd.
 

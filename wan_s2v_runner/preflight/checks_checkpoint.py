@@ -89,7 +89,7 @@ def check_dir(ctx):
     if not ctx.spec.ckpt_dir.is_dir():
         return fail("ckpt.dir", f"{ctx.spec.ckpt_dir} is not a directory", "pass the checkpoint directory, not a file")
     tiny = (ctx.spec.ckpt_dir / TINY_INFO_FILE).is_file()
-    return ok("ckpt.dir", f"{ctx.spec.ckpt_dir}" + (" (tiny random test checkpoint)" if tiny else ""), tiny=tiny)
+    return ok("ckpt.dir", f"{ctx.spec.ckpt_dir}" + (" (random-weight test checkpoint)" if tiny else ""), tiny=tiny)
 
 
 def check_files(ctx):

@@ -10,7 +10,7 @@ No torch: the counts follow from ``config.json``'s dims and the token counts of
   (norms, RoPE, modulation, softmax) is not counted, as MFU conventions do;
 * the sequence is ``L = noisy + ref + motion`` tokens (motion dropped on a first clip that starts
   without the reference image); ``N`` = noisy tokens, ``T`` = 512 text tokens, ``C`` = dim,
-  ``F`` = ffn_dim, ``A`` = 4 audio tokens per latent frame;
+  ``F`` = ffn_dim, ``A`` = 5 audio tokens per latent frame (4 + a padding token);
 * per block: self-attention q/k/v/o ``8 L C^2``, its scores and weighted sum ``4 L^2 C`` (full
   attention, every head), text cross-attention q/o ``4 L C^2`` + k/v ``4 T C^2`` + scores
   ``4 L T C``, FFN ``4 L C F``;
@@ -29,15 +29,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .geometry import TokenCounts
+from .geometry import FRAMEPACK_BUCKETS, PATCH, VAE_STRIDE, TokenCounts
 
 TEXT_LEN = 512  # text tokens the DiT sees (context padded to text_len)
 TEXT_DIM = 4096  # umt5-xxl width; WanModel_S2V's text_dim
-AUDIO_TOKENS = 4  # num_audio_token per latent frame
+#: audio tokens per latent frame: num_audio_token (4) + the padding token MotionEncoder_tc appends
+AUDIO_TOKENS = 4 + 1
 LATENT_CHANNELS = 16  # in_dim, cond_dim and the FramePack input
-#: FramePack's three convolutions (kernel = stride): (latent frames read, temporal kernel,
-#: spatial kernel) at 1x, 2x and 4x (zip_frame_buckets 1, 2, 16)
-FRAMEPACK = ((1, 1, 2), (2, 2, 4), (16, 4, 8))
+#: FramePack's three convolutions (kernel = stride): (temporal kernel, spatial kernel) at 1x, 2x
+#: and 4x, reading FRAMEPACK_BUCKETS latent frames each
+FRAMEPACK_KERNELS = ((1, 2), (2, 4), (4, 8))
 
 
 @dataclass(frozen=True)
@@ -105,10 +106,10 @@ def forward_flops(dims: DitDims, tokens: TokenCounts, *, with_motion: bool = Tru
         "audio_inject": dims.audio_layers * (4 * frames * c * c + 4 * n * c * c
                                              + 4 * frames * AUDIO_TOKENS * c * c + 4 * n * AUDIO_TOKENS * c),
     }
-    patch = LATENT_CHANNELS * 2 * 2  # patch (1, 2, 2) over 16 latent channels
+    patch = LATENT_CHANNELS * PATCH[0] * PATCH[1] * PATCH[2]
     embed = 2 * (2 * n + ref) * patch * c  # noisy + pose condition + reference
-    lh, lw = tokens.height // 8, tokens.width // 8  # latent rows and columns
-    for read, kt, ks in FRAMEPACK:  # they run even when a first clip drops their tokens
+    lh, lw = tokens.height // VAE_STRIDE[1], tokens.width // VAE_STRIDE[2]  # latent rows and columns
+    for read, (kt, ks) in zip(FRAMEPACK_BUCKETS, FRAMEPACK_KERNELS):  # run even when clip 1 drops their tokens
         count = (read // kt) * (lh // ks) * (lw // ks)
         embed += 2 * count * LATENT_CHANNELS * kt * ks * ks * c
     if not text_cached:

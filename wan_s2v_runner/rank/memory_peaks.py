@@ -11,7 +11,6 @@ whole-run peaks are the maxima kept here (:meth:`StagePeaks.run_peaks`).
 """
 from __future__ import annotations
 
-import re
 import resource
 import threading
 from pathlib import Path
@@ -19,19 +18,10 @@ from typing import Optional
 
 import torch
 
-_STATUS = Path("/proc/self/status")
+from wan_s2v_runner.shared.procfs import hwm_mb
+
 _CLEAR_REFS = Path("/proc/self/clear_refs")
-_HWM = re.compile(rb"^VmHWM:\s+(\d+)\s+kB", re.MULTILINE)
 MiB = 2**20
-
-
-def host_hwm_mb() -> Optional[float]:
-    """The kernel's resident-set high-water mark of this process (MiB), None where unreadable."""
-    try:
-        m = _HWM.search(_STATUS.read_bytes())
-    except OSError:
-        return None
-    return round(int(m.group(1)) / 1024, 1) if m else None
 
 
 def reset_host_hwm() -> bool:
@@ -47,20 +37,23 @@ def reset_host_hwm() -> bool:
 class StagePeaks:
     """This rank's peaks: per stage (:meth:`take`) and over the whole run (:meth:`run_peaks`)."""
 
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
+    def __init__(self, cuda_device: Optional[int] = None):
+        """``cuda_device``: the rank's GPU index (its counters are read by index: the heartbeat
+        thread's current device is not the rank's); None on a CPU rank."""
+        self.cuda_device = cuda_device
         self._lock = threading.Lock()  # the heartbeat thread reads run_peaks while a stage takes
-        self._host_resettable = host_hwm_mb() is not None and reset_host_hwm()
-        self._run = {"host_peak_rss_mb": 0.0, "gpu_peak_allocated_mb": 0.0, "gpu_peak_reserved_mb": 0.0}
+        before = hwm_mb()  # the process so far: kept, the first reset must not lose it
+        self._host_resettable = before is not None and reset_host_hwm()
+        self._run = {"host_peak_rss_mb": before or 0.0, "gpu_peak_allocated_mb": 0.0, "gpu_peak_reserved_mb": 0.0}
 
     def _gpu_now(self) -> dict:
-        if not (self.cuda and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        if self.cuda_device is None or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             return {}
-        return {"gpu_peak_allocated_mb": round(torch.cuda.max_memory_allocated() / MiB, 1),
-                "gpu_peak_reserved_mb": round(torch.cuda.max_memory_reserved() / MiB, 1)}
+        return {"gpu_peak_allocated_mb": round(torch.cuda.max_memory_allocated(self.cuda_device) / MiB, 1),
+                "gpu_peak_reserved_mb": round(torch.cuda.max_memory_reserved(self.cuda_device) / MiB, 1)}
 
     def _host_now(self) -> dict:
-        hwm = host_hwm_mb() if self._host_resettable else None
+        hwm = hwm_mb() if self._host_resettable else None
         return {"host_peak_rss_mb": hwm} if hwm is not None else {}
 
     def take(self) -> dict:
@@ -72,7 +65,7 @@ class StagePeaks:
             if self._host_resettable:
                 reset_host_hwm()
             if "gpu_peak_allocated_mb" in got:
-                torch.cuda.reset_peak_memory_stats()
+                torch.cuda.reset_peak_memory_stats(self.cuda_device)
             return got
 
     def run_peaks(self) -> dict:
@@ -80,7 +73,7 @@ class StagePeaks:
         figures None on a rank that has not used CUDA."""
         with self._lock:
             host_now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            out = {"host_peak_rss_mb": round(max(self._run["host_peak_rss_mb"], host_now, host_hwm_mb() or 0), 1)}
+            out = {"host_peak_rss_mb": round(max(self._run["host_peak_rss_mb"], host_now, hwm_mb() or 0), 1)}
             gpu = self._gpu_now()
             if gpu:
                 out.update({k: round(max(self._run[k], v), 1) for k, v in gpu.items()})

@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     stack_files = _register_stack_dump(run_dir, rank)  # noqa: F841 (open for the process's life)
     faults.maybe_fire(rank, Stage.START)  # test hook: a rank that fails/hangs before its first event
     cpus = _bind_cpus(spec)  # before any thread starts: threads inherit the binding
-    events = RankEvents(run_dir, rank, StagePeaks(cuda=spec.device == "cuda"))
+    gpu = int(os.environ.get("LOCAL_RANK", 0)) if spec.device == "cuda" else None  # run_rank's set_device
+    events = RankEvents(run_dir, rank, StagePeaks(cuda_device=gpu))
     events.emit("hello", pid=os.getpid(), host=os.uname().nodename,
                 local_rank=int(os.environ.get("LOCAL_RANK", 0)), cpus=cpus)
     t0 = time.time()

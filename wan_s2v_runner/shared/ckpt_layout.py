@@ -30,7 +30,7 @@ T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
 T5_TOKENIZER_DIR = "google/umt5-xxl"
 VAE_FILE = "Wan2.1_VAE.pth"
 WAV2VEC_DIR = "wav2vec2-large-xlsr-53-english"
-#: Ours, not the engine's: marks a tiny random test checkpoint (dims, seed, hashes).
+#: Ours, not the engine's: marks a random-weight test checkpoint, tiny or at real sizes (dims, seed, hashes).
 TINY_INFO_FILE = "tiny_checkpoint.json"
 
 # --------------------------------------------------------------------------- inside the HF folders

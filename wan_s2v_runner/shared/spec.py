@@ -63,8 +63,8 @@ class Flag:
     repeatable: bool = False  # the flag may be given several times (a list field)
 
 
-def parse_size(value: str) -> int:
-    """'1024*704' or '1024x704' -> area in pixels."""
+def size_pair(value: str) -> tuple[int, int]:
+    """'1024*704' or '1024x704' -> (width, height)."""
     for sep in ("*", "x", "X"):
         if sep in value:
             w, h = value.split(sep, 1)
@@ -73,8 +73,14 @@ def parse_size(value: str) -> int:
             except ValueError:
                 break
             if w_i > 0 and h_i > 0:
-                return w_i * h_i
+                return w_i, h_i
     raise ValueError(f"size must look like WIDTH*HEIGHT (e.g. 1024*704), got {value!r}")
+
+
+def parse_size(value: str) -> int:
+    """'1024*704' or '1024x704' -> area in pixels."""
+    w, h = size_pair(value)
+    return w * h
 
 
 def _area(value: Any) -> Any:
