@@ -2,7 +2,8 @@
 ``chromedriver``, driven by Selenium), against the session's server on the tiny checkpoint.
 
 It asks for the token once (and keeps it over a reload), shows the layout and both ranks, shows
-a bad upload's preflight message next to the image field, submits a job through the form and
+a bad upload's preflight message next to the image field, sends a text-to-speech voice upload
+(refused by this server, which has no CosyVoice, next to ``tts_text``), submits a job through the form and
 watches its progress bar move, plays the finished video (``duration`` > 0) with its download
 link, and cancels a second job. Screenshots of each point go to ``test-artifacts/page/``
 (``$WAN_S2V_ARTIFACTS`` elsewhere). Skips, with the reason, only where no Chromium is installed
@@ -122,6 +123,25 @@ def test_status_page_in_chromium(browser, server, inputs, tmp_path):
     assert "preflight inputs.image" in slot.text and "Fix" in slot.text, slot.text
     shot(driver, "02-bad-upload")
     assert len(server.http.get("/v1/videos").json()["data"]) == jobs_before
+
+    # text-to-speech from the page: the voice prompt is uploaded with the text (no speech audio),
+    # so the server goes on to check CosyVoice, which this server lacks: its cause on the page
+    # (without the upload the spec itself would refuse: "needs --tts-prompt-audio")
+    form = driver.find_element(By.ID, "submit-form")
+    form.find_element(By.NAME, "audio").clear()
+    form.find_element(By.NAME, "tts_prompt_audio").send_keys(str(inputs["audio"]))
+    form.find_element(By.NAME, "tts_text").send_keys("Hello from the page.")
+    form.find_element(By.NAME, "image").clear()
+    form.find_element(By.NAME, "image").send_keys(str(inputs["image"]))
+    form.find_element(By.ID, "submit-button").click()
+    said = driver.find_element(By.CSS_SELECTOR, '[data-error-for="tts_text"]')  # the cause, by its field
+    wait_for(lambda: "CosyVoice" in said.text, 30, "the text-to-speech refusal by the tts_text field",
+             lambda: [e.text for e in driver.find_elements(By.CSS_SELECTOR, "[data-error-for]")])
+    assert "preflight inputs.tts" in said.text and "Fix" in said.text, said.text
+    shot(driver, "02b-tts-refused")
+    assert len(server.http.get("/v1/videos").json()["data"]) == jobs_before
+    form.find_element(By.NAME, "tts_prompt_audio").clear()
+    form.find_element(By.NAME, "tts_text").clear()
 
     # a job through the form: its bar moves, then the video plays
     earlier = set(server_ids(server))

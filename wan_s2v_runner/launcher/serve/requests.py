@@ -134,11 +134,16 @@ def _field_error(e: ValidationError) -> Refused:
     return Refused(422, f"{param}: {err.get('msg')} (got {err.get('input')!r})", param)
 
 
+#: preflight checks named other than the field they are about
+CHECK_FIELDS = {"tts": "tts_text"}
+
+
 def _param_of(cause: str) -> Optional[str]:
     """The field a preflight refusal is about, when it says (``preflight inputs.audio: ...``)."""
     m = re.match(r"preflight (\w+)\.(\w+)", cause)
-    if m and m.group(2) in (*INPUT_FIELDS, *SUBMIT_FIELDS):
-        return m.group(2)
+    field = CHECK_FIELDS.get(m.group(2), m.group(2)) if m else None
+    if field in (*INPUT_FIELDS, *SUBMIT_FIELDS):
+        return field
     m = re.match(r"(\w+)[:,]", cause)
     return m.group(1) if m and m.group(1) in (*INPUT_FIELDS, *SUBMIT_FIELDS) else None
 

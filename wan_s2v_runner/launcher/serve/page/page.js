@@ -315,9 +315,9 @@ async function submit(event) {
   const form = event.target;
   for (const e of form.querySelectorAll("[data-error-for]")) e.textContent = "";
   const data = new FormData();
-  for (const name of ["image", "audio", "pose_video"]) {
-    const file = form.elements[name].files[0];
-    if (file) data.append(name, file, file.name);
+  for (const input of form.querySelectorAll('input[type="file"]')) {
+    const file = input.files[0];
+    if (file) data.append(input.name, file, file.name);
   }
   for (const f of fields) {
     const value = form.elements[f.name].value;
@@ -349,6 +349,7 @@ async function main() {
   preview($('input[name="image"]'), $("#image-preview"));
   preview($('input[name="audio"]'), $("#audio-preview"));
   preview($('input[name="pose_video"]'), $("#pose-preview"));
+  preview($('input[name="tts_prompt_audio"]'), $("#tts-prompt-preview"));
   $("#submit-form").addEventListener("submit", submit);
   const info = await withToken(async () => (await api("/v1/server")).json());
   if ($("#token-dialog").open) $("#token-dialog").close();
