@@ -134,7 +134,8 @@ def main(argv=None) -> dict:
     ap.add_argument("run_args", nargs="*", help="more flags for `wan-s2v doctor` and `run` (after --)")
     a = ap.parse_args(argv)
 
-    from wan_s2v_runner.demo.real_checkpoint import REAL, SMALL, build_real_checkpoint, dir_bytes
+    from wan_s2v_runner.demo.real_checkpoint import REAL, SMALL, build_real_checkpoint
+    from wan_s2v_runner.demo.tiny_checkpoint import dir_bytes
     from wan_s2v_runner.demo.synthetic_inputs import make_reference_image, make_speech_audio
     from wan_s2v_runner.shared.spec import size_pair
 

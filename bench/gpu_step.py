@@ -160,7 +160,7 @@ def main(argv=None) -> dict:
     from patches import attention
     from wan_s2v_runner.demo.random_weights import dit_kwargs, random_dit, random_dit_inputs
     from wan_s2v_runner.loading.engine import import_wan
-    from wan_s2v_runner.preflight.dit_flops import DitDims, forward_flops
+    from wan_s2v_runner.preflight.dit_flops import DitDims, forward_flops, step_flops
     from wan_s2v_runner.preflight.geometry import token_counts
     from wan_s2v_runner.shared.spec import size_pair
 
@@ -187,6 +187,7 @@ def main(argv=None) -> dict:
     tokens = token_counts(h, w, a.infer_frames)
     x, t, cond, uncond = random_dit_inputs(int(cfg["audio_dim"]), int(cfg["motion_frames"]), tokens, a.infer_frames, device, dtype, a.first_clip)
     flops = forward_flops(dims, tokens, with_motion=not a.first_clip, text_cached=a.text_cached)
+    per_step = step_flops(dims, tokens, with_motion=not a.first_clip, text_cached=a.text_cached)
 
     out: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -195,7 +196,7 @@ def main(argv=None) -> dict:
                  "attention": {"backend": backend, "reason": reason},
                  "weights_gib": round(weight_bytes / 2**30, 2), "build_s": round(build_s, 1),
                  "flops_per_pass": flops.total, "flops_terms": flops.terms,
-                 "flops_per_step": 2 * flops.total, "text_cached": a.text_cached}
+                 "flops_per_step": per_step, "text_cached": a.text_cached}
     if device.type == "cuda":
         try:
             import flash_attn  # noqa: F401
@@ -214,7 +215,7 @@ def main(argv=None) -> dict:
         out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         out["peak_above_weights_gib"] = round((torch.cuda.max_memory_allocated(device) - base) / 2**30, 2)
         out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
-    tflops = 2 * flops.total / step_s / 1e12
+    tflops = per_step / step_s / 1e12
     peak = peak_tflops(out["device"], a.peak_tflops)
     out.update(tflops=round(tflops, 1), peak_tflops=peak, mfu=round(tflops / peak, 4) if peak else None)
     if a.count_flops:  # flop_counter sees SDPA's kernels, not flash-attn's: counted with SDPA
@@ -225,7 +226,7 @@ def main(argv=None) -> dict:
     if a.compile:
         compiled = torch.compile(model)
         c_first, c_step, c_pass = run_steps(compiled, x, t, cond, uncond, device, dtype, a.warmup, a.repeat)
-        c_tflops = 2 * flops.total / c_step / 1e12
+        c_tflops = per_step / c_step / 1e12
         out["compiled"] = {"first_step_s": round(c_first, 1), "step_s": round(c_step, 3), "pass_s": round(c_pass, 3),
                            "tflops": round(c_tflops, 1), "mfu": round(c_tflops / peak, 4) if peak else None,
                            "speedup": round(step_s / c_step, 3)}

@@ -20,6 +20,7 @@ from wan_s2v_runner.demo.tiny_checkpoint import (
     TINY_FORMAT_VERSION,
     build_tiny_checkpoint,
     checkpoint_is_complete,
+    dir_bytes,
 )
 
 __all__ = ["DemoAssets", "ensure_demo_assets"]
@@ -108,5 +109,5 @@ if __name__ == "__main__":  # python -m wan_s2v_runner.demo.assets CACHE_DIR
 
     t0 = time.perf_counter()
     got = ensure_demo_assets(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-demo"))
-    size = sum(p.stat().st_size for p in got.ckpt_dir.rglob("*") if p.is_file())
+    size = dir_bytes(got.ckpt_dir)
     print(f"{got} ({size / 1e6:.1f} MB checkpoint, {time.perf_counter() - t0:.1f} s)")

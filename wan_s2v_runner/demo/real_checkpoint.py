@@ -144,10 +144,6 @@ def build_real_checkpoint(out_dir: Path, *, device: str = "cpu", sizes: Checkpoi
     return out_dir
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
-
-
 if __name__ == "__main__":
     import argparse
 
@@ -158,5 +154,5 @@ if __name__ == "__main__":
     a = ap.parse_args()
     t0 = time.perf_counter()
     got = build_real_checkpoint(a.out_dir, device=a.device, seed=a.seed)
-    print(f"{got}: {dir_bytes(got) / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s "
-          f"({math.ceil(dir_bytes(got) / GiB)} GiB)")
+    size = tiny.dir_bytes(got)
+    print(f"{got}: {size / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s ({math.ceil(size / GiB)} GiB)")

@@ -58,6 +58,7 @@ __all__ = [
     "REQUIRED_ENTRIES",
     "build_tiny_checkpoint",
     "checkpoint_is_complete",
+    "dir_bytes",
 ]
 
 #: Bump when the layout or the contents of what is built here change (invalidates caches).
@@ -371,6 +372,11 @@ def _dir_digest(root: Path) -> dict[str, str]:
     return out
 
 
+def dir_bytes(root: Path) -> int:
+    """Bytes of every file under ``root``."""
+    return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
+
+
 def checkpoint_is_complete(ckpt_dir: Path) -> bool:
     """Whether ``ckpt_dir`` holds every file a tiny checkpoint built here has."""
     ckpt_dir = Path(ckpt_dir)
@@ -455,5 +461,5 @@ if __name__ == "__main__":  # python -m wan_s2v_runner.demo.tiny_checkpoint OUT_
 
     t0 = time.perf_counter()
     got = build_tiny_checkpoint(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-s2v-ckpt"))
-    size = sum(p.stat().st_size for p in got.rglob("*") if p.is_file())
+    size = dir_bytes(got)
     print(f"{got} ({size / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)")

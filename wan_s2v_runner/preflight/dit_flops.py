@@ -83,9 +83,6 @@ class ForwardFlops:
     def total(self) -> int:
         return sum(self.terms.values())
 
-    def share(self, name: str) -> float:
-        return self.terms[name] / self.total if self.total else 0.0
-
 
 def forward_flops(dims: DitDims, tokens: TokenCounts, *, with_motion: bool = True,
                   text_cached: bool = False) -> ForwardFlops:
