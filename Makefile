@@ -1,6 +1,11 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - create .venv, install, run the CPU demo (2 ranks, tiny random checkpoint)
-#   make test   - create .venv, install (and Chromium for the page test: tools/ensure_chromium), run the test suite
+#   make test   - create .venv, install (and Chromium for the page test: tools/ensure_chromium), lint, run the test suite
+#
+# For the edit loop:
+#   make lint       - ruff (rules in pyproject.toml), as make test runs it
+#   make fmt        - ruff's safe fixes (import order, ...) applied in place
+#   make test-fast  - lint and the tests not marked slow (no torchrun groups of the engine; < 2 min)
 #
 # PYTHON: the interpreter(s) to build .venv with; the first that runs and fits pyproject.toml's
 # requires-python wins (tools/find_python; pyenv installs are found even when not activated).
@@ -11,7 +16,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(subst /,_,$(subst $(eval) ,_,$(PYTHON)))
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast lint fmt install clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	@py="$$(tools/find_python $(PYTHON))" || exit 1; \
@@ -32,9 +37,18 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/wan-s2v demo
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+fmt: $(STAMP)
+	$(BIN)/ruff check --fix .
+
+test: lint
 	tools/ensure_chromium
 	$(BIN)/python -m pytest -q
+
+test-fast: lint
+	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) runs outputs

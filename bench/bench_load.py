@@ -44,8 +44,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_loop import PRESETS, ensure_assets  # noqa: E402
-from wan_s2v_runner.shared.layout import LoadStrategy, Mode  # noqa: E402
+
 from wan_s2v_runner.launcher.proctree import descendants, ppid_map  # noqa: E402
+from wan_s2v_runner.shared.layout import LoadStrategy, Mode  # noqa: E402
 
 #: layout -> (nproc, mode, --load); "@1" = the same mode on one rank (the ratio's reference);
 #: "full:" = upstream's loading (every rank reads whole files: the baseline lean loading is
@@ -198,8 +199,14 @@ def measure(a, name: str, assets, work: Path) -> dict:
         if not mine:
             continue
         rss[rank] = max(s.rss[pid] for s in mine)
-        read[rank] = counted.get(rank, 0) if any(counted.values()) else \
-            (max(0, mine[-1].rchar.get(pid, 0) - mine[0].rchar.get(pid, 0)) + max(s.ckpt_mapped.get(pid, 0) for s in mine))
+        read[rank] = (
+            counted.get(rank, 0)
+            if any(counted.values())
+            else (
+                max(0, mine[-1].rchar.get(pid, 0) - mine[0].rchar.get(pid, 0))
+                + max(s.ckpt_mapped.get(pid, 0) for s in mine)
+            )
+        )
     node = [sum(s.pss.values()) for s in samples if any(inside(s, w) for w in windows.values())]
     return {"name": name, "rc": rc, "nproc": nproc, "mode": mode, "load": load, "counted": any(counted.values()),
             "load_s": max(w[2] - w[1] for w in windows.values()),
@@ -218,7 +225,9 @@ def table(results: list[dict], markdown: bool) -> str:
     full = {(r["mode"], r["nproc"]): r for r in ok if r["load"] == LoadStrategy.FULL}
     frames = {r["name"]: torch.load(r["frames"]) for r in ok}
     # the frames a mode must give: its own 1-rank run with upstream's loading (else lean's)
-    ref_frames = {m: frames[r["name"]] for (m, load), r in sorted(ref.items(), key=lambda kv: kv[0][1] == LoadStrategy.FULL)}
+    ref_frames = {
+        m: frames[r["name"]] for (m, load), r in sorted(ref.items(), key=lambda kv: kv[0][1] == LoadStrategy.FULL)
+    }
     head = ["layout", "load", "ranks", "load s", "vs full", "RSS/rank GB", "vs 1 rank", "node PSS GB",
             "vs 1 rank", "ckpt bytes/rank GB", "frames == full@1"]
     rows = []
@@ -231,7 +240,7 @@ def table(results: list[dict], markdown: bool) -> str:
         same = "-" if want is None else ("yes" if torch.equal(frames[r["name"]], want) else "NO")
 
         def ratio(key, other):
-            return f"{r[key] / other[key]:.2f}" if other and r.get(key) and other.get(key) else "-"
+            return f"{r[key] / other[key]:.2f}" if other and r.get(key) and other.get(key) else "-"  # noqa: B023
 
         read = f"{r['read_rank_max'] / gb:.3f}" + ("" if r["counted"] else " (>=)")
         rows.append([r["name"], r["load"], str(r["nproc"]), f"{r['load_s']:.1f}",

@@ -26,7 +26,8 @@ ratio to 1 rank; the VAE stages (ref_encode, decode, motion_encode) of the slowe
 ratio to 1 rank; peak host RSS of rank 0 and the max of the other ranks; the run's wall time and
 its ratio; the CPU seconds the launcher and torchrun's agent used (run.json ``launcher.cpu_s``:
 on 2 cores with 2 ranks they are taken from a rank; torchrun's include its start); and whether
-the frames (``--frames-out``) equal the 1-rank run's. ``--num-clips 2`` (default 1) includes a motion re-encode. Each row's
+the frames (``--frames-out``) equal the 1-rank run's. ``--num-clips 2`` (default 1) includes a motion re-encode.
+Each row's
 ratios are to the latest 1-rank row before it: ``--layouts 1,ulysses+cfg --repeat 3`` runs three
 side-by-side pairs and ends with each layout's median ratio (this machine's speed drifts 10-25%
 between runs, so one pair is not a measurement).
@@ -94,10 +95,9 @@ VAE_STAGES = ("ref_encode", "decode", "motion_encode")
 def ensure_assets(cache: Path, preset: str, overrides: Optional[dict] = None) -> tuple[Path, Path, Path]:
     """(ckpt_dir, image, audio) of ``preset`` (with builder ``overrides``) under ``cache``, built
     once. A marker with the parameters is written last; a missing or different marker rebuilds."""
-    from wan_s2v_runner.shared.atomic import atomic_write, write_text
     from wan_s2v_runner.demo.assets import dir_lock
-    from wan_s2v_runner.demo.tiny_checkpoint import (TINY_FORMAT_VERSION, build_tiny_checkpoint,
-                                                checkpoint_is_complete)
+    from wan_s2v_runner.demo.tiny_checkpoint import TINY_FORMAT_VERSION, build_tiny_checkpoint, checkpoint_is_complete
+    from wan_s2v_runner.shared.atomic import atomic_write, write_text
     p = PRESETS[preset]
     if overrides:
         p = {**p, "ckpt": {**p["ckpt"], **overrides}}
@@ -348,7 +348,9 @@ def render_summary(rows: list[dict], markdown: bool) -> str:
     lines = []
     for name, n, stats in summary(rows):
         cells = ", ".join(f"{col} {med:.2f} (min {lo:.2f}, max {hi:.2f})" for col, (med, lo, hi) in stats.items())
-        lines.append(f"{'- ' if markdown else ''}{name}: median of {n} row(s), each against its own 1-rank row: {cells}")
+        lines.append(
+            f"{'- ' if markdown else ''}{name}: median of {n} row(s), each against its own 1-rank row: {cells}"
+        )
     return "\n".join(lines)
 
 
@@ -434,13 +436,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(rows, indent=2, default=str))
         return 0 if all(r["ok"] for r in rows) else 1
     print(render(rows, a.markdown))
-    if a.repeat > 1 or len(rows) > len(set(r["layout"] for r in rows)):
+    if a.repeat > 1 or len(rows) > len({r["layout"] for r in rows}):
         print(("\n" if a.markdown else "") + render_summary(rows, a.markdown))
     torch_v = next((r["torch"] for r in rows if r.get("torch")), "?")
-    note = (f"preset {a.preset} ({ckpt_desc}), size {a.size}, {a.infer_frames} frames, "
-            f"{a.num_clips} clip(s), {a.steps} steps, seed {a.seed}, cpu/gloo, {a.threads} thread(s)/rank, torch {torch_v}; "
-            f"ratios to the latest 1-rank row before each row; bench total {total:.0f} s; "
-            f"1-min load average {load_before} before, {load_after} after")
+    note = (
+        f"preset {a.preset} ({ckpt_desc}), size {a.size}, {a.infer_frames} frames, "
+        f"{a.num_clips} clip(s), {a.steps} steps, seed {a.seed}, cpu/gloo, "
+        f"{a.threads} thread(s)/rank, torch {torch_v}; "
+        f"ratios to the latest 1-rank row before each row; bench total {total:.0f} s; "
+        f"1-min load average {load_before} before, {load_after} after"
+    )
     print(f"\n{note}" if a.markdown else f"({note})")
     return 0 if all(r["ok"] for r in rows) else 1
 

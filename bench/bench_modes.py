@@ -76,8 +76,11 @@ def main() -> int:
     print(hdr)
     for r in rows:
         name = "1 process" if r is ref else r["mode"]
-        print(f"{name:<11}{r['nproc']:>6}{r['wall_s']:>9.2f}{r['denoise_s']:>11.2f}{r['load_s']:>8.2f}"
-              f"{r['max_rss_mb']:>12.1f}{r['wall_ratio']:>8.2f}{(r['denoise_ratio'] or 0):>10.2f}{r['max_rss_ratio']:>7.2f}")
+        print(
+            f"{name:<11}{r['nproc']:>6}{r['wall_s']:>9.2f}{r['denoise_s']:>11.2f}{r['load_s']:>8.2f}"
+            f"{r['max_rss_mb']:>12.1f}{r['wall_ratio']:>8.2f}"
+            f"{(r['denoise_ratio'] or 0):>10.2f}{r['max_rss_ratio']:>7.2f}"
+        )
     print(f"(ratios are to the 1-process run above, measured in this invocation; device={a.device})")
     return 0
 

@@ -88,9 +88,20 @@ def estimate(step: dict, pipeline: dict | None, link_gbs: float, worlds=(1, 2, 4
                     fsdp = (2 / c) * weight_bytes * (world - 1) / world / (link_gbs * 1e9)
                 step_s = compute + a2a + gather + fsdp
                 video = clips * STEPS * step_s + vae * vae_share(world) + once
-                rows.append({"mode": mode.value, "gpus": world, "layout": plan.shape, "speedup_compute": plan.speedup,
-                             "compute_s": compute, "all_to_all_s": a2a, "cfg_gather_s": gather, "fsdp_gather_s": fsdp, "step_s": step_s,
-                             "video_s": video})
+                rows.append(
+                    {
+                        "mode": mode.value,
+                        "gpus": world,
+                        "layout": plan.shape,
+                        "speedup_compute": plan.speedup,
+                        "compute_s": compute,
+                        "all_to_all_s": a2a,
+                        "cfg_gather_s": gather,
+                        "fsdp_gather_s": fsdp,
+                        "step_s": step_s,
+                        "video_s": video,
+                    }
+                )
     return rows
 
 
@@ -99,11 +110,15 @@ def render(rows: list[dict], step: dict, pipeline: dict | None, link: float) -> 
     short = pipeline is not None and made is not None and made < 2
     lines = [f"NOTE: the pipeline run made {made} clip(s); its VAE seconds are scaled by clips "
              "(clip 1 is the lighter one: this understates the VAE)"] if short else []
-    lines += [f"inputs: one GPU ({step['device']}) step {step['step_s']} s at {step['size']} ({step['tokens']} tokens); "
-             f"link {link} GB/s; VAE and once-per-video stages "
-             + ("from " + str(pipeline.get("run_json")) if pipeline else "NOT included (no --pipeline-json)"),
-             "", "| mode | GPUs | layout | compute speed-up | step s (compute + all-to-all + CFG gather + FSDP gather) | "
-                 "s per 5-s video |", "|---|---|---|---|---|---|"]
+    lines += [
+        f"inputs: one GPU ({step['device']}) step {step['step_s']} s at {step['size']} ({step['tokens']} tokens); "
+        f"link {link} GB/s; VAE and once-per-video stages "
+        + ("from " + str(pipeline.get("run_json")) if pipeline else "NOT included (no --pipeline-json)"),
+        "",
+        "| mode | GPUs | layout | compute speed-up | step s (compute + all-to-all + CFG gather + FSDP gather) | "
+        "s per 5-s video |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['gpus']} | {r['layout']} | {r['speedup_compute']:.2f}x | "
                      f"{r['step_s']:.2f} ({r['compute_s']:.2f} + {r['all_to_all_s']:.2f} + {r['cfg_gather_s']:.3f} + "

@@ -18,7 +18,8 @@
     python bench/gpu_pipeline.py --ckpt DIR --nproc 1 --mode ulysses --steps 2 --json out.json
     python bench/gpu_pipeline.py --device cpu --small --ckpt /tmp/s2v-small --size 256*256  # smoke test
 
-``--small`` writes the checkpoint at ``real_checkpoint.SMALL`` sizes (a CPU check of this script). A run that fails (for example ``save`` without imageio-ffmpeg) still has
+``--small`` writes the checkpoint at ``real_checkpoint.SMALL`` sizes (a CPU check of this script). A run that fails
+(for example ``save`` without imageio-ffmpeg) still has
 its stages and memory read from ``run.json``; its exit code is shown.
 """
 from __future__ import annotations
@@ -110,8 +111,13 @@ def render(out: dict) -> str:
     if load:
         lines += ["", f"loading: strategy {load.get('strategy')}; read "
                       + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in (load.get('bytes_read') or {}).items())]
-    lines += ["", "predicted GPU phases (GiB): " + ", ".join(f"{k} {v / GiB:.1f}" for k, v in pred["gpu_phases"].items()),
-              "", "| memory | predicted GiB | measured GiB | plan vs measured |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "predicted GPU phases (GiB): " + ", ".join(f"{k} {v / GiB:.1f}" for k, v in pred["gpu_phases"].items()),
+        "",
+        "| memory | predicted GiB | measured GiB | plan vs measured |",
+        "|---|---|---|---|",
+    ]
     fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
     lines += [f"| {w} | {fmt(p)} | {fmt(m)} | {v} |" for w, p, m, v in out["comparison"]]
     return "\n".join(lines)
@@ -135,8 +141,8 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
 
     from wan_s2v_runner.demo.real_checkpoint import REAL, SMALL, build_real_checkpoint
-    from wan_s2v_runner.demo.tiny_checkpoint import dir_bytes
     from wan_s2v_runner.demo.synthetic_inputs import make_reference_image, make_speech_audio
+    from wan_s2v_runner.demo.tiny_checkpoint import dir_bytes
     from wan_s2v_runner.shared.spec import size_pair
 
     a.out.mkdir(parents=True, exist_ok=True)

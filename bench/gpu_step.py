@@ -124,11 +124,11 @@ def run_steps(model, x, t, cond, uncond, device, dtype, warmup: int, repeat: int
 
 def counted_flops(model, x, t, cond, device, dtype) -> int:
     """Operations of one conditional pass as ``torch.utils.flop_counter`` counts them."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
     import contextlib
 
+    import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
     counter = FlopCounterMode(display=False)
     # on the CPU the fused SDPA kernel is not counted: its math form is (CUDA's SDPA kernels are)
     kernels = sdpa_kernel([SDPBackend.MATH]) if device.type == "cpu" else contextlib.nullcontext()
@@ -157,6 +157,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
 
     import torch
+
     from patches import attention
     from wan_s2v_runner.demo.random_weights import dit_kwargs, random_dit, random_dit_inputs
     from wan_s2v_runner.loading.engine import import_wan
@@ -185,7 +186,9 @@ def main(argv=None) -> dict:
     cfg = dit_kwargs(wan, **PRESETS[a.preset])
     dims = DitDims.from_config(cfg)
     tokens = token_counts(h, w, a.infer_frames)
-    x, t, cond, uncond = random_dit_inputs(int(cfg["audio_dim"]), int(cfg["motion_frames"]), tokens, a.infer_frames, device, dtype, a.first_clip)
+    x, t, cond, uncond = random_dit_inputs(
+        int(cfg["audio_dim"]), int(cfg["motion_frames"]), tokens, a.infer_frames, device, dtype, a.first_clip
+    )
     flops = forward_flops(dims, tokens, with_motion=not a.first_clip, text_cached=a.text_cached)
     per_step = step_flops(dims, tokens, with_motion=not a.first_clip, text_cached=a.text_cached)
 
@@ -238,11 +241,15 @@ def main(argv=None) -> dict:
 
 def render(r: dict) -> str:
     """The results as a small markdown table plus the attention line."""
-    lines = [f"DiT step on {r['device']} (torch {r['torch']}, cuda {r['cuda']}), preset {r['preset']}, "
-             f"{r['size']}, {r['infer_frames']} frames, {r['tokens']} tokens, {r['dtype']}",
-             f"attention: {r['attention']['backend']} ({r['attention']['reason']})"
-             + (f"; SDPA kernel: {r['attention']['sdpa_kernel']}" if "sdpa_kernel" in r["attention"] else ""),
-             "", "| | step s (cond + uncond) | pass s | TFLOP/s | MFU | peak GiB (weights) |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"DiT step on {r['device']} (torch {r['torch']}, cuda {r['cuda']}), preset {r['preset']}, "
+        f"{r['size']}, {r['infer_frames']} frames, {r['tokens']} tokens, {r['dtype']}",
+        f"attention: {r['attention']['backend']} ({r['attention']['reason']})"
+        + (f"; SDPA kernel: {r['attention']['sdpa_kernel']}" if "sdpa_kernel" in r["attention"] else ""),
+        "",
+        "| | step s (cond + uncond) | pass s | TFLOP/s | MFU | peak GiB (weights) |",
+        "|---|---|---|---|---|---|",
+    ]
     mfu = lambda v: f"{100 * v:.1f}%" if v is not None else "-"  # noqa: E731
     mem = f"{r.get('peak_allocated_gib', '-')} ({r['weights_gib']})"
     lines.append(f"| eager | {r['step_s']} | {r['pass_s']} | {r['tflops']} | {mfu(r['mfu'])} | {mem} |")

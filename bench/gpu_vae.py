@@ -79,9 +79,12 @@ def worker(a) -> None:
     pth = Path(a.tmp) / f"vae_rank{rank}.pth"
     torch.save(model.state_dict(), pth)
     vae = eng.Wan2_1_VAE(vae_pth=str(pth), device=a.device)
-    say(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
-        f"{torch.cuda.get_device_name(0) if cuda else 'CPU'}, {world} ranks on one device, gloo; VAE width {vae.model.dim} "
-        f"({sum(p.numel() for p in vae.model.parameters()) / 1e6:.0f}M params)")
+    say(
+        f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
+        f"{torch.cuda.get_device_name(0) if cuda else 'CPU'}, {world} ranks on one device, gloo; "
+        f"VAE width {vae.model.dim} "
+        f"({sum(p.numel() for p in vae.model.parameters()) / 1e6:.0f}M params)"
+    )
     groups = {n: dist.new_group(list(range(n))) for n in (2, 3) if n <= world}  # every rank creates each
     results: dict = {"setup": log}
 
@@ -142,7 +145,10 @@ def worker(a) -> None:
     H, W = a.height, a.width
     calls = {
         "motion re-encode (73 frames)": ("encode", lambda: torch.zeros(3, 73, H, W).uniform_(-1, 1)),
-        f"clip decode ({a.decode_frames} latent frames)": ("decode", lambda: torch.randn(16, a.decode_frames, H // 8, W // 8)),
+        f"clip decode ({a.decode_frames} latent frames)": (
+            "decode",
+            lambda: torch.randn(16, a.decode_frames, H // 8, W // 8),
+        ),
     }
     real = {}
     for label, (kind, make) in calls.items():
@@ -170,17 +176,17 @@ def worker(a) -> None:
             dist.barrier()
             if rank == 0:
                 plain([x[:, :2]])  # warm-up (cuDNN handles, allocator)
-                ref, t, peak = timed(lambda: plain([x])[0])
+                ref, t, peak = timed(lambda: plain([x])[0])  # noqa: B023
                 row["unsplit 1 rank"] = {"s": round(t, 2), "peak_GiB": round(peak, 2)}
                 per_latent = 8 if kind == "encode" else 1  # input rows per latent row
                 for parts in (2, 3):
                     band = -(-(H // 8) // parts)  # the tallest band, latent rows
-                    _, t, peak = timed(lambda: plain([x[..., :band * per_latent, :]])[0])
+                    _, t, peak = timed(lambda: plain([x[..., :band * per_latent, :]])[0])  # noqa: B023
                     row[f"unsplit on a 1/{parts} band ({band * 8} rows), alone"] = {
                         "s": round(t, 2), "peak_GiB": round(peak, 2)}
             dist.barrier()
             for n, grp in groups.items():
-                got, t, peak = timed(lambda: split(vae, [x], group=grp, dst=0)) if rank < n else (None, 0.0, 0.0)
+                got, t, peak = timed(lambda: split(vae, [x], group=grp, dst=0)) if rank < n else (None, 0.0, 0.0)  # noqa: B023
                 stats = [None] * world
                 dist.all_gather_object(stats, (t, peak))
                 if rank == 0:

@@ -38,7 +38,7 @@ def apply_for_run(wan, spec, param_dtype, on_event=None, on_event_data=None) -> 
     if spec.lora:
         lora_merge.apply(wan, spec.lora, allow_partial=spec.lora_allow_partial,
                          on_merged=(lambda records: on_event_data("lora", loras=records)) if on_event_data else None)
-        applied["lora_merge"] = ", ".join(str(l) for l in spec.lora)
+        applied["lora_merge"] = ", ".join(str(ref) for ref in spec.lora)
     if on_cpu:
         cpu_device.apply(wan)
         applied["cpu_device"] = "speech2video CUDA calls mapped to CPU"

@@ -36,7 +36,7 @@ def apply(wan_module, loras, allow_partial: bool = False, on_merged=None) -> boo
     current = cls._configure_model
     if getattr(current, _MARK, False):
         return False
-    sources = [LoraSource(l.path, l.strength) for l in loras]
+    sources = [LoraSource(ref.path, ref.strength) for ref in loras]
 
     @functools.wraps(current)
     def _configure_model(self, model, *args, **kwargs):

@@ -118,9 +118,9 @@ def one_process_frames(engine_cpu, **updates) -> "torch.Tensor":
     a ``--nproc 1`` run of the same flags writes: its worker runs this same loop)."""
     from wan_s2v_runner.loading import components
     from wan_s2v_runner.rank.generation import S2VGenerator
-    from wan_s2v_runner.shared.layout import Layout, Mode
     from wan_s2v_runner.rank.parallel import RankPlan
     from wan_s2v_runner.rank.worker import request_for
+    from wan_s2v_runner.shared.layout import Layout, Mode
 
     wan, cfg, spec = engine_cpu
     spec = spec.model_copy(update=updates)
@@ -187,9 +187,25 @@ def hybrid_run(tiny_assets, tmp_path_factory) -> SharedRun:
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         output = d / "out with space's.mp4"
-        r = run_cli(["run", *common, "--mode", "hybrid", "--load-waves", "2", "--pose-video", str(tiny_assets.pose_video),
-                     "--output", str(output),
-                     "--frames-out", str(d / "out.pt"), "--runs-root", str(d / "runs")], cwd=d)
+        r = run_cli(
+            [
+                "run",
+                *common,
+                "--mode",
+                "hybrid",
+                "--load-waves",
+                "2",
+                "--pose-video",
+                str(tiny_assets.pose_video),
+                "--output",
+                str(output),
+                "--frames-out",
+                str(d / "out.pt"),
+                "--runs-root",
+                str(d / "runs"),
+            ],
+            cwd=d,
+        )
         out, err = second.communicate(timeout=300)
     finally:
         second.kill()

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import httpx
-
 from conftest import cli_env, one_process_frames, wait_for
+
 from wan_s2v_runner.shared import media
 
 TOKEN = "s3cret token"

@@ -13,10 +13,10 @@ import json
 
 import pytest
 import torch
-
 from conftest import TINY_FLAGS, one_process_frames, run_frames
-from wan_s2v_runner.shared.layout import Layout, Mode
+
 from wan_s2v_runner.preflight.geometry import token_counts
+from wan_s2v_runner.shared.layout import Layout, Mode
 
 #: 12 frames per clip: sequences of 64 and 88 tokens, neither a multiple of 3
 FLAGS = [f if f != "8" else "12" for f in TINY_FLAGS]

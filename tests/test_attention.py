@@ -7,15 +7,18 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from wan_s2v_runner.loading.engine import import_wan
 import torch
 
 from patches import attention as pa
 from patches.attention import apply, resolve_backend, sdpa_attention
-from wan_s2v_runner.shared.attention_backends import (BackendUnavailable, choose_backend,
-                                               describe_import_error, measure_availability)
+from wan_s2v_runner.loading.engine import import_wan
 from wan_s2v_runner.preflight.facts import MachineFacts
+from wan_s2v_runner.shared.attention_backends import (
+    BackendUnavailable,
+    choose_backend,
+    describe_import_error,
+    measure_availability,
+)
 
 MACHINES = Path(__file__).parent / "data" / "machines"
 

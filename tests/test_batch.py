@@ -9,8 +9,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import TINY_FLAGS, asset_flags, one_process_frames, run_cli
+
 from wan_s2v_runner.launcher.batch import JobState, plan_lines
 from wan_s2v_runner.shared import exit_codes, media
 from wan_s2v_runner.shared.spec import RunSpec
@@ -66,7 +66,9 @@ def test_jobs_in_a_row_equal_one_process(tiny_assets, pose_reference_frames, oth
 def test_batch_resumes_the_interrupted_job_and_skips_the_finished_one(tiny_assets, engine_cpu, tmp_path):
     three_clips = {"infer_frames": 4, "num_clips": 3}
     jobs = tmp_path / "jobs.jsonl"
-    _write_jobs(jobs, [{"id": "one", "steps": 1, **three_clips, "num_clips": 1}, {"id": "two", "seed": 9, **three_clips}])
+    _write_jobs(
+        jobs, [{"id": "one", "steps": 1, **three_clips, "num_clips": 1}, {"id": "two", "seed": 9, **three_clips}]
+    )
     out = tmp_path / "out"
     argv = ["batch", str(jobs), *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "2", "--output-dir", str(out),
             "--runs-root", str(tmp_path / "runs")]
@@ -106,7 +108,12 @@ def test_lines_are_checked_before_anything_runs(tiny_assets, tmp_path):
     assert states == [(1, JobState.QUEUED), (2, JobState.REFUSED), (3, JobState.REFUSED), (4, JobState.REFUSED),
                       (5, JobState.REFUSED), (7, JobState.QUEUED)]
     ok = lines[0].spec
-    assert isinstance(ok, RunSpec) and ok.steps == 3 and ok.max_area == 64 * 64 and ok.output == tmp_path / "out" / "ok.mp4"
+    assert (
+        isinstance(ok, RunSpec)
+        and ok.steps == 3
+        and ok.max_area == 64 * 64
+        and ok.output == tmp_path / "out" / "ok.mp4"
+    )
     assert lines[0].spec.seed >= 0  # -1 resolved once, and kept for the job (a resumed job keeps it)
     assert "not JSON" in lines[1].cause
     assert "used by an earlier line" in lines[2].cause

@@ -22,8 +22,8 @@ SMALL = {"dim": 256, "ffn_dim": 512, "num_heads": 4, "num_layers": 4, "audio_inj
 
 @pytest.fixture(scope="module")
 def wan():
-    from wan_s2v_runner.loading.engine import import_wan
     from patches import attention
+    from wan_s2v_runner.loading.engine import import_wan
 
     w = import_wan()
     attention.apply(w, "sdpa")

@@ -14,13 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import TINY_FLAGS, one_process_frames, run_cli
 
 STANDIN = Path(__file__).parent / "data" / "cosyvoice_standin"
 if str(STANDIN) not in sys.path:  # the test reads the stand-in's own expected waveform
     sys.path.append(str(STANDIN))
-from wan_s2v_runner.shared.layout import Layout, Mode
+from wan_s2v_runner.shared.layout import Layout, Mode  # noqa: E402
 
 
 @pytest.mark.parametrize("solver, start_from_ref, pose", [("unipc", False, False), ("dpm++", True, True)])
@@ -79,8 +78,8 @@ def test_cfg_parallel_equals_one_process(engine_cpu, tiny_assets, tmp_path, extr
     beside the mp4, the ranks' frames equal one process given that wav as --audio, and the mp4's
     audio is the stand-in's waveform."""
     import soundfile as sf
-
     from cosyvoice.cli.cosyvoice import SAMPLE_RATE, expected_speech
+
     from wan_s2v_runner.shared.cosyvoice import MODEL_FILES
 
     model = tmp_path / "CosyVoice2-0.5B"

@@ -6,12 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from wan_s2v_runner.shared import layout as layout_mod
-from wan_s2v_runner.shared.layout import (MODES, Layout, Mode, padded_length, sp_degree_fits, split_evenly,
-                                   valid_sp_degrees)
 from wan_s2v_runner.preflight import CheckContext, MachineFacts, Status, recommend_mode, run_checks
 from wan_s2v_runner.preflight.core import find
 from wan_s2v_runner.preflight.registry import groups_for
+from wan_s2v_runner.shared import layout as layout_mod
+from wan_s2v_runner.shared.layout import (
+    MODES,
+    Layout,
+    Mode,
+    padded_length,
+    sp_degree_fits,
+    split_evenly,
+    valid_sp_degrees,
+)
 from wan_s2v_runner.shared.spec import RunSpec
 
 MACHINES = Path(__file__).parent / "data" / "machines"

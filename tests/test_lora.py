@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY_FLAGS, asset_flags, run_cli
+
 from wan_s2v_runner.launcher import cli
-from wan_s2v_runner.shared import exit_codes
-from wan_s2v_runner.loading.lora import LoraFormat, LoraSource, merge, plan
 from wan_s2v_runner.loading.ckpt_tables import dit_shapes
+from wan_s2v_runner.loading.lora import LoraFormat, LoraSource, merge, plan
+from wan_s2v_runner.shared import exit_codes
 
 TARGETS = (r"(blocks\.\d+\.(self_attn|cross_attn)\.(q|k|v|o)|blocks\.\d+\.ffn\.(0|2)"
            r"|audio_injector\.injector\.\d+\.(q|k|v|o))")

@@ -17,8 +17,8 @@ import sys
 import time
 
 import torch
-
 from conftest import TINY_FLAGS, asset_flags, cli_env, run_cli
+
 from wan_s2v_runner.shared import exit_codes
 
 

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, wait_for
 from serving import TOKEN
 
@@ -160,7 +159,7 @@ def test_status_page_in_chromium(browser, server, inputs, tmp_path):
             break
         time.sleep(0.1)
     assert st["status"] == "completed", (st, server.tail())
-    moving = sorted(set(p for p in seen if 0 < p < 100))
+    moving = sorted({p for p in seen if 0 < p < 100})
     assert len(moving) >= 2 and seen == sorted(seen), seen  # it moved, and only forwards
     st = wait_for(lambda: (s := job_state(driver, first))["video"] and s["video"]["ready"] >= 1 and s, 60,
                   "the video's metadata")

@@ -13,8 +13,8 @@ import json
 import os
 
 import torch
-
 from conftest import TINY_FLAGS, asset_flags, run_cli
+
 from wan_s2v_runner.shared import exit_codes, media
 
 

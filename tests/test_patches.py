@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import torch
-
 from conftest import ROOT, cpu_torch_only
 
 

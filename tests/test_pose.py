@@ -215,5 +215,7 @@ def test_upstream_flags(tiny_assets, capsys):
     assert cli.main(["run", "--task", "t2v-A14B"]) == exit_codes.USAGE
     assert "s2v-14B only" in capsys.readouterr().err
     from wan_s2v_runner.launcher.upstream_flags import doc_block
-    assert doc_block() in (Path(__file__).parent.parent / "docs" / "upstream-flags.md").read_text(), \
-        "docs/upstream-flags.md is stale: python -m wan_s2v_runner.launcher.upstream_flags --write docs/upstream-flags.md"
+    assert doc_block() in (Path(__file__).parent.parent / "docs" / "upstream-flags.md").read_text(), (
+        "docs/upstream-flags.md is stale: "
+        "python -m wan_s2v_runner.launcher.upstream_flags --write docs/upstream-flags.md"
+    )

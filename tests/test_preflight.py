@@ -19,15 +19,13 @@ from pathlib import Path
 import pytest
 
 from wan_s2v_runner.launcher import cli
-
-from wan_s2v_runner.shared import exit_codes
-from wan_s2v_runner.shared.ckpt_layout import DIT_WEIGHTS as DIT
-from wan_s2v_runner.preflight import (CheckContext, MachineFacts, Status, gate, recommend_mode,
-                                      run_checks)
+from wan_s2v_runner.preflight import CheckContext, MachineFacts, Status, gate, recommend_mode, run_checks
 from wan_s2v_runner.preflight.core import find
 from wan_s2v_runner.preflight.geometry import generation_size, token_counts
 from wan_s2v_runner.preflight.memory import REFERENCE, model_sizes, plan_all
 from wan_s2v_runner.preflight.probe import probe_machine
+from wan_s2v_runner.shared import exit_codes
+from wan_s2v_runner.shared.ckpt_layout import DIT_WEIGHTS as DIT
 from wan_s2v_runner.shared.spec import Layout, Mode
 
 MACHINES = Path(__file__).parent / "data" / "machines"
@@ -96,7 +94,7 @@ def split_into_shards(ckpt: Path) -> list[str]:
     wm = {}
     for f, part in zip(files, halves):
         save_file({k: tensors[k] for k in part}, str(ckpt / f), metadata={"format": "pt"})
-        wm.update({k: f for k in part})
+        wm.update(dict.fromkeys(part, f))
     (ckpt / f"{DIT}.index.json").write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": wm}))
     (ckpt / DIT).unlink()
     return files
@@ -445,8 +443,8 @@ def test_flash_attn_abi_mismatch_names_the_symbol():
 def test_doctor_predicts_the_backend_the_run_picks_here():
     """The doctor (recorded availability + choose_backend) == the patch (live measurement) here."""
     from patches.attention import resolve_backend
-    from wan_s2v_runner.shared.attention_backends import BackendUnavailable
     from wan_s2v_runner.preflight.checks_gpu import check_backend, predict_backend
+    from wan_s2v_runner.shared.attention_backends import BackendUnavailable
 
     f = live()
     device = "cuda" if f.gpu_count else "cpu"
@@ -537,8 +535,8 @@ def test_host_ram_lean_loads_in_waves_only_when_it_must():
 
 
 def test_lean_cpu_plan_counts_a_replicated_dit_once_per_node():
-    from wan_s2v_runner.shared.layout import LoadStrategy, Mode
     from wan_s2v_runner.preflight.memory import plan_mode, workload
+    from wan_s2v_runner.shared.layout import LoadStrategy, Mode
     ctx = ctx_for(facts("cpu_only"), device="cpu", nproc=2)
     sizes, wl = REFERENCE, workload(ctx)
     lean = plan_mode(ctx.layout_for(Mode.ULYSSES), sizes, wl, nproc=2, device="cpu", offload=False)

@@ -14,11 +14,11 @@ import math
 from types import SimpleNamespace
 
 import torch
+from conftest import cpu_engine, one_process_frames
 
 from wan_s2v_runner.demo.real_checkpoint import REAL, SMALL, _shards, build_real_checkpoint
 from wan_s2v_runner.shared.ckpt_layout import DIT_INDEX, TINY_INFO_FILE
 
-from conftest import cpu_engine, one_process_frames
 
 def test_shards_keep_order_and_limit():
     assert _shards([("a", 3), ("b", 3), ("c", 9), ("d", 1)], 6) == [["a", "b"], ["c"], ["d"]]

@@ -7,6 +7,7 @@ import json
 import shutil
 
 from conftest import TINY_FLAGS, asset_flags, one_process_frames, run_cli
+
 from wan_s2v_runner.shared import exit_codes, media
 
 THREE_CLIPS = ["--infer-frames", "4", "--num-clips", "3"]

@@ -22,11 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from conftest import cli_env, wait_for
 from serving import AUTH, TINY_DEFAULTS, TOKEN, ServerProcess, expected_mp4
+
 from wan_s2v_runner.launcher.serve.keeper import group_processes
 from wan_s2v_runner.shared import media
+
 
 def test_jobs_in_a_row_equal_one_process(server, inputs, tiny_assets, engine_cpu, tmp_path):
     """Two jobs: uploads (with a pose video), then paths on the server."""

@@ -2,11 +2,9 @@
 errors that name the flag and a fix, and the per-mode layout everything else asks."""
 from __future__ import annotations
 
-
 import pytest
 
 from wan_s2v_runner.launcher import cli, torchrun
-
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.spec import Mode, RunSpec
 

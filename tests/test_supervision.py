@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from conftest import TINY_FLAGS, asset_flags, cli_env, run_cli, wait_for
+
 from wan_s2v_runner.shared import exit_codes, media
 
 #: watchdog limits for the tests. Load-class stages (spawn .. text_encode) measured on this
@@ -170,7 +171,7 @@ def test_normal_run_manifest_is_complete(hybrid_run):
                   "ref_encode", "text_encode", "denoise", "decode", "motion_encode", "save", "mux"):
         assert isinstance(m["stage_seconds"].get(stage), float), (stage, m["stage_seconds"])
     assert set(m["ranks"]) == {"0", "1"}
-    for r_, info in m["ranks"].items():
+    for info in m["ranks"].values():
         assert info["host_peak_rss_mb"] > 100, info
         assert "gpu_peak_allocated_mb" in info and info["gpu_peak_allocated_mb"] is None
         # peaks per stage (the kernel's RSS high-water mark, reset at each stage): one for every

@@ -21,10 +21,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from patches import checkpoint_dims  # noqa: E402
-from wan_s2v_runner.shared import ckpt_layout  # noqa: E402
-from wan_s2v_runner.demo import assets as demo_assets, synthetic_inputs  # noqa: E402
+from wan_s2v_runner.demo import assets as demo_assets  # noqa: E402
+from wan_s2v_runner.demo import synthetic_inputs  # noqa: E402
 from wan_s2v_runner.demo import tiny_checkpoint as tc  # noqa: E402
 from wan_s2v_runner.loading.ckpt_tables import find_entry  # noqa: E402
+from wan_s2v_runner.shared import ckpt_layout  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -10,11 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from wan_s2v_runner.launcher.diagnose import (DEATH, ERROR_EVENT, ERROR_FILE, RankFailure, attribute_failures,
-                                     hint_for, read_error_files)
+from wan_s2v_runner.launcher.diagnose import (
+    DEATH,
+    ERROR_EVENT,
+    ERROR_FILE,
+    RankFailure,
+    attribute_failures,
+    hint_for,
+    read_error_files,
+)
+from wan_s2v_runner.launcher.watchdog import WatchdogLimits, describe_hang, stalled
 from wan_s2v_runner.shared.events import EventReader, EventWriter, RankState
 from wan_s2v_runner.shared.stages import Stage, gets_load_limit
-from wan_s2v_runner.launcher.watchdog import WatchdogLimits, describe_hang, stalled
 
 SPAWN = 1000.0
 LIMITS = WatchdogLimits(load_s=100.0, step_s=10.0)

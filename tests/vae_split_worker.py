@@ -50,8 +50,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     from patches import checkpoint_dims
-    from wan_s2v_runner.loading.engine import import_wan
     from wan_s2v_runner import vae_split
+    from wan_s2v_runner.loading.engine import import_wan
     from wan_s2v_runner.vae_split import decode_bands, gather_bands, own_band, split_decode, split_encode
 
     wan = import_wan()

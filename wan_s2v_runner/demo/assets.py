@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from wan_s2v_runner.shared.atomic import atomic_write, write_text
 from wan_s2v_runner.demo.synthetic_inputs import make_pose_video, make_reference_image, make_speech_audio
 from wan_s2v_runner.demo.tiny_checkpoint import (
     TINY_FORMAT_VERSION,
@@ -22,6 +21,7 @@ from wan_s2v_runner.demo.tiny_checkpoint import (
     checkpoint_is_complete,
     dir_bytes,
 )
+from wan_s2v_runner.shared.atomic import atomic_write, write_text
 
 __all__ = ["DemoAssets", "ensure_demo_assets"]
 

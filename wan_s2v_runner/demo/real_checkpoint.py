@@ -7,7 +7,8 @@ bf16, four safetensors shards with diffusers' index, like the release), the umt5
 (5.7 B, bf16), the VAE at width 96 (127 M, fp32), wav2vec2-large-xlsr-53's shape (317 M, fp32).
 About 46 GB on disk. The DiT and T5 are built on meta and their tensors made on ``device``
 (:mod:`.random_weights`), one component at a time, so host memory holds one DiT shard (twice
-while safetensors serializes it: ~20 GB) or the T5 state dict (11.4 GB) at a time. The tokenizer is the tiny one (its ids fit any
+while safetensors serializes it: ~20 GB) or the T5 state dict (11.4 GB) at a time. The tokenizer is the tiny one
+(its ids fit any
 vocabulary). Written in a temporary sibling directory, then renamed into place.
 
     python -m wan_s2v_runner.demo.real_checkpoint OUT_DIR [--device cuda]
@@ -81,7 +82,7 @@ def _write_dit(tmp: Path, wan, sizes: CheckpointSizes, device, seed: int) -> dic
     for i, names in enumerate(groups, 1):
         fname = f"diffusion_pytorch_model-{i:05d}-of-{len(groups):05d}.safetensors"
         save_file({k: sd[k].contiguous().cpu() for k in names}, str(tmp / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in names})
+        weight_map.update(dict.fromkeys(names, fname))
     (tmp / DIT_INDEX).write_text(json.dumps({"metadata": {"total_size": nbytes}, "weight_map": weight_map},
                                             indent=2) + "\n")
     params = sum(v.numel() for v in sd.values())

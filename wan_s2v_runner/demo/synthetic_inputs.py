@@ -154,7 +154,7 @@ def make_pose_video(path: Path, width: int = 96, height: int = 80, frames: int =
         a = phase + speed * i
         joints = dict(_JOINTS)
         joints["nose"] = (0.50 + 0.04 * np.sin(a), 0.30)
-        for side, sign, colour in (("r", -1, (255, 170, 0)), ("l", 1, (170, 255, 0))):
+        for side, sign in (("r", -1), ("l", 1)):
             sx, sy = joints[f"{side}_sh"]
             ex, ey = sx + sign * 0.12, sy + 0.10 + 0.08 * np.sin(a + (sign > 0) * np.pi)
             hx, hy = ex + sign * 0.05, ey - 0.18 * (0.5 + 0.5 * np.sin(a * 1.3 + (sign > 0)))

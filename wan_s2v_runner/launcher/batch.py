@@ -3,7 +3,8 @@
 JOBS is a JSON Lines file (one object a line) or a CSV file (a header row): each line sets a job's
 own fields (:data:`~wan_s2v_runner.shared.jobs.JOB_FIELDS`: ``image``, ``audio``, ``prompt``,
 ``seed``, ``size``/``max_area``, ``steps``, ..., any spelling the flags and TOML accept) and an
-optional ``id`` (relative paths are taken from the jobs file's folder); the command's flags (and ``--config``, and the environment) give every job's
+optional ``id`` (relative paths are taken from the jobs file's folder); the command's flags (and ``--config``, and
+the environment) give every job's
 defaults and the rank group's settings (checkpoint, mode, layout, LoRAs, device). A line that
 sets a group setting differently is refused.
 

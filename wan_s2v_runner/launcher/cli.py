@@ -1,4 +1,5 @@
-"""Command line: ``wan-s2v run|demo|doctor|resume|batch|serve|submit|jobs`` (``run_s2v_multi_gpu.py`` is ``wan-s2v run``).
+"""Command line: ``wan-s2v run|demo|doctor|resume|batch|serve|submit|jobs``
+(``run_s2v_multi_gpu.py`` is ``wan-s2v run``).
 
 Owns argv and what a person reads when it is wrong. The flags are generated from the run spec
 (:mod:`wan_s2v_runner.launcher.flags`); values are layered defaults < environment (MASTER_ADDR,

@@ -253,9 +253,17 @@ def cmd_submit(args) -> int:
 # --------------------------------------------------------------------------- jobs
 def jobs_table(videos: list[dict[str, Any]], rich: bool) -> None:
     cols = ("id", "status", "where", "prompt", "seed", "created")
-    rows = [(v["id"], v["status"], status_line(v) if v["status"] != JobStatus.COMPLETED else fmt_seconds(v.get("wall_s")),
-             (v.get("prompt") or "")[:40], str(v.get("seed")),
-             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v["created_at"]))) for v in videos]
+    rows = [
+        (
+            v["id"],
+            v["status"],
+            status_line(v) if v["status"] != JobStatus.COMPLETED else fmt_seconds(v.get("wall_s")),
+            (v.get("prompt") or "")[:40],
+            str(v.get("seed")),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v["created_at"])),
+        )
+        for v in videos
+    ]
     if rich:
         from rich.console import Console
         from rich.table import Table

@@ -8,9 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from wan_s2v_runner.loading import lora
-from wan_s2v_runner.shared import engine_source
-
-from wan_s2v_runner.shared import exit_codes
+from wan_s2v_runner.shared import engine_source, exit_codes
 from wan_s2v_runner.shared.events import EventReader, stage_durations
 
 VERSIONED = ("torch", "torchvision", "wan22", "transformers", "diffusers", "huggingface-hub",

@@ -27,9 +27,9 @@ from wan_s2v_runner.launcher.proctree import (
     ppid_map,
 )
 from wan_s2v_runner.launcher.torchrun import WORKER_MODULE, torchrun_argv, worker_env
-from wan_s2v_runner.shared.procfs import hwm_mb
 from wan_s2v_runner.shared import atomic
 from wan_s2v_runner.shared.events import EventReader, RankState
+from wan_s2v_runner.shared.procfs import hwm_mb
 from wan_s2v_runner.shared.spec import RunSpec
 
 

@@ -26,8 +26,8 @@ import torch
 
 from patches import context_cache
 from wan_s2v_runner.loading import lean_load
-from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
 from wan_s2v_runner.loading.ckpt_read import PthFile, SafetensorsFiles
+from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
 from wan_s2v_runner.shared.layout import LoadStrategy
 from wan_s2v_runner.shared.stages import Stage
 

@@ -237,8 +237,10 @@ class LoraDeltas:
         for src in loras:
             p = plan(file_shapes(src.path), shapes)
             if p.refused(allow_partial):
-                raise ValueError(f"LoRA {src.path.name} does not fit this DiT ({'; '.join(p.problems()) or 'no keys'}): "
-                                 f"{p.likely_cause()}")
+                raise ValueError(
+                    f"LoRA {src.path.name} does not fit this DiT ({'; '.join(p.problems()) or 'no keys'}): "
+                    f"{p.likely_cause()}"
+                )
             self._loaded.append((p, load_file(str(src.path), device="cpu"), src.strength))
             names.update(dict.fromkeys(p.targets))
             self.records.append({"path": str(src.path), "strength": src.strength, "format": p.format,
@@ -276,8 +278,8 @@ def merge(model, loras: Iterable[LoraSource], allow_partial: bool = False) -> li
 def describe(refs: Sequence, ckpt_dir: Optional[Path]) -> list[dict]:
     """For run.json: each LoRA's path, sha256, format, strength and matched-module count (from
     the headers, by the same :func:`plan` the merge uses)."""
-    from wan_s2v_runner.shared.media import sha256_file
     from wan_s2v_runner.loading.ckpt_tables import CheckpointFileError, dit_shapes
+    from wan_s2v_runner.shared.media import sha256_file
 
     try:
         dit = dit_shapes(ckpt_dir) if ckpt_dir else None

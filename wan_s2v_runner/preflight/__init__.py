@@ -20,6 +20,23 @@ from .recommend import Recommendation, recommend_mode
 from .registry import groups_for, run_checks
 from .render import gate, gate_report
 
-__all__ = ["gate", "gate_report", "check_run", "doctor", "diagnose", "machine_facts", "recommend_mode", "Recommendation",
-           "run_checks", "groups_for", "CheckResult", "CheckGroup", "Status", "CheckContext", "ModeSource",
-           "MachineFacts", "DoctorReport", "GateReport"]
+__all__ = [
+    "gate",
+    "gate_report",
+    "check_run",
+    "doctor",
+    "diagnose",
+    "machine_facts",
+    "recommend_mode",
+    "Recommendation",
+    "run_checks",
+    "groups_for",
+    "CheckResult",
+    "CheckGroup",
+    "Status",
+    "CheckContext",
+    "ModeSource",
+    "MachineFacts",
+    "DoctorReport",
+    "GateReport",
+]

@@ -14,6 +14,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from wan_s2v_runner.loading.ckpt_tables import (
+    CheckpointFileError,
+    find_entry,
+    pth_params,
+    read_index,
+    read_pth_shapes,
+    read_safetensors_header,
+)
 from wan_s2v_runner.shared.ckpt_layout import (
     DIT_CONFIG,
     DIT_INDEX,
@@ -27,14 +35,6 @@ from wan_s2v_runner.shared.ckpt_layout import (
     WAV2VEC_DIR,
 )
 
-from wan_s2v_runner.loading.ckpt_tables import (
-    CheckpointFileError,
-    find_entry,
-    pth_params,
-    read_index,
-    read_pth_shapes,
-    read_safetensors_header,
-)
 from .core import fail, human_bytes, human_count, ok, skip
 
 #: config.json keys whose absence makes WanModel_S2V build a different model than the
@@ -85,7 +85,9 @@ def check_dir(ctx):
     if ctx.spec.ckpt_dir is None:
         return skip("ckpt.dir", "no --ckpt-dir given (environment-only check)")
     if not ctx.spec.ckpt_dir.exists():
-        return fail("ckpt.dir", f"{ctx.spec.ckpt_dir} does not exist", "pass the Wan2.2-S2V-14B directory to --ckpt-dir")
+        return fail(
+            "ckpt.dir", f"{ctx.spec.ckpt_dir} does not exist", "pass the Wan2.2-S2V-14B directory to --ckpt-dir"
+        )
     if not ctx.spec.ckpt_dir.is_dir():
         return fail("ckpt.dir", f"{ctx.spec.ckpt_dir} is not a directory", "pass the checkpoint directory, not a file")
     tiny = (ctx.spec.ckpt_dir / TINY_INFO_FILE).is_file()

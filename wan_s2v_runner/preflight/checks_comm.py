@@ -182,8 +182,12 @@ def check_master_port(ctx):
     if ctx.world_size == 1 and ctx.spec.nnodes == 1:
         return skip("comm.master_port", "one rank")
     if port is None:
-        return ok("comm.master_port", "the OS picks the port at rendezvous (c10d on localhost:0)" if ctx.spec.nnodes == 1
-                  else "default 29500 (multi-node)")
+        return ok(
+            "comm.master_port",
+            "the OS picks the port at rendezvous (c10d on localhost:0)"
+            if ctx.spec.nnodes == 1
+            else "default 29500 (multi-node)",
+        )
     if ctx.spec.node_rank != 0:
         return skip("comm.master_port", f"node {ctx.spec.node_rank}: the store runs on node 0")
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -189,8 +189,11 @@ def check_pose_video(ctx):
     from wan_s2v_runner.shared.pose_video import PoseVideoError, video_facts
     what = sniff(p)
     if what and "image" in what:  # ffmpeg would read it as a video of one frame
-        return fail("inputs.pose_video", f"{p.name} is {what}, not a video: one pose for one frame, then blank ones",
-                    "pass the pose sequence as a video: ffmpeg -framerate 16 -i pose_%04d.png -pix_fmt yuv420p pose.mp4")
+        return fail(
+            "inputs.pose_video",
+            f"{p.name} is {what}, not a video: one pose for one frame, then blank ones",
+            "pass the pose sequence as a video: ffmpeg -framerate 16 -i pose_%04d.png -pix_fmt yuv420p pose.mp4",
+        )
     try:
         facts = video_facts(p)
     except PoseVideoError as e:
@@ -210,10 +213,14 @@ def check_pose_video(ctx):
     have = facts.sampled(need)
     gen = ctx.cache.get("gen_size")
     if have < need:
-        return warn("inputs.pose_video", found + f": {have} of the {need} frames {clips} clip{'s' if clips > 1 else ''} "
-                    f"take; the last {need - have} are padded with blank pose frames, as upstream pads",
-                    f"a pose video of at least {(need - 1) * step + 1} frames at this rate covers every clip",
-                    padded=need - have, **data)
+        return warn(
+            "inputs.pose_video",
+            found + f": {have} of the {need} frames {clips} clip{'s' if clips > 1 else ''} "
+            f"take; the last {need - have} are padded with blank pose frames, as upstream pads",
+            f"a pose video of at least {(need - 1) * step + 1} frames at this rate covers every clip",
+            padded=need - have,
+            **data,
+        )
     if gen is not None and abs(facts.width / facts.height - gen[0] / gen[1]) > 0.1 * gen[0] / gen[1]:
         return warn("inputs.pose_video", found + f"; its aspect differs from the {gen[0]}x{gen[1]} frames: the "
                     "centre crop cuts its sides", "render the poses at the reference image's aspect ratio", **data)
@@ -252,7 +259,9 @@ def check_output_dir(ctx):
     if ctx.spec.output.is_dir():
         return fail("output.dir", f"--output {ctx.spec.output} is a directory", "pass a file name ending in .mp4")
     if ctx.spec.output.exists():
-        return warn("output.dir", f"{ctx.spec.output} exists and will be replaced", "choose another --output to keep it")
+        return warn(
+            "output.dir", f"{ctx.spec.output} exists and will be replaced", "choose another --output to keep it"
+        )
     return ok("output.dir", f"{ctx.spec.output.parent} writable" + (f" ({why})" if why else ""))
 
 

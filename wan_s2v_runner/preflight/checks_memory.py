@@ -40,7 +40,9 @@ def check_gpu(ctx):
     worst = min(gpus, key=lambda g: g["free_mib"])
     free = worst["free_mib"] * 2**20
     phase = max(p.gpu_phases, key=p.gpu_phases.get)
-    detail = f"est. {gib(need)} per rank (peak in {phase}) vs {gib(free)} free on GPU {worst['index']} ({worst['name']})"
+    detail = (
+        f"est. {gib(need)} per rank (peak in {phase}) vs {gib(free)} free on GPU {worst['index']} ({worst['name']})"
+    )
     size = largest_fitting_size(ctx, ctx.mode, int(GPU_WARN * free))
     smaller = f"--size {size}" if size else "a smaller --size"
     if need > free:

@@ -81,7 +81,9 @@ def check_t5_placement(ctx):
     if lay.t5_cpu and lay.t5_fsdp:
         return fail("fsdp.t5", lay.problems(1, [])[0],
                     "use --mode hybrid (T5 on CPU) or --mode fsdp-fixed (T5 sharded), not both")
-    where = {"cpu": "on the CPU (every rank runs it)", "fsdp": "sharded with FSDP", "gpu": "on the GPU"}[lay.t5_placement]
+    where = {"cpu": "on the CPU (every rank runs it)", "fsdp": "sharded with FSDP", "gpu": "on the GPU"}[
+        lay.t5_placement
+    ]
     return ok("fsdp.t5", f"T5 {where}")
 
 

@@ -22,8 +22,16 @@ from pathlib import Path
 from typing import Optional
 
 from wan_s2v_runner.loading.ckpt_tables import CheckpointFileError, read_pth_shapes, read_safetensors_header
-from wan_s2v_runner.shared.ckpt_layout import (DIT_CONFIG, T5_FILE, T5_TOKENIZER_JSON, VAE_FILE, W2V_CONFIG,
-                                               W2V_WEIGHTS, W2V_WEIGHTS_BIN, WAV2VEC_DIR)
+from wan_s2v_runner.shared.ckpt_layout import (
+    DIT_CONFIG,
+    T5_FILE,
+    T5_TOKENIZER_JSON,
+    VAE_FILE,
+    W2V_CONFIG,
+    W2V_WEIGHTS,
+    W2V_WEIGHTS_BIN,
+    WAV2VEC_DIR,
+)
 
 from .core import fail, ok, skip
 

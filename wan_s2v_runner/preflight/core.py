@@ -14,7 +14,6 @@ from enum import Enum
 from typing import Any, Callable, Iterable, Optional, Union
 
 
-
 class CheckGroup(str, Enum):
     """Check groups, in display order."""
 

@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from wan_s2v_runner.shared import exit_codes
-from .plans import Plan, plan_table
 
 from .context import CheckContext, ModeSource
 from .core import CheckGroup, CheckResult, Status, counts
 from .facts import MachineFacts
 from .memory import ModelSizes, ModePlan, Workload, model_sizes, plan_all, workload
+from .plans import Plan, plan_table
 from .recommend import Recommendation, plan_inputs, recommend
 from .registry import groups_for, run_checks
 
@@ -82,29 +82,52 @@ class DoctorReport:
     def to_json(self) -> dict:
         ctx, spec, f, wl = self.ctx, self.ctx.spec, self.ctx.facts, self.workload
         return {
-            "machine": {"label": f.label, "live": f.live, "gpus": [g.get("name") for g in f.gpus],
-                        "torch": f.torch.get("version"), "probe_errors": f.raw.get("probe_errors") or []},
-            "context": {"mode": ctx.mode.value, "mode_source": ctx.mode_source.value, "device": spec.device,
-                        "nproc": spec.nproc, "nnodes": spec.nnodes, "world_size": ctx.world_size,
-                        "attention": spec.attention, "layout": ctx.layout.to_json(),
-                        "ckpt_dir": str(spec.ckpt_dir) if spec.ckpt_dir else None,
-                        "image": str(spec.image) if spec.image else None,
-                        "audio": str(spec.audio) if spec.audio else None,
-                        "assumptions": ctx.notes, "groups": [g.value for g in self.groups]},
+            "machine": {
+                "label": f.label,
+                "live": f.live,
+                "gpus": [g.get("name") for g in f.gpus],
+                "torch": f.torch.get("version"),
+                "probe_errors": f.raw.get("probe_errors") or [],
+            },
+            "context": {
+                "mode": ctx.mode.value,
+                "mode_source": ctx.mode_source.value,
+                "device": spec.device,
+                "nproc": spec.nproc,
+                "nnodes": spec.nnodes,
+                "world_size": ctx.world_size,
+                "attention": spec.attention,
+                "layout": ctx.layout.to_json(),
+                "ckpt_dir": str(spec.ckpt_dir) if spec.ckpt_dir else None,
+                "image": str(spec.image) if spec.image else None,
+                "audio": str(spec.audio) if spec.audio else None,
+                "assumptions": ctx.notes,
+                "groups": [g.value for g in self.groups],
+            },
             "recommendation": self.recommendation.to_json(),
             "results": [r.to_json() for r in self.results],
             "counts": self.counts,
             "memory_plan": {
-                "approximate": True, "formula": "docs/memory-plan.md",
+                "approximate": True,
+                "formula": "docs/memory-plan.md",
                 "sizes": asdict(self.sizes),
-                "workload": {"width": wl.width, "height": wl.height, "tokens": wl.tokens.max_len,
-                             "clips": wl.n_clips, "audio_seconds": wl.audio_seconds, "assumed": wl.assumed},
+                "workload": {
+                    "width": wl.width,
+                    "height": wl.height,
+                    "tokens": wl.tokens.max_len,
+                    "clips": wl.n_clips,
+                    "audio_seconds": wl.audio_seconds,
+                    "assumed": wl.assumed,
+                },
                 "modes": {m: p.to_json() for m, p in self.plans.items()},
             },
-            "parallel_plans": {"mode": ctx.mode.value, "lengths": list(self.parallel_plans[0].lengths),
-                               "heads": self.parallel_plans[0].heads,
-                               "estimate": "DiT compute per rank, communication not included (wan_s2v_runner/preflight/plans.py)",
-                               "by_gpu_count": [p.to_json() for p in self.parallel_plans]},
+            "parallel_plans": {
+                "mode": ctx.mode.value,
+                "lengths": list(self.parallel_plans[0].lengths),
+                "heads": self.parallel_plans[0].heads,
+                "estimate": "DiT compute per rank, communication not included (wan_s2v_runner/preflight/plans.py)",
+                "by_gpu_count": [p.to_json() for p in self.parallel_plans],
+            },
             "exit_code": self.exit_code,
         }
 

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from wan_s2v_runner.loading import ckpt_tables as cr
 from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
 from wan_s2v_runner.shared.layout import Layout, LoadStrategy, Mode
 
-from wan_s2v_runner.loading import ckpt_tables as cr
 from .geometry import TokenCounts, generation_size, output_frames, token_counts
 
 GiB = 2**30

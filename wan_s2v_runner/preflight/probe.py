@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 from wan_s2v_runner.shared.attention_backends import choose_backend, measure_availability
 
-from .facts import SCHEMA, MiB, MachineFacts
+from .facts import SCHEMA, MachineFacts, MiB
 
 #: distributions whose versions the checks use (name as on PyPI)
 PACKAGES = ("torch", "torchvision", "transformers", "diffusers", "huggingface-hub", "accelerate",
@@ -181,7 +181,9 @@ def _nccl_version(torch) -> Optional[str]:
     if isinstance(v, tuple):
         return ".".join(str(x) for x in v)
     if isinstance(v, int):  # old torch: 2708 -> 2.7.8, 21903 -> 2.19.3
-        return f"{v // 10000}.{v % 10000 // 100}.{v % 100}" if v >= 10000 else f"{v // 1000}.{v % 1000 // 100}.{v % 100}"
+        return (
+            f"{v // 10000}.{v % 10000 // 100}.{v % 100}" if v >= 10000 else f"{v // 1000}.{v % 1000 // 100}.{v % 100}"
+        )
     return str(v)
 
 

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from wan_s2v_runner.shared.layout import Mode, valid_sp_degrees
-from .plans import Plan, candidates, plans_for
 from wan_s2v_runner.shared.spec import RunSpec
 
 from .context import CheckContext
 from .core import gib
+from .facts import MachineFacts
 from .geometry import REAL_NUM_HEADS
 from .memory import REFERENCE, largest_fitting_size, model_sizes, plan_all, plan_mode, workload
-from .facts import MachineFacts
+from .plans import Plan, candidates, plans_for
 
 GPU_FIT = 0.9
 

@@ -13,8 +13,19 @@ from typing import Iterable
 
 from wan_s2v_runner.shared.layout import MODES, Mode
 
-from . import (checks_checkpoint, checks_comm, checks_engine, checks_gpu, checks_inputs, checks_lora,
-               checks_memory, checks_parallel, checks_python, checks_submodels, checks_tts)
+from . import (
+    checks_checkpoint,
+    checks_comm,
+    checks_engine,
+    checks_gpu,
+    checks_inputs,
+    checks_lora,
+    checks_memory,
+    checks_parallel,
+    checks_python,
+    checks_submodels,
+    checks_tts,
+)
 from .core import CheckFn, CheckGroup, CheckResult, warn
 
 G = CheckGroup

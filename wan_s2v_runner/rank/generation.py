@@ -124,7 +124,7 @@ def broadcast_tensors(tensors: dict, src: int, device: torch.device, group=None)
         items = m if isinstance(m, list) else [m]
         srcs = (tensors[k] if isinstance(m, list) else [tensors[k]]) if me == src else [None] * len(items)
         got = []
-        for (shape, dtype, dev_type), t in zip(items, srcs):
+        for (shape, dtype, _dev_type), t in zip(items, srcs):
             buf = t.to(device).contiguous() if me == src else torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(buf, src=src, group=group)
             got.append(buf if me != src else t)
@@ -279,8 +279,7 @@ class S2VGenerator:
 
     # ----- clips -----
     def _scheduler(self, req: Request):
-        from wan.utils.fm_solvers import (FlowDPMSolverMultistepScheduler, get_sampling_sigmas,
-                                          retrieve_timesteps)
+        from wan.utils.fm_solvers import FlowDPMSolverMultistepScheduler, get_sampling_sigmas, retrieve_timesteps
         from wan.utils.fm_solvers_unipc import FlowUniPCMultistepScheduler
         n = self.s2v.num_train_timesteps
         if req.sample_solver == 'unipc':
@@ -393,7 +392,7 @@ class S2VGenerator:
                     decode_latents = torch.cat([ref_latents_or_motion(drop, enc.ref_latents, motion_latents), latents],
                                                dim=2)
                     image, image_band = self._decode(decode_latents, split_vae, HEIGHT,
-                                                     lambda video: clip_frames(video, drop))
+                                                     lambda video: clip_frames(video, drop))  # noqa: B023
                     if image is not None:
                         videos_last_frames = roll(videos_last_frames, image)
                     if image_band is not None:

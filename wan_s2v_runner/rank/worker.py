@@ -28,13 +28,11 @@ from typing import Iterator, Optional
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from wan_s2v_runner.shared import atomic, inbox
-
 from wan_s2v_runner.loading import engine
-
 from wan_s2v_runner.rank import faults
 from wan_s2v_runner.rank.cpu_binding import cpu_binding
 from wan_s2v_runner.rank.memory_peaks import StagePeaks
+from wan_s2v_runner.shared import atomic, inbox
 from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventWriter
 from wan_s2v_runner.shared.jobs import Job, read_jobs
 from wan_s2v_runner.shared.spec import RunSpec

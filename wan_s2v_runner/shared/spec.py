@@ -20,8 +20,16 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
-                      ValidationError, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from wan_s2v_runner.shared.layout import Layout, LoadStrategy, Mode
@@ -244,7 +252,9 @@ class RunSpec(BaseModel):
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
         if self.device == "cpu" and self.attention in ("fa2", "fa3"):
-            raise ValueError(f"--attention {self.attention} needs CUDA; use --attention sdpa (or auto) with --device cpu")
+            raise ValueError(
+                f"--attention {self.attention} needs CUDA; use --attention sdpa (or auto) with --device cpu"
+            )
         limits = [x for x in (self.watchdog_load_s, self.watchdog_step_s) if x > 0]
         if limits and self.pg_timeout_s <= max(limits):
             raise ValueError(f"pg_timeout_s ({self.pg_timeout_s:g}) must exceed the watchdog limits "
@@ -265,7 +275,9 @@ class RunSpec(BaseModel):
         if self.tts_text is not None and self.tts_prompt_audio is None:
             raise ValueError("--tts-text needs --tts-prompt-audio PATH (the voice to speak it in)")
         if self.tts_text is None and (self.tts_prompt_audio or self.tts_prompt_text):
-            raise ValueError("--tts-prompt-audio/--tts-prompt-text are for --tts-text; add --tts-text TEXT or drop them")
+            raise ValueError(
+                "--tts-prompt-audio/--tts-prompt-text are for --tts-text; add --tts-text TEXT or drop them"
+            )
         return self
 
     # ----- derived facts everything else asks -----

@@ -51,18 +51,21 @@ output pixel is the same arithmetic on a band as on the whole frame only if the 
 computes it, and PyTorch picks the kernel from the input's *size*: on CPU a batch-1 conv goes to
 oneDNN (``Mkldnn``) only when N*C*D*H > 20480, else to im2col + MKL sgemm (``Slow3d``/``Slow2d``),
 so a band of a large frame would run the other kernel (measured: ~1e-6 max abs per conv; a
-width-32 VAE on a 112x32 frame, 2 ranks: encode 3.4e-7, decode 2.8e-6). ``conv_rows`` therefore asks PyTorch which backend the engine's whole-frame call selects
+width-32 VAE on a 112x32 frame, 2 ranks: encode 3.4e-7, decode 2.8e-6). ``conv_rows`` therefore asks PyTorch which
+backend the engine's whole-frame call selects
 (``torch._C._select_conv_backend`` on a zero-stride stand-in of the whole input) and calls that
 backend on the band. Within a backend (measured, MKL 2024.2 / oneDNN 3.12, AVX2, 1 and 2 threads):
 oneDNN's direct conv gives the same bits for any number of rows; MKL sgemm does too except for
 very few output columns (m <= 11 pixels per image: a small-matrix path), so gemm-backed band calls
 are padded with zero rows up to ``MIN_GEMM_COLUMNS`` pixels (or up to the whole frame when that is
-smaller) and cropped (without it the test's 56x16 frame decodes 2.4e-6 off). One measured caveat: with fewer than 8 output channels (only the decoder's
+smaller) and cropped (without it the test's 56x16 frame decodes 2.4e-6 off). One measured caveat: with fewer than 8
+output channels (only the decoder's
 3-channel head) MKL's tail kernels make a pixel's bits depend on its position modulo 4..8 in the
 gemm; bands start on whole rows, so this is exact when the pixel width is a multiple of 8, as
 every Wan size is. Frames only a few latent columns wide are the other limit: split into
 1-latent-row bands, a 24x16 frame encoded 1.9e-7 off (the whole-frame call is itself in MKL's
-small-matrix range there; the tests use 12 latent columns, real sizes have 60 or more). The per-pixel ops (RMS norm, SiLU, the scale, clamp) and the gathered
+small-matrix range there; the tests use 12 latent columns, real sizes have 60 or more). The per-pixel ops (RMS
+norm, SiLU, the scale, clamp) and the gathered
 attention (the whole frame, as the engine computes it) are exact as they are.
 
 On CUDA the convs go through the normal dispatch (measured on an H100, torch 2.11 + cuDNN 9.19,

@@ -188,7 +188,7 @@ class BandVAE:
         out = []
         for x, middle, (top, bottom) in zip(xs, middles, pending.wait()):
             def cached(a, b):  # the cache's rows a .. b - 1 (band row numbers), or None
-                return None if old is None else old.narrow(-2, a + extra, b - a)
+                return None if old is None else old.narrow(-2, a + extra, b - a)  # noqa: B023
 
             top, bottom = self._per_pixel(before, top[0]), self._per_pixel(before, bottom[0])
             if self.rows.rank == 0:  # the engine's zero padding of the conv input at the frame's edges

@@ -48,8 +48,13 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.datastructures import UploadFile
 
 from wan_s2v_runner.launcher.serve import page
-from wan_s2v_runner.launcher.serve.keeper import (GROUP_FILE, Keeper, ServerDirs, remove_partial_videos,
-                                                  wait_for_leftovers)
+from wan_s2v_runner.launcher.serve.keeper import (
+    GROUP_FILE,
+    Keeper,
+    ServerDirs,
+    remove_partial_videos,
+    wait_for_leftovers,
+)
 from wan_s2v_runner.launcher.serve.metrics import CONTENT_TYPE, ServerMetrics
 from wan_s2v_runner.launcher.serve.queue import JobQueue, JobRow, JobStatus, QueueFull
 from wan_s2v_runner.launcher.serve.requests import Policy, Refused, Upload, VideoJobFields, build_job, new_id
@@ -189,7 +194,7 @@ async def _fields(request: Request) -> dict[str, Any]:
         try:
             body = await request.json()
         except ValueError as e:
-            raise Refused(400, f"the body is not JSON ({e}). Fix: send a JSON object or a multipart form")
+            raise Refused(400, f"the body is not JSON ({e}). Fix: send a JSON object or a multipart form") from None
         if not isinstance(body, dict):
             raise Refused(400, "the body is not a JSON object. Fix: send {\"prompt\": ..., \"image\": ..., ...}")
         return body
