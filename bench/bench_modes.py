@@ -25,7 +25,7 @@ from wan_s2v_runner.shared.spec import RunSpec, parse_size  # noqa: E402
 
 
 def one(spec: RunSpec) -> dict:
-    code = launch.run(spec, display=Display(rich=False, show_logs=False))
+    code = launch.run(spec, observers=[Display(rich=False, show_logs=False)])
     runs = sorted(spec.runs_root.glob("*/run.json"), key=lambda p: p.stat().st_mtime)
     m = json.loads(runs[-1].read_text())
     if code != 0:

@@ -76,7 +76,7 @@ def estimate(step: dict, pipeline: dict | None, link_gbs: float, worlds=(1, 2, 4
             for plan in plans_for(mode, world, dims["num_heads"], dims["dim"], dims["ffn_dim"], [length]):
                 if not plan.valid:
                     continue
-                c, d = plan.cfg_degree, plan.sp_degree
+                c, d = plan.layout.cfg_degree, plan.layout.sp_degree
                 compute = step["step_s"] / plan.speedup
                 a2a = 0.0
                 if plan.layout.use_sp and d > 1:

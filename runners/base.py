@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wan_s2v_runner.shared.layout import MODES, Mode, ModeTraits
-from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.spec import GroupSpec
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class ModeRunner:
     def summary(self) -> str:
         return self.traits.summary
 
-    def prepare(self, wan, config, spec: RunSpec, device, device_id: int, on_event=None):
+    def prepare(self, wan, config, spec: GroupSpec, device, device_id: int, on_event=None):
         """On one rank: this rank's plan, Ulysses bound to its SP group (any degree) in a
         sequence-parallel mode, and the engine parts the plan needs (DiT sharded/split as
         the layout says; T5, wav2vec2 and VAE only where they run). Returns (plan, parts,

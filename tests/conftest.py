@@ -21,7 +21,12 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from wan_s2v_runner.launcher.observer import STRICT_ENV  # noqa: E402
+
 torch.set_num_threads(1)
+#: an observer's error (the console, a server's keeper) fails the run it watches, in this process
+#: and in every launcher a test starts: never logged and passed over in a test
+os.environ[STRICT_ENV] = "1"
 
 #: for tests whose subject only exists with a CPU-only torch (the pinned CPU wheel with the CUDA
 #: torchvision build, wan's import-time CUDA call): on a CUDA machine they skip, not fail

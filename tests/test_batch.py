@@ -11,9 +11,10 @@ import pytest
 import torch
 from conftest import TINY_FLAGS, asset_flags, one_process_frames, run_cli
 
-from wan_s2v_runner.launcher.batch import JobState, plan_lines
+from wan_s2v_runner.launcher.batch import plan_lines
+from wan_s2v_runner.launcher.job_book import JobState, group_values
 from wan_s2v_runner.shared import exit_codes, media
-from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.spec import GroupSpec, RunSpec
 
 #: jobs 2 and 3 differ from job 1 (the shared tiny spec) in size, seed, prompt, solver, first frame
 OTHER_JOBS = {"big": dict(seed=7, max_area=128 * 128, prompt="someone else", solver="dpm++"),
@@ -95,6 +96,7 @@ def test_lines_are_checked_before_anything_runs(tiny_assets, tmp_path):
     """No spawn: how lines become job specs or refusals (JSON Lines and CSV)."""
     base = dict(ckpt_dir=tiny_assets.ckpt_dir, image=tiny_assets.image, audio=tiny_assets.audio,
                 prompt="p", device="cpu", nproc=2)
+    group = GroupSpec(**group_values(base))  # the rank group: checked once, before the lines
     jobs = tmp_path / "jobs.jsonl"
     jobs.write_text('{"id": "ok", "sample_steps": 3, "size": "64*64"}\n'
                     "not json\n"
@@ -103,7 +105,7 @@ def test_lines_are_checked_before_anything_runs(tiny_assets, tmp_path):
                     '{"infer_frames": 5}\n'
                     '# a comment\n'
                     '{"prompt": "no id: one is made from the settings", "image": "pics/a b.png"}\n')
-    lines = plan_lines(jobs, base, tmp_path / "out")
+    lines = plan_lines(jobs, base, group, tmp_path / "out")
     states = [(line.number, line.state) for line in lines]
     assert states == [(1, JobState.QUEUED), (2, JobState.REFUSED), (3, JobState.REFUSED), (4, JobState.REFUSED),
                       (5, JobState.REFUSED), (7, JobState.QUEUED)]
@@ -119,11 +121,11 @@ def test_lines_are_checked_before_anything_runs(tiny_assets, tmp_path):
     assert "used by an earlier line" in lines[2].cause
     assert "nproc: set once for the whole rank group" in lines[3].cause and "--nproc" in lines[3].cause
     assert "multiple of 4" in lines[4].cause
-    assert len(lines[5].id) == 12 and lines[5].id == plan_lines(jobs, base, tmp_path / "out")[5].id
+    assert len(lines[5].id) == 12 and lines[5].id == plan_lines(jobs, base, group, tmp_path / "out")[5].id
     assert lines[5].spec.image == tmp_path / "pics" / "a b.png"  # relative to the jobs file's folder
 
     csv_jobs = tmp_path / "jobs.csv"
     csv_jobs.write_text("id,prompt,seed,steps\nx,hello there,3,\ny,\"a, comma\",4,5\n")
-    rows = plan_lines(csv_jobs, base, tmp_path / "out")
+    rows = plan_lines(csv_jobs, base, group, tmp_path / "out")
     assert [(row.id, row.spec.prompt, row.spec.seed, row.spec.steps) for row in rows] == [
         ("x", "hello there", 3, 40), ("y", "a, comma", 4, 5)]

@@ -13,6 +13,7 @@ from wan_s2v_runner.shared import layout as layout_mod
 from wan_s2v_runner.shared.layout import (
     MODES,
     Layout,
+    MeshAxis,
     Mode,
     padded_length,
     sp_degree_fits,
@@ -65,11 +66,11 @@ def test_plans_per_gpu_count():
     from wan_s2v_runner.preflight.plans import best_plan, plan_table
     lengths = [59136, 63360]  # 1024x704, 80 frames: clip 1 and later clips
     table = plan_table(Mode.ULYSSES, 40, 5120, 13824, lengths)
-    assert [p.world_size for p in table] == list(range(1, 17)) and all(p.valid for p in table)
+    assert [p.layout.world_size for p in table] == list(range(1, 17)) and all(p.valid for p in table)
     # even counts split CFG (same compute, all-to-alls among half the ranks); odd counts cannot
-    assert [p.cfg_degree for p in table] == [1 if n % 2 else 2 for n in range(1, 17)]
+    assert [p.layout.cfg_degree for p in table] == [1 if n % 2 else 2 for n in range(1, 17)]
     six = table[5]
-    assert (six.cfg_degree, six.sp_degree, six.head_split) == (2, 3, [14, 13, 13])
+    assert (six.layout.cfg_degree, six.layout.sp_degree, six.head_split) == (2, 3, [14, 13, 13])
     assert "CFG 2 x SP 3, heads 14/13/13 per rank, no padding, CFG split" in six.describe()
     seven = table[6]
     assert seven.padding_overhead > 0 and "padding 0/4 token(s)" in seven.describe()
@@ -77,7 +78,7 @@ def test_plans_per_gpu_count():
     assert 2.8 < table[2].speedup < 3.0 and table[3].speedup == pytest.approx(4.0)
     assert table[15].speedup == pytest.approx(16.0)
     # no uncond pass (guide scale <= 1): no CFG split to offer
-    assert best_plan(Mode.ULYSSES, 6, 40, 5120, 13824, lengths, cfg_possible=False).sp_degree == 6
+    assert best_plan(Mode.ULYSSES, 6, 40, 5120, 13824, lengths, cfg_possible=False).layout.sp_degree == 6
     # fsdp-fixed does not split the sequence: only the CFG split speeds it up
     assert [p.speedup for p in plan_table(Mode.FSDP_FIXED, 40, 5120, 13824, lengths, worlds=(3, 4))] == [1.0, 2.0]
     too_many = best_plan(Mode.ULYSSES, 3, 2, 64, 128, [100], cfg_possible=False)
@@ -116,6 +117,50 @@ def test_memory_plan_follows_the_layout_not_the_mode_name(mode):
     same = plan_mode(Layout.for_mode(mode, 4), model_sizes(ctx), workload(ctx), nproc=4, device="cuda",
                      offload=False)
     assert plans[mode.value] == same
+
+
+def test_mesh_axes_are_named_by_the_enum_in_mesh_shape_order():
+    assert [a.value for a in MeshAxis] == ["cfg", "sp"] and MeshAxis("sp") is MeshAxis.SP
+    assert f"{MeshAxis.CFG}/{MeshAxis.SP}" == "cfg/sp" and MeshAxis.CFG == "cfg"  # plain names to torch
+    lay = Layout.for_mode(Mode.HYBRID, 8, cfg_parallel=True)
+    assert len(lay.mesh_shape) == len(MeshAxis) and lay.mesh_shape == (2, 4)
+
+
+@pytest.mark.parametrize("mode, world, cfg_parallel, coords", [
+    (Mode.ULYSSES, 1, False, [(0, 0)]),
+    (Mode.ULYSSES, 4, False, [(0, 0), (0, 1), (0, 2), (0, 3)]),
+    (Mode.ULYSSES, 2, True, [(0, 0), (1, 0)]),  # CFG 2 x SP 1
+    (Mode.HYBRID, 6, True, [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]),  # SP innermost
+    (Mode.FSDP_FIXED, 4, True, [(0, 0), (0, 1), (1, 0), (1, 1)]),
+])
+def test_a_ranks_coordinates_come_from_the_layout(mode, world, cfg_parallel, coords):
+    from wan_s2v_runner.rank.parallel import RankPlan
+
+    lay = Layout.for_mode(mode, world, cfg_parallel=cfg_parallel)
+    assert [lay.coords(r) for r in range(world)] == coords
+    assert [(p.cfg_rank, p.sp_rank) for p in (RankPlan(lay, r) for r in range(world))] == coords
+    assert RankPlan(lay, world - 1).describe()["cfg_rank"] == coords[-1][0]
+    with pytest.raises(ValueError, match="outside a world"):
+        lay.coords(world)
+
+
+def test_the_layout_builds_its_device_mesh(tmp_path):
+    """A real one-process gloo mesh: named by MeshAxis, its groups found by the enum."""
+    import torch.distributed as dist
+
+    from wan_s2v_runner.rank.parallel import RankPlan
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        lay = Layout.for_mode(Mode.ULYSSES, 1)
+        mesh = lay.device_mesh("cpu")
+        assert mesh.mesh_dim_names == tuple(MeshAxis) == ("cfg", "sp") and tuple(mesh.shape) == lay.mesh_shape
+        plan = RankPlan(lay, 0, mesh)
+        assert plan.sp_group is mesh.get_group("sp") and plan.cfg_group is mesh.get_group(MeshAxis.CFG)
+        assert dist.get_world_size(plan.group(MeshAxis.SP)) == 1
+    finally:
+        dist.destroy_process_group()
 
 
 def test_vae_split_is_on_with_several_ranks_unless_switched_off_or_too_few_rows():

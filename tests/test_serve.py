@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,6 +28,7 @@ from serving import AUTH, TINY_DEFAULTS, TOKEN, ServerProcess, expected_mp4
 
 from wan_s2v_runner.launcher.serve.keeper import group_processes
 from wan_s2v_runner.shared import media
+from wan_s2v_runner.shared.spec import GroupSpec, read_spec
 
 
 def test_jobs_in_a_row_equal_one_process(server, inputs, tiny_assets, engine_cpu, tmp_path):
@@ -65,6 +67,10 @@ def test_jobs_in_a_row_equal_one_process(server, inputs, tiny_assets, engine_cpu
         assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
         (tmp_path / "got.mp4").write_bytes(r.content)
         assert media.sha256_file(tmp_path / "got.mp4") == sha == server.video(vid)["sha256"]
+    # the group started from its group spec alone: no placeholder inputs, and its spec.json holds no job
+    assert not (server.dir / ".group").exists()
+    run_dir = Path(json.loads((server.dir / "group.json").read_text())["run_dir"])
+    assert type(read_spec(run_dir / "spec.json")) is GroupSpec
 
 
 def test_cancel_queued_and_running(server, inputs):
@@ -197,7 +203,7 @@ def test_kill_9_then_restart_resumes_exactly_once(server, inputs, engine_cpu, tm
 
 
 def test_binding_beyond_loopback_needs_auth():
-    from wan_s2v_runner.launcher.serve.app import check_bind
+    from wan_s2v_runner.launcher.serve.http import check_bind
 
     assert check_bind("127.0.0.1", None, False) is None and check_bind("::1", None, False) is None
     assert "--token" in check_bind("0.0.0.0", None, False)
@@ -338,3 +344,24 @@ def test_submit_and_jobs_clients(server, inputs, tmp_path):
     assert no_token.returncode == 3 and "401" in no_token.stderr and "Bearer" in no_token.stderr
     nobody = _client("jobs", "--url", "http://127.0.0.1:9", "--token", TOKEN)
     assert nobody.returncode == 7 and "cannot reach the server" in nobody.stderr
+
+
+def test_the_api_documents_its_typed_responses():
+    """/openapi.json (and /docs) show the video object, the list, the error and the server's state."""
+    from wan_s2v_runner.launcher.serve.app import create_app
+
+    doc = create_app(server=None).openapi()
+    schemas = doc["components"]["schemas"]
+    assert {"VideoObject", "VideoList", "ErrorResponse", "ServerInfo", "Health"} <= set(schemas)
+
+    def ref(path: str, method: str, status: str) -> str:
+        return doc["paths"][path][method]["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+
+    assert ref("/v1/videos", "post", "200").endswith("/VideoObject")
+    assert ref("/v1/videos", "get", "200").endswith("/VideoList")
+    assert ref("/v1/videos/{video_id}", "get", "200").endswith("/VideoObject")
+    assert ref("/v1/videos/{video_id}", "delete", "200").endswith("/VideoObject")
+    assert ref("/v1/videos/{video_id}", "get", "404").endswith("/ErrorResponse")
+    assert ref("/v1/server", "get", "200").endswith("/ServerInfo")
+    assert ref("/health", "get", "200").endswith("/Health")
+    assert schemas["VideoObject"]["properties"]["status"]["$ref"].endswith("/JobStatus")

@@ -125,3 +125,40 @@ def test_mode_auto_applies_the_recommended_cfg_split_unless_the_flag_is_given(ca
     assert not spec.cfg_parallel
     spec = cli.make_spec(_args(BASE + ["--mode", "auto", "--nproc", "3", "--device", "cpu"]))
     assert not spec.cfg_parallel and spec.layout.sp_degree == 3  # odd: no CFG split
+
+
+# ----- the two sections: a rank group's settings and a job's
+def test_group_and_job_are_two_models_and_a_run_is_both():
+    from wan_s2v_runner.shared.spec import FlagGroup, GroupSpec, JobSpec, flag_of
+
+    group_fields, job_fields = set(GroupSpec.model_fields), set(JobSpec.model_fields)
+    assert not group_fields & job_fields and group_fields | job_fields == set(RunSpec.model_fields)
+    for name in RunSpec.model_fields:  # every help section belongs to one of the two models
+        assert flag_of(name).group.job == (name in job_fields), (name, flag_of(name).group)
+    assert {flag_of(n).group for n in job_fields} == {g for g in FlagGroup if g.job}
+
+    spec = RunSpec(ckpt_dir="ck", image="i.png", audio="a.wav", prompt="p", nproc=2, cfg_parallel=True)
+    group, job = spec.group, spec.job
+    assert type(group) is GroupSpec and type(job) is JobSpec
+    assert RunSpec.of(group, job) == spec and group.world_size == 2 and job.speech == spec.audio
+    # each validates its own rules; the rule across the two is the run's
+    with pytest.raises(ValueError, match="multiple of 4"):
+        JobSpec(image="i.png", audio="a.wav", prompt="p", infer_frames=6)
+    with pytest.raises(ValueError, match="node_rank"):
+        GroupSpec(ckpt_dir="ck", node_rank=1)
+    with pytest.raises(ValueError, match="unknown|extra"):
+        JobSpec(image="i.png", audio="a.wav", prompt="p", nproc=4)  # a group setting is not a job's
+    with pytest.raises(ValueError, match="no unconditional pass"):
+        RunSpec.of(group, job.model_copy(update={"guide_scale": 1.0}))
+
+
+def test_spec_json_reads_as_a_group_or_as_a_run(tmp_path):
+    from wan_s2v_runner.shared.spec import GroupSpec, read_spec
+
+    spec = RunSpec(ckpt_dir="ck", image="i.png", audio="a.wav", prompt="p", seed=3)
+    (tmp_path / "run.json").write_text(spec.to_json())  # a run (and every run directory before the split)
+    (tmp_path / "group.json").write_text(spec.group.to_json())  # a batch's or a server's group
+    assert read_spec(tmp_path / "run.json") == spec
+    got = read_spec(tmp_path / "group.json")
+    assert type(got) is GroupSpec and got == spec.group
+    assert torchrun.finalize_spec(got) == got  # a group has no seed to resolve

@@ -1,12 +1,14 @@
 """``wan-s2v batch JOBS``: many videos from one load.
 
 JOBS is a JSON Lines file (one object a line) or a CSV file (a header row): each line sets a job's
-own fields (:data:`~wan_s2v_runner.shared.jobs.JOB_FIELDS`: ``image``, ``audio``, ``prompt``,
+own fields (a :class:`~wan_s2v_runner.shared.spec.JobSpec`: ``image``, ``audio``, ``prompt``,
 ``seed``, ``size``/``max_area``, ``steps``, ..., any spelling the flags and TOML accept) and an
-optional ``id`` (relative paths are taken from the jobs file's folder); the command's flags (and ``--config``, and
-the environment) give every job's
-defaults and the rank group's settings (checkpoint, mode, layout, LoRAs, device). A line that
-sets a group setting differently is refused.
+optional ``id`` (relative paths are taken from the jobs file's folder); the command's flags (and
+``--config``, and the environment) give every job's defaults and the rank group's settings (a
+:class:`~wan_s2v_runner.shared.spec.GroupSpec`: checkpoint, mode, layout, LoRAs, device), checked
+once before any line. A line that sets a group setting is refused. The bookkeeping shared with
+``wan-s2v serve`` (job specs, records, resume) is
+:mod:`wan_s2v_runner.launcher.job_book`.
 
 Every line is checked before anything is spawned, by the same rules as ``wan-s2v run``: the spec's
 validation, then preflight (inputs, sizes, memory plan) for that job. A bad line is refused with
@@ -24,49 +26,28 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 import sys
-from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from wan_s2v_runner.launcher.job_book import (
+    PATH_FIELDS,
+    SEED_FILE,
+    WORK_DIR,
+    JobState,
+    Line,
+    group_values,
+    job_spec,
+    mark_done_before,
+    normalized,
+    prepare_resume,
+    refusal,
+)
 from wan_s2v_runner.shared import exit_codes
-from wan_s2v_runner.shared.jobs import INPUT_FIELDS, JOB_FIELDS, Job, group_differences, job_id
-from wan_s2v_runner.shared.spec import RunSpec, flag_name, format_validation_error, key_aliases
-
-WORK_DIR = ".work"
-SEED_FILE = "seed"
-#: job fields that name files: relative paths in a jobs file are taken from the file's folder
-PATH_FIELDS = (*INPUT_FIELDS, "output", "frames_out")
-
-
-class JobState(str, Enum):
-    """What became of a line of the jobs file."""
-
-    REFUSED = "refused"  # never reached the ranks: the cause is said
-    DONE_BEFORE = "done before"  # its record and mp4 were already there
-    QUEUED = "queued"  # sent to the rank group
-    DONE = "done"
-    FAILED = "failed"  # the rank group failed before it was done
-
-
-@dataclass
-class Line:
-    """One line of the jobs file and what the launcher made of it."""
-
-    number: int
-    id: str
-    state: JobState
-    spec: Optional[RunSpec] = None
-    cause: str = ""
-    resume_at: Optional[int] = None  # 1-based clip a resumed job continues at
-
-    @property
-    def record(self) -> Optional[Path]:
-        return self.spec.output.with_suffix(".json") if self.spec else None
+from wan_s2v_runner.shared.jobs import Job, job_id
+from wan_s2v_runner.shared.spec import GroupSpec, format_validation_error
 
 
 class JobsFileError(ValueError):
@@ -96,43 +77,10 @@ def read_lines(path: Path) -> list[tuple[int, Any]]:
     return out
 
 
-def normalized(values: dict) -> dict:
-    """Keys as field names (flag and TOML spellings accepted: ``size``, ``sample_steps``, ...)."""
-    names = key_aliases()
-    return {names.get(k.replace("-", "_"), k.replace("-", "_")): v for k, v in values.items()}
-
-
-def job_spec(values: dict[str, Any], base: dict[str, Any], output_dir: Path, jid: str,
-             first: Optional[RunSpec] = None) -> tuple[Optional[RunSpec], str]:
-    """A job's spec: its own values (field names, :func:`normalized`) over ``base`` (the command's
-    values: the group's settings and every job's defaults), output ``output_dir/ID.mp4``, a seed
-    of -1 resolved once and kept in its work folder. Returns (spec, "") or (None, the cause: one
-    line) when the values set a group setting, do not validate, or differ from ``first``'s
-    group settings."""
-    fixed = sorted(k for k in values if k in RunSpec.model_fields and k not in JOB_FIELDS)
-    if fixed:
-        return None, (f"{', '.join(fixed)}: set once for the whole rank group, not per job. Fix: give "
-                      f"{', '.join(flag_name(k) for k in fixed)} on the command line")
-    work = output_dir / WORK_DIR / jid
-    merged = {**base, "output": output_dir / f"{jid}.mp4", **values}
-    if int(merged.get("seed", -1)) == -1 and (work / SEED_FILE).is_file():
-        merged["seed"] = int((work / SEED_FILE).read_text())
-    try:
-        spec = RunSpec(**merged).with_resolved_seed()
-    except (ValidationError, ValueError) as e:
-        text = format_validation_error(e) if isinstance(e, ValidationError) else str(e)
-        return None, text.splitlines()[0].removeprefix("error: ")
-    differs = group_differences(first, spec) if first is not None else []
-    if differs:
-        return None, (f"{', '.join(differs)} differ from the first job's; one rank group runs one setting of "
-                      "those")
-    return spec, ""
-
-
-def plan_lines(path: Path, base: dict[str, Any], output_dir: Path) -> list[Line]:
-    """Every line validated into a job spec (or refused with its cause), ids unique, seeds kept."""
+def plan_lines(path: Path, base: dict[str, Any], group: GroupSpec, output_dir: Path) -> list[Line]:
+    """Every line validated into a job spec on ``group`` (or refused with its cause), ids unique,
+    seeds kept (``base``: the command's values, every job's defaults)."""
     lines: list[Line] = []
-    first: Optional[RunSpec] = None
     seen: set[str] = set()
     for number, values in read_lines(path):
         if isinstance(values, str):
@@ -147,50 +95,12 @@ def plan_lines(path: Path, base: dict[str, Any], output_dir: Path) -> list[Line]
             lines.append(Line(number, jid, JobState.REFUSED, cause=f"id {jid!r} is used by an earlier line"))
             continue
         seen.add(jid)
-        spec, cause = job_spec(values, base, output_dir, jid, first)
+        spec, cause = job_spec(values, base, group, output_dir, jid)
         if spec is None:
             lines.append(Line(number, jid, JobState.REFUSED, cause=cause))
             continue
-        first = first or spec
         lines.append(Line(number, jid, JobState.QUEUED, spec=spec))
     return lines
-
-
-def mark_done_before(line: Line) -> None:
-    """A job whose record says it finished, with its mp4 there and unchanged, is not run again."""
-    from wan_s2v_runner.shared import media, resume
-
-    try:
-        record = json.loads(line.record.read_text(encoding="utf-8"))
-        same = (record.get("status") == "ok" and record.get("identity") == resume.identity(line.spec)
-                and media.sha256_file(line.spec.output) == record["output"]["sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    if same:
-        line.state = JobState.DONE_BEFORE
-
-
-def prepare_resume(line: Line, work: Path) -> None:
-    """Continue from the job's clip checkpoints when they are this job's (else start over)."""
-    from wan_s2v_runner.shared import resume
-
-    try:
-        progress = resume.read_progress(work)
-        resume.check(progress, line.spec)
-    except resume.ResumeError:
-        shutil.rmtree(work / resume.CLIPS_DIR, ignore_errors=True)
-        return
-    if progress.next_clip > 0:
-        line.spec = line.spec.model_copy(update={"resume_from": work})
-        line.resume_at = progress.next_clip + 1
-
-
-def refusal(report) -> str:
-    """A refused preflight report's first failure, as one line: the check, the cause, the fix."""
-    from wan_s2v_runner.preflight import Status
-
-    fail = report.with_status(Status.FAIL)[0]
-    return f"preflight {fail.id}: {fail.finding}" + (f". Fix: {fail.fix}" if fail.fix else "")
 
 
 def preflight_lines(lines: list[Line], json_mode: bool) -> Optional[int]:
@@ -237,7 +147,12 @@ def run_batch(path: Path, base: dict[str, Any], output_dir: Path, *, json_mode: 
     from wan_s2v_runner.launcher.console import Display
 
     try:
-        lines = plan_lines(path, base, output_dir)
+        group = GroupSpec(**group_values(base))
+    except ValidationError as e:
+        print(format_validation_error(e), file=sys.stderr)
+        return exit_codes.USAGE
+    try:
+        lines = plan_lines(path, base, group, output_dir)
     except JobsFileError as e:
         print(f"error: {e}", file=sys.stderr)
         return exit_codes.USAGE
@@ -254,7 +169,7 @@ def run_batch(path: Path, base: dict[str, Any], output_dir: Path, *, json_mode: 
         (work / SEED_FILE).write_text(str(line.spec.seed))
         line.record.unlink(missing_ok=True)  # a record says done only when this launch writes it
         prepare_resume(line, work)
-        jobs.append(Job(id=line.id, spec=line.spec, work_dir=work, record=line.record))
+        jobs.append(Job(id=line.id, spec=line.spec.job, work_dir=work, record=line.record))
     for line in lines:
         if line.state is JobState.REFUSED:
             print(f"batch: line {line.number} ({line.id}) refused: {line.cause}", file=sys.stderr)
@@ -264,13 +179,10 @@ def run_batch(path: Path, base: dict[str, Any], output_dir: Path, *, json_mode: 
             print(f"batch: line {line.number} ({line.id}) resumes at clip {line.resume_at}", file=sys.stderr)
     code = exit_codes.OK
     if jobs:
-        spec = jobs[0].spec
-        if spec.load_waves is None and waves and waves > 1:
-            jobs = [job.model_copy(update={"spec": job.spec.model_copy(update={"load_waves": waves})})
-                    for job in jobs]
-            spec = jobs[0].spec
-        code = launch.run(spec, display=Display.auto(json_mode=json_mode), extra_env=extra_env, jobs=jobs)
-        if not spec.writes_output:  # another node: node 0's rank 0 makes node 0's list and writes it all
+        if group.load_waves is None and waves and waves > 1:
+            group = group.model_copy(update={"load_waves": waves})
+        code = launch.run(group, observers=[Display.auto(json_mode=json_mode)], extra_env=extra_env, jobs=jobs)
+        if not group.writes_output:  # another node: node 0's rank 0 makes node 0's list and writes it all
             return code
     records: dict[str, dict] = {}
     for line in lines:

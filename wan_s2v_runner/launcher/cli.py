@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from wan_s2v_runner.launcher.flags import Command, add_spec_flags, base_values, flag_values
 from wan_s2v_runner.shared import exit_codes
-from wan_s2v_runner.shared.spec import RunSpec, flag_name, format_validation_error, merge_values
+from wan_s2v_runner.shared.spec import GroupSpec, RunSpec, flag_name, format_validation_error, merge_values
 
 
 def spec_values(args: argparse.Namespace, defaults: Optional[dict] = None) -> dict[str, Any]:
@@ -45,6 +45,29 @@ def make_spec(args, defaults: Optional[dict] = None) -> RunSpec:
         print(f"--mode auto: {rec.mode.value}{' --cfg-parallel' if spec.cfg_parallel else ''} ({rec.text})",
               file=sys.stderr)
     return spec
+
+
+def make_group(values: dict[str, Any]) -> GroupSpec:
+    """A rank group's spec from the command's values (``--mode auto``: the doctor's choice, at
+    the jobs' default size)."""
+    from wan_s2v_runner.launcher.job_book import group_values
+
+    values = dict(values)
+    mode_auto = values.get("mode") == "auto"
+    if mode_auto:
+        values.pop("mode")
+    group = GroupSpec(**group_values(values))
+    if mode_auto:
+        from wan_s2v_runner.preflight import group_context, recommend_mode
+
+        rec = recommend_mode(group_context(group, values))
+        update = {"mode": rec.mode}
+        if "cfg_parallel" not in values:  # the plan's CFG split, unless --[no-]cfg-parallel was given
+            update["cfg_parallel"] = rec.cfg_parallel
+        group = GroupSpec(**{**group_values(values), **update})
+        print(f"--mode auto: {rec.mode.value}{' --cfg-parallel' if group.cfg_parallel else ''} ({rec.text})",
+              file=sys.stderr)
+    return group
 
 
 def _usage_error(e: Exception) -> int:
@@ -77,7 +100,7 @@ def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
         waves = report.data_of("memory.host").get("waves")
         if spec.load_waves is None and waves and waves > 1:  # the memory plan's safety net
             spec = spec.model_copy(update={"load_waves": waves})
-    return launch.run(spec, display=Display.auto(json_mode=args.json), extra_env=extra_env)
+    return launch.run(spec, observers=[Display.auto(json_mode=args.json)], extra_env=extra_env)
 
 
 def cmd_resume(args, extra_env=None) -> int:
@@ -132,8 +155,8 @@ def cmd_serve(args, extra_env=None) -> int:
     root = args.server_dir.expanduser().absolute()
     try:
         root.mkdir(parents=True, exist_ok=True)
-        base = spec_values(args)
-        group = make_spec(args, setup.group_defaults(root, base))
+        base = spec_values(args, setup.group_defaults(root))
+        group = make_group(base)
     except (ValidationError, ValueError, OSError) as e:
         return _usage_error(e)
     return setup.serve(args, group, base, root, extra_env)

@@ -29,6 +29,7 @@ from rich.live import Live
 from rich.table import Table
 
 from wan_s2v_runner.shared.events import denoise_position, is_secondary, rank_log_level, steps_done
+from wan_s2v_runner.shared.spec import JobSpec
 from wan_s2v_runner.shared.stages import Stage
 
 #: in plain mode, print a step line at least this often (besides each clip's first/last step)
@@ -163,8 +164,9 @@ class Display:
         self._expected = list(range(spec.node_rank * spec.nproc, (spec.node_rank + 1) * spec.nproc))
         self._first = self._expected[0]
         self._header = f"wan-s2v {spec.mode.value} x{spec.world_size} ({spec.device})"
+        seed = f"seed={spec.seed} " if isinstance(spec, JobSpec) else ""  # a run's own job; a group's jobs: each
         self._print(f"wan-s2v: mode={spec.mode.value} world={spec.world_size} device={spec.device} "
-                    f"seed={spec.seed} run_dir={run_dir}")
+                    f"{seed}run_dir={run_dir}")
         if self.rich:
             self._live = Live(Table(), console=self.console, refresh_per_second=4, transient=True)
             self._live.start()
@@ -298,8 +300,9 @@ class Display:
             print(json.dumps(manifest, indent=2, default=str), flush=True)
             return
         if outcome.code == 0 and not spec.writes_output:
+            what = spec.output if isinstance(spec, JobSpec) else "the videos"
             self._print(f"node {spec.node_rank} done in {manifest['wall_s']:.1f}s: its ranks finished; node 0 "
-                        f"writes {spec.output}; manifest {run_dir / 'run.json'}")
+                        f"writes {what}; manifest {run_dir / 'run.json'}")
             return
         if outcome.code == 0 and not (manifest.get("output") or {}).get("path"):  # a group of jobs (batch, serve)
             self._print(f"done in {manifest['wall_s']:.1f}s: the rank group ended; manifest {run_dir / 'run.json'}")

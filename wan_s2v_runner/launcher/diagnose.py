@@ -8,18 +8,22 @@ the launcher gathered (the ranks' events, error files, exit times and exit codes
 """
 from __future__ import annotations
 
-import json
+import logging
 import re
 import signal
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import TYPE_CHECKING, Iterator, Mapping, Optional, Union
 
 from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
 from wan_s2v_runner.shared.events import EventReader, RankState, denoise_position, is_secondary
 from wan_s2v_runner.shared.layout import MODES, ModeTraits
 from wan_s2v_runner.shared.spec import RunSpec
 from wan_s2v_runner.shared.stages import Stage
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 #: how the worker module appears in a stack dump's frames
 WORKER_FILE = WORKER_MODULE.replace(".", "/") + ".py"
@@ -71,41 +75,91 @@ def parse_torchrun_exits(log_path: Path) -> dict[int, int]:
     return {int(m.group(1)): int(m.group(3)) for m in _EXIT_RE.finditer(text)}
 
 
+#: torch elastic's logger that :class:`ProcessFailure` reports an unreadable error file on
+_TORCH_ERRORS_LOGGER = "torch.distributed.elastic.multiprocessing.errors"
+
+
 @dataclass(frozen=True)
 class ErrorFile:
     """One rank's torch elastic error file (``@record`` on ``worker.main`` writes it when the
-    rank raises): ``logs/<id>/attempt_<n>/<local_rank>/error.json``."""
+    rank raises): ``logs/<id>/attempt_<n>/<local_rank>/error.json``. Read by torch's own
+    :class:`~torch.distributed.elastic.multiprocessing.errors.ProcessFailure` (``failure``);
+    this adds only where the file is and the local rank its directory names."""
 
     path: Path
-    local_rank: int
-    traceback: str  # the Python traceback (or the bare message when there is none)
-    timestamp: int  # when it was written, whole unix seconds (0: unknown)
+    local_rank: int  # from the directory name (torchrun's log dir layout)
+    failure: "ProcessFailure"  # torch's reading (its pid -1 and exitcode 1 stand in: not known here)
+
+    @property
+    def _structured(self) -> Optional[dict]:
+        """The error handler's structured message (``message``, ``extraInfo``: ``py_callstack``,
+        ``timestamp``), or None when the file holds a plain string message."""
+        msg = self.failure.message
+        return msg if isinstance(msg, dict) else None
+
+    @property
+    def traceback(self) -> str:
+        """The Python traceback (or the bare message when there is none)."""
+        d = self._structured
+        if d is None:  # the file's own string (torch makes one up when it is empty)
+            return str(self.failure.error_file_data.get("message") or "").strip()
+        return str(d.get("extraInfo", {}).get("py_callstack") or d.get("message") or "").strip()
 
     @property
     def message(self) -> str:
-        """The exception line: the traceback's last line."""
-        lines = self.traceback.strip().splitlines()
-        return lines[-1] if lines else "(no message)"
+        """The exception line, ``Type: message``: the error handler's own line, else the
+        traceback's last line."""
+        d = self._structured
+        text = str(d.get("message") or "").strip() if d is not None else ""
+        if not text:
+            lines = self.traceback.splitlines()
+            text = lines[-1].strip() if lines else ""
+        return text or "(no message)"
+
+    @property
+    def error_type(self) -> str:
+        """The exception's type name: ``message`` up to its first colon (the error handler writes
+        ``f"{type(e).__name__}: {e}"``)."""
+        return self.message.partition(":")[0].strip()
+
+    @property
+    def timestamp(self) -> int:
+        """When it was written, whole unix seconds."""
+        return self.failure.timestamp
+
+
+@contextmanager
+def _quiet_torch_errors() -> Iterator[None]:
+    """Keep torch's ``Failed to parse reply file`` log (with its traceback) off the launcher's
+    output: an unreadable error file is left out silently."""
+    log = logging.getLogger(_TORCH_ERRORS_LOGGER)
+    was, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = was
 
 
 def read_error_files(run_dir: Path, rank_offset: int = 0) -> dict[int, ErrorFile]:
-    """global rank (= offset + local rank) -> its torch elastic error file; unreadable files
-    are left out."""
+    """global rank (= offset + local rank) -> its torch elastic error file, each read by torch's
+    ``ProcessFailure``; files that are unreadable, gone, or not in the error handler's format are
+    left out. Torch is imported only when there is a file to read (the launcher starts without it)."""
+    paths = sorted((run_dir / "logs").glob("*/attempt_*/*/error.json"))
+    if not paths:
+        return {}
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
     out: dict[int, ErrorFile] = {}
-    for ef in (run_dir / "logs").glob("*/attempt_*/*/error.json"):
+    for ef in paths:
         try:
-            data = json.loads(ef.read_text())
-            msg = data.get("message", {})
-            if isinstance(msg, dict):
-                extra = msg.get("extraInfo", {})
-                text = extra.get("py_callstack", "") or msg.get("message", "")
-                stamp = int(extra.get("timestamp", 0) or 0)
-            else:
-                text, stamp = str(msg), int(data.get("timestamp", 0) or 0)
             local = int(ef.parent.name)
-            out[rank_offset + local] = ErrorFile(ef, local, text.strip(), stamp)
-        except (OSError, ValueError, AttributeError, TypeError):
+            with _quiet_torch_errors():
+                failure = ProcessFailure(local_rank=local, pid=-1, exitcode=1, error_file=str(ef))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
+        if failure.error_file != str(ef):  # gone before torch read it ("<N/A>")
+            continue
+        out[rank_offset + local] = ErrorFile(ef, local, failure)
     return out
 
 

@@ -312,12 +312,14 @@ def _cell_flag(name: str) -> str:
 def flags_table() -> str:
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for group in FlagGroup:
+        rows.append(f"| **{group.value}** | | |")
         for name in RunSpec.model_fields:
             f = flag_of(name)
             if f.group is not group:
                 continue
             default = default_of(name) + (f" (`${f.env}`)" if f.env else "")
             rows.append(f"| {_cell_flag(name)} | {default} | {RunSpec.model_fields[name].description} |")
+    rows.append("| **command** | | |")
     for opt in COMMAND_OPTIONS:
         flag = f"`{opt.flag} {opt.metavar}`" if opt.metavar else f"`{opt.flag}`"
         if opt.kind is OptionKind.PATHS:

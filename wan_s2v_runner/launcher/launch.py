@@ -1,7 +1,8 @@
-"""The launcher: spawn ``python -m torch.distributed.run`` for a spec and supervise it.
+"""The launcher: spawn ``python -m torch.distributed.run`` for a rank group and supervise it.
 
 One call, :func:`run`, does it all: make the run directory (``<runs_root>/<time>-<mode>/``),
-write ``spec.json`` once, spawn torchrun (:mod:`.torchrun` builds the command), supervise it
+write the group's ``spec.json`` once (and its jobs' ``jobs.jsonl``), spawn torchrun
+(:mod:`.torchrun` builds the command), supervise it
 (:class:`~.supervisor.Supervisor`: live progress, the hang watchdog, fast stop of every rank
 when one fails or on Ctrl-C/SIGTERM, a failure report naming the *first* failing rank), remove
 what a killed rank left half-written, and write ``run.json``, the manifest. Returns an exit code
@@ -20,12 +21,13 @@ from typing import Optional
 from wan_s2v_runner.launcher import manifest
 from wan_s2v_runner.launcher.console import Display
 from wan_s2v_runner.launcher.diagnose import parse_torchrun_exits
+from wan_s2v_runner.launcher.observer import Observers, RunObserver
 from wan_s2v_runner.launcher.proctree import cpu_s
 from wan_s2v_runner.launcher.supervisor import Outcome, Supervisor
 from wan_s2v_runner.launcher.torchrun import finalize_spec, make_run_dir
 from wan_s2v_runner.shared import atomic, exit_codes, inbox
 from wan_s2v_runner.shared.jobs import Job, write_jobs
-from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
 
 
 def _output_stamp(path: Path) -> Optional[tuple]:
@@ -36,13 +38,13 @@ def _output_stamp(path: Path) -> Optional[tuple]:
         return None
 
 
-def cleanup_partial_outputs(spec: RunSpec, pids: list[int]) -> list[Path]:
-    """Remove temporary files the ranks left next to the output (a rank killed while saving);
-    every writer names them by :func:`atomic.temp_name`."""
+def cleanup_partial_outputs(jobs: list[JobSpec], pids: list[int]) -> list[Path]:
+    """Remove temporary files the ranks left next to the jobs' outputs (a rank killed while
+    saving); every writer names them by :func:`atomic.temp_name`."""
     removed = []
     patterns = []
     for pid in pids:
-        for dest in (spec.output, spec.frames_out):
+        for dest in {d for job in jobs for d in (job.output, job.frames_out)}:
             if dest is not None:
                 patterns.append((dest.parent, atomic.leftover_pattern(dest, pid)))
     for d, pat in patterns:
@@ -69,30 +71,32 @@ def _remove_empty_stacks(run_dir: Path) -> None:
         pass
 
 
-def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional[dict] = None,
+def run(spec: GroupSpec, *, observers: Optional[list[RunObserver]] = None, extra_env: Optional[dict] = None,
         jobs: Optional[list[Job]] = None, served: bool = False, halt: Optional[threading.Event] = None) -> int:
-    """Spawn and supervise one run: a rank group that makes ``spec``'s video, or, with ``jobs``,
-    each job's in turn (``spec``: the first job's, for the group's settings), or, ``served``,
-    whatever a server posts to the run directory's inbox (:mod:`wan_s2v_runner.shared.inbox`)
-    until it says stop. ``halt`` set from another thread stops the ranks as a signal would.
+    """Spawn and supervise one rank group of ``spec`` (a :class:`GroupSpec`) that makes, in turn,
+    each of ``jobs``, or, ``served``, whatever a server posts to the run directory's inbox
+    (:mod:`wan_s2v_runner.shared.inbox`) until it says stop; a :class:`RunSpec` alone (``wan-s2v
+    run``) is a group with its one job. ``observers`` (default: the console) are told how it goes
+    (:mod:`.observer`). ``halt`` set from another thread stops the ranks as a signal would.
     Returns an exit code (see exit_codes)."""
     spec = finalize_spec(spec)
-    display = display or Display.auto()
+    watchers = Observers(observers if observers is not None else [Display.auto()])
     run_dir = make_run_dir(spec)
     atomic.write_text(run_dir / "spec.json", spec.to_json())
     if jobs:
         write_jobs(run_dir, jobs)
     if served:
         inbox.inbox_of(run_dir).mkdir()
-    display.started(spec, run_dir)
-    sup = Supervisor(spec, run_dir, display, extra_env, halt=halt)
+    own_job = spec if isinstance(spec, RunSpec) else None  # the run's own job (else the jobs', or served)
+    watchers.started(spec, run_dir)
+    sup = Supervisor(spec, run_dir, watchers, extra_env, halt=halt)
     old = {}
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
                 continue  # under nohup: keep ignoring hangups
             old[s] = signal.signal(s, sup.on_signal)
-    before = _output_stamp(spec.output)
+    before = _output_stamp(own_job.output) if own_job else None
     started = time.time()
     cpu_before = cpu_s(os.getpid()) or 0.0
     try:
@@ -107,13 +111,13 @@ def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional
             sup.processes.close()
         procs = sup.processes
         rank_pids = [st.pid for st in sup.reader.ranks.values() if st.pid]
-        cleanup_partial_outputs(spec, rank_pids)
+        cleanup_partial_outputs([own_job] if own_job else [job.spec for job in jobs or ()], rank_pids)
         _remove_empty_stacks(run_dir)
         sup.reader.poll()
-        if outcome.code == exit_codes.OK and spec.writes_output and not served and \
-                (not spec.output.is_file() or _output_stamp(spec.output) == before):
+        if outcome.code == exit_codes.OK and own_job and spec.writes_output and \
+                (not own_job.output.is_file() or _output_stamp(own_job.output) == before):
             outcome = Outcome(code=exit_codes.RANK_FAILED, torchrun_rc=outcome.torchrun_rc,
-                              reason=f"the run ended but {spec.output} was not written")
+                              reason=f"the run ended but {own_job.output} was not written")
         data = manifest.build(spec, run_dir, sup.reader, outcome, started, time.time(),
                               launcher={"pid": os.getpid(), "torchrun_pid": procs.proc.pid if procs.proc else None,
                                         "torchrun_exit_code": outcome.torchrun_rc,
@@ -125,7 +129,7 @@ def run(spec: RunSpec, *, display: Optional[Display] = None, extra_env: Optional
                                         "signal": signal.Signals(sup.signal_received).name
                                         if sup.signal_received else None})
         atomic.write_text(run_dir / "run.json", json.dumps(data, indent=2, default=str))
-        display.finished(spec, run_dir, outcome, data)
+        watchers.finished(spec, run_dir, outcome, data)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

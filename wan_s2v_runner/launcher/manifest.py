@@ -10,6 +10,7 @@ from pathlib import Path
 from wan_s2v_runner.loading import lora
 from wan_s2v_runner.shared import engine_source, exit_codes
 from wan_s2v_runner.shared.events import EventReader, stage_durations
+from wan_s2v_runner.shared.spec import RunSpec
 
 VERSIONED = ("torch", "torchvision", "wan22", "transformers", "diffusers", "huggingface-hub",
              "accelerate", "peft", "librosa", "decord", "imageio-ffmpeg", "flash-attn", "pydantic")
@@ -91,8 +92,9 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
     r0 = reader.ranks.get(min(reader.ranks)) if reader.ranks else None
     stacks = sorted(str(p.relative_to(run_dir)) for p in (Path(run_dir) / "stacks").glob("*.txt")) \
         if (Path(run_dir) / "stacks").is_dir() else []
+    job = spec if isinstance(spec, RunSpec) else None  # a run's one job; a batch's jobs have their records
     output = None
-    if outcome.code == exit_codes.OK and spec.output.is_file():
+    if job is not None and outcome.code == exit_codes.OK and spec.output.is_file():
         info = media.probe(spec.output)
         output = {"path": str(spec.output), "sha256": media.sha256_file(spec.output),
                   "bytes": spec.output.stat().st_size, "video_codec": info.video_codec,
@@ -111,7 +113,7 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
                  "traceback": outcome.traceback},
         "launcher": launcher or None,
         "stacks": stacks,
-        "seed": spec.seed,
+        "seed": job.seed if job else None,
         "mode": spec.mode.value,
         "layout": {**spec.layout.model_dump(), "ulysses_degree": spec.layout.ulysses_degree,
                    "nproc_per_node": spec.nproc, "nnodes": spec.nnodes, "node_rank": spec.node_rank},
@@ -120,7 +122,7 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
         "ranks": ranks,
         "output": output,
         "loras": lora.describe(spec.lora, spec.ckpt_dir) if spec.lora else [],
-        "resume": _resume_info(spec),
+        "resume": _resume_info(spec) if job else None,
         "engine": engine_info(spec),
         "versions": package_versions(),
         "platform": {"machine": platform.machine(), "system": platform.system(), "argv": sys.argv},

@@ -1,6 +1,6 @@
 """The processes of one run: torchrun (its own session, PR_SET_PDEATHSIG) and every worker it
 starts. :class:`RunProcesses` spawns torchrun with its output pumped to ``torchrun.log`` and the
-display, finds the run's processes (torchrun's descendants, the pids ranks report, command lines
+observers, finds the run's processes (torchrun's descendants, the pids ranks report, command lines
 naming the run's ``spec.json``), notes each exit as it happens (:class:`~.proctree.ProcTable`),
 samples their memory and CPU, asks them for stack dumps, and stops them all. It decides nothing:
 :class:`~.supervisor.Supervisor` does.
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from wan_s2v_runner.launcher.console import Display
 from wan_s2v_runner.launcher.diagnose import has_frame
+from wan_s2v_runner.launcher.observer import Observers
 from wan_s2v_runner.launcher.proctree import (
     ProcTable,
     cpu_s,
@@ -30,14 +30,14 @@ from wan_s2v_runner.launcher.torchrun import WORKER_MODULE, torchrun_argv, worke
 from wan_s2v_runner.shared import atomic
 from wan_s2v_runner.shared.events import EventReader, RankState
 from wan_s2v_runner.shared.procfs import hwm_mb
-from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.spec import GroupSpec
 
 
 class RunProcesses:
     """Owns the torchrun process tree of one run."""
 
-    def __init__(self, spec: RunSpec, run_dir: Path, reader: EventReader, display: Display, extra_env=None):
-        self.spec, self.run_dir, self.reader, self.display = spec, run_dir, reader, display
+    def __init__(self, spec: GroupSpec, run_dir: Path, reader: EventReader, observers: Observers, extra_env=None):
+        self.spec, self.run_dir, self.reader, self.observers = spec, run_dir, reader, observers
         self.log_path = run_dir / "torchrun.log"
         self.proc: Optional[subprocess.Popen] = None
         self.procs = ProcTable()
@@ -68,10 +68,7 @@ class RunProcesses:
                 line = raw.decode("utf-8", "replace").rstrip("\n")
                 log.write(line + "\n")
                 log.flush()
-                try:
-                    self.display.log_line(line)
-                except Exception:  # the display must never stop the log
-                    pass
+                self.observers.log_line(line)  # an observer's error is logged there, never stops the log
 
     def join_pump(self, timeout: float = 3.0) -> None:
         if self._pump_thread is not None:

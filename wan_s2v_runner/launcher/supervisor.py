@@ -2,7 +2,7 @@
 an :class:`Outcome` (an exit code with its reason, the failing rank and stage, a hint).
 
 :meth:`Supervisor.supervise` is the loop: read the ranks' event files, keep the process table
-fresh (:class:`~.processes.RunProcesses`), update the display, and act on what it sees: a signal
+fresh (:class:`~.processes.RunProcesses`), tell the observers (:mod:`.observer`), and act on what it sees: a signal
 (stop every rank), torchrun's exit (success only when every rank ended cleanly), a rank's error or
 death (torchrun gets :data:`FAILURE_GRACE_S` to tear the others down, then we do), a stall past
 the watchdog's limits (stack dumps, then stop). The verdicts themselves are pure functions:
@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from wan_s2v_runner.launcher.console import Display
 from wan_s2v_runner.launcher.diagnose import (
     analyse_stacks,
     attribute_failures,
@@ -30,13 +29,14 @@ from wan_s2v_runner.launcher.diagnose import (
     tail_lines,
     where_ranks_were,
 )
+from wan_s2v_runner.launcher.observer import Observers
 from wan_s2v_runner.launcher.processes import RunProcesses
 from wan_s2v_runner.launcher.proctree import proc_state, worker_rank
 from wan_s2v_runner.launcher.torchrun import expected_ranks
 from wan_s2v_runner.launcher.watchdog import Stuck, WatchdogLimits, describe_hang, stalled
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.events import EventReader
-from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.spec import GroupSpec
 from wan_s2v_runner.shared.stages import Stage
 
 #: after the first failure, torchrun gets this long to tear the others down before we do
@@ -48,7 +48,7 @@ DEATH_SETTLE_S = 0.3
 TREE_WALK_S = 1.0
 
 
-def not_started_note(spec: RunSpec) -> str:
+def not_started_note(spec: GroupSpec) -> str:
     """Why a rank of this node that never reported has no process: with several nodes, torchrun
     starts its workers only when every node has joined the rendezvous."""
     if spec.nnodes == 1:
@@ -75,12 +75,12 @@ class Outcome:
 class Supervisor:
     """Watches one run's ranks and processes and decides how it ends."""
 
-    def __init__(self, spec: RunSpec, run_dir: Path, display: Display, extra_env=None,
+    def __init__(self, spec: GroupSpec, run_dir: Path, observers: Observers, extra_env=None,
                  halt: Optional[threading.Event] = None):
-        self.spec, self.run_dir, self.display = spec, run_dir, display
+        self.spec, self.run_dir, self.observers = spec, run_dir, observers
         self.halt = halt  # set by another thread (a server shutting down): stop as on SIGTERM
         self.reader = EventReader(run_dir)
-        self.processes = RunProcesses(spec, run_dir, self.reader, display, extra_env)
+        self.processes = RunProcesses(spec, run_dir, self.reader, observers, extra_env)
         self.expected = expected_ranks(spec)
         self.limits = WatchdogLimits(load_s=spec.watchdog_load_s, step_s=spec.watchdog_step_s)
         self.signal_received: Optional[int] = None
@@ -122,10 +122,8 @@ class Supervisor:
                 self.processes.tree(full=tick % (10 * walk_every) == 0)
                 self.processes.sample_usage()
             tick += 1
-            try:
-                self.display.update(self.reader, new, now - self.t0)
-            except Exception:  # a display glitch must never stop supervision
-                pass
+            self.observers.update(self.reader, new, now - self.t0)  # errors: logged (observer.py)
+            self.observers.raise_if_strict()
             if self.halt is not None and self.halt.is_set() and self.signal_received is None:
                 self.signal_received = signal.SIGTERM
             if self.signal_received is not None:

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.spec import GroupSpec, JobSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 #: the module every rank runs (``python -m``); the supervisor finds workers by it in /proc
@@ -24,7 +24,7 @@ WORKER_MODULE = "wan_s2v_runner.rank.worker"
 DEFAULT_MASTER_PORT = 29500
 
 
-def make_run_dir(spec: RunSpec) -> Path:
+def make_run_dir(spec: GroupSpec) -> Path:
     root = spec.runs_root
     root.mkdir(parents=True, exist_ok=True)
     base = f"{datetime.now():%Y%m%d-%H%M%S}-{spec.mode.value}"
@@ -38,18 +38,19 @@ def make_run_dir(spec: RunSpec) -> Path:
     raise RuntimeError(f"could not create a run directory under {root}")
 
 
-def finalize_spec(spec: RunSpec) -> RunSpec:
+def finalize_spec(spec: GroupSpec) -> GroupSpec:
     """Resolve what the launcher decides once: the seed, and the rendezvous port of a
     multi-node run (:data:`DEFAULT_MASTER_PORT` unless given). A one-node run without a port
     keeps ``master_port=None``: torchrun's rendezvous then binds port 0 and the OS picks
     (:func:`rendezvous_argv`)."""
-    spec = spec.with_resolved_seed()
+    if isinstance(spec, JobSpec):  # a run's spec carries its job's seed
+        spec = spec.with_resolved_seed()
     if spec.master_port is None and spec.nnodes > 1:
         spec = spec.model_copy(update={"master_port": DEFAULT_MASTER_PORT})
     return spec
 
 
-def rendezvous_argv(spec: RunSpec) -> list[str]:
+def rendezvous_argv(spec: GroupSpec) -> list[str]:
     """torchrun's rendezvous flags.
 
     One node, no ``--master-port``: what ``torchrun --standalone`` does, a c10d rendezvous on
@@ -66,12 +67,12 @@ def rendezvous_argv(spec: RunSpec) -> list[str]:
     return ["--master-addr", spec.master_addr, "--master-port", str(port)]
 
 
-def expected_ranks(spec: RunSpec) -> list[int]:
+def expected_ranks(spec: GroupSpec) -> list[int]:
     """Global ranks started on this node (node-major: one node's are 0..nproc-1)."""
     return list(range(spec.node_rank * spec.nproc, (spec.node_rank + 1) * spec.nproc))
 
 
-def torchrun_argv(spec: RunSpec, run_dir: Path) -> list[str]:
+def torchrun_argv(spec: GroupSpec, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
             "--nproc-per-node", str(spec.nproc),
@@ -94,7 +95,7 @@ CPU_MALLOC_ENV = {
 }
 
 
-def worker_env(spec: RunSpec, extra: Optional[dict] = None) -> dict:
+def worker_env(spec: GroupSpec, extra: Optional[dict] = None) -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))

@@ -14,16 +14,28 @@ May import: shared, loading, patches.
 """
 from .context import CheckContext, ModeSource
 from .core import CheckGroup, CheckResult, Status
-from .doctor import DoctorReport, GateReport, check_run, diagnose, doctor, machine_facts
+from .doctor import (
+    DoctorReport,
+    GateReport,
+    check_group,
+    check_run,
+    diagnose,
+    doctor,
+    group_context,
+    machine_facts,
+)
 from .facts import MachineFacts
 from .recommend import Recommendation, recommend_mode
 from .registry import groups_for, run_checks
-from .render import gate, gate_report
+from .render import gate, gate_report, group_gate_report
 
 __all__ = [
     "gate",
     "gate_report",
     "check_run",
+    "check_group",
+    "group_context",
+    "group_gate_report",
     "doctor",
     "diagnose",
     "machine_facts",

@@ -26,24 +26,24 @@ SHM_WARN_MIB = 1024
 
 
 def _multi_gpu(ctx) -> bool:
-    return ctx.on_cuda and ctx.world_size > 1
+    return ctx.on_cuda and ctx.layout.world_size > 1
 
 
 def check_backend(ctx):
     t = ctx.facts.torch
-    if ctx.world_size == 1:
+    if ctx.layout.world_size == 1:
         return ok("comm.backend", "one rank: no collectives")
     if not t.get("distributed", True):
         return fail("comm.backend", "torch.distributed is not available in this torch build",
                     "install an official torch wheel")
     if ctx.on_cuda:
         if not t.get("nccl_available") or not t.get("nccl"):
-            return fail("comm.backend", f"{ctx.world_size} CUDA ranks need NCCL; torch "
+            return fail("comm.backend", f"{ctx.layout.world_size} CUDA ranks need NCCL; torch "
                         f"{t.get('version')} has none", "install a CUDA torch wheel (it bundles NCCL)")
         return ok("comm.backend", f"nccl {t['nccl']} (torch {t.get('version')})", nccl=t["nccl"])
     if not t.get("gloo_available", True):
         return fail("comm.backend", "gloo is not available in this torch build", "install an official torch wheel")
-    return ok("comm.backend", f"gloo ({ctx.world_size} CPU ranks)")
+    return ok("comm.backend", f"gloo ({ctx.layout.world_size} CPU ranks)")
 
 
 def _traffic(layout) -> str:
@@ -179,7 +179,7 @@ def check_shm(ctx):
 
 def check_master_port(ctx):
     port = ctx.spec.master_port
-    if ctx.world_size == 1 and ctx.spec.nnodes == 1:
+    if ctx.layout.world_size == 1 and ctx.spec.nnodes == 1:
         return skip("comm.master_port", "one rank")
     if port is None:
         return ok(

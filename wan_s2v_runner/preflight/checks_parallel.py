@@ -23,10 +23,10 @@ def num_heads(ctx) -> tuple[int, str]:
 def check_degree(ctx):
     lay = ctx.layout
     if not lay.use_sp:
-        return ok("ulysses.degree", f"world size {ctx.world_size}: no sequence parallelism")
+        return ok("ulysses.degree", f"world size {lay.world_size}: no sequence parallelism")
     where = f" ({ctx.spec.nnodes} nodes x {ctx.spec.nproc})" if ctx.spec.nnodes > 1 else ""
-    of = (f"world size {ctx.world_size}{where} / {lay.cfg_degree} CFG branches" if lay.cfg_degree > 1
-          else f"world size {ctx.world_size}{where}")
+    of = (f"world size {lay.world_size}{where} / {lay.cfg_degree} CFG branches" if lay.cfg_degree > 1
+          else f"world size {lay.world_size}{where}")
     return ok("ulysses.degree", f"Ulysses degree {lay.sp_degree} = {of}", degree=lay.sp_degree)
 
 
@@ -91,8 +91,8 @@ def check_fsdp_world(ctx):
     lay = ctx.layout
     if not lay.dit_fsdp:
         return skip("fsdp.world", "no FSDP in this mode")
-    if ctx.world_size == 1:
+    if lay.world_size == 1:
         return warn("fsdp.world", f"--mode {ctx.mode.value} on 1 rank: FSDP shards nothing",
                     "use --mode ulysses on one GPU, or more ranks")
-    return ok("fsdp.world", f"DiT sharded over {ctx.world_size} ranks; sync_module_states=False with a "
+    return ok("fsdp.world", f"DiT sharded over {lay.world_size} ranks; sync_module_states=False with a "
               "weight fingerprint check (patches.fsdp_no_sync)")

@@ -7,8 +7,8 @@ values (environment, config file, flags), assumes what the machine suggests for 
 ``--nproc`` when they are not given (recorded in ``notes``), and builds the view with
 :meth:`RunSpec.draft` — the same fields, defaults and validators as a run, not a second list.
 Checks read settings from ``ctx.spec`` (missing inputs read ``None``: such checks return
-*skip*). ``cache`` holds what one check measured for another (parameter counts, image size,
-audio duration).
+*skip*) and every parallel fact (world size, degrees) from ``ctx.layout``. ``cache`` holds
+what one check measured for another (parameter counts, image size, audio duration).
 """
 from __future__ import annotations
 
@@ -53,10 +53,6 @@ class CheckContext:
 
     def layout_for(self, mode: Mode) -> Layout:
         return Layout.for_mode(mode, self.spec.world_size, self.spec.cfg_parallel, self.spec.vae_parallel)
-
-    @property
-    def world_size(self) -> int:
-        return self.spec.world_size
 
     @property
     def offload(self) -> bool:

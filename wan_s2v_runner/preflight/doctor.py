@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Optional
 
 from wan_s2v_runner.shared import exit_codes
@@ -95,7 +96,7 @@ class DoctorReport:
                 "device": spec.device,
                 "nproc": spec.nproc,
                 "nnodes": spec.nnodes,
-                "world_size": ctx.world_size,
+                "world_size": ctx.layout.world_size,
                 "attention": spec.attention,
                 "layout": ctx.layout.to_json(),
                 "ckpt_dir": str(spec.ckpt_dir) if spec.ckpt_dir else None,
@@ -136,6 +137,28 @@ def check_run(spec, facts: Optional[MachineFacts] = None) -> GateReport:
     """The checks of ``spec``'s mode against the complete spec."""
     ctx = CheckContext.for_spec(spec, facts)
     groups = groups_for(spec.mode)
+    return GateReport(run_checks(ctx, groups), groups)
+
+
+def group_context(group, defaults: dict, output: Optional[Path] = None,
+                  facts: Optional[MachineFacts] = None) -> CheckContext:
+    """What checks read of a rank group before any job: its settings, the jobs' defaults (a size,
+    steps; inputs when the command gives defaults for them) and, with ``output``, where its
+    videos go. Checks of an input no job has given yet skip, as the doctor's do."""
+    from wan_s2v_runner.shared.jobs import GROUP_FIELDS, JOB_FIELDS, OUTPUT_FIELDS
+
+    values = {k: v for k, v in defaults.items() if k in JOB_FIELDS and k not in OUTPUT_FIELDS}
+    values.update(group.model_dump(include=set(GROUP_FIELDS)))
+    if output is not None:
+        values["output"] = Path(output) / "group-check.mp4"
+    return CheckContext.for_values(values, facts if facts is not None else machine_facts())
+
+
+def check_group(group, defaults: dict, output: Optional[Path] = None,
+                facts: Optional[MachineFacts] = None) -> GateReport:
+    """The checks of a rank group's mode before any job (:func:`group_context`)."""
+    ctx = group_context(group, defaults, output, facts)
+    groups = groups_for(group.mode)
     return GateReport(run_checks(ctx, groups), groups)
 
 

@@ -36,22 +36,12 @@ PLAN_WORLD_SIZES = tuple(range(1, 17))
 
 @dataclass(frozen=True)
 class Plan:
+    """A layout judged against one model and size; its degrees are the layout's (``plan.layout``)."""
+
     layout: Layout
     heads: int
     lengths: tuple[int, ...]
     speedup: float  # estimated DiT step speed-up over one GPU (compute only)
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world_size
-
-    @property
-    def cfg_degree(self) -> int:
-        return self.layout.cfg_degree
-
-    @property
-    def sp_degree(self) -> int:
-        return self.layout.sp_degree
 
     @property
     def head_split(self) -> list[int]:
@@ -72,9 +62,10 @@ class Plan:
     @property
     def shape(self) -> str:
         """'CFG 2 x SP 3', 'SP 4', 'CFG 2', '1 rank'."""
-        parts = ([f"CFG {self.cfg_degree}"] if self.cfg_degree > 1 else []) + \
-                ([f"SP {self.sp_degree}"] if self.sp_degree > 1 else [])
-        return " x ".join(parts) or ("1 rank" if self.world_size == 1 else f"{self.world_size} ranks")
+        lay = self.layout
+        parts = ([f"CFG {lay.cfg_degree}"] if lay.cfg_degree > 1 else []) + \
+                ([f"SP {lay.sp_degree}"] if lay.sp_degree > 1 else [])
+        return " x ".join(parts) or ("1 rank" if lay.world_size == 1 else f"{lay.world_size} ranks")
 
     def heads_text(self) -> str:
         split = self.head_split
@@ -98,14 +89,15 @@ class Plan:
         bits = [self.shape]
         if self.layout.use_sp:
             bits += [self.heads_text(), self.padding_text()]
-        bits.append("CFG split (--cfg-parallel)" if self.cfg_degree > 1 else "CFG not split")
+        bits.append("CFG split (--cfg-parallel)" if self.layout.cfg_degree > 1 else "CFG not split")
         return ", ".join(bits) + f"; est. {self.speedup:.2f}x DiT speed-up"
 
     def to_json(self) -> dict:
-        return {"world_size": self.world_size, "cfg_degree": self.cfg_degree, "sp_degree": self.sp_degree,
-                "head_split": self.head_split, "padding_tokens": [self.layout.padding(n) for n in self.lengths],
+        lay = self.layout
+        return {"world_size": lay.world_size, "cfg_degree": lay.cfg_degree, "sp_degree": lay.sp_degree,
+                "head_split": self.head_split, "padding_tokens": [lay.padding(n) for n in self.lengths],
                 "padding_overhead": round(self.padding_overhead, 6), "speedup_estimate": round(self.speedup, 3),
-                "valid": self.valid, "problems": self.problems, "cfg_parallel": self.cfg_degree > 1,
+                "valid": self.valid, "problems": self.problems, "cfg_parallel": lay.cfg_degree > 1,
                 "text": self.describe()}
 
 
@@ -135,7 +127,7 @@ def plans_for(mode: Mode, world_size: int, heads: int, dim: int, ffn_dim: int, l
     longest = max(lengths) if lengths else 0
     plans = [Plan(lay, heads, tuple(lengths), estimate_speedup(lay, heads, dim, ffn_dim, longest))
              for lay in candidates(mode, world_size, cfg_possible)]
-    return sorted(plans, key=lambda p: (not p.valid, -round(p.speedup, 3), p.sp_degree))
+    return sorted(plans, key=lambda p: (not p.valid, -round(p.speedup, 3), p.layout.sp_degree))
 
 
 def best_plan(mode: Mode, world_size: int, heads: int, dim: int, ffn_dim: int, lengths: Sequence[int],

@@ -41,12 +41,12 @@ class Recommendation:
 
     @property
     def cfg_parallel(self) -> bool:
-        return bool(self.plan and self.plan.valid and self.plan.cfg_degree > 1)
+        return bool(self.plan and self.plan.valid and self.plan.layout.cfg_degree > 1)
 
     @property
     def text(self) -> str:
         """The reason, then the plan."""
-        if self.plan is None or not self.plan.valid or self.plan.world_size == 1:
+        if self.plan is None or not self.plan.valid or self.plan.layout.world_size == 1:
             return self.reason
         return f"{self.reason}. Plan: {self.plan.describe()}"
 
@@ -90,7 +90,7 @@ def recommend(ctx: CheckContext) -> Recommendation:
     can need more activation memory than the plain split it ties with)."""
     rec = _recommend_mode(ctx)
     sizes, wl = model_sizes(ctx), workload(ctx)
-    plans = plans_for(rec.mode, ctx.world_size, **plan_inputs(ctx))
+    plans = plans_for(rec.mode, ctx.layout.world_size, **plan_inputs(ctx))
     free = _free_gpu_bytes(ctx)
     if free and ctx.spec.device != "cpu":
         def fits(p: Plan) -> bool:
@@ -124,7 +124,7 @@ def plan_inputs(ctx) -> dict:
 
 def _recommend_mode(ctx: CheckContext) -> Recommendation:
     f = ctx.facts
-    ws = ctx.world_size
+    ws = ctx.layout.world_size
     _ensure_image_size(ctx)
     sizes, wl = model_sizes(ctx), workload(ctx)
     heads = heads_of(ctx, sizes)

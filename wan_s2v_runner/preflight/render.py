@@ -12,7 +12,7 @@ from wan_s2v_runner.shared import exit_codes
 
 from .context import ModeSource
 from .core import CheckResult, Status, gib
-from .doctor import DoctorReport, GateReport, check_run
+from .doctor import DoctorReport, GateReport, check_group, check_run
 from .facts import MachineFacts
 
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
@@ -57,6 +57,14 @@ def gate(spec, json_mode: bool = False, facts: Optional[MachineFacts] = None) ->
 def gate_report(spec, json_mode: bool = False, facts: Optional[MachineFacts] = None) -> GateReport:
     """:func:`gate`, returning the report (its findings' data: e.g. the load waves chosen)."""
     report = check_run(spec, facts)
+    print_gate(report, json_mode)
+    return report
+
+
+def group_gate_report(group, defaults: dict, output=None, json_mode: bool = False,
+                      facts: Optional[MachineFacts] = None) -> GateReport:
+    """:func:`gate_report` for a rank group before any job (``wan-s2v serve``)."""
+    report = check_group(group, defaults, output, facts)
     print_gate(report, json_mode)
     return report
 
@@ -121,13 +129,13 @@ def _render_plans(report: DoctorReport, console) -> None:
     for col in ("GPUs", "plan", "heads/rank", "padding", "est. speed-up"):
         t.add_column(col)
     for p in report.parallel_plans:
-        mark = " *" if p.world_size == ctx.world_size else ""
+        mark = " *" if p.layout.world_size == ctx.layout.world_size else ""
         if not p.valid:
-            t.add_row(f"{p.world_size}{mark}", f"[red]{'; '.join(p.problems)}[/]", "-", "-", "-")
+            t.add_row(f"{p.layout.world_size}{mark}", f"[red]{'; '.join(p.problems)}[/]", "-", "-", "-")
             continue
         split = p.head_split
         heads = str(split[0]) if len(set(split)) == 1 else f"{max(split)}/{min(split)}"
         pad = f"{p.padding_overhead * 100:.2g}%" if p.padding_overhead else "-"
-        shape = p.shape + (" (--cfg-parallel)" if p.cfg_degree > 1 else "")
-        t.add_row(f"{p.world_size}{mark}", shape, heads, pad, f"{p.speedup:.2f}x")
+        shape = p.shape + (" (--cfg-parallel)" if p.layout.cfg_degree > 1 else "")
+        t.add_row(f"{p.layout.world_size}{mark}", shape, heads, pad, f"{p.speedup:.2f}x")
     console.print(t)

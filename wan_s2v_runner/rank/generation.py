@@ -157,7 +157,7 @@ class S2VGenerator:
         if plan.encodes or plan.layout.vae_parallel:  # reads the image header only
             size = s2v.get_gen_size(size=None, max_area=req.max_area, ref_image_path=req.ref_image_path,
                                     pre_video_path=None)
-        split_vae = size is not None and plan.splits_vae(size[0])
+        split_vae = size is not None and plan.layout.splits_vae(size[0])
         if split_vae:  # every rank encodes its rows of the reference and initial motion
             h.stage(Stage.REF_ENCODE)
             ref_latents, motion_latents, drop_first_motion, last_frames = self._encode_reference(req, size, True)
@@ -175,7 +175,7 @@ class S2VGenerator:
                 h.stage(Stage.TEXT_ENCODE)
                 context, context_null = self._encode_text(req)
                 mine.update(context=context, context_null=context_null)
-        if plan.world_size > 1:
+        if plan.layout.world_size > 1:
             if not plan.encodes:
                 h.stage(Stage.RECEIVE_INPUTS)
             got = broadcast_tensors(mine, src=0, device=self.device)
@@ -299,7 +299,7 @@ class S2VGenerator:
         plan = self.plan
         if guide_scale <= 1:
             return model(latent_model_input, t=timestep, **arg_c)
-        if plan.cfg_degree == 1:
+        if plan.layout.cfg_degree == 1:
             noise_pred_cond = model(latent_model_input, t=timestep, **arg_c)
             noise_pred_uncond = model(latent_model_input, t=timestep, **arg_null)
         else:
@@ -324,7 +324,7 @@ class S2VGenerator:
         cond_latents = torch.zeros([1, 16, lat_target_frames, HEIGHT // 8, WIDTH // 8],
                                    dtype=self.param_dtype, device=self.device)
         drop_first_motion = enc.drop_first_motion
-        split_vae = plan.splits_vae(HEIGHT)
+        split_vae = plan.layout.splits_vae(HEIGHT)
         vae_here = plan.decodes or split_vae  # this rank takes part in decode and motion re-encode
         pose = self._pose_condition(req, enc, split_vae) if req.pose_video and vae_here else None
         motion_latents, videos_last_frames = state.motion_latents, state.videos_last_frames
@@ -351,7 +351,7 @@ class S2VGenerator:
                 if req.pose_video:  # upstream: COND[r], the r-th chunk of the pose frames, encoded
                     h.stage(Stage.POSE_ENCODE, clip=r + 1, clips=enc.num_repeat)
                     cond_latents = pose.latents(r) if pose is not None else None
-                    if plan.world_size > 1 and not split_vae:
+                    if plan.layout.world_size > 1 and not split_vae:
                         cond_latents = broadcast_tensors({"c": cond_latents} if plan.decodes else {}, src=0,
                                                          device=self.device)["c"]
                 seed_g = torch.Generator(device=self.device)
@@ -407,7 +407,7 @@ class S2VGenerator:
                         h.stage(Stage.MOTION_ENCODE, clip=r + 1, clips=enc.num_repeat)
                         motion_latents = (self._encode(last_band, True, HEIGHT) if split_vae
                                           else self._encode(videos_last_frames, False))
-                    if plan.world_size > 1 and not split_vae:
+                    if plan.layout.world_size > 1 and not split_vae:
                         motion_latents = broadcast_tensors({"m": motion_latents} if plan.decodes else {}, src=0,
                                                            device=self.device)["m"]
                 if plan.decodes and h.clip_done is not None:
@@ -449,7 +449,7 @@ class S2VGenerator:
         enc = self.encode(req)
         state, before = self.initial_state(enc), []
         if resuming:
-            split_vae = self.plan.splits_vae(enc.height)  # then every rank needs the last frames
+            split_vae = self.plan.layout.splits_vae(enc.height)  # then every rank needs the last frames
             mine = {}
             if self.plan.decodes:
                 state, before = resume
@@ -459,7 +459,7 @@ class S2VGenerator:
                         "clip": torch.tensor([state.clip], dtype=torch.int64)}
                 if split_vae:
                     mine["last"] = state.videos_last_frames.to(self.device)
-            got = broadcast_tensors(mine, src=0, device=self.device) if self.plan.world_size > 1 else mine
+            got = broadcast_tensors(mine, src=0, device=self.device) if self.plan.layout.world_size > 1 else mine
             last = got["last"] if split_vae else (state.videos_last_frames.to(self.device) if self.plan.decodes
                                                   else None)
             state = ClipState(int(got["clip"].item()), got["motion"], last)

@@ -1,8 +1,11 @@
-"""This rank's place in the run's parallel plan: the (cfg, sp) device mesh and what work it does.
+"""This rank's place in the run's parallel plan: its rank, the (cfg, sp) device mesh and what work it does.
 
-The layout (:class:`~wan_s2v_runner.shared.layout.Layout`) says the degrees; :func:`rank_plan` builds
-the process groups from one ``DeviceMesh`` with the sequence-parallel dimension innermost (an
-SP group is consecutive ranks, i.e. one node; CFG groups span nodes) and answers who does what:
+The layout (:class:`~wan_s2v_runner.shared.layout.Layout`) holds every fact about the plan: the
+degrees, the mesh's shape, a rank's coordinates on it, and it builds the ``DeviceMesh``
+(:meth:`~wan_s2v_runner.shared.layout.Layout.device_mesh`; sequence-parallel dimension innermost:
+an SP group is consecutive ranks, i.e. one node; CFG groups span nodes). Ask it (``plan.layout``)
+for those. A :class:`RankPlan` adds only what is this rank's own: its number, the mesh and its
+process groups (looked up by :class:`~wan_s2v_runner.shared.layout.MeshAxis`), and who does what:
 rank 0 encodes audio and text and keeps the clips' frames; the other ranks load neither wav2vec2
 nor T5 unless T5 is FSDP-sharded (then every rank takes part in the text encode). The VAE work
 (reference encode, per-clip decode, motion re-encode) is split by rows over every rank with
@@ -16,33 +19,37 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from wan_s2v_runner.shared.layout import Layout
+from wan_s2v_runner.shared.layout import Layout, MeshAxis
 
 
 @dataclass
 class RankPlan:
     layout: Layout
     rank: int
-    mesh: Any = None  # torch DeviceMesh (None with one rank)
-    cfg_group: Any = None  # this rank and its peer(s) in the other CFG branch (same SP index)
-    sp_group: Any = None  # the ranks that split this branch's sequence
+    mesh: Any = None  # torch DeviceMesh, dimensions named by MeshAxis (None with one rank)
+
+    def group(self, axis: MeshAxis) -> Any:
+        """This rank's process group along ``axis`` (None without a mesh)."""
+        return None if self.mesh is None else self.mesh.get_group(MeshAxis(axis))
 
     @property
-    def world_size(self) -> int:
-        return self.layout.world_size
+    def cfg_group(self) -> Any:
+        """This rank and its peer(s) in the other CFG branch (same SP index)."""
+        return self.group(MeshAxis.CFG)
 
     @property
-    def cfg_degree(self) -> int:
-        return self.layout.cfg_degree
+    def sp_group(self) -> Any:
+        """The ranks that split this branch's sequence."""
+        return self.group(MeshAxis.SP)
 
     @property
     def cfg_rank(self) -> int:
         """0: the conditional branch; 1: the unconditional one."""
-        return self.rank // self.layout.group_size
+        return self.layout.coords(self.rank)[0]
 
     @property
     def sp_rank(self) -> int:
-        return self.rank % self.layout.group_size
+        return self.layout.coords(self.rank)[1]
 
     @property
     def encodes(self) -> bool:
@@ -56,6 +63,7 @@ class RankPlan:
 
     @property
     def all_encode_text(self) -> bool:
+        """Every rank takes part in the text encode (FSDP-sharded T5)."""
         return self.layout.t5_fsdp
 
     @property
@@ -70,10 +78,6 @@ class RankPlan:
     def needs_vae(self) -> bool:
         return self.encodes or self.decodes or self.layout.vae_parallel
 
-    def splits_vae(self, frame_height: int) -> bool:
-        """Every rank takes part in the VAE work of frames this tall (:mod:`~wan_s2v_runner.vae_split`)."""
-        return self.layout.splits_vae(frame_height)
-
     def describe(self) -> dict:
         return {"rank": self.rank, "cfg_rank": self.cfg_rank, "sp_rank": self.sp_rank,
                 "loads": [n for n, need in (("t5", self.needs_t5), ("wav2vec2", self.needs_audio_encoder),
@@ -81,10 +85,8 @@ class RankPlan:
 
 
 def rank_plan(layout: Layout, device_type: str, rank: Optional[int] = None) -> RankPlan:
-    """The plan of this rank; builds the (cfg, sp) mesh when there is more than one rank."""
+    """The plan of this rank; builds the layout's device mesh when there is more than one rank."""
     rank = dist.get_rank() if rank is None and dist.is_initialized() else (rank or 0)
     if layout.world_size == 1 or not dist.is_initialized():
         return RankPlan(layout, rank)
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=("cfg", "sp"))
-    return RankPlan(layout, rank, mesh, mesh.get_group("cfg"), mesh.get_group("sp"))
+    return RankPlan(layout, rank, layout.device_mesh(device_type))

@@ -1,10 +1,12 @@
 """One rank of a run: ``python -m wan_s2v_runner.rank.worker SPEC_JSON`` (spawned by torchrun).
 
-Reads the spec the launcher wrote, joins the process group (gloo on CPU, nccl on CUDA, with an
-explicit timeout), imports the engine, applies the patches, builds the engine's ``WanS2V`` with
-the mode's settings once, then makes the rank group's jobs (:class:`RankGroup`): the run's own
-spec, the launcher's ``jobs.jsonl`` (``wan-s2v batch``), or, when the run directory has an
-``inbox/`` (``wan-s2v serve``), whatever the server posts there until it says stop. Rank 0 writes
+Reads the group's spec the launcher wrote (:func:`~wan_s2v_runner.shared.spec.read_spec`: a
+group spec, or a run's spec with its one job), joins the process group (gloo on CPU, nccl on
+CUDA, with an explicit timeout), imports the engine, applies the patches, builds the engine's
+``WanS2V`` with the mode's settings once (from the group's settings alone), then makes the rank
+group's jobs (:class:`RankGroup`): the run's own job, the launcher's ``jobs.jsonl`` (``wan-s2v
+batch``), or, when the run directory has an ``inbox/`` (``wan-s2v serve``), whatever the server
+posts there until it says stop; each job runs as ``RunSpec.of(group, job.spec)``. Rank 0 writes
 each job's mp4 with audio. Stages and progress go to the run directory's event files; a failure
 is recorded by torch elastic's ``@record`` (per-rank error file) and as an ``error`` event naming
 the stage.
@@ -35,7 +37,7 @@ from wan_s2v_runner.rank.memory_peaks import StagePeaks
 from wan_s2v_runner.shared import atomic, inbox
 from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventWriter
 from wan_s2v_runner.shared.jobs import Job, read_jobs
-from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.spec import GroupSpec, RunSpec, read_spec
 from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.worker")
@@ -99,7 +101,7 @@ def _register_stack_dump(run_dir: Path, rank: int):
     return f, f_stop
 
 
-def engine_config(wan, spec: RunSpec):
+def engine_config(wan, spec: GroupSpec):
     """The engine's S2V config, copied; fp32 on CPU (bf16 matmuls there are slow and lossy)."""
     cfg = copy.deepcopy(wan.configs.WAN_CONFIGS["s2v-14B"])
     if spec.device == "cpu":
@@ -132,7 +134,7 @@ def memory_figures(peaks: StagePeaks, heartbeat: bool = False) -> dict:
     return out
 
 
-def release_memory(spec: RunSpec, parts) -> None:
+def release_memory(spec: GroupSpec, parts) -> None:
     """Between jobs: the job's text contexts are dropped from the DiT's cache, and what the job
     freed goes back (Python's cycles, glibc's free heap pages, the CUDA cache), so each job starts
     from the footprint the first one did and peaks do not creep up."""
@@ -170,8 +172,8 @@ class RankGroup:
     a job outlives it but the loaded weights: each job gets its own request, generator seeds,
     clip state, hooks and clip checkpoints."""
 
-    def __init__(self, spec: RunSpec, run_dir: Path, events: "RankEvents", rank: int, cfg, plan, parts):
-        self.spec, self.run_dir, self.events, self.rank = spec, run_dir, events, rank
+    def __init__(self, spec: GroupSpec, run_dir: Path, events: "RankEvents", rank: int, cfg, plan, parts):
+        self.spec, self.run_dir, self.events, self.rank = spec, run_dir, events, rank  # the group's
         self.cfg, self.plan, self.parts = cfg, plan, parts
         self.served = False  # jobs come from the server's inbox (set by jobs())
         self.count: Optional[int] = None  # how many jobs a listed group has (set by jobs())
@@ -194,7 +196,10 @@ class RankGroup:
             if inbox.inbox_of(self.run_dir).is_dir():
                 first = {"serve": True}
             else:
-                listed = read_jobs(self.run_dir) or [Job(id="run", spec=self.spec, work_dir=self.run_dir)]
+                listed = read_jobs(self.run_dir)
+                if listed is None:  # a run: its spec carries its one job
+                    assert isinstance(self.spec, RunSpec), "a group without jobs.jsonl or inbox/ needs a run spec"
+                    listed = [Job(id="run", spec=self.spec.job, work_dir=self.run_dir)]
                 first = {"jobs": [job.model_dump_json() for job in listed]}
         first = self._from_rank0(first)
         if not first.get("serve"):
@@ -252,7 +257,7 @@ class RankGroup:
         from wan_s2v_runner.rank.generation import ClipState, Hooks, S2VGenerator
         from wan_s2v_runner.shared import media, resume
 
-        spec, events, plan = job.spec, self.events, self.plan
+        spec, events, plan = job.run_spec(self.spec), self.events, self.plan
         events.job, events.job_prompt = index + 1, spec.prompt
         if total != 1 or job.record is not None:
             events.emit("job", id=job.id, job=index + 1, jobs=total)
@@ -303,7 +308,7 @@ class RankGroup:
         events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
 
 
-def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
+def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
     import torch.distributed as dist
 
     import runners
@@ -355,7 +360,7 @@ def run_rank(spec: RunSpec, run_dir: Path, events: RankEvents) -> int:
     return 0
 
 
-def _bind_cpus(spec: RunSpec) -> list[int] | None:
+def _bind_cpus(spec: GroupSpec) -> list[int] | None:
     """CPU runs: bind this rank to its CPUs (``--pin-cpus``, :mod:`~wan_s2v_runner.rank.cpu_binding`);
     the CPUs, or None when left to the OS."""
     if spec.device != "cpu":
@@ -376,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec_path = Path(argv[0])
     run_dir = spec_path.parent
-    spec = RunSpec.from_json_file(spec_path)
+    spec = read_spec(spec_path)  # the group's (a run's: with its one job)
     rank = int(os.environ.get("RANK", 0))
     other_ckpt = faults.checkpoint_for(rank)  # test hook: this rank's node has other files
     if other_ckpt:

@@ -1,15 +1,16 @@
 """Jobs: what one video needs beyond what the rank group holds for its whole life.
 
 A rank group (one ``torch.distributed.run`` launch) loads the checkpoint once, in one mode and
-layout, with its LoRAs, device and attention backend, then makes one or more videos. Each video
-is a :class:`Job`: the complete :class:`~wan_s2v_runner.shared.spec.RunSpec` of that video (its
-:data:`JOB_FIELDS` are the job's own: inputs, sampling settings, outputs; every other field is the
-group's, equal in every job), the directory its clip checkpoints go to, and where rank 0 writes
-its record. ``wan-s2v run`` is a group of one job; ``wan-s2v batch`` a group of many.
+layout, with its LoRAs, device and attention backend (its
+:class:`~wan_s2v_runner.shared.spec.GroupSpec`), then makes one or more videos. Each video is a
+:class:`Job`: its :class:`~wan_s2v_runner.shared.spec.JobSpec` (inputs, sampling, outputs), the
+directory its clip checkpoints go to, and where rank 0 writes its record. A rank makes it from
+``RunSpec.of(group, job.spec)``. ``wan-s2v run`` is a group of one job; ``wan-s2v batch`` a group
+of many; ``wan-s2v serve`` a group that takes jobs as they come.
 
 The launcher writes the group's jobs to ``jobs.jsonl`` in the run directory (:func:`write_jobs`);
 rank 0 reads them (:func:`read_jobs`) and hands each to every rank in turn. A job's frames depend
-on its spec alone: the same as ``wan-s2v run`` with that spec.
+on its group and job specs alone: the same as ``wan-s2v run`` with that spec.
 """
 from __future__ import annotations
 
@@ -21,16 +22,16 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict
 
 from wan_s2v_runner.shared import atomic
-from wan_s2v_runner.shared.spec import AbsPath, RunSpec
+from wan_s2v_runner.shared.spec import AbsPath, FlagGroup, GroupSpec, JobSpec, RunSpec, flag_of
 
-#: the RunSpec fields a job sets for itself; the rest belong to the rank group
-JOB_FIELDS: tuple[str, ...] = ("image", "audio", "pose_video", "tts_text", "tts_prompt_audio", "tts_prompt_text",
-                               "prompt", "negative_prompt", "max_area", "infer_frames", "num_clips", "steps", "shift",
-                               "guide_scale", "solver", "seed", "start_from_ref", "output", "frames_out", "resume_from")
+#: the fields a job sets for itself (:class:`JobSpec`'s)
+JOB_FIELDS: tuple[str, ...] = tuple(JobSpec.model_fields)
+#: the fields the rank group fixes for its life (:class:`GroupSpec`'s)
+GROUP_FIELDS: tuple[str, ...] = tuple(GroupSpec.model_fields)
 #: the job fields that are input files (a server takes each as an upload or a path under --allow-dir)
 INPUT_FIELDS: tuple[str, ...] = ("image", "audio", "pose_video", "tts_prompt_audio")
 #: the job fields that say where a job's results go (a server decides them, never a client)
-OUTPUT_FIELDS: tuple[str, ...] = ("output", "frames_out", "resume_from")
+OUTPUT_FIELDS: tuple[str, ...] = tuple(k for k in JOB_FIELDS if flag_of(k).group is FlagGroup.OUTPUTS)
 #: the job fields a client of ``wan-s2v serve`` sets besides the input files
 SUBMIT_FIELDS: tuple[str, ...] = tuple(k for k in JOB_FIELDS if k not in (*INPUT_FIELDS, *OUTPUT_FIELDS))
 JOBS_FILE = "jobs.jsonl"
@@ -42,19 +43,13 @@ class Job(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str
-    spec: RunSpec  # the whole spec of this video (the group's fields and the job's own)
+    spec: JobSpec  # the video's own settings; its group's are the run's spec.json
     work_dir: AbsPath  # clip checkpoints go to work_dir/clips (resume reads them there)
     record: Optional[AbsPath] = None  # rank 0 writes the job's record here (JSON) when it is done
 
-
-def group_fields() -> tuple[str, ...]:
-    """The RunSpec fields the rank group fixes for its life (every field but :data:`JOB_FIELDS`)."""
-    return tuple(k for k in RunSpec.model_fields if k not in JOB_FIELDS)
-
-
-def group_differences(a: RunSpec, b: RunSpec) -> list[str]:
-    """The group fields in which two specs differ (two jobs of one group differ in none)."""
-    return [k for k in group_fields() if getattr(a, k) != getattr(b, k)]
+    def run_spec(self, group: GroupSpec) -> RunSpec:
+        """The whole spec of this video on ``group``."""
+        return RunSpec.of(group, self.spec)
 
 
 def job_id(values: dict[str, Any]) -> str:

@@ -6,9 +6,12 @@ rest of the house asks about the parallel plan: the Ulysses (sequence-parallel) 
 the DiT/T5 are FSDP-sharded or T5 runs on the CPU, whether a degree fits the model's heads and
 the DiT's token counts, which degrees would. Nothing else re-derives these rules: preflight
 checks, the memory plan, the mode recommendation, failure hints and the worker all ask here.
+It also builds the run's device mesh (:meth:`Layout.device_mesh`: dimensions named by
+:class:`MeshAxis`, sequence parallel innermost) and places a global rank on it (:meth:`Layout.coords`).
 
 Adding a mode = one :class:`Mode` member + one :data:`MODES` entry (+ its ``runners/`` module).
-This module imports nothing from the project.
+This module imports nothing from the project; torch only inside :meth:`Layout.device_mesh` (the
+launcher imports it).
 """
 from __future__ import annotations
 
@@ -35,6 +38,17 @@ class LoadStrategy(str, Enum):
 
     LEAN = "lean"  # meta models; FSDP shards read slice by slice; a replicated CPU DiT once per node
     FULL = "full"  # upstream's constructors: every rank reads every file it needs, whole
+
+
+class MeshAxis(str, Enum):
+    """The device mesh's dimensions, outermost first (:attr:`Layout.mesh_shape`'s order): the
+    names the mesh is built with and its process groups are looked up by."""
+
+    CFG = "cfg"  # the CFG branches: conditional / unconditional pass (spans nodes)
+    SP = "sp"  # the Ulysses sequence-parallel ranks of one branch (consecutive ranks: one node)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -128,11 +142,26 @@ class Layout(BaseModel):
         """Ulysses degree: the ranks of a CFG branch when sequence parallel, else 1."""
         return self.group_size if self.use_sp else 1
 
+    # ----- the device mesh -----
     @property
     def mesh_shape(self) -> tuple[int, int]:
-        """(cfg, sp) with the sequence-parallel dimension innermost: an SP group is consecutive
-        ranks (one node), so CFG groups are what spans nodes."""
+        """Ranks along each :class:`MeshAxis` (cfg, sp), the sequence-parallel dimension innermost:
+        an SP group is consecutive ranks (one node), so CFG groups are what spans nodes."""
         return self.cfg_degree, self.group_size
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """A global rank's place on the mesh, in :class:`MeshAxis` order: (cfg_rank, sp_rank).
+        cfg_rank 0 runs the conditional branch, 1 the unconditional one."""
+        if not 0 <= rank < max(1, self.world_size):
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        return divmod(rank, self.group_size)
+
+    def device_mesh(self, device_type: str):
+        """The run's ``DeviceMesh`` of :attr:`mesh_shape`, its dimensions named by :class:`MeshAxis`
+        (``mesh.get_group(MeshAxis.SP)``). Collective: every rank of the initialized default
+        process group calls it."""
+        from torch.distributed.device_mesh import init_device_mesh
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=tuple(MeshAxis))
 
     @property
     def ulysses_degree(self) -> int:  # the name the manifest and docs use

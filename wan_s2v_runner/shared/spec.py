@@ -1,19 +1,29 @@
-"""The run spec: the one description of every run setting, shared by the launcher and every rank.
+"""The run spec: every run setting, in two typed sections, shared by the launcher and every rank.
 
-Like torchtitan's ``ParallelDims``, a :class:`RunSpec` validates itself on construction and
-everything else asks it (``spec.world_size``, ``spec.layout``, ``spec.offload``). Each field
-carries its own command-line surface as :class:`Flag` metadata (flag name, aliases, group,
-environment default, how its default reads in help), so the argparse flags
-(:mod:`wan_s2v_runner.launcher.flags`), the TOML keys, the README flags table and the doctor's lenient
-view (:meth:`RunSpec.draft`) are all generated from these fields. Adding a run setting is one
-field here (plus its use).
+A rank group (one ``torch.distributed.run`` launch) and a job (one video it makes) are two
+things, so they are two models: :class:`GroupSpec` holds what the group fixes for its life
+(checkpoint, LoRAs, mode and layout, device, attention, supervision, where runs go) and
+:class:`JobSpec` what one video needs (inputs, sampling, outputs). :class:`RunSpec` is both
+(``class RunSpec(GroupSpec, JobSpec)``): ``wan-s2v run`` is a group with its one job, and a
+batch line or a server submission is a :class:`JobSpec` joined to the group it runs on with
+:meth:`RunSpec.of` (which adds the rules across the two: ``--cfg-parallel`` needs guidance).
+
+Like torchtitan's ``ParallelDims``, each validates itself on construction and everything else
+asks it (``group.world_size``, ``group.layout``, ``job.speech``). Each field carries its own
+command-line surface as :class:`Flag` metadata (flag name, aliases, help section, environment
+default, how its default reads in help); each help section (:class:`FlagGroup`) belongs to one
+of the two models. The argparse flags (:mod:`wan_s2v_runner.launcher.flags`), the TOML keys,
+the README flags table and the doctor's lenient view (:meth:`RunSpec.draft`) are generated from
+these fields, flat, as one list. Adding a setting is one field in the section it belongs to.
 
 The launcher builds the spec once (defaults < environment < TOML file < flags), resolves
-``seed=-1`` to a concrete seed, writes it to the run directory as JSON, and each rank reads that
-file back. Nothing else carries run settings.
+``seed=-1`` to a concrete seed, writes the group's spec (a run's: the whole :class:`RunSpec`) to
+the run directory as JSON (:func:`read_spec` reads either), and each rank reads that file back;
+a batch or a server hands the ranks each job's :class:`JobSpec`. Nothing else carries settings.
 """
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from enum import Enum
@@ -39,8 +49,8 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["RunSpec", "LoraRef", "Mode", "Layout", "Flag", "FlagGroup", "parse_size", "load_toml",
-           "DEFAULT_MAX_AREA", "MAX_SEED"]
+__all__ = ["GroupSpec", "JobSpec", "RunSpec", "LoraRef", "Mode", "Layout", "Flag", "FlagGroup", "parse_size",
+           "load_toml", "read_spec", "DEFAULT_MAX_AREA", "MAX_SEED"]
 
 #: Upstream S2V default area (width*height); the engine fits the reference image inside it.
 DEFAULT_MAX_AREA = 1024 * 704
@@ -48,12 +58,20 @@ MAX_SEED = 2**63 - 1
 
 
 class FlagGroup(str, Enum):
-    """Help sections, in display order."""
+    """Help sections, in display order: the job's three, then the rank group's three (each
+    section's fields belong to one model: :attr:`job` says which)."""
 
-    INPUTS = "inputs"
-    SAMPLING = "sampling"
-    LAYOUT = "parallel layout"
-    SUPERVISION = "supervision and output"
+    INPUTS = "job: inputs"
+    SAMPLING = "job: sampling"
+    OUTPUTS = "job: outputs"
+    MODEL = "rank group: model"
+    LAYOUT = "rank group: parallel layout"
+    SUPERVISION = "rank group: supervision"
+
+    @property
+    def job(self) -> bool:
+        """A job's section (:class:`JobSpec`), else the rank group's (:class:`GroupSpec`)."""
+        return self in (FlagGroup.INPUTS, FlagGroup.SAMPLING, FlagGroup.OUTPUTS)
 
 
 @dataclass(frozen=True)
@@ -129,70 +147,35 @@ class LoraRef(BaseModel):
     def __str__(self) -> str:
         return f"{self.path}:{self.strength:g}"
 
-_IN, _SA, _LA, _SU = FlagGroup.INPUTS, FlagGroup.SAMPLING, FlagGroup.LAYOUT, FlagGroup.SUPERVISION
+_IN, _SA, _OU = FlagGroup.INPUTS, FlagGroup.SAMPLING, FlagGroup.OUTPUTS
+_MO, _LA, _SU = FlagGroup.MODEL, FlagGroup.LAYOUT, FlagGroup.SUPERVISION
 
 
-class RunSpec(BaseModel):
-    """Everything one run needs. Paths are absolute after validation."""
+class GroupSpec(BaseModel):
+    """What a rank group fixes for its life: the model it loads, its layout, its supervision.
+    Paths are absolute after validation."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    # ----- engine & inputs
-    ckpt_dir: Annotated[AbsPath, Flag(_IN, metavar="DIR")] = Field(
+    # ----- the model
+    ckpt_dir: Annotated[AbsPath, Flag(_MO, metavar="DIR")] = Field(
         description="Wan2.2-S2V-14B checkpoint directory")
-    wan_repo: Annotated[Optional[AbsPath], Flag(_IN, env="WAN_REPO", metavar="DIR",
+    wan_repo: Annotated[Optional[AbsPath], Flag(_MO, env="WAN_REPO", metavar="DIR",
                                                 default_text="installed `wan`")] = Field(
         None, description="use this Wan2.2 checkout (repo root) instead of the installed wan package")
-    image: Annotated[AbsPath, Flag(_IN, metavar="PATH")] = Field(description="reference image")
-    audio: Annotated[Optional[AbsPath], Flag(_IN, metavar="PATH", default_text="required (or --tts-text)")] = Field(
-        None, description="speech audio (wav, mp3, ...)")
-    pose_video: Annotated[Optional[AbsPath], Flag(_IN, metavar="PATH", default_text="none")] = Field(
-        None, description="pose video (e.g. DWPose renders): the body follows it while the face follows the "
-                          "speech; read at the engine's 16 fps as upstream reads it, padded when shorter")
-    tts_text: Annotated[Optional[str], Flag(_IN, metavar="TEXT", default_text="none")] = Field(
-        None, min_length=1, description="speak this text with CosyVoice2 (instead of --audio); the speech is "
-                                        "written next to the output as OUTPUT.speech.wav")
-    tts_prompt_audio: Annotated[Optional[AbsPath], Flag(_IN, metavar="PATH", default_text="none")] = Field(
-        None, description="the voice to speak --tts-text in (16 kHz or more, 5-15 s)")
-    tts_prompt_text: Annotated[Optional[str], Flag(_IN, metavar="TEXT", default_text="none")] = Field(
-        None, min_length=1, description="what --tts-prompt-audio says (zero-shot cloning; without it: "
-                                        "cross-lingual)")
-    cosyvoice_dir: Annotated[Optional[AbsPath], Flag(_IN, metavar="DIR", default_text="CKPT_DIR/CosyVoice")] = Field(
+    cosyvoice_dir: Annotated[Optional[AbsPath], Flag(_MO, metavar="DIR", default_text="CKPT_DIR/CosyVoice")] = Field(
         None, description="a CosyVoice code checkout (nothing is downloaded at run time)")
-    cosyvoice_model: Annotated[Optional[AbsPath], Flag(_IN, metavar="DIR",
+    cosyvoice_model: Annotated[Optional[AbsPath], Flag(_MO, metavar="DIR",
                                                        default_text="CKPT_DIR/CosyVoice2-0.5B")] = Field(
         None, description="the CosyVoice2-0.5B model directory")
-    prompt: Annotated[str, Flag(_IN, metavar="TEXT")] = Field(min_length=1, description="text prompt")
-    negative_prompt: Annotated[str, Flag(_IN, metavar="TEXT", default_text="engine's")] = Field(
-        "", description="negative prompt (empty: the engine's default)")
-    # ----- sampling
-    max_area: Annotated[Area, Flag(_SA, aliases=("--size",), metavar="W*H", cli_type=str,
-                                   default_text="1024*704")] = Field(
-        DEFAULT_MAX_AREA, gt=0,
-        description="target area, WIDTH*HEIGHT or pixels; the image's aspect ratio is kept")
-    infer_frames: Annotated[int, Flag(_SA, metavar="N")] = Field(
-        80, gt=0, description="frames per clip (multiple of 4)")
-    num_clips: Annotated[Optional[int], Flag(_SA, metavar="N", default_text="from audio")] = Field(
-        None, gt=0, description="clips to generate (default: enough to cover the audio)")
-    steps: Annotated[int, Flag(_SA, aliases=("--sample-steps",), metavar="N")] = Field(
-        40, gt=0, description="sampling steps")
-    shift: Annotated[float, Flag(_SA, aliases=("--sample-shift",))] = Field(
-        3.0, gt=0, description="noise schedule shift")
-    guide_scale: Annotated[float, Flag(_SA, aliases=("--sample-guide-scale",))] = Field(
-        4.5, ge=0, description="classifier-free guidance scale")
-    solver: Annotated[Literal["unipc", "dpm++"], Flag(_SA)] = Field("unipc", description="sampler")
-    seed: Annotated[int, Flag(_SA, metavar="N")] = Field(
-        -1, ge=-1, le=MAX_SEED, description="-1 = random, chosen once by the launcher and recorded in run.json")
-    start_from_ref: Annotated[bool, Flag(_SA)] = Field(
-        False, description="use the reference image as the first frame")
-    offload_model: Annotated[Optional[bool], Flag(_SA, default_text="only with 1 GPU")] = Field(
-        None, description="offload the DiT to CPU between uses")
-    lora: Annotated[list[LoraRef], Flag(_SA, metavar="PATH[:STRENGTH]", repeatable=True, default_text="none")] = Field(
+    lora: Annotated[list[LoraRef], Flag(_MO, metavar="PATH[:STRENGTH]", repeatable=True, default_text="none")] = Field(
         default_factory=list,
         description="merge a LoRA (.safetensors: peft/DiffSynth, kohya/VideoX-Fun or ComfyUI keys) into the "
                     "DiT before sharding; repeat for several; strength 1.0 unless given")
-    lora_allow_partial: Annotated[bool, Flag(_SA)] = Field(
+    lora_allow_partial: Annotated[bool, Flag(_MO)] = Field(
         False, description="run even when some LoRA keys name no module of this DiT (they are skipped)")
+    offload_model: Annotated[Optional[bool], Flag(_MO, default_text="only with 1 GPU")] = Field(
+        None, description="offload the DiT to CPU between uses")
     # ----- parallel layout
     mode: Annotated[Mode, Flag(_LA, extra_choices=("auto",))] = Field(
         Mode.ULYSSES, description="parallel mode (auto: the doctor's recommendation)")
@@ -227,34 +210,23 @@ class RunSpec(BaseModel):
     pin_cpus: Annotated[bool, Flag(_LA)] = Field(
         False, description="CPU runs: bind local rank r to its own CPUs (r*threads .. (r+1)*threads-1 of "
                            "those allowed; not when there are too few); ignored on CUDA (docs/bench.md)")
-    # ----- supervision & outputs: no progress on any rank for this long -> stacks dumped, run stopped
+    # ----- supervision: no progress on any rank for this long -> stacks dumped, run stopped
     pg_timeout_s: Annotated[float, Flag(_SU, name="--pg-timeout", metavar="S")] = Field(
         3600.0, gt=0, description="process-group collective timeout, s (must exceed the watchdog limits)")
     watchdog_load_s: Annotated[float, Flag(_SU, name="--watchdog-load", metavar="S")] = Field(
         1800.0, ge=0, description="hang limit while importing/loading/sharding/encoding inputs, s (0 = off)")
     watchdog_step_s: Annotated[float, Flag(_SU, name="--watchdog-step", metavar="S")] = Field(
         600.0, ge=0, description="hang limit per step, decode, save, s (0 = off)")
-    output: Annotated[AbsPath, Flag(_SU, aliases=("--save-file",), metavar="PATH")] = Field(
-        Path("outputs/s2v.mp4"), validate_default=True,
-        description="the .mp4 (written to a temporary name, renamed when complete)")
-    frames_out: Annotated[Optional[AbsPath], Flag(_SU, metavar="PATH")] = Field(
-        None, description="also save the raw frames tensor (.pt), e.g. for parity checks")
     runs_root: Annotated[AbsPath, Flag(_SU, metavar="DIR")] = Field(
         Path("runs"), validate_default=True, description="where run directories go")
-    resume_from: Annotated[Optional[AbsPath], Flag(_SU, metavar="RUN_DIR")] = Field(
-        None, description="continue that run directory's run from its last complete clip "
-                          "(set by `wan-s2v resume RUN_DIR`)")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "RunSpec":
-        if self.infer_frames % 4:
-            raise ValueError(f"infer_frames must be a multiple of 4 (got {self.infer_frames})")
+    def _group_rules(self) -> "GroupSpec":
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
         if self.device == "cpu" and self.attention in ("fa2", "fa3"):
-            raise ValueError(
-                f"--attention {self.attention} needs CUDA; use --attention sdpa (or auto) with --device cpu"
-            )
+            raise ValueError(f"--attention {self.attention} needs CUDA; use --attention sdpa (or auto) "
+                             "with --device cpu")
         limits = [x for x in (self.watchdog_load_s, self.watchdog_step_s) if x > 0]
         if limits and self.pg_timeout_s <= max(limits):
             raise ValueError(f"pg_timeout_s ({self.pg_timeout_s:g}) must exceed the watchdog limits "
@@ -262,22 +234,8 @@ class RunSpec(BaseModel):
         if self.cfg_parallel and self.world_size % 2:
             raise ValueError(f"--cfg-parallel splits the ranks in two: the world size must be even "
                              f"(got {self.world_size})")
-        if self.cfg_parallel and self.guide_scale <= 1:
-            raise ValueError(f"--cfg-parallel with guide_scale {self.guide_scale:g}: there is no unconditional "
-                             "pass to split (the engine skips it when guide_scale <= 1); drop --cfg-parallel")
         if (self.load_waves or 1) > 1 and self.load is LoadStrategy.FULL:
             raise ValueError("--load-waves reads weights in turns under lean loading; drop it or --load full")
-        if self.output.suffix.lower() != ".mp4":
-            raise ValueError(f"output must be an .mp4 file, got {self.output.name!r}")
-        if (self.audio is None) == (self.tts_text is None):
-            raise ValueError("give the speech as --audio PATH, or as --tts-text TEXT with --tts-prompt-audio PATH "
-                             f"(got {'both' if self.audio else 'neither'})")
-        if self.tts_text is not None and self.tts_prompt_audio is None:
-            raise ValueError("--tts-text needs --tts-prompt-audio PATH (the voice to speak it in)")
-        if self.tts_text is None and (self.tts_prompt_audio or self.tts_prompt_text):
-            raise ValueError(
-                "--tts-prompt-audio/--tts-prompt-text are for --tts-text; add --tts-text TEXT or drop them"
-            )
         return self
 
     # ----- derived facts everything else asks -----
@@ -304,16 +262,6 @@ class RunSpec(BaseModel):
         return Layout.for_mode(self.mode, self.world_size, self.cfg_parallel, self.vae_parallel)
 
     @property
-    def speech(self) -> Path:
-        """The audio the video speaks: ``audio``, or the TTS speech written next to the output."""
-        return self.audio if self.audio is not None else self.tts_speech_path
-
-    @property
-    def tts_speech_path(self) -> Path:
-        """Where ``--tts-text``'s speech goes: OUTPUT.speech.wav beside the mp4."""
-        return self.output.with_name(self.output.stem + ".speech.wav")
-
-    @property
     def cosyvoice_paths(self) -> tuple[Path, Path]:
         """(CosyVoice code checkout, CosyVoice2 model directory), defaults under the checkpoint."""
         return (self.cosyvoice_dir or self.ckpt_dir / "CosyVoice",
@@ -325,16 +273,127 @@ class RunSpec(BaseModel):
             return False  # nothing to offload to; the engine's offload path calls torch.cuda.synchronize
         return self.offload_model if self.offload_model is not None else self.world_size == 1
 
-    def with_resolved_seed(self, rng: Optional[random.Random] = None) -> "RunSpec":
+    @property
+    def group(self) -> "GroupSpec":
+        """The rank group's section alone (a :class:`RunSpec`'s group; a group spec is its own)."""
+        return GroupSpec.model_validate(self.model_dump(include=set(GroupSpec.model_fields)))
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+
+class JobSpec(BaseModel):
+    """What one video needs beyond its rank group: inputs, sampling, outputs. A batch line and a
+    server submission are validated as one. Paths are absolute after validation."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # ----- inputs
+    image: Annotated[AbsPath, Flag(_IN, metavar="PATH")] = Field(description="reference image")
+    audio: Annotated[Optional[AbsPath], Flag(_IN, metavar="PATH", default_text="required (or --tts-text)")] = Field(
+        None, description="speech audio (wav, mp3, ...)")
+    pose_video: Annotated[Optional[AbsPath], Flag(_IN, metavar="PATH", default_text="none")] = Field(
+        None, description="pose video (e.g. DWPose renders): the body follows it while the face follows the "
+                          "speech; read at the engine's 16 fps as upstream reads it, padded when shorter")
+    tts_text: Annotated[Optional[str], Flag(_IN, metavar="TEXT", default_text="none")] = Field(
+        None, min_length=1, description="speak this text with CosyVoice2 (instead of --audio); the speech is "
+                                        "written next to the output as OUTPUT.speech.wav")
+    tts_prompt_audio: Annotated[Optional[AbsPath], Flag(_IN, metavar="PATH", default_text="none")] = Field(
+        None, description="the voice to speak --tts-text in (16 kHz or more, 5-15 s)")
+    tts_prompt_text: Annotated[Optional[str], Flag(_IN, metavar="TEXT", default_text="none")] = Field(
+        None, min_length=1, description="what --tts-prompt-audio says (zero-shot cloning; without it: "
+                                        "cross-lingual)")
+    prompt: Annotated[str, Flag(_IN, metavar="TEXT")] = Field(min_length=1, description="text prompt")
+    negative_prompt: Annotated[str, Flag(_IN, metavar="TEXT", default_text="engine's")] = Field(
+        "", description="negative prompt (empty: the engine's default)")
+    # ----- sampling
+    max_area: Annotated[Area, Flag(_SA, aliases=("--size",), metavar="W*H", cli_type=str,
+                                   default_text="1024*704")] = Field(
+        DEFAULT_MAX_AREA, gt=0,
+        description="target area, WIDTH*HEIGHT or pixels; the image's aspect ratio is kept")
+    infer_frames: Annotated[int, Flag(_SA, metavar="N")] = Field(
+        80, gt=0, description="frames per clip (multiple of 4)")
+    num_clips: Annotated[Optional[int], Flag(_SA, metavar="N", default_text="from audio")] = Field(
+        None, gt=0, description="clips to generate (default: enough to cover the audio)")
+    steps: Annotated[int, Flag(_SA, aliases=("--sample-steps",), metavar="N")] = Field(
+        40, gt=0, description="sampling steps")
+    shift: Annotated[float, Flag(_SA, aliases=("--sample-shift",))] = Field(
+        3.0, gt=0, description="noise schedule shift")
+    guide_scale: Annotated[float, Flag(_SA, aliases=("--sample-guide-scale",))] = Field(
+        4.5, ge=0, description="classifier-free guidance scale")
+    solver: Annotated[Literal["unipc", "dpm++"], Flag(_SA)] = Field("unipc", description="sampler")
+    seed: Annotated[int, Flag(_SA, metavar="N")] = Field(
+        -1, ge=-1, le=MAX_SEED, description="-1 = random, chosen once by the launcher and recorded in run.json")
+    start_from_ref: Annotated[bool, Flag(_SA)] = Field(
+        False, description="use the reference image as the first frame")
+    # ----- outputs
+    output: Annotated[AbsPath, Flag(_OU, aliases=("--save-file",), metavar="PATH")] = Field(
+        Path("outputs/s2v.mp4"), validate_default=True,
+        description="the .mp4 (written to a temporary name, renamed when complete)")
+    frames_out: Annotated[Optional[AbsPath], Flag(_OU, metavar="PATH")] = Field(
+        None, description="also save the raw frames tensor (.pt), e.g. for parity checks")
+    resume_from: Annotated[Optional[AbsPath], Flag(_OU, metavar="RUN_DIR")] = Field(
+        None, description="continue that run directory's run from its last complete clip "
+                          "(set by `wan-s2v resume RUN_DIR`)")
+
+    @model_validator(mode="after")
+    def _job_rules(self) -> "JobSpec":
+        if self.infer_frames % 4:
+            raise ValueError(f"infer_frames must be a multiple of 4 (got {self.infer_frames})")
+        if self.output.suffix.lower() != ".mp4":
+            raise ValueError(f"output must be an .mp4 file, got {self.output.name!r}")
+        if (self.audio is None) == (self.tts_text is None):
+            raise ValueError("give the speech as --audio PATH, or as --tts-text TEXT with --tts-prompt-audio PATH "
+                             f"(got {'both' if self.audio else 'neither'})")
+        if self.tts_text is not None and self.tts_prompt_audio is None:
+            raise ValueError("--tts-text needs --tts-prompt-audio PATH (the voice to speak it in)")
+        if self.tts_text is None and (self.tts_prompt_audio or self.tts_prompt_text):
+            raise ValueError("--tts-prompt-audio/--tts-prompt-text are for --tts-text; add --tts-text TEXT "
+                             "or drop them")
+        return self
+
+    @property
+    def speech(self) -> Path:
+        """The audio the video speaks: ``audio``, or the TTS speech written next to the output."""
+        return self.audio if self.audio is not None else self.tts_speech_path
+
+    @property
+    def tts_speech_path(self) -> Path:
+        """Where ``--tts-text``'s speech goes: OUTPUT.speech.wav beside the mp4."""
+        return self.output.with_name(self.output.stem + ".speech.wav")
+
+    def with_resolved_seed(self, rng: Optional[random.Random] = None):
         """seed -1 means random: chosen once here (launcher), recorded in the spec every rank reads."""
         if self.seed >= 0:
             return self
         return self.model_copy(update={"seed": (rng or random.SystemRandom()).randint(0, MAX_SEED)})
 
-    # ----- serialization -----
-    def to_json(self) -> str:
-        return self.model_dump_json(indent=2)
+    @property
+    def job(self) -> "JobSpec":
+        """The job's section alone (a :class:`RunSpec`'s job; a job spec is its own)."""
+        return JobSpec.model_validate(self.model_dump(include=set(JobSpec.model_fields)))
 
+
+class RunSpec(GroupSpec, JobSpec):
+    """A rank group with one job: everything ``wan-s2v run`` needs, and what a rank makes one
+    video from. Its fields are the two sections' (flat: ``spec.ckpt_dir``, ``spec.image``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="after")
+    def _across(self) -> "RunSpec":
+        if self.cfg_parallel and self.guide_scale <= 1:
+            raise ValueError(f"--cfg-parallel with guide_scale {self.guide_scale:g}: there is no unconditional "
+                             "pass to split (the engine skips it when guide_scale <= 1); drop --cfg-parallel")
+        return self
+
+    @classmethod
+    def of(cls, group: GroupSpec, job: JobSpec) -> "RunSpec":
+        """The spec of ``job`` made by ``group`` (validated again: the rules across the two)."""
+        return cls(**group.model_dump(include=set(GroupSpec.model_fields)),
+                   **job.model_dump(include=set(JobSpec.model_fields)))
+
+    # ----- serialization -----
     @classmethod
     def from_json_file(cls, path: Path) -> "RunSpec":
         return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
@@ -377,6 +436,14 @@ class RunSpec(BaseModel):
             error = e
         return SpecDraft(spec=complete or cls.model_construct(**fields), complete=complete is not None,
                          missing=missing, error=error)
+
+
+def read_spec(path: Path) -> GroupSpec:
+    """A run directory's ``spec.json``: a :class:`RunSpec` (a run with its one job; every run
+    directory before the split) or a :class:`GroupSpec` (a batch's or a server's group)."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    has_job = any(k in data for k in JobSpec.model_fields)
+    return (RunSpec if has_job else GroupSpec).model_validate(data)
 
 
 _PLACEHOLDERS: dict[str, Any] = {"ckpt_dir": Path("/nonexistent"), "image": Path("/nonexistent.png"),

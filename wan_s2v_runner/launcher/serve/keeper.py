@@ -1,9 +1,11 @@
-"""The keeper: the server's thread that owns the resident rank group.
+"""The keeper: the server's thread that owns one resident rank group.
 
-It launches the group with :func:`wan_s2v_runner.launcher.launch.run` (``served``: the run
-directory gets an inbox, the ranks load once and wait in stage ``idle``), supervised exactly like
-a run (failure attribution, hang watchdog, ``run.json``). The supervisor calls the keeper's
-display after every poll of the ranks' events; there, on the keeper's own thread, it:
+It launches the group from its :class:`~wan_s2v_runner.shared.spec.GroupSpec` alone with
+:func:`wan_s2v_runner.launcher.launch.run` (``served``: the run directory gets an inbox, the
+ranks load once and wait in stage ``idle``), supervised exactly like a run (failure attribution,
+hang watchdog, ``run.json``). The keeper is one of the run's observers
+(:class:`KeeperObserver`, :mod:`~wan_s2v_runner.launcher.observer`), beside the console: the
+supervisor tells it after every poll of the ranks' events; there, on the keeper's own thread, it:
 
 - posts the next queued job when the group is idle (one at a time: a job that resumes is
   prepared from its clip checkpoints, a job whose record and mp4 are already there is completed
@@ -15,6 +17,9 @@ display after every poll of the ranks' events; there, on the keeper's own thread
 When the group ends under a job (a rank died or hung), the job goes back to the queue with its
 failure counted (failed for good at :data:`~.queue.MAX_FAILURES`), and the keeper starts a new
 group after a back-off. The HTTP side never waits on any of this.
+
+One keeper owns one group and takes jobs from a :class:`~.queue.JobStore` by claiming them, so
+more groups (more keepers) can share one store.
 """
 from __future__ import annotations
 
@@ -29,15 +34,15 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from wan_s2v_runner.launcher.batch import WORK_DIR, JobState, Line, mark_done_before, prepare_resume
 from wan_s2v_runner.launcher.console import Display, eta_s
+from wan_s2v_runner.launcher.job_book import WORK_DIR, JobState, Line, mark_done_before, prepare_resume
 from wan_s2v_runner.launcher.proctree import pids_with_cmdline
-from wan_s2v_runner.launcher.serve.queue import JobQueue, JobStatus
+from wan_s2v_runner.launcher.serve.queue import JobStatus, JobStore
 from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
 from wan_s2v_runner.shared import atomic, inbox
 from wan_s2v_runner.shared.events import steps_done
-from wan_s2v_runner.shared.jobs import Job
-from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.jobs import JOB_FIELDS, Job
+from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
 from wan_s2v_runner.shared.stages import Stage
 
 #: seconds before the keeper starts a new rank group after one failed (doubling, up to the max)
@@ -129,35 +134,31 @@ class ServerDirs:
         return self.videos / WORK_DIR / job_id
 
 
-class _KeeperDisplay(Display):
-    """The plain console (the server's log) plus the keeper's hooks."""
+class KeeperObserver:
+    """The keeper's side of a run's observers (:class:`~wan_s2v_runner.launcher.observer.RunObserver`):
+    what the supervisor tells, handed to the keeper on the supervisor's thread."""
 
     def __init__(self, keeper: "Keeper"):
-        super().__init__(rich=False, show_logs=False)
         self.keeper = keeper
 
-    def started(self, spec, run_dir) -> None:
-        super().started(spec, run_dir)
+    def started(self, spec: GroupSpec, run_dir: Path) -> None:
         self.keeper.group_started(Path(run_dir))
 
-    def update(self, reader, new_events, elapsed: float) -> None:
-        try:
-            self.keeper.note_ranks(reader.ranks)
-            self.keeper.on_events(new_events)
-        except Exception:  # never silent: the supervisor swallows display errors
-            traceback.print_exc()
-            self.keeper.last_error = traceback.format_exc(limit=1).strip().splitlines()[-1]
-        super().update(reader, new_events, elapsed)
+    def log_line(self, line: str) -> None:
+        pass  # the console observer prints the group's log
 
-    def finished(self, spec, run_dir, outcome, manifest: dict) -> None:
-        super().finished(spec, run_dir, outcome, manifest)
+    def update(self, reader, new_events: list[dict], elapsed: float) -> None:
+        self.keeper.note_ranks(reader.ranks)
+        self.keeper.on_events(new_events)
+
+    def finished(self, spec: GroupSpec, run_dir: Path, outcome, manifest: dict) -> None:
         self.keeper.outcome = outcome
 
 
 class Keeper(threading.Thread):
     """Runs rank groups for the queue until :meth:`shutdown`."""
 
-    def __init__(self, group_spec: RunSpec, queue: JobQueue, dirs: ServerDirs, extra_env: Optional[dict] = None,
+    def __init__(self, group_spec: GroupSpec, queue: JobStore, dirs: ServerDirs, extra_env: Optional[dict] = None,
                  on_completed: Optional[Callable[[dict], None]] = None):
         super().__init__(name="wan-s2v-keeper", daemon=True)
         self.group_spec, self.queue, self.dirs, self.extra_env = group_spec, queue, dirs, extra_env
@@ -224,8 +225,8 @@ class Keeper(threading.Thread):
             self.groups += 1
             served_before = self.queue.counts()[JobStatus.COMPLETED.value]
             try:
-                launch.run(self.group_spec, display=_KeeperDisplay(self), extra_env=self.extra_env,
-                           served=True, halt=self._halt)
+                launch.run(self.group_spec, observers=[Display(rich=False, show_logs=False), KeeperObserver(self)],
+                           extra_env=self.extra_env, served=True, halt=self._halt)
             except Exception as e:  # the launcher itself failed: say so, and try again
                 self.last_error = f"{type(e).__name__}: {e}"
             with self._lock:
@@ -264,7 +265,7 @@ class Keeper(threading.Thread):
             self._halt.set()
             self.join(grace_s)
 
-    # ----- called by the display, on this thread -----
+    # ----- told by KeeperObserver, on this thread -----
     def group_started(self, run_dir: Path) -> None:
         with self._lock:
             self.run_dir = run_dir
@@ -321,17 +322,15 @@ class Keeper(threading.Thread):
             if row.cancel_requested:  # cancelled while the server was down
                 self.queue.finish(row.id, JobStatus.CANCELLED, error="cancelled")
                 continue
-            line = Line(0, row.id, JobState.QUEUED, spec=RunSpec(**row.spec))
-            mark_done_before(line)
-            if line.state is JobState.DONE_BEFORE:  # its mp4 was written before the server went down
-                self.queue.finish(row.id, JobStatus.COMPLETED,
-                                  record=json.loads(line.record.read_text(encoding="utf-8")))
+            try:
+                job = self._prepare(row)
+            except Exception as e:  # a claimed job never stays in progress without a group: it fails
+                traceback.print_exc()
+                self.queue.finish(row.id, JobStatus.FAILED, error=f"the job could not be prepared: "
+                                                                  f"{type(e).__name__}: {e}")
                 continue
-            work = self.dirs.work(row.id)
-            work.mkdir(parents=True, exist_ok=True)
-            line.record.unlink(missing_ok=True)  # a record says done only when this group writes it
-            prepare_resume(line, work)
-            job = Job(id=row.id, spec=line.spec, work_dir=work, record=line.record)
+            if job is None:  # its mp4 was written before the server went down
+                continue
             with self._lock:
                 self._seq += 1
                 self.current = row.id
@@ -344,6 +343,21 @@ class Keeper(threading.Thread):
                 with self._lock:
                     self._send_cancel(row.id)
             return
+
+
+    def _prepare(self, row) -> Optional[Job]:
+        """A claimed row -> the job to post (None: it was done before, now completed)."""
+        job_spec = JobSpec(**{k: v for k, v in row.spec.items() if k in JOB_FIELDS})  # rows before the split
+        line = Line(0, row.id, JobState.QUEUED, spec=RunSpec.of(self.group_spec, job_spec))  # held whole
+        mark_done_before(line)
+        if line.state is JobState.DONE_BEFORE:
+            self.queue.finish(row.id, JobStatus.COMPLETED, record=json.loads(line.record.read_text(encoding="utf-8")))
+            return None
+        work = self.dirs.work(row.id)
+        work.mkdir(parents=True, exist_ok=True)
+        line.record.unlink(missing_ok=True)  # a record says done only when this group writes it
+        prepare_resume(line, work)
+        return Job(id=row.id, spec=line.spec.job, work_dir=work, record=line.record)
 
 
 def remove_partial_videos(videos: Path) -> list[Path]:

@@ -1,4 +1,5 @@
-"""The server's job queue: one SQLite file (``SERVER_DIR/jobs.sqlite``) in WAL mode with
+"""The server's job queue: :class:`JobStore`, what the API and the keepers ask of it, and
+:class:`JobQueue`, the store in one SQLite file (``SERVER_DIR/jobs.sqlite``) in WAL mode with
 ``synchronous=FULL``, so a job the API answered "queued" survives a kill -9 of the server or a
 power cut. Every change is one transaction; the states are :class:`JobStatus`.
 
@@ -7,6 +8,10 @@ cancelled directly). After a restart :meth:`JobQueue.recover` puts the jobs that
 back in the queue, first in line: the server kill was not their fault, and they resume from
 their clip checkpoints. A job whose rank group failed goes back too, with ``failures`` counted;
 at :data:`MAX_FAILURES` it is failed for good.
+
+The API and the keeper know only :class:`JobStore`: a keeper claims a job (``claim_next``, one
+transaction) before it hands it to its group, so several keepers (several rank groups) can share
+one store, and another store (a database several servers share) is one more class.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 #: a job that took its rank group down this many times is failed, not retried again
 MAX_FAILURES = 2
@@ -61,7 +66,7 @@ class QueueFull(Exception):
 class JobRow:
     id: str
     status: JobStatus
-    spec: dict[str, Any]  # the job's RunSpec as JSON values
+    spec: dict[str, Any]  # the job's JobSpec as JSON values (before the split: a whole RunSpec)
     created_at: float
     started_at: Optional[float]
     finished_at: Optional[float]
@@ -72,8 +77,26 @@ class JobRow:
     record: Optional[dict[str, Any]]  # the job's record (rank 0's ID.json) once completed
 
 
+class JobStore(Protocol):
+    """The jobs of a server: what its API and its keepers read and change (every change one
+    transaction; ``spec`` is the job's :class:`~wan_s2v_runner.shared.spec.JobSpec` as JSON)."""
+
+    def add(self, job_id: str, spec: dict[str, Any], max_queued: int) -> None: ...
+    def get(self, job_id: str) -> Optional[JobRow]: ...
+    def all(self, limit: int = 1000) -> list[JobRow]: ...
+    def position(self, job_id: str) -> Optional[int]: ...
+    def counts(self) -> dict[str, int]: ...
+    def claim_next(self) -> Optional[JobRow]: ...
+    def finish(self, job_id: str, status: JobStatus, *, error: Optional[str] = None,
+               record: Optional[dict] = None) -> None: ...
+    def group_failed(self, job_id: str, error: str) -> JobStatus: ...
+    def cancel(self, job_id: str) -> Optional[JobStatus]: ...
+    def recover(self) -> list[str]: ...
+    def close(self) -> None: ...
+
+
 class JobQueue:
-    """The queue in ``path``; safe to use from the API's threads and the keeper at once."""
+    """The :class:`JobStore` in the SQLite file ``path``; safe to use from the API's threads and the keeper at once."""
 
     def __init__(self, path: Path):
         self.path = Path(path)

@@ -1,17 +1,19 @@
 """A job submitted to the server, checked before it is queued.
 
-The fields a client may set are the run spec's job fields (:data:`SUBMIT_FIELDS`, the same
-``JOB_FIELDS`` batch lines set, typed and constrained as the spec types them: the model
-:data:`VideoJobFields` is generated from :class:`~wan_s2v_runner.shared.spec.RunSpec`, not
-written again), any spelling the flags accept (``size``, ``sample_steps``, ...), plus the two
-inputs: ``image`` (also ``input_reference``, OpenAI's name) and ``audio``, each an upload or a
-path on the server. The checks, in order, each refusal one line with its cause and fix:
+The fields a client may set are a job's (:class:`~wan_s2v_runner.shared.spec.JobSpec`, as a
+batch line sets them) but its outputs (:data:`SUBMIT_FIELDS`), typed and constrained as the job
+spec types them: the request model :data:`VideoJobFields` is those fields of ``JobSpec``, each
+optional (the server's flags give the defaults), not written again), any spelling the flags
+accept (``size``, ``sample_steps``, ...), plus the input files: ``image`` (also
+``input_reference``, OpenAI's name) and ``audio``, each an upload or a path on the server. The
+checks, in order, each refusal one line with its cause and fix:
 
 1. the fields validate (422); unknown fields are refused (``model`` is accepted and ignored:
    OpenAI clients send it, the server runs one model);
 2. a path is absolute, has no ``..``, and lies (after resolving symlinks) under an
    ``--allow-dir`` root (403); an upload is at most ``--max-upload-mb`` (413);
-3. the job's spec validates with the server's settings under it (:func:`~..batch.job_spec`) (422);
+3. the job validates as a ``JobSpec`` over the server's defaults, on the server's rank group
+   (:func:`~wan_s2v_runner.launcher.job_book.job_spec`) (422);
 4. preflight, as ``run`` does it, for this job (inputs read and decoded as the engine will,
    sizes, the memory plan for its size) (422).
 
@@ -29,9 +31,9 @@ from typing import Any, BinaryIO, Optional, Union
 from pydantic import ConfigDict, ValidationError, create_model
 from pydantic.fields import FieldInfo
 
-from wan_s2v_runner.launcher.batch import job_spec, normalized, refusal
+from wan_s2v_runner.launcher.job_book import job_spec, normalized, refusal
 from wan_s2v_runner.shared.jobs import INPUT_FIELDS, SUBMIT_FIELDS
-from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
 
 #: the inputs: field name -> the names a client may send it under
 INPUT_NAMES = {name: (name,) for name in INPUT_FIELDS} | {"image": ("image", "input_reference")}
@@ -43,7 +45,7 @@ ID_PATTERN = re.compile(r"^video_[0-9a-f]{24}$")
 
 
 def _optional(name: str) -> tuple[Any, FieldInfo]:
-    info = RunSpec.model_fields[name]
+    info = JobSpec.model_fields[name]
     return Optional[info.annotation], FieldInfo.merge_field_infos(info, default=None)
 
 
@@ -148,19 +150,20 @@ def _param_of(cause: str) -> Optional[str]:
     return m.group(1) if m and m.group(1) in (*INPUT_FIELDS, *SUBMIT_FIELDS) else None
 
 
-def build_job(fields: dict[str, Union[str, Upload]], *, job_id: str, base: dict[str, Any], videos: Path,
-              uploads: Path, policy: Policy, facts=None) -> RunSpec:
-    """A submission's fields -> the job's spec, checked (see the module's docstring); raises
-    :class:`Refused`. Uploads go to ``uploads/ID/`` (removed again when the job is refused)."""
+def build_job(fields: dict[str, Union[str, Upload]], *, job_id: str, base: dict[str, Any], group: GroupSpec,
+              videos: Path, uploads: Path, policy: Policy, facts=None) -> RunSpec:
+    """A submission's fields -> the job's spec on ``group`` (``base``: the server's job defaults),
+    checked (see the module's docstring); raises :class:`Refused`. Uploads go to ``uploads/ID/``
+    (removed again when the job is refused)."""
     try:
-        return _build_job(fields, job_id=job_id, base=base, videos=videos, uploads=uploads, policy=policy,
-                          facts=facts)
+        return _build_job(fields, job_id=job_id, base=base, group=group, videos=videos, uploads=uploads,
+                          policy=policy, facts=facts)
     except Refused:
         shutil.rmtree(uploads / job_id, ignore_errors=True)
         raise
 
 
-def _build_job(fields, *, job_id, base, videos, uploads, policy, facts) -> RunSpec:
+def _build_job(fields, *, job_id, base, group, videos, uploads, policy, facts) -> RunSpec:
     given = {k: v for k, v in fields.items() if k not in IGNORED}
     inputs: dict[str, Path] = {}
     for field, names in INPUT_NAMES.items():
@@ -189,7 +192,7 @@ def _build_job(fields, *, job_id, base, videos, uploads, policy, facts) -> RunSp
         own = VideoJobFields(**values).model_dump(exclude_none=True)
     except ValidationError as e:
         raise _field_error(e) from None
-    spec, cause = job_spec({**own, **inputs}, base, videos, job_id)
+    spec, cause = job_spec({**own, **inputs}, base, group, videos, job_id)
     if spec is None:
         raise Refused(422, cause, _param_of(cause))
     from wan_s2v_runner.preflight import check_run

@@ -1,11 +1,12 @@
 """``wan-s2v serve``'s start: from the command's values to a running server.
 
 The command's values (flags < ``--config`` < environment, as for ``run``) give the rank group's
-settings (checkpoint, mode and layout, LoRAs, device, attention: fixed for the server's life)
-and every job's defaults (steps, size, ...; a default ``--image``/``--audio`` too, for a server
-that always animates one face). The group is checked by preflight before anything spawns, with
-placeholder inputs (a synthetic image and speech clip in ``SERVER_DIR/.group``: a served group
-reads each job's inputs, never these); each job is checked again when it is submitted.
+settings (its :class:`~wan_s2v_runner.shared.spec.GroupSpec`: checkpoint, mode and layout, LoRAs,
+device, attention: fixed for the server's life) and every job's defaults (steps, size, ...; a
+default ``--image``/``--audio`` too, for a server that always animates one face). The group is
+checked by preflight before anything spawns (:func:`~wan_s2v_runner.preflight.check_group`: the
+machine, engine, checkpoint, LoRAs and the memory plan at the default size; the input checks
+wait for a job's inputs); each job is checked whole when it is submitted.
 
 On node 0 this starts the keeper and the HTTP API (:func:`.app.run_server`); on any other node
 it only runs that node's ranks, relaunching them whenever the group ends (node 0 restarts it
@@ -21,68 +22,49 @@ from typing import Any, Optional
 
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.jobs import OUTPUT_FIELDS
-from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.spec import GroupSpec
 
-GROUP_DIR = ".group"
 TOKEN_ENV = "WAN_S2V_TOKEN"
-
-
-def placeholder_inputs(root: Path) -> dict[str, Any]:
-    """A synthetic image and speech clip the group spec names (made once)."""
-    from wan_s2v_runner.demo.synthetic_inputs import make_reference_image, make_speech_audio
-
-    d = root / GROUP_DIR
-    d.mkdir(parents=True, exist_ok=True)
-    image, audio = d / "placeholder.png", d / "placeholder.wav"
-    if not image.is_file():
-        make_reference_image(image)
-    if not audio.is_file():
-        make_speech_audio(audio)
-    return {"image": image, "audio": audio, "prompt": "placeholder (a served group makes its jobs' videos)",
-            "output": d / "placeholder.mp4"}
 
 
 def token_of(args) -> Optional[str]:
     return args.token or os.environ.get(TOKEN_ENV) or None
 
 
-def group_defaults(root: Path, base: dict[str, Any]) -> dict[str, Any]:
-    """What the group spec takes under the command's values: placeholder inputs, and run
-    directories under the server's directory unless ``--runs-root`` says otherwise."""
-    base.setdefault("runs_root", root / "runs")
-    return {**placeholder_inputs(root), "runs_root": base["runs_root"]}
+def group_defaults(root: Path) -> dict[str, Any]:
+    """What the group spec takes under the command's values: run directories under the server's
+    directory unless ``--runs-root`` says otherwise."""
+    return {"runs_root": root / "runs"}
 
 
-def serve(args, group: RunSpec, base: dict[str, Any], root: Path, extra_env: Optional[dict] = None) -> int:
+def serve(args, group: GroupSpec, base: dict[str, Any], root: Path, extra_env: Optional[dict] = None) -> int:
     """Check the group, then serve (node 0) or compute (other nodes). ``group``: the group's
-    spec (the command's values over :func:`group_defaults`); ``base``: the command's values."""
-    from wan_s2v_runner.launcher.serve.app import check_bind
+    spec; ``base``: the command's values (every job's defaults)."""
+    from wan_s2v_runner.launcher.serve.http import check_bind
 
     token = token_of(args)
     refusal = check_bind(args.host, token, args.insecure_no_auth)
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return exit_codes.USAGE
-    base.update(mode=group.mode, cfg_parallel=group.cfg_parallel)  # what --mode auto chose, every job's too
     if args.skip_preflight:
         print("WARNING: --skip-preflight: the group is not checked (each job still is, when submitted)",
               file=sys.stderr)
     else:
         from wan_s2v_runner import preflight
 
-        report = preflight.gate_report(group, json_mode=args.json)
+        report = preflight.group_gate_report(group, base, root / "videos", json_mode=args.json)
         if report.refused:
             return exit_codes.PREFLIGHT
         waves = report.data_of("memory.host").get("waves")
         if group.load_waves is None and waves and waves > 1:
             group = group.model_copy(update={"load_waves": waves})
-            base["load_waves"] = waves
     if not group.writes_output:
         return _compute_only(group, extra_env)
     return _serve_node0(args, group, base, root, token, extra_env)
 
 
-def _compute_only(group: RunSpec, extra_env: Optional[dict]) -> int:
+def _compute_only(group: GroupSpec, extra_env: Optional[dict]) -> int:
     """Another node: its ranks join every group node 0 starts, until interrupted."""
     from wan_s2v_runner.launcher import launch
     from wan_s2v_runner.launcher.console import Display
@@ -90,19 +72,21 @@ def _compute_only(group: RunSpec, extra_env: Optional[dict]) -> int:
     print(f"serve: node {group.node_rank} of {group.nnodes}: computing for the server on node 0 "
           f"({group.master_addr}:{group.master_port}); Ctrl-C to stop", flush=True)
     while True:
-        code = launch.run(group, display=Display.auto(), extra_env=extra_env, served=True)
+        code = launch.run(group, observers=[Display.auto()], extra_env=extra_env, served=True)
         if code == exit_codes.INTERRUPTED:
             return code
         time.sleep(1.0)
 
 
-def _serve_node0(args, group: RunSpec, base: dict, root: Path, token: Optional[str],
+def _serve_node0(args, group: GroupSpec, base: dict, root: Path, token: Optional[str],
                  extra_env: Optional[dict]) -> int:
-    from wan_s2v_runner.launcher.serve.app import Server, run_server
+    from wan_s2v_runner.launcher.job_book import job_defaults
+    from wan_s2v_runner.launcher.serve.http import run_server
     from wan_s2v_runner.launcher.serve.keeper import Keeper, ServerDirs
     from wan_s2v_runner.launcher.serve.metrics import ServerMetrics
     from wan_s2v_runner.launcher.serve.queue import JobQueue
     from wan_s2v_runner.launcher.serve.requests import Policy
+    from wan_s2v_runner.launcher.serve.state import Server
     from wan_s2v_runner.preflight import machine_facts
 
     dirs = ServerDirs(root)
@@ -114,6 +98,6 @@ def _serve_node0(args, group: RunSpec, base: dict, root: Path, token: Optional[s
     keeper = Keeper(group, queue, dirs, extra_env, on_completed=metrics.job_completed)
     metrics.attach(keeper)
     server = Server(queue=queue, keeper=keeper, dirs=dirs, metrics=metrics,
-                    base={k: v for k, v in base.items() if k not in OUTPUT_FIELDS},
+                    base={k: v for k, v in job_defaults(base).items() if k not in OUTPUT_FIELDS},
                     policy=policy, max_queue=args.max_queue, token=token, facts=machine_facts())
     return run_server(server, args.host, args.port)

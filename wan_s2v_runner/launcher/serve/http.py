@@ -1,0 +1,91 @@
+"""``wan-s2v serve``'s HTTP launcher: the address check, the socket, uvicorn, the signals, and
+what a stopping server must leave stopped (its rank group). The application itself is
+:func:`.app.create_app`.
+
+The server binds 127.0.0.1 unless told otherwise; another address needs a token or an explicit
+``--insecure-no-auth``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Optional
+
+from wan_s2v_runner.launcher.serve.app import create_app
+from wan_s2v_runner.launcher.serve.keeper import GROUP_FILE, remove_partial_videos, wait_for_leftovers
+from wan_s2v_runner.launcher.serve.state import Server
+from wan_s2v_runner.shared import atomic, exit_codes
+
+#: the file a started server writes in its directory: its URL and pid (clients and tests read it)
+SERVER_FILE = "server.json"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def check_bind(host: str, token: Optional[str], insecure: bool) -> Optional[str]:
+    """Why the server must not start with this address and auth (None: it may)."""
+    if host in LOOPBACK or token or insecure:
+        return None
+    return (f"--host {host} exposes the server beyond this machine with no auth. Fix: add --token TOKEN "
+            "(clients send 'Authorization: Bearer TOKEN'), or --insecure-no-auth if the network is yours alone")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(server: Server, host: str, port: int) -> int:
+    """Serve until SIGINT/SIGTERM: the keeper's group in the background, uvicorn in front; then
+    stop the group and make sure nothing of it is left running."""
+    import uvicorn
+
+    sock = bind_socket(host, port)
+    bound = sock.getsockname()[1]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
+    remove_partial_videos(server.dirs.videos)
+    recovered = server.queue.recover()
+    if recovered:
+        print(f"serve: {len(recovered)} job(s) were in progress when the server stopped; they resume first: "
+              f"{', '.join(recovered)}", flush=True)
+    # uvicorn handles SIGINT/SIGTERM while it runs and, once it has shut down, restores the
+    # handlers it found and raises the signal again: with the default SIGTERM handler that would
+    # end this process before the rank group is stopped (a torchrun left behind). So the handlers
+    # it finds are ours: stop the start-up before uvicorn runs, nothing after it.
+    uvicorn_running = threading.Event()
+
+    def on_signal(sig: int, _frame) -> None:
+        if not uvicorn_running.is_set():
+            raise SystemExit(exit_codes.INTERRUPTED)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.keeper.start()
+        atomic.write_text(server.dirs.root / SERVER_FILE, json.dumps({"url": url, "pid": os.getpid()}))
+        print(f"serve: {url} (POST /v1/videos, GET /health); server directory {server.dirs.root}", flush=True)
+        config = uvicorn.Config(create_app(server), log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5)
+        uvicorn_running.set()
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        print("serve: stopping the rank group (a job in progress resumes when the server starts again)",
+              file=sys.stderr, flush=True)
+        if server.keeper.is_alive():
+            server.keeper.shutdown()
+        left = wait_for_leftovers(server.dirs.root / GROUP_FILE, grace_s=5.0)
+        if left:
+            print(f"serve: stopped what the rank group left running (pids {', '.join(map(str, left))})",
+                  file=sys.stderr, flush=True)
+        (server.dirs.root / SERVER_FILE).unlink(missing_ok=True)
+        server.queue.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

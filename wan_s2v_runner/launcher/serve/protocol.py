@@ -1,0 +1,152 @@
+"""What the HTTP API answers, as typed models (so ``/docs`` and ``/openapi.json`` show them).
+
+The shapes follow OpenAI's video API as vLLM-Omni and FastVideo serve it: a video object
+(``object: "video"``, ``status``, ``progress``, ``created_at``, ``completed_at``, ``error``), a
+list (``object: "list"``, ``data``) and an error body (``{"error": {"message", "type", "param",
+"code"}}``), plus what ours adds (the stage, clip and step, the ETA, seconds per stage, the
+place in the queue) and the server's own state (``/health``, ``/v1/server``). Requests are
+:mod:`.requests`' (a job's fields: :data:`~.requests.VideoJobFields`).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, Field
+
+from wan_s2v_runner.launcher.serve.queue import JobStatus
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="the cause and the fix, one line")
+    type: str = Field(description="invalid_request_error, authentication_error, permission_error, ...")
+    param: Optional[str] = Field(None, description="the field the error is about")
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    """Every refusal (4xx)."""
+
+    error: ErrorDetail
+
+
+class VideoError(BaseModel):
+    code: str = Field(description="failed or cancelled")
+    message: str
+
+
+class VideoObject(BaseModel):
+    """A job, as OpenAI's video object, with our progress fields."""
+
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    status: JobStatus
+    progress: int = Field(ge=0, le=100, description="percent of the denoising steps done")
+    created_at: int
+    started_at: Optional[int] = None
+    completed_at: Optional[int] = None
+    prompt: Optional[str] = None
+    seed: Optional[int] = None
+    max_area: Optional[int] = None
+    queue_position: Optional[int] = Field(None, description="1-based place in the queue while queued")
+    stage: Optional[str] = None
+    clip: Optional[int] = None
+    clips: Optional[int] = None
+    step: Optional[int] = None
+    steps: Optional[int] = None
+    eta_s: Optional[float] = None
+    stage_seconds: Optional[dict[str, float]] = None
+    wall_s: Optional[float] = None
+    resumed_at_clip: Optional[int] = None
+    attempts: int = Field(0, description="rank groups handed this job (a resumed job: more than one)")
+    failures: int = Field(0, description="rank groups that failed under this job")
+    cancel_requested: bool = False
+    error: Optional[VideoError] = None
+    frames: Optional[list[int]] = Field(None, description="the video tensor's shape: channels, frames, height, width")
+    sha256: Optional[str] = None
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VideoObject]
+
+
+class RankInfo(BaseModel):
+    rank: int
+    stage: str
+    host: Optional[str] = None
+    rss_mb: Optional[float] = None
+    host_peak_rss_mb: Optional[float] = None
+    gpu_peak_allocated_mb: Optional[float] = None
+    gpu_peak_reserved_mb: Optional[float] = None
+
+
+class LayoutInfo(BaseModel):
+    mode: str
+    world_size: int
+    nnodes: int
+    nproc: int
+    cfg_degree: int
+    sp_degree: int
+    vae_parallel: bool
+    device: str
+    attention: str
+
+
+class ServerState(BaseModel):
+    """What the status page shows of the server and its rank group."""
+
+    model: str
+    group: str = Field(description="loading, idle, working, restarting or stopped")
+    restarts: int
+    groups: int
+    current: Optional[str] = Field(None, description="the job the group is making")
+    last_error: Optional[str] = None
+    uptime_s: float
+    queue: dict[str, int] = Field(description="jobs by status")
+    ranks: list[RankInfo]
+    layout: LayoutInfo
+    loras: list[str]
+
+
+class JobField(BaseModel):
+    """A field a submission may set, with the server's default (the page's form)."""
+
+    name: str
+    type: str
+    enum: Optional[list[Any]] = None
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    description: str = ""
+    default: Any = None
+
+
+class ServerInfo(ServerState):
+    fields: list[JobField]
+    auth: bool
+    max_upload_mb: int
+
+
+class Health(BaseModel):
+    """``/health`` (no token): the server and its group, without hosts, LoRAs or prompts."""
+
+    status: Literal["ok"] = "ok"
+    group: str
+    restarts: int
+    groups: int
+    current: Optional[str] = None
+    last_error: Optional[str] = None
+    queue: dict[str, int]
+    uptime_s: float
+    model: str
+    mode: str
+    world_size: int
+    cfg_parallel: bool
+    device: str
+
+
+class Snapshot(BaseModel):
+    """``/v1/events``' data: the server and every job."""
+
+    server: ServerState
+    videos: list[VideoObject]

@@ -1,0 +1,244 @@
+"""The HTTP routes, thin: each reads the :class:`~.state.Server` from the app, asks the queue,
+the keeper or :mod:`.requests`, and returns a typed model (:mod:`.protocol`).
+
+- ``POST /v1/videos`` (multipart form, or JSON with paths): a job -> its video object, ``queued``;
+  refused with 4xx and an :class:`~.protocol.ErrorResponse` (:mod:`.requests` says why);
+- ``GET /v1/videos``: every job (a :class:`~.protocol.VideoList`);
+- ``GET /v1/videos/{id}``: the video object: ``status``, ``progress`` (percent), and ours:
+  ``stage``, ``clip``/``clips``, ``step``/``steps``, ``eta_s``, ``stage_seconds``,
+  ``queue_position``, ``error``;
+- ``GET /v1/videos/{id}/content``: the mp4, once completed (only files in the server's
+  ``videos/`` folder are ever served);
+- ``DELETE /v1/videos/{id}``: cancel (a queued job is dropped, a running one stops at the next
+  denoising step; the ranks stay up);
+- ``GET /v1/videos/{id}/events``: the video object as server-sent events, whenever it changes,
+  until the job ends;
+- ``GET /health``: the server and its rank group (no token needed);
+- ``GET /v1/server``: the server for the status page: model, mode and layout, LoRAs, uptime,
+  the group's state, each rank's stage and memory, and the job fields with the server's defaults
+  (the page's form is built from them);
+- ``GET /v1/events``: the whole server (``/v1/server``'s state and every job) as server-sent
+  events, whenever it changes;
+- ``GET /metrics``: Prometheus text format (:mod:`.metrics`);
+- ``GET /``: the status page (:mod:`.page`: files shipped in the package, no CDN). The page itself
+  is public; it asks for the token once and sends it with each request.
+
+With a token every route but ``/health`` and the page wants ``Authorization: Bearer TOKEN``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import FileResponse, Response
+from fastapi.sse import EventSourceResponse, ServerSentEvent
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from wan_s2v_runner.launcher.serve import page
+from wan_s2v_runner.launcher.serve.metrics import CONTENT_TYPE
+from wan_s2v_runner.launcher.serve.protocol import ErrorResponse, Health, ServerInfo, VideoList, VideoObject
+from wan_s2v_runner.launcher.serve.queue import JobRow, JobStatus, QueueFull
+from wan_s2v_runner.launcher.serve.requests import Refused, Upload, VideoJobFields, build_job, new_id
+from wan_s2v_runner.launcher.serve.state import Server, health, job_fields, server_state, video_object
+
+#: how often the events stream looks for a change
+EVENTS_POLL_S = 0.25
+#: what every guarded route may answer besides its own model
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409,
+                                                                                       413, 422, 429)}
+
+
+def the_server(request: Request) -> Server:
+    return request.app.state.server
+
+
+#: a route's server (FastAPI's dependency: the routes never hold it themselves)
+ServerDep = Annotated[Server, Depends(the_server)]
+
+
+def authorized(request: Request) -> None:
+    token = the_server(request).token
+    if token is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, value = given.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(value.strip().encode(), token.encode()):
+        raise Refused(401, "missing or wrong token. Fix: send the header 'Authorization: Bearer TOKEN' "
+                           "with the server's token")
+
+
+def job_row(server: Server, video_id: str) -> JobRow:
+    row = server.queue.get(video_id)
+    if row is None:
+        raise Refused(404, f"no video {video_id!r} on this server. Fix: list them with GET /v1/videos", "video_id")
+    return row
+
+
+def _settled(video: dict[str, Any]) -> dict[str, Any]:
+    """A video object without what moves with the clock alone (a running job's stage seconds):
+    an event stream sends a new one only when something else changed."""
+    return {k: v for k, v in video.items() if k != "stage_seconds" or video["status"] != "in_progress"}
+
+
+async def _changes(request: Request, read, view, every_s: float):
+    """``read()`` (on a worker thread: it queries SQLite) every ``every_s`` while the client is
+    connected, yielding it whenever ``view`` of it changed."""
+    last = None
+    while not await request.is_disconnected():
+        now = await run_in_threadpool(read)
+        seen = view(now)
+        if seen != last:
+            last = seen
+            yield now
+        await asyncio.sleep(every_s)
+
+
+async def _fields(request: Request) -> dict[str, Any]:
+    """The submission's fields: a multipart/urlencoded form (files as :class:`Upload`) or JSON."""
+    kind = request.headers.get("content-type", "")
+    if kind.startswith("application/json"):
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise Refused(400, f"the body is not JSON ({e}). Fix: send a JSON object or a multipart form") from None
+        if not isinstance(body, dict):
+            raise Refused(400, "the body is not a JSON object. Fix: send {\"prompt\": ..., \"image\": ..., ...}")
+        return body
+    try:
+        form = await request.form(max_files=4, max_fields=64)
+    except Exception as e:  # starlette's own refusal of a malformed form
+        raise Refused(400, f"the form cannot be read ({e}). Fix: send multipart/form-data") from None
+    out: dict[str, Any] = {}
+    for key, value in form.multi_items():
+        if key in out:
+            raise Refused(422, f"{key}: sent twice. Fix: send each field once", key)
+        out[key] = Upload(value.filename or "", value.file) if isinstance(value, UploadFile) else value
+    return out
+
+
+#: the page and /health: no token
+public = APIRouter()
+#: everything else: the token when the server has one
+api = APIRouter(dependencies=[Depends(authorized)], responses=ERRORS)
+
+
+@public.get("/health")
+def get_health(server: ServerDep) -> Health:
+    return health(server)
+
+
+@public.get("/", include_in_schema=False)
+def index() -> FileResponse:
+    return FileResponse(page.INDEX, media_type="text/html")
+
+
+@public.get("/static/{name}", include_in_schema=False)
+def static(name: str) -> FileResponse:
+    if name not in page.ASSETS:
+        raise Refused(404, f"no page file {name!r}")
+    return FileResponse(page.ROOT / name, media_type=page.ASSETS[name])
+
+
+@api.get("/v1/server")
+def server_info(server: ServerDep) -> ServerInfo:
+    return ServerInfo(**server_state(server).model_dump(), fields=job_fields(server), auth=server.token is not None,
+                      max_upload_mb=server.policy.max_upload_bytes // 2**20)
+
+
+@api.get("/metrics")
+def metrics(server: ServerDep) -> Response:
+    if server.metrics is None:
+        raise Refused(404, "this server keeps no metrics")
+    return Response(server.metrics.text(), media_type=CONTENT_TYPE)
+
+
+@api.get("/v1/events", response_class=EventSourceResponse)
+async def all_events(request: Request, server: ServerDep):
+    """The server and every job, whenever any of it changes (the status page's feed)."""
+    def snapshot() -> dict[str, Any]:
+        return {"server": server_state(server).model_dump(mode="json"),
+                "videos": [video_object(server, row).model_dump(mode="json") for row in server.queue.all()]}
+
+    def view(now: dict) -> dict:
+        return {"server": {k: v for k, v in now["server"].items() if k != "uptime_s"},
+                "videos": [_settled(o) for o in now["videos"]]}
+
+    async for now in _changes(request, snapshot, view, EVENTS_POLL_S * 2):
+        yield ServerSentEvent(data=now, event="server", id=str(time.time()))
+
+
+_FILE = {"type": "string", "format": "binary"}
+
+
+@api.post("/v1/videos", openapi_extra={"requestBody": {"content": {"multipart/form-data": {"schema": {
+    "type": "object", "properties": {
+        "image": {**_FILE, "description": "reference image (or its path)"},
+        "input_reference": {**_FILE, "description": "= image"},
+        "audio": {**_FILE, "description": "speech audio (or its path)"},
+        "pose_video": {**_FILE, "description": "pose video (or its path)"},
+        "tts_prompt_audio": {**_FILE, "description": "voice prompt for tts_text (or its path)"},
+        **VideoJobFields.model_json_schema()["properties"]}}}}}})
+async def create(request: Request, server: ServerDep) -> VideoObject:
+    fields = await _fields(request)
+    job_id = new_id()
+    spec = await run_in_threadpool(build_job, fields, job_id=job_id, base=server.base,
+                                   group=server.keeper.group_spec, videos=server.dirs.videos,
+                                   uploads=server.dirs.uploads, policy=server.policy, facts=server.facts)
+    try:
+        server.queue.add(job_id, json.loads(spec.job.model_dump_json()), server.max_queue)
+    except QueueFull as e:
+        raise Refused(429, f"the queue is full: {e}. Fix: retry when jobs have finished") from None
+    return video_object(server, job_row(server, job_id))
+
+
+@api.get("/v1/videos")
+def list_videos(server: ServerDep) -> VideoList:
+    return VideoList(data=[video_object(server, row) for row in server.queue.all()])
+
+
+@api.get("/v1/videos/{video_id}")
+def get_video(video_id: str, server: ServerDep) -> VideoObject:
+    return video_object(server, job_row(server, video_id))
+
+
+@api.get("/v1/videos/{video_id}/content", response_class=FileResponse,
+         responses={200: {"content": {"video/mp4": {}}, "description": "the mp4"}})
+def content(video_id: str, server: ServerDep) -> FileResponse:
+    row = job_row(server, video_id)
+    if row.status is not JobStatus.COMPLETED:
+        raise Refused(409, f"video {video_id} is {row.status.value}, not completed. Fix: wait for status "
+                           "completed (GET /v1/videos/{id} or its /events)", "video_id")
+    videos = server.dirs.videos.resolve()
+    path = (videos / f"{row.id}.mp4").resolve()
+    if path.parent != videos or not path.is_file():
+        raise Refused(404, f"video {video_id}'s file is gone from the server. Fix: submit the job again")
+    return FileResponse(path, media_type="video/mp4", filename=f"{row.id}.mp4")
+
+
+@api.delete("/v1/videos/{video_id}")
+def cancel(video_id: str, server: ServerDep) -> VideoObject:
+    row = job_row(server, video_id)
+    if row.status in (JobStatus.COMPLETED, JobStatus.FAILED):
+        raise Refused(409, f"video {video_id} is already {row.status.value}. Fix: nothing to cancel", "video_id")
+    status = server.queue.cancel(video_id)
+    if status is JobStatus.IN_PROGRESS:
+        server.keeper.cancel_running(video_id)
+    return video_object(server, job_row(server, video_id))
+
+
+@api.get("/v1/videos/{video_id}/events", response_class=EventSourceResponse)
+async def events(video_id: str, request: Request, server: ServerDep):
+    job_row(server, video_id)  # 404 before the stream starts
+
+    def read() -> dict[str, Any]:
+        return video_object(server, job_row(server, video_id)).model_dump(mode="json")
+
+    async for obj in _changes(request, read, _settled, EVENTS_POLL_S):
+        yield ServerSentEvent(data=obj, event="video", id=str(time.time()))
+        if JobStatus(obj["status"]).terminal:
+            return

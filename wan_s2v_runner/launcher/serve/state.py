@@ -1,0 +1,126 @@
+"""The server's state (:class:`Server`: what every route reads) and the views of it the routes
+return: a job as a video object, the server's state, the job fields with their defaults.
+
+Routes (:mod:`.routes`) stay thin: they find the job, call one of these, and return the typed
+model (:mod:`.protocol`).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from wan_s2v_runner.launcher.serve.keeper import Keeper, ServerDirs
+from wan_s2v_runner.launcher.serve.metrics import ServerMetrics
+from wan_s2v_runner.launcher.serve.protocol import (
+    Health,
+    JobField,
+    LayoutInfo,
+    RankInfo,
+    ServerState,
+    VideoError,
+    VideoObject,
+)
+from wan_s2v_runner.launcher.serve.queue import JobRow, JobStatus, JobStore
+from wan_s2v_runner.launcher.serve.requests import Policy, VideoJobFields
+from wan_s2v_runner.shared.events import steps_done
+from wan_s2v_runner.shared.spec import JobSpec
+
+MODEL = "wan2.2-s2v-14b"
+
+
+@dataclass
+class Server:
+    """Everything the routes use."""
+
+    queue: JobStore
+    keeper: Keeper
+    dirs: ServerDirs
+    base: dict[str, Any]  # every job's defaults (the command's job values, outputs left out)
+    policy: Policy
+    max_queue: int
+    token: Optional[str] = None
+    facts: Any = None  # the machine's facts, probed once (preflight of each job)
+    metrics: Optional[ServerMetrics] = None
+
+
+def percent(row: JobRow, live: Optional[dict]) -> int:
+    if row.status is JobStatus.COMPLETED:
+        return 100
+    if not live or not live.get("steps") or not live.get("clips"):
+        return 0
+    return min(99, int(100 * steps_done(live) / (live["clips"] * live["steps"])))
+
+
+def video_object(server: Server, row: JobRow) -> VideoObject:
+    live = server.keeper.live(row.id) if row.status is JobStatus.IN_PROGRESS else None
+    record = row.record or {}
+    spec = row.spec
+    obj: dict[str, Any] = {
+        "id": row.id, "model": MODEL, "status": row.status,
+        "progress": percent(row, live), "created_at": int(row.created_at),
+        "started_at": int(row.started_at) if row.started_at else None,
+        "completed_at": int(row.finished_at) if row.finished_at and row.status is JobStatus.COMPLETED else None,
+        "prompt": spec.get("prompt"), "seed": spec.get("seed"), "max_area": spec.get("max_area"),
+        "queue_position": server.queue.position(row.id) if row.status is JobStatus.QUEUED else None,
+        "stage_seconds": record.get("stage_seconds"), "wall_s": record.get("wall_s"),
+        "resumed_at_clip": record.get("resumed_at_clip"), "attempts": row.runs, "failures": row.failures,
+        "cancel_requested": row.cancel_requested,
+        "error": (VideoError(code=row.status.value, message=row.error)
+                  if row.status in (JobStatus.FAILED, JobStatus.CANCELLED) and row.error else None),
+    }
+    if live:
+        obj.update(live)
+    if row.status is JobStatus.COMPLETED:
+        obj["frames"] = record.get("frames")
+        obj["sha256"] = (record.get("output") or {}).get("sha256")
+    return VideoObject(**obj)
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def job_fields(server: Server) -> list[JobField]:
+    """The submission fields, in the spec's order, with their type, limits, choices, description
+    and the server's default (what a job gets when it leaves the field out)."""
+    schema = VideoJobFields.model_json_schema()
+    defs = schema.get("$defs", {})
+    out = []
+    for name, prop in schema["properties"].items():
+        kinds = [k for k in prop.get("anyOf", [prop]) if k.get("type") != "null"]
+        kind = kinds[0] if kinds else {}
+        if "$ref" in kind:
+            kind = defs.get(kind["$ref"].rsplit("/", 1)[-1], {})
+        # what a job that leaves the field out gets: the server's flag, else the spec's own default
+        info = JobSpec.model_fields[name]
+        default = server.base[name] if name in server.base else (None if info.is_required() else info.default)
+        out.append(JobField(name=name, type=kind.get("type", "string"), enum=kind.get("enum"),
+                            minimum=kind.get("minimum", kind.get("exclusiveMinimum")),
+                            maximum=kind.get("maximum"), description=prop.get("description", ""),
+                            default=_jsonable(getattr(default, "value", default))))
+    return out
+
+
+def server_state(server: Server) -> ServerState:
+    """What the status page shows of the server (changes as the group works)."""
+    k, spec = server.keeper, server.keeper.group_spec
+    layout = spec.layout
+    return ServerState(
+        model=MODEL, group=k.state.value, restarts=k.restarts, groups=k.groups, current=k.current,
+        last_error=k.last_error, uptime_s=round(time.time() - k.started_at, 1), queue=server.queue.counts(),
+        ranks=[RankInfo(**r) for r in k.ranks],
+        layout=LayoutInfo(mode=spec.mode.value, world_size=spec.world_size, nnodes=spec.nnodes, nproc=spec.nproc,
+                          cfg_degree=layout.cfg_degree, sp_degree=layout.sp_degree,
+                          vae_parallel=layout.vae_parallel, device=spec.device,
+                          attention=getattr(spec.attention, "value", spec.attention)),
+        loras=[str(lora) for lora in spec.lora])
+
+
+def health(server: Server) -> Health:
+    state = server_state(server)
+    return Health(group=state.group, restarts=state.restarts, groups=state.groups, current=state.current,
+                  last_error=state.last_error, queue=state.queue, uptime_s=state.uptime_s, model=state.model,
+                  mode=state.layout.mode, world_size=state.layout.world_size,
+                  cfg_parallel=state.layout.cfg_degree == 2, device=state.layout.device)
