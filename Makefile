@@ -5,7 +5,7 @@
 # For the edit loop:
 #   make lint       - ruff (rules in pyproject.toml), as make test runs it
 #   make fmt        - ruff's safe fixes (import order, ...) applied in place
-#   make test-fast  - lint and the tests not marked slow (no torchrun groups of the engine; < 2 min)
+#   make test-fast  - lint and the tests not marked slow (no rank groups of the engine, no server, no browser)
 #
 # PYTHON: the interpreter(s) to build .venv with; the first that runs and fits pyproject.toml's
 # requires-python wins (tools/find_python; pyenv installs are found even when not activated).

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +29,19 @@ torch.set_num_threads(1)
 #: an observer's error (the console, a server's keeper) fails the run it watches, in this process
 #: and in every launcher a test starts: never logged and passed over in a test
 os.environ[STRICT_ENV] = "1"
+#: every process the suite starts inherits this mark (pytest-xdist's workers too: set once, by the
+#: first process): at the end, a process that still carries it was left behind (:func:`leftovers`)
+SESSION_ENV = "WAN_S2V_TEST_SESSION"
+os.environ.setdefault(SESSION_ENV, uuid.uuid4().hex)
 
 #: for tests whose subject only exists with a CPU-only torch (the pinned CPU wheel with the CUDA
 #: torchvision build, wan's import-time CUDA call): on a CUDA machine they skip, not fail
 cpu_torch_only = pytest.mark.skipif(torch.version.cuda is not None or torch.cuda.is_available(),
                                     reason="needs the CPU-only torch build (this torch has CUDA)")
+
+#: ranks without the engine (tests/stub_rank.py), for the tests whose subject is the launcher and
+#: its supervisor: the real worker, process group, events, faults and mp4 writer
+STUB_RANKS = {"WAN_S2V_TEST_RANK_BODY": "tests.stub_rank:run_rank"}
 
 #: the tiny spec every distributed test shares (fast on 2 cores; 2 clips of 5 + 8 frames)
 TINY_FLAGS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "--steps", "2",
@@ -243,3 +253,72 @@ def server(tiny_assets, inputs, tmp_path_factory):
     s = ServerProcess(d, flags, env={"WAN_S2V_TEST_FAULT": POISON})
     yield s
     assert s.stop() == [] and "serve: stopping the rank group" in s.text()  # SIGTERM leaves nothing running
+
+
+# ----- parallel runs (pytest-xdist, ``-n 2 --dist loadgroup``: pyproject's addopts) -----
+#: the session fixtures one group of tests shares: a test that uses one runs on the worker that
+#: holds it (built once, not once per worker)
+SHARED_GROUPS = ("server", "hybrid_run")
+
+
+def _group(item) -> str:
+    marker = item.get_closest_marker("xdist_group")
+    if marker is not None:
+        return str(marker.args[0])
+    shared = next((name for name in SHARED_GROUPS if name in getattr(item, "fixturenames", ())), None)
+    return shared or item.module.__name__
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Each test file is one group (its module fixtures are built once), except that the tests
+    that share a session fixture of :data:`SHARED_GROUPS` are one group across files. The groups
+    with the most slow tests go first (the workers are handed groups in this order: the longest
+    first, so neither waits alone at the end); within a group the order is the files'."""
+    groups = {}
+    for item in items:
+        name = _group(item)
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(name))
+        groups.setdefault(name, []).append(item)
+    weight = {name: sum(bool(i.get_closest_marker("slow")) for i in group) for name, group in groups.items()}
+    order = sorted(groups, key=lambda name: -weight[name])  # stable: ties keep the collection order
+    items[:] = [item for name in order for item in groups[name]]
+
+
+# ----- nothing left behind -----
+def leftovers(mark: str) -> dict[int, str]:
+    """Processes other than this one whose environment carries ``mark`` (pid -> command line)."""
+    needle = f"{SESSION_ENV}={mark}".encode()
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError:
+            continue
+    return found
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """The suite fails when a process it started outlives it (a left-over rank, torchrun, server or
+    browser costs every later run CPU and /proc scans: the suite's time grew run to run); they are
+    killed. pytest-xdist's workers check nothing: their controller does, after they are gone."""
+    if hasattr(session.config, "workerinput"):
+        return
+    mark = os.environ[SESSION_ENV]
+    deadline = time.time() + 10.0  # the last fixtures' processes may still be exiting
+    while leftovers(mark) and time.time() < deadline:
+        time.sleep(0.2)
+    left = leftovers(mark)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    if left:
+        lines = "\n".join(f"  pid {pid}: {cmd}" for pid, cmd in sorted(left.items()))
+        print(f"\nERROR: the test session left {len(left)} process(es) running (killed now):\n{lines}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+

@@ -52,6 +52,7 @@ def test_the_sizes_need_uneven_heads_and_padding():
     # (one clip: the first clip's frames do not depend on the clips after it; 6 ranks on 2 cores are slow)
     (["--nproc", "6", "--cfg-parallel", "--no-vae-parallel", "--num-clips", "1"], 2, 3),
 ])
+@pytest.mark.slow
 def test_uneven_ulysses_equals_one_process(tiny_assets, frames_12, tmp_path, extra, cfg, sp):
     frames, manifest, plans = _run(tiny_assets, tmp_path / "sp", *extra)
     want = frames_12 if "--num-clips" not in extra else frames_12[:, :12 - 3]

@@ -35,6 +35,7 @@ def _write_jobs(path, lines: list[dict]) -> None:
 LAYOUT = ["--nproc", "2", "--mode", "hybrid", "--cfg-parallel"]
 
 
+@pytest.mark.slow
 def test_jobs_in_a_row_equal_one_process(tiny_assets, pose_reference_frames, other_frames, tmp_path):
     jobs = tmp_path / "my jobs.jsonl"
     _write_jobs(jobs, [
@@ -64,6 +65,7 @@ def test_jobs_in_a_row_equal_one_process(tiny_assets, pose_reference_frames, oth
     assert [row.split()[2] for row in summary.splitlines()[1:]] == ["done", "done", "refused", "done"], summary
 
 
+@pytest.mark.slow
 def test_batch_resumes_the_interrupted_job_and_skips_the_finished_one(tiny_assets, engine_cpu, tmp_path):
     three_clips = {"infer_frames": 4, "num_clips": 3}
     jobs = tmp_path / "jobs.jsonl"

@@ -22,6 +22,7 @@ if str(STANDIN) not in sys.path:  # the test reads the stand-in's own expected w
 from wan_s2v_runner.shared.layout import Layout, Mode  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("solver, start_from_ref, pose", [("unipc", False, False), ("dpm++", True, True)])
 def test_our_loop_equals_upstream_generate(engine_cpu, tiny_assets, solver, start_from_ref, pose):
     from wan_s2v_runner.loading import components
@@ -73,6 +74,7 @@ def _recording(stages):
     (["--nproc", "2", "--cfg-parallel", "--no-vae-parallel"], 2, 1, False),
     # CFG 2 x SP 3 over 6 ranks: tests/test_any_degree.py
 ])
+@pytest.mark.slow
 def test_cfg_parallel_equals_one_process(engine_cpu, tiny_assets, tmp_path, extra, cfg, sp, vae_split):
     """... with the speech spoken from text: rank 0 runs the TTS stand-in once, writes the speech
     beside the mp4, the ranks' frames equal one process given that wav as --audio, and the mp4's

@@ -191,6 +191,7 @@ def _run(tiny_assets, d: Path, *extra) -> tuple[torch.Tensor, dict]:
     return torch.load(d / "f.pt"), json.loads(r.stdout)
 
 
+@pytest.mark.slow
 def test_frames_same_for_every_format_and_layout(tiny_assets, same_lora, reference_frames, tmp_path):
     """ComfyUI at 1 process == peft in fsdp-fixed x2 == kohya in hybrid x2 with --cfg-parallel
     (FSDP shards shared by the two CFG branches) (exact, fp32), and != no LoRA. (Strength 0 is

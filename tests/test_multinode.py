@@ -4,7 +4,8 @@ rendezvous on loopback, configured only by the variables a cluster sets (``MASTE
 the same by flags is test_serve's two-node server). Node 0 writes frames equal to one process's;
 node 1 ends cleanly and says that node 0 writes the output. With ``--cfg-parallel`` at 2 nodes x
 1 rank the two CFG branches run on different nodes. A node that never joins ends the other node's run
-at the load watchdog's limit, with the missing node named; so does a node killed mid-run, at once."""
+at the load watchdog's limit, with the missing node named; so does a node killed mid-run, at once
+(its ranks the stub rank, tests/stub_rank.py: the supervisors are the subject)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,9 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
-from conftest import TINY_FLAGS, asset_flags, cli_env, run_cli
+from conftest import STUB_RANKS, TINY_FLAGS, asset_flags, cli_env, run_cli
 
 from wan_s2v_runner.shared import exit_codes
 
@@ -38,6 +40,7 @@ def _start_node(d, args: list[str], **env_vars: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback_equal_one_process(tiny_assets, reference_frames, tmp_path):
     """Configured only by the cluster's variables (the same layout by flags: test_serve's
     two-node server, --nnodes/--node-rank/--master-addr/--master-port)."""
@@ -68,6 +71,7 @@ def test_two_nodes_on_loopback_equal_one_process(tiny_assets, reference_frames, 
     assert manifests[0]["output"]["sha256"] and manifests[1]["output"] is None
 
 
+@pytest.mark.slow
 def test_a_node_that_never_joins_is_named(tiny_assets, tmp_path):
     r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "1", "--nnodes", "2",
                  "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
@@ -78,6 +82,7 @@ def test_a_node_that_never_joins_is_named(tiny_assets, tmp_path):
     assert not (tmp_path / "o.mp4").exists()
 
 
+@pytest.mark.slow
 def test_a_node_that_dies_mid_run_is_named(tiny_assets, tmp_path):
     """Node 1 vanishes while both nodes generate: its launcher, torchrun and worker SIGKILLed
     (sockets closed), and node 0's rank gets a connection error at once. Node 0 ends with exit 4
@@ -92,7 +97,8 @@ def test_a_node_that_dies_mid_run_is_named(tiny_assets, tmp_path):
         d = tmp_path / f"node{node}"
         return _start_node(d, [*TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "1", "--nnodes", "2",
                                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "--steps", "8", "--output", str(d / "o.mp4"), "--runs-root", str(d / "runs")])
+                               "--steps", "8", "--output", str(d / "o.mp4"), "--runs-root", str(d / "runs")],
+                           **STUB_RANKS)  # the supervisors' subject: ranks without the engine
 
     nodes = [start(0), start(1)]
     victims: set[int] = set()

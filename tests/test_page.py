@@ -93,6 +93,7 @@ def newest_job(driver, other_than: set) -> str:
                     30, "the submitted job on the page")
 
 
+@pytest.mark.slow
 def test_status_page_in_chromium(browser, server, inputs, tmp_path):
     from selenium.webdriver.common.by import By
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from conftest import TINY_FLAGS, asset_flags, run_cli
 
@@ -73,6 +74,7 @@ def _assert_fsdp_mode_equals_one_process(mode, extra, r, out, frames_pt, runs, t
         assert read[1] <= 0.51 * size["dit"]
 
 
+@pytest.mark.slow
 def test_fsdp_fixed_equals_one_process(tiny_assets, pose_reference_frames, tmp_path):
     """With the demo's pose video (the split VAE encodes each clip's pose condition)."""
     extra = ("--pin-cpus", "--pose-video", str(tiny_assets.pose_video))
@@ -81,6 +83,7 @@ def test_fsdp_fixed_equals_one_process(tiny_assets, pose_reference_frames, tmp_p
                                          tmp_path / "runs", tiny_assets, pose_reference_frames)
 
 
+@pytest.mark.slow
 def test_hybrid_equals_one_process(tiny_assets, pose_reference_frames, hybrid_run):
     """The session's shared hybrid run (conftest.hybrid_run: ``--load-waves 2``, a pose video)."""
     _assert_fsdp_mode_equals_one_process("hybrid", ("--load-waves", "2"), hybrid_run.result, hybrid_run.output,
@@ -89,6 +92,7 @@ def test_hybrid_equals_one_process(tiny_assets, pose_reference_frames, hybrid_ru
     assert manifest["stage_seconds"].get("pose_encode", 0) > 0, manifest["stage_seconds"]
 
 
+@pytest.mark.slow
 def test_demo_writes_mp4_with_audio_and_equals_one_process(tiny_assets, pose_reference_frames, tmp_path):
     """`wan-s2v demo --pose` = ulysses at 2 CPU ranks on the tiny checkpoint, the body driven by the
     demo's pose video (same spec as the reference)."""
@@ -116,6 +120,7 @@ def test_demo_writes_mp4_with_audio_and_equals_one_process(tiny_assets, pose_ref
     assert_cpu_binding(manifest, pinned=False)  # off by default
 
 
+@pytest.mark.slow
 def test_fsdp_refuses_ranks_with_different_weights(tiny_assets, tmp_path):
     r, out = _run_mode("fsdp-fixed", tiny_assets, tmp_path, extra=("--load", "full"),
                        extra_env={"WAN_S2V_TEST_PERTURB_WEIGHTS_RANK": "1"})
@@ -126,6 +131,7 @@ def test_fsdp_refuses_ranks_with_different_weights(tiny_assets, tmp_path):
     assert not list(tmp_path.glob(".*.mp4")), "a temporary file was left behind"
 
 
+@pytest.mark.slow
 def test_lean_fsdp_refuses_a_rank_whose_checkpoint_differs(tiny_assets, tmp_path):
     """Lean loading fingerprints the files (each rank holds only shards): rank 1's node has a
     checkpoint where one DiT tensor differs; the run stops before generating and names rank 1."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import ROOT, cpu_torch_only
 
@@ -15,6 +16,7 @@ def _py(code: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.slow
 @cpu_torch_only
 def test_cuda_torchvision_imports_only_with_the_schema_patch():
     assert torch.version.cuda is None  # the pinned CPU torch, with the CUDA torchvision build
@@ -29,6 +31,7 @@ def test_cuda_torchvision_imports_only_with_the_schema_patch():
     assert patched.returncode == 0, patched.stderr
 
 
+@pytest.mark.slow
 @cpu_torch_only
 def test_wan_imports_on_cpu_and_current_device_is_restored():
     bare = _py("from patches import torchvision_cpu; torchvision_cpu.apply(); import wan")

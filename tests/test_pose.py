@@ -104,6 +104,7 @@ def test_preflight_reads_the_pose_video(tiny_assets, tmp_path):
     assert gone.status is Status.FAIL and "does not exist" in gone.finding
 
 
+@pytest.mark.slow
 def test_preflight_refuses_tts_without_its_model(tiny_assets, tmp_path, capsys):
     code = STANDIN
     model = tmp_path / "CosyVoice2-0.5B"

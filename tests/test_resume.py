@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from conftest import TINY_FLAGS, asset_flags, one_process_frames, run_cli
 
 from wan_s2v_runner.shared import exit_codes, media
@@ -13,6 +14,7 @@ from wan_s2v_runner.shared import exit_codes, media
 THREE_CLIPS = ["--infer-frames", "4", "--num-clips", "3"]
 
 
+@pytest.mark.slow
 def test_resume_after_a_failure_in_clip_2_gives_the_same_mp4(tiny_assets, engine_cpu, tmp_path):
     base = ["run", *TINY_FLAGS, *asset_flags(tiny_assets), *THREE_CLIPS]
     # the uninterrupted run's mp4: one process's frames (the loop a --nproc 1 worker runs, here in

@@ -162,3 +162,12 @@ def test_spec_json_reads_as_a_group_or_as_a_run(tmp_path):
     got = read_spec(tmp_path / "group.json")
     assert type(got) is GroupSpec and got == spec.group
     assert torchrun.finalize_spec(got) == got  # a group has no seed to resolve
+
+
+def test_resume_of_a_group_run_directory_says_how_to_resume_it(tmp_path, capsys):
+    """A batch's or a server's run directory holds a group spec: `resume` is for one run."""
+    spec = RunSpec(ckpt_dir="ck", image="i.png", audio="a.wav", prompt="p")
+    (tmp_path / "spec.json").write_text(spec.group.to_json())
+    assert cli.main(["resume", str(tmp_path)]) == exit_codes.USAGE
+    err = capsys.readouterr().err
+    assert "rank group of several jobs" in err and "Fix: run the same `wan-s2v batch` command again" in err

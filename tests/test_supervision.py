@@ -3,7 +3,12 @@ the right rank; a normal run leaves a complete manifest.
 
 Distributed tests spawn the real CLI, which spawns real ``torch.distributed.run`` over gloo;
 faults come from the worker's test hook (``WAN_S2V_TEST_FAULT=RANK:STAGE:ACTION``) or from
-signals sent by the test. Nothing is mocked. Every test checks, by PID (with the process start
+signals sent by the test. Nothing is mocked. Where the engine adds nothing to what is checked
+(the supervisor's reports, stops and clean-up) the ranks are the stub rank
+(:data:`STUB_RANKS`, tests/stub_rank.py: the real worker, process group, events, faults and mp4
+writer, without the engine); the hang with its stack analysis and the normal run's manifest keep
+the real engine, as do the other real-engine failure runs (test_resume, test_batch, test_serve,
+test_multinode, test_parity). Every test checks, by PID (with the process start
 time, so a recycled PID is not mistaken for a survivor), that no process of the run is left:
 torchrun (from run.json or /proc) and every worker (from the ``hello`` events).
 The unit tests at the end (EventReader, watchdog, rendezvous flags, log filter, stack analysis)
@@ -20,7 +25,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from conftest import TINY_FLAGS, asset_flags, cli_env, run_cli, wait_for
+import pytest
+from conftest import STUB_RANKS, TINY_FLAGS, asset_flags, cli_env, run_cli, wait_for
 
 from wan_s2v_runner.shared import exit_codes, media
 
@@ -147,6 +153,7 @@ def _ended(manifest: dict) -> float:
 
 
 # ----- distributed tests -----
+@pytest.mark.slow
 def test_normal_run_manifest_is_complete(hybrid_run):
     """hybrid (Ulysses + FSDP DiT + T5 on CPU; the session's shared run, conftest.hybrid_run):
     every stage of the list appears, with a time. A second 2-rank run (one clip, one step) started
@@ -199,11 +206,12 @@ def test_normal_run_manifest_is_complete(hybrid_run):
     assert not (run_dir / "stacks").exists(), "empty stack files should be removed after a good run"
 
 
+@pytest.mark.slow
 def test_rank_raising_in_denoise_is_reported_and_everything_stops(tiny_assets, tmp_path):
     procs = RunProcs()
     try:
         r = run_cli(_args(tiny_assets, tmp_path), cwd=tmp_path,
-                    env={"WAN_S2V_TEST_FAULT": "1:denoise:raise"})
+                    env={**STUB_RANKS, "WAN_S2V_TEST_FAULT": "1:denoise:raise"})
         run_dir = _run_dir(tmp_path)
         procs.add_from_run_dir(run_dir)
         assert r.returncode == exit_codes.RANK_FAILED, r.output
@@ -223,6 +231,7 @@ def test_rank_raising_in_denoise_is_reported_and_everything_stops(tiny_assets, t
         procs.kill_all()
 
 
+@pytest.mark.slow
 def test_hang_fires_watchdog_with_stacks_of_every_rank(tiny_assets, tmp_path):
     procs = RunProcs()
     try:
@@ -252,13 +261,14 @@ def test_hang_fires_watchdog_with_stacks_of_every_rank(tiny_assets, tmp_path):
         procs.kill_all()
 
 
+@pytest.mark.slow
 def test_watchdog_sees_a_rank_that_never_reports(tiny_assets, tmp_path):
     """Rank 0 hangs before its first event (so rank 1 waits in the rendezvous): the load limit
     applies from the spawn, and the report names rank 0 and what its process was doing."""
     procs = RunProcs()
     try:
         r = run_cli(_args(tiny_assets, tmp_path, "--watchdog-load", "8"), cwd=tmp_path,
-                    env={"WAN_S2V_TEST_FAULT": "0:start:hang"})
+                    env={**STUB_RANKS, "WAN_S2V_TEST_FAULT": "0:start:hang"})
         run_dir = _run_dir(tmp_path)
         procs.add_from_run_dir(run_dir)
         assert r.returncode == exit_codes.HUNG, r.output
@@ -272,13 +282,14 @@ def test_watchdog_sees_a_rank_that_never_reports(tiny_assets, tmp_path):
         procs.kill_all()
 
 
+@pytest.mark.slow
 def test_rank0_stopped_while_muxing_leaves_no_partial_output(tiny_assets, tmp_path):
     """Rank 0 hangs between writing the temporary video and muxing the audio; the watchdog
     stops it (SIGTERM: no Python cleanup runs). The output path holds nothing, and the
     launcher removes the rank's temporary files."""
     procs = RunProcs()
     p = _popen(_args(tiny_assets, tmp_path, "--watchdog-step", str(WATCHDOG_STEP)), cwd=tmp_path,
-               env={"WAN_S2V_TEST_FAULT": "0:mux:hang"})
+               env={**STUB_RANKS, "WAN_S2V_TEST_FAULT": "0:mux:hang"})
     try:
         procs.add([p.pid])
         out_dir = tmp_path / "out"
@@ -321,9 +332,10 @@ def _maybe_run_dir(tmp_path: Path):
     return dirs[0] if dirs else None
 
 
+@pytest.mark.slow
 def test_rank_killed_with_sigkill_mid_denoise(tiny_assets, tmp_path):
     procs = RunProcs()
-    p = _popen(_args(tiny_assets, tmp_path, "--steps", "12"), cwd=tmp_path)
+    p = _popen(_args(tiny_assets, tmp_path, "--steps", "12"), cwd=tmp_path, env=STUB_RANKS)
     try:
         procs.add([p.pid])
         pid, prog = _wait_in_denoise(lambda: _maybe_run_dir(tmp_path), rank=1)
@@ -349,9 +361,10 @@ def test_rank_killed_with_sigkill_mid_denoise(tiny_assets, tmp_path):
         procs.kill_all()
 
 
+@pytest.mark.slow
 def test_sigint_to_launcher_stops_every_process(tiny_assets, tmp_path):
     procs = RunProcs()
-    p = _popen(_args(tiny_assets, tmp_path, "--steps", "12"), cwd=tmp_path)
+    p = _popen(_args(tiny_assets, tmp_path, "--steps", "12"), cwd=tmp_path, env=STUB_RANKS)
     try:
         procs.add([p.pid])
         _wait_in_denoise(lambda: _maybe_run_dir(tmp_path), rank=0)

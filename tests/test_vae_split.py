@@ -84,6 +84,7 @@ def test_conv_rows_computes_a_band_with_the_whole_frame_kernel():
             assert torch.equal(conv_rows(conv, xp[:, :, s:e + 2], 14), full[:, :, s:e])
 
 
+@pytest.mark.slow
 def test_split_encode_decode_equal_engine_bitwise(tiny_assets, tmp_path):
     vae_file = tiny_assets.ckpt_dir / VAE_FILE
     env = dict(os.environ, OMP_NUM_THREADS="1",

@@ -274,6 +274,7 @@ def test_no_failed_rank_gives_no_failure():
 
 
 # ----- hints decided by the layout, not by mode names -----
+@pytest.mark.slow
 def test_oom_hints_follow_the_layout(tmp_path):
     oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     ulysses, fsdp, hybrid = (_spec(tmp_path, mode=m) for m in ("ulysses", "fsdp-fixed", "hybrid"))

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from wan_s2v_runner.launcher.flags import Command, add_spec_flags, base_values, flag_values
 from wan_s2v_runner.shared import exit_codes
-from wan_s2v_runner.shared.spec import GroupSpec, RunSpec, flag_name, format_validation_error, merge_values
+from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec, flag_name, format_validation_error, merge_values
 
 
 def spec_values(args: argparse.Namespace, defaults: Optional[dict] = None) -> dict[str, Any]:
@@ -113,6 +113,11 @@ def cmd_resume(args, extra_env=None) -> int:
         original = json.loads((run_dir / "spec.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         print(f"error: {run_dir} is not a wan-s2v run directory ({e}). Fix: pass a directory under runs/.",
+              file=sys.stderr)
+        return exit_codes.USAGE
+    if not any(k in original for k in JobSpec.model_fields):  # a group's spec: a batch's or a server's
+        print(f"error: {run_dir} is a rank group of several jobs (wan-s2v batch or serve), not one run. Fix: run "
+              "the same `wan-s2v batch` command again (it resumes its interrupted job), or restart the server",
               file=sys.stderr)
         return exit_codes.USAGE
     given = flag_values(args)

@@ -8,7 +8,9 @@ one of ``raise`` (RuntimeError), ``exit`` (os._exit 3), ``hang`` (sleep forever,
 heart-beating). Checked at every stage change and every denoising step of the given rank, and
 as stage ``start`` before the rank writes any event (there ``hang`` is a rank that never
 reports). Users never set it; the supervision tests do. ``WAN_S2V_TEST_CKPT_FOR_RANK`` gives one
-rank other checkpoint files (the lean-loading fingerprint test).
+rank other checkpoint files (the lean-loading fingerprint test). ``WAN_S2V_TEST_RANK_BODY``
+(``module:function``) runs that function in place of the rank's engine work (:func:`rank_body`:
+the supervisor's tests run a stub rank that speaks the event protocol without the engine).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Optional
 from wan_s2v_runner.shared.stages import Stage
 
 ENV = "WAN_S2V_TEST_FAULT"
+RANK_BODY_ENV = "WAN_S2V_TEST_RANK_BODY"
 
 
 class InjectedFault(RuntimeError):
@@ -71,3 +74,15 @@ def checkpoint_for(rank: int) -> Optional[str]:
         return None
     r, _, path = value.partition(":")
     return path if int(r) == rank else None
+
+
+def rank_body():
+    """The function ``WAN_S2V_TEST_RANK_BODY`` names (``module:function``, called as
+    ``run_rank(spec, run_dir, events)``), or None when unset."""
+    value = os.environ.get(RANK_BODY_ENV)
+    if not value:
+        return None
+    import importlib
+
+    module, _, name = value.partition(":")
+    return getattr(importlib.import_module(module), name)

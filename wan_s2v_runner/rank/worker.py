@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                 local_rank=int(os.environ.get("LOCAL_RANK", 0)), cpus=cpus)
     t0 = time.time()
     try:
-        run_rank(spec, run_dir, events)
+        (faults.rank_body() or run_rank)(spec, run_dir, events)
     except BaseException as e:
         events.error(e)
         raise

@@ -1,0 +1,64 @@
+"""A rank without the engine, for the tests whose subject is the launcher and its supervisor.
+
+``WAN_S2V_TEST_RANK_BODY=stub_rank:run_rank`` (:func:`wan_s2v_runner.rank.faults.rank_body`)
+makes the real worker (its ``@record`` entry point, ``hello``/``end`` events, stack dumps, CPU
+binding and the ``WAN_S2V_TEST_FAULT`` hook at every stage) run :func:`run_rank` below instead of
+the engine: it joins the real gloo process group, walks the stages a run's rank reports (load,
+then per clip: denoise with its steps, decode), does a real ``all_to_all`` at every denoising step
+(where a sequence-parallel rank waits for its peers), and rank 0 writes the mp4 with the run's
+audio through the same :func:`~wan_s2v_runner.shared.media.save_video_with_audio` (save, mux:
+temporary names, then rename). It imports torch, not the engine: a group starts in about a
+second instead of several.
+"""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+#: seconds a stub denoising step takes (a test waits for a rank mid-denoise and acts on it)
+STEP_S = 0.15
+#: seconds the stub "loads" (the launcher samples each rank's memory, once a second, meanwhile)
+LOAD_S = 1.0
+FPS = 16
+
+
+def run_rank(spec, run_dir: Path, events) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from wan_s2v_runner.shared import media
+    from wan_s2v_runner.shared.stages import Stage
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    events.stage(Stage.INIT_PG)
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=spec.pg_timeout_s))
+    try:
+        events.stage(Stage.ENGINE_IMPORT)
+        events.stage(Stage.LOAD)
+        time.sleep(LOAD_S)
+        dist.barrier()
+        clips, steps = spec.num_clips or 2, spec.steps
+        frames = []
+        for clip in range(1, clips + 1):
+            events.stage(Stage.DENOISE, clip=clip, clips=clips, steps=steps)
+            for step in range(1, steps + 1):
+                events.fault_point(Stage.DENOISE, clip=clip)
+                sent = [torch.full((4,), float(rank)) for _ in range(world)]
+                got = [torch.empty(4) for _ in range(world)]
+                dist.all_to_all(got, sent)  # a sequence-parallel step's exchange
+                time.sleep(STEP_S)
+                events.step(clip=clip, clips=clips, step=step, steps=steps)
+            events.stage(Stage.DECODE, clip=clip, clips=clips)
+            frames.append(torch.linspace(-1, 1, 3 * 4 * 16 * 16).reshape(3, 4, 16, 16) * (clip / clips))
+        if rank == 0:
+            video = torch.cat(frames, dim=1)
+            events.emit("frames", shape=list(video.shape))
+            media.save_video_with_audio(video, FPS, spec.speech, spec.output, on_stage=events.stage)
+        events.stage(Stage.DONE)
+    except BaseException as e:
+        events.error(e)
+        raise
+    dist.destroy_process_group()
+    return 0
