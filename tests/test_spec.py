@@ -6,7 +6,7 @@ import pytest
 
 from wan_s2v_runner.launcher import cli, torchrun
 from wan_s2v_runner.shared import exit_codes
-from wan_s2v_runner.shared.spec import Mode, RunSpec
+from wan_s2v_runner.shared.spec import GroupSpec, Mode, RunSpec
 
 
 def _args(argv):
@@ -125,6 +125,10 @@ def test_mode_auto_applies_the_recommended_cfg_split_unless_the_flag_is_given(ca
     assert not spec.cfg_parallel
     spec = cli.make_spec(_args(BASE + ["--mode", "auto", "--nproc", "3", "--device", "cpu"]))
     assert not spec.cfg_parallel and spec.layout.sp_degree == 3  # odd: no CFG split
+    # a batch's or a server's group, before any job: the same choice at the jobs' default size
+    group = cli.make_group(cli.spec_values(_args(BASE + ["--mode", "auto", "--nproc", "2", "--device", "cpu"])))
+    assert type(group) is GroupSpec and group.mode is Mode.ULYSSES and group.cfg_parallel
+    assert "--mode auto: ulysses --cfg-parallel" in capsys.readouterr().err
 
 
 # ----- the two sections: a rank group's settings and a job's

@@ -30,15 +30,12 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import ValidationError
-
 from wan_s2v_runner.launcher.job_book import (
     PATH_FIELDS,
     SEED_FILE,
     WORK_DIR,
     JobState,
     Line,
-    group_values,
     job_spec,
     mark_done_before,
     normalized,
@@ -47,7 +44,7 @@ from wan_s2v_runner.launcher.job_book import (
 )
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.jobs import Job, job_id
-from wan_s2v_runner.shared.spec import GroupSpec, format_validation_error
+from wan_s2v_runner.shared.spec import GroupSpec
 
 
 class JobsFileError(ValueError):
@@ -140,17 +137,13 @@ def summary(lines: list[Line], records: dict[str, dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows)
 
 
-def run_batch(path: Path, base: dict[str, Any], output_dir: Path, *, json_mode: bool = False,
+def run_batch(path: Path, base: dict[str, Any], group: GroupSpec, output_dir: Path, *, json_mode: bool = False,
               skip_preflight: bool = False, extra_env: Optional[dict] = None) -> int:
-    """Plan, check and run the jobs of ``path``; print the summary. Returns the exit code."""
+    """Plan, check and run the jobs of ``path`` on ``group`` (``base``: the command's values, every
+    job's defaults); print the summary. Returns the exit code."""
     from wan_s2v_runner.launcher import launch
     from wan_s2v_runner.launcher.console import Display
 
-    try:
-        group = GroupSpec(**group_values(base))
-    except ValidationError as e:
-        print(format_validation_error(e), file=sys.stderr)
-        return exit_codes.USAGE
     try:
         lines = plan_lines(path, base, group, output_dir)
     except JobsFileError as e:

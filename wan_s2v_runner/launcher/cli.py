@@ -144,11 +144,12 @@ def cmd_batch(args, extra_env=None) -> int:
 
     try:
         base = spec_values(args)
-    except (ValueError, OSError) as e:
+        group = make_group(base)  # checked once, before any line (--mode auto: the doctor's choice)
+    except (ValidationError, ValueError, OSError) as e:
         return _usage_error(e)
     jobs = Path(args.jobs).expanduser().absolute()
     output_dir = (args.output_dir or Path("outputs") / jobs.stem).expanduser().absolute()
-    return run_batch(jobs, base, output_dir, json_mode=args.json, skip_preflight=args.skip_preflight,
+    return run_batch(jobs, base, group, output_dir, json_mode=args.json, skip_preflight=args.skip_preflight,
                      extra_env=extra_env)
 
 
