@@ -8,7 +8,9 @@ then per clip: denoise with its steps, decode), does a real ``all_to_all`` at ev
 (where a sequence-parallel rank waits for its peers), and rank 0 writes the mp4 with the run's
 audio through the same :func:`~wan_s2v_runner.shared.media.save_video_with_audio` (save, mux:
 temporary names, then rename). It imports torch, not the engine: a group starts in about a
-second instead of several.
+second instead of several. A served group (a server's: its spec is a group's, its run directory
+has an inbox) only waits, idle, until the server says stop: the tests that start a server on
+the stub are about what the server does before any job reaches its ranks.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def run_rank(spec, run_dir: Path, events) -> int:
     import torch
     import torch.distributed as dist
 
-    from wan_s2v_runner.shared import media
+    from wan_s2v_runner.shared import inbox, media
+    from wan_s2v_runner.shared.spec import JobSpec
     from wan_s2v_runner.shared.stages import Stage
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -39,6 +42,17 @@ def run_rank(spec, run_dir: Path, events) -> int:
         events.stage(Stage.LOAD)
         time.sleep(LOAD_S)
         dist.barrier()
+        if not isinstance(spec, JobSpec):  # a served group: idle until the server says stop
+            events.stage(Stage.IDLE)
+            said = time.time()
+            while not inbox.stopping(run_dir):
+                time.sleep(0.2)
+                if time.time() - said >= 2.0:  # the hang watchdog's sign of life, as a served rank says it
+                    said = time.time()
+                    events.emit("waiting")
+            events.stage(Stage.DONE)
+            dist.destroy_process_group()
+            return 0
         clips, steps = spec.num_clips or 2, spec.steps
         frames = []
         for clip in range(1, clips + 1):

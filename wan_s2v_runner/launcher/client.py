@@ -7,8 +7,8 @@ every command's; ``--image``/``--audio`` are uploaded, or sent as server paths w
 (default ``ID.mp4`` in the current directory, or in ``--output`` when that is a directory; temp
 name, then rename). ``jobs`` lists the
 server's jobs, shows the ones named, or cancels them (``--cancel``). ``--json`` prints the video
-object(s) instead. The server comes from ``--url`` / ``$WAN_S2V_URL``, the token from ``--token``
-/ ``$WAN_S2V_TOKEN``.
+object(s) instead. The server comes from ``--url`` / ``$WAN_S2V_URL``, the token from
+``--token-file``, ``--token`` or ``$WAN_S2V_TOKEN`` (:mod:`.serve.token`).
 
 Exit codes (README): 0 done; 3 the server refused the request (a 4xx: its cause printed; for
 ``submit``, nothing was queued); 6 the job failed or was cancelled on the server; 7 the server
@@ -31,10 +31,11 @@ import httpx
 from wan_s2v_runner.launcher.console import PROGRESS_EVERY_S, fmt_seconds
 from wan_s2v_runner.launcher.flags import flag_values
 from wan_s2v_runner.launcher.serve.queue import JobStatus
+from wan_s2v_runner.launcher.serve.token import TokenError, token_of
 from wan_s2v_runner.shared import atomic, exit_codes
 from wan_s2v_runner.shared.jobs import INPUT_FIELDS
 
-URL_ENV, TOKEN_ENV = "WAN_S2V_URL", "WAN_S2V_TOKEN"
+URL_ENV = "WAN_S2V_URL"
 DEFAULT_URL = "http://127.0.0.1:8000"
 #: a silent server this long is a dead one (its event streams send a ping every 15 s)
 READ_TIMEOUT_S = 90
@@ -52,7 +53,10 @@ class ClientError(Exception):
 
 def connect(args) -> httpx.Client:
     url = (args.url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
-    token = args.token or os.environ.get(TOKEN_ENV)
+    try:
+        token = token_of(args)
+    except TokenError as e:
+        raise ClientError(exit_codes.USAGE, str(e)) from None
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"} if token else {},
                         timeout=httpx.Timeout(60, read=READ_TIMEOUT_S))
 

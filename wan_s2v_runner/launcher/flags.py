@@ -55,18 +55,25 @@ CLIENT_FIELDS: dict[Command, tuple[str, ...]] = {Command.SUBMIT: (*INPUT_FIELDS,
 
 
 class OptionKind(str, Enum):
-    """How a command option is given: a switch, or a value of a type (``PATHS``: repeatable)."""
+    """How a command option is given: a switch, or a value of a type (``PATHS``, ``TEXTS``:
+    repeatable)."""
 
     SWITCH = "store_true"
     PATH = "path"
     PATHS = "paths"
     TEXT = "text"
+    TEXTS = "texts"
     INT = "int"
 
     @property
     def type(self) -> Optional[type]:
         """The value's type (None for a switch)."""
-        return {OptionKind.PATH: Path, OptionKind.PATHS: Path, OptionKind.TEXT: str, OptionKind.INT: int}.get(self)
+        return {OptionKind.PATH: Path, OptionKind.PATHS: Path, OptionKind.TEXT: str, OptionKind.TEXTS: str,
+                OptionKind.INT: int}.get(self)
+
+    @property
+    def repeatable(self) -> bool:
+        return self in (OptionKind.PATHS, OptionKind.TEXTS)
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,23 @@ COMMAND_OPTIONS = (
         kind=OptionKind.TEXT,
         default_text="none (`$WAN_S2V_TOKEN`)",
         metavar="TOKEN",
+    ),
+    CommandOption(
+        "--token-file",
+        "read the bearer token from FILE's first line (safer than --token, which ps shows)",
+        (Command.SERVE, Command.SUBMIT, Command.JOBS),
+        kind=OptionKind.PATH,
+        default_text="none",
+        metavar="FILE",
+    ),
+    CommandOption(
+        "--allow-host",
+        "a host name clients reach a server without a token by (repeatable; IP addresses and localhost "
+        "always work: other names are refused, against DNS rebinding)",
+        (Command.SERVE,),
+        kind=OptionKind.TEXTS,
+        default_text="none",
+        metavar="NAME",
     ),
     CommandOption(
         "--url",
@@ -273,8 +297,8 @@ def add_spec_flags(parser: argparse.ArgumentParser, command: Command) -> None:
             if opt.kind in (OptionKind.PATH, OptionKind.TEXT, OptionKind.INT):
                 g.add_argument(opt.flag, dest=opt.dest, type=opt.kind.type, metavar=opt.metavar, help=opt.help,
                                default=opt.default)
-            elif opt.kind is OptionKind.PATHS:
-                g.add_argument(opt.flag, dest=opt.dest, type=Path, metavar=opt.metavar, help=opt.help,
+            elif opt.kind.repeatable:
+                g.add_argument(opt.flag, dest=opt.dest, type=opt.kind.type, metavar=opt.metavar, help=opt.help,
                                action="append", default=[])
             else:
                 g.add_argument(opt.flag, dest=opt.dest, action="store_true", help=opt.help)
@@ -322,7 +346,7 @@ def flags_table() -> str:
     rows.append("| **command** | | |")
     for opt in COMMAND_OPTIONS:
         flag = f"`{opt.flag} {opt.metavar}`" if opt.metavar else f"`{opt.flag}`"
-        if opt.kind is OptionKind.PATHS:
+        if opt.kind.repeatable:
             flag += " (repeatable)"
         only = "" if opt.commands == ALL else f" ({', '.join(c.value for c in opt.commands)} only)"
         rows.append(f"| {flag} | {opt.default_text} | {opt.help}{only} |")

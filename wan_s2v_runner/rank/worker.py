@@ -304,7 +304,7 @@ class RankGroup:
                       "frames": list(video.shape), "identity": identity, **memory_figures(events.peaks),
                       "output": {"path": str(spec.output), "sha256": media.sha256_file(spec.output)},
                       "spec": json.loads(spec.model_dump_json())}
-            atomic.write_text(job.record, json.dumps(record, indent=1))
+            atomic.write_text(job.record, json.dumps(record, indent=1), durable=True)  # mp4 first, then this
         events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
 
 

@@ -3,6 +3,11 @@
 One naming rule for temporaries, ``.<stem>.<pid>.<tag><suffix>`` next to the destination (the
 suffix is kept so writers that pick a format from it — PIL, ffmpeg — still work), so the
 launcher can find and remove what a killed rank left behind (:func:`leftover_pattern`).
+
+``durable`` writes (a job's mp4 and record: what a server's queue then calls ``completed``) are
+also on disk before anyone is told: the temporary is fsynced before the rename, and the
+directory after it (:func:`fsync_file`, :func:`fsync_dir`), so a power cut leaves the old state or
+the whole new file, never a name pointing at nothing.
 """
 from __future__ import annotations
 
@@ -22,18 +27,44 @@ def leftover_pattern(dest: Path, pid: int) -> str:
     return f".{dest.stem}.{pid}.*{dest.suffix}"
 
 
-def atomic_write(dest: Path, write: Callable[[Path], object]) -> Path:
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (the directory's entry on disk)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace(tmp: Path, dest: Path, durable: bool = False) -> None:
+    """``os.replace``; ``durable``: the file's data before, the directory entry after."""
+    if durable:
+        fsync_file(tmp)
+    os.replace(tmp, dest)
+    if durable:
+        fsync_dir(Path(dest).parent)
+
+
+def atomic_write(dest: Path, write: Callable[[Path], object], durable: bool = False) -> Path:
     """``write(tmp)`` then rename onto ``dest``; on any error the temporary is removed."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(dest)
     try:
         write(tmp)
-        os.replace(tmp, dest)
+        replace(tmp, dest, durable)
     finally:
         tmp.unlink(missing_ok=True)
     return dest
 
 
-def write_text(dest: Path, text: str) -> Path:
-    return atomic_write(dest, lambda p: p.write_text(text, encoding="utf-8"))
+def write_text(dest: Path, text: str, durable: bool = False) -> Path:
+    return atomic_write(dest, lambda p: p.write_text(text, encoding="utf-8"), durable)

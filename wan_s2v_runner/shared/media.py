@@ -9,7 +9,6 @@ video), any failure raises :class:`MediaError`.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 
+from wan_s2v_runner.shared import atomic
 from wan_s2v_runner.shared.atomic import temp_name
 from wan_s2v_runner.shared.stages import Stage
 
@@ -88,7 +88,7 @@ def save_video_with_audio(frames, fps: int, audio: Path, output: Path, on_stage=
         if on_stage:
             on_stage(Stage.MUX)
         mux_audio(video_tmp, Path(audio), final_tmp, duration_s=u8.shape[0] / fps)
-        os.replace(final_tmp, output)
+        atomic.replace(final_tmp, output, durable=True)  # on disk before anyone is told it is done
     finally:
         for p in (video_tmp, final_tmp):
             p.unlink(missing_ok=True)

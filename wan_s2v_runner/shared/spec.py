@@ -55,6 +55,11 @@ __all__ = ["GroupSpec", "JobSpec", "RunSpec", "LoraRef", "Mode", "Layout", "Flag
 #: Upstream S2V default area (width*height); the engine fits the reference image inside it.
 DEFAULT_MAX_AREA = 1024 * 704
 MAX_SEED = 2**63 - 1
+#: the most sampling steps a job may ask (upstream samples 40; a number far beyond is a mistake,
+#: or a job that would hold a served group for days)
+MAX_STEPS = 1000
+#: the largest noise schedule shift and guidance scale (upstream: 3-5)
+MAX_SCALE = 100.0
 
 
 class FlagGroup(str, Enum):
@@ -127,7 +132,7 @@ Area = Annotated[int, BeforeValidator(_area)]
 class LoraRef(BaseModel):
     """One LoRA of a run: ``PATH[:STRENGTH]`` on the command line (strength 1.0 by default)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     path: AbsPath
     strength: float = 1.0
@@ -155,7 +160,7 @@ class GroupSpec(BaseModel):
     """What a rank group fixes for its life: the model it loads, its layout, its supervision.
     Paths are absolute after validation."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     # ----- the model
     ckpt_dir: Annotated[AbsPath, Flag(_MO, metavar="DIR")] = Field(
@@ -286,7 +291,7 @@ class JobSpec(BaseModel):
     """What one video needs beyond its rank group: inputs, sampling, outputs. A batch line and a
     server submission are validated as one. Paths are absolute after validation."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     # ----- inputs
     image: Annotated[AbsPath, Flag(_IN, metavar="PATH")] = Field(description="reference image")
@@ -316,11 +321,11 @@ class JobSpec(BaseModel):
     num_clips: Annotated[Optional[int], Flag(_SA, metavar="N", default_text="from audio")] = Field(
         None, gt=0, description="clips to generate (default: enough to cover the audio)")
     steps: Annotated[int, Flag(_SA, aliases=("--sample-steps",), metavar="N")] = Field(
-        40, gt=0, description="sampling steps")
+        40, gt=0, le=MAX_STEPS, description="sampling steps")
     shift: Annotated[float, Flag(_SA, aliases=("--sample-shift",))] = Field(
-        3.0, gt=0, description="noise schedule shift")
+        3.0, gt=0, le=MAX_SCALE, description="noise schedule shift")
     guide_scale: Annotated[float, Flag(_SA, aliases=("--sample-guide-scale",))] = Field(
-        4.5, ge=0, description="classifier-free guidance scale")
+        4.5, ge=0, le=MAX_SCALE, description="classifier-free guidance scale")
     solver: Annotated[Literal["unipc", "dpm++"], Flag(_SA)] = Field("unipc", description="sampler")
     seed: Annotated[int, Flag(_SA, metavar="N")] = Field(
         -1, ge=-1, le=MAX_SEED, description="-1 = random, chosen once by the launcher and recorded in run.json")
@@ -378,7 +383,7 @@ class RunSpec(GroupSpec, JobSpec):
     """A rank group with one job: everything ``wan-s2v run`` needs, and what a rank makes one
     video from. Its fields are the two sections' (flat: ``spec.ckpt_dir``, ``spec.image``)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _across(self) -> "RunSpec":

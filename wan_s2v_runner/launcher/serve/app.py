@@ -1,13 +1,23 @@
 """``wan-s2v serve``'s FastAPI application: the routes (:mod:`.routes`) over the server's state
 (:class:`~.state.Server`, kept in ``app.state``), every refusal as an OpenAI-style error body.
 
+A server without a token trusts whoever can reach it, so it must not let a web page act for a
+site: :class:`BrowserGuard` refuses (403) a request whose ``Host`` is a name the server was not
+told it answers to (an IP address, ``localhost`` and ``--allow-host`` names pass: a DNS-rebinding
+page reaches the server under its own domain name), and one a browser sends for another site
+(an ``Origin`` that is not the server's own, or ``Sec-Fetch-Site: cross-site``: a cross-site form
+POST needs no CORS preflight). curl, ``wan-s2v submit``, the OpenAI SDK and the status page
+(same origin) send neither. With a token, the token is the check.
+
 Cut as vLLM's entrypoints are: thin routes (:mod:`.routes`), typed protocol models
 (:mod:`.protocol`), the views they return (:mod:`.state`), and the HTTP launcher apart
 (:mod:`.http`: socket, uvicorn, signals).
 """
 from __future__ import annotations
 
+import ipaddress
 from typing import Optional
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -27,6 +37,57 @@ def error_response(status: int, message: str, param: Optional[str] = None, code:
     return JSONResponse(body.model_dump(), status_code=status)
 
 
+def _host_name(host: str) -> str:
+    """``Host`` header -> the name without the port (``[::1]:8000`` -> ``::1``)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class BrowserGuard:
+    """ASGI middleware: without a token, refuse what a web page of another site sends (see the
+    module's docstring). ``allow_hosts``: names the server answers to besides addresses and
+    localhost."""
+
+    def __init__(self, app, allow_hosts: tuple[str, ...] = ()):
+        self.app = app
+        self.allow_hosts = {h.strip().lower() for h in allow_hosts}
+
+    def refusal(self, headers: dict[str, str]) -> Optional[str]:
+        host = headers.get("host", "")
+        name = _host_name(host)
+        if not (name == "localhost" or _is_address(name) or name in self.allow_hosts):
+            return (f"Host {host!r} is not a name this server answers to (a page of another site can reach a "
+                    "server without a token under its own name). Fix: use the server's address, or start it "
+                    f"with --allow-host {name or 'NAME'} (or a --token)")
+        origin = headers.get("origin")
+        if origin is not None and urlsplit(origin).netloc.lower() != host.strip().lower():
+            return (f"a browser sent this for the page at {origin}, not this server's own. Fix: use the status "
+                    "page at / or a client (curl, wan-s2v submit, the OpenAI SDK), or start the server with a --token")
+        if headers.get("sec-fetch-site") == "cross-site":
+            return ("a browser sent this for a page of another site. Fix: use the status page at / or a client, "
+                    "or start the server with a --token")
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        why = self.refusal(headers)
+        if why is None:
+            return await self.app(scope, receive, send)
+        return await error_response(403, why, code="cross_site")(scope, receive, send)
+
+
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="wan-s2v", summary="Wan2.2 S2V-14B: reference image + speech -> talking video",
                   version="0.1.0")
@@ -38,4 +99,6 @@ def create_app(server: Server) -> FastAPI:
 
     app.include_router(public)
     app.include_router(api)
+    if server is not None and server.token is None:
+        app.add_middleware(BrowserGuard, allow_hosts=server.allow_hosts)
     return app

@@ -51,7 +51,7 @@ def _optional(name: str) -> tuple[Any, FieldInfo]:
 
 #: a submission's own fields, typed, constrained and described as the run spec's (all optional:
 #: the server's flags give the defaults)
-VideoJobFields = create_model("VideoJobFields", __config__=ConfigDict(extra="forbid"),
+VideoJobFields = create_model("VideoJobFields", __config__=ConfigDict(extra="forbid", allow_inf_nan=False),
                               **{name: _optional(name) for name in SUBMIT_FIELDS})
 
 

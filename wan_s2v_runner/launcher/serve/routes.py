@@ -98,14 +98,52 @@ async def _changes(request: Request, read, view, every_s: float):
         await asyncio.sleep(every_s)
 
 
+#: a JSON submission's largest body and deepest nesting (a job is a flat object of a few fields)
+MAX_JSON_BYTES = 64 * 1024
+MAX_JSON_DEPTH = 4
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, counted as it streams: never more than ``limit`` plus one chunk is held."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise Refused(413, f"the body is over {limit // 1024} KiB. Fix: send the job's fields only (files as a "
+                               "multipart form)")
+    return bytes(body)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def _json_body(raw: bytes) -> Any:
+    """A JSON body: finite numbers only (``NaN``, ``Infinity`` refused), nested at most
+    :data:`MAX_JSON_DEPTH` deep."""
+    try:
+        value = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise Refused(400, f"the body is not JSON ({e}). Fix: send a JSON object or a multipart form") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise Refused(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels. Fix: send a flat JSON object "
+                           "of the job's fields")
+    return value
+
+
 async def _fields(request: Request) -> dict[str, Any]:
     """The submission's fields: a multipart/urlencoded form (files as :class:`Upload`) or JSON."""
     kind = request.headers.get("content-type", "")
     if kind.startswith("application/json"):
-        try:
-            body = await request.json()
-        except ValueError as e:
-            raise Refused(400, f"the body is not JSON ({e}). Fix: send a JSON object or a multipart form") from None
+        body = _json_body(await _read_body(request, MAX_JSON_BYTES))
         if not isinstance(body, dict):
             raise Refused(400, "the body is not a JSON object. Fix: send {\"prompt\": ..., \"image\": ..., ...}")
         return body

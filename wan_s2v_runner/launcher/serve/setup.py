@@ -14,7 +14,6 @@ after a failure), until interrupted.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,11 +23,13 @@ from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.jobs import OUTPUT_FIELDS
 from wan_s2v_runner.shared.spec import GroupSpec
 
-TOKEN_ENV = "WAN_S2V_TOKEN"
+#: the server directory's lock, held (open) for the process's life (:mod:`.lock`)
+_lock_fd: Optional[int] = None
 
 
-def token_of(args) -> Optional[str]:
-    return args.token or os.environ.get(TOKEN_ENV) or None
+def _hold(fd: int) -> None:
+    global _lock_fd
+    _lock_fd = fd
 
 
 def group_defaults(root: Path) -> dict[str, Any]:
@@ -41,12 +42,25 @@ def serve(args, group: GroupSpec, base: dict[str, Any], root: Path, extra_env: O
     """Check the group, then serve (node 0) or compute (other nodes). ``group``: the group's
     spec; ``base``: the command's values (every job's defaults)."""
     from wan_s2v_runner.launcher.serve.http import check_bind
+    from wan_s2v_runner.launcher.serve.token import TokenError, token_of
 
-    token = token_of(args)
+    try:
+        token = token_of(args)
+    except TokenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exit_codes.USAGE
     refusal = check_bind(args.host, token, args.insecure_no_auth)
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return exit_codes.USAGE
+    if group.writes_output:  # node 0 owns the directory: one server on it at a time
+        from wan_s2v_runner.launcher.serve import lock
+
+        try:
+            _hold(lock.hold(root))
+        except lock.DirectoryInUse as e:
+            print(f"error: {e}", file=sys.stderr)
+            return exit_codes.PREFLIGHT
     if args.skip_preflight:
         print("WARNING: --skip-preflight: the group is not checked (each job still is, when submitted)",
               file=sys.stderr)
@@ -99,5 +113,6 @@ def _serve_node0(args, group: GroupSpec, base: dict, root: Path, token: Optional
     metrics.attach(keeper)
     server = Server(queue=queue, keeper=keeper, dirs=dirs, metrics=metrics,
                     base={k: v for k, v in job_defaults(base).items() if k not in OUTPUT_FIELDS},
-                    policy=policy, max_queue=args.max_queue, token=token, facts=machine_facts())
+                    policy=policy, max_queue=args.max_queue, token=token, facts=machine_facts(),
+                    allow_hosts=tuple(args.allow_host))
     return run_server(server, args.host, args.port)

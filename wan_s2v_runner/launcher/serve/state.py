@@ -43,6 +43,7 @@ class Server:
     token: Optional[str] = None
     facts: Any = None  # the machine's facts, probed once (preflight of each job)
     metrics: Optional[ServerMetrics] = None
+    allow_hosts: tuple[str, ...] = ()  # host names (beyond IP addresses and localhost) clients may use
 
 
 def percent(row: JobRow, live: Optional[dict]) -> int:

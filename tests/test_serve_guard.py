@@ -1,0 +1,151 @@
+"""A server left running is safe from web pages and bad numbers, and alone in its directory
+(issue #38's first items), over real HTTP on loopback.
+
+The server without a token here runs the stub rank (tests/stub_rank.py): what is tested happens in
+the HTTP layer and the server's start, before any job reaches the ranks. The token server is the
+session's shared one (conftest.server)."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import httpx
+import pytest
+from conftest import STUB_RANKS, cli_env
+from serving import TINY_DEFAULTS, TOKEN, ServerProcess
+
+from wan_s2v_runner.shared import exit_codes
+
+
+@pytest.fixture(scope="module")
+def open_server(tiny_assets, tmp_path_factory):
+    """``wan-s2v serve`` without a token (loopback), its ranks the stub's."""
+    d = tmp_path_factory.mktemp("open") / "server dir"
+    s = ServerProcess(d, [*TINY_DEFAULTS, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--nproc", "1"], env=STUB_RANKS)
+    yield s
+    assert s.stop() == []
+
+
+@pytest.mark.slow
+def test_without_a_token_pages_of_other_sites_are_refused(open_server):
+    url, port = open_server.url, open_server.url.rsplit(":", 1)[1]
+    plain = httpx.Client(base_url=url, timeout=30)  # no token: curl, a client, the page itself
+    assert plain.get("/v1/videos").status_code == 200
+    assert plain.get("/v1/videos", headers={"Host": f"localhost:{port}"}).status_code == 200
+
+    # DNS rebinding: the attacker's name resolves to 127.0.0.1; the browser sends its own Host
+    r = plain.get("/v1/videos", headers={"Host": f"evil.example:{port}"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "cross_site"
+    assert "--allow-host evil.example" in r.json()["error"]["message"]
+    assert plain.get("/health", headers={"Host": f"evil.example:{port}"}).status_code == 403
+
+    # a cross-site form POST (no CORS preflight): refused before the body is read
+    form = {"prompt": "from a web page", "image": "/etc/hostname", "audio": "/etc/hostname"}
+    r = plain.post("/v1/videos", data=form, headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403 and "http://evil.example" in r.json()["error"]["message"]
+    r = plain.post("/v1/videos", data=form, headers={"Sec-Fetch-Site": "cross-site"})
+    assert r.status_code == 403
+    r = plain.post("/v1/videos", data=form, headers={"Origin": "null"})  # a sandboxed frame
+    assert r.status_code == 403
+    assert plain.get("/v1/videos").json()["data"] == []  # nothing was queued
+
+    # the page's own requests (same origin) pass the guard, and get the API's own answer (this
+    # server takes no paths: uploads only)
+    r = plain.post("/v1/videos", data=form, headers={"Origin": url, "Sec-Fetch-Site": "same-origin"})
+    assert r.status_code == 403 and r.json()["error"]["code"] is None
+    assert "this server takes no paths" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_second_server_on_the_directory_exits_3_and_the_first_is_untouched(open_server, tiny_assets):
+    root = open_server.dir
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700  # the user's alone
+    for name in ("jobs.sqlite", "server.json", "server.lock"):
+        assert stat.S_IMODE((root / name).stat().st_mode) & 0o077 == 0, name
+    r = subprocess.run([sys.executable, "-m", "wan_s2v_runner", "serve", *TINY_DEFAULTS, "--ckpt-dir",
+                        str(tiny_assets.ckpt_dir), "--nproc", "1", "--server-dir", str(root), "--port", "0"],
+                       env=cli_env(STUB_RANKS), capture_output=True, text=True, timeout=120)
+    assert r.returncode == exit_codes.PREFLIGHT == 3, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: another wan-s2v serve (pid {open_server.proc.pid}) uses the server directory {root}. "
+                     "Fix: stop it, or give this server its own --server-dir"], r.stderr
+    assert open_server.proc.poll() is None
+    assert httpx.get(f"{open_server.url}/health").json()["status"] == "ok"
+    assert json.loads((root / "server.json").read_text())["pid"] == open_server.proc.pid
+
+
+@pytest.mark.slow
+def test_numbers_are_finite_and_in_range(server, inputs):
+    paths = {"image": str(inputs["image"]), "audio": str(inputs["audio"])}
+    raw = '{"image": "%s", "audio": "%s", "shift": NaN}' % (paths["image"], paths["audio"])
+    r = server.http.post("/v1/videos", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "NaN is not a number JSON allows" in r.json()["error"]["message"]
+    for field, value in (("guide_scale", "inf"), ("shift", "-Infinity"), ("shift", "nan")):
+        r = server.submit(**paths, **{field: value})
+        assert r.status_code == 422 and r.json()["error"]["param"] == field, r.text
+        assert "finite" in r.json()["error"]["message"]
+    r = server.submit(**paths, steps=5000)
+    assert r.status_code == 422 and "less than or equal to 1000" in r.json()["error"]["message"]
+    deep = {**paths, "prompt": [[[[["deep"]]]]]}
+    r = server.http.post("/v1/videos", json=deep)
+    assert r.status_code == 400 and "nested deeper" in r.json()["error"]["message"]
+    r = server.http.post("/v1/videos", json={**paths, "prompt": "x" * 100_000})
+    assert r.status_code == 413
+
+
+@pytest.mark.slow
+def test_the_token_from_a_file(server, tmp_path):
+    """``--token-file`` (the token off the command line, where ``ps`` shows it)."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    env = {k: v for k, v in cli_env().items() if k != "WAN_S2V_TOKEN"}
+    r = subprocess.run([sys.executable, "-m", "wan_s2v_runner", "jobs", "--url", server.url, "--token-file",
+                        str(token_file), "--json"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert isinstance(json.loads(r.stdout), list)
+    r = subprocess.run([sys.executable, "-m", "wan_s2v_runner", "jobs", "--url", server.url, "--token-file",
+                        str(tmp_path / "absent")], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == exit_codes.USAGE and "cannot read the token file" in r.stderr
+
+
+def test_the_guard_rules():
+    from wan_s2v_runner.launcher.serve.app import BrowserGuard
+
+    guard = BrowserGuard(app=None, allow_hosts=("S2V.lan",))
+    ok = [{"host": "127.0.0.1:8000"}, {"host": "[::1]:8000"}, {"host": "localhost"}, {"host": "10.1.2.3:80"},
+          {"host": "s2v.lan:8000"}, {"host": "s2v.lan:8000", "origin": "http://s2v.lan:8000"}]
+    bad = [{"host": "evil.example:8000"}, {"host": "127.0.0.1.evil.example"}, {"host": ""},
+           {"host": "127.0.0.1:8000", "origin": "http://127.0.0.1:9999"},
+           {"host": "127.0.0.1:8000", "sec-fetch-site": "cross-site"}]
+    assert [guard.refusal(h) for h in ok] == [None] * len(ok)
+    assert all(guard.refusal(h) for h in bad)
+
+
+def test_durable_writes_reach_the_disk_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
+    """The mp4 and a job's record: file data fsynced, renamed, then the directory fsynced."""
+    from wan_s2v_runner.shared import atomic
+
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append(("replace", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    dest = tmp_path / "video_1.json"
+    atomic.write_text(dest, "{}", durable=True)
+    tmp = atomic.temp_name(dest)
+    assert calls == [("fsync", str(tmp)), ("replace", str(dest)), ("fsync", str(tmp_path))]
+    calls.clear()
+    atomic.write_text(tmp_path / "plain.txt", "x")  # not durable: no fsync
+    assert calls == [("replace", str(tmp_path / "plain.txt"))]
