@@ -149,3 +149,63 @@ def test_durable_writes_reach_the_disk_before_the_rename_and_the_directory_after
     calls.clear()
     atomic.write_text(tmp_path / "plain.txt", "x")  # not durable: no fsync
     assert calls == [("replace", str(tmp_path / "plain.txt"))]
+
+
+@pytest.mark.slow
+def test_a_job_whose_input_is_gone_fails_alone_and_the_ranks_go_on(server, inputs):
+    """An input under --allow-dir removed between acceptance and its turn: that job fails with its
+    cause; the same ranks (no restart) make the next job."""
+    import httpx as _httpx
+    from conftest import wait_for
+
+    before = _httpx.get(f"{server.url}/health").json()
+    long = server.submit(image=inputs["image"], audio=inputs["audio"], steps=1000, prompt="holds the group").json()
+    wait_for(lambda: (server.video(long["id"]).get("step") or 0) >= 1, 120, "the long job's first step", server.tail)
+    vanishing = inputs["root"] / "vanishing.png"
+    vanishing.write_bytes(inputs["image"].read_bytes())
+    gone = server.submit(image=vanishing, audio=inputs["audio"], prompt="its image will be gone")
+    assert gone.status_code == 200, gone.text
+    vanishing.unlink()
+    server.http.delete(f"/v1/videos/{long['id']}")
+    failed = server.wait(gone.json()["id"], "failed", "completed", timeout=120)
+    assert failed["status"] == "failed", failed
+    assert "image" in failed["error"]["message"] and "gone or empty" in failed["error"]["message"]
+    after = server.submit(image=inputs["image"], audio=inputs["audio"], steps=1, infer_frames=4, num_clips=1).json()
+    assert server.wait(after["id"], "completed")["attempts"] == 1
+    health = _httpx.get(f"{server.url}/health").json()
+    assert (health["groups"], health["restarts"]) == (before["groups"], before["restarts"])  # the same ranks
+
+
+@pytest.mark.slow
+def test_an_event_stream_always_reaches_an_end(open_server, tiny_assets):
+    """A stream whose job can no longer be read ends with an ``error`` event, not silence."""
+    import sqlite3
+    import threading
+
+    plain = httpx.Client(base_url=open_server.url, timeout=30)
+    files = {"image": ("face.png", tiny_assets.image.read_bytes(), "image/png"),
+             "audio": ("voice.wav", tiny_assets.audio.read_bytes(), "audio/wav")}
+    r = plain.post("/v1/videos", files=files, data={"prompt": "followed"})
+    assert r.status_code == 200, r.text
+    vid = r.json()["id"]  # the stub's ranks never make it: it stays queued or in progress
+    seen: list[tuple[str, dict]] = []
+
+    def follow():
+        event = None
+        with plain.stream("GET", f"/v1/videos/{vid}/events", timeout=60) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:"):
+                    seen.append((event, json.loads(line[5:])))
+
+    reader = threading.Thread(target=follow)
+    reader.start()
+    from conftest import wait_for
+    wait_for(lambda: seen, 30, "the stream's first event")
+    with sqlite3.connect(open_server.dir / "jobs.sqlite") as db:  # the row goes (a later delete, a bug)
+        db.execute("DELETE FROM jobs WHERE id = ?", (vid,))
+    reader.join(30)
+    assert not reader.is_alive(), "the stream did not end"
+    assert seen[0][0] == "video" and seen[-1][0] == "error"
+    assert seen[-1][1]["error"]["code"] == "404" and vid in seen[-1][1]["error"]["message"]

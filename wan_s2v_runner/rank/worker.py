@@ -50,6 +50,36 @@ class JobCancelled(Exception):
     """The server cancelled the job in progress; raised on every rank at the same step."""
 
 
+class JobFailed(Exception):
+    """A job's own error, where no peer can be waiting for this rank in a collective: its inputs
+    before the ranks start it, or rank 0's writing after they finished it. The job fails with
+    this cause; the same ranks take the next job."""
+
+
+def input_problem(spec) -> Optional[str]:
+    """Why ``spec``'s input files cannot be read as the job needs them now (None: they can): a
+    file removed, emptied or replaced by something else since the job was accepted."""
+    from PIL import Image
+
+    files = {"image": spec.image, "audio": spec.audio, "pose_video": spec.pose_video,
+             "tts_prompt_audio": spec.tts_prompt_audio}
+    for name, path in files.items():
+        if path is None:
+            continue
+        try:
+            if not path.is_file() or path.stat().st_size == 0:
+                return f"{name} {path} is gone or empty (changed since the job was accepted)"
+            if name == "image":
+                with Image.open(path) as im:
+                    im.verify()
+            else:
+                with open(path, "rb") as f:
+                    f.read(1)
+        except Exception as e:  # whatever the file does, it is this job's cause
+            return f"{name} {path} cannot be read ({type(e).__name__}: {e})"
+    return None
+
+
 class RankEvents(EventWriter):
     """EventWriter that also checks the test fault hook at every stage, and reports this rank's
     memory: peaks per stage (``stage_peak`` records, :mod:`.memory_peaks`) and in heartbeats."""
@@ -252,6 +282,19 @@ class RankGroup:
                     raise JobCancelled(job.id)
         return step
 
+    def inputs_agreed(self, job: Job) -> Optional[str]:
+        """Rank 0 reads the job's inputs before any rank starts it, and every rank hears the
+        verdict (a problem: the job fails alone, before any collective of its own)."""
+        return self._from_rank0(input_problem(job.run_spec(self.spec)) if self.rank == 0 else None)
+
+    def fail_job(self, job: Job, index: int, cause: str) -> None:
+        """The job failed with ``cause``: rank 0 records it (``status: failed``) and every rank says
+        ``job_failed``; the group goes on."""
+        if self.rank == 0 and job.record is not None:
+            record = {"id": job.id, "status": "failed", "error": cause, "finished": time.time()}
+            atomic.write_text(job.record, json.dumps(record, indent=1), durable=True)
+        self.events.emit("job_failed", id=job.id, job=index + 1, error=cause)
+
     def run_job(self, job: Job, index: int, total: Optional[int]) -> None:
         """Make one job (``total``: the group's number of jobs, None while serving)."""
         from wan_s2v_runner.rank.generation import ClipState, Hooks, S2VGenerator
@@ -292,10 +335,14 @@ class RankGroup:
         if video is None:
             raise RuntimeError("rank 0 got no frames from the engine")
         events.emit("frames", shape=list(video.shape))
-        if spec.frames_out:
-            frames = video.contiguous()
-            atomic.atomic_write(spec.frames_out, lambda p: torch.save(frames, p))
-        media.save_video_with_audio(video, self.cfg.sample_fps, spec.speech, spec.output, on_stage=stage)
+        try:  # the other ranks are done with this job: an error here is the job's, not the group's
+            if spec.frames_out:
+                frames = video.contiguous()
+                atomic.atomic_write(spec.frames_out, lambda p: torch.save(frames, p))
+            media.save_video_with_audio(video, self.cfg.sample_fps, spec.speech, spec.output, on_stage=stage)
+        except Exception as e:
+            raise JobFailed(f"writing the video failed in stage {events.current_stage.value}: "
+                            f"{type(e).__name__}: {e}") from e
         if job.record is not None:
             ended = time.time()
             record = {"id": job.id, "status": "ok", "seed": spec.seed, "started": started, "finished": ended,
@@ -343,10 +390,15 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
             dist.barrier()  # is its own work, not a wait for a slower rank's loading
         group = RankGroup(spec, run_dir, events, rank, cfg, plan, parts)
         for index, job in enumerate(group.jobs()):
+            problem = group.inputs_agreed(job)
             try:
+                if problem is not None:
+                    raise JobFailed(problem)
                 group.run_job(job, index, None if group.served else group.count)
             except JobCancelled:  # every rank stopped it at the same step; the group takes the next
                 events.emit("job_cancelled", id=job.id, job=index + 1)
+            except JobFailed as e:  # the job's own error where no peer waits: the group takes the next
+                group.fail_job(job, index, str(e))
             release_memory(spec, parts)
         events.stage(Stage.DONE)
     except BaseException as e:

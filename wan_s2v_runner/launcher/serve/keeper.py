@@ -11,7 +11,9 @@ supervisor tells it after every poll of the ranks' events; there, on the keeper'
   prepared from its clip checkpoints, a job whose record and mp4 are already there is completed
   without running, as ``wan-s2v batch`` does);
 - follows rank 0's events into the job's live progress (:class:`Progress`: stage, clip k/n,
-  step i/m, ETA, seconds per stage), and records ``job_done`` / ``job_cancelled`` in the queue;
+  step i/m, ETA, seconds per stage), and records ``job_done`` / ``job_cancelled`` /
+  ``job_failed`` (the job's own error: its inputs unreadable when it starts, or rank 0's writing
+  failed; the same ranks take the next job) in the queue;
 - passes a cancel of the running job to the ranks (the inbox's cancel file).
 
 When the group ends under a job (a rank died or hung), the job goes back to the queue with its
@@ -290,7 +292,7 @@ class Keeper(threading.Thread):
                     self.state = GroupState.WORKING
             if p is not None and kind in ("stage", "progress"):
                 p.on_event(ev)
-            if kind in ("job_done", "job_cancelled") and ev.get("id") == self.current:
+            if kind in ("job_done", "job_cancelled", "job_failed") and ev.get("id") == self.current:
                 job_id, self.current = self.current, None
                 done = self.progress.pop(job_id, None)
                 if kind == "job_done" and done is not None:
@@ -299,6 +301,9 @@ class Keeper(threading.Thread):
                 return
         if kind == "job_cancelled":
             self.queue.finish(job_id, JobStatus.CANCELLED, error="cancelled")
+            return
+        if kind == "job_failed":  # the job's own error: the ranks stay up and take the next job
+            self.queue.finish(job_id, JobStatus.FAILED, error=str(ev.get("error") or "the job failed"))
             return
         try:
             record = json.loads((self.dirs.videos / f"{job_id}.json").read_text(encoding="utf-8"))

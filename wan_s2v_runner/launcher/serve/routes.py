@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from typing import Annotated, Any
@@ -41,10 +42,19 @@ from starlette.datastructures import UploadFile
 
 from wan_s2v_runner.launcher.serve import page
 from wan_s2v_runner.launcher.serve.metrics import CONTENT_TYPE
-from wan_s2v_runner.launcher.serve.protocol import ErrorResponse, Health, ServerInfo, VideoList, VideoObject
+from wan_s2v_runner.launcher.serve.protocol import (
+    ErrorDetail,
+    ErrorResponse,
+    Health,
+    ServerInfo,
+    VideoList,
+    VideoObject,
+)
 from wan_s2v_runner.launcher.serve.queue import JobRow, JobStatus, QueueFull
 from wan_s2v_runner.launcher.serve.requests import Refused, Upload, VideoJobFields, build_job, new_id
 from wan_s2v_runner.launcher.serve.state import Server, health, job_fields, server_state, video_object
+
+log = logging.getLogger("wan_s2v.serve")
 
 #: how often the events stream looks for a change
 EVENTS_POLL_S = 0.25
@@ -85,12 +95,28 @@ def _settled(video: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in video.items() if k != "stage_seconds" or video["status"] != "in_progress"}
 
 
+class StreamEnded(Exception):
+    """What a server-sent event stream says last when it cannot go on (``event: error``)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
 async def _changes(request: Request, read, view, every_s: float):
     """``read()`` (on a worker thread: it queries SQLite) every ``every_s`` while the client is
-    connected, yielding it whenever ``view`` of it changed."""
+    connected, yielding it whenever ``view`` of it changed. A read that fails ends the stream
+    with an ``error`` event (:class:`StreamEnded`): a follower never waits on a stream that died."""
     last = None
     while not await request.is_disconnected():
-        now = await run_in_threadpool(read)
+        try:
+            now = await run_in_threadpool(read)
+        except Refused as e:
+            raise StreamEnded(e.status, e.message) from None
+        except Exception as e:
+            log.exception("an event stream's read failed")
+            raise StreamEnded(500, f"the server could not read the job ({type(e).__name__}: {e}). Fix: retry; "
+                                   "the server's log has the traceback") from None
         seen = view(now)
         if seen != last:
             last = seen
@@ -159,6 +185,11 @@ async def _fields(request: Request) -> dict[str, Any]:
     return out
 
 
+def _ended(e: StreamEnded) -> ServerSentEvent:
+    body = ErrorResponse(error=ErrorDetail(message=e.message, type="stream_error", code=str(e.status)))
+    return ServerSentEvent(data=body.model_dump(), event="error", id=str(time.time()))
+
+
 #: the page and /health: no token
 public = APIRouter()
 #: everything else: the token when the server has one
@@ -206,8 +237,11 @@ async def all_events(request: Request, server: ServerDep):
         return {"server": {k: v for k, v in now["server"].items() if k != "uptime_s"},
                 "videos": [_settled(o) for o in now["videos"]]}
 
-    async for now in _changes(request, snapshot, view, EVENTS_POLL_S * 2):
-        yield ServerSentEvent(data=now, event="server", id=str(time.time()))
+    try:
+        async for now in _changes(request, snapshot, view, EVENTS_POLL_S * 2):
+            yield ServerSentEvent(data=now, event="server", id=str(time.time()))
+    except StreamEnded as e:
+        yield _ended(e)
 
 
 _FILE = {"type": "string", "format": "binary"}
@@ -276,7 +310,10 @@ async def events(video_id: str, request: Request, server: ServerDep):
     def read() -> dict[str, Any]:
         return video_object(server, job_row(server, video_id)).model_dump(mode="json")
 
-    async for obj in _changes(request, read, _settled, EVENTS_POLL_S):
-        yield ServerSentEvent(data=obj, event="video", id=str(time.time()))
-        if JobStatus(obj["status"]).terminal:
-            return
+    try:
+        async for obj in _changes(request, read, _settled, EVENTS_POLL_S):
+            yield ServerSentEvent(data=obj, event="video", id=str(time.time()))
+            if JobStatus(obj["status"]).terminal:
+                return
+    except StreamEnded as e:
+        yield _ended(e)
