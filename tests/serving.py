@@ -58,6 +58,19 @@ class ServerProcess:
         assert r.status_code == 200, r.text
         return r.json()
 
+    def videos(self) -> list[dict]:
+        """Every video on the server, oldest first: GET /v1/videos page by page (its cursor)."""
+        out: list[dict] = []
+        params: dict = {"order": "asc", "limit": 100}
+        while True:
+            r = self.http.get("/v1/videos", params=params)
+            assert r.status_code == 200, r.text
+            page = r.json()
+            out += page["data"]
+            if not page["has_more"]:
+                return out
+            params["after"] = page["last_id"]
+
     def submit(self, files: dict | None = None, **fields) -> httpx.Response:
         return self.http.post("/v1/videos", data={k: str(v) for k, v in fields.items()}, files=files)
 

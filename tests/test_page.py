@@ -84,7 +84,7 @@ def submit(driver, image: Path, audio: Path, **fields) -> None:
 
 
 def server_ids(server) -> list[str]:
-    return [v["id"] for v in server.http.get("/v1/videos").json()["data"]]
+    return [v["id"] for v in server.videos()]
 
 
 def newest_job(driver, other_than: set) -> str:
@@ -114,7 +114,7 @@ def test_status_page_in_chromium(browser, server, inputs, tmp_path):
     wait_for(lambda: len(driver.find_elements(By.CSS_SELECTOR, "#ranks tbody tr")) == 2, 60, "both ranks listed")
 
     # a bad upload: the preflight's cause and fix next to the image field, nothing queued
-    jobs_before = len(server.http.get("/v1/videos").json()["data"])
+    jobs_before = len(server.videos())
     bad = tmp_path / "not an image.png"
     bad.write_bytes(b"this is not a png")
     submit(driver, bad, inputs["audio"])
@@ -122,7 +122,7 @@ def test_status_page_in_chromium(browser, server, inputs, tmp_path):
     wait_for(lambda: slot.text, 30, "the image field's error")
     assert "preflight inputs.image" in slot.text and "Fix" in slot.text, slot.text
     shot(driver, "02-bad-upload")
-    assert len(server.http.get("/v1/videos").json()["data"]) == jobs_before
+    assert len(server.videos()) == jobs_before
 
     # text-to-speech from the page: the voice prompt is uploaded with the text (no speech audio),
     # so the server goes on to check CosyVoice, which this server lacks: its cause on the page
@@ -139,7 +139,7 @@ def test_status_page_in_chromium(browser, server, inputs, tmp_path):
              lambda: [e.text for e in driver.find_elements(By.CSS_SELECTOR, "[data-error-for]")])
     assert "preflight inputs.tts" in said.text and "Fix" in said.text, said.text
     shot(driver, "02b-tts-refused")
-    assert len(server.http.get("/v1/videos").json()["data"]) == jobs_before
+    assert len(server.videos()) == jobs_before
     form.find_element(By.NAME, "tts_prompt_audio").clear()
     form.find_element(By.NAME, "tts_text").clear()
 
@@ -176,7 +176,7 @@ def test_status_page_in_chromium(browser, server, inputs, tmp_path):
     shot(driver, "04-done")
 
     # a second job, cancelled from the page
-    submit(driver, inputs["image"], inputs["audio"], prompt="cancelled from the page", steps=40)
+    submit(driver, inputs["image"], inputs["audio"], prompt="cancelled from the page", steps=1000)
     second = newest_job(driver, earlier | {first})
     wait_for(lambda: job_state(driver, second)["status"] in ("queued", "in_progress"), 30, "the second job")
     driver.find_element(By.CSS_SELECTOR, f'[data-id="{second}"] button.cancel').click()

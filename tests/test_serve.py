@@ -80,14 +80,14 @@ def test_cancel_queued_and_running(server, inputs):
     group_before = httpx.get(f"{server.url}/health").json()
     long = server.submit(**paths, steps=1000, prompt="a long one").json()  # still denoising when cancelled
     queued = server.submit(**paths, prompt="never made").json()
-    r = server.http.delete(f"/v1/videos/{queued['id']}")
+    r = server.http.post(f"/v1/videos/{queued['id']}/cancel")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
     wait_for(lambda: (server.video(long["id"]).get("step") or 0) >= 1, 120, "the long job's first step", server.tail)
-    r = server.http.delete(f"/v1/videos/{long['id']}")
+    r = server.http.post(f"/v1/videos/{long['id']}/cancel")
     assert r.status_code == 200 and r.json()["cancel_requested"]
     gone = server.wait(long["id"], "cancelled", timeout=60)
     assert gone["error"]["message"] == "cancelled"
-    assert server.http.delete(f"/v1/videos/{long['id']}").json()["status"] == "cancelled"  # idempotent
+    assert server.http.post(f"/v1/videos/{long['id']}/cancel").json()["status"] == "cancelled"  # idempotent
     after = server.submit(**paths, steps=1, infer_frames=4, num_clips=1).json()
     assert server.wait(after["id"], "completed")["attempts"] == 1
     health = httpx.get(f"{server.url}/health").json()
@@ -97,7 +97,7 @@ def test_cancel_queued_and_running(server, inputs):
 
 @pytest.mark.slow
 def test_refusals_say_why(server, inputs, tmp_path):
-    before = len(server.http.get("/v1/videos").json()["data"])
+    before = len(server.videos())
     uploads = server.dir / "uploads"  # made by the first upload the server keeps (another test's, or none yet)
     uploads_before = set(uploads.iterdir()) if uploads.is_dir() else set()
     paths = {"image": inputs["image"], "audio": inputs["audio"]}
@@ -126,7 +126,7 @@ def test_refusals_say_why(server, inputs, tmp_path):
     r = server.submit(files={"audio": ("big.wav", b"\0" * (2 << 20), "audio/wav")}, image=inputs["image"])
     assert r.status_code == 413 and "over 1 MB" in r.json()["error"]["message"]
     assert server.http.get("/v1/videos/video_nope").status_code == 404
-    assert len(server.http.get("/v1/videos").json()["data"]) == before  # none of them was queued
+    assert len(server.videos()) == before  # none of them was queued
     assert (set(uploads.iterdir()) if uploads.is_dir() else set()) == uploads_before  # refused uploads are not kept
 
 
@@ -150,7 +150,7 @@ def test_fifty_concurrent_submissions(server, inputs):
     assert 6 <= len(accepted) < 50 and len(set(accepted)) == len(accepted)
     for vid in accepted:
         server.wait(vid, "completed", timeout=120)
-    listed = [v for v in server.http.get("/v1/videos").json()["data"] if v["prompt"].startswith("load ")]
+    listed = [v for v in server.videos() if v["prompt"].startswith("load ")]
     assert sorted(v["id"] for v in listed) == sorted(accepted)
     assert all(v["attempts"] == 1 for v in listed)
 
@@ -370,7 +370,8 @@ def test_the_api_documents_its_typed_responses():
     assert ref("/v1/videos", "post", "200").endswith("/VideoObject")
     assert ref("/v1/videos", "get", "200").endswith("/VideoList")
     assert ref("/v1/videos/{video_id}", "get", "200").endswith("/VideoObject")
-    assert ref("/v1/videos/{video_id}", "delete", "200").endswith("/VideoObject")
+    assert ref("/v1/videos/{video_id}", "delete", "200").endswith("/VideoDeleted")
+    assert ref("/v1/videos/{video_id}/cancel", "post", "200").endswith("/VideoObject")
     assert ref("/v1/videos/{video_id}", "get", "404").endswith("/ErrorResponse")
     assert ref("/v1/server", "get", "200").endswith("/ServerInfo")
     assert ref("/health", "get", "200").endswith("/Health")

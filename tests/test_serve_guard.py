@@ -166,7 +166,7 @@ def test_a_job_whose_input_is_gone_fails_alone_and_the_ranks_go_on(server, input
     gone = server.submit(image=vanishing, audio=inputs["audio"], prompt="its image will be gone")
     assert gone.status_code == 200, gone.text
     vanishing.unlink()
-    server.http.delete(f"/v1/videos/{long['id']}")
+    server.http.post(f"/v1/videos/{long['id']}/cancel")
     failed = server.wait(gone.json()["id"], "failed", "completed", timeout=120)
     assert failed["status"] == "failed", failed
     assert "image" in failed["error"]["message"] and "gone or empty" in failed["error"]["message"]

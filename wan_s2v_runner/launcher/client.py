@@ -91,6 +91,18 @@ def _call(client: httpx.Client, method: str, path: str, **kw) -> Any:
     return r.json()
 
 
+def list_all(client: httpx.Client) -> list[dict]:
+    """Every video, oldest first, page by page (``after`` the last one of the page before)."""
+    videos: list[dict] = []
+    params: dict[str, Any] = {"order": "asc", "limit": 100}
+    while True:
+        page = _call(client, "GET", "/v1/videos", params=params)
+        videos += page["data"]
+        if not page.get("has_more") or not page.get("last_id"):
+            return videos
+        params["after"] = page["last_id"]
+
+
 # --------------------------------------------------------------------------- submit
 def submission(args) -> tuple[dict[str, str], dict[str, Path]]:
     """The form fields (the job fields given as flags, as text) and the files to upload."""
@@ -290,11 +302,11 @@ def cmd_jobs(args) -> int:
                 if not args.ids:
                     raise ClientError(exit_codes.USAGE, "--cancel needs the ids of the jobs to cancel. Fix: "
                                                         "wan-s2v jobs --cancel ID [ID ...]")
-                videos = [_call(client, "DELETE", f"/v1/videos/{i}") for i in args.ids]
+                videos = [_call(client, "POST", f"/v1/videos/{i}/cancel") for i in args.ids]
             elif args.ids:
                 videos = [_call(client, "GET", f"/v1/videos/{i}") for i in args.ids]
             else:
-                videos = _call(client, "GET", "/v1/videos")["data"]
+                videos = list_all(client)
     except ClientError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.code

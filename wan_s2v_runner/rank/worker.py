@@ -348,7 +348,8 @@ class RankGroup:
             record = {"id": job.id, "status": "ok", "seed": spec.seed, "started": started, "finished": ended,
                       "wall_s": round(ended - started, 3), "stage_seconds": clock.seconds(ended),
                       "resumed_at_clip": resume_state[0].clip + 1 if resume_state else None,
-                      "frames": list(video.shape), "identity": identity, **memory_figures(events.peaks),
+                      "frames": list(video.shape), "fps": self.cfg.sample_fps, "identity": identity,
+                      **memory_figures(events.peaks),
                       "output": {"path": str(spec.output), "sha256": media.sha256_file(spec.output)},
                       "spec": json.loads(spec.model_dump_json())}
             atomic.write_text(job.record, json.dumps(record, indent=1), durable=True)  # mp4 first, then this

@@ -26,6 +26,17 @@ class MediaError(RuntimeError):
     pass
 
 
+#: the engine's frame rate (its config's ``sample_fps``), and how many frames a video has fewer
+#: than its clips (the first clip's motion frames): N clips of F frames make N * F - 3 frames
+FPS = 16
+FIRST_CLIP_DROPS = 3
+
+
+def clips_for_seconds(seconds: float, infer_frames: int) -> int:
+    """The fewest clips of ``infer_frames`` frames that make a video of at least ``seconds``."""
+    return max(1, -(-(round(seconds * FPS) + FIRST_CLIP_DROPS) // infer_frames))
+
+
 def ffmpeg_exe() -> str:
     try:
         import imageio_ffmpeg
@@ -72,6 +83,20 @@ def mux_audio(video: Path, audio: Path, out: Path, duration_s: float) -> None:
         tail = (proc.stderr or "").strip().splitlines()[-3:]
         raise MediaError(f"muxing audio {audio.name!r} failed (ffmpeg exit {proc.returncode}): "
                          f"{' | '.join(tail) or 'no output'}")
+
+
+def first_frame_jpeg(video: Path, out: Path) -> Path:
+    """``video``'s first frame as a JPEG at ``out`` (a thumbnail; temp name, then rename)."""
+    def write(tmp: Path) -> None:
+        cmd = [ffmpeg_exe(), "-nostdin", "-hide_banner", "-loglevel", "error", "-y", "-i", str(video),
+               "-frames:v", "1", "-q:v", "3", "-f", "image2", "-c:v", "mjpeg", str(tmp)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not tmp.is_file() or tmp.stat().st_size == 0:
+            tail = (proc.stderr or "").strip().splitlines()[-3:]
+            raise MediaError(f"a thumbnail of {video.name!r} failed (ffmpeg exit {proc.returncode}): "
+                             f"{' | '.join(tail) or 'no output'}")
+
+    return atomic.atomic_write(out, write)
 
 
 def save_video_with_audio(frames, fps: int, audio: Path, output: Path, on_stage=None) -> Path:

@@ -52,6 +52,8 @@ def run_server(server: Server, host: str, port: int) -> int:
     bound = sock.getsockname()[1]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
     remove_partial_videos(server.dirs.videos)
+    for job_id in server.queue.purge_deleting():  # deleted while they ran, before the server stopped
+        server.dirs.remove_job_files(job_id, video=True)
     recovered = server.queue.recover()
     if recovered:
         print(f"serve: {len(recovered)} job(s) were in progress when the server stopped; they resume first: "

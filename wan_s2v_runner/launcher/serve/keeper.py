@@ -135,6 +135,21 @@ class ServerDirs:
     def work(self, job_id: str) -> Path:
         return self.videos / WORK_DIR / job_id
 
+    def thumbnail(self, job_id: str) -> Path:
+        return self.videos / f"{job_id}.thumbnail.jpg"
+
+    def remove_job_files(self, job_id: str, *, video: bool) -> None:
+        """What a job left: its clip checkpoints and uploads (a job that ended keeps nothing it
+        could resume from); with ``video``, its mp4, record, speech and thumbnail too (deleted)."""
+        import shutil
+
+        shutil.rmtree(self.work(job_id), ignore_errors=True)
+        shutil.rmtree(self.uploads / job_id, ignore_errors=True)
+        if video:
+            for path in (self.videos / f"{job_id}.mp4", self.videos / f"{job_id}.json",
+                         self.videos / f"{job_id}.speech.wav", self.thumbnail(job_id)):
+                path.unlink(missing_ok=True)
+
 
 class KeeperObserver:
     """The keeper's side of a run's observers (:class:`~wan_s2v_runner.launcher.observer.RunObserver`):
@@ -240,7 +255,7 @@ class Keeper(threading.Thread):
             reason = (self.outcome.reason if self.outcome is not None and self.outcome.reason
                       else self.last_error or "the rank group ended")
             if failed is not None and not self._closing.is_set():
-                self.queue.group_failed(failed, reason)
+                self._group_failed_under(failed, reason)
             if self._closing.is_set():
                 break
             self.last_error = reason
@@ -251,6 +266,16 @@ class Keeper(threading.Thread):
             self._closing.wait(backoff)
             backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
         self.state = GroupState.STOPPED
+
+    def _group_failed_under(self, job_id: str, reason: str) -> None:
+        """The group ended under ``job_id``: back to the queue (its clip checkpoints kept), or
+        failed for good, or, deleted while it ran, gone with its files."""
+        row = self.queue.get(job_id)
+        if row is not None and row.deleting:
+            self.queue.remove(job_id)
+            self.dirs.remove_job_files(job_id, video=True)
+        elif self.queue.group_failed(job_id, reason) is JobStatus.FAILED:
+            self.dirs.remove_job_files(job_id, video=False)
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop the group: an idle one is told to stop; a job in progress is interrupted (it stays
@@ -299,12 +324,22 @@ class Keeper(threading.Thread):
                     self.last_steps_per_s = done.steps_per_s(float(ev["t"])) or self.last_steps_per_s
             else:
                 return
+        self._ended(job_id, kind, ev)
+
+    def _ended(self, job_id: str, kind: str, ev: dict) -> None:
         if kind == "job_cancelled":
             self.queue.finish(job_id, JobStatus.CANCELLED, error="cancelled")
-            return
-        if kind == "job_failed":  # the job's own error: the ranks stay up and take the next job
+        elif kind == "job_failed":  # the job's own error: the ranks stay up and take the next job
             self.queue.finish(job_id, JobStatus.FAILED, error=str(ev.get("error") or "the job failed"))
-            return
+        else:
+            self._completed(job_id)
+        row = self.queue.get(job_id)
+        deleted = row is None or row.deleting
+        self.dirs.remove_job_files(job_id, video=deleted)  # nothing left to resume from
+        if row is not None and row.deleting:
+            self.queue.remove(job_id)
+
+    def _completed(self, job_id: str) -> None:
         try:
             record = json.loads((self.dirs.videos / f"{job_id}.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -326,6 +361,7 @@ class Keeper(threading.Thread):
                 return
             if row.cancel_requested:  # cancelled while the server was down
                 self.queue.finish(row.id, JobStatus.CANCELLED, error="cancelled")
+                self.dirs.remove_job_files(row.id, video=False)
                 continue
             try:
                 job = self._prepare(row)
@@ -333,6 +369,7 @@ class Keeper(threading.Thread):
                 traceback.print_exc()
                 self.queue.finish(row.id, JobStatus.FAILED, error=f"the job could not be prepared: "
                                                                   f"{type(e).__name__}: {e}")
+                self.dirs.remove_job_files(row.id, video=False)
                 continue
             if job is None:  # its mp4 was written before the server went down
                 continue
@@ -357,6 +394,7 @@ class Keeper(threading.Thread):
         mark_done_before(line)
         if line.state is JobState.DONE_BEFORE:
             self.queue.finish(row.id, JobStatus.COMPLETED, record=json.loads(line.record.read_text(encoding="utf-8")))
+            self.dirs.remove_job_files(row.id, video=False)
             return None
         work = self.dirs.work(row.id)
         work.mkdir(parents=True, exist_ok=True)

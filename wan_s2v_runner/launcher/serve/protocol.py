@@ -64,11 +64,28 @@ class VideoObject(BaseModel):
     error: Optional[VideoError] = None
     frames: Optional[list[int]] = Field(None, description="the video tensor's shape: channels, frames, height, width")
     sha256: Optional[str] = None
+    seconds: Optional[str] = Field(None, description="the video's length, s (once known: the clips asked, or made)")
+    size: Optional[str] = Field(None, description="WIDTHxHEIGHT of the video, once made (the image's aspect kept)")
+    expires_at: Optional[int] = None
+    remixed_from_video_id: Optional[str] = None
 
 
 class VideoList(BaseModel):
+    """A page of videos, as OpenAI's cursor pages: the next one is ``?after=LAST_ID``."""
+
     object: Literal["list"] = "list"
     data: list[VideoObject]
+    has_more: bool = False
+    first_id: Optional[str] = None
+    last_id: Optional[str] = None
+
+
+class VideoDeleted(BaseModel):
+    """``DELETE /v1/videos/{id}``: the video, its files and its record are gone."""
+
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool = True
 
 
 class RankInfo(BaseModel):

@@ -40,8 +40,14 @@ CREATE TABLE IF NOT EXISTS jobs (
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     runs INTEGER NOT NULL DEFAULT 0,
     error TEXT,
-    record TEXT
+    record TEXT,
+    deleting INTEGER NOT NULL DEFAULT 0
 )"""
+#: columns added since the first schema (a queue file from before gets them, with their defaults)
+_ADDED_COLUMNS = {"deleting": "INTEGER NOT NULL DEFAULT 0"}
+_INDEXES = ("CREATE INDEX IF NOT EXISTS jobs_status_seq ON jobs (status, seq)",)
+#: the most videos one page of ``GET /v1/videos`` holds (OpenAI's list: 20 by default, 100 at most)
+PAGE_MAX = 100
 
 
 class JobStatus(str, Enum):
@@ -75,6 +81,7 @@ class JobRow:
     runs: int  # how many rank groups were handed this job (a resumed job: more than one)
     error: Optional[str]
     record: Optional[dict[str, Any]]  # the job's record (rank 0's ID.json) once completed
+    deleting: bool = False  # DELETE asked while it ran: gone for the API; removed when it ends
 
 
 class JobStore(Protocol):
@@ -91,6 +98,10 @@ class JobStore(Protocol):
                record: Optional[dict] = None) -> None: ...
     def group_failed(self, job_id: str, error: str) -> JobStatus: ...
     def cancel(self, job_id: str) -> Optional[JobStatus]: ...
+    def page(self, after: Optional[str] = None, limit: int = 20, order: str = "desc") -> tuple[list[JobRow], bool]: ...
+    def delete(self, job_id: str) -> Optional[JobStatus]: ...
+    def remove(self, job_id: str) -> None: ...
+    def purge_deleting(self) -> list[str]: ...
     def recover(self) -> list[str]: ...
     def close(self) -> None: ...
 
@@ -108,6 +119,12 @@ class JobQueue:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute(_SCHEMA)
+            have = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}
+            for name, kind in _ADDED_COLUMNS.items():
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+            for sql in _INDEXES:
+                self._db.execute(sql)
 
     def close(self) -> None:
         with self._lock:
@@ -140,7 +157,8 @@ class JobQueue:
         return JobRow(id=r["id"], status=JobStatus(r["status"]), spec=json.loads(r["spec"]),
                       created_at=r["created_at"], started_at=r["started_at"], finished_at=r["finished_at"],
                       failures=r["failures"], cancel_requested=bool(r["cancel_requested"]), runs=r["runs"],
-                      error=r["error"], record=json.loads(r["record"]) if r["record"] else None)
+                      error=r["error"], record=json.loads(r["record"]) if r["record"] else None,
+                      deleting=bool(r["deleting"]))
 
     def get(self, job_id: str) -> Optional[JobRow]:
         with self._lock:
@@ -148,11 +166,28 @@ class JobQueue:
         return self._row(r) if r else None
 
     def all(self, limit: int = 1000) -> list[JobRow]:
-        """The newest ``limit`` jobs, oldest first."""
+        """The newest ``limit`` jobs, oldest first (none being deleted)."""
         with self._lock:
-            rows = self._db.execute("SELECT * FROM (SELECT * FROM jobs ORDER BY seq DESC LIMIT ?) ORDER BY seq",
-                                    (limit,)).fetchall()
+            rows = self._db.execute("SELECT * FROM (SELECT * FROM jobs WHERE deleting = 0 ORDER BY seq DESC LIMIT ?) "
+                                    "ORDER BY seq", (limit,)).fetchall()
         return [self._row(r) for r in rows]
+
+    def page(self, after: Optional[str] = None, limit: int = 20, order: str = "desc") -> tuple[list[JobRow], bool]:
+        """One page of jobs (none being deleted) in submission order (``asc``) or newest first
+        (``desc``), after the job ``after`` (KeyError: no such job); and whether more follow."""
+        limit = max(1, min(int(limit), PAGE_MAX))
+        desc = order == "desc"
+        with self._lock:
+            start = None
+            if after is not None:
+                r = self._db.execute("SELECT seq FROM jobs WHERE id = ?", (after,)).fetchone()
+                if r is None:
+                    raise KeyError(after)
+                start = r["seq"]
+            where = "deleting = 0" + ("" if start is None else (" AND seq < ?" if desc else " AND seq > ?"))
+            rows = self._db.execute(f"SELECT * FROM jobs WHERE {where} ORDER BY seq {'DESC' if desc else 'ASC'} "
+                                    "LIMIT ?", ((start,) if start is not None else ()) + (limit + 1,)).fetchall()
+        return [self._row(r) for r in rows[:limit]], len(rows) > limit
 
     def position(self, job_id: str) -> Optional[int]:
         """1-based place of a queued job in the queue (None when it is not queued)."""
@@ -216,6 +251,32 @@ class JobQueue:
                              (job_id, JobStatus.IN_PROGRESS.value))
         row = self.get(job_id)
         return row.status if row else None
+
+    def delete(self, job_id: str) -> Optional[JobStatus]:
+        """Delete a job: one that is not running is gone at once (its row; its files are the
+        caller's); a running one is cancelled and marked ``deleting`` (gone for the API; the
+        keeper removes it when it ends). Returns its status before, None if there is no such job."""
+        with self._lock:
+            r = self._db.execute("SELECT status FROM jobs WHERE id = ? AND deleting = 0", (job_id,)).fetchone()
+            if r is None:
+                return None
+            status = JobStatus(r["status"])
+            if status is JobStatus.IN_PROGRESS:
+                self._db.execute("UPDATE jobs SET deleting = 1, cancel_requested = 1 WHERE id = ?", (job_id,))
+            else:
+                self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+        return status
+
+    def remove(self, job_id: str) -> None:
+        """The row goes (a job marked ``deleting``, once it ended)."""
+        self._write("DELETE FROM jobs WHERE id = ?", (job_id,))
+
+    def purge_deleting(self) -> list[str]:
+        """After a restart: the jobs deleted while they ran go (their files are the caller's)."""
+        with self._lock:
+            ids = [r[0] for r in self._db.execute("SELECT id FROM jobs WHERE deleting = 1").fetchall()]
+            self._db.execute("DELETE FROM jobs WHERE deleting = 1")
+        return ids
 
     def recover(self) -> list[str]:
         """After a restart: jobs left in progress go back to the queue (first in line)."""

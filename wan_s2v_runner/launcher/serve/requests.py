@@ -32,6 +32,7 @@ from pydantic import ConfigDict, ValidationError, create_model
 from pydantic.fields import FieldInfo
 
 from wan_s2v_runner.launcher.job_book import job_spec, normalized, refusal
+from wan_s2v_runner.shared import media
 from wan_s2v_runner.shared.jobs import INPUT_FIELDS, SUBMIT_FIELDS
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
 
@@ -150,6 +151,24 @@ def _param_of(cause: str) -> Optional[str]:
     return m.group(1) if m and m.group(1) in (*INPUT_FIELDS, *SUBMIT_FIELDS) else None
 
 
+#: the longest video ``seconds`` may ask for (a longer one: ``num_clips``, knowingly)
+MAX_SECONDS = 600
+
+
+def _clips_for(seconds: Any, own: dict[str, Any], base: dict[str, Any]) -> int:
+    if "num_clips" in own:
+        raise Refused(422, "seconds: sent with num_clips. Fix: send one of them", "seconds")
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not (0 < value <= MAX_SECONDS):  # NaN too
+        raise Refused(422, f"seconds: {seconds!r} is not a length from 0 to {MAX_SECONDS} s. Fix: send e.g. "
+                           "seconds=4", "seconds")
+    per_clip = int(own.get("infer_frames") or base.get("infer_frames") or JobSpec.model_fields["infer_frames"].default)
+    return media.clips_for_seconds(value, per_clip)
+
+
 def build_job(fields: dict[str, Union[str, Upload]], *, job_id: str, base: dict[str, Any], group: GroupSpec,
               videos: Path, uploads: Path, policy: Policy, facts=None) -> RunSpec:
     """A submission's fields -> the job's spec on ``group`` (``base``: the server's job defaults),
@@ -188,10 +207,13 @@ def _build_job(fields, *, job_id, base, group, videos, uploads, policy, facts) -
         raise Refused(422, f"{uploads_given[0]}: a file was sent for a field that is not a file. Fix: send "
                            "it as a plain value", uploads_given[0])
     values = normalized(given)
+    seconds = values.pop("seconds", None)
     try:
         own = VideoJobFields(**values).model_dump(exclude_none=True)
     except ValidationError as e:
         raise _field_error(e) from None
+    if seconds is not None:  # OpenAI's length: as many clips as it takes
+        own["num_clips"] = _clips_for(seconds, own, base)
     spec, cause = job_spec({**own, **inputs}, base, group, videos, job_id)
     if spec is None:
         raise Refused(422, cause, _param_of(cause))

@@ -32,9 +32,9 @@ import json
 import logging
 import secrets
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, Optional
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, Response
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
@@ -47,10 +47,11 @@ from wan_s2v_runner.launcher.serve.protocol import (
     ErrorResponse,
     Health,
     ServerInfo,
+    VideoDeleted,
     VideoList,
     VideoObject,
 )
-from wan_s2v_runner.launcher.serve.queue import JobRow, JobStatus, QueueFull
+from wan_s2v_runner.launcher.serve.queue import PAGE_MAX, JobRow, JobStatus, QueueFull
 from wan_s2v_runner.launcher.serve.requests import Refused, Upload, VideoJobFields, build_job, new_id
 from wan_s2v_runner.launcher.serve.state import Server, health, job_fields, server_state, video_object
 
@@ -84,7 +85,7 @@ def authorized(request: Request) -> None:
 
 def job_row(server: Server, video_id: str) -> JobRow:
     row = server.queue.get(video_id)
-    if row is None:
+    if row is None or row.deleting:  # deleted (a running one goes when its ranks stop it)
         raise Refused(404, f"no video {video_id!r} on this server. Fix: list them with GET /v1/videos", "video_id")
     return row
 
@@ -254,6 +255,10 @@ _FILE = {"type": "string", "format": "binary"}
         "audio": {**_FILE, "description": "speech audio (or its path)"},
         "pose_video": {**_FILE, "description": "pose video (or its path)"},
         "tts_prompt_audio": {**_FILE, "description": "voice prompt for tts_text (or its path)"},
+        "seconds": {"type": "string", "description": "the video's length, s (OpenAI's: as many clips as it takes; "
+                                                     "or num_clips)"},
+        "size": {"type": "string", "description": "= max_area, as WIDTHxHEIGHT (the image's aspect is kept)"},
+        "model": {"type": "string", "description": "accepted and ignored (the server runs one model)"},
         **VideoJobFields.model_json_schema()["properties"]}}}}}})
 async def create(request: Request, server: ServerDep) -> VideoObject:
     fields = await _fields(request)
@@ -269,8 +274,16 @@ async def create(request: Request, server: ServerDep) -> VideoObject:
 
 
 @api.get("/v1/videos")
-def list_videos(server: ServerDep) -> VideoList:
-    return VideoList(data=[video_object(server, row) for row in server.queue.all()])
+def list_videos(server: ServerDep, after: Optional[str] = None, limit: int = Query(20, ge=1, le=PAGE_MAX),
+                order: Literal["asc", "desc"] = "desc") -> VideoList:
+    """A page of videos, newest first unless ``order=asc``; the next page: ``after=`` its ``last_id``."""
+    try:
+        rows, more = server.queue.page(after, limit, order)
+    except KeyError:
+        raise Refused(404, f"no video {after!r} to list after. Fix: pass a last_id this server gave", "after") from None
+    data = [video_object(server, row) for row in rows]
+    return VideoList(data=data, has_more=more, first_id=data[0].id if data else None,
+                     last_id=data[-1].id if data else None)
 
 
 @api.get("/v1/videos/{video_id}")
@@ -279,8 +292,10 @@ def get_video(video_id: str, server: ServerDep) -> VideoObject:
 
 
 @api.get("/v1/videos/{video_id}/content", response_class=FileResponse,
-         responses={200: {"content": {"video/mp4": {}}, "description": "the mp4"}})
-def content(video_id: str, server: ServerDep) -> FileResponse:
+         responses={200: {"content": {"video/mp4": {}, "image/jpeg": {}},
+                          "description": "the mp4, or (variant=thumbnail) its first frame"}})
+def content(video_id: str, server: ServerDep,
+            variant: Literal["video", "thumbnail", "spritesheet"] = "video") -> FileResponse:
     row = job_row(server, video_id)
     if row.status is not JobStatus.COMPLETED:
         raise Refused(409, f"video {video_id} is {row.status.value}, not completed. Fix: wait for status "
@@ -289,11 +304,23 @@ def content(video_id: str, server: ServerDep) -> FileResponse:
     path = (videos / f"{row.id}.mp4").resolve()
     if path.parent != videos or not path.is_file():
         raise Refused(404, f"video {video_id}'s file is gone from the server. Fix: submit the job again")
+    if variant == "spritesheet":
+        raise Refused(404, "this server makes no spritesheets. Fix: ask for variant=video or variant=thumbnail",
+                      "variant")
+    if variant == "thumbnail":
+        thumb = server.dirs.thumbnail(row.id)
+        if not thumb.is_file():
+            from wan_s2v_runner.shared import media
+
+            media.first_frame_jpeg(path, thumb)
+        return FileResponse(thumb, media_type="image/jpeg", filename=thumb.name)
     return FileResponse(path, media_type="video/mp4", filename=f"{row.id}.mp4")
 
 
-@api.delete("/v1/videos/{video_id}")
+@api.post("/v1/videos/{video_id}/cancel")
 def cancel(video_id: str, server: ServerDep) -> VideoObject:
+    """Cancel: a queued job is dropped, a running one stops at its next denoising step (the ranks
+    stay up); its record stays (status ``cancelled``)."""
     row = job_row(server, video_id)
     if row.status in (JobStatus.COMPLETED, JobStatus.FAILED):
         raise Refused(409, f"video {video_id} is already {row.status.value}. Fix: nothing to cancel", "video_id")
@@ -301,6 +328,19 @@ def cancel(video_id: str, server: ServerDep) -> VideoObject:
     if status is JobStatus.IN_PROGRESS:
         server.keeper.cancel_running(video_id)
     return video_object(server, job_row(server, video_id))
+
+
+@api.delete("/v1/videos/{video_id}")
+def delete(video_id: str, server: ServerDep) -> VideoDeleted:
+    """Delete the video, its files and its record, as OpenAI's API does; a running job is
+    cancelled first (at its next step) and removed when it stops."""
+    job_row(server, video_id)
+    status = server.queue.delete(video_id)
+    if status is JobStatus.IN_PROGRESS:
+        server.keeper.cancel_running(video_id)
+    elif status is not None:
+        server.dirs.remove_job_files(video_id, video=True)
+    return VideoDeleted(id=video_id)
 
 
 @api.get("/v1/videos/{video_id}/events", response_class=EventSourceResponse)

@@ -25,6 +25,7 @@ from wan_s2v_runner.launcher.serve.protocol import (
 from wan_s2v_runner.launcher.serve.queue import JobRow, JobStatus, JobStore
 from wan_s2v_runner.launcher.serve.requests import Policy, VideoJobFields
 from wan_s2v_runner.shared.events import steps_done
+from wan_s2v_runner.shared.media import FIRST_CLIP_DROPS, FPS
 from wan_s2v_runner.shared.spec import JobSpec
 
 MODEL = "wan2.2-s2v-14b"
@@ -76,7 +77,20 @@ def video_object(server: Server, row: JobRow) -> VideoObject:
     if row.status is JobStatus.COMPLETED:
         obj["frames"] = record.get("frames")
         obj["sha256"] = (record.get("output") or {}).get("sha256")
+    obj["seconds"], obj["size"] = _length_and_size(spec, record if row.status is JobStatus.COMPLETED else {})
     return VideoObject(**obj)
+
+
+def _length_and_size(spec: dict[str, Any], record: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
+    """The video's length (s) and WIDTHxHEIGHT: made (the record's frames), else asked (clips)."""
+    fps = record.get("fps") or FPS
+    frames = record.get("frames")
+    if frames and len(frames) == 4:
+        return f"{frames[1] / fps:g}", f"{frames[3]}x{frames[2]}"
+    clips, per_clip = spec.get("num_clips"), spec.get("infer_frames")
+    if clips and per_clip:
+        return f"{(clips * per_clip - FIRST_CLIP_DROPS) / fps:g}", None
+    return None, None
 
 
 def _jsonable(value: Any) -> Any:

@@ -204,7 +204,7 @@ function renderJobs(videos, prune = true) {
 
 async function cancel(id) {
   await withToken(async () => {
-    const r = await api(`/v1/videos/${id}`, { method: "DELETE" });
+    const r = await api(`/v1/videos/${id}/cancel`, { method: "POST" });
     if (!r.ok) alert(await errorMessage(r));
   });
 }
