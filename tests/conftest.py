@@ -245,12 +245,12 @@ def inputs(tiny_assets, tmp_path_factory):
 def server(tiny_assets, inputs, tmp_path_factory):
     """One ``wan-s2v serve`` (2 ranks, ulysses, a token, ``inputs`` allowed) for the session: the
     serve, page and client tests take it in turn, the way a server lives."""
-    from serving import POISON, SERVER_FLAGS, TOKEN, ServerProcess
+    from serving import NO_SPACE, POISON, SERVER_FLAGS, TOKEN, ServerProcess
 
     d = tmp_path_factory.mktemp("serve") / "server dir"
     flags = [*SERVER_FLAGS, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--token", TOKEN,
              "--allow-dir", str(inputs["root"]), "--max-queue", "6", "--max-upload-mb", "1"]
-    s = ServerProcess(d, flags, env={"WAN_S2V_TEST_FAULT": POISON})
+    s = ServerProcess(d, flags, env={"WAN_S2V_TEST_FAULT": f"{POISON},{NO_SPACE}"})
     yield s
     assert s.stop() == [] and "serve: stopping the rank group" in s.text()  # SIGTERM leaves nothing running
 

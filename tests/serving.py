@@ -24,6 +24,8 @@ TINY_DEFAULTS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "-
 SERVER_FLAGS = [*TINY_DEFAULTS, "--nproc", "2"]
 #: a job that kills rank 1 at its first denoising step (test-only fault, matched on the prompt)
 POISON = "1:denoise#poison:exit"
+#: a job whose mp4 cannot be written: the disk full at rank 0's mux (test-only fault, on the prompt)
+NO_SPACE = "0:mux#nospace:enospc"
 
 
 class ServerProcess:

@@ -209,3 +209,74 @@ def test_an_event_stream_always_reaches_an_end(open_server, tiny_assets):
     assert not reader.is_alive(), "the stream did not end"
     assert seen[0][0] == "video" and seen[-1][0] == "error"
     assert seen[-1][1]["error"]["code"] == "404" and vid in seen[-1][1]["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_full_disk_fails_the_job_alone_and_a_nearly_full_one_refuses_jobs(server, inputs, tiny_assets,
+                                                                            tmp_path_factory):
+    """ENOSPC at rank 0's real write (the mux, injected): that job fails with the cause and the fix,
+    the same ranks make the next job. A server whose disk has less than --min-free-mb free refuses
+    new jobs with 507 and goes on answering."""
+    before = httpx.get(f"{server.url}/health").json()
+    small = {"image": inputs["image"], "audio": inputs["audio"], "steps": 1, "infer_frames": 4, "num_clips": 1}
+    full = server.submit(**small, prompt="nospace: the disk fills at the mux").json()
+    failed = server.wait(full["id"], "failed", "completed")
+    assert failed["status"] == "failed", failed
+    message = failed["error"]["message"]
+    assert "stage mux" in message and "No space left on device" in message and "Fix: free space" in message
+    left = list((server.dir / "videos").glob(f"*{full['id']}*"))  # no mp4, no temporary, no clip checkpoints
+    assert [p.name for p in left] == [f"{full['id']}.json"], left  # only its record: failed, with the cause
+    assert json.loads(left[0].read_text())["status"] == "failed"
+    after = server.submit(**small, prompt="room again").json()
+    assert server.wait(after["id"], "completed")["status"] == "completed"
+    health = httpx.get(f"{server.url}/health").json()
+    assert (health["groups"], health["restarts"]) == (before["groups"], before["restarts"])
+
+    d = tmp_path_factory.mktemp("nearly full") / "server dir"
+    tight = ServerProcess(d, [*TINY_DEFAULTS, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--nproc", "1",
+                              "--min-free-mb", str(10**9)], env=STUB_RANKS)  # more than any disk here has
+    try:
+        files = {"image": ("face.png", tiny_assets.image.read_bytes(), "image/png"),
+                 "audio": ("voice.wav", tiny_assets.audio.read_bytes(), "audio/wav")}
+        r = httpx.post(f"{tight.url}/v1/videos", files=files, data={"prompt": "no room"}, timeout=30)
+        assert r.status_code == 507 and r.json()["error"]["type"] == "insufficient_storage"
+        assert "nearly full" in r.json()["error"]["message"] and "--keep-videos" in r.json()["error"]["message"]
+        assert httpx.get(f"{tight.url}/health").json()["status"] == "ok"
+        assert not (d / "uploads").exists() or not list((d / "uploads").iterdir())  # nothing written
+    finally:
+        assert tight.stop() == []
+
+
+def test_retention_keeps_the_newest_and_the_young(tmp_path):
+    """--keep-videos and --keep-hours on a real queue file and real files: the jobs due go whole."""
+    from wan_s2v_runner.launcher.serve.keeper import ServerDirs
+    from wan_s2v_runner.launcher.serve.queue import JobQueue, JobStatus
+    from wan_s2v_runner.launcher.serve.retention import Retention, sweep
+
+    dirs = ServerDirs(tmp_path)
+    queue = JobQueue(dirs.queue)
+    ids = [f"video_{i:024x}" for i in range(5)]
+    for i, job_id in enumerate(ids):
+        queue.add(job_id, {"prompt": str(i)}, 100)
+        assert queue.claim_next().id == job_id
+        queue.finish(job_id, JobStatus.COMPLETED if i % 2 == 0 else JobStatus.FAILED, record={"id": job_id})
+        for path in (dirs.videos / f"{job_id}.mp4", dirs.videos / f"{job_id}.json", dirs.work(job_id) / "clips" / "a",
+                     dirs.uploads / job_id / "image.png"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x")
+    queue.add("video_queued", {"prompt": "waits"}, 100)  # not ended: never swept
+
+    def left() -> list[str]:
+        return [job_id for job_id in ids if queue.get(job_id) is not None]
+
+    assert sweep(Retention(), queue, dirs) == [] and left() == ids  # neither limit: keep all
+    assert sweep(Retention(keep=3), queue, dirs) == ids[:2] and left() == ids[2:]
+    for job_id in ids[:2]:
+        assert not list(dirs.videos.glob(f"{job_id}*")) and not dirs.work(job_id).exists()
+        assert not (dirs.uploads / job_id).exists()
+    assert (dirs.videos / f"{ids[2]}.mp4").exists()
+    now = queue.get(ids[-1]).finished_at
+    assert Retention(max_age_s=3600).expires_at(now) == int(now + 3600)
+    assert sweep(Retention(max_age_s=3600), queue, dirs, now=now + 1800) == []  # young
+    assert sweep(Retention(max_age_s=3600), queue, dirs, now=now + 7200) == ids[2:] and left() == []
+    assert queue.get("video_queued").status is JobStatus.QUEUED

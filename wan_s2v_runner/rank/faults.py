@@ -5,7 +5,8 @@ Format: ``RANK:STAGE[@CLIP][#JOB]:ACTION`` (STAGE a :class:`~wan_s2v_runner.shar
 rank group, or, when JOB is a word, only in jobs whose prompt contains it: served jobs have random
 ids and a restarted group counts from 1 again) with ACTION
 one of ``raise`` (RuntimeError), ``exit`` (os._exit 3), ``hang`` (sleep forever, still
-heart-beating). Checked at every stage change and every denoising step of the given rank, and
+heart-beating), ``enospc`` (OSError ENOSPC: the disk full at that point's write). Several faults:
+separated by commas. Checked at every stage change and every denoising step of the given rank, and
 as stage ``start`` before the rank writes any event (there ``hang`` is a rank that never
 reports). Users never set it; the supervision tests do. ``WAN_S2V_TEST_CKPT_FOR_RANK`` gives one
 rank other checkpoint files (the lean-loading fingerprint test). ``WAN_S2V_TEST_RANK_BODY``
@@ -14,6 +15,7 @@ the supervisor's tests run a stub rank that speaks the event protocol without th
 """
 from __future__ import annotations
 
+import errno
 import os
 import time
 from typing import Optional
@@ -37,7 +39,7 @@ def parse(value: Optional[str]) -> Optional[tuple[int, Stage, str, Optional[int]
     rank, stage, action = value.split(":")
     stage, _, job = stage.partition("#")
     stage, _, clip = stage.partition("@")
-    if action not in ("raise", "exit", "hang"):
+    if action not in ("raise", "exit", "hang", "enospc"):
         raise ValueError(f"{ENV}: unknown action {action!r}")
     found = Stage.lookup(stage)
     if found is None:
@@ -45,9 +47,21 @@ def parse(value: Optional[str]) -> Optional[tuple[int, Stage, str, Optional[int]
     return int(rank), found, action, int(clip) if clip else None, (int(job) if job.isdigit() else job) or None
 
 
+def parse_all(value: Optional[str]) -> list:
+    """Every fault of a comma-separated ``WAN_S2V_TEST_FAULT`` (:func:`parse` each)."""
+    return [parse(part.strip()) for part in (value or "").split(",") if part.strip()]
+
+
 def maybe_fire(rank: int, stage: Stage, fault=None, clip: Optional[int] = None, job: Optional[int] = None,
                prompt: str = "") -> None:
-    fault = fault if fault is not None else parse(os.environ.get(ENV))
+    """Fire ``fault`` (a :func:`parse` result, or a list of them; default: the environment's)
+    if it names this rank, stage (and clip, and job)."""
+    if fault is None:
+        fault = parse_all(os.environ.get(ENV))
+    if isinstance(fault, list):
+        for one in fault:
+            maybe_fire(rank, stage, one, clip=clip, job=job, prompt=prompt)
+        return
     if not fault or fault[0] != rank or fault[1] != stage:
         return
     which = fault[4]
@@ -59,6 +73,8 @@ def maybe_fire(rank: int, stage: Stage, fault=None, clip: Optional[int] = None, 
         raise InjectedFault(f"injected fault on rank {rank} in stage {stage}")
     if action == "exit":
         os._exit(3)
+    if action == "enospc":
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected on rank {rank} in stage {stage})")
     while True:  # hang
         time.sleep(3600)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import errno
 import faulthandler
 import gc
 import json
@@ -88,7 +89,7 @@ class RankEvents(EventWriter):
         super().__init__(run_dir, rank, mem_fn=lambda: memory_figures(peaks, heartbeat=True),
                          stage_peak_fn=peaks.take)
         self.peaks = peaks
-        self._fault = faults.parse(os.environ.get(faults.ENV))
+        self._fault = faults.parse_all(os.environ.get(faults.ENV))
         self.error_reported = False
         self.job = 1  # the rank group's job in progress (1-based)
         self.job_prompt = ""  # its prompt (a test fault may name a word of it: served jobs have random ids)
@@ -341,8 +342,10 @@ class RankGroup:
                 atomic.atomic_write(spec.frames_out, lambda p: torch.save(frames, p))
             media.save_video_with_audio(video, self.cfg.sample_fps, spec.speech, spec.output, on_stage=stage)
         except Exception as e:
+            fix = (". Fix: free space on the disk of the output (a server: delete videos, or set --keep-videos / "
+                   "--keep-hours)" if isinstance(e, OSError) and e.errno == errno.ENOSPC else "")
             raise JobFailed(f"writing the video failed in stage {events.current_stage.value}: "
-                            f"{type(e).__name__}: {e}") from e
+                            f"{type(e).__name__}: {e}{fix}") from e
         if job.record is not None:
             ended = time.time()
             record = {"id": job.id, "status": "ok", "seed": spec.seed, "started": started, "finished": ended,

@@ -26,6 +26,7 @@ more groups (more keepers) can share one store.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -40,12 +41,16 @@ from wan_s2v_runner.launcher.console import Display, eta_s
 from wan_s2v_runner.launcher.job_book import WORK_DIR, JobState, Line, mark_done_before, prepare_resume
 from wan_s2v_runner.launcher.proctree import pids_with_cmdline
 from wan_s2v_runner.launcher.serve.queue import JobStatus, JobStore
+from wan_s2v_runner.launcher.serve.retention import SWEEP_EVERY_S, Retention
+from wan_s2v_runner.launcher.serve.retention import sweep as retention_sweep
 from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
 from wan_s2v_runner.shared import atomic, inbox
 from wan_s2v_runner.shared.events import steps_done
 from wan_s2v_runner.shared.jobs import JOB_FIELDS, Job
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
 from wan_s2v_runner.shared.stages import Stage
+
+log = logging.getLogger("wan_s2v.keeper")
 
 #: seconds before the keeper starts a new rank group after one failed (doubling, up to the max)
 RESTART_BACKOFF_S = (1.0, 30.0)
@@ -165,8 +170,13 @@ class KeeperObserver:
         pass  # the console observer prints the group's log
 
     def update(self, reader, new_events: list[dict], elapsed: float) -> None:
-        self.keeper.note_ranks(reader.ranks)
-        self.keeper.on_events(new_events)
+        try:
+            self.keeper.note_ranks(reader.ranks)
+            self.keeper.on_events(new_events)
+            self.keeper.sweep(every_s=SWEEP_EVERY_S)
+        except Exception as e:  # shown in /health; raised on: the observers log it (and a test fails)
+            self.keeper.last_error = f"keeper: {type(e).__name__}: {e}"
+            raise
 
     def finished(self, spec: GroupSpec, run_dir: Path, outcome, manifest: dict) -> None:
         self.keeper.outcome = outcome
@@ -176,10 +186,13 @@ class Keeper(threading.Thread):
     """Runs rank groups for the queue until :meth:`shutdown`."""
 
     def __init__(self, group_spec: GroupSpec, queue: JobStore, dirs: ServerDirs, extra_env: Optional[dict] = None,
-                 on_completed: Optional[Callable[[dict], None]] = None):
+                 on_completed: Optional[Callable[[dict], None]] = None, retention: Optional[Retention] = None):
         super().__init__(name="wan-s2v-keeper", daemon=True)
         self.group_spec, self.queue, self.dirs, self.extra_env = group_spec, queue, dirs, extra_env
         self.on_completed = on_completed  # called with a completed job's record (the metrics)
+        self.retention = retention or Retention()
+        self._swept = 0.0
+        self._backoff = RESTART_BACKOFF_S[0]
         self.ranks: list[dict[str, Any]] = []  # each rank's stage and memory, from its events
         self.last_steps_per_s: Optional[float] = None  # the last completed job's denoising speed
         self.state = GroupState.LOADING
@@ -236,36 +249,47 @@ class Keeper(threading.Thread):
         from wan_s2v_runner.launcher import launch
 
         wait_for_leftovers(self.dirs.root / GROUP_FILE)
-        backoff = RESTART_BACKOFF_S[0]
+        self._backoff = RESTART_BACKOFF_S[0]
         while not self._closing.is_set():
-            self.state, self.outcome = GroupState.LOADING, None
-            self.groups += 1
-            served_before = self.queue.counts()[JobStatus.COMPLETED.value]
             try:
-                launch.run(self.group_spec, observers=[Display(rich=False, show_logs=False), KeeperObserver(self)],
-                           extra_env=self.extra_env, served=True, halt=self._halt)
-            except Exception as e:  # the launcher itself failed: say so, and try again
-                self.last_error = f"{type(e).__name__}: {e}"
-            with self._lock:
-                failed, self.current = self.current, None
-                self.progress.clear()
-                self.run_dir = None
-                self.ranks = []
-            remove_partial_videos(self.dirs.videos)
-            reason = (self.outcome.reason if self.outcome is not None and self.outcome.reason
-                      else self.last_error or "the rank group ended")
-            if failed is not None and not self._closing.is_set():
-                self._group_failed_under(failed, reason)
-            if self._closing.is_set():
-                break
-            self.last_error = reason
-            self.restarts += 1
-            self.state = GroupState.RESTARTING
-            if self.queue.counts()[JobStatus.COMPLETED.value] > served_before:
-                backoff = RESTART_BACKOFF_S[0]  # it did work: not a crash loop
-            self._closing.wait(backoff)
-            backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
+                self._one_group(launch)
+            except Exception as e:  # never a silent death: /health says it, the log has it, and the keeper goes on
+                log.exception("the keeper failed; it starts the rank group again")
+                self.last_error = f"keeper: {type(e).__name__}: {e}"
+                self.state = GroupState.RESTARTING
+                self._closing.wait(self._backoff)
+                self._backoff = min(self._backoff * 2, RESTART_BACKOFF_S[1])
         self.state = GroupState.STOPPED
+
+    def _one_group(self, launch) -> None:
+        """One rank group's life, then what became of its job, then the back-off before the next."""
+        self.state, self.outcome = GroupState.LOADING, None
+        self.groups += 1
+        served_before = self.queue.counts()[JobStatus.COMPLETED.value]
+        try:
+            launch.run(self.group_spec, observers=[Display(rich=False, show_logs=False), KeeperObserver(self)],
+                       extra_env=self.extra_env, served=True, halt=self._halt)
+        except Exception as e:  # the launcher itself failed: say so, and try again
+            self.last_error = f"{type(e).__name__}: {e}"
+        with self._lock:
+            failed, self.current = self.current, None
+            self.progress.clear()
+            self.run_dir = None
+            self.ranks = []
+        remove_partial_videos(self.dirs.videos)
+        reason = (self.outcome.reason if self.outcome is not None and self.outcome.reason
+                  else self.last_error or "the rank group ended")
+        if failed is not None and not self._closing.is_set():
+            self._group_failed_under(failed, reason)
+        if self._closing.is_set():
+            return
+        self.last_error = reason
+        self.restarts += 1
+        self.state = GroupState.RESTARTING
+        if self.queue.counts()[JobStatus.COMPLETED.value] > served_before:
+            self._backoff = RESTART_BACKOFF_S[0]  # it did work: not a crash loop
+        self._closing.wait(self._backoff)
+        self._backoff = min(self._backoff * 2, RESTART_BACKOFF_S[1])
 
     def _group_failed_under(self, job_id: str, reason: str) -> None:
         """The group ended under ``job_id``: back to the queue (its clip checkpoints kept), or
@@ -338,6 +362,15 @@ class Keeper(threading.Thread):
         self.dirs.remove_job_files(job_id, video=deleted)  # nothing left to resume from
         if row is not None and row.deleting:
             self.queue.remove(job_id)
+        self.sweep()
+
+    def sweep(self, every_s: float = 0.0) -> None:
+        """Retention (:mod:`.retention`): delete the ended jobs it says are due (at most every
+        ``every_s``)."""
+        now = time.time()
+        if now - self._swept >= every_s:
+            self._swept = now
+            retention_sweep(self.retention, self.queue, self.dirs, now)
 
     def _completed(self, job_id: str) -> None:
         try:

@@ -53,6 +53,7 @@ from wan_s2v_runner.launcher.serve.protocol import (
 )
 from wan_s2v_runner.launcher.serve.queue import PAGE_MAX, JobRow, JobStatus, QueueFull
 from wan_s2v_runner.launcher.serve.requests import Refused, Upload, VideoJobFields, build_job, new_id
+from wan_s2v_runner.launcher.serve.retention import space_refusal
 from wan_s2v_runner.launcher.serve.state import Server, health, job_fields, server_state, video_object
 
 log = logging.getLogger("wan_s2v.serve")
@@ -61,7 +62,7 @@ log = logging.getLogger("wan_s2v.serve")
 EVENTS_POLL_S = 0.25
 #: what every guarded route may answer besides its own model
 ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409,
-                                                                                       413, 422, 429)}
+                                                                                       413, 422, 429, 507)}
 
 
 def the_server(request: Request) -> Server:
@@ -261,6 +262,9 @@ _FILE = {"type": "string", "format": "binary"}
         "model": {"type": "string", "description": "accepted and ignored (the server runs one model)"},
         **VideoJobFields.model_json_schema()["properties"]}}}}}})
 async def create(request: Request, server: ServerDep) -> VideoObject:
+    full = space_refusal(server.dirs.root, server.min_free_mb)
+    if full:
+        raise Refused(507, full)
     fields = await _fields(request)
     job_id = new_id()
     spec = await run_in_threadpool(build_job, fields, job_id=job_id, base=server.base,

@@ -100,6 +100,7 @@ def _serve_node0(args, group: GroupSpec, base: dict, root: Path, token: Optional
     from wan_s2v_runner.launcher.serve.metrics import ServerMetrics
     from wan_s2v_runner.launcher.serve.queue import JobQueue
     from wan_s2v_runner.launcher.serve.requests import Policy
+    from wan_s2v_runner.launcher.serve.retention import Retention
     from wan_s2v_runner.launcher.serve.state import Server
     from wan_s2v_runner.preflight import machine_facts
 
@@ -109,10 +110,12 @@ def _serve_node0(args, group: GroupSpec, base: dict, root: Path, token: Optional
     policy = Policy(allow_dirs=tuple(p.expanduser().resolve() for p in args.allow_dir),
                     max_upload_bytes=args.max_upload_mb * 2**20)
     metrics = ServerMetrics(queue)
-    keeper = Keeper(group, queue, dirs, extra_env, on_completed=metrics.job_completed)
+    retention = Retention(keep=args.keep_videos,
+                          max_age_s=args.keep_hours * 3600.0 if args.keep_hours is not None else None)
+    keeper = Keeper(group, queue, dirs, extra_env, on_completed=metrics.job_completed, retention=retention)
     metrics.attach(keeper)
     server = Server(queue=queue, keeper=keeper, dirs=dirs, metrics=metrics,
                     base={k: v for k, v in job_defaults(base).items() if k not in OUTPUT_FIELDS},
                     policy=policy, max_queue=args.max_queue, token=token, facts=machine_facts(),
-                    allow_hosts=tuple(args.allow_host))
+                    allow_hosts=tuple(args.allow_host), retention=retention, min_free_mb=args.min_free_mb)
     return run_server(server, args.host, args.port)

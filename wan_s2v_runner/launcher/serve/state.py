@@ -24,6 +24,7 @@ from wan_s2v_runner.launcher.serve.protocol import (
 )
 from wan_s2v_runner.launcher.serve.queue import JobRow, JobStatus, JobStore
 from wan_s2v_runner.launcher.serve.requests import Policy, VideoJobFields
+from wan_s2v_runner.launcher.serve.retention import Retention
 from wan_s2v_runner.shared.events import steps_done
 from wan_s2v_runner.shared.media import FIRST_CLIP_DROPS, FPS
 from wan_s2v_runner.shared.spec import JobSpec
@@ -45,6 +46,8 @@ class Server:
     facts: Any = None  # the machine's facts, probed once (preflight of each job)
     metrics: Optional[ServerMetrics] = None
     allow_hosts: tuple[str, ...] = ()  # host names (beyond IP addresses and localhost) clients may use
+    retention: Retention = Retention()  # what is kept of ended jobs (--keep-videos, --keep-hours)
+    min_free_mb: int = 0  # below this much free space, new jobs are refused (507)
 
 
 def percent(row: JobRow, live: Optional[dict]) -> int:
@@ -69,6 +72,7 @@ def video_object(server: Server, row: JobRow) -> VideoObject:
         "stage_seconds": record.get("stage_seconds"), "wall_s": record.get("wall_s"),
         "resumed_at_clip": record.get("resumed_at_clip"), "attempts": row.runs, "failures": row.failures,
         "cancel_requested": row.cancel_requested,
+        "expires_at": server.retention.expires_at(row.finished_at) if row.status.terminal else None,
         "error": (VideoError(code=row.status.value, message=row.error)
                   if row.status in (JobStatus.FAILED, JobStatus.CANCELLED) and row.error else None),
     }
