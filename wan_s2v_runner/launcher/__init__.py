@@ -2,8 +2,12 @@
 from the spec by :mod:`.flags`), runs preflight, writes the run directory, spawns
 ``torch.distributed.run`` (:mod:`.torchrun`) and supervises it (:mod:`.processes` tracks the
 process tree, :mod:`.supervisor` gathers what the ranks report and decides, :mod:`.launch` runs
-one launch end to end), shows progress (:mod:`.console`), turns failures and hangs into verdicts
-(:mod:`.diagnose`, :mod:`.watchdog`) and writes ``run.json`` (:mod:`.manifest`).
+one launch end to end, of a rank group from its group spec, reporting to the observers of
+:mod:`.observer`), shows progress (:mod:`.console`, one observer), turns failures and hangs into
+verdicts (:mod:`.diagnose`, torch's own ``ProcessFailure`` reading the ranks' error files;
+:mod:`.watchdog`) and writes ``run.json`` (:mod:`.manifest`). Many jobs on one group:
+:mod:`.batch` and :mod:`.serve`, with the bookkeeping they share in :mod:`.job_book`; the
+terminal client of a server: :mod:`.client`.
 
 Nothing here imports torch at start-up: ``wan-s2v --help`` and preflight's refusals come before
 any heavy import (``tests/test_imports.py`` checks it in a fresh interpreter).
