@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -280,3 +281,30 @@ def test_retention_keeps_the_newest_and_the_young(tmp_path):
     assert sweep(Retention(max_age_s=3600), queue, dirs, now=now + 1800) == []  # young
     assert sweep(Retention(max_age_s=3600), queue, dirs, now=now + 7200) == ids[2:] and left() == []
     assert queue.get("video_queued").status is JobStatus.QUEUED
+
+
+@pytest.mark.slow
+def test_an_upload_over_the_limit_is_refused_while_it_streams(server, inputs):
+    """A 64 MB upload to a server taking 1 MB: refused (413) once the first megabyte is over; the
+    server process writes (spools) no more than that plus a chunk, not the 64 MB it was sent
+    (its bytes written, /proc/PID/io, around the request); nothing queued, nothing in uploads/."""
+    chunk = b"\0" * (256 << 10)
+
+    def body():
+        yield (b"--b\r\nContent-Disposition: form-data; name=\"audio\"; filename=\"big.wav\"\r\n"
+               b"Content-Type: audio/wav\r\n\r\n")
+        for _ in range(256):  # 64 MB
+            yield chunk
+        yield b"\r\n--b--\r\n"
+
+    def written() -> int:
+        io = dict(line.split(": ") for line in (Path("/proc") / str(server.proc.pid) / "io").read_text().splitlines())
+        return int(io["wchar"])
+
+    before, wrote = len(server.videos()), written()
+    r = server.http.post("/v1/videos", content=body(), headers={"Content-Type": "multipart/form-data; boundary=b"})
+    assert r.status_code == 413 and "audio: the upload is over 1 MB" in r.json()["error"]["message"], r.text
+    wrote = written() - wrote
+    assert wrote < 4 << 20, f"the server wrote {wrote >> 20} MB for a refused upload"
+    assert len(server.videos()) == before
+    assert not any(p.is_file() for p in (server.dir / "uploads").rglob("*"))

@@ -33,12 +33,14 @@ import logging
 import secrets
 import time
 from typing import Annotated, Any, Literal, Optional
+from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, Response
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from wan_s2v_runner.launcher.serve import page
 from wan_s2v_runner.launcher.serve.metrics import CONTENT_TYPE
@@ -167,7 +169,49 @@ def _json_body(raw: bytes) -> Any:
     return value
 
 
-async def _fields(request: Request) -> dict[str, Any]:
+class BoundedMultiPart(MultiPartParser):
+    """Starlette's multipart parser, counting each file as it streams: a file over
+    ``max_file_bytes`` stops the parse before its next chunk is written (the server never holds
+    more than the limit plus one chunk of it); what was spooled is closed (removed)."""
+
+    def __init__(self, headers, stream, *, max_file_bytes: int, **kw):
+        super().__init__(headers, stream, **kw)
+        self.max_file_bytes = max_file_bytes
+        self.too_big: Optional[str] = None
+        self._sizes: dict[int, int] = {}
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        part = self._current_part
+        if part.file is not None:
+            size = self._sizes.get(id(part), 0) + end - start
+            self._sizes[id(part)] = size
+            if size > self.max_file_bytes:
+                self.too_big = part.field_name
+                raise MultiPartException(f"{part.field_name}: over {self.max_file_bytes} bytes")
+        super().on_part_data(data, start, end)
+
+
+async def _form(request: Request, max_file_bytes: int):
+    kind = request.headers.get("content-type", "")
+    if kind.startswith("multipart/form-data"):
+        parser = BoundedMultiPart(request.headers, request.stream(), max_file_bytes=max_file_bytes, max_files=4,
+                                  max_fields=64)
+        try:
+            return (await parser.parse()).multi_items()
+        except MultiPartException as e:
+            if parser.too_big:
+                raise Refused(413, f"{parser.too_big}: the upload is over {max_file_bytes // 2**20} MB. Fix: send "
+                                   "a smaller file (or start the server with a larger --max-upload-mb)",
+                              parser.too_big) from None
+            raise Refused(400, f"the form cannot be read ({e}). Fix: send multipart/form-data") from None
+    body = await _read_body(request, MAX_JSON_BYTES)  # a urlencoded form: fields only, no files
+    try:
+        return parse_qsl(body.decode("utf-8"), keep_blank_values=True)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise Refused(400, f"the form cannot be read ({e}). Fix: send multipart/form-data") from None
+
+
+async def _fields(request: Request, max_file_bytes: int) -> dict[str, Any]:
     """The submission's fields: a multipart/urlencoded form (files as :class:`Upload`) or JSON."""
     kind = request.headers.get("content-type", "")
     if kind.startswith("application/json"):
@@ -175,12 +219,8 @@ async def _fields(request: Request) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise Refused(400, "the body is not a JSON object. Fix: send {\"prompt\": ..., \"image\": ..., ...}")
         return body
-    try:
-        form = await request.form(max_files=4, max_fields=64)
-    except Exception as e:  # starlette's own refusal of a malformed form
-        raise Refused(400, f"the form cannot be read ({e}). Fix: send multipart/form-data") from None
     out: dict[str, Any] = {}
-    for key, value in form.multi_items():
+    for key, value in await _form(request, max_file_bytes):
         if key in out:
             raise Refused(422, f"{key}: sent twice. Fix: send each field once", key)
         out[key] = Upload(value.filename or "", value.file) if isinstance(value, UploadFile) else value
@@ -265,11 +305,16 @@ async def create(request: Request, server: ServerDep) -> VideoObject:
     full = space_refusal(server.dirs.root, server.min_free_mb)
     if full:
         raise Refused(507, full)
-    fields = await _fields(request)
+    fields = await _fields(request, server.policy.max_upload_bytes)
     job_id = new_id()
-    spec = await run_in_threadpool(build_job, fields, job_id=job_id, base=server.base,
-                                   group=server.keeper.group_spec, videos=server.dirs.videos,
-                                   uploads=server.dirs.uploads, policy=server.policy, facts=server.facts)
+    try:
+        spec = await run_in_threadpool(build_job, fields, job_id=job_id, base=server.base,
+                                       group=server.keeper.group_spec, videos=server.dirs.videos,
+                                       uploads=server.dirs.uploads, policy=server.policy, facts=server.facts)
+    finally:  # the spooled uploads (copied to uploads/ID/ when accepted)
+        for value in fields.values():
+            if isinstance(value, Upload):
+                value.file.close()
     try:
         server.queue.add(job_id, json.loads(spec.job.model_dump_json()), server.max_queue)
     except QueueFull as e:
