@@ -311,3 +311,30 @@ def test_an_upload_over_the_limit_is_refused_while_it_streams(server, inputs):
     assert wrote < 4 << 20, f"the server wrote {wrote >> 20} MB for a refused upload"
     assert len(server.videos()) == before
     assert uploads() <= files  # nothing of this request (other jobs' uploads may come and go)
+
+
+@pytest.mark.slow
+def test_media_over_the_limits_are_refused_by_their_headers(server, inputs, tmp_path):
+    """Small files that would decode to gigabytes: two hours of FLAC silence and a 64-megapixel
+    PNG, each well under the 1 MB upload limit, refused (413) from their headers, before any
+    decode; nothing queued, nothing of theirs left."""
+    import numpy as np
+    import soundfile
+    from PIL import Image
+
+    long_audio = tmp_path / "two hours.flac"
+    soundfile.write(long_audio, np.zeros(8000 * 7200, dtype="int16"), 8000, format="FLAC")
+    huge_image = tmp_path / "huge.png"
+    Image.new("L", (8000, 8000)).save(huge_image)
+    assert long_audio.stat().st_size < 1 << 20 and huge_image.stat().st_size < 1 << 20
+    before = len(server.videos())
+    files_before = {p for p in (server.dir / "uploads").rglob("*") if p.is_file()}
+    r = server.submit(files={"audio": ("two hours.flac", long_audio.read_bytes(), "audio/flac")},
+                      image=inputs["image"])
+    assert r.status_code == 413 and r.json()["error"]["param"] == "audio", r.text
+    assert "audio: 7200 s long; this server takes at most 600 s (--max-audio-s)" in r.json()["error"]["message"]
+    r = server.submit(files={"image": ("huge.png", huge_image.read_bytes(), "image/png")}, audio=inputs["audio"])
+    assert r.status_code == 413 and r.json()["error"]["param"] == "image", r.text
+    assert "image: 8000x8000 is 64 MP; this server takes at most 40 MP" in r.json()["error"]["message"]
+    assert len(server.videos()) == before
+    assert {p for p in (server.dir / "uploads").rglob("*") if p.is_file()} <= files_before

@@ -214,6 +214,16 @@ COMMAND_OPTIONS = (
         default=200,
     ),
     CommandOption(
+        "--max-audio-s",
+        "longest speech, voice prompt or pose video a job may send, s (read from the file's header, before "
+        "decoding)",
+        (Command.SERVE,),
+        kind=OptionKind.INT,
+        default_text="600",
+        metavar="S",
+        default=600,
+    ),
+    CommandOption(
         "--keep-videos",
         "keep the newest N ended jobs (their videos, records and files); older ones are deleted",
         (Command.SERVE,),

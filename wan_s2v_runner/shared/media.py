@@ -147,6 +147,20 @@ def probe(path: Path) -> StreamInfo:
                       int(v.group(2)) if v else None, int(v.group(3)) if v else None, n, secs)
 
 
+def header_seconds(path: Path) -> Optional[float]:
+    """A media file's duration as its header says it, without decoding it (None: unknown):
+    libsndfile's header read (wav, flac, ogg), else ffmpeg's ``Duration:`` line."""
+    try:
+        import soundfile
+
+        return float(soundfile.info(str(path)).duration)
+    except Exception:  # not a format libsndfile reads: ask ffmpeg (it reads headers only here)
+        pass
+    proc = subprocess.run([ffmpeg_exe(), "-nostdin", "-hide_banner", "-i", str(path)], capture_output=True, text=True)
+    m = re.search(r"Duration: (\d+):(\d+):(\d+(?:\.\d+)?)", proc.stderr)
+    return int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3)) if m else None
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

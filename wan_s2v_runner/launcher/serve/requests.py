@@ -36,6 +36,8 @@ from wan_s2v_runner.shared import media
 from wan_s2v_runner.shared.jobs import INPUT_FIELDS, SUBMIT_FIELDS
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
 
+#: the most pixels a reference image may have (by its header; a 4K image has 8.3 MP)
+MAX_IMAGE_PIXELS = 40_000_000
 #: the inputs: field name -> the names a client may send it under
 INPUT_NAMES = {name: (name,) for name in INPUT_FIELDS} | {"image": ("image", "input_reference")}
 #: input files a job may go without (the audio too when it sends tts_text)
@@ -74,10 +76,38 @@ class Upload:
 
 @dataclass(frozen=True)
 class Policy:
-    """What the server accepts: path roots and upload size."""
+    """What the server accepts: path roots, upload size, and the media limits read from headers
+    before anything is decoded (a compressed file of a few hundred KB can decode to gigabytes)."""
 
     allow_dirs: tuple[Path, ...]
     max_upload_bytes: int
+    max_audio_s: float = 600.0  # speech, voice prompt and pose video, by their headers
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+
+
+def media_refusal(field: str, path: Path, policy: Policy) -> Optional[Refused]:
+    """An input over the server's media limits, by its header alone (None: within them, or not
+    readable here: preflight reads it next and says why)."""
+    if field == "image":
+        from PIL import Image
+
+        try:
+            with Image.open(path) as im:
+                width, height = im.size
+        except Image.DecompressionBombError:
+            width, height = policy.max_image_pixels + 1, 1
+        except Exception:
+            return None
+        if width * height > policy.max_image_pixels:
+            return Refused(413, f"image: {width}x{height} is {width * height / 1e6:.0f} MP; this server takes at most "
+                                f"{policy.max_image_pixels / 1e6:.0f} MP. Fix: send a smaller image (the video is "
+                                "made at the size asked, whatever the image's)", field)
+        return None
+    seconds = media.header_seconds(path)
+    if seconds is not None and seconds > policy.max_audio_s:
+        return Refused(413, f"{field}: {seconds:.0f} s long; this server takes at most {policy.max_audio_s:.0f} s "
+                            "(--max-audio-s). Fix: send a shorter file", field)
+    return None
 
 
 def new_id() -> str:
@@ -202,6 +232,9 @@ def _build_job(fields, *, job_id, base, group, videos, uploads, policy, facts) -
             inputs[field] = save_upload(value, uploads / job_id, field, policy)
         else:
             inputs[field] = allowed_path(str(value), field, policy)
+        too_big = media_refusal(field, inputs[field], policy)
+        if too_big is not None:
+            raise too_big
     uploads_given = [k for k, v in given.items() if isinstance(v, Upload)]
     if uploads_given:
         raise Refused(422, f"{uploads_given[0]}: a file was sent for a field that is not a file. Fix: send "

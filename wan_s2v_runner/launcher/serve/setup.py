@@ -108,7 +108,7 @@ def _serve_node0(args, group: GroupSpec, base: dict, root: Path, token: Optional
     dirs.videos.mkdir(parents=True, exist_ok=True)
     queue = JobQueue(dirs.queue)
     policy = Policy(allow_dirs=tuple(p.expanduser().resolve() for p in args.allow_dir),
-                    max_upload_bytes=args.max_upload_mb * 2**20)
+                    max_upload_bytes=args.max_upload_mb * 2**20, max_audio_s=float(args.max_audio_s))
     metrics = ServerMetrics(queue)
     retention = Retention(keep=args.keep_videos,
                           max_age_s=args.keep_hours * 3600.0 if args.keep_hours is not None else None)
