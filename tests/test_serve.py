@@ -153,6 +153,8 @@ def test_fifty_concurrent_submissions(server, inputs):
     listed = [v for v in server.videos() if v["prompt"].startswith("load ")]
     assert sorted(v["id"] for v in listed) == sorted(accepted)
     assert all(v["attempts"] == 1 for v in listed)
+    info = server.http.get("/v1/server").json()  # 10 at once, but never more checked at once than the slots
+    assert 1 <= info["decoding_peak"] <= info["decode_slots"] == 2, info
 
 
 @pytest.mark.slow

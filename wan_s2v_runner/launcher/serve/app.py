@@ -15,6 +15,7 @@ Cut as vLLM's entrypoints are: thin routes (:mod:`.routes`), typed protocol mode
 """
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 from typing import Optional
 from urllib.parse import urlsplit
@@ -93,6 +94,7 @@ def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="wan-s2v", summary="Wan2.2 S2V-14B: reference image + speech -> talking video",
                   version="0.1.0")
     app.state.server = server
+    app.state.decode_slots = asyncio.Semaphore(server.decode_slots if server is not None else 1)
 
     @app.exception_handler(Refused)
     async def refused(_request: Request, e: Refused) -> JSONResponse:

@@ -142,6 +142,8 @@ class ServerInfo(ServerState):
     fields: list[JobField]
     auth: bool
     max_upload_mb: int
+    decode_slots: int = Field(description="submissions checked at once; the rest wait their turn")
+    decoding_peak: int = Field(description="the most submissions ever checked at once")
 
 
 class Health(BaseModel):

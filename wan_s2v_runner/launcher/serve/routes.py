@@ -258,7 +258,8 @@ def static(name: str) -> FileResponse:
 @api.get("/v1/server")
 def server_info(server: ServerDep) -> ServerInfo:
     return ServerInfo(**server_state(server).model_dump(), fields=job_fields(server), auth=server.token is not None,
-                      max_upload_mb=server.policy.max_upload_bytes // 2**20)
+                      max_upload_mb=server.policy.max_upload_bytes // 2**20, decode_slots=server.decode_slots,
+                      decoding_peak=server.decoding_peak)
 
 
 @api.get("/metrics")
@@ -308,9 +309,15 @@ async def create(request: Request, server: ServerDep) -> VideoObject:
     fields = await _fields(request, server.policy.max_upload_bytes)
     job_id = new_id()
     try:
-        spec = await run_in_threadpool(build_job, fields, job_id=job_id, base=server.base,
-                                       group=server.keeper.group_spec, videos=server.dirs.videos,
-                                       uploads=server.dirs.uploads, policy=server.policy, facts=server.facts)
+        async with request.app.state.decode_slots:  # a bounded number checked at once; the rest wait
+            server.decoding += 1
+            server.decoding_peak = max(server.decoding_peak, server.decoding)
+            try:
+                spec = await run_in_threadpool(build_job, fields, job_id=job_id, base=server.base,
+                                               group=server.keeper.group_spec, videos=server.dirs.videos,
+                                               uploads=server.dirs.uploads, policy=server.policy, facts=server.facts)
+            finally:
+                server.decoding -= 1
     finally:  # the spooled uploads (copied to uploads/ID/ when accepted)
         for value in fields.values():
             if isinstance(value, Upload):

@@ -30,6 +30,9 @@ from wan_s2v_runner.shared.media import FIRST_CLIP_DROPS, FPS
 from wan_s2v_runner.shared.spec import JobSpec
 
 MODEL = "wan2.2-s2v-14b"
+#: submissions checked at once (their inputs read and decoded, preflight): the rest wait their
+#: turn, so a burst of submissions costs a bounded amount of memory and CPU
+DECODE_SLOTS = 2
 
 
 @dataclass
@@ -48,6 +51,9 @@ class Server:
     allow_hosts: tuple[str, ...] = ()  # host names (beyond IP addresses and localhost) clients may use
     retention: Retention = Retention()  # what is kept of ended jobs (--keep-videos, --keep-hours)
     min_free_mb: int = 0  # below this much free space, new jobs are refused (507)
+    decode_slots: int = DECODE_SLOTS  # submissions checked (media read and decoded) at once
+    decoding: int = 0  # submissions being checked now
+    decoding_peak: int = 0  # the most ever checked at once (/v1/server)
 
 
 def percent(row: JobRow, live: Optional[dict]) -> int:
