@@ -61,17 +61,11 @@ class ServerProcess:
         return r.json()
 
     def videos(self) -> list[dict]:
-        """Every video on the server, oldest first: GET /v1/videos page by page (its cursor)."""
-        out: list[dict] = []
-        params: dict = {"order": "asc", "limit": 100}
-        while True:
-            r = self.http.get("/v1/videos", params=params)
-            assert r.status_code == 200, r.text
-            page = r.json()
-            out += page["data"]
-            if not page["has_more"]:
-                return out
-            params["after"] = page["last_id"]
+        """Every video on the server, oldest first: GET /v1/videos page by page (its cursor), as
+        ``wan-s2v jobs`` lists them."""
+        from wan_s2v_runner.launcher.client import list_all
+
+        return list_all(self.http)
 
     def submit(self, files: dict | None = None, **fields) -> httpx.Response:
         return self.http.post("/v1/videos", data={k: str(v) for k, v in fields.items()}, files=files)

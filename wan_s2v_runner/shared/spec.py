@@ -398,11 +398,6 @@ class RunSpec(GroupSpec, JobSpec):
         return cls(**group.model_dump(include=set(GroupSpec.model_fields)),
                    **job.model_dump(include=set(JobSpec.model_fields)))
 
-    # ----- serialization -----
-    @classmethod
-    def from_json_file(cls, path: Path) -> "RunSpec":
-        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
-
     # ----- the lenient view (doctor) -----
     @classmethod
     def required_fields(cls) -> list[str]:

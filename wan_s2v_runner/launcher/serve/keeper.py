@@ -38,7 +38,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from wan_s2v_runner.launcher.console import Display, eta_s
-from wan_s2v_runner.launcher.job_book import WORK_DIR, JobState, Line, mark_done_before, prepare_resume
+from wan_s2v_runner.launcher.job_book import (
+    WORK_DIR,
+    JobState,
+    Line,
+    job_defaults,
+    mark_done_before,
+    prepare_resume,
+)
 from wan_s2v_runner.launcher.proctree import pids_with_cmdline
 from wan_s2v_runner.launcher.serve.queue import JobStatus, JobStore
 from wan_s2v_runner.launcher.serve.retention import SWEEP_EVERY_S, Retention
@@ -46,7 +53,7 @@ from wan_s2v_runner.launcher.serve.retention import sweep as retention_sweep
 from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
 from wan_s2v_runner.shared import atomic, inbox
 from wan_s2v_runner.shared.events import steps_done
-from wan_s2v_runner.shared.jobs import JOB_FIELDS, Job
+from wan_s2v_runner.shared.jobs import Job
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
 from wan_s2v_runner.shared.stages import Stage
 
@@ -295,11 +302,8 @@ class Keeper(threading.Thread):
         """The group ended under ``job_id``: back to the queue (its clip checkpoints kept), or
         failed for good, or, deleted while it ran, gone with its files."""
         row = self.queue.get(job_id)
-        if row is not None and row.deleting:
-            self.queue.remove(job_id)
-            self.dirs.remove_job_files(job_id, video=True)
-        elif self.queue.group_failed(job_id, reason) is JobStatus.FAILED:
-            self.dirs.remove_job_files(job_id, video=False)
+        if (row is not None and row.deleting) or self.queue.group_failed(job_id, reason) is JobStatus.FAILED:
+            self._after_end(job_id)
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop the group: an idle one is told to stop; a job in progress is interrupted (it stays
@@ -348,18 +352,21 @@ class Keeper(threading.Thread):
                     self.last_steps_per_s = done.steps_per_s(float(ev["t"])) or self.last_steps_per_s
             else:
                 return
-        self._ended(job_id, kind, ev)
-
-    def _ended(self, job_id: str, kind: str, ev: dict) -> None:
         if kind == "job_cancelled":
             self.queue.finish(job_id, JobStatus.CANCELLED, error="cancelled")
         elif kind == "job_failed":  # the job's own error: the ranks stay up and take the next job
             self.queue.finish(job_id, JobStatus.FAILED, error=str(ev.get("error") or "the job failed"))
         else:
             self._completed(job_id)
+        self._after_end(job_id)
+
+    def _after_end(self, job_id: str) -> None:
+        """A job ended, however it ended: nothing of it is left to resume from (its clip
+        checkpoints and uploads go); deleted while it ran, it goes whole (video, record, row);
+        then retention."""
         row = self.queue.get(job_id)
-        deleted = row is None or row.deleting
-        self.dirs.remove_job_files(job_id, video=deleted)  # nothing left to resume from
+        deleting = row is None or row.deleting
+        self.dirs.remove_job_files(job_id, video=deleting)
         if row is not None and row.deleting:
             self.queue.remove(job_id)
         self.sweep()
@@ -394,7 +401,7 @@ class Keeper(threading.Thread):
                 return
             if row.cancel_requested:  # cancelled while the server was down
                 self.queue.finish(row.id, JobStatus.CANCELLED, error="cancelled")
-                self.dirs.remove_job_files(row.id, video=False)
+                self._after_end(row.id)
                 continue
             try:
                 job = self._prepare(row)
@@ -402,7 +409,7 @@ class Keeper(threading.Thread):
                 traceback.print_exc()
                 self.queue.finish(row.id, JobStatus.FAILED, error=f"the job could not be prepared: "
                                                                   f"{type(e).__name__}: {e}")
-                self.dirs.remove_job_files(row.id, video=False)
+                self._after_end(row.id)
                 continue
             if job is None:  # its mp4 was written before the server went down
                 continue
@@ -419,15 +426,14 @@ class Keeper(threading.Thread):
                     self._send_cancel(row.id)
             return
 
-
     def _prepare(self, row) -> Optional[Job]:
         """A claimed row -> the job to post (None: it was done before, now completed)."""
-        job_spec = JobSpec(**{k: v for k, v in row.spec.items() if k in JOB_FIELDS})  # rows before the split
+        job_spec = JobSpec(**job_defaults(row.spec))  # a row from before the split holds a whole RunSpec
         line = Line(0, row.id, JobState.QUEUED, spec=RunSpec.of(self.group_spec, job_spec))  # held whole
         mark_done_before(line)
         if line.state is JobState.DONE_BEFORE:
             self.queue.finish(row.id, JobStatus.COMPLETED, record=json.loads(line.record.read_text(encoding="utf-8")))
-            self.dirs.remove_job_files(row.id, video=False)
+            self._after_end(row.id)
             return None
         work = self.dirs.work(row.id)
         work.mkdir(parents=True, exist_ok=True)
