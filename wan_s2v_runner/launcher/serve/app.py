@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from wan_s2v_runner.launcher.serve.feed import Feed
 from wan_s2v_runner.launcher.serve.protocol import ErrorDetail, ErrorResponse
 from wan_s2v_runner.launcher.serve.requests import Refused
 from wan_s2v_runner.launcher.serve.routes import api, public
@@ -94,6 +95,7 @@ def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="wan-s2v", summary="Wan2.2 S2V-14B: reference image + speech -> talking video",
                   version="0.1.0")
     app.state.server = server
+    app.state.feed = Feed(server)
     app.state.decode_slots = asyncio.Semaphore(server.decode_slots if server is not None else 1)
 
     @app.exception_handler(Refused)

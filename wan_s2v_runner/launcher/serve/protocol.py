@@ -144,6 +144,9 @@ class ServerInfo(ServerState):
     max_upload_mb: int
     decode_slots: int = Field(description="submissions checked at once; the rest wait their turn")
     decoding_peak: int = Field(description="the most submissions ever checked at once")
+    followers: int = Field(description="event streams open now (status pages and job followers)")
+    feed_reads: int = Field(description="reads of the queue by the live feed so far (one per tick, shared by "
+                                        "every event stream)")
 
 
 class Health(BaseModel):
@@ -165,7 +168,16 @@ class Health(BaseModel):
 
 
 class Snapshot(BaseModel):
-    """``/v1/events``' data: the server and every job."""
+    """``/v1/events``' first event (``snapshot``): the server and the newest jobs, oldest first."""
 
     server: ServerState
     videos: list[VideoObject]
+
+
+class FeedChanges(BaseModel):
+    """``/v1/events``' later events (``changes``): only what changed since the last event."""
+
+    server: Optional[ServerState] = Field(None, description="the server's state, when it changed")
+    videos: list[VideoObject] = Field(description="the videos that changed")
+    gone: list[str] = Field(description="ids no longer among the newest jobs (deleted, or older than the newest "
+                                        "100)")

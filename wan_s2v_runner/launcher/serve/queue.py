@@ -92,6 +92,7 @@ class JobStore(Protocol):
     def get(self, job_id: str) -> Optional[JobRow]: ...
     def all(self, limit: int = 1000) -> list[JobRow]: ...
     def position(self, job_id: str) -> Optional[int]: ...
+    def positions(self, job_ids: list[str]) -> dict[str, int]: ...
     def counts(self) -> dict[str, int]: ...
     def claim_next(self) -> Optional[JobRow]: ...
     def finish(self, job_id: str, status: JobStatus, *, error: Optional[str] = None,
@@ -199,6 +200,18 @@ class JobQueue:
             (ahead,) = self._db.execute("SELECT COUNT(*) FROM jobs WHERE status = ? AND seq < ?",
                                         (JobStatus.QUEUED.value, r["seq"])).fetchone()
         return ahead + 1
+
+    def positions(self, job_ids: list[str]) -> dict[str, int]:
+        """The 1-based places in the queue of those of ``job_ids`` that are queued, in one
+        pass over the queued jobs (the status index), however many are asked."""
+        if not job_ids:
+            return {}
+        marks = ",".join("?" * len(job_ids))
+        with self._lock:
+            rows = self._db.execute(f"SELECT id, pos FROM (SELECT id, ROW_NUMBER() OVER (ORDER BY seq) AS pos "
+                                    f"FROM jobs WHERE status = ?) WHERE id IN ({marks})",
+                                    (JobStatus.QUEUED.value, *job_ids)).fetchall()
+        return {r[0]: r[1] for r in rows}
 
     def counts(self) -> dict[str, int]:
         with self._lock:

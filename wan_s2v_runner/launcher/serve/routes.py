@@ -17,8 +17,8 @@ the keeper or :mod:`.requests`, and returns a typed model (:mod:`.protocol`).
 - ``GET /v1/server``: the server for the status page: model, mode and layout, LoRAs, uptime,
   the group's state, each rank's stage and memory, and the job fields with the server's defaults
   (the page's form is built from them);
-- ``GET /v1/events``: the whole server (``/v1/server``'s state and every job) as server-sent
-  events, whenever it changes;
+- ``GET /v1/events``: the status page's feed as server-sent events: a snapshot (the server's
+  state and the newest jobs), then only what changed (:mod:`.feed`, one read shared by every stream);
 - ``GET /metrics``: Prometheus text format (:mod:`.metrics`);
 - ``GET /``: the status page (:mod:`.page`: files shipped in the package, no CDN). The page itself
   is public; it asks for the token once and sends it with each request.
@@ -27,7 +27,6 @@ With a token every route but ``/health`` and the page wants ``Authorization: Bea
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import secrets
@@ -43,6 +42,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from wan_s2v_runner.launcher.serve import page
+from wan_s2v_runner.launcher.serve.feed import Feed, FeedFailed, settled
 from wan_s2v_runner.launcher.serve.metrics import CONTENT_TYPE
 from wan_s2v_runner.launcher.serve.protocol import (
     ErrorDetail,
@@ -56,12 +56,10 @@ from wan_s2v_runner.launcher.serve.protocol import (
 from wan_s2v_runner.launcher.serve.queue import PAGE_MAX, JobRow, JobStatus, QueueFull
 from wan_s2v_runner.launcher.serve.requests import Refused, Upload, VideoJobFields, build_job, new_id
 from wan_s2v_runner.launcher.serve.retention import space_refusal
-from wan_s2v_runner.launcher.serve.state import Server, health, job_fields, server_state, video_object
+from wan_s2v_runner.launcher.serve.state import Server, health, job_fields, server_state, video_object, video_objects
 
 log = logging.getLogger("wan_s2v.serve")
 
-#: how often the events stream looks for a change
-EVENTS_POLL_S = 0.25
 #: what every guarded route may answer besides its own model
 ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409,
                                                                                        413, 422, 429, 507)}
@@ -86,46 +84,16 @@ def authorized(request: Request) -> None:
                            "with the server's token")
 
 
+def followed_job(video_id: str, request: Request) -> JobRow:
+    """The job an event stream follows (404 before the stream starts)."""
+    return job_row(the_server(request), video_id)
+
+
 def job_row(server: Server, video_id: str) -> JobRow:
     row = server.queue.get(video_id)
     if row is None or row.deleting:  # deleted (a running one goes when its ranks stop it)
         raise Refused(404, f"no video {video_id!r} on this server. Fix: list them with GET /v1/videos", "video_id")
     return row
-
-
-def _settled(video: dict[str, Any]) -> dict[str, Any]:
-    """A video object without what moves with the clock alone (a running job's stage seconds):
-    an event stream sends a new one only when something else changed."""
-    return {k: v for k, v in video.items() if k != "stage_seconds" or video["status"] != "in_progress"}
-
-
-class StreamEnded(Exception):
-    """What a server-sent event stream says last when it cannot go on (``event: error``)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-async def _changes(request: Request, read, view, every_s: float):
-    """``read()`` (on a worker thread: it queries SQLite) every ``every_s`` while the client is
-    connected, yielding it whenever ``view`` of it changed. A read that fails ends the stream
-    with an ``error`` event (:class:`StreamEnded`): a follower never waits on a stream that died."""
-    last = None
-    while not await request.is_disconnected():
-        try:
-            now = await run_in_threadpool(read)
-        except Refused as e:
-            raise StreamEnded(e.status, e.message) from None
-        except Exception as e:
-            log.exception("an event stream's read failed")
-            raise StreamEnded(500, f"the server could not read the job ({type(e).__name__}: {e}). Fix: retry; "
-                                   "the server's log has the traceback") from None
-        seen = view(now)
-        if seen != last:
-            last = seen
-            yield now
-        await asyncio.sleep(every_s)
 
 
 #: a JSON submission's largest body and deepest nesting (a job is a flat object of a few fields)
@@ -227,9 +195,27 @@ async def _fields(request: Request, max_file_bytes: int) -> dict[str, Any]:
     return out
 
 
-def _ended(e: StreamEnded) -> ServerSentEvent:
-    body = ErrorResponse(error=ErrorDetail(message=e.message, type="stream_error", code=str(e.status)))
+def _ended(status: int, message: str) -> ServerSentEvent:
+    """What an event stream says last when it cannot go on: a follower never waits on a stream that died."""
+    body = ErrorResponse(error=ErrorDetail(message=message, type="stream_error", code=str(status)))
     return ServerSentEvent(data=body.model_dump(), event="error", id=str(time.time()))
+
+
+def the_feed(request: Request) -> Feed:
+    return request.app.state.feed
+
+
+def feed_room(request: Request) -> Feed:
+    """The feed, when it takes one more follower (429 before the stream starts, not inside it)."""
+    feed = the_feed(request)
+    if feed.full:
+        raise Refused(429, feed.full)
+    return feed
+
+
+FeedDep = Annotated[Feed, Depends(the_feed)]
+#: an event stream's feed: refused before the stream starts when the streams open are at the limit
+FollowDep = Annotated[Feed, Depends(feed_room)]
 
 
 #: the page and /health: no token
@@ -256,10 +242,10 @@ def static(name: str) -> FileResponse:
 
 
 @api.get("/v1/server")
-def server_info(server: ServerDep) -> ServerInfo:
+def server_info(server: ServerDep, feed: FeedDep) -> ServerInfo:
     return ServerInfo(**server_state(server).model_dump(), fields=job_fields(server), auth=server.token is not None,
                       max_upload_mb=server.policy.max_upload_bytes // 2**20, decode_slots=server.decode_slots,
-                      decoding_peak=server.decoding_peak)
+                      decoding_peak=server.decoding_peak, followers=len(feed.followers), feed_reads=feed.reads)
 
 
 @api.get("/metrics")
@@ -270,21 +256,22 @@ def metrics(server: ServerDep) -> Response:
 
 
 @api.get("/v1/events", response_class=EventSourceResponse)
-async def all_events(request: Request, server: ServerDep):
-    """The server and every job, whenever any of it changes (the status page's feed)."""
-    def snapshot() -> dict[str, Any]:
-        return {"server": server_state(server).model_dump(mode="json"),
-                "videos": [video_object(server, row).model_dump(mode="json") for row in server.queue.all()]}
-
-    def view(now: dict) -> dict:
-        return {"server": {k: v for k, v in now["server"].items() if k != "uptime_s"},
-                "videos": [_settled(o) for o in now["videos"]]}
-
+async def all_events(request: Request, feed: FollowDep):
+    """The status page's feed (:mod:`.feed`): ``event: snapshot`` first (the server and the newest
+    jobs), then ``event: changes`` with only what changed (``server`` when it changed, the changed
+    ``videos``, the ids ``gone`` from the newest jobs)."""
     try:
-        async for now in _changes(request, snapshot, view, EVENTS_POLL_S * 2):
-            yield ServerSentEvent(data=now, event="server", id=str(time.time()))
-    except StreamEnded as e:
-        yield _ended(e)
+        async with feed.follow() as follower:
+            yield ServerSentEvent(data=feed.snapshot(), event="snapshot", id=str(feed.reads))
+            while not await request.is_disconnected():
+                changed = await follower.next(timeout=4 * feed.tick_s)
+                if changed:
+                    yield ServerSentEvent(data={"server": changed.server, "videos": list(changed.videos.values()),
+                                                "gone": sorted(changed.gone)}, event="changes", id=str(feed.reads))
+    except Refused as e:  # more streams than the server takes
+        yield _ended(e.status, e.message)
+    except FeedFailed as e:
+        yield _ended(500, str(e))
 
 
 _FILE = {"type": "string", "format": "binary"}
@@ -337,7 +324,7 @@ def list_videos(server: ServerDep, after: Optional[str] = None, limit: int = Que
         rows, more = server.queue.page(after, limit, order)
     except KeyError:
         raise Refused(404, f"no video {after!r} to list after. Fix: pass a last_id this server gave", "after") from None
-    data = [video_object(server, row) for row in rows]
+    data = video_objects(server, rows)
     return VideoList(data=data, has_more=more, first_id=data[0].id if data else None,
                      last_id=data[-1].id if data else None)
 
@@ -400,16 +387,26 @@ def delete(video_id: str, server: ServerDep) -> VideoDeleted:
 
 
 @api.get("/v1/videos/{video_id}/events", response_class=EventSourceResponse)
-async def events(video_id: str, request: Request, server: ServerDep):
-    job_row(server, video_id)  # 404 before the stream starts
-
-    def read() -> dict[str, Any]:
-        return video_object(server, job_row(server, video_id)).model_dump(mode="json")
-
+async def events(video_id: str, request: Request, feed: FollowDep,
+                 row: Annotated[JobRow, Depends(followed_job)]):
+    """The video object whenever it changes (``event: video``), until the job ends."""
     try:
-        async for obj in _changes(request, read, _settled, EVENTS_POLL_S):
-            yield ServerSentEvent(data=obj, event="video", id=str(time.time()))
-            if JobStatus(obj["status"]).terminal:
-                return
-    except StreamEnded as e:
-        yield _ended(e)
+        async with feed.follow(row.id) as follower:
+            obj, last = feed.video(row.id), None
+            while obj is not None:
+                if settled(obj) != last:
+                    last = settled(obj)
+                    yield ServerSentEvent(data=obj, event="video", id=str(feed.reads))
+                    if JobStatus(obj["status"]).terminal:
+                        return
+                if await request.is_disconnected():
+                    return
+                changed = await follower.next(timeout=4 * feed.tick_s)
+                obj = None if row.id in changed.gone else changed.videos.get(row.id, obj)
+    except Refused as e:
+        yield _ended(e.status, e.message)
+        return
+    except FeedFailed as e:
+        yield _ended(500, str(e))
+        return
+    yield _ended(404, f"video {row.id!r} was deleted. Fix: list the server's videos with GET /v1/videos")

@@ -64,7 +64,19 @@ def percent(row: JobRow, live: Optional[dict]) -> int:
     return min(99, int(100 * steps_done(live) / (live["clips"] * live["steps"])))
 
 
-def video_object(server: Server, row: JobRow) -> VideoObject:
+#: a video object's place in the queue, not given: the queue is asked
+ASK = object()
+
+
+def video_objects(server: Server, rows: list[JobRow]) -> list[VideoObject]:
+    """Many rows' video objects, their places in the queue found in one query."""
+    places = server.queue.positions([r.id for r in rows if r.status is JobStatus.QUEUED])
+    return [video_object(server, r, position=places.get(r.id)) for r in rows]
+
+
+def video_object(server: Server, row: JobRow, position: Any = ASK) -> VideoObject:
+    if position is ASK:
+        position = server.queue.position(row.id) if row.status is JobStatus.QUEUED else None
     live = server.keeper.live(row.id) if row.status is JobStatus.IN_PROGRESS else None
     record = row.record or {}
     spec = row.spec
@@ -74,7 +86,7 @@ def video_object(server: Server, row: JobRow) -> VideoObject:
         "started_at": int(row.started_at) if row.started_at else None,
         "completed_at": int(row.finished_at) if row.finished_at and row.status is JobStatus.COMPLETED else None,
         "prompt": spec.get("prompt"), "seed": spec.get("seed"), "max_area": spec.get("max_area"),
-        "queue_position": server.queue.position(row.id) if row.status is JobStatus.QUEUED else None,
+        "queue_position": position if row.status is JobStatus.QUEUED else None,
         "stage_seconds": record.get("stage_seconds"), "wall_s": record.get("wall_s"),
         "resumed_at_clip": record.get("resumed_at_clip"), "attempts": row.runs, "failures": row.failures,
         "cancel_requested": row.cancel_requested,
@@ -128,13 +140,15 @@ def job_fields(server: Server) -> list[JobField]:
     return out
 
 
-def server_state(server: Server) -> ServerState:
-    """What the status page shows of the server (changes as the group works)."""
+def server_state(server: Server, counts: Optional[dict[str, int]] = None) -> ServerState:
+    """What the status page shows of the server (changes as the group works); ``counts``: the
+    jobs by status, when the caller has them."""
     k, spec = server.keeper, server.keeper.group_spec
     layout = spec.layout
+    counts = counts if counts is not None else server.queue.counts()
     return ServerState(
         model=MODEL, group=k.state.value, restarts=k.restarts, groups=k.groups, current=k.current,
-        last_error=k.last_error, uptime_s=round(time.time() - k.started_at, 1), queue=server.queue.counts(),
+        last_error=k.last_error, uptime_s=round(time.time() - k.started_at, 1), queue=counts,
         ranks=[RankInfo(**r) for r in k.ranks],
         layout=LayoutInfo(mode=spec.mode.value, world_size=spec.world_size, nnodes=spec.nnodes, nproc=spec.nproc,
                           cfg_degree=layout.cfg_degree, sp_degree=layout.sp_degree,

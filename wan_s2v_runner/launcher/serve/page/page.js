@@ -73,6 +73,11 @@ const fmtS = (s) => {
 const fmtMb = (mb) => (mb === null || mb === undefined ? "-" : mb >= 1024 ? `${(mb / 1024).toFixed(1)} GB` : `${Math.round(mb)} MB`);
 
 // ----- the server -----
+let uptimeFrom = null;
+setInterval(() => {
+  const el = $("#uptime");
+  if (el && uptimeFrom) el.textContent = fmtS(uptimeFrom.s + (Date.now() - uptimeFrom.at) / 1000);
+}, 1000);
 function renderServer(s) {
   $("#model").textContent = s.model;
   const badge = $("#group-state");
@@ -90,8 +95,10 @@ function renderServer(s) {
   $("#layout").replaceChildren(...rows.flatMap(([k, v]) => {
     const dt = document.createElement("dt"), dd = document.createElement("dd");
     dt.textContent = k; dd.textContent = v;
+    if (k === "uptime") dd.id = "uptime";
     return [dt, dd];
   }));
+  uptimeFrom = { s: s.uptime_s, at: Date.now() }; // the feed sends the server only when it changed
   $("#ranks tbody").replaceChildren(...s.ranks.map((r) => {
     const tr = document.createElement("tr");
     for (const v of [r.rank, r.host || "-", r.stage, fmtMb(r.rss_mb), fmtMb(r.host_peak_rss_mb), fmtMb(r.gpu_peak_allocated_mb)]) {
@@ -151,8 +158,8 @@ async function showVideo(v, box) {
   }
 }
 
-// every job (prune: drop the ones the server no longer lists), or just the ones given
-function renderJobs(videos, prune = true) {
+// the jobs the feed holds (a row no longer among them goes)
+function renderJobs(videos) {
   const list = $("#jobs");
   const seen = new Set();
   // the newest finished videos load by themselves; older ones on a click (each is a whole mp4)
@@ -192,13 +199,11 @@ function renderJobs(videos, prune = true) {
       }
     }
   }
-  if (prune) {
-    for (const el of [...list.children]) {
-      if (seen.has(el.dataset.id)) continue;
-      if (videoUrls.has(el.dataset.id)) URL.revokeObjectURL(videoUrls.get(el.dataset.id));
-      videoUrls.delete(el.dataset.id);
-      el.remove();
-    }
+  for (const el of [...list.children]) {
+    if (seen.has(el.dataset.id)) continue;
+    if (videoUrls.has(el.dataset.id)) URL.revokeObjectURL(videoUrls.get(el.dataset.id));
+    videoUrls.delete(el.dataset.id);
+    el.remove();
   }
 }
 
@@ -210,6 +215,16 @@ async function cancel(id) {
 }
 
 // ----- the live feed: server-sent events read with fetch (the token goes in a header) -----
+// "snapshot" (on connecting): the server and the newest jobs; "changes": only what changed
+const known = new Map(); // job id -> its video object, as the feed last sent it
+function applyFeed(event, data) {
+  if (event === "snapshot") known.clear();
+  else if (event !== "changes") return; // "error": the stream ends, and follow() reconnects
+  for (const id of data.gone || []) known.delete(id);
+  for (const v of data.videos || []) known.set(v.id, v);
+  if (data.server) renderServer(data.server);
+  renderJobs([...known.values()]);
+}
 async function follow() {
   for (;;) {
     let reader = null;
@@ -228,12 +243,10 @@ async function follow() {
         while ((cut = buffer.indexOf("\n\n")) >= 0) {
           const block = buffer.slice(0, cut);
           buffer = buffer.slice(cut + 2);
-          const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
-          if (data) {
-            const state = JSON.parse(data);
-            renderServer(state.server);
-            renderJobs(state.videos);
-          }
+          const lines = block.split("\n");
+          const event = (lines.find((l) => l.startsWith("event:")) || "event: message").slice(6).trim();
+          const data = lines.filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
+          if (data) applyFeed(event, JSON.parse(data));
         }
       }
     } catch (e) {
@@ -336,7 +349,9 @@ async function submit(event) {
         slot.textContent = error.message;
         return;
       }
-      renderJobs([await r.json()], false);
+      const v = await r.json();
+      known.set(v.id, v);
+      renderJobs([...known.values()]);
     });
   } catch (e) {
     form.querySelector('[data-error-for=""]').textContent = `could not submit: ${e.message}`;

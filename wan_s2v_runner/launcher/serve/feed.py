@@ -1,0 +1,233 @@
+"""The server's live feed: one read of the queue per tick, shared by every event stream, and
+what changed since the last read sent to each follower.
+
+Every open status page (``GET /v1/events``) and every job follower (``GET /v1/videos/{id}/events``)
+is a :class:`Follower` of the server's one :class:`Feed`. While any follower is connected, the
+feed reads, every :data:`TICK_S`, the newest :data:`WINDOW` jobs (the primary key's order), the
+counts by status (the status index), the queue places of the queued ones (one pass over the
+status index) and the jobs followed outside that window, on one worker thread. It compares each
+video object with the last one read and hands every follower only what changed: a page gets the
+changed videos, the ids that left the window (deleted, or pushed out by newer jobs) and the
+server's state when it changed; a job follower gets its job. So the work per tick does not grow
+with the followers, and a page's traffic does not grow with the jobs in the queue.
+
+What moves with the clock alone (a running job's stage seconds, the uptime) is not a change. A
+follower that reads slower than the feed ticks gets the changes merged, never a backlog. The
+followers are bounded (:data:`MAX_FOLLOWERS`; more are refused with 429).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+from starlette.concurrency import run_in_threadpool
+
+from wan_s2v_runner.launcher.serve.queue import PAGE_MAX
+from wan_s2v_runner.launcher.serve.requests import Refused
+from wan_s2v_runner.launcher.serve.state import Server, server_state, video_objects
+
+log = logging.getLogger("wan_s2v.serve")
+
+#: how often the feed reads the queue while anyone follows it
+TICK_S = 0.25
+#: the newest jobs a page follows (as many as one page of ``GET /v1/videos`` holds)
+WINDOW = PAGE_MAX
+#: event streams open at once (pages and job followers together)
+MAX_FOLLOWERS = 64
+
+
+def settled(video: dict[str, Any]) -> dict[str, Any]:
+    """A video object without what moves with the clock alone (a running job's stage seconds)."""
+    return {k: v for k, v in video.items() if k != "stage_seconds" or video["status"] != "in_progress"}
+
+
+def _server_view(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if k != "uptime_s"}
+
+
+@dataclass
+class Changes:
+    """What a follower has not been sent yet: the server's state (when it changed), the video
+    objects that changed (by id) and the ids that left what it follows."""
+
+    server: Optional[dict[str, Any]] = None
+    videos: dict[str, dict[str, Any]] = field(default_factory=dict)
+    gone: set[str] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return self.server is not None or bool(self.videos) or bool(self.gone)
+
+    def merge(self, later: Changes) -> None:
+        if later.server is not None:
+            self.server = later.server
+        for vid, obj in later.videos.items():
+            self.videos[vid] = obj
+            self.gone.discard(vid)
+        for vid in later.gone:
+            self.videos.pop(vid, None)
+            self.gone.add(vid)
+
+
+class FeedFailed(Exception):
+    """The feed's read failed: every stream ends with this (``event: error``)."""
+
+
+class Follower:
+    """One event stream: the whole window (``watch`` None: a page) or one job."""
+
+    def __init__(self, watch: Optional[str] = None):
+        self.watch = watch
+        self.pending = Changes()
+        self.failed: Optional[str] = None
+        self._wake = asyncio.Event()
+
+    def push(self, changes: Changes) -> None:
+        self.pending.merge(changes)
+        self._wake.set()
+
+    def fail(self, message: str) -> None:
+        self.failed = message
+        self._wake.set()
+
+    async def next(self, timeout: float) -> Changes:
+        """What changed since the last call (empty after ``timeout`` with no change)."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        self._wake.clear()
+        if self.failed is not None:
+            raise FeedFailed(self.failed)
+        out, self.pending = self.pending, Changes()
+        return out
+
+
+@dataclass
+class Read:
+    """One tick's read: the server's state, the window's ids (oldest first) and the video
+    objects of the window and of the jobs followed outside it (None: no such job now)."""
+
+    server: dict[str, Any]
+    window: list[str]
+    videos: dict[str, Optional[dict[str, Any]]]
+
+
+class Feed:
+    """The one reader behind every event stream of ``server`` (see the module's docstring)."""
+
+    def __init__(self, server: Server, tick_s: float = TICK_S, window: int = WINDOW,
+                 max_followers: int = MAX_FOLLOWERS):
+        self.server, self.tick_s, self.window_size, self.max_followers = server, tick_s, window, max_followers
+        self.followers: set[Follower] = set()
+        self.reads = 0  # reads of the queue so far (/v1/server: shared, not one per follower)
+        self._state: Optional[dict[str, Any]] = None
+        self._window: list[str] = []
+        self._videos: dict[str, dict[str, Any]] = {}
+        self._views: dict[str, dict[str, Any]] = {}
+        self._task: Optional[asyncio.Task] = None
+        self._starting = asyncio.Lock()
+
+    @property
+    def full(self) -> Optional[str]:
+        """Why one more follower is refused (None: it is taken)."""
+        if len(self.followers) < self.max_followers:
+            return None
+        return (f"{len(self.followers)} event streams are open (the server takes {self.max_followers}). "
+                "Fix: close one, or poll GET /v1/videos/{id}")
+
+    # ----- the read (a worker thread) -----
+    def _read(self, watched: set[str]) -> Read:
+        queue = self.server.queue
+        rows = queue.all(limit=self.window_size)
+        window = [r.id for r in rows]
+        extra = [row for vid in watched - set(window) if (row := queue.get(vid)) is not None and not row.deleting]
+        objects = video_objects(self.server, rows + extra)
+        state = server_state(self.server, counts=queue.counts()).model_dump(mode="json")
+        videos: dict[str, Optional[dict[str, Any]]] = dict.fromkeys(watched)
+        videos.update({o.id: o.model_dump(mode="json") for o in objects})
+        return Read(server=state, window=window, videos=videos)
+
+    # ----- what changed (the event loop) -----
+    def _apply(self, read: Read) -> None:
+        self.reads += 1
+        server = read.server if self._state is None or _server_view(read.server) != _server_view(self._state) else None
+        self._state = read.server
+        changed = {}
+        for vid, obj in read.videos.items():
+            if obj is None:
+                continue
+            view = settled(obj)
+            if self._views.get(vid) != view:
+                changed[vid] = obj
+            self._views[vid] = view
+        in_window = set(read.window)
+        left = [vid for vid in self._window if vid not in in_window]
+        self._window = read.window
+        self._videos = {vid: obj for vid, obj in read.videos.items() if obj is not None}
+        for vid in list(self._views):
+            if vid not in self._videos:
+                del self._views[vid]
+        page = Changes(server=server, videos={v: o for v, o in changed.items() if v in in_window}, gone=set(left))
+        for f in self.followers:
+            if f.watch is None:
+                if page:
+                    f.push(page)
+            elif f.watch not in self._videos:
+                f.push(Changes(gone={f.watch}))
+            else:  # every tick: the stream sends it only when it differs from what it sent
+                f.push(Changes(videos={f.watch: self._videos[f.watch]}))
+
+    def snapshot(self) -> dict[str, Any]:
+        """The page's first event: the server and the window's videos (oldest first)."""
+        return {"server": self._state, "videos": [self._videos[vid] for vid in self._window]}
+
+    def video(self, video_id: str) -> Optional[dict[str, Any]]:
+        return self._videos.get(video_id)
+
+    # ----- following -----
+    async def _tick_once(self) -> None:
+        watched = {f.watch for f in self.followers if f.watch is not None}
+        self._apply(await run_in_threadpool(self._read, watched))
+
+    async def _run(self) -> None:
+        try:
+            while self.followers:
+                await asyncio.sleep(self.tick_s)
+                if not self.followers:
+                    break
+                try:
+                    await self._tick_once()
+                except Exception as e:
+                    log.exception("the live feed's read failed")
+                    for f in self.followers:
+                        f.fail(f"the server could not read its jobs ({type(e).__name__}: {e}). Fix: reconnect; "
+                               "the server's log has the traceback")
+                    return
+        finally:
+            self._task = None
+
+    @asynccontextmanager
+    async def follow(self, watch: Optional[str] = None) -> AsyncIterator[Follower]:
+        """A new follower of the whole window (``watch`` None) or of one job; the feed runs while
+        anyone follows. The first read is done before this yields, so :meth:`snapshot` and
+        :meth:`video` are current."""
+        if self.full:
+            raise Refused(429, self.full)
+        f = Follower(watch)
+        async with self._starting:
+            self.followers.add(f)
+            try:
+                if self._task is None or (watch is not None and watch not in self._videos):
+                    await self._tick_once()  # current before the stream's first event
+                if self._task is None:
+                    self._task = asyncio.get_running_loop().create_task(self._run())
+            except BaseException:
+                self.followers.discard(f)
+                raise
+        try:
+            yield f
+        finally:
+            self.followers.discard(f)
