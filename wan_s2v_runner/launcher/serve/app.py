@@ -21,7 +21,10 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
 from wan_s2v_runner.launcher.serve.feed import Feed
 from wan_s2v_runner.launcher.serve.protocol import ErrorDetail, ErrorResponse
@@ -38,6 +41,25 @@ def error_response(status: int, message: str, param: Optional[str] = None, code:
     body = ErrorResponse(error=ErrorDetail(message=message, type=ERROR_TYPES.get(status, "invalid_request_error"),
                                            param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status)
+
+
+def validation_message(errors) -> tuple[str, Optional[str]]:
+    """FastAPI's validation errors (a query parameter, a path's) -> one line and the field."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "body", "header")]
+    field = ".".join(loc) or None
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return (f"{field or 'the request'}: {first.get('msg', 'not valid')}{more}. Fix: see GET /docs for what it "
+            "takes"), field
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """The documented methods of every route whose path matches ``path``."""
+    methods: set[str] = set()
+    for template, operations in app.openapi()["paths"].items():
+        if compile_path(template)[0].match(path):
+            methods |= {m.upper() for m in operations}
+    return sorted(methods)
 
 
 def _host_name(host: str) -> str:
@@ -101,6 +123,22 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(Refused)
     async def refused(_request: Request, e: Refused) -> JSONResponse:
         return error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(422, *validation_message(e.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 405:  # every method the path takes (Starlette names only one route's)
+            allowed = allowed_methods(app, request.url.path)
+            r = error_response(405, f"{request.method} is not a method of {request.url.path}. Fix: use "
+                                    f"{' or '.join(allowed)}")
+            r.headers["Allow"] = ", ".join(allowed)
+            return r
+        if e.status_code == 404:
+            return error_response(404, f"no route {request.url.path!r}. Fix: see GET /docs for the routes")
+        return error_response(e.status_code, str(e.detail))
 
     app.include_router(public)
     app.include_router(api)

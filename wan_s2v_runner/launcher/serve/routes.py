@@ -54,7 +54,7 @@ from wan_s2v_runner.launcher.serve.protocol import (
     VideoObject,
 )
 from wan_s2v_runner.launcher.serve.queue import PAGE_MAX, JobRow, JobStatus, QueueFull
-from wan_s2v_runner.launcher.serve.requests import Refused, Upload, VideoJobFields, build_job, new_id
+from wan_s2v_runner.launcher.serve.requests import INPUT_NAMES, Refused, Upload, VideoJobFields, build_job, new_id
 from wan_s2v_runner.launcher.serve.retention import space_refusal
 from wan_s2v_runner.launcher.serve.state import Server, health, job_fields, server_state, video_object, video_objects
 
@@ -96,6 +96,8 @@ def job_row(server: Server, video_id: str) -> JobRow:
     return row
 
 
+#: a submission's files: each input under each of its names (the multipart form takes no more)
+UPLOAD_FIELDS = tuple(name for names in INPUT_NAMES.values() for name in names)
 #: a JSON submission's largest body and deepest nesting (a job is a flat object of a few fields)
 MAX_JSON_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 4
@@ -162,7 +164,8 @@ class BoundedMultiPart(MultiPartParser):
 async def _form(request: Request, max_file_bytes: int):
     kind = request.headers.get("content-type", "")
     if kind.startswith("multipart/form-data"):
-        parser = BoundedMultiPart(request.headers, request.stream(), max_file_bytes=max_file_bytes, max_files=4,
+        parser = BoundedMultiPart(request.headers, request.stream(), max_file_bytes=max_file_bytes,
+                                  max_files=len(UPLOAD_FIELDS),
                                   max_fields=64)
         try:
             return (await parser.parse()).multi_items()
@@ -248,7 +251,8 @@ def server_info(server: ServerDep, feed: FeedDep) -> ServerInfo:
                       decoding_peak=server.decoding_peak, followers=len(feed.followers), feed_reads=feed.reads)
 
 
-@api.get("/metrics")
+@api.get("/metrics", responses={200: {"description": "Prometheus text format",
+                                      "content": {"text/plain": {"schema": {"type": "string"}}}}})
 def metrics(server: ServerDep) -> Response:
     if server.metrics is None:
         raise Refused(404, "this server keeps no metrics")
@@ -277,18 +281,28 @@ async def all_events(request: Request, feed: FollowDep):
 _FILE = {"type": "string", "format": "binary"}
 
 
+def _form_field(prop: dict[str, Any]) -> dict[str, Any]:
+    """A job field's JSON schema as a form field: a form has no null (a field left out is the default)."""
+    kinds = [k for k in prop.get("anyOf", ()) if k.get("type") != "null"]
+    if len(kinds) != 1:
+        return prop
+    return {**{k: v for k, v in prop.items() if k != "anyOf"}, **kinds[0]}
+
+
 @api.post("/v1/videos", openapi_extra={"requestBody": {"content": {"multipart/form-data": {"schema": {
-    "type": "object", "properties": {
-        "image": {**_FILE, "description": "reference image (or its path)"},
-        "input_reference": {**_FILE, "description": "= image"},
-        "audio": {**_FILE, "description": "speech audio (or its path)"},
-        "pose_video": {**_FILE, "description": "pose video (or its path)"},
-        "tts_prompt_audio": {**_FILE, "description": "voice prompt for tts_text (or its path)"},
+    "type": "object",
+    # the reference image (as image or input_reference) and the speech (audio, or tts_text to speak)
+    "allOf": [{"anyOf": [{"required": ["image"]}, {"required": ["input_reference"]}]},
+              {"anyOf": [{"required": ["audio"]}, {"required": ["tts_text"]}]}],
+    "additionalProperties": False,
+    "properties": {
+        **{name: _form_field(prop) for name, prop in VideoJobFields.model_json_schema()["properties"].items()},
+        **{name: {**_FILE, "description": f"{field}: the file (or, as a text field, its path on the server)"}
+           for field, names in INPUT_NAMES.items() for name in names},
         "seconds": {"type": "string", "description": "the video's length, s (OpenAI's: as many clips as it takes; "
                                                      "or num_clips)"},
         "size": {"type": "string", "description": "= max_area, as WIDTHxHEIGHT (the image's aspect is kept)"},
-        "model": {"type": "string", "description": "accepted and ignored (the server runs one model)"},
-        **VideoJobFields.model_json_schema()["properties"]}}}}}})
+        "model": {"type": "string", "description": "accepted and ignored (the server runs one model)"}}}}}}})
 async def create(request: Request, server: ServerDep) -> VideoObject:
     full = space_refusal(server.dirs.root, server.min_free_mb)
     if full:
@@ -311,8 +325,11 @@ async def create(request: Request, server: ServerDep) -> VideoObject:
                 value.file.close()
     try:
         server.queue.add(job_id, json.loads(spec.job.model_dump_json()), server.max_queue)
-    except QueueFull as e:
-        raise Refused(429, f"the queue is full: {e}. Fix: retry when jobs have finished") from None
+    except BaseException as e:  # not queued: what it wrote (its uploads) goes
+        server.dirs.remove_job_files(job_id, video=False)
+        if isinstance(e, QueueFull):
+            raise Refused(429, f"the queue is full: {e}. Fix: retry when jobs have finished") from None
+        raise
     return video_object(server, job_row(server, job_id))
 
 
@@ -370,6 +387,8 @@ def cancel(video_id: str, server: ServerDep) -> VideoObject:
     status = server.queue.cancel(video_id)
     if status is JobStatus.IN_PROGRESS:
         server.keeper.cancel_running(video_id)
+    elif row.status is JobStatus.QUEUED and status is JobStatus.CANCELLED:  # it never reached the ranks
+        server.dirs.remove_job_files(video_id, video=False)
     return video_object(server, job_row(server, video_id))
 
 
