@@ -3,11 +3,12 @@
 
 It asks for the token once (and keeps it over a reload), shows the layout and both ranks, shows
 a bad upload's preflight message next to the image field, sends a text-to-speech voice upload
-(refused by this server, which has no CosyVoice, next to ``tts_text``), submits a job through the form and
-watches its progress bar move, plays the finished video (``duration`` > 0) with its download
-link, and cancels a second job. Screenshots of each point go to ``test-artifacts/page/``
-(``$WAN_S2V_ARTIFACTS`` elsewhere). Skips, with the reason, only where no Chromium is installed
-(``make test`` installs it where it can: ``tools/ensure_chromium``).
+(refused by this server, which has no CosyVoice, next to ``tts_text``), submits a job through the
+form and watches its progress bar move and its video so far play in its row before it ends,
+plays the finished video (``duration`` > 0) with its download link, and cancels a second job.
+Screenshots of each point go to ``test-artifacts/page/`` (``$WAN_S2V_ARTIFACTS`` elsewhere).
+Skips, with the reason, only where no Chromium is installed (``make test`` installs it where it
+can: ``tools/ensure_chromium``).
 """
 from __future__ import annotations
 
@@ -60,8 +61,11 @@ def job_state(driver, job_id: str) -> dict:
     return js(driver, """
         const el = document.querySelector(`[data-id="${arguments[0]}"]`);
         if (!el) return null;
-        const v = el.querySelector("video");
+        const v = el.querySelector(".result video");
+        const p = el.querySelector(".partial video");
         return {status: el.dataset.status, progress: el.querySelector(".progress-bar").value,
+                partial: p ? {ready: p.readyState, duration: p.duration,
+                              note: el.querySelector(".partial-note").textContent} : null,
                 detail: el.querySelector(".detail").textContent,
                 video: v ? {ready: v.readyState, duration: v.duration} : null,
                 download: el.querySelector("a.download") ? el.querySelector("a.download").download : null};
@@ -145,10 +149,10 @@ def test_status_page_in_chromium(browser, server, inputs, tmp_path):
 
     # a job through the form: its bar moves, then the video plays
     earlier = set(server_ids(server))
-    submit(driver, inputs["image"], inputs["audio"], prompt="from the page", seed=11, steps=8)
+    submit(driver, inputs["image"], inputs["audio"], prompt="from the page", seed=11, steps=24)
     assert slot.text == ""  # the earlier error is cleared
     first = newest_job(driver, earlier)
-    seen, shot_taken = [], False
+    seen, shot_taken, partial_seen = [], False, None
     deadline = time.time() + 180
     while time.time() < deadline:
         st = job_state(driver, first)
@@ -156,10 +160,15 @@ def test_status_page_in_chromium(browser, server, inputs, tmp_path):
         if st["status"] == "in_progress" and 0 < st["progress"] < 100 and not shot_taken:
             shot(driver, "03-progress")
             shot_taken = True
+        if st["status"] == "in_progress" and st["partial"] and st["partial"]["ready"] >= 1 and not partial_seen:
+            partial_seen = st["partial"]  # the video so far plays in the row before the job ends
+            shot(driver, "03b-video-so-far")
         if st["status"] == "completed":
             break
         time.sleep(0.1)
     assert st["status"] == "completed", (st, server.tail())
+    assert partial_seen and partial_seen["duration"] > 0 and "1 of 2 clips" in partial_seen["note"], partial_seen
+    assert st["partial"] is None  # the whole video replaced it
     moving = sorted({p for p in seen if 0 < p < 100})
     assert len(moving) >= 2 and seen == sorted(seen), seen  # it moved, and only forwards
     st = wait_for(lambda: (s := job_state(driver, first))["video"] and s["video"]["ready"] >= 1 and s, 60,

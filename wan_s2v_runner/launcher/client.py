@@ -24,7 +24,7 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import httpx
 
@@ -107,7 +107,8 @@ def list_all(client: httpx.Client) -> list[dict]:
 def submission(args) -> tuple[dict[str, str], dict[str, Path]]:
     """The form fields (the job fields given as flags, as text) and the files to upload."""
     given = flag_values(args)
-    given.pop("output", None)
+    for here in ("output", "preview"):  # where this client saves the video (so far): not the job's
+        given.pop(here, None)
     files: dict[str, Path] = {}
     fields: dict[str, str] = {}
     for name, value in given.items():
@@ -185,10 +186,11 @@ def status_line(v: dict[str, Any]) -> str:
     return f"{v['status']}: {(v.get('error') or {}).get('message', '')}"
 
 
-def follow(client: httpx.Client, video_id: str, follower: Follower) -> dict[str, Any]:
-    """The job's video objects from its event stream until it ends; the last one. A dropped
-    stream or an absent server (it may be restarting: the job resumes there) is retried for up to
-    :data:`RECONNECT_S`."""
+def follow(client: httpx.Client, video_id: str, follower: Follower,
+           on_video: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+    """The job's video objects from its event stream until it ends (each also to ``on_video``);
+    the last one. A dropped stream or an absent server (it may be restarting: the job resumes
+    there) is retried for up to :data:`RECONNECT_S`."""
     gone_since: Optional[float] = None
     while True:
         try:
@@ -199,6 +201,8 @@ def follow(client: httpx.Client, video_id: str, follower: Follower) -> dict[str,
                     if line.startswith("data:"):
                         last = json.loads(line[5:])
                         follower.show(last)
+                        if on_video is not None:
+                            on_video(last)
                         if JobStatus(last["status"]).terminal:
                             return last
         except httpx.HTTPError as e:
@@ -208,11 +212,29 @@ def follow(client: httpx.Client, video_id: str, follower: Follower) -> dict[str,
         time.sleep(2.0)
 
 
-def download(client: httpx.Client, video_id: str, dest: Path) -> Path:
-    """The job's mp4 to ``dest`` (a temporary name, renamed when complete)."""
+class PartialSaver:
+    """``submit --preview``: the job's video so far, downloaded to ``dest`` each time it grows
+    (``preview_clips`` in the video object)."""
+
+    def __init__(self, client: httpx.Client, dest: Path):
+        self.client, self.dest, self.clips = client, dest, 0
+
+    def __call__(self, video: dict[str, Any]) -> None:
+        clips = video.get("preview_clips") or 0
+        if clips > self.clips:
+            try:
+                download(self.client, video["id"], self.dest, variant="partial")
+            except ClientError:  # gone already (the job ended meanwhile): the final video follows
+                return
+            self.clips = clips
+            print(f"video so far: {self.dest} ({clips} clip{'s' if clips > 1 else ''})", file=sys.stderr, flush=True)
+
+
+def download(client: httpx.Client, video_id: str, dest: Path, variant: str = "video") -> Path:
+    """The job's mp4 (``variant``: or its video so far) to ``dest`` (a temporary name, renamed when complete)."""
     def write(tmp: Path) -> None:
         try:
-            with client.stream("GET", f"/v1/videos/{video_id}/content") as r:
+            with client.stream("GET", f"/v1/videos/{video_id}/content", params={"variant": variant}) as r:
                 _raise_for(r, refused_code=exit_codes.SERVER_UNREACHABLE)
                 with open(tmp, "wb") as f:
                     for chunk in r.iter_bytes():
@@ -243,16 +265,24 @@ def cmd_submit(args) -> int:
             if args.no_wait:
                 print(json.dumps(video, indent=2) if args.json else video["id"])
                 return exit_codes.OK
+            from wan_s2v_runner.shared.media import partial_path
+
+            dest = destination(args.output, video["id"])
+            saver = PartialSaver(client, partial_path(dest)) if args.preview else None
             with Follower(rich=sys.stdout.isatty() and not args.json, out=sys.stderr if args.json else sys.stdout) as f:
-                video = follow(client, video["id"], f)
+                video = follow(client, video["id"], f, on_video=saver)
             if video["status"] == JobStatus.COMPLETED:
-                dest = download(client, video["id"], destination(args.output, video["id"]))
+                dest = download(client, video["id"], dest)
                 video = {**video, "downloaded_to": str(dest)}
+                if saver is not None:  # the whole video is here: the part goes
+                    saver.dest.unlink(missing_ok=True)
+            elif saver is not None and saver.clips:  # a cancelled or failed job: what it made stays
+                video = {**video, "partial_saved_to": str(saver.dest)}
             if args.json:
                 print(json.dumps(video, indent=2))
             else:
-                print(f"{video['id']}: {status_line(video)}" + (f" -> {video['downloaded_to']}"
-                                                                 if "downloaded_to" in video else ""))
+                saved = video.get("downloaded_to") or video.get("partial_saved_to")
+                print(f"{video['id']}: {status_line(video)}" + (f" -> {saved}" if saved else ""))
             return exit_codes.OK if video["status"] == JobStatus.COMPLETED else exit_codes.JOB_FAILED
     except ClientError as e:
         print(f"error: {e}", file=sys.stderr)

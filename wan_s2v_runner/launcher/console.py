@@ -221,6 +221,10 @@ class Display:
                     eta = eta_s(p, self._denoise_t0, t)
                     self._print(f"[{fmt_seconds(t - t0)}] rank {r}: {denoise_position(p)}"
                                 + (f", ETA {fmt_seconds(eta)}" if eta is not None else ""))
+            elif kind == "preview":  # --preview: rank 0 wrote the video so far
+                self._flush(t0, force=True)
+                self._print(f"[{fmt_seconds(t - t0)}] video so far: {ev.get('path')} ({ev.get('clips')}/"
+                            f"{ev.get('of')} clips, {ev.get('seconds')} s)")
             elif kind == "error":
                 self._flush(t0, force=True)
                 msg = str(ev.get("message") or "").strip().splitlines()

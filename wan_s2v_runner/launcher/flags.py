@@ -50,7 +50,7 @@ class Command(str, Enum):
 
 
 #: the commands that are clients of a server: their spec flags are a job's own fields, or none
-CLIENT_FIELDS: dict[Command, tuple[str, ...]] = {Command.SUBMIT: (*INPUT_FIELDS, *SUBMIT_FIELDS, "output"),
+CLIENT_FIELDS: dict[Command, tuple[str, ...]] = {Command.SUBMIT: (*INPUT_FIELDS, *SUBMIT_FIELDS, "output", "preview"),
                                                  Command.JOBS: ()}
 
 

@@ -47,6 +47,15 @@ log = logging.getLogger("wan_s2v.worker")
 WAITING_EVERY_S = 2.0
 
 
+def _and_then(first, then):
+    """Rank 0's clip hook: ``first`` (the clip checkpoint), then ``then(clip, frames, num_clips)``."""
+    def clip_done(clip: int, frames, state, num_clips: int) -> None:
+        first(clip, frames, state, num_clips)
+        then(clip, frames, num_clips)
+
+    return clip_done
+
+
 class JobCancelled(Exception):
     """The server cancelled the job in progress; raised on every rank at the same step."""
 
@@ -298,8 +307,8 @@ class RankGroup:
 
     def run_job(self, job: Job, index: int, total: Optional[int]) -> None:
         """Make one job (``total``: the group's number of jobs, None while serving)."""
-        from wan_s2v_runner.rank.generation import ClipState, Hooks, S2VGenerator
-        from wan_s2v_runner.shared import media, resume
+        from wan_s2v_runner.rank.generation import ClipState, Hooks
+        from wan_s2v_runner.shared import resume
 
         spec, events, plan = job.run_spec(self.spec), self.events, self.plan
         events.job, events.job_prompt = index + 1, spec.prompt
@@ -316,7 +325,7 @@ class RankGroup:
             from wan_s2v_runner.rank.tts import make_speech
             stage(Stage.TTS)
             make_speech(spec, resuming=bool(spec.resume_from))
-        resume_state, identity = None, None
+        resume_state, identity, preview = None, None, None
         if plan.decodes:  # clip checkpoints: a crash loses at most the clip in progress
             identity = resume.identity(spec)
             hooks.clip_done = resume.ClipWriter(job.work_dir, identity)
@@ -328,6 +337,27 @@ class RankGroup:
                                           carried["videos_last_frames"]), before)
                 events.emit("resumed", clip=progress.next_clip + 1, clips=progress.num_clips,
                             source=str(spec.resume_from))
+            if spec.preview:  # the video so far after each clip, off the ranks' path (rank/preview.py)
+                from wan_s2v_runner.rank.preview import PreviewWriter
+
+                preview = PreviewWriter(spec.output, spec.speech, self.cfg.sample_fps, events,
+                                        before=resume_state[1] if resume_state else None)
+                hooks.clip_done = _and_then(hooks.clip_done, preview.clip_done)
+        try:
+            self._make(job, index, spec, hooks, resume_state, identity, started, clock, stage)
+        except BaseException:
+            if preview is not None:
+                preview.finish(completed=False)  # a cancelled or failed job keeps its video so far
+            raise
+        if preview is not None:
+            preview.finish(completed=True)
+
+    def _make(self, job: Job, index: int, spec, hooks, resume_state, identity, started: float, clock, stage) -> None:
+        """Generate ``job``'s frames and (rank 0) write its video and record."""
+        from wan_s2v_runner.rank.generation import S2VGenerator
+        from wan_s2v_runner.shared import media
+
+        events, plan = self.events, self.plan
         video = S2VGenerator(self.parts, plan, hooks).generate(request_for(spec), resuming=bool(spec.resume_from),
                                                                resume=resume_state)
         if self.rank != 0:

@@ -85,6 +85,18 @@ def mux_audio(video: Path, audio: Path, out: Path, duration_s: float) -> None:
                          f"{' | '.join(tail) or 'no output'}")
 
 
+def partial_path(output: Path) -> Path:
+    """Where ``--preview`` keeps the video so far of ``output`` (``NAME.partial.mp4``)."""
+    output = Path(output)
+    return output.with_name(f"{output.stem}.partial.mp4")
+
+
+def thumbnail_path(output: Path) -> Path:
+    """Where a video's first frame goes (``NAME.thumbnail.jpg``)."""
+    output = Path(output)
+    return output.with_name(f"{output.stem}.thumbnail.jpg")
+
+
 def first_frame_jpeg(video: Path, out: Path) -> Path:
     """``video``'s first frame as a JPEG at ``out`` (a thumbnail; temp name, then rename)."""
     def write(tmp: Path) -> None:

@@ -335,6 +335,10 @@ class JobSpec(BaseModel):
     output: Annotated[AbsPath, Flag(_OU, aliases=("--save-file",), metavar="PATH")] = Field(
         Path("outputs/s2v.mp4"), validate_default=True,
         description="the .mp4 (written to a temporary name, renamed when complete)")
+    preview: Annotated[bool, Flag(_OU)] = Field(
+        False, description="after each clip, write the video so far (with its span of the speech) to "
+                           "OUTPUT.partial.mp4, and the first frame to OUTPUT.thumbnail.jpg; the partial video "
+                           "goes when the final one is written")
     frames_out: Annotated[Optional[AbsPath], Flag(_OU, metavar="PATH")] = Field(
         None, description="also save the raw frames tensor (.pt), e.g. for parity checks")
     resume_from: Annotated[Optional[AbsPath], Flag(_OU, metavar="RUN_DIR")] = Field(

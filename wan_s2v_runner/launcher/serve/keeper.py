@@ -51,7 +51,7 @@ from wan_s2v_runner.launcher.serve.queue import JobStatus, JobStore
 from wan_s2v_runner.launcher.serve.retention import SWEEP_EVERY_S, Retention
 from wan_s2v_runner.launcher.serve.retention import sweep as retention_sweep
 from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
-from wan_s2v_runner.shared import atomic, inbox
+from wan_s2v_runner.shared import atomic, inbox, media
 from wan_s2v_runner.shared.events import steps_done
 from wan_s2v_runner.shared.jobs import Job
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
@@ -88,6 +88,7 @@ class Progress:
     eta_s: Optional[float] = None
     marks: list[tuple[str, float]] = field(default_factory=list)
     denoise_t0: Optional[float] = None
+    preview_clips: Optional[int] = None  # clips in the video so far (videos/ID.partial.mp4)
 
     def on_event(self, ev: dict[str, Any]) -> None:
         kind, t = ev.get("kind"), float(ev["t"])
@@ -98,6 +99,8 @@ class Progress:
                 self.denoise_t0 = self.denoise_t0 or t
                 self.clip, self.clips, self.step = ev.get("clip"), ev.get("clips"), 0
                 self.steps = ev.get("steps") or self.steps
+        elif kind == "preview":
+            self.preview_clips = ev.get("clips")
         elif kind == "progress":
             self.clip, self.clips = ev.get("clip"), ev.get("clips")
             self.step, self.steps = ev.get("step"), ev.get("steps")
@@ -119,7 +122,7 @@ class Progress:
     def as_dict(self, now: float) -> dict[str, Any]:
         return {"stage": self.stage or None, "clip": self.clip, "clips": self.clips, "step": self.step,
                 "steps": self.steps, "eta_s": round(self.eta_s, 1) if self.eta_s is not None else None,
-                "stage_seconds": self.stage_seconds(now)}
+                "stage_seconds": self.stage_seconds(now), "preview_clips": self.preview_clips}
 
 
 @dataclass(frozen=True)
@@ -147,19 +150,26 @@ class ServerDirs:
     def work(self, job_id: str) -> Path:
         return self.videos / WORK_DIR / job_id
 
-    def thumbnail(self, job_id: str) -> Path:
-        return self.videos / f"{job_id}.thumbnail.jpg"
+    def video(self, job_id: str) -> Path:
+        return self.videos / f"{job_id}.mp4"
+
+    def partial(self, job_id: str) -> Path:  # the video so far (rank 0's preview, rank/preview.py)
+        return media.partial_path(self.video(job_id))
+
+    def thumbnail(self, job_id: str) -> Path:  # the first frame (rank 0 writes it after clip 1)
+        return media.thumbnail_path(self.video(job_id))
 
     def remove_job_files(self, job_id: str, *, video: bool) -> None:
         """What a job left: its clip checkpoints and uploads (a job that ended keeps nothing it
-        could resume from); with ``video``, its mp4, record, speech and thumbnail too (deleted)."""
+        could resume from); with ``video``, its mp4, record, speech, video so far and thumbnail
+        too (deleted)."""
         import shutil
 
         shutil.rmtree(self.work(job_id), ignore_errors=True)
         shutil.rmtree(self.uploads / job_id, ignore_errors=True)
         if video:
-            for path in (self.videos / f"{job_id}.mp4", self.videos / f"{job_id}.json",
-                         self.videos / f"{job_id}.speech.wav", self.thumbnail(job_id)):
+            for path in (self.video(job_id), self.videos / f"{job_id}.json", self.videos / f"{job_id}.speech.wav",
+                         self.partial(job_id), self.thumbnail(job_id)):
                 path.unlink(missing_ok=True)
 
 
@@ -343,7 +353,7 @@ class Keeper(threading.Thread):
                     self.state = GroupState.IDLE
                 elif self.current is not None:
                     self.state = GroupState.WORKING
-            if p is not None and kind in ("stage", "progress"):
+            if p is not None and kind in ("stage", "progress", "preview"):
                 p.on_event(ev)
             if kind in ("job_done", "job_cancelled", "job_failed") and ev.get("id") == self.current:
                 job_id, self.current = self.current, None
@@ -352,10 +362,11 @@ class Keeper(threading.Thread):
                     self.last_steps_per_s = done.steps_per_s(float(ev["t"])) or self.last_steps_per_s
             else:
                 return
-        if kind == "job_cancelled":
-            self.queue.finish(job_id, JobStatus.CANCELLED, error="cancelled")
+        kept = {"preview_clips": done.preview_clips} if done is not None and done.preview_clips else None
+        if kind == "job_cancelled":  # what it made so far stays (videos/ID.partial.mp4)
+            self.queue.finish(job_id, JobStatus.CANCELLED, error="cancelled", record=kept)
         elif kind == "job_failed":  # the job's own error: the ranks stay up and take the next job
-            self.queue.finish(job_id, JobStatus.FAILED, error=str(ev.get("error") or "the job failed"))
+            self.queue.finish(job_id, JobStatus.FAILED, error=str(ev.get("error") or "the job failed"), record=kept)
         else:
             self._completed(job_id)
         self._after_end(job_id)

@@ -58,6 +58,8 @@ class VideoObject(BaseModel):
     stage_seconds: Optional[dict[str, float]] = None
     wall_s: Optional[float] = None
     resumed_at_clip: Optional[int] = None
+    preview_clips: Optional[int] = Field(None, description="clips in the video so far, while it runs and after it "
+                                                           "was cancelled or failed (GET .../content?variant=partial)")
     attempts: int = Field(0, description="rank groups handed this job (a resumed job: more than one)")
     failures: int = Field(0, description="rank groups that failed under this job")
     cancel_requested: bool = False
@@ -130,6 +132,8 @@ class JobField(BaseModel):
     """A field a submission may set, with the server's default (the page's form)."""
 
     name: str
+    label: str = Field(description="the field in words")
+    flag: str = Field(description="the same setting's command-line flag")
     type: str
     enum: Optional[list[Any]] = None
     minimum: Optional[float] = None

@@ -247,7 +247,8 @@ def _build_job(fields, *, job_id, base, group, videos, uploads, policy, facts) -
         raise _field_error(e) from None
     if seconds is not None:  # OpenAI's length: as many clips as it takes
         own["num_clips"] = _clips_for(seconds, own, base)
-    spec, cause = job_spec({**own, **inputs}, base, group, videos, job_id)
+    # a served job always keeps its video so far (videos/ID.partial.mp4, ID.thumbnail.jpg)
+    spec, cause = job_spec({**own, **inputs, "preview": True}, base, group, videos, job_id)
     if spec is None:
         raise Refused(422, cause, _param_of(cause))
     from wan_s2v_runner.preflight import check_run

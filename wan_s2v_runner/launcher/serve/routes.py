@@ -353,28 +353,40 @@ def get_video(video_id: str, server: ServerDep) -> VideoObject:
 
 @api.get("/v1/videos/{video_id}/content", response_class=FileResponse,
          responses={200: {"content": {"video/mp4": {}, "image/jpeg": {}},
-                          "description": "the mp4, or (variant=thumbnail) its first frame"}})
+                          "description": "the mp4; variant=partial: the video so far (while it runs, and after it "
+                                         "was cancelled or failed); variant=thumbnail: the first frame (from the "
+                                         "first clip on)"}})
 def content(video_id: str, server: ServerDep,
-            variant: Literal["video", "thumbnail", "spritesheet"] = "video") -> FileResponse:
+            variant: Literal["video", "thumbnail", "spritesheet", "partial"] = "video") -> FileResponse:
     row = job_row(server, video_id)
-    if row.status is not JobStatus.COMPLETED:
-        raise Refused(409, f"video {video_id} is {row.status.value}, not completed. Fix: wait for status "
-                           "completed (GET /v1/videos/{id} or its /events)", "video_id")
-    videos = server.dirs.videos.resolve()
-    path = (videos / f"{row.id}.mp4").resolve()
-    if path.parent != videos or not path.is_file():
-        raise Refused(404, f"video {video_id}'s file is gone from the server. Fix: submit the job again")
     if variant == "spritesheet":
-        raise Refused(404, "this server makes no spritesheets. Fix: ask for variant=video or variant=thumbnail",
+        raise Refused(404, "this server makes no spritesheets. Fix: ask for variant=video, partial or thumbnail",
                       "variant")
+    if variant == "partial":
+        partial = server.dirs.partial(row.id)
+        if row.status in (JobStatus.QUEUED, JobStatus.COMPLETED) or not partial.is_file():
+            fix = ("ask for variant=video" if row.status is JobStatus.COMPLETED else
+                   "wait for preview_clips in the video object (after the first clip of a job of more than one)")
+            raise Refused(404, f"video {video_id} has no video so far ({row.status.value}). Fix: {fix}", "variant")
+        return FileResponse(partial, media_type="video/mp4", filename=partial.name)
+    path = server.dirs.video(row.id)
     if variant == "thumbnail":
         thumb = server.dirs.thumbnail(row.id)
-        if not thumb.is_file():
+        if not thumb.is_file() and row.status is JobStatus.COMPLETED and path.is_file():
             from wan_s2v_runner.shared import media
 
             media.first_frame_jpeg(path, thumb)
+        if not thumb.is_file():
+            raise Refused(404 if row.status.terminal else 409,
+                          f"video {video_id} has no first frame yet ({row.status.value}). Fix: ask again once its "
+                          "first clip is made", "video_id")
         return FileResponse(thumb, media_type="image/jpeg", filename=thumb.name)
-    return FileResponse(path, media_type="video/mp4", filename=f"{row.id}.mp4")
+    if row.status is not JobStatus.COMPLETED:
+        raise Refused(409, f"video {video_id} is {row.status.value}, not completed. Fix: wait for status "
+                           "completed (GET /v1/videos/{id} or its /events), or ask for variant=partial", "video_id")
+    if not path.is_file():
+        raise Refused(404, f"video {video_id}'s file is gone from the server. Fix: submit the job again")
+    return FileResponse(path, media_type="video/mp4", filename=path.name)
 
 
 @api.post("/v1/videos/{video_id}/cancel")

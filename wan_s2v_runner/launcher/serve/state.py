@@ -27,7 +27,7 @@ from wan_s2v_runner.launcher.serve.requests import Policy, VideoJobFields
 from wan_s2v_runner.launcher.serve.retention import Retention
 from wan_s2v_runner.shared.events import steps_done
 from wan_s2v_runner.shared.media import FIRST_CLIP_DROPS, FPS
-from wan_s2v_runner.shared.spec import JobSpec
+from wan_s2v_runner.shared.spec import JobSpec, flag_name
 
 MODEL = "wan2.2-s2v-14b"
 #: submissions checked at once (their inputs read and decoded, preflight): the rest wait their
@@ -96,6 +96,8 @@ def video_object(server: Server, row: JobRow, position: Any = ASK) -> VideoObjec
     }
     if live:
         obj.update(live)
+    elif row.status in (JobStatus.CANCELLED, JobStatus.FAILED):  # what it made before it ended
+        obj["preview_clips"] = record.get("preview_clips")
     if row.status is JobStatus.COMPLETED:
         obj["frames"] = record.get("frames")
         obj["sha256"] = (record.get("output") or {}).get("sha256")
@@ -119,9 +121,19 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+#: each submission field's label in words (the status page's form; the flag name is its hint)
+FIELD_LABELS = {
+    "tts_text": "Text to speak", "tts_prompt_text": "What the voice sample says", "prompt": "Prompt",
+    "negative_prompt": "Negative prompt", "max_area": "Size (area in pixels)", "infer_frames": "Frames per clip",
+    "num_clips": "Clips", "steps": "Sampling steps", "shift": "Noise schedule shift",
+    "guide_scale": "Guidance scale", "solver": "Sampler", "seed": "Seed",
+    "start_from_ref": "Start from the reference image",
+}
+
+
 def job_fields(server: Server) -> list[JobField]:
-    """The submission fields, in the spec's order, with their type, limits, choices, description
-    and the server's default (what a job gets when it leaves the field out)."""
+    """The submission fields, in the spec's order, with their label, flag, type, limits, choices,
+    description and the server's default (what a job gets when it leaves the field out)."""
     schema = VideoJobFields.model_json_schema()
     defs = schema.get("$defs", {})
     out = []
@@ -133,7 +145,8 @@ def job_fields(server: Server) -> list[JobField]:
         # what a job that leaves the field out gets: the server's flag, else the spec's own default
         info = JobSpec.model_fields[name]
         default = server.base[name] if name in server.base else (None if info.is_required() else info.default)
-        out.append(JobField(name=name, type=kind.get("type", "string"), enum=kind.get("enum"),
+        out.append(JobField(name=name, label=FIELD_LABELS.get(name, name.replace("_", " ").capitalize()),
+                            flag=flag_name(name), type=kind.get("type", "string"), enum=kind.get("enum"),
                             minimum=kind.get("minimum", kind.get("exclusiveMinimum")),
                             maximum=kind.get("maximum"), description=prop.get("description", ""),
                             default=_jsonable(getattr(default, "value", default))))

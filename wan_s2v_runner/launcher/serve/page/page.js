@@ -158,6 +158,35 @@ async function showVideo(v, box) {
   }
 }
 
+// the video so far: fetched again each time it grows (preview_clips), kept after a cancel
+async function showPartial(v, box) {
+  const clips = v.preview_clips || 0;
+  if (!clips || box.dataset.clips === String(clips) || box.dataset.loading) return;
+  box.dataset.loading = "1";
+  try {
+    const r = await api(`/v1/videos/${v.id}/content?variant=partial`);
+    if (!r.ok) throw new Error(await errorMessage(r));
+    const url = URL.createObjectURL(await r.blob());
+    const old = $("video", box);
+    const video = old || document.createElement("video");
+    if (video.src) URL.revokeObjectURL(video.src);
+    video.controls = true;
+    video.muted = true;
+    video.preload = "metadata";
+    video.src = url;
+    const note = document.createElement("span");
+    note.className = "muted partial-note";
+    const ended = v.status === "cancelled" || v.status === "failed";
+    note.textContent = `video so far: ${clips} of ${v.clips ?? "?"} clips${ended ? ` (the job was ${v.status})` : ""}`;
+    box.replaceChildren(note, video);
+    box.dataset.clips = String(clips);
+  } catch (e) {
+    box.textContent = `the video so far could not be loaded: ${e.message}`;
+  } finally {
+    delete box.dataset.loading;
+  }
+}
+
 // the jobs the feed holds (a row no longer among them goes)
 function renderJobs(videos) {
   const list = $("#jobs");
@@ -186,6 +215,17 @@ function renderJobs(videos) {
     $(".stages", el).textContent = stages;
     $(".job-error", el).textContent = v.error && v.status === "failed" ? v.error.message : "";
     $(".cancel", el).hidden = !(v.status === "queued" || v.status === "in_progress") || v.cancel_requested;
+    const partial = $(".partial", el);
+    if (v.status === "completed" || v.status === "queued") {
+      if (partial.firstChild) {
+        const old = $("video", partial);
+        if (old && old.src) URL.revokeObjectURL(old.src);
+        partial.replaceChildren();
+        delete partial.dataset.clips;
+      }
+    } else if (v.preview_clips) {
+      showPartial(v, partial);
+    }
     if (v.status === "completed") {
       const box = $(".result", el);
       if (autoLoad.has(v.id)) showVideo(v, box);
@@ -265,13 +305,24 @@ async function follow() {
 }
 
 // ----- the submit form, built from the server's job fields -----
+// where each field goes: the prompts first after the inputs, the text-to-speech fields under the
+// voice upload, the sampling settings after them
+const PROMPT_FIELDS = ["prompt", "negative_prompt"];
+const TTS_FIELDS = ["tts_text", "tts_prompt_text"];
+function fieldBox(name) {
+  if (PROMPT_FIELDS.includes(name)) return $("#prompt-fields");
+  if (TTS_FIELDS.includes(name)) return $("#tts-fields");
+  return $("#fields");
+}
+
 function buildForm(list, maxUploadMb) {
   fields = list;
-  const box = $("#fields");
-  box.replaceChildren();
-  for (const f of list) {
+  for (const box of [$("#prompt-fields"), $("#tts-fields"), $("#fields")]) box.replaceChildren();
+  const order = (f) => (PROMPT_FIELDS.includes(f.name) ? PROMPT_FIELDS.indexOf(f.name) - 10 : 0);
+  for (const f of [...list].sort((a, b) => order(a) - order(b))) {
+    const box = fieldBox(f.name);
     const label = document.createElement("label");
-    label.textContent = f.name;
+    label.textContent = f.label || f.name;
     let input;
     if (f.enum) {
       input = document.createElement("select");
@@ -288,7 +339,7 @@ function buildForm(list, maxUploadMb) {
         o.value = v; o.textContent = t;
         input.append(o);
       }
-    } else if (f.name.includes("prompt")) {
+    } else if (f.name.includes("prompt") || f.name === "tts_text") {
       input = document.createElement("textarea");
       input.rows = 2;
       label.className = "wide";
@@ -303,7 +354,7 @@ function buildForm(list, maxUploadMb) {
     if (!f.enum && f.type !== "boolean" && f.default !== null && f.default !== undefined) input.placeholder = String(f.default);
     const hint = document.createElement("span");
     hint.className = "hint";
-    hint.textContent = f.description;
+    hint.textContent = f.flag ? `${f.flag}: ${f.description}` : f.description;
     const err = document.createElement("span");
     err.className = "error";
     err.dataset.errorFor = f.name;
