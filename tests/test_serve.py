@@ -302,12 +302,12 @@ def test_metrics_move_as_jobs_run(server, inputs):
     assert after[("wan_s2v_stage_seconds_count", (("stage", "denoise"),))] >= 1
     jobs = ("wan_s2v_jobs", (("status", "completed"),))
     assert after[jobs] == before[jobs] + 1 and after[("wan_s2v_queue_length", ())] >= 0
-    assert after[("wan_s2v_denoise_steps_per_second", ())] > 0
-    assert after[("wan_s2v_rank_group_state", (("state", "idle"),))] + \
-        after[("wan_s2v_rank_group_state", (("state", "working"),))] == 1
+    assert after[("wan_s2v_denoise_steps_per_second", (("group", "0"),))] > 0
+    assert after[("wan_s2v_rank_group_state", (("group", "0"), ("state", "idle")))] + \
+        after[("wan_s2v_rank_group_state", (("group", "0"), ("state", "working")))] == 1
     for rank in ("0", "1"):
-        assert after[("wan_s2v_rank_rss_bytes", (("rank", rank),))] > 100 * 2**20
-    assert ("wan_s2v_rank_group_restarts_total", ()) in after
+        assert after[("wan_s2v_rank_rss_bytes", (("group", "0"), ("rank", rank)))] > 100 * 2**20
+    assert ("wan_s2v_rank_group_restarts_total", (("group", "0"),)) in after
 
 
 def _client(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

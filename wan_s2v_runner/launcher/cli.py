@@ -194,7 +194,7 @@ def cmd_doctor(args) -> int:
         values = spec_values(args)
     except (ValueError, OSError) as e:
         return _usage_error(e)
-    report = doctor(values)
+    report = doctor(values, queue_depth=args.queue_depth)
     if args.json:
         print(json.dumps(report.to_json(), indent=2, default=str))
     else:

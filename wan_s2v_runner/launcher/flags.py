@@ -205,6 +205,27 @@ COMMAND_OPTIONS = (
         metavar="DIR",
     ),
     CommandOption(
+        "--queue-depth",
+        "the jobs a server is expected to hold at once: the split table (--replicas) reports each split's mean "
+        "latency at this depth",
+        (Command.DOCTOR,),
+        kind=OptionKind.INT,
+        default_text="8",
+        metavar="N",
+        default=8,
+    ),
+    CommandOption(
+        "--replicas",
+        "rank groups side by side, each on --nproc/N of this node's ranks (its share of the GPUs, or of the "
+        "CPUs), each taking the next job from the one queue: more videos per hour past a few GPUs "
+        "(docs/parallelism.md)",
+        (Command.SERVE,),
+        kind=OptionKind.INT,
+        default_text="1",
+        metavar="N",
+        default=1,
+    ),
+    CommandOption(
         "--max-upload-mb",
         "largest image or audio upload",
         (Command.SERVE,),

@@ -13,7 +13,7 @@ or prints.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -23,7 +23,7 @@ from .context import CheckContext, ModeSource
 from .core import CheckGroup, CheckResult, Status, counts
 from .facts import MachineFacts
 from .memory import ModelSizes, ModePlan, Workload, model_sizes, plan_all, workload
-from .plans import Plan, plan_table
+from .plans import DEFAULT_QUEUE_DEPTH, Plan, Split, best_splits, plan_table, splits_for
 from .recommend import Recommendation, plan_inputs, recommend
 from .registry import groups_for, run_checks
 
@@ -71,6 +71,8 @@ class DoctorReport:
     sizes: ModelSizes
     workload: Workload
     parallel_plans: list[Plan]  # the fastest split of 1..16 GPUs for the checked mode
+    splits: list[Split] = field(default_factory=list)  # the node's GPUs as 1..N groups (serve --replicas)
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
 
     @property
     def counts(self) -> dict[str, int]:
@@ -129,6 +131,14 @@ class DoctorReport:
                 "estimate": "DiT compute per rank, communication not included (wan_s2v_runner/preflight/plans.py)",
                 "by_gpu_count": [p.to_json() for p in self.parallel_plans],
             },
+            "serving_splits": {
+                "gpus": ctx.layout.world_size, "queue_depth": self.queue_depth,
+                "estimate": "DiT compute per rank, with a sequence-parallel communication cost calibrated on "
+                            "upstream's 8-GPU timing (wan_s2v_runner/preflight/plans.py: SP_COMM_COST)",
+                "most_videos_per_hour": best_splits(self.splits)[0].groups if self.splits else None,
+                "lowest_latency": best_splits(self.splits)[1].groups if self.splits else None,
+                "splits": [s.to_json() for s in self.splits],
+            },
             "exit_code": self.exit_code,
         }
 
@@ -162,8 +172,9 @@ def check_group(group, defaults: dict, output: Optional[Path] = None,
     return GateReport(run_checks(ctx, groups), groups)
 
 
-def diagnose(ctx: CheckContext) -> DoctorReport:
-    """Recommendation, results and memory plan for a context (the data behind doctor)."""
+def diagnose(ctx: CheckContext, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> DoctorReport:
+    """Recommendation, results and memory plan for a context (the data behind doctor); the split
+    table for a server of its GPUs with ``queue_depth`` jobs waiting."""
     rec = recommend(ctx)
     if ctx.mode_source is ModeSource.DEFAULT:
         ctx.with_mode(rec.mode, ModeSource.RECOMMENDED)
@@ -171,7 +182,10 @@ def diagnose(ctx: CheckContext) -> DoctorReport:
     results = run_checks(ctx, groups)
     return DoctorReport(ctx=ctx, recommendation=rec, results=results, groups=groups, plans=plan_all(ctx),
                         sizes=model_sizes(ctx), workload=workload(ctx),
-                        parallel_plans=plan_table(ctx.mode, **plan_inputs(ctx)))
+                        parallel_plans=plan_table(ctx.mode, **plan_inputs(ctx)),
+                        splits=splits_for(ctx.mode, ctx.layout.world_size, queue_depth=queue_depth,
+                                          **plan_inputs(ctx)),
+                        queue_depth=queue_depth)
 
 
 def machine_facts(env=None) -> MachineFacts:
@@ -183,6 +197,6 @@ def machine_facts(env=None) -> MachineFacts:
     return probe_machine()
 
 
-def doctor(values: dict, facts: Optional[MachineFacts] = None) -> DoctorReport:
+def doctor(values: dict, facts: Optional[MachineFacts] = None, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> DoctorReport:
     """The doctor for partial run values (environment < config < flags, already merged)."""
-    return diagnose(CheckContext.for_values(values, facts if facts is not None else machine_facts()))
+    return diagnose(CheckContext.for_values(values, facts if facts is not None else machine_facts()), queue_depth)

@@ -140,3 +140,54 @@ def plan_table(mode: Mode, heads: int, dim: int, ffn_dim: int, lengths: Sequence
                cfg_possible: bool = True, worlds: Iterable[int] = PLAN_WORLD_SIZES) -> list[Plan]:
     """The best plan of ``mode`` for each GPU count in ``worlds`` (1..16 by default)."""
     return [best_plan(mode, w, heads, dim, ffn_dim, lengths, cfg_possible) for w in worlds]
+
+
+# ----- serving: several groups side by side (``serve --replicas``) or one wide group -----
+#: what each more rank of a sequence-parallel group costs in communication, as a share of its
+#: step: calibrated on upstream's timing table, where 8 GPUs of Ulysses give 6.7x and the compute
+#: split alone gives ~7.9x (1 + 7 x 0.0256 = 1.18). The CFG split costs one exchange of the noise
+#: prediction per step: nothing here.
+SP_COMM_COST = 0.0256
+#: the queue depth the doctor's split table assumes unless told (``--queue-depth``)
+DEFAULT_QUEUE_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class Split:
+    """``gpus`` GPUs as ``groups`` rank groups of ``plan``'s layout: videos per unit of time (one
+    GPU makes 1) and the mean time for a job of a queue ``queue_depth`` deep (submitted at once)
+    to be done, in one GPU's video time."""
+
+    groups: int
+    plan: Plan
+    speedup: float  # one group's, communication included (SP_COMM_COST)
+    videos_per_gpu_time: float
+    mean_latency: float
+
+    def to_json(self) -> dict:
+        return {"groups": self.groups, "ranks_per_group": self.plan.layout.world_size, "plan": self.plan.describe(),
+                "cfg_parallel": self.plan.layout.cfg_degree > 1, "speedup": round(self.speedup, 3),
+                "videos_per_gpu_time": round(self.videos_per_gpu_time, 3),
+                "mean_latency_gpu_times": round(self.mean_latency, 3)}
+
+
+def splits_for(mode: Mode, gpus: int, heads: int, dim: int, ffn_dim: int, lengths: Sequence[int],
+               queue_depth: int = DEFAULT_QUEUE_DEPTH, cfg_possible: bool = True) -> list[Split]:
+    """Every way to split ``gpus`` into equal groups (each with its fastest valid plan), widest first."""
+    out = []
+    for size in sorted((d for d in range(1, gpus + 1) if gpus % d == 0), reverse=True):
+        plan = best_plan(mode, size, heads, dim, ffn_dim, lengths, cfg_possible)
+        if not plan.valid:
+            continue
+        speedup = plan.speedup / (1 + SP_COMM_COST * (plan.layout.sp_degree - 1))
+        groups = gpus // size
+        waits = sum(-(-i // groups) for i in range(1, queue_depth + 1)) / max(queue_depth, 1)
+        out.append(Split(groups, plan, speedup, groups * speedup, waits / speedup))
+    return out
+
+
+def best_splits(splits: Sequence[Split]) -> tuple[Split, Split]:
+    """(the most videos per hour, the lowest mean latency) of ``splits`` (ties: fewer groups)."""
+    most = max(splits, key=lambda s: (round(s.videos_per_gpu_time, 3), -s.groups))
+    soonest = min(splits, key=lambda s: (round(s.mean_latency, 3), s.groups))
+    return most, soonest

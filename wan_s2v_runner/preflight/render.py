@@ -108,6 +108,7 @@ def render_doctor(report: DoctorReport, console=None) -> None:
                    gib(free) if free else "-")
     console.print(mt)
     _render_plans(report, console)
+    _render_splits(report, console)
     console.print(f"sizes: {report.sizes.source}" + (f"; assumed {', '.join(wl.assumed)}" if wl.assumed else ""))
     console.print(f"[bold]recommended mode:[/] {rec.mode.value} — {rec.text}")
     if ctx.mode_source is ModeSource.FLAG and ctx.mode is not rec.mode:
@@ -115,6 +116,30 @@ def render_doctor(report: DoctorReport, console=None) -> None:
     c = report.counts
     console.print(f"{c['ok']} ok, {c['warn']} warn, {c['fail']} fail, {c['skip']} skipped "
                   f"-> exit {report.exit_code}")
+
+
+def _render_splits(report: DoctorReport, console) -> None:
+    """A server of these GPUs as 1..N rank groups (``serve --replicas``): videos per hour and latency."""
+    from rich.table import Table
+
+    from .plans import best_splits
+
+    if len(report.splits) < 2:
+        return
+    most, soonest = best_splits(report.splits)
+    gpus = report.ctx.layout.world_size
+    t = Table(title=f"serving on {gpus} GPUs: one wide group or --replicas (queue of {report.queue_depth} jobs, "
+              "--queue-depth; est. from per-rank compute and the calibrated all-to-all cost)", header_style="bold")
+    for col in ("groups", "each group", "speed-up each", "videos per hour (x 1 GPU)", "mean latency (x 1 GPU video)"):
+        t.add_column(col)
+    for s in report.splits:
+        notes = [n for n, pick in (("most videos", most), ("lowest latency", soonest)) if s is pick]
+        flag = f" --replicas {s.groups}" if s.groups > 1 else ""
+        cfg = " --cfg-parallel" if s.plan.layout.cfg_degree > 1 else ""
+        t.add_row(f"{s.groups}{flag}", f"{s.plan.shape}{cfg}", f"{s.speedup:.2f}x",
+                  f"{s.videos_per_gpu_time:.2f}" + (f" [bold]({', '.join(notes)})[/]" if notes else ""),
+                  f"{s.mean_latency:.3f}")
+    console.print(t)
 
 
 def _render_plans(report: DoctorReport, console) -> None:

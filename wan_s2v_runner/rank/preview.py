@@ -6,8 +6,9 @@ The partial video is written exactly as the final one (:func:`~wan_s2v_runner.sh
 temporary names, then an atomic rename) from exactly the frames the final video starts with
 (the clips so far, concatenated as :meth:`~wan_s2v_runner.rank.generation.S2VGenerator.generate`
 concatenates them), so it is byte for byte the final video's first clips encoded alone. It is
-written on one background thread while the ranks go on with the next clip: the ranks never wait
-for it, except at the end of the job for the one write in flight. A clip that ends while a write
+written on one background thread while the ranks go on with the next clip, at a lower CPU
+priority (:data:`PREVIEW_NICE`; its ffmpeg inherits it): the ranks never wait for it, except at the
+end of the job for the one write in flight, and it yields the CPU to them. A clip that ends while a write
 is in flight replaces what waits (only the newest video so far is worth writing). After each
 write rank 0 says so in its events (``preview``: clips, frames, seconds, the file's sha256), which
 is how the launcher and the server learn that a playable video is there.
@@ -17,9 +18,14 @@ place the partial one goes; a job that ends without it (cancelled, failed) keeps
 """
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any, Optional
+
+#: the writer thread's niceness (Linux: per thread; the ffmpeg it starts inherits it): the video so
+#: far never takes CPU from the ranks (their Python, their CPU compute, the GPU feeding)
+PREVIEW_NICE = 10
 
 
 class PreviewWriter:
@@ -52,6 +58,10 @@ class PreviewWriter:
         threading.Thread(target=self._drain, name="wan-s2v-preview", daemon=True).start()
 
     def _drain(self) -> None:
+        try:  # below the ranks: the encoder (its ffmpeg inherits this) takes only CPU they leave
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREVIEW_NICE)
+        except (AttributeError, OSError):
+            pass
         while True:
             with self._done:
                 item, self._next = self._next, None

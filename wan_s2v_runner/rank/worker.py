@@ -447,11 +447,15 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
 
 
 def _bind_cpus(spec: GroupSpec) -> list[int] | None:
-    """CPU runs: bind this rank to its CPUs (``--pin-cpus``, :mod:`~wan_s2v_runner.rank.cpu_binding`);
-    the CPUs, or None when left to the OS."""
+    """CPU runs: keep this rank on the group's CPUs (``--cpus``), and bind it to its own among them
+    (``--pin-cpus``, :mod:`~wan_s2v_runner.rank.cpu_binding`); the CPUs it is bound to, or None
+    when left to the OS (within ``--cpus``)."""
     if spec.device != "cpu":
         return None
     local_world, allowed = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), os.sched_getaffinity(0)
+    if spec.cpus:  # the group's own CPUs (--cpus; serve --replicas: its share of the node's)
+        allowed = (set(spec.cpu_list) & allowed) or allowed
+        os.sched_setaffinity(0, allowed)
     cpus = cpu_binding(spec.pin_cpus, spec.threads, int(os.environ.get("LOCAL_RANK", 0)), local_world, allowed)
     if cpus is None and spec.pin_cpus:
         logging.getLogger("wan_s2v").warning(

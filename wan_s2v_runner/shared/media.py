@@ -54,6 +54,12 @@ def frames_to_uint8(frames) -> np.ndarray:
     return np.ascontiguousarray(arr.transpose(1, 2, 3, 0))
 
 
+#: x264's threads, fixed: its bitstream depends on its thread count, which by default follows the
+#: CPUs the process may use, so the same frames made different mp4 bytes on machines (or rank
+#: groups: ``serve --replicas`` gives each its own cores) with other core counts
+X264_THREADS = 4
+
+
 def write_h264(frames_u8: np.ndarray, fps: int, path: Path) -> None:
     import imageio_ffmpeg
 
@@ -63,7 +69,8 @@ def write_h264(frames_u8: np.ndarray, fps: int, path: Path) -> None:
     try:
         gen = imageio_ffmpeg.write_frames(
             str(path), (w, h), fps=fps, codec="libx264", pix_fmt_out="yuv420p",
-            macro_block_size=1, quality=8, ffmpeg_log_level="error")
+            macro_block_size=1, quality=8, ffmpeg_log_level="error",
+            output_params=["-threads", str(X264_THREADS)])
         gen.send(None)
         for fr in frames_u8:
             gen.send(np.ascontiguousarray(fr))

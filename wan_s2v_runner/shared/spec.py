@@ -212,6 +212,10 @@ class GroupSpec(BaseModel):
     attention: Annotated[Literal["auto", "fa3", "fa2", "sdpa"], Flag(_LA)] = Field(
         "auto", description="attention backend; the choice is logged and recorded")
     threads: Annotated[int, Flag(_LA, metavar="N")] = Field(1, ge=1, description="torch threads per rank on CPU")
+    cpus: Annotated[Optional[str], Flag(_LA, metavar="LIST", default_text="all allowed")] = Field(
+        None, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
+        description="CPU runs: the CPUs this node's ranks run on, e.g. 0-3,8 (serve --replicas gives each group "
+                    "its share); ignored on CUDA")
     pin_cpus: Annotated[bool, Flag(_LA)] = Field(
         False, description="CPU runs: bind local rank r to its own CPUs (r*threads .. (r+1)*threads-1 of "
                            "those allowed; not when there are too few); ignored on CUDA (docs/bench.md)")
@@ -244,6 +248,16 @@ class GroupSpec(BaseModel):
         return self
 
     # ----- derived facts everything else asks -----
+    @property
+    def cpu_list(self) -> list[int]:
+        """``cpus`` as CPU numbers ("0-2,5" -> [0, 1, 2, 5]; empty when not set)."""
+        out: list[int] = []
+        for part in (self.cpus or "").split(","):
+            if part:
+                lo, _, hi = part.partition("-")
+                out.extend(range(int(lo), int(hi or lo) + 1))
+        return sorted(set(out))
+
     @property
     def world_size(self) -> int:
         return self.nproc * self.nnodes

@@ -16,7 +16,7 @@ import threading
 from typing import Optional
 
 from wan_s2v_runner.launcher.serve.app import create_app
-from wan_s2v_runner.launcher.serve.keeper import GROUP_FILE, remove_partial_videos, wait_for_leftovers
+from wan_s2v_runner.launcher.serve.keeper import group_file, remove_partial_videos, stop_keepers, wait_for_leftovers
 from wan_s2v_runner.launcher.serve.state import Server
 from wan_s2v_runner.shared import atomic, exit_codes
 
@@ -70,7 +70,8 @@ def run_server(server: Server, host: str, port: int) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.keeper.start()
+        for keeper in server.keepers:
+            keeper.start()
         atomic.write_text(server.dirs.root / SERVER_FILE, json.dumps({"url": url, "pid": os.getpid()}))
         print(f"serve: {url} (POST /v1/videos, GET /health); server directory {server.dirs.root}", flush=True)
         config = uvicorn.Config(create_app(server), log_level="warning", access_log=False,
@@ -80,9 +81,9 @@ def run_server(server: Server, host: str, port: int) -> int:
     finally:
         print("serve: stopping the rank group (a job in progress resumes when the server starts again)",
               file=sys.stderr, flush=True)
-        if server.keeper.is_alive():
-            server.keeper.shutdown()
-        left = wait_for_leftovers(server.dirs.root / GROUP_FILE, grace_s=5.0)
+        stop_keepers(server.keepers)
+        left = [pid for k in server.keepers for pid in wait_for_leftovers(group_file(server.dirs.root, k.index),
+                                                                           grace_s=5.0)]
         if left:
             print(f"serve: stopped what the rank group left running (pids {', '.join(map(str, left))})",
                   file=sys.stderr, flush=True)

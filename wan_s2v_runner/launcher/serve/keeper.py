@@ -65,6 +65,12 @@ RESTART_BACKOFF_S = (1.0, 30.0)
 GROUP_FILE = "group.json"
 
 
+def group_file(root: Path, index: int) -> Path:
+    """Where keeper ``index`` notes its group's run directory (for the next server, if this one is
+    killed): ``group.json`` for the first group, ``group-I.json`` for the others."""
+    return root / (GROUP_FILE if index == 0 else f"group-{index}.json")
+
+
 class GroupState(str, Enum):
     """What the rank group is doing (``/health``, the status page)."""
 
@@ -203,9 +209,11 @@ class Keeper(threading.Thread):
     """Runs rank groups for the queue until :meth:`shutdown`."""
 
     def __init__(self, group_spec: GroupSpec, queue: JobStore, dirs: ServerDirs, extra_env: Optional[dict] = None,
-                 on_completed: Optional[Callable[[dict], None]] = None, retention: Optional[Retention] = None):
-        super().__init__(name="wan-s2v-keeper", daemon=True)
+                 on_completed: Optional[Callable[[dict], None]] = None, retention: Optional[Retention] = None,
+                 index: int = 0, holds: str = "all of the node"):
+        super().__init__(name=f"wan-s2v-keeper-{index}", daemon=True)
         self.group_spec, self.queue, self.dirs, self.extra_env = group_spec, queue, dirs, extra_env
+        self.index, self.holds = index, holds  # which of the server's groups (--replicas), and on what
         self.on_completed = on_completed  # called with a completed job's record (the metrics)
         self.retention = retention or Retention()
         self._swept = 0.0
@@ -265,7 +273,7 @@ class Keeper(threading.Thread):
     def run(self) -> None:
         from wan_s2v_runner.launcher import launch
 
-        wait_for_leftovers(self.dirs.root / GROUP_FILE)
+        wait_for_leftovers(group_file(self.dirs.root, self.index))
         self._backoff = RESTART_BACKOFF_S[0]
         while not self._closing.is_set():
             try:
@@ -293,7 +301,8 @@ class Keeper(threading.Thread):
             self.progress.clear()
             self.run_dir = None
             self.ranks = []
-        remove_partial_videos(self.dirs.videos)
+        if failed is not None:  # what its rank 0 left half-written (other groups' writes go on)
+            remove_partial_videos(self.dirs.videos, failed)
         reason = (self.outcome.reason if self.outcome is not None and self.outcome.reason
                   else self.last_error or "the rank group ended")
         if failed is not None and not self._closing.is_set():
@@ -318,6 +327,11 @@ class Keeper(threading.Thread):
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop the group: an idle one is told to stop; a job in progress is interrupted (it stays
         in the queue and resumes from its last clip when the server starts again)."""
+        self.begin_shutdown()
+        self.finish_shutdown(grace_s)
+
+    def begin_shutdown(self) -> None:
+        """Ask the group to stop (an idle one is told; a busy one is interrupted)."""
         self._closing.set()
         with self._lock:
             run_dir, busy = self.run_dir, self.current is not None
@@ -325,6 +339,9 @@ class Keeper(threading.Thread):
             inbox.stop(run_dir)
         else:
             self._halt.set()
+
+    def finish_shutdown(self, grace_s: float = 10.0) -> None:
+        """Wait up to ``grace_s`` for the group to stop, then stop its ranks now."""
         self.join(grace_s)
         if self.is_alive():
             self._halt.set()
@@ -336,7 +353,7 @@ class Keeper(threading.Thread):
             self.run_dir = run_dir
             self._cancel_sent.clear()
         # for the next server, if this one is killed: what to look for among the processes
-        atomic.write_text(self.dirs.root / GROUP_FILE, json.dumps({"run_dir": str(run_dir)}))
+        atomic.write_text(group_file(self.dirs.root, self.index), json.dumps({"run_dir": str(run_dir)}))
 
     def on_events(self, new_events: list[dict]) -> None:
         for ev in new_events:
@@ -453,11 +470,21 @@ class Keeper(threading.Thread):
         return Job(id=row.id, spec=line.spec.job, work_dir=work, record=line.record)
 
 
-def remove_partial_videos(videos: Path) -> list[Path]:
+def stop_keepers(keepers: list[Keeper], grace_s: float = 10.0) -> None:
+    """Stop every group at once (each interrupted job resumes when the server starts again)."""
+    running = [k for k in keepers if k.is_alive()]
+    for k in running:
+        k.begin_shutdown()
+    for k in running:
+        k.finish_shutdown(grace_s)
+
+
+def remove_partial_videos(videos: Path, job_id: Optional[str] = None) -> list[Path]:
     """What a killed rank left half-written among the videos (every writer names its temporaries
-    ``.NAME.PID.*``, :func:`~wan_s2v_runner.shared.atomic.temp_name`); only when no group runs."""
+    ``.NAME.PID.*``, :func:`~wan_s2v_runner.shared.atomic.temp_name`): ``job_id``'s, or, when no
+    group runs, everyone's."""
     removed = []
-    for path in videos.glob(".*.*"):
+    for path in videos.glob(f".{job_id}.*" if job_id else ".*.*"):
         if path.is_file():
             path.unlink(missing_ok=True)
             removed.append(path)

@@ -40,7 +40,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _StateCollector:
-    """What the queue and the keeper say at scrape time."""
+    """What the queue and the keepers say at scrape time."""
 
     def __init__(self, metrics: "ServerMetrics"):
         self.m = metrics
@@ -58,27 +58,33 @@ class _StateCollector:
             if status.terminal:
                 finished.add_metric([status.value], counts.get(status.value, 0))
         yield finished
-        keeper = self.m.keeper
-        yield CounterMetricFamily("wan_s2v_rank_group_restarts", "rank groups started again after one ended",
-                                  value=keeper.restarts)
-        state = GaugeMetricFamily("wan_s2v_rank_group_state", "the rank group's state (1: current)",
-                                  labels=["state"])
-        for s in type(keeper.state):
-            state.add_metric([s.value], 1 if s is keeper.state else 0)
-        yield state
-        speed = keeper.steps_per_s()
-        if speed is not None:
-            yield GaugeMetricFamily("wan_s2v_denoise_steps_per_second",
-                                    "denoising steps a second since the job's first step, its decodes included "
-                                    "(the running job, else the last completed)", value=speed)
-        rss = GaugeMetricFamily("wan_s2v_rank_rss_bytes", "each rank's resident host memory", labels=["rank"])
+        keepers = self.m.keepers
+        restarts = CounterMetricFamily("wan_s2v_rank_group_restarts", "rank groups started again after one ended",
+                                       labels=["group"])
+        state = GaugeMetricFamily("wan_s2v_rank_group_state", "each rank group's state (1: current)",
+                                  labels=["group", "state"])
+        speed = GaugeMetricFamily("wan_s2v_denoise_steps_per_second",
+                                  "denoising steps a second since the job's first step, its decodes included "
+                                  "(the running job, else the last completed), per rank group", labels=["group"])
+        rss = GaugeMetricFamily("wan_s2v_rank_rss_bytes", "each rank's resident host memory", labels=["group", "rank"])
         gpu = GaugeMetricFamily("wan_s2v_rank_gpu_peak_allocated_bytes", "each rank's peak GPU memory allocated",
-                                labels=["rank"])
-        for r in keeper.ranks:
-            if r.get("rss_mb") is not None:
-                rss.add_metric([str(r["rank"])], r["rss_mb"] * 2**20)
-            if r.get("gpu_peak_allocated_mb") is not None:
-                gpu.add_metric([str(r["rank"])], r["gpu_peak_allocated_mb"] * 2**20)
+                                labels=["group", "rank"])
+        for keeper in keepers:
+            group = str(keeper.index)
+            restarts.add_metric([group], keeper.restarts)
+            for s in type(keeper.state):
+                state.add_metric([group, s.value], 1 if s is keeper.state else 0)
+            steps = keeper.steps_per_s()
+            if steps is not None:
+                speed.add_metric([group], steps)
+            for r in keeper.ranks:
+                if r.get("rss_mb") is not None:
+                    rss.add_metric([group, str(r["rank"])], r["rss_mb"] * 2**20)
+                if r.get("gpu_peak_allocated_mb") is not None:
+                    gpu.add_metric([group, str(r["rank"])], r["gpu_peak_allocated_mb"] * 2**20)
+        yield restarts
+        yield state
+        yield speed
         yield rss
         yield gpu
 
@@ -86,8 +92,8 @@ class _StateCollector:
 class ServerMetrics:
     """One server's metrics; :meth:`job_completed` is the keeper's ``on_completed``."""
 
-    def __init__(self, queue: JobQueue, keeper=None):
-        self.queue, self.keeper = queue, keeper
+    def __init__(self, queue: JobQueue):
+        self.queue, self.keepers = queue, []
         self.registry = CollectorRegistry(auto_describe=True)
         self.job_seconds = Histogram("wan_s2v_job_seconds", "a completed job's seconds, taken to mp4 written",
                                      buckets=JOB_BUCKETS, registry=self.registry)
@@ -97,9 +103,9 @@ class ServerMetrics:
             if row.status is JobStatus.COMPLETED and row.record:
                 self.job_completed(row.record)
 
-    def attach(self, keeper) -> None:
-        """The keeper whose group state and ranks the scrape reads (it starts the collector)."""
-        self.keeper = keeper
+    def attach(self, keepers: list) -> None:
+        """The keepers whose groups' state and ranks the scrape reads (it starts the collector)."""
+        self.keepers = list(keepers)
         self.registry.register(_StateCollector(self))
 
     def job_completed(self, record: dict[str, Any]) -> None:

@@ -93,6 +93,7 @@ class VideoDeleted(BaseModel):
 class RankInfo(BaseModel):
     rank: int
     stage: str
+    group: int = Field(0, description="which of the server's rank groups (--replicas) it belongs to")
     host: Optional[str] = None
     rss_mb: Optional[float] = None
     host_peak_rss_mb: Optional[float] = None
@@ -112,6 +113,19 @@ class LayoutInfo(BaseModel):
     attention: str
 
 
+class ReplicaInfo(BaseModel):
+    """One of the server's rank groups (``--replicas``; one group: the only one)."""
+
+    index: int
+    holds: str = Field(description="what of the node it runs on (its GPUs, or its CPUs)")
+    group: str = Field(description="loading, idle, working, restarting or stopped")
+    restarts: int
+    groups: int = Field(description="rank groups it started")
+    current: Optional[str] = Field(None, description="the job it is making")
+    last_error: Optional[str] = None
+    ranks: list[RankInfo] = Field(default_factory=list)
+
+
 class ServerState(BaseModel):
     """What the status page shows of the server and its rank group."""
 
@@ -124,6 +138,7 @@ class ServerState(BaseModel):
     uptime_s: float
     queue: dict[str, int] = Field(description="jobs by status")
     ranks: list[RankInfo]
+    replicas: list[ReplicaInfo] = Field(default_factory=list, description="each rank group (--replicas)")
     layout: LayoutInfo
     loras: list[str]
 
@@ -169,6 +184,7 @@ class Health(BaseModel):
     world_size: int
     cfg_parallel: bool
     device: str
+    replicas: list[ReplicaInfo] = Field(default_factory=list, description="each rank group (without its ranks)")
 
 
 class Snapshot(BaseModel):

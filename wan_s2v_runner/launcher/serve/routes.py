@@ -398,7 +398,7 @@ def cancel(video_id: str, server: ServerDep) -> VideoObject:
         raise Refused(409, f"video {video_id} is already {row.status.value}. Fix: nothing to cancel", "video_id")
     status = server.queue.cancel(video_id)
     if status is JobStatus.IN_PROGRESS:
-        server.keeper.cancel_running(video_id)
+        server.cancel_running(video_id)
     elif row.status is JobStatus.QUEUED and status is JobStatus.CANCELLED:  # it never reached the ranks
         server.dirs.remove_job_files(video_id, video=False)
     return video_object(server, job_row(server, video_id))
@@ -411,7 +411,7 @@ def delete(video_id: str, server: ServerDep) -> VideoDeleted:
     job_row(server, video_id)
     status = server.queue.delete(video_id)
     if status is JobStatus.IN_PROGRESS:
-        server.keeper.cancel_running(video_id)
+        server.cancel_running(video_id)
     elif status is not None:
         server.dirs.remove_job_files(video_id, video=True)
     return VideoDeleted(id=video_id)

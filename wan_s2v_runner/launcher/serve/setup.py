@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,6 +54,11 @@ def serve(args, group: GroupSpec, base: dict[str, Any], root: Path, extra_env: O
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return exit_codes.USAGE
+    try:
+        replicas = _replicas(group, args.replicas)
+    except ValueError as e:  # replicas.ReplicaError: the cause and the fix
+        print(f"error: {e}", file=sys.stderr)
+        return exit_codes.USAGE
     if group.writes_output:  # node 0 owns the directory: one server on it at a time
         from wan_s2v_runner.launcher.serve import lock
 
@@ -67,15 +73,31 @@ def serve(args, group: GroupSpec, base: dict[str, Any], root: Path, extra_env: O
     else:
         from wan_s2v_runner import preflight
 
-        report = preflight.group_gate_report(group, base, root / "videos", json_mode=args.json)
+        # each group is checked as it will run (the groups differ only in what of the node they hold)
+        report = preflight.group_gate_report(replicas[0].spec, base, root / "videos", json_mode=args.json)
         if report.refused:
             return exit_codes.PREFLIGHT
         waves = report.data_of("memory.host").get("waves")
         if group.load_waves is None and waves and waves > 1:
-            group = group.model_copy(update={"load_waves": waves})
+            replicas = [replace(r, spec=r.spec.model_copy(update={"load_waves": waves})) for r in replicas]
     if not group.writes_output:
-        return _compute_only(group, extra_env)
-    return _serve_node0(args, group, base, root, token, extra_env)
+        return _compute_only(replicas[0].spec, extra_env)
+    return _serve_node0(args, replicas, base, root, token, extra_env)
+
+
+def _replicas(group: GroupSpec, n: int):
+    """The server's rank groups (:func:`.replicas.split` over the GPUs or CPUs this process may use)."""
+    import os
+
+    from wan_s2v_runner.launcher.serve import replicas
+
+    if n == 1:
+        return replicas.split(group, 1)
+    if group.device == "cuda":
+        from wan_s2v_runner.preflight import machine_facts
+
+        return replicas.split(group, n, gpus=replicas.visible_gpus(machine_facts().gpu_count))
+    return replicas.split(group, n, cpus=sorted(os.sched_getaffinity(0)))
 
 
 def _compute_only(group: GroupSpec, extra_env: Optional[dict]) -> int:
@@ -92,7 +114,7 @@ def _compute_only(group: GroupSpec, extra_env: Optional[dict]) -> int:
         time.sleep(1.0)
 
 
-def _serve_node0(args, group: GroupSpec, base: dict, root: Path, token: Optional[str],
+def _serve_node0(args, replicas: list, base: dict, root: Path, token: Optional[str],
                  extra_env: Optional[dict]) -> int:
     from wan_s2v_runner.launcher.job_book import job_defaults
     from wan_s2v_runner.launcher.serve.http import run_server
@@ -112,9 +134,13 @@ def _serve_node0(args, group: GroupSpec, base: dict, root: Path, token: Optional
     metrics = ServerMetrics(queue)
     retention = Retention(keep=args.keep_videos,
                           max_age_s=args.keep_hours * 3600.0 if args.keep_hours is not None else None)
-    keeper = Keeper(group, queue, dirs, extra_env, on_completed=metrics.job_completed, retention=retention)
-    metrics.attach(keeper)
-    server = Server(queue=queue, keeper=keeper, dirs=dirs, metrics=metrics,
+    keepers = [Keeper(r.spec, queue, dirs, {**(extra_env or {}), **r.env}, on_completed=metrics.job_completed,
+                      retention=retention, index=r.index, holds=r.holds) for r in replicas]
+    metrics.attach(keepers)
+    if len(keepers) > 1:
+        print(f"serve: {len(keepers)} rank groups of {replicas[0].spec.nproc} rank(s): "
+              + "; ".join(f"group {r.index} on {r.holds}" for r in replicas), flush=True)
+    server = Server(queue=queue, keepers=keepers, dirs=dirs, metrics=metrics,
                     base={k: v for k, v in job_defaults(base).items() if k not in OUTPUT_FIELDS},
                     policy=policy, max_queue=args.max_queue, token=token, facts=machine_facts(),
                     allow_hosts=tuple(args.allow_host), retention=retention, min_free_mb=args.min_free_mb)

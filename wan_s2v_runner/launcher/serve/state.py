@@ -11,13 +11,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from wan_s2v_runner.launcher.serve.keeper import Keeper, ServerDirs
+from wan_s2v_runner.launcher.serve.keeper import GroupState, Keeper, ServerDirs
 from wan_s2v_runner.launcher.serve.metrics import ServerMetrics
 from wan_s2v_runner.launcher.serve.protocol import (
     Health,
     JobField,
     LayoutInfo,
     RankInfo,
+    ReplicaInfo,
     ServerState,
     VideoError,
     VideoObject,
@@ -40,7 +41,7 @@ class Server:
     """Everything the routes use."""
 
     queue: JobStore
-    keeper: Keeper
+    keepers: list[Keeper]  # one per rank group (--replicas), each taking jobs from the queue
     dirs: ServerDirs
     base: dict[str, Any]  # every job's defaults (the command's job values, outputs left out)
     policy: Policy
@@ -54,6 +55,25 @@ class Server:
     decode_slots: int = DECODE_SLOTS  # submissions checked (media read and decoded) at once
     decoding: int = 0  # submissions being checked now
     decoding_peak: int = 0  # the most ever checked at once (/v1/server)
+
+    @property
+    def keeper(self) -> Keeper:
+        """The first group's keeper: its spec is every group's layout (the groups differ only in
+        what of the node they hold)."""
+        return self.keepers[0]
+
+    def live(self, job_id: str) -> Optional[dict[str, Any]]:
+        """A running job's progress, from the group that makes it."""
+        for k in self.keepers:
+            live = k.live(job_id)
+            if live is not None:
+                return live
+        return None
+
+    def cancel_running(self, job_id: str) -> None:
+        """Tell the group that makes ``job_id`` to stop it (at its next step)."""
+        for k in self.keepers:
+            k.cancel_running(job_id)
 
 
 def percent(row: JobRow, live: Optional[dict]) -> int:
@@ -77,7 +97,7 @@ def video_objects(server: Server, rows: list[JobRow]) -> list[VideoObject]:
 def video_object(server: Server, row: JobRow, position: Any = ASK) -> VideoObject:
     if position is ASK:
         position = server.queue.position(row.id) if row.status is JobStatus.QUEUED else None
-    live = server.keeper.live(row.id) if row.status is JobStatus.IN_PROGRESS else None
+    live = server.live(row.id) if row.status is JobStatus.IN_PROGRESS else None
     record = row.record or {}
     spec = row.spec
     obj: dict[str, Any] = {
@@ -153,16 +173,32 @@ def job_fields(server: Server) -> list[JobField]:
     return out
 
 
+#: the server's state from its groups' (--replicas): the first of these any group is in
+STATE_ORDER = (GroupState.WORKING, GroupState.IDLE, GroupState.LOADING, GroupState.RESTARTING, GroupState.STOPPED)
+
+
+def replica_info(k: Keeper) -> ReplicaInfo:
+    return ReplicaInfo(index=k.index, holds=k.holds, group=k.state.value, restarts=k.restarts, groups=k.groups,
+                       current=k.current, last_error=k.last_error,
+                       ranks=[RankInfo(**r, group=k.index) for r in k.ranks])
+
+
 def server_state(server: Server, counts: Optional[dict[str, int]] = None) -> ServerState:
-    """What the status page shows of the server (changes as the group works); ``counts``: the
-    jobs by status, when the caller has them."""
+    """What the status page shows of the server (changes as the groups work); ``counts``: the
+    jobs by status, when the caller has them. With several groups the top-level fields sum them
+    (the state: the first of :data:`STATE_ORDER` any is in) and ``replicas`` has each."""
     k, spec = server.keeper, server.keeper.group_spec
     layout = spec.layout
     counts = counts if counts is not None else server.queue.counts()
+    replicas = [replica_info(keeper) for keeper in server.keepers]
+    states = {keeper.state for keeper in server.keepers}
     return ServerState(
-        model=MODEL, group=k.state.value, restarts=k.restarts, groups=k.groups, current=k.current,
-        last_error=k.last_error, uptime_s=round(time.time() - k.started_at, 1), queue=counts,
-        ranks=[RankInfo(**r) for r in k.ranks],
+        model=MODEL, group=next(s for s in STATE_ORDER if s in states).value,
+        restarts=sum(r.restarts for r in replicas), groups=sum(r.groups for r in replicas),
+        current=next((r.current for r in replicas if r.current), None),
+        last_error=next((r.last_error for r in replicas if r.last_error), None),
+        uptime_s=round(time.time() - k.started_at, 1), queue=counts,
+        ranks=[rank for r in replicas for rank in r.ranks], replicas=replicas,
         layout=LayoutInfo(mode=spec.mode.value, world_size=spec.world_size, nnodes=spec.nnodes, nproc=spec.nproc,
                           cfg_degree=layout.cfg_degree, sp_degree=layout.sp_degree,
                           vae_parallel=layout.vae_parallel, device=spec.device,
@@ -174,5 +210,6 @@ def health(server: Server) -> Health:
     state = server_state(server)
     return Health(group=state.group, restarts=state.restarts, groups=state.groups, current=state.current,
                   last_error=state.last_error, queue=state.queue, uptime_s=state.uptime_s, model=state.model,
+                  replicas=[r.model_copy(update={"ranks": []}) for r in state.replicas],
                   mode=state.layout.mode, world_size=state.layout.world_size,
                   cfg_parallel=state.layout.cfg_degree == 2, device=state.layout.device)

@@ -92,6 +92,12 @@ function renderServer(s) {
     ["uptime", fmtS(s.uptime_s)],
     ["rank groups", `${s.groups} started, ${s.restarts} restart${s.restarts === 1 ? "" : "s"}`],
   ];
+  if ((s.replicas || []).length > 1) { // --replicas: each group, what it holds and what it does
+    for (const r of s.replicas) {
+      rows.push([`group ${r.index}`, `${r.holds}: ${r.group}${r.current ? ` (${r.current})` : ""}` +
+                 (r.restarts ? `, ${r.restarts} restart${r.restarts === 1 ? "" : "s"}` : "")]);
+    }
+  }
   $("#layout").replaceChildren(...rows.flatMap(([k, v]) => {
     const dt = document.createElement("dt"), dd = document.createElement("dd");
     dt.textContent = k; dd.textContent = v;
@@ -101,7 +107,8 @@ function renderServer(s) {
   uptimeFrom = { s: s.uptime_s, at: Date.now() }; // the feed sends the server only when it changed
   $("#ranks tbody").replaceChildren(...s.ranks.map((r) => {
     const tr = document.createElement("tr");
-    for (const v of [r.rank, r.host || "-", r.stage, fmtMb(r.rss_mb), fmtMb(r.host_peak_rss_mb), fmtMb(r.gpu_peak_allocated_mb)]) {
+    const rank = (s.replicas || []).length > 1 ? `${r.group}:${r.rank}` : r.rank; // group:rank with replicas
+    for (const v of [rank, r.host || "-", r.stage, fmtMb(r.rss_mb), fmtMb(r.host_peak_rss_mb), fmtMb(r.gpu_peak_allocated_mb)]) {
       const td = document.createElement("td");
       td.textContent = v;
       tr.append(td);

@@ -1,0 +1,119 @@
+"""Benchmark for replicas (issue #39): a queue of jobs on ``wan-s2v serve --replicas 2`` (two rank
+groups of 1 rank, each on its own core) against one group of 2 ranks (the fastest 2-rank layout
+here: Ulysses with ``--cfg-parallel``), side by side in one invocation, on the compute-bound preset
+of ``bench/bench_loop.py`` (a ~410M-parameter DiT at 256x256, built once under ``--cache``).
+
+Each server: ``--device cpu --nproc 2 --threads 1 --size 256*256 --infer-frames 8 --steps N``;
+the jobs (``--jobs``, different seeds, 1 clip each) are submitted at once as paths once every
+group is loaded. Printed per server: the total wall (first submission to last mp4 written; target
+replicas <= 0.88x of one group) and each job's latency (submitted to its mp4 written), and whether
+every job's mp4 is the same on both (it must be: a job's frames do not depend on the layout).
+
+    .venv/bin/python bench/bench_replicas.py                 # 4 jobs, 2 steps, compute preset
+    .venv/bin/python bench/bench_replicas.py --preset tiny   # smoke test (seconds)
+    .venv/bin/python bench/bench_replicas.py --markdown      # the table for docs/bench.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_loop import PRESETS, ensure_assets  # noqa: E402
+
+SERVERS = {"--replicas 2 x 1 rank": ["--replicas", "2"], "1 group x 2 ranks (CFG-parallel)": ["--cfg-parallel"]}
+
+
+def _serve(name: str, flags: list[str], work: Path, jobs: int, image: Path, audio: Path) -> dict:
+    d = work / name.split()[0].strip("-")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    log = open(work / f"{d.name}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "serve", *flags, "--server-dir", str(d),
+                             "--port", "0", "--allow-dir", str(image.parent), "--allow-dir", str(audio.parent)],
+                            cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 600
+        while not (d / "server.json").is_file():
+            if proc.poll() is not None or time.time() > deadline:
+                sys.exit(f"{name}: the server did not start (see {log.name})")
+            time.sleep(0.5)
+        http = httpx.Client(base_url=json.loads((d / "server.json").read_text())["url"], timeout=60)
+        while {r["group"] for r in http.get("/health").json()["replicas"]} != {"idle"}:
+            if proc.poll() is not None or time.time() > deadline:
+                sys.exit(f"{name}: the groups did not load (see {log.name})")
+            time.sleep(0.5)
+        t0 = time.time()
+        submitted = {}
+        for i in range(jobs):
+            r = http.post("/v1/videos", json={"image": str(image), "audio": str(audio), "seed": 100 + i,
+                                              "num_clips": 1})
+            r.raise_for_status()
+            submitted[r.json()["id"]] = (time.time(), 100 + i)
+        done: dict[str, dict] = {}
+        while len(done) < jobs:
+            for vid in submitted.keys() - done.keys():
+                v = http.get(f"/v1/videos/{vid}").json()
+                if v["status"] in ("completed", "failed", "cancelled"):
+                    if v["status"] != "completed":
+                        sys.exit(f"{name}: job {vid} {v['status']}: {v.get('error')}")
+                    done[vid] = json.loads((d / "videos" / f"{vid}.json").read_text())
+            time.sleep(0.5)
+        last = max(rec["finished"] for rec in done.values())
+        return {"wall": last - t0,
+                "latency": sorted(rec["finished"] - submitted[vid][0] for vid, rec in done.items()),
+                "sha": {submitted[vid][1]: rec["output"]["sha256"] for vid, rec in done.items()}}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="compute")
+    ap.add_argument("--cache", type=Path, default=Path("~/.cache/wan-s2v/bench"))
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+
+    ckpt, image, audio = ensure_assets(args.cache, args.preset)
+    work = Path(tempfile.mkdtemp(prefix="wan-s2v-bench-replicas-"))
+    common = ["--device", "cpu", "--nproc", "2", "--threads", "1", "--size", PRESETS[args.preset]["size"],
+              "--infer-frames", "8", "--steps", str(args.steps), "--prompt", "a person talking",
+              "--ckpt-dir", str(ckpt)]
+    out = {}
+    for name, flags in SERVERS.items():
+        out[name] = _serve(name, [*common, *flags], work, args.jobs, image, audio)
+        print(f"{name}: wall {out[name]['wall']:.1f} s", file=sys.stderr, flush=True)
+    (replicas, wide) = out.values()
+    lines = ["| server | jobs | total wall s | x | job latency s (each, sorted) |", "|---|---|---|---|---|"]
+    for name, r in out.items():
+        lines.append(f"| {name} | {args.jobs} | {r['wall']:.1f} | {r['wall'] / wide['wall']:.2f} | "
+                     f"{', '.join(f'{x:.1f}' for x in r['latency'])} |")
+    print("\n".join(lines) if args.markdown else "\n".join(lines).replace("|", " "))
+    same = replicas["sha"] == wide["sha"]
+    print(f"\nevery job's mp4 the same on both servers: {'yes' if same else 'NO'}")
+    print(f"target: replicas <= 0.88x of one group's total wall: {replicas['wall'] / wide['wall']:.2f}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
