@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - create .venv, install, run the CPU demo (2 ranks, tiny random checkpoint)
-#   make test   - create .venv, install (and Chromium for the page test: tools/ensure_chromium), lint, run the test suite
+#   make test   - create .venv, install (and Chromium for the page test: tools/ensure_chromium; PostgreSQL
+#                 for the shared-queue tests: tools/ensure_postgresql), lint, run the test suite
 #
 # For the edit loop:
 #   make lint       - ruff (rules in pyproject.toml), as make test runs it
@@ -45,6 +46,7 @@ fmt: $(STAMP)
 
 test: lint
 	tools/ensure_chromium
+	tools/ensure_postgresql
 	$(BIN)/python -m pytest -q
 
 test-fast: lint

@@ -78,6 +78,7 @@ def test_two_groups_share_the_queue_and_make_the_same_videos(replicated, engine_
     # each group on its own core, shown in /health, /v1/server and /metrics
     health = s.http.get("/health").json()
     assert [(r["index"], r["holds"]) for r in health["replicas"]] == [(0, "CPU 0"), (1, "CPU 1")], health
+    assert s.http.get("/health/ready").status_code == 200
     state = s.http.get("/v1/server").json()
     assert [(r["group"], r["rank"]) for r in state["ranks"]] == [(0, 0), (1, 0)], state["ranks"]
     assert [_affinity(_worker_pid(_run_dir(s, i))) for i in (0, 1)] == ["0", "1"]
@@ -91,6 +92,7 @@ def test_a_group_that_fails_restarts_alone(replicated):
     before = {r["index"]: r["restarts"] for r in s.http.get("/health").json()["replicas"]}
     old = _run_dir(s, 1)
     os.kill(_worker_pid(old), signal.SIGKILL)
+    assert s.http.get("/health/ready").status_code == 200  # group 0 still takes jobs
     wait_for(lambda: _run_dir(s, 1) != old and s.http.get("/health").json()["replicas"][1]["group"] == "idle", 120,
              "group 1 started again", s.tail)
     after = {r["index"]: r["restarts"] for r in s.http.get("/health").json()["replicas"]}

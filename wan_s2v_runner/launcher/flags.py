@@ -205,6 +205,34 @@ COMMAND_OPTIONS = (
         metavar="DIR",
     ),
     CommandOption(
+        "--queue",
+        "the job queue: a postgresql://USER@HOST/DB URL that any number of servers share (with --shared-dir); "
+        "default: SQLite in --server-dir, this server's alone (docs/fleet.md)",
+        (Command.SERVE,),
+        kind=OptionKind.TEXT,
+        default_text="SERVER_DIR/jobs.sqlite",
+        metavar="URL",
+    ),
+    CommandOption(
+        "--shared-dir",
+        "with a shared --queue: the directory every server mounts (NFS, ...) for uploads, videos and clip "
+        "checkpoints (docs/fleet.md)",
+        (Command.SERVE,),
+        kind=OptionKind.PATH,
+        default_text="--server-dir",
+        metavar="DIR",
+    ),
+    CommandOption(
+        "--lease-s",
+        "with a shared --queue: how long a server's hold on a running job lasts without its heartbeat; a "
+        "server that dies loses its jobs to the others after this long",
+        (Command.SERVE,),
+        kind=OptionKind.INT,
+        default_text="30",
+        metavar="S",
+        default=30,
+    ),
+    CommandOption(
         "--queue-depth",
         "the jobs a server is expected to hold at once: the split table (--replicas) reports each split's mean "
         "latency at this depth",

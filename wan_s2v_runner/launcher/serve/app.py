@@ -34,7 +34,7 @@ from wan_s2v_runner.launcher.serve.state import Server
 
 #: the error ``type`` of each status (OpenAI's names)
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
-               507: "insufficient_storage"}
+               503: "service_unavailable", 507: "insufficient_storage"}
 
 
 def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:

@@ -51,7 +51,8 @@ def run_server(server: Server, host: str, port: int) -> int:
     sock = bind_socket(host, port)
     bound = sock.getsockname()[1]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
-    remove_partial_videos(server.dirs.videos)
+    if not server.queue.shared:  # a shared directory's other servers are writing theirs
+        remove_partial_videos(server.dirs.videos)
     for job_id in server.queue.purge_deleting():  # deleted while they ran, before the server stopped
         server.dirs.remove_job_files(job_id, video=True)
     recovered = server.queue.recover()

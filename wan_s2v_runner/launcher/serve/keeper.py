@@ -63,6 +63,11 @@ log = logging.getLogger("wan_s2v.keeper")
 RESTART_BACKOFF_S = (1.0, 30.0)
 #: the running group's run directory, so the next server can find (and stop) what a killed one left
 GROUP_FILE = "group.json"
+#: how often a keeper looks for a cancel of its running job (one server's queue; a shared one:
+#: every third of the lease, when it renews it)
+BEAT_S = 2.0
+#: how often an idle keeper asks a shared queue for the next job
+CLAIM_EVERY_S = 0.5
 
 
 def group_file(root: Path, index: int) -> Path:
@@ -135,15 +140,16 @@ class Progress:
 class ServerDirs:
     """Where a server keeps things (``--server-dir``)."""
 
-    root: Path
+    root: Path  # this server's own (its lock, its rank groups' run directories, a SQLite queue)
+    shared: Optional[Path] = None  # --shared-dir: what every server of a shared queue reads (else root)
 
     @property
     def videos(self) -> Path:  # ID.mp4 and ID.json: the only files the API ever serves
-        return self.root / "videos"
+        return (self.shared or self.root) / "videos"
 
     @property
     def uploads(self) -> Path:
-        return self.root / "uploads"
+        return (self.shared or self.root) / "uploads"
 
     @property
     def runs(self) -> Path:
@@ -195,6 +201,7 @@ class KeeperObserver:
     def update(self, reader, new_events: list[dict], elapsed: float) -> None:
         try:
             self.keeper.note_ranks(reader.ranks)
+            self.keeper.beat()
             self.keeper.on_events(new_events)
             self.keeper.sweep(every_s=SWEEP_EVERY_S)
         except Exception as e:  # shown in /health; raised on: the observers log it (and a test fails)
@@ -231,6 +238,11 @@ class Keeper(threading.Thread):
         self.started_at = time.time()
         self._cancel_sent: set[str] = set()
         self._seq = 0
+        # a shared queue: the lease on the running job is renewed every third of it; one server's: a
+        # look for cancels every few seconds (the API tells this keeper directly besides)
+        self.beat_every_s = getattr(queue, "lease_s", 3 * BEAT_S) / 3
+        self._beat_at = 0.0
+        self._claim_at = 0.0  # a shared queue is asked for the next job at most every CLAIM_EVERY_S
         self._closing = threading.Event()  # shutdown asked
         self._halt = threading.Event()  # stop the ranks now
         self._lock = threading.Lock()
@@ -263,6 +275,26 @@ class Keeper(threading.Thread):
         """The API marked ``job_id`` cancelled while it runs: tell the ranks (next step boundary)."""
         with self._lock:
             self._send_cancel(job_id)
+
+    def beat(self) -> None:
+        """Every :attr:`beat_every_s`: renew the lease on the running job (with its live progress,
+        for the other servers of a shared queue), pass on a cancel asked anywhere, and give back
+        the jobs of servers whose leases ran out."""
+        now = time.time()
+        if now - self._beat_at < self.beat_every_s:
+            return
+        self._beat_at = now
+        with self._lock:
+            running = {self.current: (self.progress[self.current].as_dict(now)
+                                      if self.current in self.progress else None)} if self.current else {}
+        asked = self.queue.heartbeat(running)
+        with self._lock:
+            for job_id in asked:
+                self._send_cancel(job_id)
+        back = self.queue.reap()
+        if back:
+            log.warning("jobs whose server stopped renewing their leases are queued again (they resume from "
+                        "their last clip): %s", ", ".join(back))
 
     def _send_cancel(self, job_id: str) -> None:
         if job_id == self.current and self.run_dir is not None and job_id not in self._cancel_sent:
@@ -423,10 +455,16 @@ class Keeper(threading.Thread):
                     traceback.print_exc()
 
     def _post_next(self) -> None:
+        if self.queue.shared:  # every idle keeper of every server asks: not at every poll
+            now = time.time()
+            if now < self._claim_at:
+                return
+            self._claim_at = now + CLAIM_EVERY_S
         while True:
             row = self.queue.claim_next()
             if row is None:
                 return
+            remove_partial_videos(self.dirs.videos, row.id)  # what a dead server left half-written of it
             if row.cancel_requested:  # cancelled while the server was down
                 self.queue.finish(row.id, JobStatus.CANCELLED, error="cancelled")
                 self._after_end(row.id)

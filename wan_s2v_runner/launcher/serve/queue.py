@@ -82,11 +82,16 @@ class JobRow:
     error: Optional[str]
     record: Optional[dict[str, Any]]  # the job's record (rank 0's ID.json) once completed
     deleting: bool = False  # DELETE asked while it ran: gone for the API; removed when it ends
+    progress: Optional[dict[str, Any]] = None  # a shared queue: the live progress its server stored
 
 
 class JobStore(Protocol):
     """The jobs of a server: what its API and its keepers read and change (every change one
-    transaction; ``spec`` is the job's :class:`~wan_s2v_runner.shared.spec.JobSpec` as JSON)."""
+    transaction; ``spec`` is the job's :class:`~wan_s2v_runner.shared.spec.JobSpec` as JSON).
+    ``shared``: other servers use the store too (:mod:`.pg_queue`); then a keeper holds each job
+    it runs with a lease its ``heartbeat`` renews, and ``reap`` gives a dead server's jobs back."""
+
+    shared: bool
 
     def add(self, job_id: str, spec: dict[str, Any], max_queued: int) -> None: ...
     def get(self, job_id: str) -> Optional[JobRow]: ...
@@ -95,6 +100,8 @@ class JobStore(Protocol):
     def positions(self, job_ids: list[str]) -> dict[str, int]: ...
     def counts(self) -> dict[str, int]: ...
     def claim_next(self) -> Optional[JobRow]: ...
+    def heartbeat(self, running: dict[str, Optional[dict]]) -> set[str]: ...
+    def reap(self) -> list[str]: ...
     def finish(self, job_id: str, status: JobStatus, *, error: Optional[str] = None,
                record: Optional[dict] = None) -> None: ...
     def group_failed(self, job_id: str, error: str) -> JobStatus: ...
@@ -110,6 +117,8 @@ class JobStore(Protocol):
 
 class JobQueue:
     """The :class:`JobStore` in the SQLite file ``path``; safe to use from the API's threads and the keeper at once."""
+
+    shared = False  # one server's (its directory's lock says so): no leases
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -235,6 +244,20 @@ class JobQueue:
                 self._db.execute("ROLLBACK")
                 raise
         return self.get(r["id"]) if r is not None else None
+
+    def heartbeat(self, running: dict[str, Optional[dict]]) -> set[str]:
+        """The ids among ``running`` someone asked to cancel (one server: no leases to renew)."""
+        if not running:
+            return set()
+        marks = ",".join("?" * len(running))
+        with self._lock:
+            rows = self._db.execute(f"SELECT id FROM jobs WHERE cancel_requested = 1 AND id IN ({marks})",
+                                    tuple(running)).fetchall()
+        return {r[0] for r in rows}
+
+    def reap(self) -> list[str]:
+        """Nothing: one server's queue has no other server's jobs to take back."""
+        return []
 
     def finish(self, job_id: str, status: JobStatus, *, error: Optional[str] = None,
                record: Optional[dict] = None) -> None:

@@ -232,6 +232,17 @@ def get_health(server: ServerDep) -> Health:
     return health(server)
 
 
+@public.get("/health/ready", responses={503: {"model": ErrorResponse, "description": "no rank group is ready"}})
+def get_ready(server: ServerDep) -> Health:
+    """200 once a rank group can take a job (idle or working), else 503: a load balancer's or
+    Kubernetes' readiness check (no token needed, as /health)."""
+    state = health(server)
+    if state.group not in ("idle", "working"):
+        raise Refused(503, f"no rank group is ready (the server's groups: {state.group}). Fix: wait; /health "
+                           "says what each group does")
+    return state
+
+
 @public.get("/", include_in_schema=False)
 def index() -> FileResponse:
     return FileResponse(page.INDEX, media_type="text/html")
@@ -304,7 +315,7 @@ def _form_field(prop: dict[str, Any]) -> dict[str, Any]:
         "size": {"type": "string", "description": "= max_area, as WIDTHxHEIGHT (the image's aspect is kept)"},
         "model": {"type": "string", "description": "accepted and ignored (the server runs one model)"}}}}}}})
 async def create(request: Request, server: ServerDep) -> VideoObject:
-    full = space_refusal(server.dirs.root, server.min_free_mb)
+    full = space_refusal(server.dirs.videos, server.min_free_mb)  # where uploads and videos go
     if full:
         raise Refused(507, full)
     fields = await _fields(request, server.policy.max_upload_bytes)

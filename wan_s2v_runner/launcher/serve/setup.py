@@ -59,6 +59,10 @@ def serve(args, group: GroupSpec, base: dict[str, Any], root: Path, extra_env: O
     except ValueError as e:  # replicas.ReplicaError: the cause and the fix
         print(f"error: {e}", file=sys.stderr)
         return exit_codes.USAGE
+    refusal = queue_refusal(args)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return exit_codes.USAGE
     if group.writes_output:  # node 0 owns the directory: one server on it at a time
         from wan_s2v_runner.launcher.serve import lock
 
@@ -83,6 +87,42 @@ def serve(args, group: GroupSpec, base: dict[str, Any], root: Path, extra_env: O
     if not group.writes_output:
         return _compute_only(replicas[0].spec, extra_env)
     return _serve_node0(args, replicas, base, root, token, extra_env)
+
+
+def open_queue(args, dirs):
+    """The server's :class:`~.queue.JobStore`: ``--queue postgresql://...`` (shared, :mod:`.pg_queue`;
+    this server's leases named by its host and directory), else SQLite in the server directory."""
+    from wan_s2v_runner.launcher.serve.queue import JobQueue
+
+    if not args.queue:
+        return JobQueue(dirs.queue)
+    import socket
+
+    from wan_s2v_runner.launcher.serve.pg_queue import PgJobQueue, describe
+
+    queue = PgJobQueue(args.queue, owner=f"{socket.gethostname()}:{dirs.root}", lease_s=float(args.lease_s))
+    print(f"serve: the queue is {describe(args.queue)} (shared; leases {args.lease_s} s); shared directory "
+          f"{dirs.shared}", flush=True)
+    return queue
+
+
+def queue_refusal(args) -> Optional[str]:
+    """Why ``--queue``, ``--shared-dir`` and ``--lease-s`` do not go together (None: they do)."""
+    if not args.queue:
+        return ("--shared-dir is for a shared --queue (postgresql://...). Fix: drop it, or add --queue"
+                if args.shared_dir else None)
+    if not args.queue.startswith(("postgresql://", "postgres://")):
+        return f"--queue {args.queue!r}: a postgresql:// URL. Fix: --queue postgresql://USER@HOST/DB, or drop it"
+    if not args.shared_dir:
+        return ("--queue postgresql://... needs --shared-dir DIR: the directory every server mounts for uploads, "
+                "videos and clip checkpoints (docs/fleet.md)")
+    if args.lease_s < 3:
+        return f"--lease-s {args.lease_s}: at least 3 (the heartbeat renews it every third). Fix: --lease-s 30"
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        return "--queue postgresql://... needs psycopg 3. Fix: pip install 'psycopg[binary]'"
+    return None
 
 
 def _replicas(group: GroupSpec, n: int):
@@ -120,15 +160,20 @@ def _serve_node0(args, replicas: list, base: dict, root: Path, token: Optional[s
     from wan_s2v_runner.launcher.serve.http import run_server
     from wan_s2v_runner.launcher.serve.keeper import Keeper, ServerDirs
     from wan_s2v_runner.launcher.serve.metrics import ServerMetrics
-    from wan_s2v_runner.launcher.serve.queue import JobQueue
     from wan_s2v_runner.launcher.serve.requests import Policy
     from wan_s2v_runner.launcher.serve.retention import Retention
     from wan_s2v_runner.launcher.serve.state import Server
     from wan_s2v_runner.preflight import machine_facts
 
-    dirs = ServerDirs(root)
+    dirs = ServerDirs(root, shared=args.shared_dir.expanduser().absolute() if args.shared_dir else None)
     dirs.videos.mkdir(parents=True, exist_ok=True)
-    queue = JobQueue(dirs.queue)
+    try:
+        queue = open_queue(args, dirs)
+    except Exception as e:  # psycopg.OperationalError: the database is not there, or refuses us
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: cannot open the queue: {first}. Fix: check that the database runs and the URL "
+              "(user, host, port, database) is right", file=sys.stderr)
+        return exit_codes.PREFLIGHT
     policy = Policy(allow_dirs=tuple(p.expanduser().resolve() for p in args.allow_dir),
                     max_upload_bytes=args.max_upload_mb * 2**20, max_audio_s=float(args.max_audio_s))
     metrics = ServerMetrics(queue)

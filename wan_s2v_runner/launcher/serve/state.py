@@ -97,7 +97,8 @@ def video_objects(server: Server, rows: list[JobRow]) -> list[VideoObject]:
 def video_object(server: Server, row: JobRow, position: Any = ASK) -> VideoObject:
     if position is ASK:
         position = server.queue.position(row.id) if row.status is JobStatus.QUEUED else None
-    live = server.live(row.id) if row.status is JobStatus.IN_PROGRESS else None
+    # the progress its keeper here knows, else what the server running it stored (a shared queue)
+    live = (server.live(row.id) or row.progress) if row.status is JobStatus.IN_PROGRESS else None
     record = row.record or {}
     spec = row.spec
     obj: dict[str, Any] = {
