@@ -13,6 +13,8 @@ every job's mp4 is the same on both (it must be: a job's frames do not depend on
     .venv/bin/python bench/bench_replicas.py                 # 4 jobs, 2 steps, compute preset
     .venv/bin/python bench/bench_replicas.py --preset tiny   # smoke test (seconds)
     .venv/bin/python bench/bench_replicas.py --markdown      # the table for docs/bench.md
+    .venv/bin/python bench/bench_replicas.py --device cuda --nproc 8 --replicas 4 --jobs 16 \
+        --ckpt-dir ./Wan2.2-S2V-14B --size 1024*704                                   # a GPU node
 """
 from __future__ import annotations
 
@@ -34,8 +36,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_loop import PRESETS, ensure_assets  # noqa: E402
 
-SERVERS = {"--replicas 2 x 1 rank": ["--replicas", "2"], "1 group x 2 ranks (Ulysses SP 2)": [],
-           "1 group x 2 ranks (CFG-parallel)": ["--cfg-parallel"]}
+
+def servers(nproc: int, replicas: int) -> dict[str, list[str]]:
+    """The servers compared: ``replicas`` groups, and one group of ``nproc`` ranks in the default
+    layout (Ulysses) and with the CFG split."""
+    per = nproc // replicas
+    return {f"--replicas {replicas} x {per} rank{'s' if per > 1 else ''}": ["--replicas", str(replicas)],
+            f"1 group x {nproc} ranks (Ulysses SP {nproc})": [],
+            f"1 group x {nproc} ranks (CFG-parallel)": ["--cfg-parallel"]}
 
 
 def _serve(name: str, flags: list[str], work: Path, jobs: int, image: Path, audio: Path) -> dict:
@@ -93,16 +101,24 @@ def main() -> int:
     ap.add_argument("--cache", type=Path, default=Path("~/.cache/wan-s2v/bench"))
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks of the node (default 2)")
+    ap.add_argument("--replicas", type=int, default=2, help="groups of the replicated server (default 2)")
+    ap.add_argument("--ckpt-dir", type=Path, help="another checkpoint (a real one on a GPU node) in place of the "
+                                                  "preset's; the preset's image and speech stay")
+    ap.add_argument("--size", help="the jobs' size (default: the preset's)")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
 
     ckpt, image, audio = ensure_assets(args.cache, args.preset)
+    ckpt = args.ckpt_dir.expanduser().absolute() if args.ckpt_dir else ckpt
     work = Path(tempfile.mkdtemp(prefix="wan-s2v-bench-replicas-"))
-    common = ["--device", "cpu", "--nproc", "2", "--threads", "1", "--size", PRESETS[args.preset]["size"],
+    common = ["--device", args.device, "--nproc", str(args.nproc), "--threads", "1",
+              "--size", args.size or PRESETS[args.preset]["size"],
               "--infer-frames", "8", "--steps", str(args.steps), "--prompt", "a person talking",
               "--ckpt-dir", str(ckpt)]
     out = {}
-    for name, flags in SERVERS.items():
+    for name, flags in servers(args.nproc, args.replicas).items():
         out[name] = _serve(name, [*common, *flags], work, args.jobs, image, audio)
         print(f"{name}: wall {out[name]['wall']:.1f} s", file=sys.stderr, flush=True)
     replicas, *wide = out.values()

@@ -269,19 +269,31 @@ def _group(item) -> str:
     return shared or item.module.__name__
 
 
+#: what a slow test is taken to cost when it does not say (``@pytest.mark.slow(seconds=N)``)
+SLOW_S = 10
+
+
+def _seconds(item) -> float:
+    """A test's expected seconds, for ordering the groups: 0 unless slow; a slow test's own
+    ``seconds`` (one that takes far longer than most), else :data:`SLOW_S`."""
+    marker = item.get_closest_marker("slow")
+    return 0 if marker is None else marker.kwargs.get("seconds", SLOW_S)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Each test file is one group (its module fixtures are built once), except that the tests
     that share a session fixture of :data:`SHARED_GROUPS` are one group across files. The groups
-    with the most slow tests go first (the workers are handed groups in this order: the longest
-    first, so neither waits alone at the end); within a group the order is the files'."""
+    expected to take longest (:func:`_seconds`) go first (the workers are handed groups in this
+    order: the longest first, so neither waits alone at the end); within a group the order is the
+    files'."""
     groups = {}
     for item in items:
         name = _group(item)
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(name))
         groups.setdefault(name, []).append(item)
-    weight = {name: sum(bool(i.get_closest_marker("slow")) for i in group) for name, group in groups.items()}
+    weight = {name: sum(_seconds(i) for i in group) for name, group in groups.items()}
     order = sorted(groups, key=lambda name: -weight[name])  # stable: ties keep the collection order
     items[:] = [item for name in order for item in groups[name]]
 

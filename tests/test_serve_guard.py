@@ -225,9 +225,11 @@ def test_a_full_disk_fails_the_job_alone_and_a_nearly_full_one_refuses_jobs(serv
     assert failed["status"] == "failed", failed
     message = failed["error"]["message"]
     assert "stage mux" in message and "No space left on device" in message and "Fix: free space" in message
-    left = list((server.dir / "videos").glob(f"*{full['id']}*"))  # no mp4, no temporary, no clip checkpoints
-    assert [p.name for p in left] == [f"{full['id']}.json"], left  # only its record: failed, with the cause
-    assert json.loads(left[0].read_text())["status"] == "failed"
+    # its record (failed, with the cause) and its first frame (made after clip 1); no mp4, no
+    # temporary, no clip checkpoints
+    left = sorted(p.name for p in (server.dir / "videos").glob(f"*{full['id']}*"))
+    assert left == [f"{full['id']}.json", f"{full['id']}.thumbnail.jpg"], left
+    assert json.loads((server.dir / "videos" / f"{full['id']}.json").read_text())["status"] == "failed"
     after = server.submit(**small, prompt="room again").json()
     assert server.wait(after["id"], "completed")["status"] == "completed"
     health = httpx.get(f"{server.url}/health").json()

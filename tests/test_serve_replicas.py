@@ -50,7 +50,7 @@ def _affinity(pid: int) -> str:
     return next(line.split(":")[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=30)
 def test_two_groups_share_the_queue_and_make_the_same_videos(replicated, engine_cpu, tiny_assets, tmp_path):
     s = replicated
     seeds = [3, 4, 5, 6]

@@ -107,7 +107,7 @@ def _job_done_events(server_dir) -> list[str]:
             for e in map(json.loads, log.read_text().splitlines()) if e["kind"] == "job_done"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=70)
 def test_two_servers_share_one_queue_and_a_lost_server_loses_nothing(cluster, tiny_assets, engine_cpu, tmp_path):
     from wan_s2v_runner.launcher.serve.keeper import group_processes
 
