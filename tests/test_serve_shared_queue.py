@@ -25,7 +25,7 @@ import pytest
 from conftest import wait_for
 from serving import TINY_DEFAULTS, ServerProcess, expected_mp4
 
-from wan_s2v_runner.launcher.serve.queue import JobStatus
+from wan_s2v_runner.launcher.serve.queue import Beat, JobStatus, Reaped
 from wan_s2v_runner.shared import media
 
 LEASE_S = 3
@@ -75,21 +75,36 @@ def test_the_store_shared_by_two_servers(cluster):
     assert a.claim_next().id == "k1" and b.claim_next().id == "k2" and b.claim_next() is None
     for _ in range(3):
         time.sleep(0.5)
-        assert b.heartbeat({"k2": {"clip": 1}}) == set()
-    assert b.reap() == ["k1"] and b.get("k2").status is JobStatus.IN_PROGRESS
-    a.finish("k1", JobStatus.COMPLETED)  # too late: a no longer holds it
+        assert b.heartbeat({"k2": {"clip": 1}}) == Beat()
+    assert b.reap() == Reaped(requeued=("k1",)) and b.get("k2").status is JobStatus.IN_PROGRESS
+    assert a.heartbeat({"k1": None}).lost == {"k1"}  # a hears it holds k1 no more: it stops it
+    assert not a.finish("k1", JobStatus.COMPLETED)  # and cannot end it
     assert a.get("k1").status is JobStatus.QUEUED
     again = b.claim_next()
     assert again.id == "k1" and again.runs == 2  # back in the queue, taken again
-    assert b.cancel("k2") is JobStatus.IN_PROGRESS and "k2" in b.heartbeat({"k2": {"clip": 2}})  # the holder hears
+    assert b.cancel("k2") is JobStatus.IN_PROGRESS and "k2" in b.heartbeat({"k2": {"clip": 2}}).cancel
     assert a.get("k2").progress == {"clip": 2}  # what the other servers show
     b2 = PgJobQueue(url, "b", lease_s=30)  # b started again: its own jobs back at once
     assert sorted(b2.recover()) == ["k1", "k2"]
+    # each keeper of a server holds its jobs under its own name; the server takes all back at start
+    a.add("k3", {}, 10)
+    a.add("k4", {}, 10)
+    k0, k1 = b2.for_keeper(0), b2.for_keeper(1)
+    first, second = k0.claim_next(), k1.claim_next()
+    assert {first.id, second.id} <= {"k1", "k2", "k3", "k4"} and first.id != second.id
+    assert k1.heartbeat({first.id: None}).lost == {first.id} and not k1.finish(first.id, JobStatus.FAILED)
+    assert sorted(b2.recover()) == sorted([first.id, second.id])
+    # a job deleted while a server that died held it: the row goes with the lease
+    held = k0.claim_next()
+    assert a.delete(held.id) is JobStatus.IN_PROGRESS
+    with b2._db.transaction():
+        b2._db.execute("UPDATE jobs SET lease_until = 0 WHERE id = %s", (held.id,))
+    assert held.id in b2.reap().deleted and a.get(held.id) is None
     with b2._db.transaction():
         b2._db.execute("UPDATE wan_s2v_schema SET version = 99")
     with pytest.raises(RuntimeError, match="schema is version 99"):
         PgJobQueue(url, "c")
-    for s in (a, b, b2):
+    for s in (a, b, b2, k0, k1):
         s.close()
 
 

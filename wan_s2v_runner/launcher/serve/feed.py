@@ -129,6 +129,7 @@ class Feed:
         self._views: dict[str, dict[str, Any]] = {}
         self._task: Optional[asyncio.Task] = None
         self._starting = asyncio.Lock()
+        self._reading = asyncio.Lock()
 
     @property
     def full(self) -> Optional[str]:
@@ -175,6 +176,8 @@ class Feed:
             if f.watch is None:
                 if page:
                     f.push(page)
+            elif f.watch not in read.videos:  # a read that began before it followed: nothing said
+                continue
             elif f.watch not in self._videos:
                 f.push(Changes(gone={f.watch}))
             else:  # every tick: the stream sends it only when it differs from what it sent
@@ -189,8 +192,9 @@ class Feed:
 
     # ----- following -----
     async def _tick_once(self) -> None:
-        watched = {f.watch for f in self.followers if f.watch is not None}
-        self._apply(await run_in_threadpool(self._read, watched))
+        async with self._reading:  # one read at a time, applied in the order they were made
+            watched = {f.watch for f in self.followers if f.watch is not None}
+            self._apply(await run_in_threadpool(self._read, watched))
 
     async def _run(self) -> None:
         try:

@@ -16,7 +16,13 @@ import threading
 from typing import Optional
 
 from wan_s2v_runner.launcher.serve.app import create_app
-from wan_s2v_runner.launcher.serve.keeper import group_file, remove_partial_videos, stop_keepers, wait_for_leftovers
+from wan_s2v_runner.launcher.serve.keeper import (
+    group_file,
+    group_files,
+    remove_partial_videos,
+    stop_keepers,
+    wait_for_leftovers,
+)
 from wan_s2v_runner.launcher.serve.state import Server
 from wan_s2v_runner.shared import atomic, exit_codes
 
@@ -55,6 +61,10 @@ def run_server(server: Server, host: str, port: int) -> int:
         remove_partial_videos(server.dirs.videos)
     for job_id in server.queue.purge_deleting():  # deleted while they ran, before the server stopped
         server.dirs.remove_job_files(job_id, video=True)
+    # what any group of a killed server left running (a server started with fewer --replicas too)
+    for note in group_files(server.dirs.root):
+        wait_for_leftovers(note)
+        note.unlink(missing_ok=True)
     recovered = server.queue.recover()
     if recovered:
         print(f"serve: {len(recovered)} job(s) were in progress when the server stopped; they resume first: "

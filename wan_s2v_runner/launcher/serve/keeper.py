@@ -70,6 +70,11 @@ BEAT_S = 2.0
 CLAIM_EVERY_S = 0.5
 
 
+def group_files(root: Path) -> list[Path]:
+    """Every keeper's note of its group's run directory (``group.json``, ``group-I.json``)."""
+    return sorted(root.glob("group*.json"))
+
+
 def group_file(root: Path, index: int) -> Path:
     """Where keeper ``index`` notes its group's run directory (for the next server, if this one is
     killed): ``group.json`` for the first group, ``group-I.json`` for the others."""
@@ -201,8 +206,8 @@ class KeeperObserver:
     def update(self, reader, new_events: list[dict], elapsed: float) -> None:
         try:
             self.keeper.note_ranks(reader.ranks)
+            self.keeper.on_events(new_events)  # first: a failing beat must not cost the ranks' events
             self.keeper.beat()
-            self.keeper.on_events(new_events)
             self.keeper.sweep(every_s=SWEEP_EVERY_S)
         except Exception as e:  # shown in /health; raised on: the observers log it (and a test fails)
             self.keeper.last_error = f"keeper: {type(e).__name__}: {e}"
@@ -243,6 +248,8 @@ class Keeper(threading.Thread):
         self.beat_every_s = getattr(queue, "lease_s", 3 * BEAT_S) / 3
         self._beat_at = 0.0
         self._claim_at = 0.0  # a shared queue is asked for the next job at most every CLAIM_EVERY_S
+        self._lost: set[str] = set()  # jobs another server took from this group (its lease ran out)
+        self.completed = 0  # jobs this keeper's groups completed (a group that did work is no crash loop)
         self._closing = threading.Event()  # shutdown asked
         self._halt = threading.Event()  # stop the ranks now
         self._lock = threading.Lock()
@@ -284,17 +291,29 @@ class Keeper(threading.Thread):
         if now - self._beat_at < self.beat_every_s:
             return
         self._beat_at = now
-        with self._lock:
-            running = {self.current: (self.progress[self.current].as_dict(now)
-                                      if self.current in self.progress else None)} if self.current else {}
-        asked = self.queue.heartbeat(running)
-        with self._lock:
-            for job_id in asked:
-                self._send_cancel(job_id)
-        back = self.queue.reap()
-        if back:
+        try:
+            with self._lock:
+                running = {self.current: (self.progress[self.current].as_dict(now)
+                                          if self.current in self.progress else None)} if self.current else {}
+            beat = self.queue.heartbeat(running)
+            with self._lock:
+                for job_id in beat.lost:  # another server has it now: stop, and leave its files to it
+                    log.warning("job %s: this server's lease ran out and another server took it; stopping it here",
+                                job_id)
+                    self._lost.add(job_id)
+                    self._send_cancel(job_id)
+                for job_id in beat.cancel:
+                    self._send_cancel(job_id)
+            reaped = self.queue.reap()
+        except Exception as e:  # the database away for a moment: the next beat tries again
+            log.exception("the keeper's heartbeat failed")
+            self.last_error = f"heartbeat: {type(e).__name__}: {e}"
+            return
+        if reaped.requeued:
             log.warning("jobs whose server stopped renewing their leases are queued again (they resume from "
-                        "their last clip): %s", ", ".join(back))
+                        "their last clip): %s", ", ".join(reaped.requeued))
+        for job_id in reaped.deleted:  # deleted while a server that died ran them
+            self.dirs.remove_job_files(job_id, video=True)
 
     def _send_cancel(self, job_id: str) -> None:
         if job_id == self.current and self.run_dir is not None and job_id not in self._cancel_sent:
@@ -322,7 +341,7 @@ class Keeper(threading.Thread):
         """One rank group's life, then what became of its job, then the back-off before the next."""
         self.state, self.outcome = GroupState.LOADING, None
         self.groups += 1
-        served_before = self.queue.counts()[JobStatus.COMPLETED.value]
+        served_before = self.completed
         try:
             launch.run(self.group_spec, observers=[Display(rich=False, show_logs=False), KeeperObserver(self)],
                        extra_env=self.extra_env, served=True, halt=self._halt)
@@ -344,7 +363,7 @@ class Keeper(threading.Thread):
         self.last_error = reason
         self.restarts += 1
         self.state = GroupState.RESTARTING
-        if self.queue.counts()[JobStatus.COMPLETED.value] > served_before:
+        if self.completed > served_before:
             self._backoff = RESTART_BACKOFF_S[0]  # it did work: not a crash loop
         self._closing.wait(self._backoff)
         self._backoff = min(self._backoff * 2, RESTART_BACKOFF_S[1])
@@ -352,6 +371,9 @@ class Keeper(threading.Thread):
     def _group_failed_under(self, job_id: str, reason: str) -> None:
         """The group ended under ``job_id``: back to the queue (its clip checkpoints kept), or
         failed for good, or, deleted while it ran, gone with its files."""
+        if job_id in self._lost:  # another server holds it now
+            self._lost.discard(job_id)
+            return
         row = self.queue.get(job_id)
         if (row is not None and row.deleting) or self.queue.group_failed(job_id, reason) is JobStatus.FAILED:
             self._after_end(job_id)
@@ -411,14 +433,21 @@ class Keeper(threading.Thread):
                     self.last_steps_per_s = done.steps_per_s(float(ev["t"])) or self.last_steps_per_s
             else:
                 return
+        if job_id in self._lost:  # another server holds it now: its end, and its files, are that server's
+            self._lost.discard(job_id)
+            return
         kept = {"preview_clips": done.preview_clips} if done is not None and done.preview_clips else None
         if kind == "job_cancelled":  # what it made so far stays (videos/ID.partial.mp4)
-            self.queue.finish(job_id, JobStatus.CANCELLED, error="cancelled", record=kept)
+            ended = self.queue.finish(job_id, JobStatus.CANCELLED, error="cancelled", record=kept)
         elif kind == "job_failed":  # the job's own error: the ranks stay up and take the next job
-            self.queue.finish(job_id, JobStatus.FAILED, error=str(ev.get("error") or "the job failed"), record=kept)
+            ended = self.queue.finish(job_id, JobStatus.FAILED, error=str(ev.get("error") or "the job failed"),
+                                      record=kept)
         else:
-            self._completed(job_id)
-        self._after_end(job_id)
+            ended = self._completed(job_id)
+        if ended:
+            self._after_end(job_id)
+        else:
+            log.warning("job %s ended here, but this server no longer holds it: its end is not recorded", job_id)
 
     def _after_end(self, job_id: str) -> None:
         """A job ended, however it ended: nothing of it is left to resume from (its clip
@@ -439,20 +468,23 @@ class Keeper(threading.Thread):
             self._swept = now
             retention_sweep(self.retention, self.queue, self.dirs, now)
 
-    def _completed(self, job_id: str) -> None:
+    def _completed(self, job_id: str) -> bool:
+        """Record a completed job; whether it was this keeper's to record."""
         try:
             record = json.loads((self.dirs.videos / f"{job_id}.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             record = None
         if record is None:
-            self.queue.finish(job_id, JobStatus.FAILED, error="rank 0 finished the job but wrote no record")
-        else:
-            self.queue.finish(job_id, JobStatus.COMPLETED, record=record)
-            if self.on_completed is not None:
-                try:
-                    self.on_completed(record)
-                except Exception:  # the metrics must never cost the queue an event
-                    traceback.print_exc()
+            return self.queue.finish(job_id, JobStatus.FAILED, error="rank 0 finished the job but wrote no record")
+        if not self.queue.finish(job_id, JobStatus.COMPLETED, record=record):
+            return False
+        self.completed += 1
+        if self.on_completed is not None:
+            try:
+                self.on_completed(record)
+            except Exception:  # the metrics must never cost the queue an event
+                traceback.print_exc()
+        return True
 
     def _post_next(self) -> None:
         if self.queue.shared:  # every idle keeper of every server asks: not at every poll

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from wan_s2v_runner.launcher.serve.queue import MAX_FAILURES, PAGE_MAX, JobRow, JobStatus, QueueFull
+from wan_s2v_runner.launcher.serve.queue import MAX_FAILURES, PAGE_MAX, Beat, JobRow, JobStatus, QueueFull, Reaped
 
 #: how long a server's hold on a running job lasts without a heartbeat (``--lease-s``)
 DEFAULT_LEASE_S = 30.0
@@ -69,14 +69,37 @@ class PgJobQueue:
 
     shared = True  # other servers use it too: nothing in it is this server's alone
 
-    def __init__(self, url: str, owner: str, lease_s: float = DEFAULT_LEASE_S):
+    def __init__(self, url: str, owner: str, lease_s: float = DEFAULT_LEASE_S, migrate: bool = True):
+        self.url, self.owner, self.lease_s = url, owner, float(lease_s)
+        self._lock = threading.RLock()
+        self._db = self._connect()
+        if migrate:
+            self.migrate()
+
+    def _connect(self):
         import psycopg
         from psycopg.rows import dict_row
 
-        self.url, self.owner, self.lease_s = url, owner, float(lease_s)
-        self._db = psycopg.connect(url, autocommit=True, row_factory=dict_row)
-        self._lock = threading.Lock()
-        self.migrate()
+        return psycopg.connect(self.url, autocommit=True, row_factory=dict_row)
+
+    def _again(self, op):
+        """``op()``; once more on a new connection when the old one is gone (the database
+        restarted or failed over): a server outlives its database's restarts."""
+        import psycopg
+
+        try:
+            return op()
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            with self._lock:
+                if not self._db.closed and not self._db.broken:
+                    raise
+                self._db = self._connect()
+            return op()
+
+    def for_keeper(self, index: int) -> "PgJobQueue":
+        """The store keeper ``index`` claims through: its own connection and its own name in the
+        leases (``OWNER#index``), so two groups of one server never both hold a job."""
+        return PgJobQueue(self.url, f"{self.owner}#{index}", self.lease_s, migrate=False)
 
     # ----- schema -----
     def migrate(self) -> int:
@@ -102,25 +125,38 @@ class PgJobQueue:
             self._db.close()
 
     def _all(self, sql: str, args: tuple = ()) -> list[dict]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+        def op():
+            with self._lock:
+                return self._db.execute(sql, args).fetchall()
+        return self._again(op)
 
     def _one(self, sql: str, args: tuple = ()) -> Optional[dict]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchone()
+        def op():
+            with self._lock:
+                return self._db.execute(sql, args).fetchone()
+        return self._again(op)
+
+    def _count(self, sql: str, args: tuple = ()) -> int:
+        """Rows an UPDATE or DELETE changed."""
+        def op():
+            with self._lock:
+                return self._db.execute(sql, args).rowcount
+        return self._again(op)
 
     # ----- submit -----
     def add(self, job_id: str, spec: dict[str, Any], max_queued: int) -> None:
         from psycopg.types.json import Jsonb
 
-        with self._lock, self._db.transaction():
-            self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_ADD_LOCK,))
-            (waiting,) = self._db.execute("SELECT COUNT(*) AS n FROM jobs WHERE status = %s",
-                                          (_QUEUED,)).fetchone().values()
-            if waiting >= max_queued:
-                raise QueueFull(f"{waiting} jobs are queued (the server takes {max_queued})")
-            self._db.execute("INSERT INTO jobs (id, status, spec, created_at) VALUES (%s, %s, %s, %s)",
-                             (job_id, _QUEUED, Jsonb(spec), time.time()))
+        def op():
+            with self._lock, self._db.transaction():
+                self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_ADD_LOCK,))
+                (waiting,) = self._db.execute("SELECT COUNT(*) AS n FROM jobs WHERE status = %s",
+                                              (_QUEUED,)).fetchone().values()
+                if waiting >= max_queued:
+                    raise QueueFull(f"{waiting} jobs are queued (the server takes {max_queued})")
+                self._db.execute("INSERT INTO jobs (id, status, spec, created_at) VALUES (%s, %s, %s, %s)",
+                                 (job_id, _QUEUED, Jsonb(spec), time.time()))
+        self._again(op)
 
     # ----- read -----
     def get(self, job_id: str) -> Optional[JobRow]:
@@ -175,45 +211,50 @@ class PgJobQueue:
                       (_RUNNING, self.owner, self.lease_s, _QUEUED))
         return _row(r) if r else None
 
-    def heartbeat(self, running: dict[str, Optional[dict]]) -> set[str]:
-        """Renew this server's leases on ``running`` (job id -> its live progress, stored for the
-        other servers); the ids among them someone asked to cancel."""
+    def heartbeat(self, running: dict[str, Optional[dict]]) -> Beat:
+        """Renew this holder's leases on ``running`` (job id -> its live progress, stored for the
+        other servers): the ids among them someone asked to cancel, and those it no longer holds
+        (its lease ran out and another server took the job)."""
         from psycopg.types.json import Jsonb
 
-        asked = set()
+        asked, lost = set(), set()
         for job_id, live in running.items():
             r = self._one(f"UPDATE jobs SET lease_until = {_NOW} + %s, progress = %s WHERE id = %s AND owner = %s "
                           "AND status = %s RETURNING cancel_requested",
                           (self.lease_s, Jsonb(live) if live else None, job_id, self.owner, _RUNNING))
-            if r is not None and r["cancel_requested"]:
+            if r is None:
+                lost.add(job_id)
+            elif r["cancel_requested"]:
                 asked.add(job_id)
-        return asked
+        return Beat(cancel=frozenset(asked), lost=frozenset(lost))
 
-    def reap(self) -> list[str]:
-        """Jobs whose server's lease ran out (it died, or lost the database) back to the queue, first
-        in line; they resume from their clip checkpoints wherever they are taken next."""
+    def reap(self) -> Reaped:
+        """Jobs whose holder's lease ran out (its server died, or lost the database) back to the
+        queue, first in line: they resume from their clip checkpoints wherever they are taken
+        next. Those that were being deleted (and rows a dead server left marked deleting) go: their
+        files are the caller's to remove."""
         rows = self._all(f"UPDATE jobs SET status = %s, owner = NULL, lease_until = NULL, progress = NULL "
                          f"WHERE status = %s AND lease_until < {_NOW} AND NOT deleting RETURNING id",
                          (_QUEUED, _RUNNING))
-        gone = self._all(f"DELETE FROM jobs WHERE status = %s AND deleting AND lease_until < {_NOW} RETURNING id",
+        gone = self._all(f"DELETE FROM jobs WHERE deleting AND (status <> %s OR lease_until < {_NOW}) RETURNING id",
                          (_RUNNING,))
-        return [r["id"] for r in rows] + [r["id"] for r in gone]
+        return Reaped(tuple(r["id"] for r in rows), tuple(r["id"] for r in gone))
 
     def finish(self, job_id: str, status: JobStatus, *, error: Optional[str] = None,
-               record: Optional[dict] = None) -> None:
-        """End a job this server holds (a job whose lease another server took is not ours to end)."""
+               record: Optional[dict] = None) -> bool:
+        """End a job this holder holds; False when it does not (its lease ran out and another
+        server took the job: the end is not ours to record, nor its files ours to remove)."""
         from psycopg.types.json import Jsonb
 
-        with self._lock:
-            self._db.execute("UPDATE jobs SET status = %s, finished_at = %s, error = %s, record = %s, "
-                             "lease_until = NULL, progress = NULL WHERE id = %s AND owner = %s AND status = %s",
-                             (status.value, time.time(), error, Jsonb(record) if record else None, job_id,
-                              self.owner, _RUNNING))
+        return self._count("UPDATE jobs SET status = %s, finished_at = %s, error = %s, record = %s, "
+                           "lease_until = NULL, progress = NULL WHERE id = %s AND owner = %s AND status = %s",
+                           (status.value, time.time(), error, Jsonb(record) if record else None, job_id,
+                            self.owner, _RUNNING)) == 1
 
     def group_failed(self, job_id: str, error: str) -> JobStatus:
         r = self._one("UPDATE jobs SET failures = failures + 1, error = %s WHERE id = %s AND owner = %s "
                       "RETURNING failures", (error, job_id, self.owner))
-        if r is None:  # not ours any more
+        if r is None:  # not ours any more: its new holder decides
             row = self.get(job_id)
             return row.status if row else JobStatus.FAILED
         if r["failures"] >= MAX_FAILURES:
@@ -225,42 +266,48 @@ class PgJobQueue:
         return JobStatus.QUEUED
 
     def cancel(self, job_id: str) -> Optional[JobStatus]:
-        with self._lock, self._db.transaction():
-            self._db.execute("UPDATE jobs SET status = %s, finished_at = %s WHERE id = %s AND status = %s",
-                             (JobStatus.CANCELLED.value, time.time(), job_id, _QUEUED))
-            self._db.execute("UPDATE jobs SET cancel_requested = TRUE WHERE id = %s AND status = %s",
-                             (job_id, _RUNNING))
+        def op():
+            with self._lock, self._db.transaction():
+                self._db.execute("UPDATE jobs SET status = %s, finished_at = %s WHERE id = %s AND status = %s",
+                                 (JobStatus.CANCELLED.value, time.time(), job_id, _QUEUED))
+                self._db.execute("UPDATE jobs SET cancel_requested = TRUE WHERE id = %s AND status = %s",
+                                 (job_id, _RUNNING))
+        self._again(op)
         row = self.get(job_id)
         return row.status if row else None
 
     def delete(self, job_id: str) -> Optional[JobStatus]:
-        with self._lock, self._db.transaction():
-            r = self._db.execute("SELECT status FROM jobs WHERE id = %s AND NOT deleting FOR UPDATE",
-                                 (job_id,)).fetchone()
-            if r is None:
-                return None
-            status = JobStatus(r["status"])
-            if status is JobStatus.IN_PROGRESS:
-                self._db.execute("UPDATE jobs SET deleting = TRUE, cancel_requested = TRUE WHERE id = %s", (job_id,))
-            else:
-                self._db.execute("DELETE FROM jobs WHERE id = %s", (job_id,))
-        return status
+        def op():
+            with self._lock, self._db.transaction():
+                r = self._db.execute("SELECT status FROM jobs WHERE id = %s AND NOT deleting FOR UPDATE",
+                                     (job_id,)).fetchone()
+                if r is None:
+                    return None
+                status = JobStatus(r["status"])
+                if status is JobStatus.IN_PROGRESS:
+                    self._db.execute("UPDATE jobs SET deleting = TRUE, cancel_requested = TRUE WHERE id = %s",
+                                     (job_id,))
+                else:
+                    self._db.execute("DELETE FROM jobs WHERE id = %s", (job_id,))
+                return status
+        return self._again(op)
 
     def remove(self, job_id: str) -> None:
         self._one("DELETE FROM jobs WHERE id = %s RETURNING id", (job_id,))
 
     def purge_deleting(self) -> list[str]:
-        """After a restart: this server's jobs deleted while they ran go (others' are theirs)."""
-        return [r["id"] for r in self._all("DELETE FROM jobs WHERE deleting AND owner = %s RETURNING id",
-                                           (self.owner,))]
+        """After a restart: this server's jobs (any of its keepers') deleted while they ran go
+        (others' are theirs)."""
+        return [r["id"] for r in self._all("DELETE FROM jobs WHERE deleting AND (owner = %s OR owner LIKE %s) "
+                                           "RETURNING id", (self.owner, f"{self.owner}#%"))]
 
     def recover(self) -> list[str]:
-        """After a restart: this server's jobs left in progress go back to the queue at once (no
-        need to wait for their leases), and any other server's whose lease ran out."""
+        """After a restart: this server's jobs (any of its keepers') left in progress go back to
+        the queue at once (no need to wait for their leases)."""
         rows = self._all("UPDATE jobs SET status = %s, owner = NULL, lease_until = NULL, progress = NULL "
-                         "WHERE status = %s AND owner = %s AND NOT deleting RETURNING id",
-                         (_QUEUED, _RUNNING, self.owner))
-        return [r["id"] for r in rows] + self.reap()
+                         "WHERE status = %s AND (owner = %s OR owner LIKE %s) AND NOT deleting RETURNING id",
+                         (_QUEUED, _RUNNING, self.owner, f"{self.owner}#%"))
+        return [r["id"] for r in rows]
 
 
 def describe(url: str) -> str:

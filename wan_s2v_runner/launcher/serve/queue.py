@@ -85,6 +85,25 @@ class JobRow:
     progress: Optional[dict[str, Any]] = None  # a shared queue: the live progress its server stored
 
 
+@dataclass(frozen=True)
+class Beat:
+    """What a keeper's heartbeat learns of the jobs it runs: the ones someone asked to cancel, and
+    (a shared queue) the ones it no longer holds (its lease ran out and another server took it:
+    it stops them and leaves their files to the new holder)."""
+
+    cancel: frozenset[str] = frozenset()
+    lost: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Reaped:
+    """What :meth:`JobStore.reap` did: jobs of a server that stopped renewing its leases put
+    back in the queue, and those that were being deleted removed (their files are the caller's)."""
+
+    requeued: tuple[str, ...] = ()
+    deleted: tuple[str, ...] = ()
+
+
 class JobStore(Protocol):
     """The jobs of a server: what its API and its keepers read and change (every change one
     transaction; ``spec`` is the job's :class:`~wan_s2v_runner.shared.spec.JobSpec` as JSON).
@@ -100,10 +119,11 @@ class JobStore(Protocol):
     def positions(self, job_ids: list[str]) -> dict[str, int]: ...
     def counts(self) -> dict[str, int]: ...
     def claim_next(self) -> Optional[JobRow]: ...
-    def heartbeat(self, running: dict[str, Optional[dict]]) -> set[str]: ...
-    def reap(self) -> list[str]: ...
+    def heartbeat(self, running: dict[str, Optional[dict]]) -> Beat: ...
+    def reap(self) -> Reaped: ...
+    def for_keeper(self, index: int) -> JobStore: ...
     def finish(self, job_id: str, status: JobStatus, *, error: Optional[str] = None,
-               record: Optional[dict] = None) -> None: ...
+               record: Optional[dict] = None) -> bool: ...
     def group_failed(self, job_id: str, error: str) -> JobStatus: ...
     def cancel(self, job_id: str) -> Optional[JobStatus]: ...
     def page(self, after: Optional[str] = None, limit: int = 20, order: str = "desc") -> tuple[list[JobRow], bool]: ...
@@ -245,24 +265,30 @@ class JobQueue:
                 raise
         return self.get(r["id"]) if r is not None else None
 
-    def heartbeat(self, running: dict[str, Optional[dict]]) -> set[str]:
+    def heartbeat(self, running: dict[str, Optional[dict]]) -> Beat:
         """The ids among ``running`` someone asked to cancel (one server: no leases to renew)."""
         if not running:
-            return set()
+            return Beat()
         marks = ",".join("?" * len(running))
         with self._lock:
             rows = self._db.execute(f"SELECT id FROM jobs WHERE cancel_requested = 1 AND id IN ({marks})",
                                     tuple(running)).fetchall()
-        return {r[0] for r in rows}
+        return Beat(cancel=frozenset(r[0] for r in rows))
 
-    def reap(self) -> list[str]:
+    def reap(self) -> Reaped:
         """Nothing: one server's queue has no other server's jobs to take back."""
-        return []
+        return Reaped()
+
+    def for_keeper(self, index: int) -> "JobQueue":
+        """The store keeper ``index`` claims through (one server's: this one; its keepers never
+        share a job, each claim being one transaction)."""
+        return self
 
     def finish(self, job_id: str, status: JobStatus, *, error: Optional[str] = None,
-               record: Optional[dict] = None) -> None:
-        self._write("UPDATE jobs SET status = ?, finished_at = ?, error = ?, record = ? WHERE id = ?",
-                    (status.value, time.time(), error, json.dumps(record) if record else None, job_id))
+               record: Optional[dict] = None) -> bool:
+        """End a job; whether a row changed."""
+        return bool(self._write("UPDATE jobs SET status = ?, finished_at = ?, error = ?, record = ? WHERE id = ?",
+                    (status.value, time.time(), error, json.dumps(record) if record else None, job_id)))
 
     def group_failed(self, job_id: str, error: str) -> JobStatus:
         """The job's rank group failed under it: back to the queue, or failed at

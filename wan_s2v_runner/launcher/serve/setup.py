@@ -179,8 +179,9 @@ def _serve_node0(args, replicas: list, base: dict, root: Path, token: Optional[s
     metrics = ServerMetrics(queue)
     retention = Retention(keep=args.keep_videos,
                           max_age_s=args.keep_hours * 3600.0 if args.keep_hours is not None else None)
-    keepers = [Keeper(r.spec, queue, dirs, {**(extra_env or {}), **r.env}, on_completed=metrics.job_completed,
-                      retention=retention, index=r.index, holds=r.holds) for r in replicas]
+    keepers = [Keeper(r.spec, queue.for_keeper(r.index), dirs, {**(extra_env or {}), **r.env},
+                      on_completed=metrics.job_completed, retention=retention, index=r.index, holds=r.holds)
+               for r in replicas]
     metrics.attach(keepers)
     if len(keepers) > 1:
         print(f"serve: {len(keepers)} rank groups of {replicas[0].spec.nproc} rank(s): "
