@@ -26,8 +26,8 @@ from serving import TINY_DEFAULTS, ServerProcess
 from wan_s2v_runner.launcher.serve.queue import JobStatus
 
 #: the fuzz run's budget (Schemathesis' --max-time), and the examples per operation
-FUZZ_S = 40
-EXAMPLES = 15
+FUZZ_S = 24
+EXAMPLES = 10
 
 
 @pytest.mark.slow(seconds=55)
