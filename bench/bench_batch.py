@@ -36,12 +36,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_loop import PRESETS, ensure_assets  # noqa: E402
+from bench_loop import PRESETS, checkout_env, ensure_assets  # noqa: E402
 
 
 def _cli(args: list[str], cwd: Path) -> tuple[float, subprocess.CompletedProcess]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env = checkout_env()
     t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "wan_s2v_runner", *args], cwd=cwd, env=env, capture_output=True,
                        text=True, stdin=subprocess.DEVNULL)

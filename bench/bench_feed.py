@@ -25,12 +25,9 @@ job): the subject is the API process, and a GPU rank group costs the API process
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import sqlite3
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,6 +38,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_loop import served  # noqa: E402
 
 STUB = {"WAN_S2V_TEST_RANK_BODY": "tests.stub_rank:run_rank"}
 JOB_FLAGS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "--steps", "2", "--nproc", "1"]
@@ -96,6 +96,57 @@ def _row(name: str, ms: list[float], reads_per_s: float, page_bps: float, cpu: f
             "reads_per_s": reads_per_s, "page_bps": page_bps, "cpu": cpu}
 
 
+def _measure_all(args, proc, url: str, server_dir: Path, assets, followers: list) -> list[dict]:
+    """The three conditions on the running server ``proc`` at ``url`` (``followers``: the streams
+    it opens, for the caller to close)."""
+    http = httpx.Client(base_url=url, timeout=60)
+    files = {"image": ("face.png", assets.image.read_bytes(), "image/png"),
+             "audio": ("voice.wav", assets.audio.read_bytes(), "audio/wav")}
+
+    def measure(name: str) -> dict:
+        time.sleep(2)  # the API process idle but for the followers: its CPU share
+        reads0, bytes0 = http.get("/v1/server").json().get("feed_reads", 0), [f.bytes for f in followers]
+        t0, cpu0 = time.time(), _cpu_s(proc.pid)
+        time.sleep(3)
+        cpu = (_cpu_s(proc.pid) - cpu0) / (time.time() - t0)
+        ms = _submit_times(http, files, args.submissions)
+        dt = time.time() - t0
+        reads = (http.get("/v1/server").json().get("feed_reads", 0) - reads0) / dt
+        pages = followers[:args.pages]
+        page_bps = (statistics.mean(f.bytes - b for f, b in zip(pages, bytes0)) / dt) if pages else 0.0
+        return _row(name, ms, reads, page_bps, cpu)
+
+    _submit_times(http, files, 3)  # warm: the first submission imports what checks media
+    rows = [measure("empty")]
+    with sqlite3.connect(server_dir / "jobs.sqlite") as db:
+        (spec,) = db.execute("SELECT spec FROM jobs LIMIT 1").fetchone()
+        now = time.time()
+        db.executemany("INSERT INTO jobs (id, status, spec, created_at) VALUES (?, 'queued', ?, ?)",
+                       [(f"video_bench{i:06d}", spec, now + i * 1e-6) for i in range(args.jobs)])
+    rows.append(measure(f"{args.jobs:,} jobs"))
+    followers += [Follower(url, "/v1/events") for _ in range(args.pages)]
+    step = max(1, args.jobs // max(1, args.followers))
+    followers += [Follower(url, f"/v1/videos/video_bench{i * step:06d}/events") for i in range(args.followers)]
+    deadline = time.time() + 60
+    while not all(f.events for f in followers):
+        if time.time() > deadline:
+            sys.exit("the event streams did not start")
+        time.sleep(0.1)
+    stop_polling = threading.Event()
+
+    def poll_server():  # each page also asks for the server now and then
+        with httpx.Client(base_url=url, timeout=60) as c:
+            while not stop_polling.wait(1.0 / max(1, args.pages)):
+                c.get("/v1/server")
+
+    threading.Thread(target=poll_server, daemon=True).start()
+    info = http.get("/v1/server").json()
+    rows.append(measure(f"{args.jobs:,} jobs + {args.pages} pages + {args.followers} followers"))
+    stop_polling.set()
+    rows[-1]["followers"] = info.get("followers")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=10_000)
@@ -110,76 +161,14 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="wan-s2v-bench-feed-"))
     assets = ensure_demo_assets(work / "assets")
     server_dir = work / "server dir"
-    env = {**os.environ, **STUB, "PYTHONPATH": str(ROOT)}
-    log = open(work / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "serve", *JOB_FLAGS,
-                             "--ckpt-dir", str(assets.ckpt_dir), "--server-dir", str(server_dir), "--port", "0",
-                             "--max-queue", str(args.jobs + 10 * args.submissions)],
-                            cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    flags = [*JOB_FLAGS, "--ckpt-dir", str(assets.ckpt_dir), "--max-queue", str(args.jobs + 10 * args.submissions)]
     followers: list[Follower] = []
-    try:
-        deadline = time.time() + 120
-        while not (server_dir / "server.json").is_file():
-            if proc.poll() is not None or time.time() > deadline:
-                sys.exit(f"the server did not start: see {work / 'server.log'}")
-            time.sleep(0.2)
-        url = json.loads((server_dir / "server.json").read_text())["url"]
-        http = httpx.Client(base_url=url, timeout=60)
-        files = {"image": ("face.png", assets.image.read_bytes(), "image/png"),
-                 "audio": ("voice.wav", assets.audio.read_bytes(), "audio/wav")}
-
-        def measure(name: str) -> dict:
-            time.sleep(2)  # the API process idle but for the followers: its CPU share
-            reads0, bytes0 = http.get("/v1/server").json().get("feed_reads", 0), [f.bytes for f in followers]
-            t0, cpu0 = time.time(), _cpu_s(proc.pid)
-            time.sleep(3)
-            cpu = (_cpu_s(proc.pid) - cpu0) / (time.time() - t0)
-            ms = _submit_times(http, files, args.submissions)
-            dt = time.time() - t0
-            reads = (http.get("/v1/server").json().get("feed_reads", 0) - reads0) / dt
-            pages = followers[:args.pages]
-            page_bps = (statistics.mean(f.bytes - b for f, b in zip(pages, bytes0)) / dt) if pages else 0.0
-            return _row(name, ms, reads, page_bps, cpu)
-
-        _submit_times(http, files, 3)  # warm: the first submission imports what checks media
-        rows = [measure("empty")]
-        with sqlite3.connect(server_dir / "jobs.sqlite") as db:
-            (spec,) = db.execute("SELECT spec FROM jobs LIMIT 1").fetchone()
-            now = time.time()
-            db.executemany("INSERT INTO jobs (id, status, spec, created_at) VALUES (?, 'queued', ?, ?)",
-                           [(f"video_bench{i:06d}", spec, now + i * 1e-6) for i in range(args.jobs)])
-        rows.append(measure(f"{args.jobs:,} jobs"))
-        followers += [Follower(url, "/v1/events") for _ in range(args.pages)]
-        step = max(1, args.jobs // max(1, args.followers))
-        followers += [Follower(url, f"/v1/videos/video_bench{i * step:06d}/events") for i in range(args.followers)]
-        deadline = time.time() + 60
-        while not all(f.events for f in followers):
-            if time.time() > deadline:
-                sys.exit("the event streams did not start")
-            time.sleep(0.1)
-        stop_polling = threading.Event()
-
-        def poll_server():  # each page also asks for the server now and then
-            with httpx.Client(base_url=url, timeout=60) as c:
-                while not stop_polling.wait(1.0 / max(1, args.pages)):
-                    c.get("/v1/server")
-
-        poller = threading.Thread(target=poll_server, daemon=True)
-        poller.start()
-        info = http.get("/v1/server").json()
-        rows.append(measure(f"{args.jobs:,} jobs + {args.pages} pages + {args.followers} followers"))
-        stop_polling.set()
-        rows[-1]["followers"] = info.get("followers")
-    finally:
-        for f in followers:
-            f.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
+    with served(flags, server_dir, work / "server.log", work, extra_env=STUB, start_s=120) as (proc, url):
+        try:
+            rows = _measure_all(args, proc, url, server_dir, assets, followers)
+        finally:
+            for f in followers:
+                f.close()
 
     head = "| condition | API CPU idle % | submission p50 ms | p95 ms | max ms | feed reads/s | bytes/s per page |"
     lines = [head, "|---|---|---|---|---|---|---|"]

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_loop import PRESETS, ensure_assets  # noqa: E402
+from bench_loop import PRESETS, checkout_env, ensure_assets  # noqa: E402
 
 from wan_s2v_runner.launcher.proctree import descendants, ppid_map  # noqa: E402
 from wan_s2v_runner.shared.layout import LoadStrategy, Mode  # noqa: E402
@@ -170,8 +170,7 @@ def measure(a, name: str, assets, work: Path) -> dict:
             "--steps", str(a.steps), "--seed", "42", "--nproc", str(nproc), "--mode", mode, "--load", load,
             "--output", str(work / f"{tag}.mp4"), "--frames-out", str(work / f"{tag}.pt"),
             "--runs-root", str(work / "runs" / tag)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env = checkout_env()
     print(f"== {name}: {' '.join(argv[3:])}", file=sys.stderr, flush=True)
     with open(work / f"{tag}.log", "w") as log:
         proc = subprocess.Popen(argv, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL, stdout=log,

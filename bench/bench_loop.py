@@ -47,12 +47,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -92,6 +94,41 @@ VAE_STAGES = ("ref_encode", "decode", "motion_encode")
 
 
 # --------------------------------------------------------------------------- assets
+def checkout_env(extra: Optional[dict] = None) -> dict[str, str]:
+    """This process's environment (with ``extra``) and this checkout first on PYTHONPATH: what a
+    spawned ``python -m wan_s2v_runner`` needs to run this checkout's code."""
+    env = {**os.environ, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+@contextmanager
+def served(flags: list[str], server_dir: Path, log_path: Path, cwd: Path, extra_env: Optional[dict] = None,
+           start_s: float = 600.0) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``wan-s2v serve FLAGS --server-dir SERVER_DIR`` on a free loopback port for the with-block:
+    (its process, its URL) once it listens (the bench exits, naming its log, when it does not
+    within ``start_s``); stopped after with SIGTERM, as a service manager stops it (SIGKILL 120 s later)."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "serve", *flags, "--server-dir",
+                             str(server_dir), "--port", "0"], cwd=cwd, env=checkout_env(extra_env),
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + start_s
+        while not (server_dir / "server.json").is_file():
+            if proc.poll() is not None or time.time() > deadline:
+                sys.exit(f"the server did not start (see {log_path})")
+            time.sleep(0.2)
+        yield proc, json.loads((server_dir / "server.json").read_text())["url"]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+
+
 def ensure_assets(cache: Path, preset: str, overrides: Optional[dict] = None) -> tuple[Path, Path, Path]:
     """(ckpt_dir, image, audio) of ``preset`` (with builder ``overrides``) under ``cache``, built
     once. A marker with the parameters is written last; a missing or different marker rebuilds."""
@@ -183,8 +220,7 @@ def one(a, name: str, assets, work: Path, repeat: int = 0) -> dict:
     tag = name.replace("+", "-").replace("/", "-") + (f"-{repeat + 1}" if repeat else "")
     argv = run_argv(a, name, *assets, work, tag)
     print(f"== {name}: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env = checkout_env()
     out_path, err_path = work / f"{tag}.stdout.txt", work / f"{tag}.stderr.txt"
     t0 = time.perf_counter()
     with open(out_path, "w") as fo, open(err_path, "w") as fe:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -34,14 +33,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_loop import PRESETS, ensure_assets  # noqa: E402
+from bench_loop import PRESETS, checkout_env, ensure_assets  # noqa: E402
 
 SPEECH_SECONDS = 2.0
 
 
 def _run(flags: list[str], cwd: Path, out: Path, preview: bool) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env = checkout_env()
     runs = cwd / "runs"
     before = set(runs.glob("*")) if runs.is_dir() else set()
     args = [sys.executable, "-m", "wan_s2v_runner", "run", *flags, "--output", str(out), "--runs-root", str(runs)]

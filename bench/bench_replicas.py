@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_loop import PRESETS, ensure_assets  # noqa: E402
+from bench_loop import PRESETS, ensure_assets, served  # noqa: E402
 
 
 def servers(nproc: int, replicas: int) -> dict[str, list[str]]:
@@ -48,22 +45,14 @@ def servers(nproc: int, replicas: int) -> dict[str, list[str]]:
 
 def _serve(name: str, flags: list[str], work: Path, jobs: int, image: Path, audio: Path) -> dict:
     d = work / name.split()[0].strip("-")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    log = open(work / f"{d.name}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "serve", *flags, "--server-dir", str(d),
-                             "--port", "0", "--allow-dir", str(image.parent), "--allow-dir", str(audio.parent)],
-                            cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
+    log = work / f"{d.name}.log"
+    with served([*flags, "--allow-dir", str(image.parent), "--allow-dir", str(audio.parent)], d, log, work) \
+            as (proc, url):
+        http = httpx.Client(base_url=url, timeout=60)
         deadline = time.time() + 600
-        while not (d / "server.json").is_file():
-            if proc.poll() is not None or time.time() > deadline:
-                sys.exit(f"{name}: the server did not start (see {log.name})")
-            time.sleep(0.5)
-        http = httpx.Client(base_url=json.loads((d / "server.json").read_text())["url"], timeout=60)
         while {r["group"] for r in http.get("/health").json()["replicas"]} != {"idle"}:
             if proc.poll() is not None or time.time() > deadline:
-                sys.exit(f"{name}: the groups did not load (see {log.name})")
+                sys.exit(f"{name}: the groups did not load (see {log})")
             time.sleep(0.5)
         t0 = time.time()
         submitted = {}
@@ -81,18 +70,10 @@ def _serve(name: str, flags: list[str], work: Path, jobs: int, image: Path, audi
                         sys.exit(f"{name}: job {vid} {v['status']}: {v.get('error')}")
                     done[vid] = json.loads((d / "videos" / f"{vid}.json").read_text())
             time.sleep(0.5)
-        last = max(rec["finished"] for rec in done.values())
-        return {"wall": last - t0,
-                "latency": sorted(rec["finished"] - submitted[vid][0] for vid, rec in done.items()),
-                "sha": {submitted[vid][1]: rec["output"]["sha256"] for vid, rec in done.items()}}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
+    last = max(rec["finished"] for rec in done.values())
+    return {"wall": last - t0,
+            "latency": sorted(rec["finished"] - submitted[vid][0] for vid, rec in done.items()),
+            "sha": {submitted[vid][1]: rec["output"]["sha256"] for vid, rec in done.items()}}
 
 
 def main() -> int:
