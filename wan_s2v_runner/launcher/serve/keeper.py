@@ -170,6 +170,9 @@ class ServerDirs:
     def video(self, job_id: str) -> Path:
         return self.videos / f"{job_id}.mp4"
 
+    def record(self, job_id: str) -> Path:  # rank 0's record of the job (ID.json)
+        return self.videos / f"{job_id}.json"
+
     def partial(self, job_id: str) -> Path:  # the video so far (rank 0's preview, rank/preview.py)
         return media.partial_path(self.video(job_id))
 
@@ -185,7 +188,7 @@ class ServerDirs:
         shutil.rmtree(self.work(job_id), ignore_errors=True)
         shutil.rmtree(self.uploads / job_id, ignore_errors=True)
         if video:
-            for path in (self.video(job_id), self.videos / f"{job_id}.json", self.videos / f"{job_id}.speech.wav",
+            for path in (self.video(job_id), self.record(job_id), self.videos / f"{job_id}.speech.wav",
                          self.partial(job_id), self.thumbnail(job_id)):
                 path.unlink(missing_ok=True)
 
@@ -324,8 +327,7 @@ class Keeper(threading.Thread):
     def run(self) -> None:
         from wan_s2v_runner.launcher import launch
 
-        wait_for_leftovers(group_file(self.dirs.root, self.index))
-        self._backoff = RESTART_BACKOFF_S[0]
+        self._backoff = RESTART_BACKOFF_S[0]  # what a killed server's groups left: run_server stopped it
         while not self._closing.is_set():
             try:
                 self._one_group(launch)
@@ -471,7 +473,7 @@ class Keeper(threading.Thread):
     def _completed(self, job_id: str) -> bool:
         """Record a completed job; whether it was this keeper's to record."""
         try:
-            record = json.loads((self.dirs.videos / f"{job_id}.json").read_text(encoding="utf-8"))
+            record = json.loads(self.dirs.record(job_id).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             record = None
         if record is None:

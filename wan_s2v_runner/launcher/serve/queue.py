@@ -222,13 +222,7 @@ class JobQueue:
 
     def position(self, job_id: str) -> Optional[int]:
         """1-based place of a queued job in the queue (None when it is not queued)."""
-        with self._lock:
-            r = self._db.execute("SELECT seq, status FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            if r is None or r["status"] != JobStatus.QUEUED.value:
-                return None
-            (ahead,) = self._db.execute("SELECT COUNT(*) FROM jobs WHERE status = ? AND seq < ?",
-                                        (JobStatus.QUEUED.value, r["seq"])).fetchone()
-        return ahead + 1
+        return self.positions([job_id]).get(job_id)
 
     def positions(self, job_ids: list[str]) -> dict[str, int]:
         """The 1-based places in the queue of those of ``job_ids`` that are queued, in one
