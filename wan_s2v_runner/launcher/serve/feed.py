@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Optional
 
 from starlette.concurrency import run_in_threadpool
 
-from wan_s2v_runner.launcher.serve.queue import PAGE_MAX
+from wan_s2v_runner.launcher.serve.queue import PAGE_MAX, JobStatus
 from wan_s2v_runner.launcher.serve.requests import Refused
 from wan_s2v_runner.launcher.serve.state import Server, server_state, video_objects
 
@@ -41,7 +41,7 @@ MAX_FOLLOWERS = 64
 
 def settled(video: dict[str, Any]) -> dict[str, Any]:
     """A video object without what moves with the clock alone (a running job's stage seconds)."""
-    return {k: v for k, v in video.items() if k != "stage_seconds" or video["status"] != "in_progress"}
+    return {k: v for k, v in video.items() if k != "stage_seconds" or video["status"] != JobStatus.IN_PROGRESS}
 
 
 def _server_view(state: dict[str, Any]) -> dict[str, Any]:

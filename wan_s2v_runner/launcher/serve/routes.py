@@ -43,6 +43,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from wan_s2v_runner.launcher.serve import page
 from wan_s2v_runner.launcher.serve.feed import Feed, FeedFailed, settled
+from wan_s2v_runner.launcher.serve.keeper import GroupState
 from wan_s2v_runner.launcher.serve.metrics import CONTENT_TYPE
 from wan_s2v_runner.launcher.serve.protocol import (
     ErrorDetail,
@@ -237,7 +238,7 @@ def get_ready(server: ServerDep) -> Health:
     """200 once a rank group can take a job (idle or working), else 503: a load balancer's or
     Kubernetes' readiness check (no token needed, as /health)."""
     state = health(server)
-    if state.group not in ("idle", "working"):
+    if state.group not in (GroupState.IDLE, GroupState.WORKING):
         raise Refused(503, f"no rank group is ready (the server's groups: {state.group}). Fix: wait; /health "
                            "says what each group does")
     return state
