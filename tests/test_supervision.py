@@ -12,7 +12,8 @@ test_multinode, test_parity). Every test checks, by PID (with the process start
 time, so a recycled PID is not mistaken for a survivor), that no process of the run is left:
 torchrun (from run.json or /proc) and every worker (from the ``hello`` events).
 The unit tests at the end (EventReader, watchdog, rendezvous flags, log filter, stack analysis)
-spawn nothing; the verdicts themselves are unit-tested in test_verdicts.py.
+spawn nothing but small stand-in processes; the verdicts themselves are unit-tested in
+test_verdicts.py.
 """
 from __future__ import annotations
 
@@ -276,9 +277,10 @@ def test_watchdog_sees_a_rank_that_never_reports(tiny_assets, tmp_path):
         m = _manifest(run_dir)
         assert 0 in m["exit"]["stuck"]["start"], m["exit"]
         assert "rank 0 never reported (no events): its process (pid" in r.stderr, r.stderr
-        # where it hung: the fault hook (faults.py). Seen once in a dozen parallel runs: the dump cut
-        # short after its first file name (the rank killed mid-write), so the file, not the function
-        assert "wan_s2v_runner/rank/faults.py" in (run_dir / "stacks" / "rank0.at-stop.txt").read_text()
+        # where it hung: the fault hook (faults.py); the dump is whole (one SIGTERM reaches the rank:
+        # test_stop_gives_each_rank_one_sigterm_so_its_stack_dump_is_whole)
+        stack = (run_dir / "stacks" / "rank0.at-stop.txt").read_text()
+        assert 'wan_s2v_runner/rank/faults.py", line' in stack and " in maybe_fire" in stack, stack
         _assert_nothing_left(procs, run_dir, tmp_path)
     finally:
         procs.kill_all()
@@ -605,3 +607,54 @@ def test_proc_table_records_each_exit_as_it_happens_without_polling():
         lasting.kill()
         lasting.wait()
         procs.close()
+
+
+_FORWARDING_AGENT = """
+import signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+signal.signal(signal.SIGTERM, lambda sig, _frame: child.send_signal(sig))  # as torchrun's agent
+child.wait()  # then exit, as the agent does once its workers are gone
+"""
+
+_DUMPING_WORKER = """
+import faulthandler, signal, sys, threading, time
+def deep(n, ready=None):
+    if n:
+        return deep(n - 1, ready)
+    if ready is not None:
+        ready.set()
+    while True:
+        time.sleep(60)
+f = open(sys.argv[1] + ".part", "w")
+faulthandler.register(signal.SIGTERM, file=f, all_threads=True, chain=True)  # as rank/worker.py
+events = [threading.Event() for _ in range(40)]
+for e in events:
+    threading.Thread(target=deep, args=(80, e), daemon=True).start()
+for e in events:
+    e.wait()
+open(sys.argv[1] + ".ready", "w").close()
+deep(80)
+"""
+
+
+def test_stop_gives_each_rank_one_sigterm_so_its_stack_dump_is_whole(tmp_path):
+    """stop() leaves the SIGTERM of torchrun's own workers to torchrun (which passes it on): a
+    second SIGTERM while the worker's faulthandler writes its at-stop stacks ends the dump
+    mid-line (it chains with SA_NODEFER). A stand-in agent that forwards SIGTERM and a worker
+    with 41 deep stacks (a dump of milliseconds); ten stops, every dump whole."""
+    from wan_s2v_runner.launcher.observer import Observers
+    from wan_s2v_runner.launcher.processes import RunProcesses
+    from wan_s2v_runner.shared.events import EventReader
+    for i in range(10):
+        dump = tmp_path / f"dump{i}"
+        procs = RunProcesses(None, tmp_path, EventReader(tmp_path), Observers([]))
+        procs.proc = subprocess.Popen([sys.executable, "-c", _FORWARDING_AGENT, _DUMPING_WORKER, str(dump)])
+        try:
+            wait_for(Path(f"{dump}.ready").exists, 30, "the worker's threads")
+            procs.stop(grace_s=10.0)
+        finally:
+            procs.proc.kill()
+            procs.procs.close()
+        text = Path(f"{dump}.part").read_text()
+        assert text.count("hread 0x") == 41, text[-300:]
+        assert text.count("in deep") == 41 * 81 and text.endswith("\n"), (i, text[-300:])

@@ -108,13 +108,15 @@ class RunProcesses:
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
             if self.force:
                 sig = signal.SIGKILL
+            left_to_torchrun = self._left_to_torchrun(sig)
             if self.proc.poll() is None:
                 try:
                     self.proc.send_signal(sig)
                 except ProcessLookupError:
                     pass
             for p in self.tree(full=True):
-                self.procs.kill(p, sig)
+                if p not in left_to_torchrun:
+                    self.procs.kill(p, sig)
             deadline = time.time() + wait_s
             while time.time() < deadline:
                 time.sleep(0.05)
@@ -128,6 +130,16 @@ class RunProcesses:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+    def _left_to_torchrun(self, sig: int) -> set[int]:
+        """The workers that get ``sig`` from torchrun alone: on SIGTERM, while torchrun lives,
+        its direct children (the ranks). Its agent passes SIGTERM on to each worker it started,
+        and a second SIGTERM landing while a rank's faulthandler writes its at-stop stacks cuts
+        that dump short (faulthandler chains with SA_NODEFER; the nested call's reentrancy guard
+        skips the dump and goes straight to the default action: the file ends mid-line)."""
+        if sig != signal.SIGTERM or self.proc is None or self.proc.poll() is not None:
+            return set()
+        return set(ppid_map().get(self.proc.pid, ()))
 
     def dump_stacks(self, wait_s: float = 3.0) -> list[Path]:
         """SIGUSR1 every live rank (faulthandler writes stacks/rank{r}.txt); wait until each
