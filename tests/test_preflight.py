@@ -534,6 +534,43 @@ def test_host_ram_lean_loads_in_waves_only_when_it_must():
     assert_finding(result(ctx3, "memory", "memory.host"), Status.FAIL, "host RAM exhausted at load", "8 waves")
 
 
+def test_host_ram_and_gpus_of_replicas_count_every_group(tmp_path):
+    """serve --replicas 4 on 8 GPUs: the four 2-rank groups load at once on one host, so each must
+    fit its quarter of the RAM (in waves of its own when it must), and group 3 holds GPUs 6 and 7."""
+    from wan_s2v_runner.preflight.doctor import group_context
+    from wan_s2v_runner.shared.spec import GroupSpec
+    raw = copy.deepcopy(facts("a100_8x_nvlink").raw)
+    sizes = replace(REFERENCE, source="checkpoint (test: Wan2.2-S2V-14B sizes)")
+
+    def host(groups: int, avail_bytes: float):
+        raw["host"]["mem_available_mib"] = avail_bytes / 2**20
+        ctx = ctx_for(MachineFacts(raw), mode="fsdp-fixed", nproc=2)
+        ctx.node_groups, ctx.cache["sizes"] = groups, sizes
+        return result(ctx, "memory", "memory.host")
+
+    ctx = ctx_for(MachineFacts(raw), mode="fsdp-fixed", nproc=2)
+    ctx.cache["sizes"] = sizes
+    p = plan_all(ctx)["fsdp-fixed"]
+    assert p.node_total(2) < p.node_total(1)
+    room = 4 * p.node_total(1) - 1  # one group at once fits with room to spare; four at once do not
+    assert host(1, room).status is Status.OK
+    r = host(4, room)
+    assert_finding(r, Status.WARN, "loading in 2 waves", "4 groups x (2 local ranks x")
+    assert r.data["waves"] == 2 and r.data["need"] == 4 * p.node_total(2)
+    r = host(4, 4 * p.node_total(2) - 1)  # not even one rank of each group at a time
+    assert_finding(r, Status.FAIL, "host RAM exhausted at load", "fewer --replicas")
+    # the GPUs: a busy GPU 7 is group 3's (the check reads every group's GPUs)
+    raw["host"]["mem_available_mib"] = 1024 * 1024
+    raw["gpus"][7]["free_mib"] = 1024
+    group = GroupSpec(ckpt_dir=tmp_path, mode="fsdp-fixed", nproc=2, device="cuda")
+    one = group_context(group, {}, facts=MachineFacts(raw))
+    four = group_context(group, {}, facts=MachineFacts(raw), node_groups=4)
+    for c in (one, four):
+        c.cache["sizes"] = sizes
+    assert result(one, "memory", "memory.gpu").status is Status.OK
+    assert_finding(result(four, "memory", "memory.gpu"), Status.FAIL, "does not fit", "on GPU 7")
+
+
 def test_lean_cpu_plan_counts_a_replicated_dit_once_per_node():
     from wan_s2v_runner.preflight.memory import plan_mode, workload
     from wan_s2v_runner.shared.layout import LoadStrategy, Mode

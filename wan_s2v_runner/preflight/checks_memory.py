@@ -1,5 +1,6 @@
 """Group ``memory``: the memory plan of this mode (:mod:`.memory`) against free GPU memory per
-rank and available host RAM for all local ranks (MemAvailable, capped by a cgroup limit).
+rank and available host RAM for all local ranks (MemAvailable, capped by a cgroup limit), of every
+rank group on the node (``serve --replicas``: the groups load at once, each within its share).
 """
 from __future__ import annotations
 
@@ -78,7 +79,9 @@ def _better_mode(ctx, free) -> str:
 def check_host(ctx):
     """The node's host RAM for all local ranks at load. Under lean loading, when all at once does
     not fit but reading in turns of local ranks does, the run loads in waves (``--load-waves``
-    unset) and this says so; it fails only when even one rank at a time cannot fit."""
+    unset) and this says so; it fails only when even one rank at a time cannot fit. With several
+    groups on the node (``serve --replicas``) they load at the same time: each group must fit
+    its share of the RAM, and the waves are each group's."""
     avail = ctx.facts.host_available_bytes()
     if avail is None:
         return skip("memory.host", "host memory unknown")
@@ -90,15 +93,17 @@ def check_host(ctx):
     shared = f" + {gib(p.host_shared)} shared DiT" if p.host_shared else ""
     per_rank = gib(p.host_peak - p.host_shared) if n == 1 or p.host_others == p.host_peak else \
         f"{gib(p.host_peak - p.host_shared)} (rank 0) / {gib(p.host_others)}"
-    chosen = ctx.spec.load_waves
-    waves = chosen or p.waves_needed(avail) or (n if p.host_load_transient else 1)
-    need = p.node_total(waves)
+    chosen, groups = ctx.spec.load_waves, ctx.node_groups
+    waves = chosen or p.waves_needed(avail // groups) or (n if p.host_load_transient else 1)
+    need = p.node_total(waves) * groups
     how = f"{p.load.value} loading" + (f", {waves} waves" if waves > 1 else "")
-    detail = f"{ranks} x {per_rank}{shared} ({how}) = {gib(need)} vs {gib(avail)} {src}"
+    detail = f"{ranks} x {per_rank}{shared} ({how})"
+    detail = f"{groups} groups x ({detail}: {gib(need // groups)})" if groups > 1 else detail
+    detail = f"{detail} = {gib(need)} vs {gib(avail)} {src}"
     if need > avail:
         lean = p.load is LoadStrategy.LEAN
-        fix = ("fewer ranks per node, --mode hybrid or fsdp-fixed (each rank holds a shard of the DiT) or a "
-               "machine with more RAM" if lean else
+        fix = ("fewer ranks per node" + (" or fewer --replicas" if groups > 1 else "") + ", --mode hybrid or "
+               "fsdp-fixed (each rank holds a shard of the DiT) or a machine with more RAM" if lean else
                "drop --load full (lean loading reads only each rank's shard and one copy per node)")
         return _fail_or_warn(ctx)("memory.host", f"host RAM exhausted at load: {detail}", fix,
                                   need=need, avail=avail, waves=waves)

@@ -41,6 +41,9 @@ class CheckContext:
     spec_error: Optional[str] = None  # why the given values do not make a valid RunSpec
     notes: list[str] = field(default_factory=list)
     cache: dict[str, Any] = field(default_factory=dict)
+    #: rank groups of this spec side by side on the node (``serve --replicas``): they share its host
+    #: RAM, and group i holds the node's GPUs i*nproc .. (i+1)*nproc-1
+    node_groups: int = 1
 
     # ----- derived: asked of the spec and its layout, never re-derived here -----
     @property
@@ -64,8 +67,8 @@ class CheckContext:
 
     @property
     def local_gpus(self) -> list[dict]:
-        """The GPUs this node's ranks use (local rank i -> visible GPU i)."""
-        return self.facts.gpus[: self.spec.nproc]
+        """The GPUs this node's ranks use (local rank i -> visible GPU i), every group's."""
+        return self.facts.gpus[: self.spec.nproc * self.node_groups]
 
     def with_mode(self, mode: Mode, source: ModeSource) -> "CheckContext":
         self.spec = _updated(self.spec, mode=Mode(mode))
@@ -76,7 +79,8 @@ class CheckContext:
         """A copy with other settings (e.g. a smaller size to try), sharing nothing mutable."""
         return CheckContext(facts=self.facts, spec=_updated(self.spec, **update), complete=self.complete,
                             mode_source=self.mode_source, missing=list(self.missing),
-                            spec_error=self.spec_error, notes=list(self.notes), cache=dict(self.cache))
+                            spec_error=self.spec_error, notes=list(self.notes), cache=dict(self.cache),
+                            node_groups=self.node_groups)
 
     # ----- construction -----
     @classmethod

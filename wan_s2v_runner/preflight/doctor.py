@@ -151,23 +151,26 @@ def check_run(spec, facts: Optional[MachineFacts] = None) -> GateReport:
 
 
 def group_context(group, defaults: dict, output: Optional[Path] = None,
-                  facts: Optional[MachineFacts] = None) -> CheckContext:
+                  facts: Optional[MachineFacts] = None, node_groups: int = 1) -> CheckContext:
     """What checks read of a rank group before any job: its settings, the jobs' defaults (a size,
     steps; inputs when the command gives defaults for them) and, with ``output``, where its
-    videos go. Checks of an input no job has given yet skip, as the doctor's do."""
+    videos go; ``node_groups`` such groups side by side on the node (``serve --replicas``).
+    Checks of an input no job has given yet skip, as the doctor's do."""
     from wan_s2v_runner.shared.jobs import GROUP_FIELDS, JOB_FIELDS, OUTPUT_FIELDS
 
     values = {k: v for k, v in defaults.items() if k in JOB_FIELDS and k not in OUTPUT_FIELDS}
     values.update(group.model_dump(include=set(GROUP_FIELDS)))
     if output is not None:
         values["output"] = Path(output) / "group-check.mp4"
-    return CheckContext.for_values(values, facts if facts is not None else machine_facts())
+    ctx = CheckContext.for_values(values, facts if facts is not None else machine_facts())
+    ctx.node_groups = node_groups
+    return ctx
 
 
 def check_group(group, defaults: dict, output: Optional[Path] = None,
-                facts: Optional[MachineFacts] = None) -> GateReport:
+                facts: Optional[MachineFacts] = None, node_groups: int = 1) -> GateReport:
     """The checks of a rank group's mode before any job (:func:`group_context`)."""
-    ctx = group_context(group, defaults, output, facts)
+    ctx = group_context(group, defaults, output, facts, node_groups)
     groups = groups_for(group.mode)
     return GateReport(run_checks(ctx, groups), groups)
 

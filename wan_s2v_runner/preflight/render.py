@@ -62,9 +62,10 @@ def gate_report(spec, json_mode: bool = False, facts: Optional[MachineFacts] = N
 
 
 def group_gate_report(group, defaults: dict, output=None, json_mode: bool = False,
-                      facts: Optional[MachineFacts] = None) -> GateReport:
-    """:func:`gate_report` for a rank group before any job (``wan-s2v serve``)."""
-    report = check_group(group, defaults, output, facts)
+                      facts: Optional[MachineFacts] = None, node_groups: int = 1) -> GateReport:
+    """:func:`gate_report` for a rank group before any job (``wan-s2v serve``; ``node_groups`` of
+    them side by side on the node with ``--replicas``)."""
+    report = check_group(group, defaults, output, facts, node_groups)
     print_gate(report, json_mode)
     return report
 

@@ -77,8 +77,10 @@ def serve(args, group: GroupSpec, base: dict[str, Any], root: Path, extra_env: O
     else:
         from wan_s2v_runner import preflight
 
-        # each group is checked as it will run (the groups differ only in what of the node they hold)
-        report = preflight.group_gate_report(replicas[0].spec, base, root / "videos", json_mode=args.json)
+        # each group is checked as it will run (the groups differ only in what of the node they
+        # hold), beside the others: they share the host RAM and hold all the node's GPUs between them
+        report = preflight.group_gate_report(replicas[0].spec, base, root / "videos", json_mode=args.json,
+                                             node_groups=len(replicas))
         if report.refused:
             return exit_codes.PREFLIGHT
         waves = report.data_of("memory.host").get("waves")
