@@ -100,6 +100,14 @@ def test_the_store_shared_by_two_servers(cluster):
     with b2._db.transaction():
         b2._db.execute("UPDATE jobs SET lease_until = 0 WHERE id = %s", (held.id,))
     assert held.id in b2.reap().deleted and a.get(held.id) is None
+    # every time in the table is the database's clock: a server an hour out changes none of them
+    (db_now,) = a._db.execute(f"SELECT {pg_queue._NOW} AS t").fetchone().values()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(time, "time", lambda: float(db_now) + 3600)
+        a.add("t1", {}, 10)
+        assert a.cancel("t1") is JobStatus.CANCELLED
+    row = a.get("t1")
+    assert abs(row.created_at - float(db_now)) < 60 and abs(row.finished_at - float(db_now)) < 60, row
     with b2._db.transaction():
         b2._db.execute("UPDATE wan_s2v_schema SET version = 99")
     with pytest.raises(RuntimeError, match="schema is version 99"):

@@ -4,13 +4,13 @@
 Any number of servers on any machines use it at once. Each accepts submissions and answers for
 every job; each keeper claims the next queued job under a row lock (``FOR UPDATE SKIP LOCKED``:
 two keepers never take the same row, and never wait on each other) and holds it with a lease
-(``lease_until``, the database's clock) that its heartbeat renews every few seconds, storing the
-job's live progress in the row for the other servers to show. A server that dies (kill -9, its
-machine gone) renews nothing: within ``--lease-s`` its jobs' leases run out and any server puts
-them back in the queue (:meth:`PgJobQueue.reap`), first in line, where the next keeper resumes
-each from its last clip checkpoint in the shared directory. Only the owner of a job's lease can
-end it (:meth:`finish` names the owner), so no job completes twice, even when a server that was
-presumed dead comes back.
+(``lease_until``; every time in the table is the database's clock) that its heartbeat renews
+every few seconds, storing the job's live progress in the row for the other servers to show. A
+server that dies (kill -9, its machine gone) renews nothing: within ``--lease-s`` its jobs'
+leases run out and any server puts them back in the queue (:meth:`PgJobQueue.reap`), first in
+line, where the next keeper resumes each from its last clip checkpoint in the shared directory.
+Only the owner of a job's lease can end it (:meth:`finish` names the owner), so no job completes
+twice, even when a server that was presumed dead comes back.
 
 The schema is created and migrated at start (``wan_s2v_schema``: one row, its version; each
 migration runs once, in order, under an advisory lock, so servers starting together do not race).
@@ -18,7 +18,6 @@ migration runs once, in order, under an advisory lock, so servers starting toget
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Optional
 
 from wan_s2v_runner.launcher.serve.queue import MAX_FAILURES, PAGE_MAX, Beat, JobRow, JobStatus, QueueFull, Reaped
@@ -154,8 +153,8 @@ class PgJobQueue:
                                               (_QUEUED,)).fetchone().values()
                 if waiting >= max_queued:
                     raise QueueFull(f"{waiting} jobs are queued (the server takes {max_queued})")
-                self._db.execute("INSERT INTO jobs (id, status, spec, created_at) VALUES (%s, %s, %s, %s)",
-                                 (job_id, _QUEUED, Jsonb(spec), time.time()))
+                self._db.execute(f"INSERT INTO jobs (id, status, spec, created_at) VALUES (%s, %s, %s, {_NOW})",
+                                 (job_id, _QUEUED, Jsonb(spec)))
         self._again(op)
 
     # ----- read -----
@@ -246,9 +245,9 @@ class PgJobQueue:
         server took the job: the end is not ours to record, nor its files ours to remove)."""
         from psycopg.types.json import Jsonb
 
-        return self._count("UPDATE jobs SET status = %s, finished_at = %s, error = %s, record = %s, "
+        return self._count(f"UPDATE jobs SET status = %s, finished_at = {_NOW}, error = %s, record = %s, "
                            "lease_until = NULL, progress = NULL WHERE id = %s AND owner = %s AND status = %s",
-                           (status.value, time.time(), error, Jsonb(record) if record else None, job_id,
+                           (status.value, error, Jsonb(record) if record else None, job_id,
                             self.owner, _RUNNING)) == 1
 
     def group_failed(self, job_id: str, error: str) -> JobStatus:
@@ -268,8 +267,8 @@ class PgJobQueue:
     def cancel(self, job_id: str) -> Optional[JobStatus]:
         def op():
             with self._lock, self._db.transaction():
-                self._db.execute("UPDATE jobs SET status = %s, finished_at = %s WHERE id = %s AND status = %s",
-                                 (JobStatus.CANCELLED.value, time.time(), job_id, _QUEUED))
+                self._db.execute(f"UPDATE jobs SET status = %s, finished_at = {_NOW} WHERE id = %s AND status = %s",
+                                 (JobStatus.CANCELLED.value, job_id, _QUEUED))
                 self._db.execute("UPDATE jobs SET cancel_requested = TRUE WHERE id = %s AND status = %s",
                                  (job_id, _RUNNING))
         self._again(op)
