@@ -51,6 +51,7 @@ def test_create_poll_download_list_and_delete(client, server, inputs):
         other = client.videos.create(prompt="another", input_reference=image,
                                      extra_body={"audio": str(inputs["audio"]), "steps": 1000})
     assert server.http.post(f"/v1/videos/{other.id}/cancel").status_code == 200
+    assert client.videos.poll(other.id, poll_interval_ms=100).status == "cancelled"  # poll ends on it
     first = client.videos.list(limit=1)
     assert [v.id for v in first.data] == [other.id] and first.has_more and first.last_id == other.id
     every = [v.id for v in client.videos.list(limit=1)]  # the SDK follows the pages itself

@@ -268,7 +268,9 @@ def test_watchdog_sees_a_rank_that_never_reports(tiny_assets, tmp_path):
     applies from the spawn, and the report names rank 0 and what its process was doing."""
     procs = RunProcs()
     try:
-        r = run_cli(_args(tiny_assets, tmp_path, "--watchdog-load", "8"), cwd=tmp_path,
+        # 12 s: time for rank 0 to import torch and register its stack dumps (1-2 s alone; over 8 s
+        # once, with three test workers on 2 cores) before the limit fires
+        r = run_cli(_args(tiny_assets, tmp_path, "--watchdog-load", "12"), cwd=tmp_path,
                     env={**STUB_RANKS, "WAN_S2V_TEST_FAULT": "0:start:hang"})
         run_dir = _run_dir(tmp_path)
         procs.add_from_run_dir(run_dir)
