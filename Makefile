@@ -28,9 +28,12 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	echo "$(VENV): Python $$want ($$py)"; \
 	"$$py" -m venv $(VENV)
 	rm -f $(VENV)/.installed*
-	$(BIN)/python -m pip install -r requirements.txt -r requirements-dev.txt
-	$(BIN)/python -m pip install --no-deps wan22==2.2.11
-	$(BIN)/python -m pip install --no-deps -e .
+	$(BIN)/python -m pip install --no-compile -r requirements.txt -r requirements-dev.txt
+	$(BIN)/python -m pip install --no-compile --no-deps wan22==2.2.11
+	$(BIN)/python -m pip install --no-compile --no-deps -e .
+	@# the bytecode pip would write on one core (59 s of the install -> 42 s), on every core; a file
+	@# this Python cannot compile (torch ships some for 3.12 only) is left as pip leaves it
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
 install: $(STAMP)
