@@ -111,7 +111,7 @@ def test_the_store_shared_by_two_servers(cluster):
     with b2._db.transaction():
         b2._db.execute("UPDATE wan_s2v_schema SET version = 99")
     with pytest.raises(RuntimeError, match="schema is version 99"):
-        PgJobQueue(url, "c")
+        PgJobQueue(url, "c", lease_s=30)
     for s in (a, b, b2, k0, k1):
         s.close()
 

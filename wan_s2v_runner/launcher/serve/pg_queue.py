@@ -22,8 +22,6 @@ from typing import Any, Optional
 
 from wan_s2v_runner.launcher.serve.queue import MAX_FAILURES, PAGE_MAX, Beat, JobRow, JobStatus, QueueFull, Reaped
 
-#: how long a server's hold on a running job lasts without a heartbeat (``--lease-s``)
-DEFAULT_LEASE_S = 30.0
 #: the advisory lock keys: migrations; the queue's length check
 _MIGRATE_LOCK, _ADD_LOCK = 7_300_001, 7_300_002
 SCHEMA_VERSION = 1
@@ -64,11 +62,13 @@ def _row(r: dict[str, Any]) -> JobRow:
 class PgJobQueue:
     """The :class:`~.queue.JobStore` in PostgreSQL (see the module's docstring). ``owner`` names
     this server in the leases it holds: the same server started again (same host and server
-    directory) takes its own jobs back at once instead of waiting for their leases."""
+    directory) takes its own jobs back at once instead of waiting for their leases; ``lease_s``:
+    how long its hold on a running job lasts without a heartbeat (``--lease-s``, whose default is
+    the one place for it)."""
 
     shared = True  # other servers use it too: nothing in it is this server's alone
 
-    def __init__(self, url: str, owner: str, lease_s: float = DEFAULT_LEASE_S, migrate: bool = True):
+    def __init__(self, url: str, owner: str, lease_s: float, migrate: bool = True):
         self.url, self.owner, self.lease_s = url, owner, float(lease_s)
         self._lock = threading.RLock()
         self._db = self._connect()
