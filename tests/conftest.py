@@ -227,6 +227,19 @@ def hybrid_run(tiny_assets, tmp_path_factory) -> SharedRun:
     return SharedRun(d, r, output, d / "out.pt", other, CliResult(second.returncode, out, err))
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    """A throwaway PostgreSQL cluster (tests/pg_cluster.py) for a module's tests; skipped, with
+    the reason, only where none can run."""
+    import pg_cluster
+
+    c = pg_cluster.start()
+    if isinstance(c, str):
+        pytest.skip(c)
+    yield c
+    c.stop()
+
+
 @pytest.fixture(scope="session")
 def inputs(tiny_assets, tmp_path_factory):
     """The allowed root with the tiny inputs in it, a file outside it and a symlink escaping it."""

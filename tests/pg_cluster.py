@@ -57,6 +57,21 @@ class Cluster:
             db.execute(f"CREATE DATABASE {name}")
         return self.url.rsplit("/", 1)[0] + f"/{name}"
 
+    def halt(self) -> None:
+        """The database goes away (as a crash or a failover does: immediate stop, every connection cut)."""
+        out = self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        assert out.returncode == 0, out.stderr
+
+    def start(self) -> None:
+        """The database back, on the same port and data."""
+        opts = f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 -c max_connections=200"
+        out = self._run("pg_ctl", "-D", str(self.data), "-l", str(self.data / "server.log"), "-o", opts, "-w", "start")
+        assert out.returncode == 0, out.stderr
+
+    def restart(self) -> None:
+        self.halt()
+        self.start()
+
     def stop(self) -> None:
         self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
         shutil.rmtree(self.data.parent, ignore_errors=True)

@@ -90,7 +90,7 @@ class ServerProcess:
     def stop(self) -> list[int]:
         """SIGTERM, as a service manager stops it; returns the pids of its rank group still
         running after it exited (none: it stops its group before it exits)."""
-        from wan_s2v_runner.launcher.serve.keeper import group_processes
+        from wan_s2v_runner.launcher.serve.leftovers import group_processes
 
         group = self.group_dir()
         if self.proc.poll() is None:
@@ -105,6 +105,22 @@ class ServerProcess:
         for pid in left:  # never leave them to the next test
             os.kill(pid, signal.SIGKILL)
         return left
+
+
+def shared_server(server_dir: Path, ckpt_dir: Path, url: str, shared_dir: Path, lease_s: int, *more: str,
+                  env: dict | None = None) -> ServerProcess:
+    """A server of a fleet (``--queue URL --shared-dir DIR``), one rank, no token, its group idle."""
+    s = ServerProcess(server_dir, [*TINY_DEFAULTS, "--ckpt-dir", str(ckpt_dir), "--nproc", "1", "--queue", url,
+                                   "--shared-dir", str(shared_dir), "--lease-s", str(lease_s), *more], env=env)
+    s.http.headers.pop("Authorization")
+    wait_for(lambda: s.http.get("/health").json()["group"] == "idle", 120, f"{server_dir.name}'s group", s.tail)
+    return s
+
+
+def rank0_events(server_dir: Path, kind: str) -> list[dict]:
+    """Every ``kind`` event rank 0 of any of the server's groups wrote."""
+    return [e for log in sorted(server_dir.glob("runs/*/events/rank0.jsonl"))
+            for e in map(json.loads, log.read_text().splitlines()) if e["kind"] == kind]
 
 
 def expected_mp4(engine_cpu, audio: Path, dest: Path, **updates) -> str:

@@ -26,7 +26,7 @@ import pytest
 from conftest import cli_env, wait_for
 from serving import AUTH, TINY_DEFAULTS, TOKEN, ServerProcess, expected_mp4
 
-from wan_s2v_runner.launcher.serve.keeper import group_processes
+from wan_s2v_runner.launcher.serve.leftovers import group_processes
 from wan_s2v_runner.shared import media
 from wan_s2v_runner.shared.spec import GroupSpec, read_spec
 
@@ -93,6 +93,7 @@ def test_cancel_queued_and_running(server, inputs):
     health = httpx.get(f"{server.url}/health").json()
     assert (health["groups"], health["restarts"]) == (group_before["groups"], group_before["restarts"])  # same ranks
     assert not list((server.dir / "videos").glob(f"{queued['id']}*"))
+    assert not list((Path(server.group_dir()) / "inbox").glob("cancel-*"))  # read, acted on, gone
 
 
 @pytest.mark.slow
@@ -117,12 +118,14 @@ def test_refusals_say_why(server, inputs, tmp_path):
         (dict(paths, nproc=4), 422, "nproc: not a job field"),
         ({"image": inputs["image"]}, 422, "audio: required"),
     ]
+    server_paths = (str(inputs["root"]), str(server.dir), str(server.dir.parent))
     for fields, status, words in cases:
         r = server.submit(**fields)
         assert r.status_code == status and words in r.json()["error"]["message"], (fields, r.text)
+        assert not any(p in r.json()["error"]["message"] for p in server_paths), r.text  # no server path, no root
     r = server.submit(files={"image": ("face.png", b"not a png at all", "image/png")}, audio=inputs["audio"])
     assert r.status_code == 422 and r.json()["error"]["param"] == "image", r.text
-    assert "preflight inputs.image" in r.json()["error"]["message"]
+    assert "preflight inputs.image" in r.json()["error"]["message"] and "uploads" not in r.text, r.text
     r = server.submit(files={"audio": ("big.wav", b"\0" * (2 << 20), "audio/wav")}, image=inputs["image"])
     assert r.status_code == 413 and "over 1 MB" in r.json()["error"]["message"]
     assert server.http.get("/v1/videos/video_nope").status_code == 404
@@ -211,35 +214,11 @@ def test_kill_9_then_restart_resumes_exactly_once(server, inputs, engine_cpu, tm
 
 
 def test_binding_beyond_loopback_needs_auth():
-    from wan_s2v_runner.launcher.serve.http import check_bind
+    from wan_s2v_runner.launcher.serve.settings import check_bind
 
     assert check_bind("127.0.0.1", None, False) is None and check_bind("::1", None, False) is None
     assert "--token" in check_bind("0.0.0.0", None, False)
     assert check_bind("0.0.0.0", "t", False) is None and check_bind("10.0.0.5", None, True) is None
-
-
-def test_queue_moves(tmp_path):
-    """The queue's rules, on a real SQLite file: a full queue refuses, a job put back after a
-    restart goes first, a job that took its group down twice is failed, cancels."""
-    from wan_s2v_runner.launcher.serve.queue import JobQueue, JobStatus, QueueFull
-
-    q = JobQueue(tmp_path / "jobs.sqlite")
-    for name in ("a", "b"):
-        q.add(name, {"prompt": name}, max_queued=2)
-    with pytest.raises(QueueFull):
-        q.add("c", {}, max_queued=2)
-    assert q.claim_next().id == "a" and q.position("b") == 1
-    q.close()
-    q = JobQueue(tmp_path / "jobs.sqlite")  # the server again: "a" was in progress
-    assert q.recover() == ["a"] and q.get("a").status is JobStatus.QUEUED
-    q.add("c", {}, max_queued=3)
-    assert q.claim_next().id == "a"  # the interrupted job first
-    assert q.group_failed("a", "rank 1 died") is JobStatus.QUEUED
-    assert q.claim_next().id == "a" and q.get("a").runs == 3
-    assert q.group_failed("a", "rank 1 died") is JobStatus.FAILED and "failed 2 times" in q.get("a").error
-    assert q.cancel("c") is JobStatus.CANCELLED  # queued: dropped at once
-    assert q.claim_next().id == "b" and q.cancel("b") is JobStatus.IN_PROGRESS and q.get("b").cancel_requested
-    assert q.counts() == {"queued": 0, "in_progress": 1, "completed": 0, "failed": 1, "cancelled": 1}
 
 
 @pytest.mark.slow
@@ -378,3 +357,9 @@ def test_the_api_documents_its_typed_responses():
     assert ref("/v1/server", "get", "200").endswith("/ServerInfo")
     assert ref("/health", "get", "200").endswith("/Health")
     assert schemas["VideoObject"]["properties"]["status"]["$ref"].endswith("/JobStatus")
+    # the event streams' refusals before they start, and the queue being away, are documented JSON
+    for path in ("/v1/events", "/v1/videos/{video_id}/events"):
+        assert ref(path, "get", "429").endswith("/ErrorResponse") and ref(path, "get", "503").endswith("/ErrorResponse")
+    assert ref("/v1/videos/{video_id}/events", "get", "404").endswith("/ErrorResponse")
+    assert ref("/v1/videos", "post", "503").endswith("/ErrorResponse")
+    assert ref("/health/ready", "get", "503").endswith("/ErrorResponse")

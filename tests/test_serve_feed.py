@@ -127,6 +127,70 @@ def test_every_stream_shares_one_read_per_tick(busy_server):
 
 
 # ----- the diff, on the feed alone -----
+async def _drain(lines) -> None:
+    async for _ in lines:
+        pass
+
+
+@pytest.mark.slow
+def test_a_burst_of_streams_past_the_limit_is_refused_before_any_starts(busy_server):
+    """70 event streams opened at once against a limit of 64: 64 start (their first event is the
+    snapshot), the other 6 get 429 with the JSON error body, before any byte of a stream."""
+    import asyncio
+
+    from wan_s2v_runner.launcher.serve.feed import MAX_FOLLOWERS
+
+    def followers() -> int:
+        return busy_server.http.get("/v1/server").json()["followers"]
+
+    wait_for(lambda: followers() == 0, 30, "no stream open", busy_server.tail)
+
+    async def burst() -> tuple[list, list]:
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=busy_server.url, timeout=60, limits=limits) as client:
+            go = asyncio.Event()
+            answers: list = []
+            opened: list = []
+
+            async def one(i: int) -> None:
+                await go.wait()
+                path = "/v1/events" if i % 2 else f"/v1/videos/video_fill{i:04d}/events"
+                async with client.stream("GET", path) as r:
+                    kind = r.headers.get("content-type", "")
+                    if r.status_code != 200:
+                        answers.append((r.status_code, kind, json.loads(await r.aread())))
+                        return
+                    lines = r.aiter_lines()  # read on, never left: a stream left is a stream closed
+                    first = ""
+                    async for line in lines:
+                        if line.startswith("event:"):
+                            first = line[6:].strip()
+                            break
+                    answers.append((200, kind, {"event": first}))
+                    reading = asyncio.create_task(_drain(lines))
+                    while len(answers) < 70:  # every stream stays open until all 70 were answered
+                        await asyncio.sleep(0.05)
+                    opened.append(await asyncio.to_thread(lambda: busy_server.http.get("/v1/server").json()))
+                    reading.cancel()
+
+            tasks = [asyncio.create_task(one(i)) for i in range(70)]
+            await asyncio.sleep(0.2)
+            go.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            return answers, opened
+
+    answers, open_then = asyncio.run(burst())
+    assert max(o["followers"] for o in open_then) == MAX_FOLLOWERS  # all the streams taken were open at once
+    ok = [a for a in answers if a[0] == 200]
+    refused = [a for a in answers if a[0] == 429]
+    assert len(ok) == MAX_FOLLOWERS and len(refused) == 70 - MAX_FOLLOWERS, [a[:2] for a in answers]
+    assert all(a[1].startswith("text/event-stream") and a[2]["event"] in ("snapshot", "video") for a in ok)
+    for _, kind, body in refused:  # refused before its stream: JSON, the documented error shape
+        assert kind.startswith("application/json") and body["error"]["type"] == "rate_limit_error", body
+        assert "event streams are open" in body["error"]["message"]
+    wait_for(lambda: followers() == 0, 30, "every stream closed", busy_server.tail)
+
+
 def _video(vid: str, status: str = "queued", **more) -> dict:
     return {"id": vid, "status": status, "progress": 0, **more}
 

@@ -61,6 +61,36 @@ def test_without_a_token_pages_of_other_sites_are_refused(open_server):
 
 
 @pytest.mark.slow
+def test_form_limits_nul_and_idempotent_submissions(open_server, tiny_assets):
+    """A form's fields take what a JSON body takes; a NUL character is refused on every store; a
+    request sent again with its Idempotency-Key gives the first job (another request under it: 409)."""
+    plain = httpx.Client(base_url=open_server.url, timeout=30)
+    files = {"image": ("face.png", tiny_assets.image.read_bytes(), "image/png"),
+             "audio": ("voice.wav", tiny_assets.audio.read_bytes(), "audio/wav")}
+    before = len(plain.get("/v1/videos", params={"limit": 100}).json()["data"])
+    uploads = open_server.dir / "uploads"
+    kept = {p.name for p in uploads.iterdir()} if uploads.is_dir() else set()
+    long = "x" * (70 * 1024)  # over the 64 KiB a JSON body may hold whole
+    r = plain.post("/v1/videos", files=files, data={"prompt": long})
+    assert r.status_code == 413 and "64 KiB" in r.json()["error"]["message"], r.text
+    r = plain.post("/v1/videos", json={"prompt": long, "image": "/x.png", "audio": "/x.wav"})
+    assert r.status_code == 413, r.text
+    for body in ({"data": {"prompt": "a\x00b"}, "files": files}, {"json": {"prompt": "a\u0000b"}}):
+        r = plain.post("/v1/videos", **body)
+        assert r.status_code == 422 and r.json()["error"]["param"] == "prompt" and "NUL" in r.text, r.text
+    key = {"Idempotency-Key": "retry-me-1"}
+    first = plain.post("/v1/videos", files=files, data={"prompt": "once"}, headers=key)
+    again = plain.post("/v1/videos", files=files, data={"prompt": "once"}, headers=key)
+    assert first.status_code == again.status_code == 200 and first.json()["id"] == again.json()["id"]
+    other = plain.post("/v1/videos", files=files, data={"prompt": "another"}, headers=key)
+    assert other.status_code == 409 and other.json()["error"]["param"] == "Idempotency-Key", other.text
+    r = plain.post("/v1/videos", files=files, headers={"Idempotency-Key": "has space"})
+    assert r.status_code == 400, r.text
+    assert len(plain.get("/v1/videos", params={"limit": 100}).json()["data"]) == before + 1
+    assert {p.name for p in uploads.iterdir()} - kept == {first.json()["id"]}  # the retry's own uploads went
+
+
+@pytest.mark.slow
 def test_a_second_server_on_the_directory_exits_3_and_the_first_is_untouched(open_server, tiny_assets):
     root = open_server.dir
     assert stat.S_IMODE(root.stat().st_mode) == 0o700  # the user's alone
@@ -252,17 +282,20 @@ def test_a_full_disk_fails_the_job_alone_and_a_nearly_full_one_refuses_jobs(serv
 
 def test_retention_keeps_the_newest_and_the_young(tmp_path):
     """--keep-videos and --keep-hours on a real queue file and real files: the jobs due go whole."""
-    from wan_s2v_runner.launcher.serve.keeper import ServerDirs
-    from wan_s2v_runner.launcher.serve.queue import JobQueue, JobStatus
+    from wan_s2v_runner.launcher.serve.dirs import ServerDirs
     from wan_s2v_runner.launcher.serve.retention import Retention, sweep
+    from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
+    from wan_s2v_runner.launcher.serve.store.sqlite import SqliteJobStore
 
     dirs = ServerDirs(tmp_path)
-    queue = JobQueue(dirs.queue)
+    queue = SqliteJobStore(dirs.queue)
     ids = [f"video_{i:024x}" for i in range(5)]
     for i, job_id in enumerate(ids):
         queue.add(job_id, {"prompt": str(i)}, 100)
-        assert queue.claim_next().id == job_id
-        queue.finish(job_id, JobStatus.COMPLETED if i % 2 == 0 else JobStatus.FAILED, record={"id": job_id})
+        claimed = queue.claim_next()
+        assert claimed.id == job_id
+        queue.finish(job_id, claimed.attempt, JobStatus.COMPLETED if i % 2 == 0 else JobStatus.FAILED,
+                     record={"id": job_id})
         for path in (dirs.videos / f"{job_id}.mp4", dirs.videos / f"{job_id}.json", dirs.work(job_id) / "clips" / "a",
                      dirs.uploads / job_id / "image.png"):
             path.parent.mkdir(parents=True, exist_ok=True)

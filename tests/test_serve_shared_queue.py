@@ -2,10 +2,10 @@
 real PostgreSQL: a throwaway cluster of Debian's package (tests/pg_cluster.py; skipped, with the
 reason, only where it cannot run), a fresh database per test.
 
-- The store itself (:class:`~wan_s2v_runner.launcher.serve.pg_queue.PgJobQueue`): the schema made
-  once at its version; two servers claiming at once never take the same job; a lease that runs
-  out gives the job back, and its old holder can no longer end it; a cancel asked anywhere reaches
-  the holder's heartbeat; a server started again takes its own jobs back at once.
+- What only the shared store does (:class:`~wan_s2v_runner.launcher.serve.store.postgres.PgJobStore`;
+  the contract both stores keep is tests/test_store_contract.py): leases renewed and reaped, a
+  claim whose answer was lost found again, the database's clock, the schema migrated from its
+  first version.
 - Two real servers (one real rank each, the tiny checkpoint) on loopback: a 3-clip job's server is
   killed -9 (with its ranks) after its first clip; the other server takes the job when the lease
   runs out and finishes it from its clip checkpoint, with the bytes of an uninterrupted run, once;
@@ -14,125 +14,101 @@ reason, only where it cannot run), a fresh database per test.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import wait_for
-from serving import TINY_DEFAULTS, ServerProcess, expected_mp4
+from serving import expected_mp4, rank0_events, shared_server
 
-from wan_s2v_runner.launcher.serve.queue import Beat, JobStatus, Reaped
+from wan_s2v_runner.launcher.serve.store.protocol import Beat, Held, JobStatus
 from wan_s2v_runner.shared import media
 
 LEASE_S = 3
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    import pg_cluster
+def test_the_shared_store_leases_clocks_and_schema(cluster):
+    """What only the shared store does (the contract both keep: tests/test_store_contract.py):
+    leases renewed by the heartbeat and reaped when they run out, a claim whose answer was lost
+    found again instead of made twice, the database's clock for every time in the table, a
+    schema migrated from its first version, and a wan-s2v older than the schema refused."""
+    import psycopg
 
-    c = pg_cluster.start()
-    if isinstance(c, str):
-        pytest.skip(c)
-    yield c
-    c.stop()
+    from wan_s2v_runner.launcher.serve.store import postgres
+    from wan_s2v_runner.launcher.serve.store.postgres import PgJobStore
 
-
-def test_the_store_shared_by_two_servers(cluster):
-    from wan_s2v_runner.launcher.serve import pg_queue
-    from wan_s2v_runner.launcher.serve.pg_queue import PgJobQueue
-
-    # two servers claiming at once: every job taken once, by one of them
     url = cluster.database()
-    a, b = PgJobQueue(url, "a", lease_s=1), PgJobQueue(url, "b", lease_s=1)
-    assert a.migrate() == b.migrate() == pg_queue.SCHEMA_VERSION  # made once, then only read
-    for i in range(20):
-        a.add(f"j{i:02d}", {"n": i}, max_queued=100)
-    claimed: dict[str, list[str]] = {"a": [], "b": []}
-
-    def drain(store, name):
-        while (row := store.claim_next()) is not None:
-            claimed[name].append(row.id)
-
-    threads = [threading.Thread(target=drain, args=(s, n)) for s, n in ((a, "a"), (b, "b"))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(claimed["a"] + claimed["b"]) == [f"j{i:02d}" for i in range(20)]
-    for s in (a, b):
-        s.close()
-
-    # leases: a's runs out (no heartbeat), b renews its own
-    url = cluster.database()
-    a, b = PgJobQueue(url, "a", lease_s=1), PgJobQueue(url, "b", lease_s=1)
+    with psycopg.connect(url, autocommit=True) as db:  # a queue made by the first schema, with a job in it
+        db.execute("CREATE TABLE wan_s2v_schema (version INTEGER NOT NULL)")
+        db.execute("INSERT INTO wan_s2v_schema VALUES (1)")
+        for sql in postgres.MIGRATIONS[1]:
+            db.execute(sql)
+        db.execute("INSERT INTO jobs (id, status, spec, created_at, runs) VALUES ('old', 'queued', '{}', 1, 1)")
+    a, b = PgJobStore(url, "a", lease_s=1), PgJobStore(url, "b", lease_s=1)
+    assert a.migrate() == b.migrate() == postgres.SCHEMA_VERSION  # made once, then only read
+    old = a.get("old")
+    assert old.attempt == 1 and old.pool == "default"  # the first schema's row, in the new one
+    assert a.claim_next().id == "old" and a.claim_next() is None
     a.add("k1", {}, 10)
     a.add("k2", {}, 10)
-    assert a.claim_next().id == "k1" and b.claim_next().id == "k2" and b.claim_next() is None
-    for _ in range(3):
+    k1, k2 = a.claim_next(), b.claim_next()
+    assert (k1.id, k2.id) == ("k1", "k2")
+    for _ in range(3):  # b renews its own; a's (and "old"'s) run out
         time.sleep(0.5)
-        assert b.heartbeat({"k2": {"clip": 1}}) == Beat()
-    assert b.reap() == Reaped(requeued=("k1",)) and b.get("k2").status is JobStatus.IN_PROGRESS
-    assert a.heartbeat({"k1": None}).lost == {"k1"}  # a hears it holds k1 no more: it stops it
-    assert not a.finish("k1", JobStatus.COMPLETED)  # and cannot end it
-    assert a.get("k1").status is JobStatus.QUEUED
-    again = b.claim_next()
-    assert again.id == "k1" and again.runs == 2  # back in the queue, taken again
-    assert b.cancel("k2") is JobStatus.IN_PROGRESS and "k2" in b.heartbeat({"k2": {"clip": 2}}).cancel
-    assert a.get("k2").progress == {"clip": 2}  # what the other servers show
-    b2 = PgJobQueue(url, "b", lease_s=30)  # b started again: its own jobs back at once
-    assert sorted(b2.recover()) == ["k1", "k2"]
-    # each keeper of a server holds its jobs under its own name; the server takes all back at start
+        assert b.heartbeat({"k2": Held(k2.attempt, {"clip": 1})}) == Beat()
+    assert sorted(b.reap().requeued) == ["k1", "old"] and b.get("k2").status is JobStatus.IN_PROGRESS
+    assert a.get("k2").progress == {"clip": 1}  # what the other servers show
+    assert a.heartbeat({"k1": Held(k1.attempt)}).lost == {"k1"}  # reaped: lost even before another claim
+    # a claim whose answer was lost is found again, not made twice
     a.add("k3", {}, 10)
-    a.add("k4", {}, 10)
-    k0, k1 = b2.for_keeper(0), b2.for_keeper(1)
-    first, second = k0.claim_next(), k1.claim_next()
-    assert {first.id, second.id} <= {"k1", "k2", "k3", "k4"} and first.id != second.id
-    assert k1.heartbeat({first.id: None}).lost == {first.id} and not k1.finish(first.id, JobStatus.FAILED)
-    assert sorted(b2.recover()) == sorted([first.id, second.id])
+    a._unsure_claim = "lost-answer"
+    with psycopg.connect(url, autocommit=True) as db:
+        db.execute("UPDATE jobs SET status = 'in_progress', owner = 'a', attempt = attempt + 1, "
+                   "claim_id = 'lost-answer' WHERE id = 'k3'")
+    assert a.claim_next().id == "k3" and a._unsure_claim is None
+    # each keeper of a server holds its jobs under its own name; the server takes all back at start
+    k0 = b.for_keeper(0)
+    held = k0.claim_next()
+    assert held is not None and held.id in ("k1", "old")
+    again = PgJobStore(url, "b", lease_s=30)
+    assert held.id in again.recover() and not k0.finish(held.id, held.attempt, JobStatus.COMPLETED)
     # a job deleted while a server that died held it: the row goes with the lease
     held = k0.claim_next()
     assert a.delete(held.id) is JobStatus.IN_PROGRESS
-    with b2._db.transaction():
-        b2._db.execute("UPDATE jobs SET lease_until = 0 WHERE id = %s", (held.id,))
-    assert held.id in b2.reap().deleted and a.get(held.id) is None
+    with psycopg.connect(url, autocommit=True) as db:
+        db.execute("UPDATE jobs SET lease_until = 0 WHERE id = %s", (held.id,))
+    assert held.id in again.reap().deleted and a.get(held.id) is None
     # every time in the table is the database's clock: a server an hour out changes none of them
-    (db_now,) = a._db.execute(f"SELECT {pg_queue._NOW} AS t").fetchone().values()
+    with psycopg.connect(url, autocommit=True) as db:
+        (db_now,) = db.execute(f"SELECT {postgres._NOW}").fetchone()
     with pytest.MonkeyPatch.context() as m:
         m.setattr(time, "time", lambda: float(db_now) + 3600)
         a.add("t1", {}, 10)
         assert a.cancel("t1") is JobStatus.CANCELLED
     row = a.get("t1")
     assert abs(row.created_at - float(db_now)) < 60 and abs(row.finished_at - float(db_now)) < 60, row
-    with b2._db.transaction():
-        b2._db.execute("UPDATE wan_s2v_schema SET version = 99")
+    with psycopg.connect(url, autocommit=True) as db:
+        db.execute("UPDATE wan_s2v_schema SET version = 99")
     with pytest.raises(RuntimeError, match="schema is version 99"):
-        PgJobQueue(url, "c", lease_s=30)
-    for s in (a, b, b2, k0, k1):
+        PgJobStore(url, "c", lease_s=30)
+    for s in (a, b, again, k0):
         s.close()
 
 
 def _shared_server(name, tmp_path, tiny_assets, url):
-    s = ServerProcess(tmp_path / name, [*TINY_DEFAULTS, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--nproc", "1",
-                                        "--queue", url, "--shared-dir", str(tmp_path / "shared dir"),
-                                        "--lease-s", str(LEASE_S)])
-    s.http.headers.pop("Authorization")
-    wait_for(lambda: s.http.get("/health").json()["group"] == "idle", 120, f"{name}'s group", s.tail)
-    return s
+    (tmp_path / "shared dir").mkdir(exist_ok=True)  # the fleet's mount: never made by a server
+    return shared_server(tmp_path / name, tiny_assets.ckpt_dir, url, tmp_path / "shared dir", LEASE_S)
 
 
 def _job_done_events(server_dir) -> list[str]:
-    return [e["id"] for log in server_dir.glob("runs/*/events/rank0.jsonl")
-            for e in map(json.loads, log.read_text().splitlines()) if e["kind"] == "job_done"]
+    return [e["id"] for e in rank0_events(server_dir, "job_done")]
 
 
 @pytest.mark.slow(seconds=90)
 def test_two_servers_share_one_queue_and_a_lost_server_loses_nothing(cluster, tiny_assets, engine_cpu, tmp_path):
-    from wan_s2v_runner.launcher.serve.keeper import group_processes
+    from wan_s2v_runner.launcher.serve.leftovers import group_processes
 
     url = cluster.database()
     (tmp_path / "a dir").mkdir()

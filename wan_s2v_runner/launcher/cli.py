@@ -157,15 +157,20 @@ def cmd_serve(args, extra_env=None) -> int:
     """The resident rank group behind the HTTP API (:mod:`wan_s2v_runner.launcher.serve`); on a
     node other than 0: only its ranks, relaunched whenever node 0 relaunches the group."""
     from wan_s2v_runner.launcher.serve import setup
+    from wan_s2v_runner.launcher.serve.settings import ServerSettings, SettingsError
 
-    root = args.server_dir.expanduser().absolute()
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        base = spec_values(args, setup.group_defaults(root))
+        settings = ServerSettings.from_args(args)
+    except SettingsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exit_codes.USAGE
+    try:
+        settings.server_dir.mkdir(parents=True, exist_ok=True)
+        base = spec_values(args, setup.group_defaults(settings.server_dir))
         group = make_group(base)
     except (ValidationError, ValueError, OSError) as e:
         return _usage_error(e)
-    return setup.serve(args, group, base, root, extra_env)
+    return setup.serve(settings, group, base, extra_env)
 
 
 def default_cache_dir() -> Path:

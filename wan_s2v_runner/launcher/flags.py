@@ -233,6 +233,17 @@ COMMAND_OPTIONS = (
         default=30,
     ),
     CommandOption(
+        "--pool",
+        "the pool of the fleet this server takes jobs from and submits to: servers of one pool run the same "
+        "weights and frame-deciding settings (the queue refuses a server that differs); another model or LoRA "
+        "set: a pool of its own (docs/fleet.md)",
+        (Command.SERVE,),
+        kind=OptionKind.TEXT,
+        default_text="default",
+        metavar="NAME",
+        default="default",
+    ),
+    CommandOption(
         "--queue-depth",
         "the jobs a server is expected to hold at once: the split table (--replicas) reports each split's mean "
         "latency at this depth",

@@ -97,33 +97,76 @@ def job_spec(values: dict[str, Any], defaults: dict[str, Any], group: GroupSpec,
     return spec, ""
 
 
-def mark_done_before(line: Line) -> None:
-    """A job whose record says it finished, with its mp4 there and unchanged, is not run again."""
+def done_before(spec: RunSpec, record: Path, video: Path) -> Optional[dict]:
+    """The record of a job made before: it says it finished, for this spec's inputs, checkpoint
+    and engine, with ``video`` there and unchanged (None: it was not)."""
     from wan_s2v_runner.shared import media, resume
 
     try:
-        record = json.loads(line.record.read_text(encoding="utf-8"))
-        same = (record.get("status") == "ok" and record.get("identity") == resume.identity(line.spec)
-                and media.sha256_file(line.spec.output) == record["output"]["sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    if same:
+        made = json.loads(record.read_text(encoding="utf-8"))
+        same = (made.get("status") == "ok" and made.get("identity") == resume.identity(spec)
+                and media.sha256_file(video) == made["output"]["sha256"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return made if same else None
+
+
+def mark_done_before(line: Line) -> None:
+    """A job whose record says it finished, with its mp4 there and unchanged, is not run again."""
+    if done_before(line.spec, line.record, line.spec.output) is not None:
         line.state = JobState.DONE_BEFORE
+
+
+def resume_point(spec: RunSpec, candidates: list[Path], into: Path) -> Optional[Path]:
+    """The folder among ``candidates`` with this job's newest complete clip checkpoint (its clips
+    made by this spec's inputs, checkpoint and engine), None when none has one. A ``--tts-text``
+    job's speech comes along into ``into`` (its spec's speech path): the clips were made with it."""
+    from wan_s2v_runner.shared import resume
+
+    best: Optional[resume.Progress] = None
+    for folder in candidates:
+        try:
+            progress = resume.read_progress(folder)
+        except resume.ResumeError:
+            continue
+        if progress.next_clip == 0 or (best is not None and progress.next_clip <= best.next_clip):
+            continue
+        if spec.tts_text:
+            speech = Path(folder) / spec.tts_speech_path.name
+            if Path(folder) != Path(into) and speech.is_file():
+                _link(speech, spec.tts_speech_path)
+        try:
+            resume.check(progress, spec)
+        except resume.ResumeError:
+            continue
+        best = progress
+    if best is not None and spec.tts_text and Path(best.run_dir) != Path(into):
+        _link(Path(best.run_dir) / spec.tts_speech_path.name, spec.tts_speech_path)
+    return Path(best.run_dir) if best is not None else None
+
+
+def _link(src: Path, dest: Path) -> None:
+    """``dest`` as a hard link of ``src`` (a copy where links are not possible)."""
+    import os
+
+    dest.unlink(missing_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
 
 
 def prepare_resume(line: Line, work: Path) -> None:
     """Continue from the job's clip checkpoints when they are this job's (else start over)."""
     from wan_s2v_runner.shared import resume
 
-    try:
-        progress = resume.read_progress(work)
-        resume.check(progress, line.spec)
-    except resume.ResumeError:
+    point = resume_point(line.spec, [work], work)
+    if point is None:
         shutil.rmtree(work / resume.CLIPS_DIR, ignore_errors=True)
         return
-    if progress.next_clip > 0:
-        line.spec = line.spec.model_copy(update={"resume_from": work})
-        line.resume_at = progress.next_clip + 1
+    progress = resume.read_progress(point)
+    line.spec = line.spec.model_copy(update={"resume_from": work})
+    line.resume_at = progress.next_clip + 1
 
 
 def refusal(report) -> str:

@@ -25,16 +25,14 @@ hold every rank's loading at once (``--load-waves``).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
-from wan_s2v_runner.loading.ckpt_read import ReadCounter, sample_windows
+from wan_s2v_runner.loading.ckpt_read import ReadCounter
 
 log = logging.getLogger("wan_s2v.lean_load")
 
@@ -148,16 +146,10 @@ def verify_same_checkpoint(source, what: str, group=None) -> None:
     import torch.distributed as dist
 
     from patches.fsdp_no_sync import WeightMismatch
-    h = hashlib.sha256()
-    entries = sorted(source.table().items())
-    for key, (dtype, shape) in entries:
-        h.update(f"{key}|{dtype}|{tuple(shape)};".encode())
-    windows = sample_windows((k, math.prod(shape)) for k, (_, shape) in entries)
-    for key, start, count in windows:
-        buf = torch.empty(count, dtype=torch.float64)
-        source.read_flat(key, start, buf, purpose="verify")
-        h.update(buf.numpy().tobytes())
-    digest = h.hexdigest()
+    from wan_s2v_runner.loading.fingerprint import source_digest
+
+    entries = source.table()
+    digest = source_digest(source)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     gathered: list = [None] * dist.get_world_size(group)

@@ -14,7 +14,10 @@ write rank 0 says so in its events (``preview``: clips, frames, seconds, the fil
 is how the launcher and the server learn that a playable video is there.
 
 The last clip makes no partial video: the final one is written next. When the final video is in
-place the partial one goes; a job that ends without it (cancelled, failed) keeps it.
+place the partial one goes; a job that ends without it (cancelled, failed) keeps it. A served
+job's ``gate`` (:class:`~wan_s2v_runner.rank.lease.LeaseGate`) is asked before each write and
+before its rename: while the server is not sure it holds the job, the write is skipped (the next
+clip's replaces it), and once it lost the job nothing more is written.
 """
 from __future__ import annotations
 
@@ -31,9 +34,11 @@ PREVIEW_NICE = 10
 class PreviewWriter:
     """The video so far of one job, written off the ranks' path (see the module's docstring)."""
 
-    def __init__(self, output: Path, speech: Path, fps: int, events, before: Optional[list] = None):
+    def __init__(self, output: Path, speech: Path, fps: int, events, before: Optional[list] = None, gate=None):
+        from wan_s2v_runner.rank.lease import ALWAYS
         from wan_s2v_runner.shared import media
 
+        self.gate = gate or ALWAYS
         self.path, self.thumbnail = media.partial_path(output), media.thumbnail_path(output)
         self.speech, self.fps, self.events = Path(speech), fps, events
         self.clips: list = list(before or [])  # each clip's frames (1, 3, n, H, W), as generate() collects them
@@ -46,7 +51,7 @@ class PreviewWriter:
     def clip_done(self, clip: int, frames, num_clips: int) -> None:
         """Clip ``clip`` (0-based) of ``num_clips`` is decoded: hand its video so far to the writer."""
         self.clips.append(frames)
-        if clip == 0 or not self.thumbnail.is_file():
+        if (clip == 0 or not self.thumbnail.is_file()) and self.gate.current():
             self._write_thumbnail(frames)
         if clip + 1 >= num_clips:  # the final video is next: nothing to preview
             return
@@ -75,11 +80,16 @@ class PreviewWriter:
         import torch
 
         from wan_s2v_runner.shared import media
+        from wan_s2v_runner.shared.atomic import NotCommitted
 
+        if not self.gate.current():  # not sure the server holds the job: the next clip's replaces it
+            return
         video = torch.cat(clips, dim=2)[0]
         try:
-            media.save_video_with_audio(video, self.fps, self.speech, self.path)
+            media.save_video_with_audio(video, self.fps, self.speech, self.path, commit_if=self.gate.current)
             sha = media.sha256_file(self.path)
+        except NotCommitted:
+            return
         except Exception as e:  # a preview that cannot be written never fails the job
             self.error = f"{type(e).__name__}: {e}"
             self.events.emit("preview_failed", clips=done, error=self.error)
@@ -95,8 +105,11 @@ class PreviewWriter:
 
         try:
             first = media.frames_to_uint8(frames[0][:, :1])[0]
-            atomic.atomic_write(self.thumbnail, lambda p: Image.fromarray(first).save(p, format="JPEG", quality=90))
+            atomic.atomic_write(self.thumbnail, lambda p: Image.fromarray(first).save(p, format="JPEG", quality=90),
+                                commit_if=self.gate.current)
             self.events.emit("thumbnail", path=str(self.thumbnail))
+        except atomic.NotCommitted:
+            pass
         except Exception as e:
             self.events.emit("preview_failed", clips=0, error=f"thumbnail: {type(e).__name__}: {e}")
 
@@ -111,5 +124,5 @@ class PreviewWriter:
             with self._done:
                 self._next = None  # the final video holds it all
         self.wait()
-        if completed:
+        if completed and self.gate.current():
             self.path.unlink(missing_ok=True)

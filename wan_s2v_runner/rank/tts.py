@@ -25,8 +25,9 @@ from wan_s2v_runner.shared.spec import RunSpec
 log = logging.getLogger("wan_s2v.tts")
 
 
-def make_speech(spec: RunSpec, resuming: bool = False) -> Path:
-    """Speak ``spec.tts_text``; returns the wav (``spec.tts_speech_path``)."""
+def make_speech(spec: RunSpec, resuming: bool = False, commit_if=None) -> Path:
+    """Speak ``spec.tts_text``; returns the wav (``spec.tts_speech_path``, renamed into place when
+    ``commit_if`` says so: :func:`~wan_s2v_runner.shared.atomic.atomic_write`)."""
     out = spec.tts_speech_path
     if resuming and out.is_file():
         log.info("tts: keeping the speech of the run being resumed (%s)", out)
@@ -51,7 +52,8 @@ def make_speech(spec: RunSpec, resuming: bool = False) -> Path:
     speech = torch.concat([c["tts_speech"] for c in chunks], dim=1)  # [channels, samples]
     rate = int(model.sample_rate)
     data = np.ascontiguousarray(speech.detach().float().cpu().numpy().T)
-    atomic.atomic_write(out, lambda p: sf.write(str(p), data, rate, subtype="FLOAT", format="WAV"))
+    atomic.atomic_write(out, lambda p: sf.write(str(p), data, rate, subtype="FLOAT", format="WAV"),
+                        commit_if=commit_if)
     log.info("tts: %.2f s of speech at %d Hz -> %s", data.shape[0] / rate, rate, out)
     del model, chunks, speech
     gc.collect()

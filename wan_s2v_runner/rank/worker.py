@@ -34,6 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from wan_s2v_runner.loading import engine
 from wan_s2v_runner.rank import faults
 from wan_s2v_runner.rank.cpu_binding import cpu_binding
+from wan_s2v_runner.rank.lease import ALWAYS, JobLost, LeaseGate
 from wan_s2v_runner.rank.memory_peaks import StagePeaks
 from wan_s2v_runner.shared import atomic, inbox
 from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventWriter
@@ -62,8 +63,12 @@ class JobCancelled(Exception):
 
 class JobFailed(Exception):
     """A job's own error, where no peer can be waiting for this rank in a collective: its inputs
-    before the ranks start it, or rank 0's writing after they finished it. The job fails with
-    this cause; the same ranks take the next job."""
+    or its speech before the ranks start it, or rank 0's writing after they finished it. The job
+    fails with this cause; the same ranks take the next job."""
+
+
+#: how rank 0's verdict on a job before its ranks start it reads (:meth:`RankGroup.start_job`)
+FAILED, LOST = "failed", "lost"
 
 
 def input_problem(spec) -> Optional[str]:
@@ -281,58 +286,89 @@ class RankGroup:
                 said = time.time()
                 self.events.emit("waiting")
 
-    def _step_or_cancel(self, job: Job):
+    def gate(self, job: Job) -> LeaseGate:
+        """Rank 0's view of a served job's lease (:mod:`~wan_s2v_runner.rank.lease`): what it may
+        write into the shared directory; any other job, and any other rank, always may."""
+        if not self.served or self.rank != 0:
+            return ALWAYS
+        return LeaseGate(self.run_dir, job.id, say=lambda: self.events.emit("waiting"))
+
+    def _step_or_cancel(self, job: Job, gate: LeaseGate):
         """The denoising step hook: report the step; in a served group, stop the job here when the
-        server cancelled it (rank 0 reads the inbox, every rank hears it, every rank raises)."""
+        server cancelled it or lost it to another holder (rank 0 reads the inbox, every rank hears
+        it, every rank raises)."""
         def step(**counters):
             self.events.step(**counters)
             if self.served:
-                asked = inbox.cancelled(self.run_dir, job.id) if self.rank == 0 else None
-                if self._from_rank0(asked):
+                stop = None
+                if self.rank == 0:
+                    if inbox.cancelled(self.run_dir, job.id):
+                        stop = "cancel"
+                    elif gate.verdict() is inbox.Verdict.LOST:
+                        stop = LOST
+                stop = self._from_rank0(stop)
+                if stop == "cancel":
                     raise JobCancelled(job.id)
+                if stop == LOST:
+                    raise JobLost(job.id)
         return step
 
-    def inputs_agreed(self, job: Job) -> Optional[str]:
-        """Rank 0 reads the job's inputs before any rank starts it, and every rank hears the
-        verdict (a problem: the job fails alone, before any collective of its own)."""
-        return self._from_rank0(input_problem(job.run_spec(self.spec)) if self.rank == 0 else None)
+    def start_job(self, job: Job, clock: "StageClock") -> Optional[tuple[str, str]]:
+        """Before any rank starts the job, rank 0 reads its inputs, waits until its server is sure
+        it holds the job (a served job), and speaks a ``--tts-text`` job's speech into the job's
+        folder; every rank hears the verdict: None (go), or (``failed``, the cause) / (``lost``,
+        ""): the job ends here, before any collective of its own."""
+        verdict: Optional[tuple[str, str]] = None
+        if self.rank == 0:
+            spec, gate = job.run_spec(self.spec), self.gate(job)
+            problem = input_problem(spec)
+            if problem is not None:
+                verdict = (FAILED, problem)
+            elif not gate.wait():
+                verdict = (LOST, "")
+            elif spec.tts_text and self.plan.encodes:  # the speech first: it is the audio everything reads
+                from wan_s2v_runner.rank.tts import make_speech
+                from wan_s2v_runner.shared.atomic import NotCommitted
+
+                clock.mark(Stage.TTS)
+                self.events.stage(Stage.TTS)
+                try:
+                    make_speech(spec, resuming=bool(spec.resume_from), commit_if=gate.wait)
+                except NotCommitted:
+                    verdict = (LOST, "")
+                except Exception as e:  # its own inputs or the TTS model: this job's error, the group goes on
+                    verdict = (FAILED, f"text to speech failed: {type(e).__name__}: {e}")
+        return self._from_rank0(verdict)
 
     def fail_job(self, job: Job, index: int, cause: str) -> None:
         """The job failed with ``cause``: rank 0 records it (``status: failed``) and every rank says
         ``job_failed``; the group goes on."""
-        if self.rank == 0 and job.record is not None:
+        if self.rank == 0 and job.record is not None and self.gate(job).current():
             record = {"id": job.id, "status": "failed", "error": cause, "finished": time.time()}
             atomic.write_text(job.record, json.dumps(record, indent=1), durable=True)
         self.events.emit("job_failed", id=job.id, job=index + 1, error=cause)
 
-    def run_job(self, job: Job, index: int, total: Optional[int]) -> None:
+    def run_job(self, job: Job, index: int, total: Optional[int], clock: "StageClock", started: float) -> None:
         """Make one job (``total``: the group's number of jobs, None while serving)."""
         from wan_s2v_runner.rank.generation import ClipState, Hooks
         from wan_s2v_runner.shared import resume
 
-        spec, events, plan = job.run_spec(self.spec), self.events, self.plan
-        events.job, events.job_prompt = index + 1, spec.prompt
-        if total != 1 or job.record is not None:
-            events.emit("job", id=job.id, job=index + 1, jobs=total)
-        started, clock = time.time(), StageClock()
+        spec, events, plan, gate = job.run_spec(self.spec), self.events, self.plan, self.gate(job)
 
         def stage(s, **data):
             clock.mark(s)
             events.stage(s, **data)
 
-        hooks = Hooks(stage=stage, step=self._step_or_cancel(job), fault_point=events.fault_point)
-        if spec.tts_text and plan.encodes:  # the speech first: it is the audio everything below reads
-            from wan_s2v_runner.rank.tts import make_speech
-            stage(Stage.TTS)
-            make_speech(spec, resuming=bool(spec.resume_from))
+        hooks = Hooks(stage=stage, step=self._step_or_cancel(job, gate), fault_point=events.fault_point)
         resume_state, identity, preview = None, None, None
         if plan.decodes:  # clip checkpoints: a crash loses at most the clip in progress
             identity = resume.identity(spec)
-            hooks.clip_done = resume.ClipWriter(job.work_dir, identity)
+            writer = resume.ClipWriter(job.work_dir, identity, gate=gate)
+            hooks.clip_done = writer
             if spec.resume_from:
                 progress = resume.read_progress(spec.resume_from)
                 carried, before = resume.load(spec.resume_from, progress)
-                resume.adopt(spec.resume_from, job.work_dir, progress.next_clip)
+                writer.adopt(spec.resume_from, progress.next_clip)
                 resume_state = (ClipState(progress.next_clip, carried["motion_latents"],
                                           carried["videos_last_frames"]), before)
                 events.emit("resumed", clip=progress.next_clip + 1, clips=progress.num_clips,
@@ -341,10 +377,10 @@ class RankGroup:
                 from wan_s2v_runner.rank.preview import PreviewWriter
 
                 preview = PreviewWriter(spec.output, spec.speech, self.cfg.sample_fps, events,
-                                        before=resume_state[1] if resume_state else None)
+                                        before=resume_state[1] if resume_state else None, gate=gate)
                 hooks.clip_done = _and_then(hooks.clip_done, preview.clip_done)
         try:
-            self._make(job, index, spec, hooks, resume_state, identity, started, clock, stage)
+            self._make(job, index, spec, hooks, resume_state, identity, started, clock, stage, gate)
         except BaseException:
             if preview is not None:
                 preview.finish(completed=False)  # a cancelled or failed job keeps its video so far
@@ -352,10 +388,12 @@ class RankGroup:
         if preview is not None:
             preview.finish(completed=True)
 
-    def _make(self, job: Job, index: int, spec, hooks, resume_state, identity, started: float, clock, stage) -> None:
+    def _make(self, job: Job, index: int, spec, hooks, resume_state, identity, started: float, clock, stage,
+              gate: LeaseGate) -> None:
         """Generate ``job``'s frames and (rank 0) write its video and record."""
         from wan_s2v_runner.rank.generation import S2VGenerator
         from wan_s2v_runner.shared import media
+        from wan_s2v_runner.shared.atomic import NotCommitted
 
         events, plan = self.events, self.plan
         video = S2VGenerator(self.parts, plan, hooks).generate(request_for(spec), resuming=bool(spec.resume_from),
@@ -367,11 +405,17 @@ class RankGroup:
             raise RuntimeError("rank 0 got no frames from the engine")
         events.emit("frames", shape=list(video.shape))
         try:  # the other ranks are done with this job: an error here is the job's, not the group's
+            gate.wait_or_raise()  # a served job's files only while its server holds it
             if spec.frames_out:
                 frames = video.contiguous()
-                atomic.atomic_write(spec.frames_out, lambda p: torch.save(frames, p))
-            media.save_video_with_audio(video, self.cfg.sample_fps, spec.speech, spec.output, on_stage=stage)
+                atomic.atomic_write(spec.frames_out, lambda p: torch.save(frames, p), commit_if=gate.wait)
+            media.save_video_with_audio(video, self.cfg.sample_fps, spec.speech, spec.output, on_stage=stage,
+                                        commit_if=gate.wait)
+        except NotCommitted:
+            raise JobLost(job.id) from None
         except Exception as e:
+            if isinstance(e, JobLost):
+                raise
             fix = (". Fix: free space on the disk of the output (a server: delete videos, or set --keep-videos / "
                    "--keep-hours)" if isinstance(e, OSError) and e.errno == errno.ENOSPC else "")
             raise JobFailed(f"writing the video failed in stage {events.current_stage.value}: "
@@ -385,7 +429,10 @@ class RankGroup:
                       **memory_figures(events.peaks),
                       "output": {"path": str(spec.output), "sha256": media.sha256_file(spec.output)},
                       "spec": json.loads(spec.model_dump_json())}
-            atomic.write_text(job.record, json.dumps(record, indent=1), durable=True)  # mp4 first, then this
+            try:  # mp4 first, then this
+                atomic.write_text(job.record, json.dumps(record, indent=1), durable=True, commit_if=gate.wait)
+            except NotCommitted:
+                raise JobLost(job.id) from None
         events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
 
 
@@ -424,15 +471,26 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
             dist.barrier()  # is its own work, not a wait for a slower rank's loading
         group = RankGroup(spec, run_dir, events, rank, cfg, plan, parts)
         for index, job in enumerate(group.jobs()):
-            problem = group.inputs_agreed(job)
+            events.job, events.job_prompt = index + 1, job.spec.prompt
+            if group.count != 1 or job.record is not None:
+                events.emit("job", id=job.id, job=index + 1, jobs=group.count if not group.served else None)
+            started, clock = time.time(), StageClock()
             try:
-                if problem is not None:
-                    raise JobFailed(problem)
-                group.run_job(job, index, None if group.served else group.count)
+                verdict = group.start_job(job, clock)
+                if verdict is not None and verdict[0] == LOST:
+                    raise JobLost(job.id)
+                if verdict is not None:
+                    raise JobFailed(verdict[1])
+                group.run_job(job, index, None if group.served else group.count, clock, started)
             except JobCancelled:  # every rank stopped it at the same step; the group takes the next
                 events.emit("job_cancelled", id=job.id, job=index + 1)
+            except JobLost:  # its server lost it to another holder: nothing more of it is written here
+                events.emit("job_lost", id=job.id, job=index + 1)
             except JobFailed as e:  # the job's own error where no peer waits: the group takes the next
                 group.fail_job(job, index, str(e))
+            finally:
+                if group.served and rank == 0:
+                    inbox.job_ended(run_dir, job.id)
             release_memory(spec, parts)
         events.stage(Stage.DONE)
     except BaseException as e:

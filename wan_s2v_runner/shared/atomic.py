@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
+
+#: asked just before a temporary is renamed onto its destination: False (or a raise) leaves the
+#: destination as it was (a served job's lease, :mod:`wan_s2v_runner.rank.lease`)
+CommitIf = Optional[Callable[[], bool]]
+
+
+class NotCommitted(Exception):
+    """A write's ``commit_if`` said no: the temporary was removed, the destination is untouched."""
 
 
 def temp_name(dest: Path, tag: str = "tmp", pid: int | None = None) -> Path:
@@ -44,27 +52,32 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def replace(tmp: Path, dest: Path, durable: bool = False) -> None:
-    """``os.replace``; ``durable``: the file's data before, the directory entry after."""
+def replace(tmp: Path, dest: Path, durable: bool = False, commit_if: CommitIf = None) -> None:
+    """``os.replace``; ``durable``: the file's data before, the directory entry after;
+    ``commit_if``: asked last (:class:`NotCommitted` when it says no)."""
     if durable:
         fsync_file(tmp)
+    if commit_if is not None and not commit_if():
+        raise NotCommitted(str(dest))
     os.replace(tmp, dest)
     if durable:
         fsync_dir(Path(dest).parent)
 
 
-def atomic_write(dest: Path, write: Callable[[Path], object], durable: bool = False) -> Path:
-    """``write(tmp)`` then rename onto ``dest``; on any error the temporary is removed."""
+def atomic_write(dest: Path, write: Callable[[Path], object], durable: bool = False,
+                 commit_if: CommitIf = None) -> Path:
+    """``write(tmp)`` then rename onto ``dest`` (when ``commit_if`` says so); on any error the
+    temporary is removed."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(dest)
     try:
         write(tmp)
-        replace(tmp, dest, durable)
+        replace(tmp, dest, durable, commit_if)
     finally:
         tmp.unlink(missing_ok=True)
     return dest
 
 
-def write_text(dest: Path, text: str, durable: bool = False) -> Path:
-    return atomic_write(dest, lambda p: p.write_text(text, encoding="utf-8"), durable)
+def write_text(dest: Path, text: str, durable: bool = False, commit_if: CommitIf = None) -> Path:
+    return atomic_write(dest, lambda p: p.write_text(text, encoding="utf-8"), durable, commit_if)

@@ -118,9 +118,11 @@ def first_frame_jpeg(video: Path, out: Path) -> Path:
     return atomic.atomic_write(out, write)
 
 
-def save_video_with_audio(frames, fps: int, audio: Path, output: Path, on_stage=None) -> Path:
+def save_video_with_audio(frames, fps: int, audio: Path, output: Path, on_stage=None,
+                          commit_if: atomic.CommitIf = None) -> Path:
     """frames (3, N, H, W) in [-1, 1] -> ``output`` (mp4: H.264 + AAC), all or nothing.
-    ``on_stage`` (optional) is called with :attr:`Stage.SAVE`, then :attr:`Stage.MUX`."""
+    ``on_stage`` (optional) is called with :attr:`Stage.SAVE`, then :attr:`Stage.MUX`;
+    ``commit_if`` before the rename (:class:`~.atomic.NotCommitted`: ``output`` untouched)."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     u8 = frames_to_uint8(frames)
@@ -132,7 +134,7 @@ def save_video_with_audio(frames, fps: int, audio: Path, output: Path, on_stage=
         if on_stage:
             on_stage(Stage.MUX)
         mux_audio(video_tmp, Path(audio), final_tmp, duration_s=u8.shape[0] / fps)
-        atomic.replace(final_tmp, output, durable=True)  # on disk before anyone is told it is done
+        atomic.replace(final_tmp, output, durable=True, commit_if=commit_if)  # on disk before anyone is told
     finally:
         for p in (video_tmp, final_tmp):
             p.unlink(missing_ok=True)

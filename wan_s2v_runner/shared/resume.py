@@ -87,18 +87,59 @@ class Progress:
 
 
 class ClipWriter:
-    """Rank 0's per-clip checkpoint writer (``Hooks.clip_done``)."""
+    """Rank 0's per-clip checkpoint writer (``Hooks.clip_done``). ``gate`` (a served job's lease,
+    :class:`~wan_s2v_runner.rank.lease.LeaseGate`; None: always current) decides each write: while
+    its verdict is ``unknown`` the clips are kept (the frames are rank 0's anyway until the video
+    is written; the carried state is replaced, never changed, by the next clip) and written, in
+    order, at the first clip whose verdict is ``current``; once ``lost``, nothing more is written."""
 
-    def __init__(self, run_dir: Path, ident: dict):
-        self.run_dir, self.ident = Path(run_dir), ident
-        (self.run_dir / CLIPS_DIR).mkdir(parents=True, exist_ok=True)
+    def __init__(self, run_dir: Path, ident: dict, gate=None):
+        self.run_dir, self.ident, self.gate = Path(run_dir), ident, gate
+        self.pending: list[tuple[int, object]] = []  # (clip, frames) owed to the directory
+        self.latest: Optional[tuple[object, int]] = None  # (state, num_clips) of the newest clip
+        self.adopting: Optional[tuple[Path, int]] = None  # a resume's earlier clips, linked in first
+        self.lost = False
+
+    def adopt(self, source: Path, next_clip: int) -> None:
+        """A resume: the clips ``source`` made before (0 .. next_clip - 1) belong in this folder
+        too (so it can be resumed in turn); linked now if the gate says so, else before the
+        first clip written."""
+        from wan_s2v_runner.shared.inbox import Verdict
+
+        self.adopting = (Path(source), next_clip)
+        if self.gate is None or self.gate.verdict() is Verdict.CURRENT:
+            self.flush()
 
     def __call__(self, clip: int, frames, state, num_clips: int) -> None:
+        from wan_s2v_runner.shared.inbox import Verdict
+
+        if self.lost:
+            return
+        self.pending.append((clip, frames))
+        self.latest = (state, num_clips)
+        verdict = self.gate.verdict() if self.gate is not None else Verdict.CURRENT
+        if verdict is Verdict.LOST:
+            self.lost, self.pending, self.latest, self.adopting = True, [], None, None
+        elif verdict is Verdict.CURRENT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the clips owed, then the newest clip's carried state and ``state.json``."""
         import torch
 
         from wan_s2v_runner.shared import atomic
-        frames = frames.contiguous()
-        atomic.atomic_write(clip_file(self.run_dir, clip), lambda p: torch.save(frames, p))
+        (self.run_dir / CLIPS_DIR).mkdir(parents=True, exist_ok=True)
+        if self.adopting is not None:
+            adopt(*self.adopting, self.run_dir)
+            self.adopting = None
+        for clip, frames in self.pending:
+            frames = frames.contiguous()
+            atomic.atomic_write(clip_file(self.run_dir, clip), lambda p, f=frames: torch.save(f, p))
+        self.pending = []
+        if self.latest is None:
+            return
+        state, num_clips = self.latest
+        self.latest = None
         # after the last clip there is no next clip: no motion latents (not computed)
         motion = state.motion_latents.cpu() if state.motion_latents is not None else None
         carried = {"format": FORMAT, "clip": state.clip, "motion_latents": motion,
@@ -154,7 +195,7 @@ def load(run_dir: Path, progress: Progress):
     return carried, frames
 
 
-def adopt(old_run_dir: Path, new_run_dir: Path, next_clip: int) -> None:
+def adopt(old_run_dir: Path, next_clip: int, new_run_dir: Path) -> None:
     """Link (or copy) the finished clips into the new run directory, so it can be resumed too."""
     (Path(new_run_dir) / CLIPS_DIR).mkdir(parents=True, exist_ok=True)
     for r in range(next_clip):

@@ -1,11 +1,17 @@
 """``wan-s2v serve``: a resident rank group behind an HTTP API (launcher side, node 0).
 
-- :mod:`.queue`: the job store the API and keepers share (:class:`~.queue.JobStore`) and its
-  durable SQLite queue (WAL mode, in the server's directory);
+- :mod:`.store`: the job stores the API and keepers share (one interface,
+  :class:`~.store.protocol.JobStore`; one server's SQLite file; the PostgreSQL queue servers
+  share, with leases and fencing; one contract suite for both);
+- :mod:`.settings`: the server's own settings, typed (:class:`~.settings.ServerSettings`);
+- :mod:`.fleet`: the fleet's identity (one model per pool) and its shared directory's marker;
+- :mod:`.watch`: what the server knows of its queue and shared directory between requests;
+- :mod:`.dirs`: where a server keeps things, and each attempt's own folder for a job's files;
 - :mod:`.keeper`: the thread that owns one rank group (an observer of its run): launches it
-  (every mode and layout ``run`` supports) from its group spec with an inbox, posts queued
-  jobs one at a time, follows their progress from the ranks' events, records what became of
-  each, restarts the group after a failure;
+  (every mode and layout ``run`` supports) from its group spec with an inbox, claims queued
+  jobs one at a time, holds them (leases, fencing), follows their progress from the ranks'
+  events (:mod:`.progress`), records what became of each, restarts the group after a failure;
+- :mod:`.leftovers`: what a killed server's groups left running, found and stopped at start;
 - :mod:`.requests`: a job submission, validated as a job spec on the server's group by the same
   rules and preflight as ``run``, with the path and upload rules;
 - :mod:`.protocol`: the typed response models (video object, list, error, server state);

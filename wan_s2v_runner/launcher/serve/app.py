@@ -28,19 +28,25 @@ from starlette.routing import compile_path
 
 from wan_s2v_runner.launcher.serve.feed import Feed
 from wan_s2v_runner.launcher.serve.protocol import ErrorDetail, ErrorResponse
-from wan_s2v_runner.launcher.serve.requests import Refused
+from wan_s2v_runner.launcher.serve.requests import Refused, scrub
 from wan_s2v_runner.launcher.serve.routes import api, public
 from wan_s2v_runner.launcher.serve.state import Server
+from wan_s2v_runner.launcher.serve.store.protocol import QueueUnavailable
+
+#: seconds a client is asked to wait before it tries again while the queue is unavailable
+RETRY_AFTER_S = 5
 
 #: the error ``type`` of each status (OpenAI's names)
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
                503: "service_unavailable", 507: "insufficient_storage"}
 
 
-def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
+def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                   retry_after: Optional[int] = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorDetail(message=message, type=ERROR_TYPES.get(status, "invalid_request_error"),
                                            param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def validation_message(errors) -> tuple[str, Optional[str]]:
@@ -122,7 +128,15 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(Refused)
     async def refused(_request: Request, e: Refused) -> JSONResponse:
-        return error_response(e.status, e.message, e.param)
+        message = scrub(e.message, server.roots if server is not None else ())
+        return error_response(e.status, message, e.param, e.code, e.retry_after)
+
+    @app.exception_handler(QueueUnavailable)
+    async def queue_unavailable(_request: Request, e: QueueUnavailable) -> JSONResponse:
+        if server is not None:
+            server.watch.queue_failed(str(e))
+        return error_response(503, f"{e}. Fix: retry in a few seconds; /health says since when the queue is down",
+                              code="queue_unavailable", retry_after=RETRY_AFTER_S)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
@@ -143,5 +157,5 @@ def create_app(server: Server) -> FastAPI:
     app.include_router(public)
     app.include_router(api)
     if server is not None and server.token is None:
-        app.add_middleware(BrowserGuard, allow_hosts=server.allow_hosts)
+        app.add_middleware(BrowserGuard, allow_hosts=server.settings.allow_host)
     return app

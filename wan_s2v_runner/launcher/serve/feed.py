@@ -13,7 +13,11 @@ with the followers, and a page's traffic does not grow with the jobs in the queu
 
 What moves with the clock alone (a running job's stage seconds, the uptime) is not a change. A
 follower that reads slower than the feed ticks gets the changes merged, never a backlog. The
-followers are bounded (:data:`MAX_FOLLOWERS`; more are refused with 429).
+followers are bounded (:data:`MAX_FOLLOWERS`): a stream takes its place (:meth:`Feed.reserve`, a
+:class:`Ticket`) on the event loop before it starts, so a burst of streams opened at once never
+passes the limit, and the ones over it are refused with 429 before any of their stream is sent.
+While the queue is unavailable the feed skips its reads and the streams stay open; they hear
+again once it answers.
 """
 from __future__ import annotations
 
@@ -25,9 +29,10 @@ from typing import Any, AsyncIterator, Optional
 
 from starlette.concurrency import run_in_threadpool
 
-from wan_s2v_runner.launcher.serve.queue import PAGE_MAX, JobStatus
 from wan_s2v_runner.launcher.serve.requests import Refused
 from wan_s2v_runner.launcher.serve.state import Server, server_state, video_objects
+from wan_s2v_runner.launcher.serve.store.protocol import JobStatus, QueueUnavailable
+from wan_s2v_runner.launcher.serve.store.rules import PAGE_MAX
 
 log = logging.getLogger("wan_s2v.serve")
 
@@ -73,6 +78,19 @@ class Changes:
 
 class FeedFailed(Exception):
     """The feed's read failed: every stream ends with this (``event: error``)."""
+
+
+class Ticket:
+    """A stream's place among the feed's followers, taken before the stream starts; it becomes
+    the follower (:meth:`Feed.follow`) or is given back (:meth:`release`, at the request's end)."""
+
+    def __init__(self, feed: "Feed"):
+        self.feed, self.used, self.released = feed, False, False
+
+    def release(self) -> None:
+        if not self.used and not self.released:
+            self.released = True
+            self.feed.reserved -= 1
 
 
 class Follower:
@@ -122,6 +140,7 @@ class Feed:
                  max_followers: int = MAX_FOLLOWERS):
         self.server, self.tick_s, self.window_size, self.max_followers = server, tick_s, window, max_followers
         self.followers: set[Follower] = set()
+        self.reserved = 0  # places taken by streams that have not started following yet
         self.reads = 0  # reads of the queue so far (/v1/server: shared, not one per follower)
         self._state: Optional[dict[str, Any]] = None
         self._window: list[str] = []
@@ -134,10 +153,19 @@ class Feed:
     @property
     def full(self) -> Optional[str]:
         """Why one more follower is refused (None: it is taken)."""
-        if len(self.followers) < self.max_followers:
+        if len(self.followers) + self.reserved < self.max_followers:
             return None
-        return (f"{len(self.followers)} event streams are open (the server takes {self.max_followers}). "
-                "Fix: close one, or poll GET /v1/videos/{id}")
+        return (f"{len(self.followers) + self.reserved} event streams are open (the server takes "
+                f"{self.max_followers}). Fix: close one, or poll GET /v1/videos/{{id}}")
+
+    def reserve(self) -> Ticket:
+        """A place for one more stream (on the event loop: the check and the taking are one step),
+        or :class:`Refused` 429."""
+        why = self.full
+        if why is not None:
+            raise Refused(429, why, retry_after=5)
+        self.reserved += 1
+        return Ticket(self)
 
     # ----- the read (a worker thread) -----
     def _read(self, watched: set[str]) -> Read:
@@ -204,6 +232,8 @@ class Feed:
                     break
                 try:
                     await self._tick_once()
+                except QueueUnavailable:  # the streams wait; the next tick reads again
+                    continue
                 except Exception as e:
                     log.exception("the live feed's read failed")
                     for f in self.followers:
@@ -214,23 +244,30 @@ class Feed:
             self._task = None
 
     @asynccontextmanager
-    async def follow(self, watch: Optional[str] = None) -> AsyncIterator[Follower]:
-        """A new follower of the whole window (``watch`` None) or of one job; the feed runs while
-        anyone follows. The first read is done before this yields, so :meth:`snapshot` and
-        :meth:`video` are current."""
-        if self.full:
-            raise Refused(429, self.full)
+    async def follow(self, watch: Optional[str] = None, ticket: Optional[Ticket] = None) -> AsyncIterator[Follower]:
+        """A new follower of the whole window (``watch`` None) or of one job, in the place
+        ``ticket`` took (none: one is taken now); the feed runs while anyone follows. The first
+        read is done before this yields, so :meth:`snapshot` and :meth:`video` are current."""
+        ticket = ticket or self.reserve()
+        if ticket.released:  # given back already: a place is taken again, or refused
+            ticket = self.reserve()
         f = Follower(watch)
-        async with self._starting:
-            self.followers.add(f)
-            try:
+        ticket.used = True
+        self.reserved -= 1  # the place moves from reserved to followers in one step (no await between)
+        self.followers.add(f)
+        try:
+            async with self._starting:
                 if self._task is None or (watch is not None and watch not in self._videos):
-                    await self._tick_once()  # current before the stream's first event
+                    try:
+                        await self._tick_once()  # current before the stream's first event
+                    except QueueUnavailable as e:
+                        raise FeedFailed(f"{e}. Fix: reconnect in a few seconds") from None
                 if self._task is None:
                     self._task = asyncio.get_running_loop().create_task(self._run())
-            except BaseException:
-                self.followers.discard(f)
-                raise
+        except BaseException:
+            self.followers.discard(f)
+            raise
+        f.pending = Changes()  # what the reads so far said, the snapshot says
         try:
             yield f
         finally:

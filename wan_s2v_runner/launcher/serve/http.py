@@ -3,7 +3,7 @@ what a stopping server must leave stopped (its rank group). The application itse
 :func:`.app.create_app`.
 
 The server binds 127.0.0.1 unless told otherwise; another address needs a token or an explicit
-``--insecure-no-auth``.
+``--insecure-no-auth`` (:func:`~.settings.check_bind`).
 """
 from __future__ import annotations
 
@@ -14,32 +14,16 @@ import signal
 import socket
 import sys
 import threading
-from typing import Optional
 
 from wan_s2v_runner.launcher.serve.app import create_app
-from wan_s2v_runner.launcher.serve.keeper import (
-    group_file,
-    group_files,
-    remove_partial_videos,
-    stop_keepers,
-    wait_for_leftovers,
-)
+from wan_s2v_runner.launcher.serve.dirs import remove_partial_videos
+from wan_s2v_runner.launcher.serve.keeper import stop_keepers
+from wan_s2v_runner.launcher.serve.leftovers import group_file, group_files, wait_for_leftovers
 from wan_s2v_runner.launcher.serve.state import Server
 from wan_s2v_runner.shared import atomic, exit_codes
 
 #: the file a started server writes in its directory: its URL and pid (clients and tests read it)
 SERVER_FILE = "server.json"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def check_bind(host: str, token: Optional[str], insecure: bool) -> Optional[str]:
-    """Why the server must not start with this address and auth (None: it may)."""
-    if host in LOOPBACK or token or insecure:
-        return None
-    return (f"--host {host} exposes the server beyond this machine with no auth. Fix: add --token TOKEN "
-            "(clients send 'Authorization: Bearer TOKEN'), or --insecure-no-auth if the network is yours alone")
-
-
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -50,12 +34,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(server: Server, host: str, port: int) -> int:
-    """Serve until SIGINT/SIGTERM: the keeper's group in the background, uvicorn in front; then
-    stop the group and make sure nothing of it is left running."""
+def run_server(server: Server) -> int:
+    """Serve until SIGINT/SIGTERM: the keepers' groups and the watch in the background, uvicorn in
+    front; then stop the groups and make sure nothing of them is left running."""
     import uvicorn
 
-    sock = bind_socket(host, port)
+    host = server.settings.host
+    sock = bind_socket(host, server.settings.port)
     bound = sock.getsockname()[1]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
     if not server.queue.shared:  # a shared directory's other servers are writing theirs
@@ -82,6 +67,7 @@ def run_server(server: Server, host: str, port: int) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        server.watch.start()
         for keeper in server.keepers:
             keeper.start()
         atomic.write_text(server.dirs.root / SERVER_FILE, json.dumps({"url": url, "pid": os.getpid()}))
@@ -106,6 +92,10 @@ def run_server(server: Server, host: str, port: int) -> int:
             print(f"serve: stopped what the rank group left running (pids {', '.join(map(str, left))})",
                   file=sys.stderr, flush=True)
         (server.dirs.root / SERVER_FILE).unlink(missing_ok=True)
+        server.watch.stop()
+        for keeper in server.keepers:
+            if keeper.queue is not server.queue:
+                keeper.queue.close()
         server.queue.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -1,4 +1,4 @@
-"""The keeper: the server's thread that owns one resident rank group.
+"""The keeper: the server's thread that owns one resident rank group and holds its jobs.
 
 It launches the group from its :class:`~wan_s2v_runner.shared.spec.GroupSpec` alone with
 :func:`wan_s2v_runner.launcher.launch.run` (``served``: the run directory gets an inbox, the
@@ -7,52 +7,47 @@ hang watchdog, ``run.json``). The keeper is one of the run's observers
 (:class:`KeeperObserver`, :mod:`~wan_s2v_runner.launcher.observer`), beside the console: the
 supervisor tells it after every poll of the ranks' events; there, on the keeper's own thread, it:
 
-- posts the next queued job when the group is idle (one at a time: a job that resumes is
-  prepared from its clip checkpoints, a job whose record and mp4 are already there is completed
-  without running, as ``wan-s2v batch`` does);
-- follows rank 0's events into the job's live progress (:class:`Progress`: stage, clip k/n,
-  step i/m, ETA, seconds per stage), and records ``job_done`` / ``job_cancelled`` /
-  ``job_failed`` (the job's own error: its inputs unreadable when it starts, or rank 0's writing
-  failed; the same ranks take the next job) in the queue;
-- passes a cancel of the running job to the ranks (the inbox's cancel file).
+- claims the next job of its pool when the group is idle and the server may take jobs (the
+  claim gives the job a new attempt: this keeper's fencing token), prepares it in the attempt's
+  own folder (resuming from the newest complete clip checkpoint any attempt wrote; a job whose
+  published mp4 and record are already there is completed without running), tells the ranks
+  how long its hold is sure (the inbox's lease file, :mod:`~wan_s2v_runner.rank.lease`), and
+  posts it;
+- renews the lease (a shared queue) every third of it, with the job's live progress
+  (:class:`~.progress.Progress`), and passes on a cancel asked anywhere; a holder that learns it
+  lost the job tells its ranks at once (they stop at the next step and write nothing more) and
+  leaves the job's end and files to the new holder;
+- records ``job_done`` / ``job_cancelled`` / ``job_failed`` through the store's fenced
+  :meth:`~.store.protocol.JobStore.finish`, which moves the attempt's files into place
+  (:func:`~.dirs.publisher`) in the same transaction.
 
+While the store is unavailable (a database restart, a failover) the group goes on with the job
+it runs; what the keeper could not record waits (:class:`Pending`) and is recorded, in order,
+when the store answers again, fencing deciding whether it is still this keeper's to record.
 When the group ends under a job (a rank died or hung), the job goes back to the queue with its
-failure counted (failed for good at :data:`~.queue.MAX_FAILURES`), and the keeper starts a new
-group after a back-off. The HTTP side never waits on any of this.
-
-One keeper owns one group and takes jobs from a :class:`~.queue.JobStore` by claiming them, so
-more groups (more keepers) can share one store.
+failure counted, and the keeper starts a new group after a back-off. The HTTP side never waits
+on any of this.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from wan_s2v_runner.launcher.console import Display, eta_s
-from wan_s2v_runner.launcher.job_book import (
-    WORK_DIR,
-    JobState,
-    Line,
-    job_defaults,
-    mark_done_before,
-    prepare_resume,
-)
-from wan_s2v_runner.launcher.proctree import pids_with_cmdline
-from wan_s2v_runner.launcher.serve.queue import JobStatus, JobStore
+from wan_s2v_runner.launcher.console import Display
+from wan_s2v_runner.launcher.job_book import job_defaults, resume_point
+from wan_s2v_runner.launcher.serve.dirs import ServerDirs, publisher, remove_partial_videos
+from wan_s2v_runner.launcher.serve.leftovers import group_file
+from wan_s2v_runner.launcher.serve.progress import GroupState, Progress
 from wan_s2v_runner.launcher.serve.retention import SWEEP_EVERY_S, Retention
 from wan_s2v_runner.launcher.serve.retention import sweep as retention_sweep
-from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
-from wan_s2v_runner.shared import atomic, inbox, media
-from wan_s2v_runner.shared.events import steps_done
+from wan_s2v_runner.launcher.serve.store.protocol import Held, JobRow, JobStatus, JobStore, QueueUnavailable
+from wan_s2v_runner.shared import atomic, inbox
 from wan_s2v_runner.shared.jobs import Job
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
 from wan_s2v_runner.shared.stages import Stage
@@ -61,136 +56,47 @@ log = logging.getLogger("wan_s2v.keeper")
 
 #: seconds before the keeper starts a new rank group after one failed (doubling, up to the max)
 RESTART_BACKOFF_S = (1.0, 30.0)
-#: the running group's run directory, so the next server can find (and stop) what a killed one left
-GROUP_FILE = "group.json"
 #: how often a keeper looks for a cancel of its running job (one server's queue; a shared one:
 #: every third of the lease, when it renews it)
 BEAT_S = 2.0
 #: how often an idle keeper asks a shared queue for the next job
 CLAIM_EVERY_S = 0.5
-
-
-def group_files(root: Path) -> list[Path]:
-    """Every keeper's note of its group's run directory (``group.json``, ``group-I.json``)."""
-    return sorted(root.glob("group*.json"))
-
-
-def group_file(root: Path, index: int) -> Path:
-    """Where keeper ``index`` notes its group's run directory (for the next server, if this one is
-    killed): ``group.json`` for the first group, ``group-I.json`` for the others."""
-    return root / (GROUP_FILE if index == 0 else f"group-{index}.json")
-
-
-class GroupState(str, Enum):
-    """What the rank group is doing (``/health``, the status page)."""
-
-    LOADING = "loading"
-    IDLE = "idle"
-    WORKING = "working"
-    RESTARTING = "restarting"
-    STOPPED = "stopped"
+#: the part of its lease a holder tells its ranks it is sure of (from the heartbeat's send): the
+#: rest covers a clock running a little fast and the moment between a rank's check and its write
+SURE_OF = 0.9
 
 
 @dataclass
-class Progress:
-    """A running job's progress, from rank 0's events."""
+class Pending:
+    """Writes the keeper could not make while its store was unavailable, made in order once it
+    answers again (each raises :class:`QueueUnavailable` while it still does not)."""
 
-    started: float
-    stage: str = ""
-    clip: Optional[int] = None
-    clips: Optional[int] = None
-    step: Optional[int] = None
-    steps: Optional[int] = None
-    eta_s: Optional[float] = None
-    marks: list[tuple[str, float]] = field(default_factory=list)
-    denoise_t0: Optional[float] = None
-    preview_clips: Optional[int] = None  # clips in the video so far (videos/ID.partial.mp4)
+    writes: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
 
-    def on_event(self, ev: dict[str, Any]) -> None:
-        kind, t = ev.get("kind"), float(ev["t"])
-        if kind == "stage":
-            self.stage = str(ev.get("stage"))
-            self.marks.append((self.stage, t))
-            if self.stage == Stage.DENOISE:
-                self.denoise_t0 = self.denoise_t0 or t
-                self.clip, self.clips, self.step = ev.get("clip"), ev.get("clips"), 0
-                self.steps = ev.get("steps") or self.steps
-        elif kind == "preview":
-            self.preview_clips = ev.get("clips")
-        elif kind == "progress":
-            self.clip, self.clips = ev.get("clip"), ev.get("clips")
-            self.step, self.steps = ev.get("step"), ev.get("steps")
-            p = {"clip": self.clip, "clips": self.clips, "step": self.step, "steps": self.steps}
-            self.eta_s = eta_s(p, self.denoise_t0, t)
+    def add(self, what: str, write: Callable[[], Any]) -> None:
+        self.writes.append((what, write))
 
-    def steps_per_s(self, now: float) -> Optional[float]:
-        if self.denoise_t0 is None or not self.step or not self.steps:
-            return None
-        done = steps_done({"clip": self.clip, "step": self.step, "steps": self.steps})
-        return round(done / max(now - self.denoise_t0, 1e-6), 4)
+    def flush(self) -> list[str]:
+        """Make the pending writes in order, stopping at the first that still cannot be made;
+        returns what was made."""
+        done = []
+        while self.writes:
+            what, write = self.writes[0]
+            write()
+            self.writes.pop(0)
+            done.append(what)
+        return done
 
-    def stage_seconds(self, now: float) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for (stage, t), (_, t_next) in zip(self.marks, self.marks[1:] + [("", now)]):
-            out[stage] = round(out.get(stage, 0.0) + t_next - t, 3)
-        return out
-
-    def as_dict(self, now: float) -> dict[str, Any]:
-        return {"stage": self.stage or None, "clip": self.clip, "clips": self.clips, "step": self.step,
-                "steps": self.steps, "eta_s": round(self.eta_s, 1) if self.eta_s is not None else None,
-                "stage_seconds": self.stage_seconds(now), "preview_clips": self.preview_clips}
+    def __bool__(self) -> bool:
+        return bool(self.writes)
 
 
 @dataclass(frozen=True)
-class ServerDirs:
-    """Where a server keeps things (``--server-dir``)."""
+class Holding:
+    """The job the group makes: its id and the attempt this keeper was given (its token)."""
 
-    root: Path  # this server's own (its lock, its rank groups' run directories, a SQLite queue)
-    shared: Optional[Path] = None  # --shared-dir: what every server of a shared queue reads (else root)
-
-    @property
-    def videos(self) -> Path:  # ID.mp4 and ID.json: the only files the API ever serves
-        return (self.shared or self.root) / "videos"
-
-    @property
-    def uploads(self) -> Path:
-        return (self.shared or self.root) / "uploads"
-
-    @property
-    def runs(self) -> Path:
-        return self.root / "runs"
-
-    @property
-    def queue(self) -> Path:
-        return self.root / "jobs.sqlite"
-
-    def work(self, job_id: str) -> Path:
-        return self.videos / WORK_DIR / job_id
-
-    def video(self, job_id: str) -> Path:
-        return self.videos / f"{job_id}.mp4"
-
-    def record(self, job_id: str) -> Path:  # rank 0's record of the job (ID.json)
-        return self.videos / f"{job_id}.json"
-
-    def partial(self, job_id: str) -> Path:  # the video so far (rank 0's preview, rank/preview.py)
-        return media.partial_path(self.video(job_id))
-
-    def thumbnail(self, job_id: str) -> Path:  # the first frame (rank 0 writes it after clip 1)
-        return media.thumbnail_path(self.video(job_id))
-
-    def remove_job_files(self, job_id: str, *, video: bool) -> None:
-        """What a job left: its clip checkpoints and uploads (a job that ended keeps nothing it
-        could resume from); with ``video``, its mp4, record, speech, video so far and thumbnail
-        too (deleted)."""
-        import shutil
-
-        shutil.rmtree(self.work(job_id), ignore_errors=True)
-        shutil.rmtree(self.uploads / job_id, ignore_errors=True)
-        if video:
-            for path in (self.video(job_id), self.record(job_id), self.videos / f"{job_id}.speech.wav",
-                         self.partial(job_id), self.thumbnail(job_id)):
-                path.unlink(missing_ok=True)
+    job_id: str
+    attempt: int
 
 
 class KeeperObserver:
@@ -221,16 +127,20 @@ class KeeperObserver:
 
 
 class Keeper(threading.Thread):
-    """Runs rank groups for the queue until :meth:`shutdown`."""
+    """Runs rank groups for the queue until :meth:`shutdown`. ``may_claim`` says why the server
+    takes no job now (None: it may; the shared directory failing its check, say);
+    ``stamp``: what each published record is stamped with (the pool and fleet identity)."""
 
     def __init__(self, group_spec: GroupSpec, queue: JobStore, dirs: ServerDirs, extra_env: Optional[dict] = None,
                  on_completed: Optional[Callable[[dict], None]] = None, retention: Optional[Retention] = None,
-                 index: int = 0, holds: str = "all of the node"):
+                 index: int = 0, holds: str = "all of the node",
+                 may_claim: Callable[[], Optional[str]] = lambda: None, stamp: Optional[dict] = None):
         super().__init__(name=f"wan-s2v-keeper-{index}", daemon=True)
         self.group_spec, self.queue, self.dirs, self.extra_env = group_spec, queue, dirs, extra_env
         self.index, self.holds = index, holds  # which of the server's groups (--replicas), and on what
         self.on_completed = on_completed  # called with a completed job's record (the metrics)
         self.retention = retention or Retention()
+        self.may_claim, self.stamp = may_claim, dict(stamp or {})
         self._swept = 0.0
         self._backoff = RESTART_BACKOFF_S[0]
         self.ranks: list[dict[str, Any]] = []  # each rank's stage and memory, from its events
@@ -239,7 +149,7 @@ class Keeper(threading.Thread):
         self.restarts = 0
         self.groups = 0
         self.run_dir: Optional[Path] = None
-        self.current: Optional[str] = None  # the job the group is making
+        self.holding: Optional[Holding] = None  # the job the group makes, and this keeper's attempt
         self.progress: dict[str, Progress] = {}  # live progress of the running job (by id)
         self.outcome = None  # the last group's Outcome
         self.last_error: Optional[str] = None
@@ -248,14 +158,22 @@ class Keeper(threading.Thread):
         self._seq = 0
         # a shared queue: the lease on the running job is renewed every third of it; one server's: a
         # look for cancels every few seconds (the API tells this keeper directly besides)
-        self.beat_every_s = getattr(queue, "lease_s", 3 * BEAT_S) / 3
+        self.beat_every_s = (queue.lease_s or 3 * BEAT_S) / 3
         self._beat_at = 0.0
         self._claim_at = 0.0  # a shared queue is asked for the next job at most every CLAIM_EVERY_S
-        self._lost: set[str] = set()  # jobs another server took from this group (its lease ran out)
+        self._lost: set[str] = set()  # jobs whose lease this keeper lost (another holder's now)
+        self.pending = Pending()  # ends and failures to record once the store answers again
+        self._up_since: Optional[float] = None  # since when the store answers this keeper (it reaps a lease later)
         self.completed = 0  # jobs this keeper's groups completed (a group that did work is no crash loop)
         self._closing = threading.Event()  # shutdown asked
         self._halt = threading.Event()  # stop the ranks now
         self._lock = threading.Lock()
+
+    @property
+    def current(self) -> Optional[str]:
+        """The job the group is making (the API's view)."""
+        holding = self.holding
+        return holding.job_id if holding else None
 
     # ----- what the API reads -----
     def live(self, job_id: str) -> Optional[dict[str, Any]]:
@@ -286,31 +204,57 @@ class Keeper(threading.Thread):
         with self._lock:
             self._send_cancel(job_id)
 
+    # ----- the lease -----
+    def _tell_lease(self, holding: Holding, until: float = 0.0, lost: bool = False) -> None:
+        """Tell the ranks how long this keeper is sure it holds the job (a shared queue only: one
+        server's jobs have no lease, and no lease file)."""
+        if self.queue.shared and self.run_dir is not None:
+            inbox.write_lease(self.run_dir, holding.job_id, inbox.Lease(holding.attempt, until, lost))
+
     def beat(self) -> None:
-        """Every :attr:`beat_every_s`: renew the lease on the running job (with its live progress,
-        for the other servers of a shared queue), pass on a cancel asked anywhere, and give back
-        the jobs of servers whose leases ran out."""
+        """Every :attr:`beat_every_s`: record what waits to be recorded, renew the lease on the
+        running job (with its live progress, for the other servers of a shared queue), pass on a
+        cancel asked anywhere, and give back the jobs of servers whose leases ran out. After the
+        store was unavailable, a keeper reaps only once it has answered for a whole lease: every
+        holder that outlived the outage has renewed its lease by then, so an outage longer than
+        the lease does not hand running jobs over (a holder that did not come back is reaped)."""
         now = time.time()
         if now - self._beat_at < self.beat_every_s:
             return
         self._beat_at = now
         try:
+            for what in self.pending.flush():
+                log.warning("recorded now that the queue answers again: %s", what)
             with self._lock:
-                running = {self.current: (self.progress[self.current].as_dict(now)
-                                          if self.current in self.progress else None)} if self.current else {}
+                holding = self.holding
+                running = {holding.job_id: Held(holding.attempt, self.progress[holding.job_id].as_dict(now)
+                                                if holding.job_id in self.progress else None)} if holding else {}
             beat = self.queue.heartbeat(running)
             with self._lock:
-                for job_id in beat.lost:  # another server has it now: stop, and leave its files to it
-                    log.warning("job %s: this server's lease ran out and another server took it; stopping it here",
-                                job_id)
-                    self._lost.add(job_id)
-                    self._send_cancel(job_id)
+                if holding is not None and holding == self.holding:
+                    if holding.job_id in beat.lost:  # another holder has it (or will): stop, write nothing more
+                        log.warning("job %s: this server's lease ran out and the job was taken back; stopping it "
+                                    "here (its files and its end are its new holder's)", holding.job_id)
+                        self._lost.add(holding.job_id)
+                        self._tell_lease(holding, lost=True)
+                        self._send_cancel(holding.job_id)
+                    else:  # renewed: sure of it until most of the lease from the send
+                        self._tell_lease(holding, until=now + SURE_OF * (self.queue.lease_s or 0))
                 for job_id in beat.cancel:
                     self._send_cancel(job_id)
-            reaped = self.queue.reap()
-        except Exception as e:  # the database away for a moment: the next beat tries again
+            self._up_since = self._up_since or now
+            if self.last_error and self.last_error.startswith("the queue is unavailable"):
+                self.last_error = None
+            reaped = self.queue.reap() if now - self._up_since >= (self.queue.lease_s or 0) else None
+        except QueueUnavailable as e:  # the database away: the group goes on; the next beat tries again
+            self.last_error = f"the queue is unavailable: {e}"
+            self._up_since = None
+            return
+        except Exception as e:  # never a dead keeper: /health says it
             log.exception("the keeper's heartbeat failed")
             self.last_error = f"heartbeat: {type(e).__name__}: {e}"
+            return
+        if reaped is None:
             return
         if reaped.requeued:
             log.warning("jobs whose server stopped renewing their leases are queued again (they resume from "
@@ -350,16 +294,15 @@ class Keeper(threading.Thread):
         except Exception as e:  # the launcher itself failed: say so, and try again
             self.last_error = f"{type(e).__name__}: {e}"
         with self._lock:
-            failed, self.current = self.current, None
+            failed, self.holding = self.holding, None
             self.progress.clear()
             self.run_dir = None
             self.ranks = []
-        if failed is not None:  # what its rank 0 left half-written (other groups' writes go on)
-            remove_partial_videos(self.dirs.videos, failed)
         reason = (self.outcome.reason if self.outcome is not None and self.outcome.reason
                   else self.last_error or "the rank group ended")
         if failed is not None and not self._closing.is_set():
-            self._group_failed_under(failed, reason)
+            self._record(f"job {failed.job_id}: its rank group failed",
+                         lambda: self._group_failed_under(failed, reason))
         if self._closing.is_set():
             return
         self.last_error = reason
@@ -370,15 +313,31 @@ class Keeper(threading.Thread):
         self._closing.wait(self._backoff)
         self._backoff = min(self._backoff * 2, RESTART_BACKOFF_S[1])
 
-    def _group_failed_under(self, job_id: str, reason: str) -> None:
-        """The group ended under ``job_id``: back to the queue (its clip checkpoints kept), or
-        failed for good, or, deleted while it ran, gone with its files."""
-        if job_id in self._lost:  # another server holds it now
-            self._lost.discard(job_id)
+    def _group_failed_under(self, holding: Holding, reason: str) -> None:
+        """The group ended under the job: back to the queue (its clip checkpoints kept), or failed
+        for good, or, deleted while it ran, gone with its files; nothing, if another holder has it."""
+        if holding.job_id in self._lost:
+            self._lost.discard(holding.job_id)
             return
-        row = self.queue.get(job_id)
-        if (row is not None and row.deleting) or self.queue.group_failed(job_id, reason) is JobStatus.FAILED:
-            self._after_end(job_id)
+        row = self.queue.get(holding.job_id)
+        if row is None or row.attempt != holding.attempt:
+            return  # not ours any more
+        if row.deleting:
+            if self.queue.finish(holding.job_id, holding.attempt, JobStatus.CANCELLED, error="deleted"):
+                self._after_end(holding.job_id)
+        elif self.queue.group_failed(holding.job_id, holding.attempt, reason) is JobStatus.FAILED:
+            self._after_end(holding.job_id)
+
+    def _record(self, what: str, write: Callable[[], Any]) -> None:
+        """``write()`` now, or, while the store is unavailable, once it answers (in order)."""
+        if not self.pending:
+            try:
+                write()
+                return
+            except QueueUnavailable as e:
+                self.last_error = f"the queue is unavailable: {e}"
+        log.warning("the queue is unavailable: %s is recorded when it answers again", what)
+        self.pending.add(what, write)
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop the group: an idle one is told to stop; a job in progress is interrupted (it stays
@@ -390,7 +349,7 @@ class Keeper(threading.Thread):
         """Ask the group to stop (an idle one is told; a busy one is interrupted)."""
         self._closing.set()
         with self._lock:
-            run_dir, busy = self.run_dir, self.current is not None
+            run_dir, busy = self.run_dir, self.holding is not None
         if run_dir is not None and not busy:
             inbox.stop(run_dir)
         else:
@@ -415,46 +374,63 @@ class Keeper(threading.Thread):
         for ev in new_events:
             if ev.get("rank") == 0:
                 self._on_rank0(ev, ev.get("kind"))
-        if self.state is GroupState.IDLE and self.current is None and not self._closing.is_set():
+        if self.state is GroupState.IDLE and self.holding is None and not self._closing.is_set():
             self._post_next()
 
     def _on_rank0(self, ev: dict, kind: Optional[str]) -> None:
         with self._lock:
-            p = self.progress.get(self.current) if self.current else None
+            holding = self.holding
+            p = self.progress.get(holding.job_id) if holding else None
             if kind == "stage":
                 if ev.get("stage") == Stage.IDLE:
                     self.state = GroupState.IDLE
-                elif self.current is not None:
+                elif holding is not None:
                     self.state = GroupState.WORKING
             if p is not None and kind in ("stage", "progress", "preview"):
                 p.on_event(ev)
-            if kind in ("job_done", "job_cancelled", "job_failed") and ev.get("id") == self.current:
-                job_id, self.current = self.current, None
-                done = self.progress.pop(job_id, None)
-                if kind == "job_done" and done is not None:
-                    self.last_steps_per_s = done.steps_per_s(float(ev["t"])) or self.last_steps_per_s
-            else:
+            if kind not in ("job_done", "job_cancelled", "job_failed", "job_lost") or holding is None \
+                    or ev.get("id") != holding.job_id:
                 return
-        if job_id in self._lost:  # another server holds it now: its end, and its files, are that server's
-            self._lost.discard(job_id)
+            self.holding = None
+            done = self.progress.pop(holding.job_id, None)
+            if kind == "job_done" and done is not None:
+                self.last_steps_per_s = done.steps_per_s(float(ev["t"])) or self.last_steps_per_s
+        if self.run_dir is not None:
+            inbox.drop_lease(self.run_dir, holding.job_id)
+        if holding.job_id in self._lost or kind == "job_lost":  # another holder has it: its end and files
+            self._lost.discard(holding.job_id)
             return
         kept = {"preview_clips": done.preview_clips} if done is not None and done.preview_clips else None
-        if kind == "job_cancelled":  # what it made so far stays (videos/ID.partial.mp4)
-            ended = self.queue.finish(job_id, JobStatus.CANCELLED, error="cancelled", record=kept)
+        if kind == "job_cancelled":  # what it made so far stays (the published ID.partial.mp4)
+            self._record(f"job {holding.job_id} cancelled",
+                         lambda: self._end(holding, JobStatus.CANCELLED, error="cancelled", record=kept))
         elif kind == "job_failed":  # the job's own error: the ranks stay up and take the next job
-            ended = self.queue.finish(job_id, JobStatus.FAILED, error=str(ev.get("error") or "the job failed"),
-                                      record=kept)
+            error = str(ev.get("error") or "the job failed")
+            self._record(f"job {holding.job_id} failed",
+                         lambda: self._end(holding, JobStatus.FAILED, error=error, record=kept))
         else:
-            ended = self._completed(job_id)
-        if ended:
-            self._after_end(job_id)
-        else:
-            log.warning("job %s ended here, but this server no longer holds it: its end is not recorded", job_id)
+            self._record(f"job {holding.job_id} completed", lambda: self._completed(holding))
+
+    def _end(self, holding: Holding, status: JobStatus, *, error: Optional[str] = None,
+             record: Optional[dict] = None) -> bool:
+        """End the job through the store's fenced finish (its files published in the same
+        transaction); whether it was this holder's to end."""
+        publish = publisher(self.dirs, holding.job_id, holding.attempt, status, stamp=self._stamp(holding))
+        if not self.queue.finish(holding.job_id, holding.attempt, status, error=error, record=record,
+                                 publish=publish):
+            log.warning("job %s ended here, but this server no longer holds it: its end is not recorded",
+                        holding.job_id)
+            return False
+        self._after_end(holding.job_id)
+        return True
+
+    def _stamp(self, holding: Holding) -> dict:
+        return {**self.stamp, "attempt": holding.attempt}
 
     def _after_end(self, job_id: str) -> None:
-        """A job ended, however it ended: nothing of it is left to resume from (its clip
-        checkpoints and uploads go); deleted while it ran, it goes whole (video, record, row);
-        then retention."""
+        """A job ended, however it ended: nothing of it is left to resume from (its attempts'
+        folders and uploads go); deleted while it ran, it goes whole (video, record, row); then
+        retention."""
         row = self.queue.get(job_id)
         deleting = row is None or row.deleting
         self.dirs.remove_job_files(job_id, video=deleting)
@@ -468,17 +444,23 @@ class Keeper(threading.Thread):
         now = time.time()
         if now - self._swept >= every_s:
             self._swept = now
-            retention_sweep(self.retention, self.queue, self.dirs, now)
+            try:
+                retention_sweep(self.retention, self.queue, self.dirs, now)
+            except QueueUnavailable:
+                pass  # the next sweep
 
-    def _completed(self, job_id: str) -> bool:
-        """Record a completed job; whether it was this keeper's to record."""
+    def _completed(self, holding: Holding) -> bool:
+        """Record a completed job (its mp4 and record published); whether it was this keeper's."""
+        own = self.dirs.attempt(holding.job_id, holding.attempt) / self.dirs.record(holding.job_id).name
         try:
-            record = json.loads(self.dirs.record(job_id).read_text(encoding="utf-8"))
+            record = json.loads(own.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             record = None
         if record is None:
-            return self.queue.finish(job_id, JobStatus.FAILED, error="rank 0 finished the job but wrote no record")
-        if not self.queue.finish(job_id, JobStatus.COMPLETED, record=record):
+            return self._end(holding, JobStatus.FAILED, error="rank 0 finished the job but wrote no record")
+        record = {**record, **self._stamp(holding), "output": {**record.get("output", {}),
+                                                               "path": str(self.dirs.video(holding.job_id))}}
+        if not self._end(holding, JobStatus.COMPLETED, record=record):
             return False
         self.completed += 1
         if self.on_completed is not None:
@@ -489,57 +471,86 @@ class Keeper(threading.Thread):
         return True
 
     def _post_next(self) -> None:
-        if self.queue.shared:  # every idle keeper of every server asks: not at every poll
-            now = time.time()
-            if now < self._claim_at:
-                return
-            self._claim_at = now + CLAIM_EVERY_S
+        if self.pending:  # what the store has not heard yet comes first
+            return
+        now = time.time()
+        if self.queue.shared and now < self._claim_at:  # every idle keeper of every server asks: not at every poll
+            return
+        self._claim_at = now + CLAIM_EVERY_S
+        why_not = self.may_claim()
+        if why_not is not None:
+            self.last_error = why_not
+            return
         while True:
-            row = self.queue.claim_next()
+            try:
+                row = self.queue.claim_next()
+            except QueueUnavailable as e:
+                self.last_error = f"the queue is unavailable: {e}"
+                return
             if row is None:
                 return
-            remove_partial_videos(self.dirs.videos, row.id)  # what a dead server left half-written of it
-            if row.cancel_requested:  # cancelled while the server was down
-                self.queue.finish(row.id, JobStatus.CANCELLED, error="cancelled")
-                self._after_end(row.id)
-                continue
-            try:
-                job = self._prepare(row)
-            except Exception as e:  # a claimed job never stays in progress without a group: it fails
-                traceback.print_exc()
-                self.queue.finish(row.id, JobStatus.FAILED, error=f"the job could not be prepared: "
-                                                                  f"{type(e).__name__}: {e}")
-                self._after_end(row.id)
-                continue
-            if job is None:  # its mp4 was written before the server went down
-                continue
-            with self._lock:
-                self._seq += 1
-                self.current = row.id
-                self.progress[row.id] = Progress(started=time.time())
-                inbox.post_job(self.run_dir, self._seq, job.model_dump_json())
-            # a cancel that came after the claim but before ``current`` named it: the API's
-            # cancel_running found another job current, so it is passed on here (a later one
-            # finds this job current and passes itself)
-            if self.queue.get(row.id).cancel_requested:
-                with self._lock:
-                    self._send_cancel(row.id)
-            return
+            holding = Holding(row.id, row.attempt)
+            if self._start(row, holding, now):
+                return
 
-    def _prepare(self, row) -> Optional[Job]:
-        """A claimed row -> the job to post (None: it was done before, now completed)."""
+    def _start(self, row: JobRow, holding: Holding, claimed_at: float) -> bool:
+        """Prepare a claimed job and post it to the ranks; False when it ended without them
+        (cancelled while the server was down, made before, or not preparable)."""
+        remove_partial_videos(self.dirs.videos, row.id)  # what a dead server left half-written of it
+        if row.cancel_requested:  # cancelled while the server was down
+            self._record(f"job {row.id} cancelled", lambda: self._end(holding, JobStatus.CANCELLED, error="cancelled"))
+            return False
+        try:
+            job = self._prepare(row)
+        except Exception as e:  # a claimed job never stays in progress without a group: it fails
+            traceback.print_exc()
+            error = f"the job could not be prepared: {type(e).__name__}: {e}"
+            self._record(f"job {row.id} failed", lambda: self._end(holding, JobStatus.FAILED, error=error))
+            return False
+        if job is None:  # its mp4 and record were published before the server went down
+            return False
+        with self._lock:
+            self._seq += 1
+            self.holding = holding
+            self.progress[row.id] = Progress(started=time.time())
+            self._tell_lease(holding, until=claimed_at + SURE_OF * (self.queue.lease_s or 0))
+            inbox.post_job(self.run_dir, self._seq, job.model_dump_json())
+        # a cancel that came after the claim but before ``holding`` named it: the API's
+        # cancel_running found another job current, so it is passed on here (a later one
+        # finds this job current and passes itself)
+        try:
+            again = self.queue.get(row.id)
+        except QueueUnavailable:
+            return True  # the next beat passes a cancel on
+        if again is not None and again.cancel_requested:
+            with self._lock:
+                self._send_cancel(row.id)
+        return True
+
+    def _prepare(self, row: JobRow) -> Optional[Job]:
+        """A claimed row -> the job to post, in its attempt's own folder, resuming from the newest
+        complete clip checkpoint any attempt wrote (None: its mp4 and record were published
+        before the server went down; it is completed now)."""
+        from wan_s2v_runner.launcher.job_book import done_before
+
         job_spec = JobSpec(**job_defaults(row.spec))  # a row from before the split holds a whole RunSpec
-        line = Line(0, row.id, JobState.QUEUED, spec=RunSpec.of(self.group_spec, job_spec))  # held whole
-        mark_done_before(line)
-        if line.state is JobState.DONE_BEFORE:
-            self.queue.finish(row.id, JobStatus.COMPLETED, record=json.loads(line.record.read_text(encoding="utf-8")))
-            self._after_end(row.id)
+        published = done_before(RunSpec.of(self.group_spec, job_spec), self.dirs.record(row.id),
+                                self.dirs.video(row.id))
+        if published is not None:
+            self._record(f"job {row.id} completed before", lambda: self._completed_before(row, published))
             return None
-        work = self.dirs.work(row.id)
-        work.mkdir(parents=True, exist_ok=True)
-        line.record.unlink(missing_ok=True)  # a record says done only when this group writes it
-        prepare_resume(line, work)
-        return Job(id=row.id, spec=line.spec.job, work_dir=work, record=line.record)
+        own = self.dirs.attempt(row.id, row.attempt)
+        own.mkdir(parents=True, exist_ok=True)
+        spec = RunSpec.of(self.group_spec, job_spec.model_copy(update={"output": own / f"{row.id}.mp4"}))
+        earlier = [folder for folder in self.dirs.attempts(row.id) if folder != own]
+        resumed = resume_point(spec, [*earlier, self.dirs.work(row.id)], own)
+        if resumed is not None:
+            spec = spec.model_copy(update={"resume_from": resumed})
+        return Job(id=row.id, spec=spec.job, work_dir=own, record=own / self.dirs.record(row.id).name)
+
+    def _completed_before(self, row: JobRow, record: dict) -> None:
+        if self.queue.finish(row.id, row.attempt, JobStatus.COMPLETED, record=record):
+            self._after_end(row.id)
 
 
 def stop_keepers(keepers: list[Keeper], grace_s: float = 10.0) -> None:
@@ -549,41 +560,3 @@ def stop_keepers(keepers: list[Keeper], grace_s: float = 10.0) -> None:
         k.begin_shutdown()
     for k in running:
         k.finish_shutdown(grace_s)
-
-
-def remove_partial_videos(videos: Path, job_id: Optional[str] = None) -> list[Path]:
-    """What a killed rank left half-written among the videos (every writer names its temporaries
-    ``.NAME.PID.*``, :func:`~wan_s2v_runner.shared.atomic.temp_name`): ``job_id``'s, or, when no
-    group runs, everyone's."""
-    removed = []
-    for path in videos.glob(f".{job_id}.*" if job_id else ".*.*"):
-        if path.is_file():
-            path.unlink(missing_ok=True)
-            removed.append(path)
-    return removed
-
-
-def group_processes(run_dir: str) -> set[int]:
-    """torchrun and the workers of the rank group in ``run_dir`` (their command lines name its spec)."""
-    return pids_with_cmdline(WORKER_MODULE.encode(), str(Path(run_dir) / "spec.json").encode())
-
-
-def wait_for_leftovers(group_file: Path, grace_s: float = 5.0) -> list[int]:
-    """What a killed server's group left running: torchrun and its workers normally stop with
-    the server (torchrun gets SIGTERM when it dies, and stops its workers), but a torchrun whose
-    output pipe broke with the server can hang in its shutdown. Wait ``grace_s``, then SIGKILL
-    whatever of the group is left. Returns the pids found."""
-    try:
-        run_dir = json.loads(group_file.read_text(encoding="utf-8"))["run_dir"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    found = group_processes(run_dir)
-    deadline = time.time() + grace_s
-    while found and time.time() < deadline and group_processes(run_dir):
-        time.sleep(0.2)
-    for pid in group_processes(run_dir):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    return sorted(found)

@@ -3,13 +3,16 @@
 Each server has its own registry (no process-wide state). What is counted as it happens lives in
 the library's own types: the job and stage seconds histograms (observed when a job completes, and
 at start-up for the jobs the queue already holds as completed, so a restart keeps them). What is
-a state is read at scrape time by a collector: jobs by status, the queue's length, finished jobs
-(a counter: rows are never deleted), rank-group restarts, the running job's denoising speed, each
-rank's memory and the group's state.
+a state is read at scrape time by a collector: whether the queue answers and the shared directory
+passes its check, jobs by status and the queue's length (while the queue is down, as the server's
+watch last read them: a scrape never waits on a database known to be away), finished jobs,
+rank-group restarts, the running job's denoising speed, each rank's memory and the group's state.
 
 =============================================  =========  ======================================
 name                                           type       labels
 =============================================  =========  ======================================
+``wan_s2v_queue_up``                           gauge      (1 while the queue answers)
+``wan_s2v_shared_dir_ok``                      gauge      (1 while the shared directory passes its check)
 ``wan_s2v_jobs``                               gauge      ``status``
 ``wan_s2v_queue_length``                       gauge
 ``wan_s2v_jobs_finished_total``                counter    ``status`` (completed, failed, cancelled)
@@ -31,7 +34,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from wan_s2v_runner.launcher.serve.queue import JobQueue, JobStatus
+from wan_s2v_runner.launcher.serve.store.protocol import JobStatus, JobStore, QueueUnavailable
 
 #: job seconds: a tiny CPU job takes seconds, a 40-step 720p job on one GPU an hour
 JOB_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
@@ -46,7 +49,16 @@ class _StateCollector:
         self.m = metrics
 
     def collect(self):
-        counts = self.m.queue.counts()
+        seen = self.m.watch.seen
+        yield GaugeMetricFamily("wan_s2v_queue_up", "1 while the queue answers", value=int(seen.queue_error is None))
+        yield GaugeMetricFamily("wan_s2v_shared_dir_ok", "1 while the shared directory passes its check",
+                                value=int(seen.dir_problem is None))
+        counts = seen.counts or {}
+        if seen.queue_error is None:  # up: now's counts (while it is down, the last the watch read)
+            try:
+                counts = self.m.queue.counts()
+            except QueueUnavailable:
+                pass
         jobs = GaugeMetricFamily("wan_s2v_jobs", "jobs on this server by status", labels=["status"])
         for status in JobStatus:
             jobs.add_metric([status.value], counts.get(status.value, 0))
@@ -92,14 +104,18 @@ class _StateCollector:
 class ServerMetrics:
     """One server's metrics; :meth:`job_completed` is the keeper's ``on_completed``."""
 
-    def __init__(self, queue: JobQueue):
-        self.queue, self.keepers = queue, []
+    def __init__(self, queue: JobStore, watch):
+        self.queue, self.watch, self.keepers = queue, watch, []
         self.registry = CollectorRegistry(auto_describe=True)
         self.job_seconds = Histogram("wan_s2v_job_seconds", "a completed job's seconds, taken to mp4 written",
                                      buckets=JOB_BUCKETS, registry=self.registry)
         self.stage_seconds = Histogram("wan_s2v_stage_seconds", "a completed job's seconds in each stage",
                                        ["stage"], buckets=STAGE_BUCKETS, registry=self.registry)
-        for row in queue.all(limit=100_000):
+        try:
+            rows = queue.all(limit=100_000)
+        except QueueUnavailable:
+            rows = []
+        for row in rows:
             if row.status is JobStatus.COMPLETED and row.record:
                 self.job_completed(row.record)
 

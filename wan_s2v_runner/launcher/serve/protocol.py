@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, Field
 
-from wan_s2v_runner.launcher.serve.queue import JobStatus
+from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
 
 
 class ErrorDetail(BaseModel):
@@ -63,6 +63,9 @@ class VideoObject(BaseModel):
     attempts: int = Field(0, description="rank groups handed this job (a resumed job: more than one)")
     failures: int = Field(0, description="rank groups that failed under this job")
     cancel_requested: bool = False
+    pool: Optional[str] = Field(None, description="the pool of the fleet whose servers take it (--pool)")
+    identity: Optional[str] = Field(None, description="the digest of the fleet identity (weights, engine, frame "
+                                                      "settings) of the server that took it")
     error: Optional[VideoError] = None
     frames: Optional[list[int]] = Field(None, description="the video tensor's shape: channels, frames, height, width")
     sha256: Optional[str] = None
@@ -126,6 +129,23 @@ class ReplicaInfo(BaseModel):
     ranks: list[RankInfo] = Field(default_factory=list)
 
 
+class QueueHealth(BaseModel):
+    """The server's queue and shared directory, as its watch last saw them."""
+
+    up: bool = Field(description="the queue answered the last time it was asked")
+    error: Optional[str] = Field(None, description="why it does not, while it does not")
+    down_since: Optional[float] = Field(None, description="since when it does not answer (Unix time)")
+    store: Optional[str] = Field(None, description="the queue: a SQLite file, or a postgresql:// URL without its "
+                                                   "password (not in /health)")
+    shared: bool = Field(description="other servers share the queue")
+    pool: str = Field(description="the pool of the fleet this server takes jobs from (--pool)")
+    identity: Optional[str] = Field(None, description="the digest of this server's fleet identity")
+    shared_dir: Optional[str] = Field(None, description="where uploads, videos and clip checkpoints go (not in "
+                                                        "/health)")
+    shared_dir_problem: Optional[str] = Field(None, description="why the shared directory is not usable now "
+                                                                "(the server takes no job meanwhile)")
+
+
 class ServerState(BaseModel):
     """What the status page shows of the server and its rank group."""
 
@@ -141,6 +161,7 @@ class ServerState(BaseModel):
     replicas: list[ReplicaInfo] = Field(default_factory=list, description="each rank group (--replicas)")
     layout: LayoutInfo
     loras: list[str]
+    queue_state: Optional[QueueHealth] = None
 
 
 class JobField(BaseModel):
@@ -169,9 +190,10 @@ class ServerInfo(ServerState):
 
 
 class Health(BaseModel):
-    """``/health`` (no token): the server and its group, without hosts, LoRAs or prompts."""
+    """``/health`` (no token): the server and its group, without hosts, LoRAs or prompts; what it
+    last learned of its queue and shared directory (``degraded`` while either fails)."""
 
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "degraded"] = "ok"
     group: str
     restarts: int
     groups: int
@@ -185,6 +207,7 @@ class Health(BaseModel):
     cfg_parallel: bool
     device: str
     replicas: list[ReplicaInfo] = Field(default_factory=list, description="each rank group (without its ranks)")
+    queue_state: Optional[QueueHealth] = None
 
 
 class Snapshot(BaseModel):

@@ -17,16 +17,23 @@ checks, in order, each refusal one line with its cause and fix:
 4. preflight, as ``run`` does it, for this job (inputs read and decoded as the engine will,
    sizes, the memory plan for its size) (422).
 
-Only then is the job queued (429 when ``--max-queue`` jobs wait already). Job ids are random.
+Only then is the job queued (429 when ``--max-queue`` jobs wait already). Job ids are random,
+made before anything is stored; a request with an ``Idempotency-Key`` header (as OpenAI's API
+takes it) sent again gives the job the first one made (:func:`request_hash` tells a retry from
+another request under the same key: 409). A string no store can hold (a NUL character) is
+refused (422) on every store. Error bodies name files by the client's field names, never by the
+server's paths (:func:`scrub`).
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import re
 import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Optional, Union
+from typing import Any, BinaryIO, Iterable, Optional, Union
 
 from pydantic import ConfigDict, ValidationError, create_model
 from pydantic.fields import FieldInfo
@@ -59,11 +66,83 @@ VideoJobFields = create_model("VideoJobFields", __config__=ConfigDict(extra="for
 
 
 class Refused(Exception):
-    """A submission the server does not queue: an HTTP status and one line (cause and fix)."""
+    """A request the server does not do: an HTTP status and one line (cause and fix); ``code``:
+    the error's code (OpenAI's ``error.code``); ``retry_after``: seconds a client should wait."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 retry_after: Optional[int] = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+
+#: the longest Idempotency-Key taken (OpenAI's: 255 characters)
+MAX_KEY = 255
+
+
+def idempotency_key(value: Optional[str]) -> Optional[str]:
+    """An ``Idempotency-Key`` header's value, checked: 1 to 255 printable ASCII characters."""
+    if value is None:
+        return None
+    if not (0 < len(value) <= MAX_KEY and all(" " < c <= "~" for c in value)):
+        raise Refused(400, f"Idempotency-Key: 1 to {MAX_KEY} printable characters without spaces. Fix: send e.g. a "
+                           "UUID", "Idempotency-Key")
+    return value
+
+
+def request_hash(fields: dict[str, Any]) -> str:
+    """A submission's digest (its text fields and its files' bytes): a request sent again under
+    the same ``Idempotency-Key`` has the same one. The files are read from their start and left
+    there."""
+    h = hashlib.sha256()
+    for name in sorted(fields):
+        value = fields[name]
+        h.update(name.encode() + b"=")
+        if isinstance(value, Upload):
+            value.file.seek(0)
+            for chunk in iter(lambda f=value.file: f.read(1 << 20), b""):
+                h.update(chunk)
+            value.file.seek(0)
+        else:
+            h.update(repr(value).encode())
+        h.update(b";")
+    return h.hexdigest()
+
+
+def scrub(text: Optional[str], roots: Iterable[Path], names: Optional[dict[str, str]] = None) -> Optional[str]:
+    """``text`` without the server's paths: a path ``names`` knows (a job's input file) becomes
+    the client's field name for it (``<image>``), any other path under one of ``roots`` (the server's and the
+    shared directory, the allowed directories, the checkpoint) becomes ``<server path>``."""
+    if not text:
+        return text
+    for path, field in sorted((names or {}).items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(path, f"<{field}>")
+    prefixes = sorted({str(r).rstrip("/") for r in roots if r and str(r) not in ("", "/")}, key=len, reverse=True)
+    if prefixes:
+        pattern = "(" + "|".join(re.escape(p) for p in prefixes) + r")(/[^\s'\"(),;]*)?"
+        text = re.sub(pattern, "<server path>", text)
+    return text
+
+
+def input_names(spec: dict[str, Any]) -> dict[str, str]:
+    """A job's input files (as its spec names them) -> the field each came in."""
+    return {str(spec[k]): k for k in INPUT_FIELDS if spec.get(k)}
+
+
+def no_nul(fields: dict[str, Any]) -> None:
+    """A NUL character in a field: refused (422) whatever the store (PostgreSQL cannot hold it)."""
+    for name, value in fields.items():
+        if "\x00" in str(name) or (isinstance(value, str) and "\x00" in value):
+            raise Refused(422, f"{name}: contains a NUL character. Fix: send text without NUL (\\u0000)", name)
+
+
+def storage_refusal(e: OSError, what: str) -> Refused:
+    """An upload the shared directory could not take: 507 when it is full, else 503, with the
+    cause (never 500)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return Refused(507, f"{what}: the server's disk is full. Fix: retry later, or ask the operator to free space")
+    return Refused(503, f"{what}: the server cannot store it now ({e.strerror or type(e).__name__}). Fix: retry "
+                        "later; /health says what the server's shared directory is doing",
+                   code="shared_dir_unavailable", retry_after=10)
 
 
 @dataclass(frozen=True)
@@ -129,9 +208,8 @@ def allowed_path(value: str, param: str, policy: Policy) -> Path:
     for root in policy.allow_dirs:
         if real.is_relative_to(root.resolve()):
             return real
-    roots = ", ".join(str(r) for r in policy.allow_dirs)
-    raise Refused(403, f"{param}: {value} is outside the directories this server reads ({roots}). Fix: put the "
-                       "file there, or upload it", param)
+    raise Refused(403, f"{param}: the path is outside the directories this server reads. Fix: put the file in one "
+                       "of them (the operator knows which), or upload it", param)
 
 
 def save_upload(upload: Upload, dest_dir: Path, name: str, policy: Policy) -> Path:
@@ -207,12 +285,16 @@ def build_job(fields: dict[str, Union[str, Upload]], *, job_id: str, base: dict[
     try:
         return _build_job(fields, job_id=job_id, base=base, group=group, videos=videos, uploads=uploads,
                           policy=policy, facts=facts)
+    except OSError as e:  # the uploads could not be written
+        shutil.rmtree(uploads / job_id, ignore_errors=True)
+        raise storage_refusal(e, "the upload") from None
     except Refused:
         shutil.rmtree(uploads / job_id, ignore_errors=True)
         raise
 
 
 def _build_job(fields, *, job_id, base, group, videos, uploads, policy, facts) -> RunSpec:
+    no_nul(fields)
     given = {k: v for k, v in fields.items() if k not in IGNORED}
     inputs: dict[str, Path] = {}
     for field, names in INPUT_NAMES.items():

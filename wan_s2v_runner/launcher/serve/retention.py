@@ -4,7 +4,8 @@
   the newest ``N`` ended jobs stay, and none older than ``H`` hours (since it ended); the rest
   are deleted as ``DELETE /v1/videos/{id}`` deletes them (the mp4, its record, thumbnail, clip
   checkpoints, uploads, the row). The keeper sweeps after each job and once a minute; a video's
-  ``expires_at`` says when the age rule will take it.
+  ``expires_at`` says when the age rule will take it. Uploads no job names (a submission whose
+  answer was lost with the database, the job never stored) go once they are an hour old.
 - **Space** (``--min-free-mb``): a submission is refused with 507 while the server directory's
   filesystem has less free space than that, with the cause and the fix; the server goes on
   answering, and takes jobs again once there is space. A job whose writing fails for lack of
@@ -43,8 +44,33 @@ class Retention:
         return out
 
 
+#: how old uploads no job names must be before they go (a submission may still be storing its job)
+ORPHAN_UPLOADS_S = 3600.0
+
+
+def sweep_orphan_uploads(queue, dirs, now: Optional[float] = None, min_age_s: float = ORPHAN_UPLOADS_S) -> list[str]:
+    """Remove the upload folders of jobs the queue does not hold, older than ``min_age_s``."""
+    now = time.time() if now is None else now
+    gone = []
+    try:
+        folders = [p for p in dirs.uploads.iterdir() if p.is_dir()]
+    except OSError:
+        return gone
+    for folder in folders:
+        try:
+            old = now - folder.stat().st_mtime > min_age_s
+        except OSError:
+            continue
+        if old and queue.get(folder.name) is None:
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder.name)
+    return gone
+
+
 def sweep(retention: Retention, queue, dirs, now: Optional[float] = None) -> list[str]:
-    """Delete the ended jobs :class:`Retention` says are due; returns their ids."""
+    """Delete the ended jobs :class:`Retention` says are due (and uploads no job names); returns
+    the jobs' ids."""
+    sweep_orphan_uploads(queue, dirs, now)
     if retention.keep is None and retention.max_age_s is None:
         return []
     due = retention.due(queue.ended(), time.time() if now is None else now)

@@ -42,9 +42,9 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from wan_s2v_runner.launcher.serve import page
-from wan_s2v_runner.launcher.serve.feed import Feed, FeedFailed, settled
-from wan_s2v_runner.launcher.serve.keeper import GroupState
+from wan_s2v_runner.launcher.serve.feed import Feed, FeedFailed, Ticket, settled
 from wan_s2v_runner.launcher.serve.metrics import CONTENT_TYPE
+from wan_s2v_runner.launcher.serve.progress import GroupState
 from wan_s2v_runner.launcher.serve.protocol import (
     ErrorDetail,
     ErrorResponse,
@@ -54,16 +54,36 @@ from wan_s2v_runner.launcher.serve.protocol import (
     VideoList,
     VideoObject,
 )
-from wan_s2v_runner.launcher.serve.queue import PAGE_MAX, JobRow, JobStatus, QueueFull
-from wan_s2v_runner.launcher.serve.requests import INPUT_NAMES, Refused, Upload, VideoJobFields, build_job, new_id
+from wan_s2v_runner.launcher.serve.requests import (
+    INPUT_NAMES,
+    Refused,
+    Upload,
+    VideoJobFields,
+    build_job,
+    idempotency_key,
+    new_id,
+    request_hash,
+    storage_refusal,
+)
 from wan_s2v_runner.launcher.serve.retention import space_refusal
 from wan_s2v_runner.launcher.serve.state import Server, health, job_fields, server_state, video_object, video_objects
+from wan_s2v_runner.launcher.serve.store.protocol import IdempotencyConflict, JobRow, JobStatus, QueueFull
+from wan_s2v_runner.launcher.serve.store.rules import PAGE_MAX
 
 log = logging.getLogger("wan_s2v.serve")
 
-#: what every guarded route may answer besides its own model
+#: what every guarded route may answer besides its own model (503: the queue or the shared directory is
+#: unavailable, with the cause and a Retry-After)
 ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409,
-                                                                                       413, 422, 429, 507)}
+                                                                                       413, 422, 429, 503, 507)}
+#: what an event stream answers instead of its stream (before it starts): JSON, as every refusal (a
+#: ``model`` would be documented in the stream's own media type)
+_JSON_ERROR = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+STREAM_ERRORS: dict[int | str, dict[str, Any]] = {
+    **{code: {"description": "refused before the stream starts", "content": _JSON_ERROR} for code in ERRORS},
+    404: {"description": "no such video", "content": _JSON_ERROR},
+    429: {"description": "as many event streams are open as the server takes", "content": _JSON_ERROR}}
+#: a form's text fields together, at most (as a JSON body)
 
 
 def the_server(request: Request) -> Server:
@@ -145,11 +165,13 @@ class BoundedMultiPart(MultiPartParser):
     ``max_file_bytes`` stops the parse before its next chunk is written (the server never holds
     more than the limit plus one chunk of it); what was spooled is closed (removed)."""
 
-    def __init__(self, headers, stream, *, max_file_bytes: int, **kw):
-        super().__init__(headers, stream, **kw)
-        self.max_file_bytes = max_file_bytes
+    def __init__(self, headers, stream, *, max_file_bytes: int, max_text_bytes: int = MAX_JSON_BYTES, **kw):
+        super().__init__(headers, stream, max_part_size=max_text_bytes, **kw)
+        self.max_file_bytes, self.max_text_bytes = max_file_bytes, max_text_bytes
         self.too_big: Optional[str] = None
+        self.text_too_big = False
         self._sizes: dict[int, int] = {}
+        self._text = 0
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         part = self._current_part
@@ -159,6 +181,11 @@ class BoundedMultiPart(MultiPartParser):
             if size > self.max_file_bytes:
                 self.too_big = part.field_name
                 raise MultiPartException(f"{part.field_name}: over {self.max_file_bytes} bytes")
+        else:  # the text fields together: as much as a JSON body may hold
+            self._text += end - start
+            if self._text > self.max_text_bytes:
+                self.text_too_big = True
+                raise MultiPartException(f"the form's fields are over {self.max_text_bytes} bytes")
         super().on_part_data(data, start, end)
 
 
@@ -171,6 +198,9 @@ async def _form(request: Request, max_file_bytes: int):
         try:
             return (await parser.parse()).multi_items()
         except MultiPartException as e:
+            if parser.text_too_big or "maximum size" in str(e):
+                raise Refused(413, f"the form's fields are over {MAX_JSON_BYTES // 1024} KiB together. Fix: send the "
+                                   "job's fields only (files as file parts)") from None
             if parser.too_big:
                 raise Refused(413, f"{parser.too_big}: the upload is over {max_file_bytes // 2**20} MB. Fix: send "
                                    "a smaller file (or start the server with a larger --max-upload-mb)",
@@ -209,17 +239,19 @@ def the_feed(request: Request) -> Feed:
     return request.app.state.feed
 
 
-def feed_room(request: Request) -> Feed:
-    """The feed, when it takes one more follower (429 before the stream starts, not inside it)."""
-    feed = the_feed(request)
-    if feed.full:
-        raise Refused(429, feed.full)
-    return feed
+async def feed_room(request: Request):
+    """A place among the feed's followers, taken before the stream starts (on the event loop: no
+    two requests take the last place), or 429 there; given back when the request ends."""
+    ticket = the_feed(request).reserve()
+    try:
+        yield ticket
+    finally:
+        ticket.release()
 
 
 FeedDep = Annotated[Feed, Depends(the_feed)]
-#: an event stream's feed: refused before the stream starts when the streams open are at the limit
-FollowDep = Annotated[Feed, Depends(feed_room)]
+#: an event stream's place: refused before the stream starts when the streams open are at the limit
+FollowDep = Annotated[Ticket, Depends(feed_room, scope="request")]
 
 
 #: the page and /health: no token
@@ -233,14 +265,19 @@ def get_health(server: ServerDep) -> Health:
     return health(server)
 
 
-@public.get("/health/ready", responses={503: {"model": ErrorResponse, "description": "no rank group is ready"}})
+@public.get("/health/ready", responses={503: {"model": ErrorResponse, "description": "the server takes no job "
+                                                                                    "now: the cause"}})
 def get_ready(server: ServerDep) -> Health:
-    """200 once a rank group can take a job (idle or working), else 503: a load balancer's or
-    Kubernetes' readiness check (no token needed, as /health)."""
+    """200 while the server takes jobs: its queue answers, its shared directory passes its check
+    and a rank group can take a job (idle or working); else 503 with the cause: a load balancer's
+    or Kubernetes' readiness check (no token needed, as /health). It never waits on the database."""
+    why = server.watch.not_ready()
+    if why is not None:
+        raise Refused(503, f"{why}. Fix: wait; /health says since when", code="not_ready")
     state = health(server)
     if state.group not in (GroupState.IDLE, GroupState.WORKING):
         raise Refused(503, f"no rank group is ready (the server's groups: {state.group}). Fix: wait; /health "
-                           "says what each group does")
+                           "says what each group does", code="not_ready")
     return state
 
 
@@ -271,23 +308,22 @@ def metrics(server: ServerDep) -> Response:
     return Response(server.metrics.text(), media_type=CONTENT_TYPE)
 
 
-@api.get("/v1/events", response_class=EventSourceResponse)
-async def all_events(request: Request, feed: FollowDep):
+@api.get("/v1/events", response_class=EventSourceResponse, responses=STREAM_ERRORS)
+async def all_events(request: Request, ticket: FollowDep):
     """The status page's feed (:mod:`.feed`): ``event: snapshot`` first (the server and the newest
     jobs), then ``event: changes`` with only what changed (``server`` when it changed, the changed
     ``videos``, the ids ``gone`` from the newest jobs)."""
+    feed = ticket.feed
     try:
-        async with feed.follow() as follower:
+        async with feed.follow(ticket=ticket) as follower:
             yield ServerSentEvent(data=feed.snapshot(), event="snapshot", id=str(feed.reads))
             while not await request.is_disconnected():
                 changed = await follower.next(timeout=4 * feed.tick_s)
                 if changed:
                     yield ServerSentEvent(data={"server": changed.server, "videos": list(changed.videos.values()),
                                                 "gone": sorted(changed.gone)}, event="changes", id=str(feed.reads))
-    except Refused as e:  # more streams than the server takes
-        yield _ended(e.status, e.message)
     except FeedFailed as e:
-        yield _ended(500, str(e))
+        yield _ended(503, str(e))
 
 
 _FILE = {"type": "string", "format": "binary"}
@@ -316,12 +352,24 @@ def _form_field(prop: dict[str, Any]) -> dict[str, Any]:
         "size": {"type": "string", "description": "= max_area, as WIDTHxHEIGHT (the image's aspect is kept)"},
         "model": {"type": "string", "description": "accepted and ignored (the server runs one model)"}}}}}}})
 async def create(request: Request, server: ServerDep) -> VideoObject:
-    full = space_refusal(server.dirs.videos, server.min_free_mb)  # where uploads and videos go
+    """Queue a job (the form's or JSON's fields, checked: :mod:`.requests`). A request sent again
+    with the same ``Idempotency-Key`` gives the job the first one made."""
+    key = idempotency_key(request.headers.get("idempotency-key"))
+    why = server.watch.not_ready()  # the queue down or the shared directory failing: said before any upload
+    if why is not None:
+        raise Refused(503, f"the server takes no job now: {why}. Fix: retry later (another server of the fleet may "
+                           "take it)", code="queue_unavailable" if server.watch.seen.queue_error else "not_ready",
+                      retry_after=5)
+    try:
+        full = space_refusal(server.dirs.videos, server.settings.min_free_mb)  # where uploads and videos go
+    except OSError as e:
+        raise storage_refusal(e, "the job") from None
     if full:
         raise Refused(507, full)
     fields = await _fields(request, server.policy.max_upload_bytes)
     job_id = new_id()
     try:
+        digest = await run_in_threadpool(request_hash, fields) if key else None
         async with request.app.state.decode_slots:  # a bounded number checked at once; the rest wait
             server.decoding += 1
             server.decoding_peak = max(server.decoding_peak, server.decoding)
@@ -335,14 +383,30 @@ async def create(request: Request, server: ServerDep) -> VideoObject:
         for value in fields.values():
             if isinstance(value, Upload):
                 value.file.close()
+    return await run_in_threadpool(_store_job, server, job_id, json.loads(spec.job.model_dump_json()), key, digest)
+
+
+def _store_job(server: Server, job_id: str, spec: dict, key: Optional[str], digest: Optional[str]) -> VideoObject:
+    """The checked job into the queue (its uploads are in ``uploads/ID/`` already)."""
+    from wan_s2v_runner.launcher.serve.store.protocol import NotStorable, QueueUnavailable
+
     try:
-        server.queue.add(job_id, json.loads(spec.job.model_dump_json()), server.max_queue)
+        added = server.queue.add(job_id, spec, server.settings.max_queue, idempotency_key=key, request_hash=digest)
+    except QueueUnavailable:
+        raise  # it may have landed: its uploads stay (a retry with the key finds the job; else retention sweeps them)
     except BaseException as e:  # not queued: what it wrote (its uploads) goes
         server.dirs.remove_job_files(job_id, video=False)
         if isinstance(e, QueueFull):
-            raise Refused(429, f"the queue is full: {e}. Fix: retry when jobs have finished") from None
+            raise Refused(429, f"the queue is full: {e}. Fix: retry when jobs have finished", retry_after=30) from None
+        if isinstance(e, IdempotencyConflict):
+            raise Refused(409, f"Idempotency-Key {key!r} was sent before with another request (video {e}). Fix: use "
+                               "a new key for a new request", "Idempotency-Key") from None
+        if isinstance(e, NotStorable):
+            raise Refused(422, f"{e}. Fix: send text without NUL characters") from None
         raise
-    return video_object(server, job_row(server, job_id))
+    if added.row.id != job_id:  # the same request again: the job the first made, and none of this one's files
+        server.dirs.remove_job_files(job_id, video=False)
+    return video_object(server, added.row)
 
 
 @api.get("/v1/videos")
@@ -375,8 +439,8 @@ def content(video_id: str, server: ServerDep,
         raise Refused(404, "this server makes no spritesheets. Fix: ask for variant=video, partial or thumbnail",
                       "variant")
     if variant == "partial":
-        partial = server.dirs.partial(row.id)
-        if row.status in (JobStatus.QUEUED, JobStatus.COMPLETED) or not partial.is_file():
+        partial = server.dirs.newest(row.id, server.dirs.partial(row.id))
+        if row.status in (JobStatus.QUEUED, JobStatus.COMPLETED) or partial is None:
             fix = ("ask for variant=video" if row.status is JobStatus.COMPLETED else
                    "wait for preview_clips in the video object (after the first clip of a job of more than one)")
             raise Refused(404, f"video {video_id} has no video so far ({row.status.value}). Fix: {fix}", "variant")
@@ -388,7 +452,8 @@ def content(video_id: str, server: ServerDep,
             from wan_s2v_runner.shared import media
 
             media.first_frame_jpeg(path, thumb)
-        if not thumb.is_file():
+        thumb = server.dirs.newest(row.id, thumb)
+        if thumb is None:
             raise Refused(404 if row.status.terminal else 409,
                           f"video {video_id} has no first frame yet ({row.status.value}). Fix: ask again once its "
                           "first clip is made", "video_id")
@@ -429,12 +494,12 @@ def delete(video_id: str, server: ServerDep) -> VideoDeleted:
     return VideoDeleted(id=video_id)
 
 
-@api.get("/v1/videos/{video_id}/events", response_class=EventSourceResponse)
-async def events(video_id: str, request: Request, feed: FollowDep,
-                 row: Annotated[JobRow, Depends(followed_job)]):
+@api.get("/v1/videos/{video_id}/events", response_class=EventSourceResponse, responses=STREAM_ERRORS)
+async def events(video_id: str, request: Request, row: Annotated[JobRow, Depends(followed_job)], ticket: FollowDep):
     """The video object whenever it changes (``event: video``), until the job ends."""
+    feed = ticket.feed
     try:
-        async with feed.follow(row.id) as follower:
+        async with feed.follow(row.id, ticket=ticket) as follower:
             obj, last = feed.video(row.id), None
             while obj is not None:
                 if settled(obj) != last:
@@ -446,10 +511,7 @@ async def events(video_id: str, request: Request, feed: FollowDep,
                     return
                 changed = await follower.next(timeout=4 * feed.tick_s)
                 obj = None if row.id in changed.gone else changed.videos.get(row.id, obj)
-    except Refused as e:
-        yield _ended(e.status, e.message)
-        return
     except FeedFailed as e:
-        yield _ended(500, str(e))
+        yield _ended(503, str(e))
         return
     yield _ended(404, f"video {row.id!r} was deleted. Fix: list the server's videos with GET /v1/videos")

@@ -2,24 +2,28 @@
 
 The command's values (flags < ``--config`` < environment, as for ``run``) give the rank group's
 settings (its :class:`~wan_s2v_runner.shared.spec.GroupSpec`: checkpoint, mode and layout, LoRAs,
-device, attention: fixed for the server's life) and every job's defaults (steps, size, ...; a
-default ``--image``/``--audio`` too, for a server that always animates one face). The group is
-checked by preflight before anything spawns (:func:`~wan_s2v_runner.preflight.check_group`: the
-machine, engine, checkpoint, LoRAs and the memory plan at the default size; the input checks
-wait for a job's inputs); each job is checked whole when it is submitted.
+device, attention: fixed for the server's life), every job's defaults (steps, size, ...; a
+default ``--image``/``--audio`` too, for a server that always animates one face), and the
+server's own settings (:class:`~.settings.ServerSettings`). The group is checked by preflight
+before anything spawns (:func:`~wan_s2v_runner.preflight.check_group`: the machine, engine,
+checkpoint, LoRAs and the memory plan at the default size; the input checks wait for a job's
+inputs); each job is checked whole when it is submitted.
 
-On node 0 this starts the keeper and the HTTP API (:func:`.app.run_server`); on any other node
-it only runs that node's ranks, relaunching them whenever the group ends (node 0 restarts it
-after a failure), until interrupted.
+On node 0 the server then opens its queue, joins its pool of the fleet (its identity recorded, or
+compared with the pool's: :mod:`.fleet`), makes sure its shared directory is the fleet's, and
+starts the keepers and the HTTP API (:func:`.http.run_server`); on any other node it only runs
+that node's ranks, relaunching them whenever the group ends (node 0 restarts it after a failure),
+until interrupted.
 """
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
+from wan_s2v_runner.launcher.serve.settings import ServerSettings
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.jobs import OUTPUT_FIELDS
 from wan_s2v_runner.shared.spec import GroupSpec
@@ -39,39 +43,27 @@ def group_defaults(root: Path) -> dict[str, Any]:
     return {"runs_root": root / "runs"}
 
 
-def serve(args, group: GroupSpec, base: dict[str, Any], root: Path, extra_env: Optional[dict] = None) -> int:
+def _error(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def serve(settings: ServerSettings, group: GroupSpec, base: dict[str, Any], extra_env: Optional[dict] = None) -> int:
     """Check the group, then serve (node 0) or compute (other nodes). ``group``: the group's
     spec; ``base``: the command's values (every job's defaults)."""
-    from wan_s2v_runner.launcher.serve.http import check_bind
-    from wan_s2v_runner.launcher.serve.token import TokenError, token_of
-
+    root = settings.server_dir
     try:
-        token = token_of(args)
-    except TokenError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exit_codes.USAGE
-    refusal = check_bind(args.host, token, args.insecure_no_auth)
-    if refusal:
-        print(f"error: {refusal}", file=sys.stderr)
-        return exit_codes.USAGE
-    try:
-        replicas = _replicas(group, args.replicas)
+        replicas = _replicas(group, settings.replicas)
     except ValueError as e:  # replicas.ReplicaError: the cause and the fix
-        print(f"error: {e}", file=sys.stderr)
-        return exit_codes.USAGE
-    refusal = queue_refusal(args)
-    if refusal:
-        print(f"error: {refusal}", file=sys.stderr)
-        return exit_codes.USAGE
+        return _error(str(e), exit_codes.USAGE)
     if group.writes_output:  # node 0 owns the directory: one server on it at a time
         from wan_s2v_runner.launcher.serve import lock
 
         try:
             _hold(lock.hold(root))
         except lock.DirectoryInUse as e:
-            print(f"error: {e}", file=sys.stderr)
-            return exit_codes.PREFLIGHT
-    if args.skip_preflight:
+            return _error(str(e), exit_codes.PREFLIGHT)
+    if settings.skip_preflight:
         print("WARNING: --skip-preflight: the group is not checked (each job still is, when submitted)",
               file=sys.stderr)
     else:
@@ -79,8 +71,8 @@ def serve(args, group: GroupSpec, base: dict[str, Any], root: Path, extra_env: O
 
         # each group is checked as it will run (the groups differ only in what of the node they
         # hold), beside the others: they share the host RAM and hold all the node's GPUs between them
-        report = preflight.group_gate_report(replicas[0].spec, base, root / "videos", json_mode=args.json,
-                                             node_groups=len(replicas))
+        report = preflight.group_gate_report(replicas[0].spec, base, root / "videos",
+                                             json_mode=settings.json_output, node_groups=len(replicas))
         if report.refused:
             return exit_codes.PREFLIGHT
         waves = report.data_of("memory.host").get("waves")
@@ -88,43 +80,62 @@ def serve(args, group: GroupSpec, base: dict[str, Any], root: Path, extra_env: O
             replicas = [replace(r, spec=r.spec.model_copy(update={"load_waves": waves})) for r in replicas]
     if not group.writes_output:
         return _compute_only(replicas[0].spec, extra_env)
-    return _serve_node0(args, replicas, base, root, token, extra_env)
+    return _serve_node0(settings, replicas, base, extra_env)
 
 
-def open_queue(args, dirs):
-    """The server's :class:`~.queue.JobStore`: ``--queue postgresql://...`` (shared, :mod:`.pg_queue`;
-    this server's leases named by its host and directory), else SQLite in the server directory."""
-    from wan_s2v_runner.launcher.serve.queue import JobQueue
+def open_store(settings: ServerSettings, dirs):
+    """The server's :class:`~.store.protocol.JobStore`: ``--queue postgresql://...`` (shared,
+    :mod:`.store.postgres`; this server's leases named by its host and directory), else SQLite in
+    the server directory."""
+    if not settings.queue:
+        from wan_s2v_runner.launcher.serve.store.sqlite import SqliteJobStore
 
-    if not args.queue:
-        return JobQueue(dirs.queue)
-    import socket
+        return SqliteJobStore(dirs.queue, pool=settings.pool)
+    from wan_s2v_runner.launcher.serve.fleet import who_am_i
+    from wan_s2v_runner.launcher.serve.store.postgres import PgJobStore
 
-    from wan_s2v_runner.launcher.serve.pg_queue import PgJobQueue, describe
-
-    queue = PgJobQueue(args.queue, owner=f"{socket.gethostname()}:{dirs.root}", lease_s=float(args.lease_s))
-    print(f"serve: the queue is {describe(args.queue)} (shared; leases {args.lease_s} s); shared directory "
-          f"{dirs.shared}", flush=True)
-    return queue
+    store = PgJobStore(settings.queue, owner=who_am_i(dirs), lease_s=float(settings.lease_s), pool=settings.pool)
+    print(f"serve: the queue is {store.describe()} (shared; pool {settings.pool!r}; leases {settings.lease_s} s); "
+          f"shared directory {dirs.shared}", flush=True)
+    return store
 
 
-def queue_refusal(args) -> Optional[str]:
-    """Why ``--queue``, ``--shared-dir`` and ``--lease-s`` do not go together (None: they do)."""
-    if not args.queue:
-        return ("--shared-dir is for a shared --queue (postgresql://...). Fix: drop it, or add --queue"
-                if args.shared_dir else None)
-    if not args.queue.startswith(("postgresql://", "postgres://")):
-        return f"--queue {args.queue!r}: a postgresql:// URL. Fix: --queue postgresql://USER@HOST/DB, or drop it"
-    if not args.shared_dir:
-        return ("--queue postgresql://... needs --shared-dir DIR: the directory every server mounts for uploads, "
-                "videos and clip checkpoints (docs/fleet.md)")
-    if args.lease_s < 3:
-        return f"--lease-s {args.lease_s}: at least 3 (the heartbeat renews it every third). Fix: --lease-s 30"
-    try:
-        import psycopg  # noqa: F401
-    except ImportError:
-        return "--queue postgresql://... needs psycopg 3. Fix: pip install 'psycopg[binary]'"
-    return None
+@dataclass(frozen=True)
+class FleetPlace:
+    """Where this server stands in its fleet: the fleet's id, its pool's identity digest, and what
+    its records are stamped with."""
+
+    fleet_id: str
+    digest: str
+    stamp: dict
+
+
+def join_fleet(settings: ServerSettings, group: GroupSpec, store, dirs) -> FleetPlace | tuple[str, int]:
+    """Join the pool (its identity recorded by its first server, else compared) and settle the
+    shared directory (marked by the fleet's first server, else checked). Returns where the server
+    stands, or (the refusal, its exit code)."""
+    from wan_s2v_runner.launcher.serve import fleet
+    from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
+
+    t0 = time.time()
+    identity = fleet.identity_of(group)
+    digest = fleet.digest_of(identity)
+    joined = store.join(digest, identity, fleet.who_am_i(dirs))
+    print(f"serve: pool {settings.pool!r} of fleet {joined.fleet_id[:12]}: identity {digest[:12]} "
+          f"({'recorded by this server' if joined.created_pool else 'checked'}; {time.time() - t0:.1f} s)", flush=True)
+    if not joined.matches(digest):
+        counts = store.counts(pool=settings.pool)
+        idle = not counts[JobStatus.QUEUED.value] and not counts[JobStatus.IN_PROGRESS.value]
+        if store.shared or not idle:  # one server's own pool with nothing waiting: it takes it over
+            return fleet.mismatch(joined, identity, settings.pool), exit_codes.FLEET_MISMATCH
+        what = ", ".join(fleet.differences(identity, joined.pool.identity))
+        print(f"serve: pool {settings.pool!r} had another identity ({what}) and no job waiting: it is this "
+              "server's now", flush=True)
+        store.reset_pool(digest, identity, fleet.who_am_i(dirs))
+    problem = fleet.settle_marker(dirs, joined, store.describe(), store)
+    if problem is not None:
+        return problem, exit_codes.SHARED_DIR
+    return FleetPlace(joined.fleet_id, digest, {"pool": settings.pool, "fleet_identity": digest})
 
 
 def _replicas(group: GroupSpec, n: int):
@@ -156,40 +167,52 @@ def _compute_only(group: GroupSpec, extra_env: Optional[dict]) -> int:
         time.sleep(1.0)
 
 
-def _serve_node0(args, replicas: list, base: dict, root: Path, token: Optional[str],
-                 extra_env: Optional[dict]) -> int:
+def _serve_node0(settings: ServerSettings, replicas: list, base: dict, extra_env: Optional[dict]) -> int:
     from wan_s2v_runner.launcher.job_book import job_defaults
+    from wan_s2v_runner.launcher.serve.dirs import ServerDirs
+    from wan_s2v_runner.launcher.serve.fleet import shared_dir_problem
     from wan_s2v_runner.launcher.serve.http import run_server
-    from wan_s2v_runner.launcher.serve.keeper import Keeper, ServerDirs
+    from wan_s2v_runner.launcher.serve.keeper import Keeper
     from wan_s2v_runner.launcher.serve.metrics import ServerMetrics
     from wan_s2v_runner.launcher.serve.requests import Policy
     from wan_s2v_runner.launcher.serve.retention import Retention
     from wan_s2v_runner.launcher.serve.state import Server
+    from wan_s2v_runner.launcher.serve.store.protocol import QueueUnavailable
+    from wan_s2v_runner.launcher.serve.watch import Watch
     from wan_s2v_runner.preflight import machine_facts
 
-    dirs = ServerDirs(root, shared=args.shared_dir.expanduser().absolute() if args.shared_dir else None)
-    dirs.videos.mkdir(parents=True, exist_ok=True)
+    dirs = ServerDirs(settings.server_dir, shared=settings.shared_dir)
+    if dirs.shared is None:
+        dirs.videos.mkdir(parents=True, exist_ok=True)  # a shared directory is the fleet's: never made here
     try:
-        queue = open_queue(args, dirs)
-    except Exception as e:  # psycopg.OperationalError: the database is not there, or refuses us
+        store = open_store(settings, dirs)
+    except Exception as e:  # the database is not there, or refuses us
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: cannot open the queue: {first}. Fix: check that the database runs and the URL "
-              "(user, host, port, database) is right", file=sys.stderr)
-        return exit_codes.PREFLIGHT
-    policy = Policy(allow_dirs=tuple(p.expanduser().resolve() for p in args.allow_dir),
-                    max_upload_bytes=args.max_upload_mb * 2**20, max_audio_s=float(args.max_audio_s))
-    metrics = ServerMetrics(queue)
-    retention = Retention(keep=args.keep_videos,
-                          max_age_s=args.keep_hours * 3600.0 if args.keep_hours is not None else None)
-    keepers = [Keeper(r.spec, queue.for_keeper(r.index), dirs, {**(extra_env or {}), **r.env},
-                      on_completed=metrics.job_completed, retention=retention, index=r.index, holds=r.holds)
+        return _error(f"cannot open the queue: {first}. Fix: check that the database runs and the URL (user, host, "
+                      "port, database) is right", exit_codes.PREFLIGHT)
+    try:
+        place = join_fleet(settings, replicas[0].spec, store, dirs)
+    except QueueUnavailable as e:
+        store.close()
+        return _error(f"cannot join the fleet: {e}. Fix: check that the database runs", exit_codes.PREFLIGHT)
+    if isinstance(place, tuple):
+        store.close()
+        return _error(*place)
+    dirs.videos.mkdir(parents=True, exist_ok=True)
+    watch = Watch(store, lambda: shared_dir_problem(dirs, place.fleet_id, store.describe()))
+    policy = Policy(allow_dirs=settings.allow_dir, max_upload_bytes=settings.max_upload_mb * 2**20,
+                    max_audio_s=float(settings.max_audio_s))
+    metrics = ServerMetrics(store, watch)
+    retention = Retention(keep=settings.keep_videos, max_age_s=settings.max_age_s)
+    keepers = [Keeper(r.spec, store.for_keeper(r.index), dirs, {**(extra_env or {}), **r.env},
+                      on_completed=metrics.job_completed, retention=retention, index=r.index, holds=r.holds,
+                      may_claim=watch.claim_refusal, stamp=place.stamp)
                for r in replicas]
     metrics.attach(keepers)
     if len(keepers) > 1:
         print(f"serve: {len(keepers)} rank groups of {replicas[0].spec.nproc} rank(s): "
               + "; ".join(f"group {r.index} on {r.holds}" for r in replicas), flush=True)
-    server = Server(queue=queue, keepers=keepers, dirs=dirs, metrics=metrics,
+    server = Server(queue=store, keepers=keepers, dirs=dirs, metrics=metrics, watch=watch, settings=settings,
                     base={k: v for k, v in job_defaults(base).items() if k not in OUTPUT_FIELDS},
-                    policy=policy, max_queue=args.max_queue, token=token, facts=machine_facts(),
-                    allow_hosts=tuple(args.allow_host), retention=retention, min_free_mb=args.min_free_mb)
-    return run_server(server, args.host, args.port)
+                    policy=policy, facts=machine_facts(), retention=retention, identity=place.digest)
+    return run_server(server)

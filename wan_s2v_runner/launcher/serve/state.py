@@ -9,23 +9,29 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
-from wan_s2v_runner.launcher.serve.keeper import GroupState, Keeper, ServerDirs
+from wan_s2v_runner.launcher.serve.dirs import ServerDirs
+from wan_s2v_runner.launcher.serve.keeper import Keeper
 from wan_s2v_runner.launcher.serve.metrics import ServerMetrics
+from wan_s2v_runner.launcher.serve.progress import GroupState
 from wan_s2v_runner.launcher.serve.protocol import (
     Health,
     JobField,
     LayoutInfo,
+    QueueHealth,
     RankInfo,
     ReplicaInfo,
     ServerState,
     VideoError,
     VideoObject,
 )
-from wan_s2v_runner.launcher.serve.queue import JobRow, JobStatus, JobStore
-from wan_s2v_runner.launcher.serve.requests import Policy, VideoJobFields
+from wan_s2v_runner.launcher.serve.requests import Policy, VideoJobFields, input_names, scrub
 from wan_s2v_runner.launcher.serve.retention import Retention
+from wan_s2v_runner.launcher.serve.settings import ServerSettings
+from wan_s2v_runner.launcher.serve.store.protocol import JobRow, JobStatus, JobStore
+from wan_s2v_runner.launcher.serve.watch import Watch
 from wan_s2v_runner.shared.events import steps_done
 from wan_s2v_runner.shared.media import FIRST_CLIP_DROPS, FPS
 from wan_s2v_runner.shared.spec import JobSpec, flag_name
@@ -45,16 +51,25 @@ class Server:
     dirs: ServerDirs
     base: dict[str, Any]  # every job's defaults (the command's job values, outputs left out)
     policy: Policy
-    max_queue: int
-    token: Optional[str] = None
+    settings: ServerSettings
+    watch: Watch  # what the server knows of its queue and shared directory between requests
     facts: Any = None  # the machine's facts, probed once (preflight of each job)
     metrics: Optional[ServerMetrics] = None
-    allow_hosts: tuple[str, ...] = ()  # host names (beyond IP addresses and localhost) clients may use
     retention: Retention = Retention()  # what is kept of ended jobs (--keep-videos, --keep-hours)
-    min_free_mb: int = 0  # below this much free space, new jobs are refused (507)
+    identity: Optional[str] = None  # the digest of the fleet identity this server makes videos with
     decode_slots: int = DECODE_SLOTS  # submissions checked (media read and decoded) at once
     decoding: int = 0  # submissions being checked now
     decoding_peak: int = 0  # the most ever checked at once (/v1/server)
+
+    @property
+    def token(self) -> Optional[str]:
+        return self.settings.token
+
+    @property
+    def roots(self) -> tuple[Path, ...]:
+        """The server's own paths, never named in an error body (:func:`~.requests.scrub`)."""
+        spec = self.keepers[0].group_spec
+        return (self.dirs.root, self.dirs.shared_root, *self.policy.allow_dirs, spec.ckpt_dir, spec.runs_root)
 
     @property
     def keeper(self) -> Keeper:
@@ -96,7 +111,7 @@ def video_objects(server: Server, rows: list[JobRow]) -> list[VideoObject]:
 
 def video_object(server: Server, row: JobRow, position: Any = ASK) -> VideoObject:
     if position is ASK:
-        position = server.queue.position(row.id) if row.status is JobStatus.QUEUED else None
+        position = server.queue.positions([row.id]).get(row.id) if row.status is JobStatus.QUEUED else None
     # the progress its keeper here knows, else what the server running it stored (a shared queue)
     live = (server.live(row.id) or row.progress) if row.status is JobStatus.IN_PROGRESS else None
     record = row.record or {}
@@ -109,10 +124,10 @@ def video_object(server: Server, row: JobRow, position: Any = ASK) -> VideoObjec
         "prompt": spec.get("prompt"), "seed": spec.get("seed"), "max_area": spec.get("max_area"),
         "queue_position": position if row.status is JobStatus.QUEUED else None,
         "stage_seconds": record.get("stage_seconds"), "wall_s": record.get("wall_s"),
-        "resumed_at_clip": record.get("resumed_at_clip"), "attempts": row.runs, "failures": row.failures,
-        "cancel_requested": row.cancel_requested,
+        "resumed_at_clip": record.get("resumed_at_clip"), "attempts": row.attempt, "failures": row.failures,
+        "cancel_requested": row.cancel_requested, "pool": row.pool, "identity": row.identity,
         "expires_at": server.retention.expires_at(row.finished_at) if row.status.terminal else None,
-        "error": (VideoError(code=row.status.value, message=row.error)
+        "error": (VideoError(code=row.status.value, message=scrub(row.error, server.roots, input_names(spec)))
                   if row.status in (JobStatus.FAILED, JobStatus.CANCELLED) and row.error else None),
     }
     if live:
@@ -184,6 +199,15 @@ def replica_info(k: Keeper) -> ReplicaInfo:
                        ranks=[RankInfo(**r, group=k.index) for r in k.ranks])
 
 
+def queue_health(server: Server) -> QueueHealth:
+    """What the watch last learned of the queue and the shared directory."""
+    seen = server.watch.seen
+    return QueueHealth(up=seen.queue_error is None, error=seen.queue_error, down_since=seen.queue_down_since,
+                       store=server.queue.describe(), shared=server.queue.shared, pool=server.queue.pool,
+                       identity=server.identity, shared_dir=str(server.dirs.shared_root),
+                       shared_dir_problem=seen.dir_problem)
+
+
 def server_state(server: Server, counts: Optional[dict[str, int]] = None) -> ServerState:
     """What the status page shows of the server (changes as the groups work); ``counts``: the
     jobs by status, when the caller has them. With several groups the top-level fields sum them
@@ -204,13 +228,19 @@ def server_state(server: Server, counts: Optional[dict[str, int]] = None) -> Ser
                           cfg_degree=layout.cfg_degree, sp_degree=layout.sp_degree,
                           vae_parallel=layout.vae_parallel, device=spec.device,
                           attention=getattr(spec.attention, "value", spec.attention)),
-        loras=[str(lora) for lora in spec.lora])
+        loras=[str(lora) for lora in spec.lora], queue_state=queue_health(server))
 
 
 def health(server: Server) -> Health:
-    state = server_state(server)
-    return Health(group=state.group, restarts=state.restarts, groups=state.groups, current=state.current,
+    """``/health``: what the groups do and what the watch last learned; never asks the queue (it
+    answers at once while the database is down, and says so)."""
+    seen = server.watch.seen
+    counts = seen.counts if seen.counts is not None else {s.value: 0 for s in JobStatus}
+    state = server_state(server, counts=counts)
+    return Health(status="ok" if server.watch.not_ready() is None else "degraded",
+                  group=state.group, restarts=state.restarts, groups=state.groups, current=state.current,
                   last_error=state.last_error, queue=state.queue, uptime_s=state.uptime_s, model=state.model,
                   replicas=[r.model_copy(update={"ranks": []}) for r in state.replicas],
                   mode=state.layout.mode, world_size=state.layout.world_size,
-                  cfg_parallel=state.layout.cfg_degree == 2, device=state.layout.device)
+                  cfg_parallel=state.layout.cfg_degree == 2, device=state.layout.device,
+                  queue_state=state.queue_state.model_copy(update={"store": None, "shared_dir": None}))

@@ -1,0 +1,157 @@
+"""Where a server keeps things (:class:`ServerDirs`), and the one rule for a job's files: each
+attempt writes under its own folder, and only its holder moves them into place.
+
+``--server-dir`` is the server's own (its lock, its rank groups' run directories, a SQLite
+queue); ``--shared-dir`` (a shared queue) holds what every server of the fleet reads: uploads,
+videos and each job's work. A job's attempt ``N`` (its fencing token,
+:mod:`~.store.protocol`) writes only into ``videos/.work/ID/attempt-N/``: its clip
+checkpoints (``clips/``), its speech, its video so far, its first frame, its mp4 and record.
+The published names beside the other videos (``videos/ID.mp4``, ``ID.json``,
+``ID.thumbnail.jpg``, and a cancelled or failed job's ``ID.partial.mp4``) are made only by the
+holder's :func:`publisher`, inside the store's transaction that checks its attempt; a job that
+ended keeps nothing else. While it runs, the API serves its video so far and first frame from
+the newest attempt that has one (:meth:`ServerDirs.newest`).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from wan_s2v_runner.launcher.job_book import WORK_DIR
+from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
+from wan_s2v_runner.shared import atomic, media
+
+#: an attempt's own folder under the job's work folder
+ATTEMPT_PREFIX = "attempt-"
+#: the shared directory's marker: which fleet and queue it belongs to (:mod:`.fleet`)
+MARKER = ".wan-s2v-fleet.json"
+
+
+@dataclass(frozen=True)
+class ServerDirs:
+    """Where a server keeps things (``--server-dir``, ``--shared-dir``)."""
+
+    root: Path  # this server's own (its lock, its rank groups' run directories, a SQLite queue)
+    shared: Optional[Path] = None  # --shared-dir: what every server of a shared queue reads (else root)
+
+    @property
+    def shared_root(self) -> Path:
+        return self.shared or self.root
+
+    @property
+    def marker(self) -> Path:
+        return self.shared_root / MARKER
+
+    @property
+    def videos(self) -> Path:  # the published ID.mp4 and ID.json: the only files the API serves once ended
+        return self.shared_root / "videos"
+
+    @property
+    def uploads(self) -> Path:
+        return self.shared_root / "uploads"
+
+    @property
+    def runs(self) -> Path:
+        return self.root / "runs"
+
+    @property
+    def queue(self) -> Path:
+        return self.root / "jobs.sqlite"
+
+    def work(self, job_id: str) -> Path:
+        return self.videos / WORK_DIR / job_id
+
+    def attempt(self, job_id: str, attempt: int) -> Path:
+        """Attempt ``attempt``'s own folder: everything its ranks write for the job."""
+        return self.work(job_id) / f"{ATTEMPT_PREFIX}{attempt}"
+
+    def attempts(self, job_id: str) -> list[Path]:
+        """The job's attempt folders, oldest first."""
+        found = []
+        for path in self.work(job_id).glob(f"{ATTEMPT_PREFIX}*"):
+            m = re.fullmatch(rf"{ATTEMPT_PREFIX}(\d+)", path.name)
+            if m and path.is_dir():
+                found.append((int(m[1]), path))
+        return [p for _, p in sorted(found)]
+
+    def video(self, job_id: str) -> Path:
+        return self.videos / f"{job_id}.mp4"
+
+    def record(self, job_id: str) -> Path:  # the job's record (ID.json), as published
+        return self.videos / f"{job_id}.json"
+
+    def partial(self, job_id: str) -> Path:  # the video so far, as published (a cancelled or failed job's)
+        return media.partial_path(self.video(job_id))
+
+    def thumbnail(self, job_id: str) -> Path:  # the first frame, as published
+        return media.thumbnail_path(self.video(job_id))
+
+    def newest(self, job_id: str, published: Path) -> Optional[Path]:
+        """``published`` (one of the job's names in ``videos/``) if it is there, else the newest
+        attempt's own copy of it (a running job's video so far and first frame); None: neither."""
+        if published.is_file():
+            return published
+        for folder in reversed(self.attempts(job_id)):
+            own = folder / published.name
+            if own.is_file():
+                return own
+        return None
+
+    def remove_job_files(self, job_id: str, *, video: bool) -> None:
+        """What a job left: its work (every attempt's folder) and uploads (a job that ended keeps
+        nothing it could resume from); with ``video``, its published files too (deleted)."""
+        shutil.rmtree(self.work(job_id), ignore_errors=True)
+        shutil.rmtree(self.uploads / job_id, ignore_errors=True)
+        if video:
+            for path in (self.video(job_id), self.record(job_id), self.videos / f"{job_id}.speech.wav",
+                         self.partial(job_id), self.thumbnail(job_id)):
+                path.unlink(missing_ok=True)
+
+
+def publisher(dirs: ServerDirs, job_id: str, attempt: int, status: JobStatus,
+              stamp: Optional[dict] = None) -> Callable[[], None]:
+    """What the holder of ``attempt`` moves into place when the job ends with ``status`` (run by
+    the store inside the transaction that checked the attempt): a completed job's mp4, a cancelled
+    or failed one's video so far; then rank 0's record (a failed job's says why; a completed one's
+    names the published mp4; ``stamp`` added: the attempt, pool and identity that made it); then
+    the first frame. Made again after a lost answer, it moves what is left (a file already moved
+    counts as moved)."""
+    own = dirs.attempt(job_id, attempt)
+
+    def move(src: Path, dest: Path) -> None:
+        if src.is_file():
+            atomic.replace(src, dest, durable=True)
+
+    def publish() -> None:
+        dirs.videos.mkdir(parents=True, exist_ok=True)
+        if status is JobStatus.COMPLETED:
+            move(own / dirs.video(job_id).name, dirs.video(job_id))  # the mp4 first, then the record naming it
+        else:
+            move(own / dirs.partial(job_id).name, dirs.partial(job_id))
+        record_src = own / dirs.record(job_id).name
+        if record_src.is_file():  # rank 0's record: a completed job's, or a failed one's with its cause
+            record = json.loads(record_src.read_text(encoding="utf-8"))
+            if status is JobStatus.COMPLETED:
+                record.setdefault("output", {})["path"] = str(dirs.video(job_id))
+            record.update(stamp or {})
+            atomic.write_text(dirs.record(job_id), json.dumps(record, indent=1), durable=True)
+            record_src.unlink()
+        move(own / dirs.thumbnail(job_id).name, dirs.thumbnail(job_id))
+
+    return publish
+
+
+def remove_partial_videos(videos: Path, job_id: Optional[str] = None) -> list[Path]:
+    """What a killed writer left half-written among the published videos (every writer names
+    its temporaries ``.NAME.PID.*``, :func:`~wan_s2v_runner.shared.atomic.temp_name`): ``job_id``'s,
+    or, when no group runs, everyone's."""
+    removed = []
+    for path in videos.glob(f".{job_id}.*" if job_id else ".*.*"):
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
