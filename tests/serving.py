@@ -34,6 +34,7 @@ class ServerProcess:
     def __init__(self, server_dir: Path, flags: list[str], env: dict | None = None):
         self.flags, self.env = flags, env
         self.dir, self.log = server_dir, server_dir.parent / f"{server_dir.name}.{time.time():.0f}.log"
+        server_dir.parent.mkdir(parents=True, exist_ok=True)
         (server_dir / "server.json").unlink(missing_ok=True)
         full = cli_env(env)
         self.out = open(self.log, "w")

@@ -77,6 +77,24 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
+def freeze(pid: int) -> list[int]:
+    """SIGSTOP ``pid`` and everything under it, again until no process is new (one started while
+    the others were being stopped is stopped too); the frozen pids, ``pid`` first."""
+    frozen: list[int] = []
+    for _ in range(10):
+        new = [p for p in _tree(pid) if p not in frozen]
+        if not new:
+            return frozen
+        for p in reversed(new):  # children first
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except OSError:
+                continue
+            frozen.append(p)
+        time.sleep(0.1)
+    return frozen
+
+
 @pytest.mark.slow(seconds=100)
 def test_a_server_frozen_past_its_lease_writes_nothing_once_it_lost_the_job(cluster, tiny_assets, engine_cpu,
                                                                             tmp_path):
@@ -91,16 +109,19 @@ def test_a_server_frozen_past_its_lease_writes_nothing_once_it_lost_the_job(clus
                  and v, 120, "the job's second clip", servers["a"].tail)
         name = next(n for n, s in servers.items() if s.http.get("/health").json()["current"] == vid)
         paused, other = servers[name], servers["b" if name == "a" else "a"]
-        frozen = _tree(paused.proc.pid)
-        for pid in reversed(frozen):  # the ranks first, then torchrun, then the server: a VM frozen
-            os.kill(pid, signal.SIGSTOP)
+        frozen = freeze(paused.proc.pid)  # the server, torchrun, the ranks and their encoders: a VM frozen
         done = other.wait(vid, "completed", "failed", timeout=180)
         assert done["status"] == "completed" and done["attempts"] == 2 and done["resumed_at_clip"] >= 2, done
         finished = snapshot(shared)
         assert f"videos/{vid}.mp4" in finished and not any(".work" in p for p in finished)
+        # woken, the ranks first (a VM's processes do not wake in step): they go on with the job for
+        # seconds before their server can learn it lost the job
         for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
-        # woken: it learns it lost the job, its ranks stop it, its group takes the next one
+            if pid != paused.proc.pid:
+                os.kill(pid, signal.SIGCONT)
+        time.sleep(5)
+        os.kill(paused.proc.pid, signal.SIGCONT)
+        # it learns it lost the job, its ranks stop it, its group takes the next one
         wait_for(lambda: "lease ran out and the job was taken back" in paused.text(), 60, "the lost lease", paused.tail)
         wait_for(lambda: (h := paused.http.get("/health").json())["current"] is None and h["group"] == "idle", 60,
                  "the woken server's group idle", paused.tail)

@@ -301,11 +301,11 @@ class RankGroup:
             self.events.step(**counters)
             if self.served:
                 stop = None
-                if self.rank == 0:
-                    if inbox.cancelled(self.run_dir, job.id):
-                        stop = "cancel"
-                    elif gate.verdict() is inbox.Verdict.LOST:
+                if self.rank == 0:  # lost first: a lost job's cancel is its server's way of saying so too
+                    if gate.verdict() is inbox.Verdict.LOST:
                         stop = LOST
+                    elif inbox.cancelled(self.run_dir, job.id):
+                        stop = "cancel"
                 stop = self._from_rank0(stop)
                 if stop == "cancel":
                     raise JobCancelled(job.id)
