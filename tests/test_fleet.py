@@ -20,13 +20,14 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, wait_for
+from conftest import cli_env, run_cli, wait_for
 from serving import TINY_DEFAULTS, expected_mp4, rank0_events, shared_server
 
 from wan_s2v_runner.shared import exit_codes, media
@@ -188,6 +189,11 @@ def test_a_database_restart_and_outage_lose_nothing_and_make_nothing_twice(clust
             r = servers["b"].http.get(f"/v1/videos/{ids[0]}")
             assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", r.text
             assert "does not answer" in r.json()["error"]["message"] and r.headers["Retry-After"]
+            # a client submitting now: wan-s2v submit sends the same request again until it is taken
+            client = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "submit", "--url", a.url, "--no-wait",
+                                       "--image", str(tiny_assets.image), "--audio", str(tiny_assets.audio),
+                                       "--seed", "77", "--infer-frames", "4", "--num-clips", "1", "--steps", "2"],
+                                      env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             time.sleep(max(0.0, 20 - (time.time() - t_down)))  # 20 s without a database
             for s in servers.values():  # nothing restarted, and the groups went on denoising meanwhile
                 h = s.http.get("/health").json()
@@ -197,6 +203,10 @@ def test_a_database_restart_and_outage_lose_nothing_and_make_nothing_twice(clust
             assert steps, "no denoising step was made while the database was away"
         finally:
             cluster.start()
+        out, err = client.communicate(timeout=120)
+        assert client.returncode == 0 and out.strip().startswith("video_"), err
+        assert "sending it again" in err and "does not answer" in err, err
+        ids.append(out.strip())
         for vid in ids:
             done = servers["b"].wait(vid, "completed", "failed", "cancelled", timeout=300)
             assert done["status"] == "completed", done

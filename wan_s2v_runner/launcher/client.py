@@ -10,11 +10,16 @@ server's jobs, shows the ones named, or cancels them (``--cancel``). ``--json`` 
 object(s) instead. The server comes from ``--url`` / ``$WAN_S2V_URL``, the token from
 ``--token-file``, ``--token`` or ``$WAN_S2V_TOKEN`` (:mod:`.serve.token`).
 
+``submit`` sends its job with an ``Idempotency-Key`` of its own and, while the server cannot
+take it (no answer, or 503: its queue's database away, its shared directory failing), sends the
+same request again for up to :data:`RECONNECT_S` (after the server's ``Retry-After``): the job is
+made once, however many tries it took.
+
 Exit codes (README): 0 done; 3 the server refused the request (a 4xx: its cause printed; for
 ``submit``, nothing was queued); 6 the job failed or was cancelled on the server; 7 the server
-could not be reached (for ``submit``: for :data:`RECONNECT_S` while following), answered a server
-error, or the finished video could not be downloaded or written; 130 interrupted (the job goes
-on on the server: ``wan-s2v jobs ID`` finds it).
+could not be reached (for ``submit``: for :data:`RECONNECT_S` while submitting or following),
+answered a server error, or the finished video could not be downloaded or written; 130
+interrupted (the job goes on on the server: ``wan-s2v jobs ID`` finds it).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -254,13 +260,42 @@ def destination(output: Optional[Path], video_id: str) -> Path:
     return output / f"{video_id}.mp4" if output.is_dir() else output
 
 
+def submit_job(client: httpx.Client, fields: dict[str, str], files: dict[str, Path],
+               patience_s: float = RECONNECT_S) -> dict[str, Any]:
+    """POST the job, with an ``Idempotency-Key``; again while the server cannot take it (no
+    answer, or 503), for up to ``patience_s``: the same key, so the server makes it once. Its
+    video object, or :class:`ClientError`."""
+    key = f"wan-s2v-submit-{uuid.uuid4().hex}"
+    deadline = time.time() + patience_s
+    while True:
+        with ExitStack() as opened:
+            uploads = {name: (path.name, opened.enter_context(open(path, "rb"))) for name, path in files.items()}
+            try:
+                r = client.post("/v1/videos", data=fields, files=uploads or None, headers={"Idempotency-Key": key})
+            except httpx.HTTPError as e:
+                if time.time() >= deadline:
+                    raise _unreachable(client, e) from None
+                why, wait = f"no answer ({type(e).__name__})", 2.0
+            else:
+                if r.status_code != 503 or time.time() >= deadline:
+                    _raise_for(r)
+                    return r.json()
+                try:
+                    why = r.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    why = r.text.strip()[:200]
+                wait = float(r.headers.get("Retry-After") or 5)
+        wait = max(0.5, min(wait, 30.0, deadline - time.time()))
+        print(f"the server cannot take the job now ({why}); sending it again in {wait:.0f} s (the same request: "
+              "it is made once)", file=sys.stderr, flush=True)
+        time.sleep(wait)
+
+
 def cmd_submit(args) -> int:
     try:
         fields, files = submission(args)
-        with connect(args) as client, ExitStack() as opened:
-            uploads = {name: (path.name, opened.enter_context(open(path, "rb"))) for name, path in files.items()}
-            video = _call(client, "POST", "/v1/videos", data=fields, files=uploads or None)
-            opened.close()
+        with connect(args) as client:
+            video = submit_job(client, fields, files)
             print(f"submitted {video['id']} to {client.base_url}", file=sys.stderr, flush=True)
             if args.no_wait:
                 print(json.dumps(video, indent=2) if args.json else video["id"])

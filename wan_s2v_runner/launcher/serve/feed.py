@@ -211,6 +211,21 @@ class Feed:
             else:  # every tick: the stream sends it only when it differs from what it sent
                 f.push(Changes(videos={f.watch: self._videos[f.watch]}))
 
+    def _server_alone(self) -> dict[str, Any]:
+        """The server's state without asking the queue (its counts as the watch last read them)."""
+        seen = self.server.watch.seen
+        counts = seen.counts if seen.counts is not None else {st.value: 0 for st in JobStatus}
+        return server_state(self.server, counts=counts).model_dump(mode="json")
+
+    def _apply_server(self, state: dict[str, Any]) -> None:
+        """A read of the server alone (the queue away): the pages hear it when it changed."""
+        if self._state is not None and _server_view(state) == _server_view(self._state):
+            return
+        self._state = state
+        for f in self.followers:
+            if f.watch is None:
+                f.push(Changes(server=state))
+
     def snapshot(self) -> dict[str, Any]:
         """The page's first event: the server and the window's videos (oldest first)."""
         return {"server": self._state, "videos": [self._videos[vid] for vid in self._window]}
@@ -232,7 +247,8 @@ class Feed:
                     break
                 try:
                     await self._tick_once()
-                except QueueUnavailable:  # the streams wait; the next tick reads again
+                except QueueUnavailable:  # the jobs wait for the next read; the server's state says why
+                    self._apply_server(await run_in_threadpool(self._server_alone))
                     continue
                 except Exception as e:
                     log.exception("the live feed's read failed")

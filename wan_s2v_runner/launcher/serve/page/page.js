@@ -92,6 +92,12 @@ function renderServer(s) {
     ["uptime", fmtS(s.uptime_s)],
     ["rank groups", `${s.groups} started, ${s.restarts} restart${s.restarts === 1 ? "" : "s"}`],
   ];
+  const Q = s.queue_state; // the queue and the shared directory, as the server's watch last saw them
+  if (Q) {
+    const down = Q.up ? "" : `: unavailable since ${new Date(Q.down_since * 1000).toLocaleTimeString()} (${Q.error})`;
+    rows.push(["queue", `${Q.shared ? "shared" : "this server's"}, pool ${Q.pool}${down}`]);
+    if (Q.shared_dir_problem) rows.push(["shared directory", Q.shared_dir_problem]);
+  }
   if ((s.replicas || []).length > 1) { // --replicas: each group, what it holds and what it does
     for (const r of s.replicas) {
       rows.push([`group ${r.index}`, `${r.holds}: ${r.group}${r.current ? ` (${r.current})` : ""}` +
