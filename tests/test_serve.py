@@ -280,6 +280,9 @@ def _metrics(server) -> dict:
 @pytest.mark.slow
 def test_metrics_move_as_jobs_run(server, inputs):
     assert httpx.get(f"{server.url}/metrics").status_code == 401  # the token, as every route but /health
+    # the jobs other tests left behind on the session's server end first: only this one moves the counts
+    wait_for(lambda: (q := httpx.get(f"{server.url}/health").json()["queue"])["queued"] + q["in_progress"] == 0,
+             240, "the server's earlier jobs to end", server.tail)
     before = _metrics(server)
     job = server.submit(image=inputs["image"], audio=inputs["audio"], prompt="counted", steps=1, infer_frames=4,
                         num_clips=1).json()

@@ -25,6 +25,7 @@ from conftest import wait_for
 from serving import TINY_DEFAULTS, ServerProcess
 
 from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
+from wan_s2v_runner.shared import atomic
 
 #: the fuzz run's budget (Schemathesis' --max-time: two thirds for the schema-valid pass, whose
 #: coverage phase alone takes most of 12 s on a loaded 2-core machine), and the examples per operation
@@ -82,7 +83,7 @@ def test_the_api_fuzzed_from_its_openapi_document(tiny_assets, tmp_path):
 
         # nothing left behind: no uploads, no temporary files, no clip checkpoints
         assert not list((d / "uploads").iterdir()), sorted(p.name for p in (d / "uploads").iterdir())
-        temps = [p for p in d.rglob("*") if ".tmp" in p.name or p.name.endswith(".partial")]
+        temps = [p for p in d.rglob("*") if atomic.is_temp(p) or p.name.endswith(".partial")]
         assert not temps, temps
         work = d / "videos" / ".work"
         assert not work.exists() or not list(work.iterdir()), sorted(work.iterdir())

@@ -68,6 +68,9 @@ def test_the_shared_store_leases_clocks_and_schema(cluster):
         db.execute("UPDATE jobs SET status = 'in_progress', owner = 'a', attempt = attempt + 1, "
                    "claim_id = 'lost-answer' WHERE id = 'k3'")
     assert a.claim_next().id == "k3" and a._unsure_claim is None
+    with psycopg.connect(url, autocommit=True) as db:  # its lease renewed from now: it dated from the lost claim
+        (left,) = db.execute(f"SELECT lease_until - {postgres._NOW} FROM jobs WHERE id = 'k3'").fetchone()
+    assert 0 < left <= a.lease_s
     # each keeper of a server holds its jobs under its own name; the server takes all back at start
     k0 = b.for_keeper(0)
     held = k0.claim_next()

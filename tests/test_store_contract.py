@@ -91,7 +91,9 @@ def test_submissions_reads_and_the_queue_limit(store):
     with pytest.raises(KeyError):
         s.page(after="nope")
     assert s.positions(["a", "c", "zz"]) == {"a": 1, "c": 3}
+    assert s.known(["a", "zz", "c"]) == {"a", "c"} and s.known([]) == set()
     assert s.counts() == {"queued": 3, "in_progress": 0, "completed": 0, "failed": 0, "cancelled": 0}
+    assert s.add("p1", {}, max_queued=1, pool="other").created  # the limit is each pool's
     s.ping()
 
 
@@ -107,7 +109,12 @@ def test_idempotent_submissions_and_what_no_store_holds(store):
         s.add("v4", {"prompt": "a\x00b"}, 10)
     with pytest.raises(NotStorable):
         s.add("v5", {"lora": ["x\x00"]}, 10)
-    assert s.get("v4") is None and s.get("v5") is None
+    with pytest.raises(NotStorable):
+        s.add("v6", {"prompt": "\ud800"}, 10)  # a lone surrogate: not UTF-8
+    assert s.get("v4") is None and s.get("v5") is None and s.get("v6") is None
+    held = s.claim_next()  # what the server writes itself (an error from anywhere) is kept as every store can
+    assert s.finish(held.id, held.attempt, JobStatus.FAILED, error="rank 0: a\x00b \ud800")
+    assert s.get(held.id).error.startswith("rank 0: a")
 
 
 def test_claims_never_hand_one_job_to_two_holders(store):
@@ -185,10 +192,13 @@ def test_cancel_delete_and_the_failure_policy(store, kind):
     for name in ("a", "b", "c", "d"):
         s.add(name, {}, 10)
     a = s.claim_next()
-    assert s.group_failed("a", a.attempt, "rank 1 died") is JobStatus.QUEUED  # back in the queue, first in line
+    published = []
+    assert s.group_failed("a", a.attempt, "rank 1 died", publish=lambda: published.append(1)) is JobStatus.QUEUED
+    assert published == []  # back in the queue, first in line: nothing of it is published
     a = s.claim_next()
     assert a.id == "a" and a.attempt == 2
-    assert s.group_failed("a", a.attempt, "rank 1 died again") is JobStatus.FAILED
+    assert s.group_failed("a", a.attempt, "rank 1 died again", publish=lambda: published.append(2)) is JobStatus.FAILED
+    assert published == [2]  # failed for good: what it made so far published with the end
     assert f"failed {rules.MAX_FAILURES} times" in s.get("a").error and s.get("a").failures == 2
     assert s.cancel("c") is JobStatus.CANCELLED  # queued: dropped at once
     b = s.claim_next()

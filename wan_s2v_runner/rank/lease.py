@@ -20,10 +20,12 @@ When the lease is lost nothing more is written, and the job stops at the next st
 (:class:`JobLost`). A job without a lease file (a server's own queue, ``run``, ``batch``) is
 always current.
 
-What this cannot close is the moment between a check and the rename that follows it: a pause
-exactly there lets one write through after the lease ran out. It lands in the attempt's own
-folder, which no other attempt writes, and the files are moved into place only by the keeper,
-inside the database transaction that checks the attempt (the store's ``finish``).
+Every write asks again just before its rename. What this cannot close is the moment between
+that check and the rename: a pause exactly there lets one write through after the lease ran
+out. It lands in the attempt's own folder, which no other attempt writes, and the files are
+moved into place only by the keeper, inside the database transaction that checks the attempt
+(the store's ``finish``). A wait for a verdict is bounded (``limit_s``, below the process group's
+timeout, while the other ranks wait in a collective): past it the job is taken as lost.
 """
 from __future__ import annotations
 
@@ -46,8 +48,9 @@ class JobLost(Exception):
 class LeaseGate:
     """Rank 0's view of a served job's lease (``run_dir`` None: not a served group, always current)."""
 
-    def __init__(self, run_dir: Optional[Path], job_id: str, say: Optional[Callable[[], None]] = None):
-        self.run_dir, self.job_id, self.say = run_dir, job_id, say
+    def __init__(self, run_dir: Optional[Path], job_id: str, say: Optional[Callable[[], None]] = None,
+                 limit_s: float = float("inf")):
+        self.run_dir, self.job_id, self.say, self.limit_s = run_dir, job_id, say, limit_s
 
     def verdict(self) -> Verdict:
         if self.run_dir is None:
@@ -59,12 +62,15 @@ class LeaseGate:
         return self.verdict() is Verdict.CURRENT
 
     def wait(self) -> bool:
-        """Until the lease is current (True) or lost (False), saying it lives meanwhile."""
-        said = time.time()
+        """Until the lease is current (True) or lost (False: also after :attr:`limit_s`), saying
+        it lives meanwhile."""
+        said = start = time.time()
         while True:
             v = self.verdict()
             if v is not Verdict.UNKNOWN:
                 return v is Verdict.CURRENT
+            if time.time() - start > self.limit_s:
+                return False
             if self.say is not None and time.time() - said >= SAY_EVERY_S:
                 said = time.time()
                 self.say()

@@ -291,7 +291,9 @@ class RankGroup:
         write into the shared directory; any other job, and any other rank, always may."""
         if not self.served or self.rank != 0:
             return ALWAYS
-        return LeaseGate(self.run_dir, job.id, say=lambda: self.events.emit("waiting"))
+        # a wait stays well below the process group's timeout: the other ranks wait in a collective
+        return LeaseGate(self.run_dir, job.id, say=lambda: self.events.emit("waiting"),
+                         limit_s=self.spec.pg_timeout_s / 2)
 
     def _step_or_cancel(self, job: Job, gate: LeaseGate):
         """The denoising step hook: report the step; in a served group, stop the job here when the

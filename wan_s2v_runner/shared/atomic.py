@@ -1,7 +1,8 @@
 """Nothing half-written: every file the runner produces appears by ``os.replace`` of a temporary.
 
-One naming rule for temporaries, ``.<stem>.<pid>.<tag><suffix>`` next to the destination (the
-suffix is kept so writers that pick a format from it — PIL, ffmpeg — still work), so the
+One naming rule for temporaries, ``.<stem>.<pid>.<host>-<tag><suffix>`` next to the destination
+(the suffix is kept so writers that pick a format from it — PIL, ffmpeg — still work; the host,
+so two machines writing one file of a shared directory never share a temporary), so the
 launcher can find and remove what a killed rank left behind (:func:`leftover_pattern`).
 
 ``durable`` writes (a job's mp4 and record: what a server's queue then calls ``completed``) are
@@ -24,9 +25,27 @@ class NotCommitted(Exception):
     """A write's ``commit_if`` said no: the temporary was removed, the destination is untouched."""
 
 
+def _host() -> str:
+    import re
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:32] or "host"
+
+
+#: this machine, as temporaries name it
+HOST = _host()
+
+
 def temp_name(dest: Path, tag: str = "tmp", pid: int | None = None) -> Path:
     dest = Path(dest)
-    return dest.with_name(f".{dest.stem}.{os.getpid() if pid is None else pid}.{tag}{dest.suffix}")
+    return dest.with_name(f".{dest.stem}.{os.getpid() if pid is None else pid}.{HOST}-{tag}{dest.suffix}")
+
+
+def is_temp(path: Path) -> bool:
+    """Whether ``path`` is named as :func:`temp_name` names a temporary."""
+    import re
+
+    return re.match(rf"^\..+\.\d+\.{re.escape(HOST)}-[A-Za-z]+", Path(path).name) is not None
 
 
 def leftover_pattern(dest: Path, pid: int) -> str:

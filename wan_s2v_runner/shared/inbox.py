@@ -86,9 +86,10 @@ class Verdict(str, Enum):
 
 @dataclass(frozen=True)
 class Lease:
-    """The server's hold on a job, as it tells its ranks: the attempt (its fencing token), the
-    wall time until which it is sure no other server can take the job (its last heartbeat's send
-    plus most of the lease), or that it lost the job."""
+    """The server's hold on a job, as it tells its ranks: the attempt (its fencing token; for the
+    logs: a group runs one job at a time, so the job's id names the hold), the wall time until
+    which it is sure no other server can take the job (its last heartbeat's send plus most of the
+    lease), or that it lost the job."""
 
     attempt: int
     until: float

@@ -123,31 +123,47 @@ class ClipWriter:
         elif verdict is Verdict.CURRENT:
             self.flush()
 
+    def _current(self) -> bool:
+        from wan_s2v_runner.shared.inbox import Verdict
+
+        return self.gate is None or self.gate.verdict() is Verdict.CURRENT
+
     def flush(self) -> None:
-        """Write the clips owed, then the newest clip's carried state and ``state.json``."""
+        """Write the clips owed, then the newest clip's carried state and ``state.json``, the gate
+        asked before each rename: what it stops stays owed (``state.json`` last, so it names only
+        clips on disk)."""
         import torch
 
         from wan_s2v_runner.shared import atomic
+        if not self._current():
+            return
         (self.run_dir / CLIPS_DIR).mkdir(parents=True, exist_ok=True)
         if self.adopting is not None:
             adopt(*self.adopting, self.run_dir)
             self.adopting = None
-        for clip, frames in self.pending:
-            frames = frames.contiguous()
-            atomic.atomic_write(clip_file(self.run_dir, clip), lambda p, f=frames: torch.save(f, p))
-        self.pending = []
-        if self.latest is None:
-            return
-        state, num_clips = self.latest
-        self.latest = None
-        # after the last clip there is no next clip: no motion latents (not computed)
-        motion = state.motion_latents.cpu() if state.motion_latents is not None else None
-        carried = {"format": FORMAT, "clip": state.clip, "motion_latents": motion,
-                   "videos_last_frames": state.videos_last_frames.cpu()}
-        atomic.atomic_write(self.run_dir / CLIPS_DIR / STATE_PT, lambda p: torch.save(carried, p))
-        info = {"format": FORMAT, "next_clip": state.clip, "num_clips": num_clips,
-                "identity": self.ident}
-        atomic.write_text(self.run_dir / CLIPS_DIR / STATE_JSON, json.dumps(info, indent=1))
+        try:
+            while self.pending:
+                clip, frames = self.pending[0]
+                frames = frames.contiguous()
+                atomic.atomic_write(clip_file(self.run_dir, clip), lambda p, f=frames: torch.save(f, p),
+                                    commit_if=self._current)
+                self.pending.pop(0)
+            if self.latest is None:
+                return
+            state, num_clips = self.latest
+            # after the last clip there is no next clip: no motion latents (not computed)
+            motion = state.motion_latents.cpu() if state.motion_latents is not None else None
+            carried = {"format": FORMAT, "clip": state.clip, "motion_latents": motion,
+                       "videos_last_frames": state.videos_last_frames.cpu()}
+            atomic.atomic_write(self.run_dir / CLIPS_DIR / STATE_PT, lambda p: torch.save(carried, p),
+                                commit_if=self._current)
+            info = {"format": FORMAT, "next_clip": state.clip, "num_clips": num_clips,
+                    "identity": self.ident}
+            atomic.write_text(self.run_dir / CLIPS_DIR / STATE_JSON, json.dumps(info, indent=1),
+                              commit_if=self._current)
+            self.latest = None
+        except atomic.NotCommitted:  # not sure now: the rest is written at a later clip, if the lease is renewed
+            pass
 
 
 def read_progress(run_dir: Path) -> Progress:

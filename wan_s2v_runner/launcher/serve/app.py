@@ -31,7 +31,7 @@ from wan_s2v_runner.launcher.serve.protocol import ErrorDetail, ErrorResponse
 from wan_s2v_runner.launcher.serve.requests import Refused, scrub
 from wan_s2v_runner.launcher.serve.routes import api, public
 from wan_s2v_runner.launcher.serve.state import Server
-from wan_s2v_runner.launcher.serve.store.protocol import QueueUnavailable
+from wan_s2v_runner.launcher.serve.store.protocol import QueueUnavailable, StoreRefused
 
 #: seconds a client is asked to wait before it tries again while the queue is unavailable
 RETRY_AFTER_S = 5
@@ -133,9 +133,13 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(QueueUnavailable)
     async def queue_unavailable(_request: Request, e: QueueUnavailable) -> JSONResponse:
-        if server is not None:
-            server.watch.queue_failed(str(e))
-        return error_response(503, f"{e}. Fix: retry in a few seconds; /health says since when the queue is down",
+        # the watch decides whether the queue is down (a lock held a moment past its limit is not)
+        return error_response(503, f"{e}. Fix: retry in a few seconds; /health says whether the queue is down",
+                              code="queue_unavailable", retry_after=RETRY_AFTER_S)
+
+    @app.exception_handler(StoreRefused)
+    async def store_refused(_request: Request, e: StoreRefused) -> JSONResponse:
+        return error_response(503, f"{e}. Fix: retry later; the server's log has the details",
                               code="queue_unavailable", retry_after=RETRY_AFTER_S)
 
     @app.exception_handler(RequestValidationError)

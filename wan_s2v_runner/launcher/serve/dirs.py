@@ -112,37 +112,41 @@ class ServerDirs:
                 path.unlink(missing_ok=True)
 
 
-def publisher(dirs: ServerDirs, job_id: str, attempt: int, status: JobStatus,
-              stamp: Optional[dict] = None) -> Callable[[], None]:
+def publisher(dirs: ServerDirs, job_id: str, attempt: int, status: JobStatus, record: Optional[dict] = None,
+              sure: Optional[Callable[[], bool]] = None) -> Callable[[], None]:
     """What the holder of ``attempt`` moves into place when the job ends with ``status`` (run by
-    the store inside the transaction that checked the attempt): a completed job's mp4, a cancelled
-    or failed one's video so far; then rank 0's record (a failed job's says why; a completed one's
-    names the published mp4; ``stamp`` added: the attempt, pool and identity that made it); then
-    the first frame. Made again after a lost answer, it moves what is left (a file already moved
-    counts as moved)."""
+    the store inside the transaction that checked the attempt): a completed job's mp4 (its own
+    attempt's); ``record`` as ``ID.json`` (rank 0's record, stamped by the holder: a completed
+    job's names the published mp4, a failed one's says why); and what the job made so far: the
+    newest video so far any attempt wrote (a job that did not complete) and its first frame.
+    ``sure`` is asked before each file (:class:`~wan_s2v_runner.shared.atomic.NotCommitted` when
+    the holder's lease is no longer sure: a holder frozen mid-publish moves nothing when it wakes).
+    Made again after a lost answer, it moves what is left (a file already moved counts as moved)."""
     own = dirs.attempt(job_id, attempt)
-
-    def move(src: Path, dest: Path) -> None:
-        if src.is_file():
-            atomic.replace(src, dest, durable=True)
 
     def publish() -> None:
         dirs.videos.mkdir(parents=True, exist_ok=True)
-        if status is JobStatus.COMPLETED:
-            move(own / dirs.video(job_id).name, dirs.video(job_id))  # the mp4 first, then the record naming it
+        if status is JobStatus.COMPLETED:  # the mp4 first, then the record naming it
+            _move(own / dirs.video(job_id).name, dirs.video(job_id), sure)
         else:
-            move(own / dirs.partial(job_id).name, dirs.partial(job_id))
-        record_src = own / dirs.record(job_id).name
-        if record_src.is_file():  # rank 0's record: a completed job's, or a failed one's with its cause
-            record = json.loads(record_src.read_text(encoding="utf-8"))
-            if status is JobStatus.COMPLETED:
-                record.setdefault("output", {})["path"] = str(dirs.video(job_id))
-            record.update(stamp or {})
-            atomic.write_text(dirs.record(job_id), json.dumps(record, indent=1), durable=True)
-            record_src.unlink()
-        move(own / dirs.thumbnail(job_id).name, dirs.thumbnail(job_id))
+            _move(dirs.newest(job_id, dirs.partial(job_id)), dirs.partial(job_id), sure)
+        if record is not None:
+            atomic.write_text(dirs.record(job_id), json.dumps(record, indent=1), durable=True, commit_if=sure)
+        _move(dirs.newest(job_id, dirs.thumbnail(job_id)), dirs.thumbnail(job_id), sure)
 
     return publish
+
+
+def keep_so_far(dirs: ServerDirs, job_id: str) -> None:
+    """A job that ends without its ranks (cancelled while queued after an interrupted attempt):
+    the newest video so far and first frame any attempt wrote stay beside the videos."""
+    _move(dirs.newest(job_id, dirs.partial(job_id)), dirs.partial(job_id))
+    _move(dirs.newest(job_id, dirs.thumbnail(job_id)), dirs.thumbnail(job_id))
+
+
+def _move(src: Optional[Path], dest: Path, sure: Optional[Callable[[], bool]] = None) -> None:
+    if src is not None and src != dest and src.is_file():
+        atomic.replace(src, dest, durable=True, commit_if=sure)
 
 
 def remove_partial_videos(videos: Path, job_id: Optional[str] = None) -> list[Path]:

@@ -3,8 +3,10 @@ pool, and the shared directory every server of the fleet must really share.
 
 **Identity** (:func:`identity_of`): the weights' fingerprints (each file's sampled digest,
 :func:`~wan_s2v_runner.loading.fingerprint.weights_fingerprint`), the checkpoint's file table,
-the engine's S2V sources, this runner's version, and every group setting that changes the
-frames (:func:`frame_settings`). The first server of a pool records it in the queue
+the engine's S2V sources, and every group setting that changes the frames
+(:func:`frame_settings`). Not this runner's version: its generation loop equals the engine's to
+the bit (the parity contract), so upgrading every server of a fleet keeps its pools; each
+record says which version made it. The first server of a pool records it in the queue
 (:meth:`~.store.protocol.JobStore.join`); a server whose identity differs is refused with the
 difference named (exit code ``fleet-mismatch``), unless it names a pool of its own (``--pool``),
 whose jobs only its servers take. One server's own queue (SQLite) may take its pool over with new
@@ -34,7 +36,7 @@ from wan_s2v_runner.shared.spec import GroupSpec
 
 #: the words for each part of an identity (a refusal names what differs)
 PARTS = {"weights": "weights", "checkpoint": "checkpoint files", "engine": "Wan2.2 engine (its S2V sources)",
-         "wan_s2v": "wan-s2v version", "settings": "frame-deciding settings"}
+         "settings": "frame-deciding settings"}
 
 
 def frame_settings(group: GroupSpec) -> dict[str, Any]:
@@ -56,17 +58,20 @@ def frame_settings(group: GroupSpec) -> dict[str, Any]:
 
 def identity_of(group: GroupSpec) -> dict[str, Any]:
     """What a server of ``group`` makes its videos with (see the module's docstring)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     from wan_s2v_runner.loading.fingerprint import weights_fingerprint
     from wan_s2v_runner.shared import resume
 
-    try:
-        ours = version("wan-s2v")
-    except PackageNotFoundError:
-        ours = "unknown"
     return {"weights": weights_fingerprint(group.ckpt_dir), "checkpoint": resume.checkpoint_digest(group.ckpt_dir),
-            "engine": resume.engine_digest(group.wan_repo), "wan_s2v": ours, "settings": frame_settings(group)}
+            "engine": resume.engine_digest(group.wan_repo), "settings": frame_settings(group)}
+
+
+def runner_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("wan-s2v")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def digest_of(identity: dict[str, Any]) -> str:

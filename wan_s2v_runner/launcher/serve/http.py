@@ -43,14 +43,15 @@ def run_server(server: Server) -> int:
     sock = bind_socket(host, server.settings.port)
     bound = sock.getsockname()[1]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
+    # what any group of a killed server left running (a server started with fewer --replicas too),
+    # stopped first: nothing of it writes while its jobs' files are cleaned up below
+    for note in group_files(server.dirs.root):
+        wait_for_leftovers(note)
+        note.unlink(missing_ok=True)
     if not server.queue.shared:  # a shared directory's other servers are writing theirs
         remove_partial_videos(server.dirs.videos)
     for job_id in server.queue.purge_deleting():  # deleted while they ran, before the server stopped
         server.dirs.remove_job_files(job_id, video=True)
-    # what any group of a killed server left running (a server started with fewer --replicas too)
-    for note in group_files(server.dirs.root):
-        wait_for_leftovers(note)
-        note.unlink(missing_ok=True)
     recovered = server.queue.recover()
     if recovered:
         print(f"serve: {len(recovered)} job(s) were in progress when the server stopped; they resume first: "

@@ -13,20 +13,21 @@ supervisor tells it after every poll of the ranks' events; there, on the keeper'
   published mp4 and record are already there is completed without running), tells the ranks
   how long its hold is sure (the inbox's lease file, :mod:`~wan_s2v_runner.rank.lease`), and
   posts it;
-- renews the lease (a shared queue) every third of it, with the job's live progress
-  (:class:`~.progress.Progress`), and passes on a cancel asked anywhere; a holder that learns it
-  lost the job tells its ranks at once (they stop at the next step and write nothing more) and
-  leaves the job's end and files to the new holder;
+- renews the leases of what it holds (:mod:`.holds`; a shared queue) every third of the lease,
+  with the running job's live progress (:class:`~.progress.Progress`), and passes on a cancel
+  asked anywhere; a holder that learns it lost the job tells its ranks at once (they stop at the
+  next step and write nothing more) and leaves the job's end and files to the new holder;
 - records ``job_done`` / ``job_cancelled`` / ``job_failed`` through the store's fenced
   :meth:`~.store.protocol.JobStore.finish`, which moves the attempt's files into place
   (:func:`~.dirs.publisher`) in the same transaction.
 
 While the store is unavailable (a database restart, a failover) the group goes on with the job
-it runs; what the keeper could not record waits (:class:`Pending`) and is recorded, in order,
-when the store answers again, fencing deciding whether it is still this keeper's to record.
-When the group ends under a job (a rank died or hung), the job goes back to the queue with its
-failure counted, and the keeper starts a new group after a back-off. The HTTP side never waits
-on any of this.
+it runs; what the keeper could not record is owed (:mod:`.holds`) and recorded, in order, when
+the store answers again, fencing deciding whether it is still this keeper's to record. A write
+that fails for another reason (the shared directory full when the files are published, say)
+ends the job as failed with that cause, never the keeper. When the group ends under a job (a
+rank died or hung), the job goes back to the queue with its failure counted, and the keeper
+starts a new group after a back-off. The HTTP side never waits on any of this.
 """
 from __future__ import annotations
 
@@ -35,19 +36,21 @@ import logging
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from wan_s2v_runner.launcher.console import Display
 from wan_s2v_runner.launcher.job_book import job_defaults, resume_point
 from wan_s2v_runner.launcher.serve.dirs import ServerDirs, publisher, remove_partial_videos
+from wan_s2v_runner.launcher.serve.holds import Holding, Holds
 from wan_s2v_runner.launcher.serve.leftovers import group_file
 from wan_s2v_runner.launcher.serve.progress import GroupState, Progress
 from wan_s2v_runner.launcher.serve.retention import SWEEP_EVERY_S, Retention
 from wan_s2v_runner.launcher.serve.retention import sweep as retention_sweep
-from wan_s2v_runner.launcher.serve.store.protocol import Held, JobRow, JobStatus, JobStore, QueueUnavailable
+from wan_s2v_runner.launcher.serve.store import rules
+from wan_s2v_runner.launcher.serve.store.protocol import JobRow, JobStatus, JobStore, QueueUnavailable
 from wan_s2v_runner.shared import atomic, inbox
+from wan_s2v_runner.shared.atomic import NotCommitted
 from wan_s2v_runner.shared.jobs import Job
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
 from wan_s2v_runner.shared.stages import Stage
@@ -61,42 +64,8 @@ RESTART_BACKOFF_S = (1.0, 30.0)
 BEAT_S = 2.0
 #: how often an idle keeper asks a shared queue for the next job
 CLAIM_EVERY_S = 0.5
-#: the part of its lease a holder tells its ranks it is sure of (from the heartbeat's send): the
-#: rest covers a clock running a little fast and the moment between a rank's check and its write
-SURE_OF = 0.9
-
-
-@dataclass
-class Pending:
-    """Writes the keeper could not make while its store was unavailable, made in order once it
-    answers again (each raises :class:`QueueUnavailable` while it still does not)."""
-
-    writes: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
-
-    def add(self, what: str, write: Callable[[], Any]) -> None:
-        self.writes.append((what, write))
-
-    def flush(self) -> list[str]:
-        """Make the pending writes in order, stopping at the first that still cannot be made;
-        returns what was made."""
-        done = []
-        while self.writes:
-            what, write = self.writes[0]
-            write()
-            self.writes.pop(0)
-            done.append(what)
-        return done
-
-    def __bool__(self) -> bool:
-        return bool(self.writes)
-
-
-@dataclass(frozen=True)
-class Holding:
-    """The job the group makes: its id and the attempt this keeper was given (its token)."""
-
-    job_id: str
-    attempt: int
+#: the end events of a job, as rank 0 reports them
+ENDS = ("job_done", "job_cancelled", "job_failed", "job_lost")
 
 
 class KeeperObserver:
@@ -149,30 +118,34 @@ class Keeper(threading.Thread):
         self.restarts = 0
         self.groups = 0
         self.run_dir: Optional[Path] = None
-        self.holding: Optional[Holding] = None  # the job the group makes, and this keeper's attempt
+        self.held = Holds(queue.lease_s if queue.shared else None)  # what this keeper holds and owes
         self.progress: dict[str, Progress] = {}  # live progress of the running job (by id)
         self.outcome = None  # the last group's Outcome
         self.last_error: Optional[str] = None
         self.started_at = time.time()
         self._cancel_sent: set[str] = set()
         self._seq = 0
-        # a shared queue: the lease on the running job is renewed every third of it; one server's: a
-        # look for cancels every few seconds (the API tells this keeper directly besides)
+        # a shared queue: the leases are renewed every third of the lease; one server's: a look for
+        # cancels every few seconds (the API tells this keeper directly besides)
         self.beat_every_s = (queue.lease_s or 3 * BEAT_S) / 3
         self._beat_at = 0.0
         self._claim_at = 0.0  # a shared queue is asked for the next job at most every CLAIM_EVERY_S
-        self._lost: set[str] = set()  # jobs whose lease this keeper lost (another holder's now)
-        self.pending = Pending()  # ends and failures to record once the store answers again
-        self._up_since: Optional[float] = None  # since when the store answers this keeper (it reaps a lease later)
+        self._up_since: Optional[float] = None  # since when the store answers every beat (reaping waits a lease)
+        self._answered_at: Optional[float] = None  # the last beat it answered
         self.completed = 0  # jobs this keeper's groups completed (a group that did work is no crash loop)
         self._closing = threading.Event()  # shutdown asked
         self._halt = threading.Event()  # stop the ranks now
         self._lock = threading.Lock()
 
     @property
+    def holding(self) -> Optional[Holding]:
+        """The job the group makes, with this keeper's attempt."""
+        return self.held.running
+
+    @property
     def current(self) -> Optional[str]:
         """The job the group is making (the API's view)."""
-        holding = self.holding
+        holding = self.held.running
         return holding.job_id if holding else None
 
     # ----- what the API reads -----
@@ -205,56 +178,61 @@ class Keeper(threading.Thread):
             self._send_cancel(job_id)
 
     # ----- the lease -----
-    def _tell_lease(self, holding: Holding, until: float = 0.0, lost: bool = False) -> None:
-        """Tell the ranks how long this keeper is sure it holds the job (a shared queue only: one
-        server's jobs have no lease, and no lease file)."""
-        if self.queue.shared and self.run_dir is not None:
+    def _tell_lease(self, holding: Holding, lost: bool = False) -> None:
+        """Tell the ranks how long this keeper is sure it holds the running job (a shared queue
+        only: one server's jobs have no lease, and no lease file)."""
+        if self.held.lease_s is not None and self.run_dir is not None:
+            until = self.held.sure_until.get(holding.job_id, 0.0)
             inbox.write_lease(self.run_dir, holding.job_id, inbox.Lease(holding.attempt, until, lost))
 
     def beat(self) -> None:
-        """Every :attr:`beat_every_s`: record what waits to be recorded, renew the lease on the
-        running job (with its live progress, for the other servers of a shared queue), pass on a
-        cancel asked anywhere, and give back the jobs of servers whose leases ran out. After the
-        store was unavailable, a keeper reaps only once it has answered for a whole lease: every
-        holder that outlived the outage has renewed its lease by then, so an outage longer than
-        the lease does not hand running jobs over (a holder that did not come back is reaped)."""
+        """Every :attr:`beat_every_s`: renew the leases of what this keeper holds (the running
+        job with its live progress, for the other servers of a shared queue, and the jobs whose
+        end it owes), pass on a cancel asked anywhere, record what it owes, and give back the jobs
+        of servers whose leases ran out. A keeper reaps only once the store has answered it for a
+        whole lease without a break: every holder that outlived an outage has renewed by then, so
+        an outage longer than the lease hands no running job over (one that did not come back is
+        reaped)."""
         now = time.time()
         if now - self._beat_at < self.beat_every_s:
             return
         self._beat_at = now
+        with self._lock:
+            held = self.held.held(lambda job_id: self.progress[job_id].as_dict(now) if job_id in self.progress
+                                  else None)
         try:
-            for what in self.pending.flush():
-                log.warning("recorded now that the queue answers again: %s", what)
-            with self._lock:
-                holding = self.holding
-                running = {holding.job_id: Held(holding.attempt, self.progress[holding.job_id].as_dict(now)
-                                                if holding.job_id in self.progress else None)} if holding else {}
-            beat = self.queue.heartbeat(running)
-            with self._lock:
-                if holding is not None and holding == self.holding:
-                    if holding.job_id in beat.lost:  # another holder has it (or will): stop, write nothing more
-                        log.warning("job %s: this server's lease ran out and the job was taken back; stopping it "
-                                    "here (its files and its end are its new holder's)", holding.job_id)
-                        self._lost.add(holding.job_id)
-                        self._tell_lease(holding, lost=True)
-                        self._send_cancel(holding.job_id)
-                    else:  # renewed: sure of it until most of the lease from the send
-                        self._tell_lease(holding, until=now + SURE_OF * (self.queue.lease_s or 0))
-                for job_id in beat.cancel:
-                    self._send_cancel(job_id)
-            self._up_since = self._up_since or now
-            if self.last_error and self.last_error.startswith("the queue is unavailable"):
-                self.last_error = None
-            reaped = self.queue.reap() if now - self._up_since >= (self.queue.lease_s or 0) else None
+            beat = self.queue.heartbeat(held)
         except QueueUnavailable as e:  # the database away: the group goes on; the next beat tries again
-            self.last_error = f"the queue is unavailable: {e}"
-            self._up_since = None
+            self.last_error, self._up_since = f"the queue is unavailable: {e}", None
             return
         except Exception as e:  # never a dead keeper: /health says it
             log.exception("the keeper's heartbeat failed")
             self.last_error = f"heartbeat: {type(e).__name__}: {e}"
             return
-        if reaped is None:
+        if self._answered_at is None or now - self._answered_at > 2 * self.beat_every_s + 5:
+            self._up_since = now  # answering again after a break (or for the first time)
+        self._answered_at = now
+        if self.last_error and self.last_error.startswith("the queue is unavailable"):
+            self.last_error = None
+        with self._lock:
+            lost = self.held.heard(beat, now)
+            if lost is not None:  # another holder has it (or will): stop, write nothing more
+                log.warning("job %s: this server's lease ran out and the job was taken back; stopping it here "
+                            "(its files and its end are its new holder's)", lost.job_id)
+                self._tell_lease(lost, lost=True)
+                self._send_cancel(lost.job_id)
+            elif self.held.running is not None:
+                self._tell_lease(self.held.running)
+            for job_id in beat.cancel:
+                self._send_cancel(job_id)
+        for what in self.held.settle():
+            log.warning("recorded now that the queue answers: %s", what)
+        if now - (self._up_since or now) < (self.queue.lease_s or 0):
+            return
+        try:
+            reaped = self.queue.reap()
+        except Exception as e:  # the next beat tries again
+            self.last_error = f"reap: {type(e).__name__}: {e}"
             return
         if reaped.requeued:
             log.warning("jobs whose server stopped renewing their leases are queued again (they resume from "
@@ -294,15 +272,14 @@ class Keeper(threading.Thread):
         except Exception as e:  # the launcher itself failed: say so, and try again
             self.last_error = f"{type(e).__name__}: {e}"
         with self._lock:
-            failed, self.holding = self.holding, None
+            failed, self.held.running = self.held.running, None
             self.progress.clear()
             self.run_dir = None
             self.ranks = []
         reason = (self.outcome.reason if self.outcome is not None and self.outcome.reason
                   else self.last_error or "the rank group ended")
         if failed is not None and not self._closing.is_set():
-            self._record(f"job {failed.job_id}: its rank group failed",
-                         lambda: self._group_failed_under(failed, reason))
+            self._record(failed, "its rank group failed", lambda: self._group_failed_under(failed, reason))
         if self._closing.is_set():
             return
         self.last_error = reason
@@ -315,9 +292,10 @@ class Keeper(threading.Thread):
 
     def _group_failed_under(self, holding: Holding, reason: str) -> None:
         """The group ended under the job: back to the queue (its clip checkpoints kept), or failed
-        for good, or, deleted while it ran, gone with its files; nothing, if another holder has it."""
-        if holding.job_id in self._lost:
-            self._lost.discard(holding.job_id)
+        for good (what it made so far published), or, deleted while it ran, gone with its files;
+        nothing, if another holder has it."""
+        if holding.job_id in self.held.lost:
+            self.held.lost.discard(holding.job_id)
             return
         row = self.queue.get(holding.job_id)
         if row is None or row.attempt != holding.attempt:
@@ -325,19 +303,35 @@ class Keeper(threading.Thread):
         if row.deleting:
             if self.queue.finish(holding.job_id, holding.attempt, JobStatus.CANCELLED, error="deleted"):
                 self._after_end(holding.job_id)
-        elif self.queue.group_failed(holding.job_id, holding.attempt, reason) is JobStatus.FAILED:
+            return
+        publish = publisher(self.dirs, holding.job_id, holding.attempt, JobStatus.FAILED,
+                            sure=lambda: self.held.sure(holding.job_id))
+        if self.queue.group_failed(holding.job_id, holding.attempt, reason, publish=publish) is JobStatus.FAILED:
             self._after_end(holding.job_id)
 
-    def _record(self, what: str, write: Callable[[], Any]) -> None:
-        """``write()`` now, or, while the store is unavailable, once it answers (in order)."""
-        if not self.pending:
+    def _record(self, holding: Holding, what: str, write: Callable[[], Any], fallback: bool = True) -> None:
+        """``write()`` (what this holder records of ``holding``) now, or, while the store cannot
+        take it, once it does (in order, after what is owed already). A write that fails for
+        another reason ends the job as failed, with that cause, without its files."""
+        what = f"job {holding.job_id}: {what}"
+        if not self.held.owed:
             try:
                 write()
+                self.held.released(holding)
                 return
             except QueueUnavailable as e:
                 self.last_error = f"the queue is unavailable: {e}"
-        log.warning("the queue is unavailable: %s is recorded when it answers again", what)
-        self.pending.add(what, write)
+            except NotCommitted:  # its lease is not sure now: after the next heartbeat renews it
+                pass
+            except Exception as e:
+                log.exception("%s: could not be recorded", what)
+                error = f"{what} could not be recorded: {type(e).__name__}: {e}"
+                if fallback:  # failed as such, its files left where they are
+                    self._record(holding, "failed, its files not published", lambda: self._ended_bare(holding, error),
+                                 fallback=False)
+                return
+        log.warning("%s: recorded when the queue answers again", what)
+        self.held.owe(holding, what, write)
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop the group: an idle one is told to stop; a job in progress is interrupted (it stays
@@ -349,7 +343,7 @@ class Keeper(threading.Thread):
         """Ask the group to stop (an idle one is told; a busy one is interrupted)."""
         self._closing.set()
         with self._lock:
-            run_dir, busy = self.run_dir, self.holding is not None
+            run_dir, busy = self.run_dir, self.held.running is not None
         if run_dir is not None and not busy:
             inbox.stop(run_dir)
         else:
@@ -373,13 +367,17 @@ class Keeper(threading.Thread):
     def on_events(self, new_events: list[dict]) -> None:
         for ev in new_events:
             if ev.get("rank") == 0:
-                self._on_rank0(ev, ev.get("kind"))
-        if self.state is GroupState.IDLE and self.holding is None and not self._closing.is_set():
+                try:
+                    self._on_rank0(ev, ev.get("kind"))
+                except Exception as e:  # one event's trouble never costs the others (nor the next job)
+                    log.exception("the keeper could not act on rank 0's %s event", ev.get("kind"))
+                    self.last_error = f"keeper: {type(e).__name__}: {e}"
+        if self.state is GroupState.IDLE and self.held.running is None and not self._closing.is_set():
             self._post_next()
 
     def _on_rank0(self, ev: dict, kind: Optional[str]) -> None:
         with self._lock:
-            holding = self.holding
+            holding = self.held.running
             p = self.progress.get(holding.job_id) if holding else None
             if kind == "stage":
                 if ev.get("stage") == Stage.IDLE:
@@ -388,34 +386,58 @@ class Keeper(threading.Thread):
                     self.state = GroupState.WORKING
             if p is not None and kind in ("stage", "progress", "preview"):
                 p.on_event(ev)
-            if kind not in ("job_done", "job_cancelled", "job_failed", "job_lost") or holding is None \
-                    or ev.get("id") != holding.job_id:
+            if kind not in ENDS or holding is None or ev.get("id") != holding.job_id:
                 return
-            self.holding = None
+            self.held.running = None
             done = self.progress.pop(holding.job_id, None)
             if kind == "job_done" and done is not None:
                 self.last_steps_per_s = done.steps_per_s(float(ev["t"])) or self.last_steps_per_s
+        try:
+            self._ended(holding, kind, ev, done)
+        except Exception as e:  # never a job left in progress with no one making it: it fails, with the cause
+            log.exception("job %s: its end could not be handled", holding.job_id)
+            error = f"the job's end could not be handled: {type(e).__name__}: {e}"
+            self._record(holding, "failed, its end not handled", lambda: self._ended_bare(holding, error),
+                         fallback=False)
+            raise
+
+    def _ended(self, holding: Holding, kind: str, ev: dict, done: Optional[Progress]) -> None:
+        """Rank 0 ended the job ``kind``: record it (what this holder may record)."""
         if self.run_dir is not None:
             inbox.drop_lease(self.run_dir, holding.job_id)
-        if holding.job_id in self._lost or kind == "job_lost":  # another holder has it: its end and files
-            self._lost.discard(holding.job_id)
+        if holding.job_id in self.held.lost or kind == "job_lost":  # another holder has it: its end and files
+            self.held.lost.discard(holding.job_id)
+            self.held.released(holding)
             return
         kept = {"preview_clips": done.preview_clips} if done is not None and done.preview_clips else None
         if kind == "job_cancelled":  # what it made so far stays (the published ID.partial.mp4)
-            self._record(f"job {holding.job_id} cancelled",
+            self._record(holding, "cancelled",
                          lambda: self._end(holding, JobStatus.CANCELLED, error="cancelled", record=kept))
         elif kind == "job_failed":  # the job's own error: the ranks stay up and take the next job
             error = str(ev.get("error") or "the job failed")
-            self._record(f"job {holding.job_id} failed",
-                         lambda: self._end(holding, JobStatus.FAILED, error=error, record=kept))
+            told = self._rank_record(holding)  # rank 0's record of the failure (read once, here)
+            self._record(holding, "failed", lambda: self._end(holding, JobStatus.FAILED, error=error, record=kept,
+                                                               record_file=told))
         else:
-            self._record(f"job {holding.job_id} completed", lambda: self._completed(holding))
+            told = self._rank_record(holding)
+            self._record(holding, "completed", lambda: self._completed(holding, told))
+
+    def _rank_record(self, holding: Holding) -> Optional[dict]:
+        """Rank 0's record of the job in its attempt's folder, stamped with who made it (None: it
+        wrote none)."""
+        own = self.dirs.attempt(holding.job_id, holding.attempt) / self.dirs.record(holding.job_id).name
+        try:
+            record = json.loads(own.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return {**record, **self.stamp, "attempt": holding.attempt}
 
     def _end(self, holding: Holding, status: JobStatus, *, error: Optional[str] = None,
-             record: Optional[dict] = None) -> bool:
-        """End the job through the store's fenced finish (its files published in the same
-        transaction); whether it was this holder's to end."""
-        publish = publisher(self.dirs, holding.job_id, holding.attempt, status, stamp=self._stamp(holding))
+             record: Optional[dict] = None, record_file: Optional[dict] = None) -> bool:
+        """End the job through the store's fenced finish (its files, and ``record_file`` as its
+        ``ID.json``, published in the same transaction); whether it was this holder's to end."""
+        publish = publisher(self.dirs, holding.job_id, holding.attempt, status, record=record_file,
+                            sure=lambda: self.held.sure(holding.job_id))
         if not self.queue.finish(holding.job_id, holding.attempt, status, error=error, record=record,
                                  publish=publish):
             log.warning("job %s ended here, but this server no longer holds it: its end is not recorded",
@@ -424,18 +446,28 @@ class Keeper(threading.Thread):
         self._after_end(holding.job_id)
         return True
 
-    def _stamp(self, holding: Holding) -> dict:
-        return {**self.stamp, "attempt": holding.attempt}
+    def _ended_bare(self, holding: Holding, error: str) -> None:
+        """End the job as failed with ``error``, publishing nothing (what did not let it be recorded
+        otherwise: the shared directory full when its files were moved, say)."""
+        if self.queue.finish(holding.job_id, holding.attempt, JobStatus.FAILED, error=error):
+            self._after_end(holding.job_id)
 
     def _after_end(self, job_id: str) -> None:
         """A job ended, however it ended: nothing of it is left to resume from (its attempts'
         folders and uploads go); deleted while it ran, it goes whole (video, record, row); then
-        retention."""
-        row = self.queue.get(job_id)
+        retention. Never raises: what it could not do now, the restart's purge and the sweeps do."""
+        try:
+            row = self.queue.get(job_id)
+        except Exception:  # the row is left to the reap or the restart's purge
+            self.dirs.remove_job_files(job_id, video=False)
+            return
         deleting = row is None or row.deleting
         self.dirs.remove_job_files(job_id, video=deleting)
         if row is not None and row.deleting:
-            self.queue.remove(job_id)
+            try:
+                self.queue.remove(job_id)
+            except Exception:
+                pass
         self.sweep()
 
     def sweep(self, every_s: float = 0.0) -> None:
@@ -446,32 +478,26 @@ class Keeper(threading.Thread):
             self._swept = now
             try:
                 retention_sweep(self.retention, self.queue, self.dirs, now)
-            except QueueUnavailable:
-                pass  # the next sweep
+            except Exception as e:  # the next sweep
+                self.last_error = f"retention: {type(e).__name__}: {e}"
 
-    def _completed(self, holding: Holding) -> bool:
-        """Record a completed job (its mp4 and record published); whether it was this keeper's."""
-        own = self.dirs.attempt(holding.job_id, holding.attempt) / self.dirs.record(holding.job_id).name
-        try:
-            record = json.loads(own.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            record = None
+    def _completed(self, holding: Holding, record: Optional[dict]) -> None:
+        """Record a completed job (its mp4 and ``record`` published)."""
         if record is None:
-            return self._end(holding, JobStatus.FAILED, error="rank 0 finished the job but wrote no record")
-        record = {**record, **self._stamp(holding), "output": {**record.get("output", {}),
-                                                               "path": str(self.dirs.video(holding.job_id))}}
-        if not self._end(holding, JobStatus.COMPLETED, record=record):
-            return False
+            self._end(holding, JobStatus.FAILED, error="rank 0 finished the job but wrote no record")
+            return
+        record = {**record, "output": {**record.get("output", {}), "path": str(self.dirs.video(holding.job_id))}}
+        if not self._end(holding, JobStatus.COMPLETED, record=record, record_file=record):
+            return
         self.completed += 1
         if self.on_completed is not None:
             try:
                 self.on_completed(record)
             except Exception:  # the metrics must never cost the queue an event
                 traceback.print_exc()
-        return True
 
     def _post_next(self) -> None:
-        if self.pending:  # what the store has not heard yet comes first
+        if self.held.owed:  # what the store has not heard yet comes first
             return
         now = time.time()
         if self.queue.shared and now < self._claim_at:  # every idle keeper of every server asks: not at every poll
@@ -481,53 +507,72 @@ class Keeper(threading.Thread):
         if why_not is not None:
             self.last_error = why_not
             return
-        while True:
+        while not self.held.owed:
+            claimed_at = time.time()
             try:
                 row = self.queue.claim_next()
-            except QueueUnavailable as e:
-                self.last_error = f"the queue is unavailable: {e}"
+            except Exception as e:  # QueueUnavailable: the next poll asks again
+                self.last_error = f"claim: {type(e).__name__}: {e}"
                 return
             if row is None:
                 return
             holding = Holding(row.id, row.attempt)
-            if self._start(row, holding, now):
+            self.held.claimed(holding, claimed_at)
+            if self._start(row, holding):
                 return
 
-    def _start(self, row: JobRow, holding: Holding, claimed_at: float) -> bool:
+    def _start(self, row: JobRow, holding: Holding) -> bool:
         """Prepare a claimed job and post it to the ranks; False when it ended without them
-        (cancelled while the server was down, made before, or not preparable)."""
+        (cancelled while the server was down, made before, taken too often, or not preparable)."""
         remove_partial_videos(self.dirs.videos, row.id)  # what a dead server left half-written of it
-        if row.cancel_requested:  # cancelled while the server was down
-            self._record(f"job {row.id} cancelled", lambda: self._end(holding, JobStatus.CANCELLED, error="cancelled"))
+        if row.cancel_requested:  # cancelled while the server was down: what it made so far stays
+            self._record(holding, "cancelled", lambda: self._end(holding, JobStatus.CANCELLED, error="cancelled"))
+            return False
+        exhausted = rules.attempts_exhausted(row.attempt)
+        if exhausted:
+            self._record(holding, "failed", lambda: self._end(holding, JobStatus.FAILED, error=exhausted))
             return False
         try:
-            job = self._prepare(row)
-        except Exception as e:  # a claimed job never stays in progress without a group: it fails
+            job = self._prepare(row, holding)
+        except OSError as e:  # the shared directory for a moment: back to the queue (a failure counted)
+            log.exception("job %s could not be prepared", row.id)
+            why = f"the job could not be prepared: {type(e).__name__}: {e}"
+            self._record(holding, "not prepared", lambda: self.queue.group_failed(row.id, row.attempt, why))
+            return False
+        except Exception as e:  # the job itself: it fails (a claimed job never stays in progress without a group)
             traceback.print_exc()
             error = f"the job could not be prepared: {type(e).__name__}: {e}"
-            self._record(f"job {row.id} failed", lambda: self._end(holding, JobStatus.FAILED, error=error))
+            self._record(holding, "failed", lambda: self._end(holding, JobStatus.FAILED, error=error))
             return False
         if job is None:  # its mp4 and record were published before the server went down
             return False
-        with self._lock:
-            self._seq += 1
-            self.holding = holding
-            self.progress[row.id] = Progress(started=time.time())
-            self._tell_lease(holding, until=claimed_at + SURE_OF * (self.queue.lease_s or 0))
-            inbox.post_job(self.run_dir, self._seq, job.model_dump_json())
-        # a cancel that came after the claim but before ``holding`` named it: the API's
-        # cancel_running found another job current, so it is passed on here (a later one
-        # finds this job current and passes itself)
+        try:
+            with self._lock:
+                self._seq += 1
+                self.held.running = holding  # the lease file names it: the ranks read it before they start
+                self._tell_lease(holding)
+                inbox.post_job(self.run_dir, self._seq, job.model_dump_json())
+                self.progress[row.id] = Progress(started=time.time())
+        except Exception as e:  # not posted: back to the queue
+            with self._lock:
+                self.held.running = None
+            log.exception("job %s could not be posted to the ranks", row.id)
+            why = f"the job could not be handed to the ranks: {type(e).__name__}: {e}"
+            self._record(holding, "not posted", lambda: self.queue.group_failed(row.id, row.attempt, why))
+            return False
+        # a cancel that came after the claim but before the job was running here: the API's
+        # cancel_running found another job current, so it is passed on here (a later one finds
+        # this job current and passes itself)
         try:
             again = self.queue.get(row.id)
-        except QueueUnavailable:
+        except Exception:
             return True  # the next beat passes a cancel on
         if again is not None and again.cancel_requested:
             with self._lock:
                 self._send_cancel(row.id)
         return True
 
-    def _prepare(self, row: JobRow) -> Optional[Job]:
+    def _prepare(self, row: JobRow, holding: Holding) -> Optional[Job]:
         """A claimed row -> the job to post, in its attempt's own folder, resuming from the newest
         complete clip checkpoint any attempt wrote (None: its mp4 and record were published
         before the server went down; it is completed now)."""
@@ -537,7 +582,7 @@ class Keeper(threading.Thread):
         published = done_before(RunSpec.of(self.group_spec, job_spec), self.dirs.record(row.id),
                                 self.dirs.video(row.id))
         if published is not None:
-            self._record(f"job {row.id} completed before", lambda: self._completed_before(row, published))
+            self._record(holding, "completed before", lambda: self._completed_before(holding, published))
             return None
         own = self.dirs.attempt(row.id, row.attempt)
         own.mkdir(parents=True, exist_ok=True)
@@ -548,9 +593,9 @@ class Keeper(threading.Thread):
             spec = spec.model_copy(update={"resume_from": resumed})
         return Job(id=row.id, spec=spec.job, work_dir=own, record=own / self.dirs.record(row.id).name)
 
-    def _completed_before(self, row: JobRow, record: dict) -> None:
-        if self.queue.finish(row.id, row.attempt, JobStatus.COMPLETED, record=record):
-            self._after_end(row.id)
+    def _completed_before(self, holding: Holding, record: dict) -> None:
+        if self.queue.finish(holding.job_id, holding.attempt, JobStatus.COMPLETED, record=record):
+            self._after_end(holding.job_id)
 
 
 def stop_keepers(keepers: list[Keeper], grace_s: float = 10.0) -> None:

@@ -128,11 +128,17 @@ def input_names(spec: dict[str, Any]) -> dict[str, str]:
     return {str(spec[k]): k for k in INPUT_FIELDS if spec.get(k)}
 
 
-def no_nul(fields: dict[str, Any]) -> None:
-    """A NUL character in a field: refused (422) whatever the store (PostgreSQL cannot hold it)."""
+def storable(fields: dict[str, Any]) -> None:
+    """A field no store can hold (a NUL character, which PostgreSQL refuses; a lone surrogate, not
+    UTF-8): refused (422) whatever the store."""
+    from wan_s2v_runner.launcher.serve.store.rules import unstorable
+
     for name, value in fields.items():
-        if "\x00" in str(name) or (isinstance(value, str) and "\x00" in value):
-            raise Refused(422, f"{name}: contains a NUL character. Fix: send text without NUL (\\u0000)", name)
+        why = unstorable(str(name)) or (unstorable(value) if isinstance(value, str) else None)
+        if why:
+            param = name if unstorable(str(name)) is None else None
+            raise Refused(422, f"{param or 'a field name'}: {why}. Fix: send plain text (no \\u0000, no lone "
+                               "surrogate)", param)
 
 
 def storage_refusal(e: OSError, what: str) -> Refused:
@@ -294,7 +300,7 @@ def build_job(fields: dict[str, Union[str, Upload]], *, job_id: str, base: dict[
 
 
 def _build_job(fields, *, job_id, base, group, videos, uploads, policy, facts) -> RunSpec:
-    no_nul(fields)
+    storable(fields)
     given = {k: v for k, v in fields.items() if k not in IGNORED}
     inputs: dict[str, Path] = {}
     for field, names in INPUT_NAMES.items():

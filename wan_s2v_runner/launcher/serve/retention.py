@@ -4,8 +4,8 @@
   the newest ``N`` ended jobs stay, and none older than ``H`` hours (since it ended); the rest
   are deleted as ``DELETE /v1/videos/{id}`` deletes them (the mp4, its record, thumbnail, clip
   checkpoints, uploads, the row). The keeper sweeps after each job and once a minute; a video's
-  ``expires_at`` says when the age rule will take it. Uploads no job names (a submission whose
-  answer was lost with the database, the job never stored) go once they are an hour old.
+  ``expires_at`` says when the age rule will take it. Uploads and work folders of jobs the queue
+  does not hold (a submission whose answer was lost with the database) go once an hour old.
 - **Space** (``--min-free-mb``): a submission is refused with 507 while the server directory's
   filesystem has less free space than that, with the cause and the fix; the server goes on
   answering, and takes jobs again once there is space. A job whose writing fails for lack of
@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from wan_s2v_runner.launcher.job_book import WORK_DIR
 
 #: how often the keeper sweeps when no job ends, s
 SWEEP_EVERY_S = 60.0
@@ -44,33 +46,41 @@ class Retention:
         return out
 
 
-#: how old uploads no job names must be before they go (a submission may still be storing its job)
-ORPHAN_UPLOADS_S = 3600.0
+#: how old the files of a job the queue no longer holds must be before they go (a submission may still
+#: be storing its job)
+ORPHANS_S = 3600.0
 
 
-def sweep_orphan_uploads(queue, dirs, now: Optional[float] = None, min_age_s: float = ORPHAN_UPLOADS_S) -> list[str]:
-    """Remove the upload folders of jobs the queue does not hold, older than ``min_age_s``."""
+def sweep_orphans(queue, dirs, now: Optional[float] = None, min_age_s: float = ORPHANS_S) -> list[str]:
+    """Remove the uploads and work folders of jobs the queue does not hold (a submission whose
+    answer was lost with the database; a job whose row a lost answer removed), older than
+    ``min_age_s``; one question to the queue for all of them. The ids whose files went."""
     now = time.time() if now is None else now
-    gone = []
-    try:
-        folders = [p for p in dirs.uploads.iterdir() if p.is_dir()]
-    except OSError:
-        return gone
-    for folder in folders:
+    folders: dict[str, list[Path]] = {}
+    for parent in (dirs.uploads, dirs.videos / WORK_DIR):
         try:
-            old = now - folder.stat().st_mtime > min_age_s
+            entries = [p for p in parent.iterdir() if p.is_dir()]
         except OSError:
             continue
-        if old and queue.get(folder.name) is None:
+        for folder in entries:
+            try:
+                if now - folder.stat().st_mtime > min_age_s:
+                    folders.setdefault(folder.name, []).append(folder)
+            except OSError:
+                continue
+    if not folders:
+        return []
+    gone = sorted(set(folders) - queue.known(list(folders)))
+    for job_id in gone:
+        for folder in folders[job_id]:
             shutil.rmtree(folder, ignore_errors=True)
-            gone.append(folder.name)
     return gone
 
 
 def sweep(retention: Retention, queue, dirs, now: Optional[float] = None) -> list[str]:
     """Delete the ended jobs :class:`Retention` says are due (and uploads no job names); returns
     the jobs' ids."""
-    sweep_orphan_uploads(queue, dirs, now)
+    sweep_orphans(queue, dirs, now)
     if retention.keep is None and retention.max_age_s is None:
         return []
     due = retention.due(queue.ended(), time.time() if now is None else now)

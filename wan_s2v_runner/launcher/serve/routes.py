@@ -42,6 +42,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from wan_s2v_runner.launcher.serve import page
+from wan_s2v_runner.launcher.serve.dirs import keep_so_far
 from wan_s2v_runner.launcher.serve.feed import Feed, FeedFailed, Ticket, settled
 from wan_s2v_runner.launcher.serve.metrics import CONTENT_TYPE
 from wan_s2v_runner.launcher.serve.progress import GroupState
@@ -83,7 +84,6 @@ STREAM_ERRORS: dict[int | str, dict[str, Any]] = {
     **{code: {"description": "refused before the stream starts", "content": _JSON_ERROR} for code in ERRORS},
     404: {"description": "no such video", "content": _JSON_ERROR},
     429: {"description": "as many event streams are open as the server takes", "content": _JSON_ERROR}}
-#: a form's text fields together, at most (as a JSON body)
 
 
 def the_server(request: Request) -> Server:
@@ -360,8 +360,8 @@ async def create(request: Request, server: ServerDep) -> VideoObject:
         raise Refused(503, f"the server takes no job now: {why}. Fix: retry later (another server of the fleet may "
                            "take it)", code="queue_unavailable" if server.watch.seen.queue_error else "not_ready",
                       retry_after=5)
-    try:
-        full = space_refusal(server.dirs.videos, server.settings.min_free_mb)  # where uploads and videos go
+    try:  # off the event loop: a shared directory that hangs hangs this request, not the server
+        full = await run_in_threadpool(space_refusal, server.dirs.videos, server.settings.min_free_mb)
     except OSError as e:
         raise storage_refusal(e, "the job") from None
     if full:
@@ -476,7 +476,8 @@ def cancel(video_id: str, server: ServerDep) -> VideoObject:
     status = server.queue.cancel(video_id)
     if status is JobStatus.IN_PROGRESS:
         server.cancel_running(video_id)
-    elif row.status is JobStatus.QUEUED and status is JobStatus.CANCELLED:  # it never reached the ranks
+    elif row.status is JobStatus.QUEUED and status is JobStatus.CANCELLED:  # no rank group holds it now
+        keep_so_far(server.dirs, video_id)  # an interrupted attempt's video so far stays
         server.dirs.remove_job_files(video_id, video=False)
     return video_object(server, job_row(server, video_id))
 

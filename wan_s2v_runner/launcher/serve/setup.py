@@ -135,7 +135,8 @@ def join_fleet(settings: ServerSettings, group: GroupSpec, store, dirs) -> Fleet
     problem = fleet.settle_marker(dirs, joined, store.describe(), store)
     if problem is not None:
         return problem, exit_codes.SHARED_DIR
-    return FleetPlace(joined.fleet_id, digest, {"pool": settings.pool, "fleet_identity": digest})
+    return FleetPlace(joined.fleet_id, digest, {"pool": settings.pool, "fleet_identity": digest,
+                                                "wan_s2v": fleet.runner_version()})
 
 
 def _replicas(group: GroupSpec, n: int):

@@ -14,11 +14,17 @@ where the next keeper resumes each from its newest clip checkpoint in the shared
 Every write of a holder names the attempt it was given (its fencing token) and the row decides:
 a heartbeat, an end, a failure of a stale attempt changes nothing, and :meth:`finish` moves the
 job's files into place (its ``publish``) only inside the transaction that holds the row locked
-with the token checked. A lost connection (the database restarted or failed over) costs the
-request in flight a :class:`~.protocol.QueueUnavailable`; the pool opens new connections, and
-what is safe to repeat is repeated once (reads, an insert by its id, an end by its attempt). A
-claim is not repeated: the next claim first looks for the one that may have landed (its
-``claim_id``).
+with the token checked (the publish itself checks, before each file, that the holder's lease is
+still sure: a holder frozen mid-publish, whose connection the database dropped, moves nothing
+when it wakes). A lost connection (the database restarted or failed over) costs the request in
+flight a :class:`~.protocol.QueueUnavailable`; the pool opens new connections, and what is safe
+to repeat is repeated once (reads, an insert by its id, an end by its attempt). A claim is not
+repeated: the next claim first looks for the one that may have landed (its ``claim_id``) and
+renews its lease. What a DELETE returned is lost with a lost answer (the reap's and the restart's
+purges are not repeated); the files of rows gone that way are swept as orphans
+(:func:`~..retention.sweep_orphans`). Connections are kept alive on both sides (TCP keepalives,
+and a limit on unacknowledged data), so a database behind a network that drops packets is
+found out in seconds, not when the kernel gives up.
 
 The API's connections come from a pool of their own (:data:`API_POOL`); each keeper has its own
 connection (:meth:`for_keeper`). The schema is created and migrated at start (``wan_s2v_schema``:
@@ -47,6 +53,7 @@ from wan_s2v_runner.launcher.serve.store.protocol import (
     QueueFull,
     QueueUnavailable,
     Reaped,
+    StoreRefused,
 )
 
 T = TypeVar("T")
@@ -91,6 +98,8 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         "joined_by TEXT NOT NULL, joined_at DOUBLE PRECISION NOT NULL)"),
 }
 _NOW = "EXTRACT(EPOCH FROM clock_timestamp())"
+#: a row held by this server or any of its keepers (rules.holder_of: OWNER#i), whatever its name holds
+_MINE = "(owner = %s OR left(owner, length(%s) + 1) = %s || '#')"
 _QUEUED, _RUNNING = JobStatus.QUEUED.value, JobStatus.IN_PROGRESS.value
 #: the API's connections: at most this many at once (the rest of its threads wait up to POOL_WAIT_S)
 API_POOL = 8
@@ -102,6 +111,9 @@ CONNECT_TIMEOUT_S = 2
 RECONNECT_S = 4.0
 #: every statement's limit, and a lock's (a row held by a holder paused mid-end: the request is told, not stuck)
 STATEMENT_TIMEOUT_MS, LOCK_TIMEOUT_MS = 10_000, 3_000
+#: libpq's side of a connection: keepalives (idle, interval, count) and the most unacknowledged data waits, ms
+CLIENT_KEEPALIVE = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+                    "tcp_user_timeout": 30_000}
 
 
 def _row(r: dict[str, Any]) -> JobRow:
@@ -153,7 +165,7 @@ class PgJobStore:
                                     check=ConnectionPool.check_connection, name=f"wan-s2v {owner}",
                                     reconnect_timeout=RECONNECT_S,
                                     kwargs={"autocommit": True, "row_factory": dict_row, "options": options,
-                                            "connect_timeout": CONNECT_TIMEOUT_S})
+                                            "connect_timeout": CONNECT_TIMEOUT_S, **CLIENT_KEEPALIVE})
         try:
             self._pool.open(wait=wait, timeout=POOL_WAIT_S + CONNECT_TIMEOUT_S)
             if migrate:
@@ -191,11 +203,13 @@ class PgJobStore:
                     return op(conn)
             except PoolTimeout as e:  # no connection could be had: another try would wait as long for nothing
                 raise QueueUnavailable(_cause(e)) from None
-            except (psycopg.OperationalError, psycopg.InterfaceError) as e:
+            except (psycopg.OperationalError, psycopg.InterfaceError) as e:  # gone, timed out, locked: may pass
                 if attempt + 1 == tries:
                     raise QueueUnavailable(_cause(e)) from None
-            except psycopg.Error as e:  # anything else the database refuses: the request learns it, never a 500
-                raise QueueUnavailable(_cause(e)) from None
+            except psycopg.Error as e:  # it answered and refused: another try would be refused too
+                text = str(e).strip()
+                raise StoreRefused(f"the queue's database refused it ({type(e).__name__}: "
+                                   f"{text.splitlines()[0] if text else ''})") from None
         raise AssertionError("unreachable")
 
     @contextmanager
@@ -208,6 +222,11 @@ class PgJobStore:
 
     def _one(self, sql: str, args: tuple = (), *, repeat: bool = True) -> Optional[dict]:
         return self._run(lambda c: c.execute(sql, args).fetchone(), repeat=repeat)
+
+    def _changed(self, sql: str, args: tuple = ()) -> list[dict]:
+        """The rows a write RETURNING changed; not repeated (a repeat after a lost answer would
+        return nothing of what the first did)."""
+        return self._run(lambda c: c.execute(sql, args).fetchall(), repeat=False)
 
     # ----- schema -----
     def migrate(self) -> int:
@@ -249,8 +268,8 @@ class PgJobStore:
                     if not rules.same_request(same["request_hash"], request_hash):
                         raise IdempotencyConflict(same["id"])
                     return Added(_row(same), created=False)
-                (waiting,) = conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE status = %s",
-                                          (_QUEUED,)).fetchone().values()
+                (waiting,) = conn.execute("SELECT COUNT(*) AS n FROM jobs WHERE status = %s AND pool = %s",
+                                          (_QUEUED, pool or self.pool)).fetchone().values()
                 if waiting >= max_queued:
                     raise QueueFull(f"{waiting} jobs are queued (the server takes {max_queued})")
                 r = conn.execute(f"INSERT INTO jobs (id, status, spec, created_at, pool, idempotency_key, "
@@ -300,6 +319,11 @@ class PgJobStore:
             rows = self._all("SELECT status, COUNT(*) AS n FROM jobs WHERE pool = %s GROUP BY status", (pool,))
         return rules.counts_of((r["status"], r["n"]) for r in rows)
 
+    def known(self, job_ids: list[str]) -> set[str]:
+        if not job_ids:
+            return set()
+        return {r["id"] for r in self._all("SELECT id FROM jobs WHERE id = ANY(%s)", (list(job_ids),))}
+
     def ended(self) -> list[tuple[str, float]]:
         rows = self._all("SELECT id, finished_at FROM jobs WHERE status = ANY(%s) AND NOT deleting "
                          "ORDER BY finished_at, seq", (list(rules.TERMINAL),))
@@ -311,9 +335,9 @@ class PgJobStore:
         under a new attempt and a lease. A claim whose answer was lost is not made again: the next
         call returns the job it took, if it took one."""
         with self._claim_lock:
-            if self._unsure_claim is not None:
-                r = self._one("SELECT * FROM jobs WHERE claim_id = %s AND owner = %s AND status = %s",
-                              (self._unsure_claim, self.owner, _RUNNING))
+            if self._unsure_claim is not None:  # found again, its lease renewed from now (it dates from the claim)
+                r = self._one(f"UPDATE jobs SET lease_until = {_NOW} + %s WHERE claim_id = %s AND owner = %s AND "
+                              "status = %s RETURNING *", (self.lease_s, self._unsure_claim, self.owner, _RUNNING))
                 self._unsure_claim = None
                 if r is not None:
                     return _row(r)
@@ -355,11 +379,11 @@ class PgJobStore:
         the queue, first in line: they resume from their clip checkpoints wherever they are taken
         next. Those that were being deleted (and rows a dead server left marked deleting) go: their
         files are the caller's to remove. A row a holder has locked (it is ending the job) is left."""
-        rows = self._all(f"UPDATE jobs SET status = %s, owner = NULL, lease_until = NULL, progress = NULL WHERE id IN "
-                         f"(SELECT id FROM jobs WHERE status = %s AND lease_until < {_NOW} AND NOT deleting "
-                         "FOR UPDATE SKIP LOCKED) RETURNING id", (_QUEUED, _RUNNING))
-        gone = self._all(f"DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE deleting AND (status <> %s OR "
-                         f"lease_until < {_NOW}) FOR UPDATE SKIP LOCKED) RETURNING id", (_RUNNING,))
+        rows = self._changed(f"UPDATE jobs SET status = %s, owner = NULL, lease_until = NULL, progress = NULL WHERE "
+                             f"id IN (SELECT id FROM jobs WHERE status = %s AND lease_until < {_NOW} AND NOT deleting "
+                             "FOR UPDATE SKIP LOCKED) RETURNING id", (_QUEUED, _RUNNING))
+        gone = self._changed(f"DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE deleting AND (status <> %s OR "
+                             f"lease_until < {_NOW}) FOR UPDATE SKIP LOCKED) RETURNING id", (_RUNNING,))
         return Reaped(tuple(r["id"] for r in rows), tuple(r["id"] for r in gone))
 
     def finish(self, job_id: str, attempt: int, status: JobStatus, *, error: Optional[str] = None,
@@ -382,11 +406,11 @@ class PgJobStore:
                     publish()
                 conn.execute(f"UPDATE jobs SET status = %s, finished_at = {_NOW}, error = %s, record = %s, "
                              "lease_until = NULL, progress = NULL WHERE id = %s",
-                             (status.value, error, Jsonb(record) if record else None, job_id))
+                             (status.value, rules.storable_text(error), Jsonb(record) if record else None, job_id))
                 return True
         return self._run(op, repeat=True)
 
-    def group_failed(self, job_id: str, attempt: int, error: str) -> JobStatus:
+    def group_failed(self, job_id: str, attempt: int, error: str, publish: Optional[Publish] = None) -> JobStatus:
         def op(conn):
             with self._tx(conn):
                 r = conn.execute("SELECT status, attempt, owner, failures FROM jobs WHERE id = %s FOR UPDATE",
@@ -396,10 +420,13 @@ class PgJobStore:
                 if r["attempt"] != attempt or r["owner"] != self.owner or r["status"] != _RUNNING:
                     return JobStatus(r["status"])  # not ours any more: its new holder decides
                 status, why = rules.after_group_failure(r["failures"] + 1, error)
+                if status.terminal and publish is not None:
+                    publish()
                 conn.execute(f"UPDATE jobs SET failures = failures + 1, error = %s, status = %s, "
                              f"finished_at = CASE WHEN %s THEN {_NOW} END, lease_until = NULL, progress = NULL, "
                              "owner = CASE WHEN %s THEN owner END WHERE id = %s",
-                             (why or error, status.value, status.terminal, status.terminal, job_id))
+                             (rules.storable_text(why or error), status.value, status.terminal, status.terminal,
+                              job_id))
                 return status
         return self._run(op, repeat=False)
 
@@ -437,15 +464,15 @@ class PgJobStore:
     def purge_deleting(self) -> list[str]:
         """After a restart: this server's jobs (any of its keepers') deleted while they ran go
         (others' are theirs)."""
-        return [r["id"] for r in self._all("DELETE FROM jobs WHERE deleting AND (owner = %s OR owner LIKE %s) "
-                                           "RETURNING id", (self.owner, rules.holder_of(self.owner, "%")))]
+        return [r["id"] for r in self._changed(f"DELETE FROM jobs WHERE deleting AND {_MINE} RETURNING id",
+                                               (self.owner, self.owner, self.owner))]
 
     def recover(self) -> list[str]:
         """After a restart: this server's jobs (any of its keepers') left in progress go back to
         the queue at once (no need to wait for their leases)."""
-        rows = self._all("UPDATE jobs SET status = %s, owner = NULL, lease_until = NULL, progress = NULL "
-                         "WHERE status = %s AND (owner = %s OR owner LIKE %s) AND NOT deleting RETURNING id",
-                         (_QUEUED, _RUNNING, self.owner, rules.holder_of(self.owner, "%")))
+        rows = self._changed(f"UPDATE jobs SET status = %s, owner = NULL, lease_until = NULL, progress = NULL "
+                             f"WHERE status = %s AND {_MINE} AND NOT deleting RETURNING id",
+                             (_QUEUED, _RUNNING, self.owner, self.owner, self.owner))
         return [r["id"] for r in rows]
 
     def join(self, digest: str, identity: dict[str, Any], who: str) -> Joined:

@@ -12,9 +12,15 @@ place) inside the same transaction, with the job's row locked and its token chec
 file is moved into place by a holder that lost the job, and none after another holder took it.
 
 **Outages.** A store raises :class:`QueueUnavailable` (never a driver's own exception) when its
-database cannot be reached or does not answer; what is safe to repeat it has already repeated
-once on a fresh connection (reads; writes whose effect it can recognise: an insert by its id,
-an end by its attempt), and a claim that may have landed is reconciled at the next claim.
+database cannot be reached or does not answer in time; what is safe to repeat it has already
+repeated once on a fresh connection (reads; writes whose effect it can recognise: an insert by
+its id, an end by its attempt), and a claim that may have landed is reconciled at the next claim.
+A database that answers but refuses the operation (a value it cannot hold, a bug) raises
+:class:`StoreRefused`: trying again would not help.
+
+What fencing cannot close is a holder paused between its last check and a rename inside its
+``publish``: the holder's ``publish`` checks, before each file it moves, that its lease is still
+sure (:func:`~..dirs.publisher`), so only a pause of exactly that moment lets a move through.
 """
 from __future__ import annotations
 
@@ -45,7 +51,13 @@ class QueueFull(Exception):
 
 
 class QueueUnavailable(Exception):
-    """The store's database cannot be reached, or did not answer in time (one line: the cause)."""
+    """The store's database cannot be reached, or did not answer in time (one line: the cause):
+    the same operation may work once it answers again."""
+
+
+class StoreRefused(Exception):
+    """The store's database answered but refused the operation (one line: the cause): the same
+    operation would be refused again."""
 
 
 class IdempotencyConflict(Exception):
@@ -165,13 +177,15 @@ class JobStore(Protocol):
     def positions(self, job_ids: list[str]) -> dict[str, int]: ...
     def counts(self, pool: Optional[str] = None) -> dict[str, int]: ...
     def ended(self) -> list[tuple[str, float]]: ...
+    def known(self, job_ids: list[str]) -> set[str]: ...
     def ping(self) -> None: ...
     # ----- a holder's moves: each carries its attempt -----
     def claim_next(self) -> Optional[JobRow]: ...
     def heartbeat(self, running: dict[str, Held]) -> Beat: ...
     def finish(self, job_id: str, attempt: int, status: JobStatus, *, error: Optional[str] = None,
                record: Optional[dict] = None, publish: Optional[Publish] = None) -> bool: ...
-    def group_failed(self, job_id: str, attempt: int, error: str) -> JobStatus: ...
+    def group_failed(self, job_id: str, attempt: int, error: str,
+                     publish: Optional[Publish] = None) -> JobStatus: ...
     def reap(self) -> Reaped: ...
     def for_keeper(self, index: int) -> "JobStore": ...
     # ----- the API's moves -----

@@ -12,11 +12,21 @@ from wan_s2v_runner.launcher.serve.store.protocol import JobStatus, NotStorable
 
 #: a job that took its rank group down this many times is failed, not retried again
 MAX_FAILURES = 2
+#: a job claimed this many times without an end (its servers died under it: a host OOM, say) is failed
+MAX_ATTEMPTS = 5
 #: the most videos one page of ``GET /v1/videos`` holds (OpenAI's list: 20 by default, 100 at most)
 PAGE_MAX = 100
 #: the claim order (SQL): jobs put back after an interruption first (they have a start), then by submission
 CLAIM_ORDER = "started_at IS NULL, seq"
 TERMINAL = tuple(s.value for s in JobStatus if s.terminal)
+
+
+def attempts_exhausted(attempt: int) -> Optional[str]:
+    """Why a job claimed for the ``attempt``-th time is failed instead of run (None: it runs)."""
+    if attempt <= MAX_ATTEMPTS:
+        return None
+    return (f"the job was taken {attempt - 1} times without an end (its servers stopped under it each time). Fix: "
+            "look at what the servers ran out of (memory, disk) and submit it again")
 
 
 def page_size(limit: Any) -> int:
@@ -36,12 +46,33 @@ def after_group_failure(failures: int, error: str) -> tuple[JobStatus, Optional[
     return JobStatus.QUEUED, None
 
 
+def unstorable(text: str) -> Optional[str]:
+    """Why no store may keep ``text`` (None: every one may): a NUL character (PostgreSQL's text
+    and JSONB refuse it; SQLite would keep it, so both refuse), or a lone surrogate (not UTF-8)."""
+    if "\x00" in text:
+        return "contains a NUL character"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def storable_text(text: Optional[str]) -> Optional[str]:
+    """``text`` as every store keeps it (what would be refused replaced): for what the server
+    writes itself, an error message from anywhere."""
+    if text is None:
+        return None
+    return text.replace("\x00", "\\0").encode("utf-8", "replace").decode("utf-8")
+
+
 def check_storable(value: Any, where: str = "the job") -> None:
-    """:class:`NotStorable` when ``value`` (JSON data) holds a string no store may keep: a NUL
-    character (PostgreSQL's text and JSONB refuse it; SQLite would keep it, so both refuse)."""
+    """:class:`NotStorable` when ``value`` (JSON data) holds a string no store may keep
+    (:func:`unstorable`)."""
     if isinstance(value, str):
-        if "\x00" in value:
-            raise NotStorable(f"{where}: contains a NUL character")
+        why = unstorable(value)
+        if why:
+            raise NotStorable(f"{where}: {why}")
     elif isinstance(value, dict):
         for k, v in value.items():
             check_storable(k, where)
@@ -57,7 +88,7 @@ def same_request(stored_hash: Optional[str], request_hash: Optional[str]) -> boo
     return stored_hash is None or request_hash is None or stored_hash == request_hash
 
 
-def holder_of(owner: str, index: object) -> str:
+def holder_of(owner: str, index: int) -> str:
     """The name keeper ``index`` of server ``owner`` holds leases under (``OWNER#index``): two
     groups of one server never both hold a job, and the server takes all of them back at start."""
     return f"{owner}#{index}"

@@ -35,6 +35,7 @@ from wan_s2v_runner.launcher.serve.store.protocol import (
     QueueFull,
     QueueUnavailable,
     Reaped,
+    StoreRefused,
 )
 
 _SCHEMA = (
@@ -112,27 +113,40 @@ class SqliteJobStore:
             self._db.close()
 
     # ----- transactions and errors -----
+    @staticmethod
+    def _failure(e: sqlite3.Error) -> Exception:
+        """The store's own failure for a driver's error: busy, unreadable, full (the file may
+        answer later), or refused (it never will)."""
+        if isinstance(e, sqlite3.OperationalError):
+            return QueueUnavailable(f"the queue file is busy, unreadable or full: {e}")
+        return StoreRefused(f"the queue file refused the change: {e}")
+
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         """One write transaction (``BEGIN IMMEDIATE``: the file's write lock from the start)."""
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
-            except sqlite3.OperationalError as e:
-                raise QueueUnavailable(f"the queue file is busy or unreadable: {e}") from None
+            except sqlite3.Error as e:
+                raise self._failure(e) from None
             try:
                 yield self._db
                 self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
+            except BaseException as e:
+                try:
+                    self._db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                if isinstance(e, sqlite3.Error):
+                    raise self._failure(e) from None
                 raise
 
     def _q(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with self._lock:
             try:
                 return self._db.execute(sql, args)
-            except sqlite3.OperationalError as e:
-                raise QueueUnavailable(f"the queue file is busy or unreadable: {e}") from None
+            except sqlite3.Error as e:
+                raise self._failure(e) from None
 
     @staticmethod
     def _row(r: sqlite3.Row) -> JobRow:
@@ -157,7 +171,8 @@ class SqliteJobStore:
                 if not rules.same_request(same["request_hash"], request_hash):
                     raise IdempotencyConflict(same["id"])
                 return Added(self._row(same), created=False)
-            (waiting,) = db.execute("SELECT COUNT(*) FROM jobs WHERE status = ?", (_QUEUED,)).fetchone()
+            (waiting,) = db.execute("SELECT COUNT(*) FROM jobs WHERE status = ? AND pool = ?",
+                                    (_QUEUED, pool or self.pool)).fetchone()
             if waiting >= max_queued:
                 raise QueueFull(f"{waiting} jobs are queued (the server takes {max_queued})")
             db.execute("INSERT INTO jobs (id, status, spec, created_at, pool, idempotency_key, request_hash) "
@@ -213,6 +228,13 @@ class SqliteJobStore:
         return rules.counts_of(self._q("SELECT status, COUNT(*) FROM jobs WHERE pool = ? GROUP BY status",
                                        (pool,)).fetchall())
 
+    def known(self, job_ids: list[str]) -> set[str]:
+        """Those of ``job_ids`` the store holds (deleting or not)."""
+        if not job_ids:
+            return set()
+        marks = ",".join("?" * len(job_ids))
+        return {r[0] for r in self._q(f"SELECT id FROM jobs WHERE id IN ({marks})", tuple(job_ids)).fetchall()}
+
     def ended(self) -> list[tuple[str, float]]:
         """(id, finished_at) of every ended job (none being deleted), oldest first."""
         rows = self._q(f"SELECT id, finished_at FROM jobs WHERE status IN ({','.join('?' * len(rules.TERMINAL))}) "
@@ -267,12 +289,14 @@ class SqliteJobStore:
             if publish is not None:
                 publish()
             db.execute("UPDATE jobs SET status = ?, finished_at = ?, error = ?, record = ? WHERE id = ?",
-                       (status.value, time.time(), error, json.dumps(record) if record else None, job_id))
+                       (status.value, time.time(), rules.storable_text(error), json.dumps(record) if record else None,
+                        job_id))
         return True
 
-    def group_failed(self, job_id: str, attempt: int, error: str) -> JobStatus:
+    def group_failed(self, job_id: str, attempt: int, error: str, publish: Optional[Publish] = None) -> JobStatus:
         """The job's rank group failed under it: back to the queue, or failed at
-        :data:`~.rules.MAX_FAILURES` (:func:`~.rules.after_group_failure`). Returns its status."""
+        :data:`~.rules.MAX_FAILURES` (:func:`~.rules.after_group_failure`; then ``publish`` runs
+        first, inside the transaction). Returns its status."""
         with self._tx() as db:
             r = db.execute("SELECT status, attempt, failures FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if r is None:
@@ -280,8 +304,11 @@ class SqliteJobStore:
             if r["attempt"] != attempt or r["status"] != _RUNNING:
                 return JobStatus(r["status"])  # not this holder's to decide
             status, why = rules.after_group_failure(r["failures"] + 1, error)
+            if status.terminal and publish is not None:
+                publish()
             db.execute("UPDATE jobs SET failures = failures + 1, error = ?, status = ?, finished_at = ? WHERE id = ?",
-                       (why or error, status.value, time.time() if status.terminal else None, job_id))
+                       (rules.storable_text(why or error), status.value, time.time() if status.terminal else None,
+                        job_id))
         return status
 
     # ----- the API's moves -----
