@@ -11,6 +11,7 @@
   (every mode and layout ``run`` supports) from its group spec with an inbox, claims queued
   jobs one at a time, holds them (leases, fencing), follows their progress from the ranks'
   events (:mod:`.progress`), records what became of each, restarts the group after a failure;
+- :mod:`.holds`: what a keeper holds and owes the store (leases it is sure of, owed ends);
 - :mod:`.leftovers`: what a killed server's groups left running, found and stopped at start;
 - :mod:`.requests`: a job submission, validated as a job spec on the server's group by the same
   rules and preflight as ``run``, with the path and upload rules;
