@@ -37,4 +37,7 @@ def flatmap_body(ctx, body):
     if not isinstance(body, dict) or len(INPUTS) < 2:
         return st.just(body)
     real = {k: v for k, v in body.items() if k not in OTHER_INPUTS}
-    return st.one_of(st.just(body), st.just({"prompt": "fuzzed", **real, **INPUTS}))
+    # every fuzzed setting at once (mostly refused: one out of range is enough), or one at a time
+    # (mostly taken: the job reaches the ranks with it)
+    one_each = [{"prompt": "fuzzed", k: v, **INPUTS} for k, v in real.items() if k != "prompt"]
+    return st.one_of(st.just(body), st.just({"prompt": "fuzzed", **real, **INPUTS}), *map(st.just, one_each))

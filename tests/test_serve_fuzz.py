@@ -27,8 +27,9 @@ from serving import TINY_DEFAULTS, ServerProcess
 from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
 from wan_s2v_runner.shared import atomic
 
-#: the fuzz run's budget (Schemathesis' --max-time: two thirds for the schema-valid pass, whose
-#: coverage phase alone takes most of 12 s on a loaded 2-core machine), and the examples per operation
+#: the fuzz run's budget (Schemathesis' --max-time, a third for each pass: a phase runs only once
+#: the one before it ended, and on a loaded 2-core machine the coverage phase alone takes the whole
+#: of a shared budget), and the examples per operation
 FUZZ_S = 27
 EXAMPLES = 10
 
@@ -51,21 +52,24 @@ def test_the_api_fuzzed_from_its_openapi_document(tiny_assets, tmp_path):
                "WAN_S2V_FUZZ_IDS": ",".join(ids), "PATH": str(Path(sys.executable).parent),
                "NO_COLOR": "1", "HOME": str(tmp_path)}
         real_inputs = {"WAN_S2V_FUZZ_IMAGE": str(tiny_assets.image), "WAN_S2V_FUZZ_AUDIO": str(tiny_assets.audio)}
-        # schema-valid cases (some with real inputs: jobs that run), then schema-violating ones by
-        # the coverage phase alone (it makes each of the schema's violations, one by one):
-        # Schemathesis 4.32.5's own negative fuzzing and stateful phases stop with a runtime error
-        # ("Unsupported type: 'Binary'") on a multipart body with binary fields
-        for mode, more, phases, budget in (("positive", real_inputs, "coverage,fuzzing,stateful", FUZZ_S * 2 // 3),
-                                           ("negative", {}, "coverage", FUZZ_S // 3)):
+        # schema-valid cases fuzzed (some with real inputs: jobs that run), then by the coverage and
+        # stateful phases, then schema-violating ones by the coverage phase alone (it makes each of
+        # the schema's violations, one by one): Schemathesis 4.32.5's own negative fuzzing and
+        # stateful phases stop with a runtime error ("Unsupported type: 'Binary'") on a multipart
+        # body with binary fields
+        passes = (("positive", real_inputs, "fuzzing"), ("positive", real_inputs, "coverage,stateful"),
+                  ("negative", {}, "coverage"))
+        for n, (mode, more, phases) in enumerate(passes):
             st = subprocess.run([str(Path(sys.executable).parent / "st"), "run", f"{server.url}/openapi.json",
                                  "--mode", mode, "--phases", phases, "--checks", "all",
                                  "--exclude-checks", "positive_data_acceptance",
-                                 "--max-examples", str(EXAMPLES), "--max-time", str(budget), "--seed", "1",
+                                 "--max-examples", str(EXAMPLES), "--max-time", str(FUZZ_S // len(passes)),
+                                 "--seed", "1",
                                  "--exclude-path-regex", "^/v1/events$|^/health/ready$", "--request-timeout", "30",
                                  "--no-color"],
                                 cwd=tmp_path, env={**env, **more}, capture_output=True, text=True,
                                 timeout=FUZZ_S + 120)
-            (tmp_path / f"schemathesis-{mode}.txt").write_text(st.stdout + st.stderr)
+            (tmp_path / f"schemathesis-{n}-{mode}.txt").write_text(st.stdout + st.stderr)
             cases = re.search(r"(\d+) generated, (\d+) passed", st.stdout)
             assert st.returncode == 0 and cases and cases[1] == cases[2], st.stdout[-6000:] + st.stderr[-2000:]
 
