@@ -89,10 +89,10 @@ def test_the_api_fuzzed_from_its_openapi_document(tiny_assets, tmp_path):
         for vid in left:
             assert server.http.post(f"/v1/videos/{vid}/cancel").status_code in (200, 409)
         wait_for(lambda: all(JobStatus(v["status"]).terminal for v in server.videos())
-                 and server.http.get("/health").json()["current"] is None, 120,
-                 "every job to end", server.tail)
+                 and server.http.get("/health").json()["group"] == "idle", 120,  # rank 0 back at idle
+                 "every job to end and the group to be idle", server.tail)
         health = server.http.get("/health").json()
-        assert health["restarts"] == 0 and health["group"] == "idle", health
+        assert health["restarts"] == 0 and health["group"] == "idle" and health["current"] is None, health
 
         # nothing left behind: no uploads, no temporary files, no clip checkpoints
         assert not list((d / "uploads").iterdir()), sorted(p.name for p in (d / "uploads").iterdir())
