@@ -149,8 +149,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--compile", nargs="?", const="blocks", choices=["blocks", "model"],
-                    help="also time the step under torch.compile: each DiT block (default; one compiled block "
-                         "serves all 40, as peers compile) or the whole model")
+                    help="also time the step under torch.compile: each DiT block (default: the runner's --compile, "
+                         "patches/compile_blocks.py) or the whole model as upstream wrote it")
     ap.add_argument("--count-flops", action="store_true", help="also count one pass with torch.utils.flop_counter")
     ap.add_argument("--text-cached", action="store_true",
                     help="count FLOPs as the runner runs (text embedding and cross-attention k/v cached)")
@@ -223,6 +223,8 @@ def main(argv=None) -> dict:
     tflops = per_step / step_s / 1e12
     peak = peak_tflops(out["device"], a.peak_tflops)
     out.update(tflops=round(tflops, 1), peak_tflops=peak, mfu=round(tflops / peak, 4) if peak else None)
+    # said at once: a run stopped later (the device call's time limit) still reports the eager step
+    print(f"eager: {step_s:.3f} s/step, {tflops:.1f} TFLOP/s (build {build_s:.1f} s)", flush=True)
     if a.count_flops:  # flop_counter sees SDPA's kernels, not flash-attn's: counted with SDPA
         attention.apply(wan, "sdpa")
         out["flops_counted_per_pass"] = counted_flops(model, x, t, cond, device, dtype)
@@ -231,12 +233,13 @@ def main(argv=None) -> dict:
     if a.compile:
         from torch._dynamo.utils import counters
         counters.clear()
-        if a.compile == "blocks":
-            for block in model.blocks:
-                block.compile(dynamic=False)
+        if a.compile == "blocks":  # the product's --compile (patches/compile_blocks.py)
+            from patches import compile_blocks
+            compile_blocks.apply(wan, dtype)
             compiled = model
         else:
             compiled = torch.compile(model, dynamic=False)
+        print(f"compiling ({a.compile}) ...", flush=True)
         c_first, c_step, c_pass = run_steps(compiled, x, t, cond, uncond, device, dtype, a.warmup, a.repeat)
         c_tflops = per_step / c_step / 1e12
         out["compiled"] = {"scope": a.compile, "first_step_s": round(c_first, 1), "step_s": round(c_step, 3),

@@ -3,7 +3,9 @@
 The engine's files are never edited. Each module here says what upstream does, why we change
 it, and which test proves it. Two apply before ``import wan`` (see ``wan_s2v_runner.loading.engine``):
 ``torchvision_cpu`` and ``t5_import_device``. The rest apply after import, per run, through
-:func:`apply_for_run`, which returns the names applied (recorded in the run manifest).
+:func:`apply_for_run`, which returns the names applied (recorded in the run manifest); with
+``--compile`` the worker applies ``compile_blocks`` after them and keeps its object (the stage
+its compiles are timed in).
 
 May import: shared, loading (folders of wan_s2v_runner).
 """

@@ -718,3 +718,52 @@ def test_the_plan_fits_the_gpus_and_counts_past_the_heads_use_the_cfg_split():
     # 6 nodes x 8 = 48 ranks: more than the 40 heads for one SP group, fine as CFG 2 x SP 24
     rec = recommend_mode(ctx_for(facts("a100_8x_nvlink"), nproc=8, nnodes=6, master_addr="10.0.0.1"))
     assert rec.mode is Mode.ULYSSES and rec.cfg_parallel and "CFG 2 x SP 24" in rec.text
+
+
+# --------------------------------------------------------------------------- --compile
+_TRITON_H200 = {"cxx_name": "g++", "cxx": "/usr/bin/g++", "triton": "3.6.0", "triton_required": "3.6.0"}  # 2026-11-26
+
+
+def _compile_facts(name: str, **tools) -> MachineFacts:
+    raw = copy.deepcopy(facts(name).raw)
+    raw["compile"] = {**_TRITON_H200, **tools}
+    return MachineFacts(raw)
+
+
+def test_compile_not_asked_is_skipped():
+    r = result(ctx_for(_compile_facts("h100_1x")), "engine", "engine.compile")
+    assert_finding(r, Status.SKIP, "--compile not asked")
+
+
+def test_compile_on_cpu_without_a_cpp_compiler_is_refused():
+    r = result(ctx_for(_compile_facts("cpu_only", cxx=None), device="cpu", compile=True), "engine", "engine.compile")
+    assert_finding(r, Status.FAIL, "needs a C++ compiler", "g++ not found", "apt-get install g++", "drop --compile")
+
+
+def test_compile_on_cuda_needs_the_triton_torch_was_built_with():
+    r = result(ctx_for(_compile_facts("h100_1x", triton="3.5.1"), compile=True), "engine", "engine.compile")
+    assert_finding(r, Status.FAIL, "Triton 3.5.1 is installed, this torch was built with Triton 3.6.0",
+                   "pip install triton==3.6.0")
+    r = result(ctx_for(_compile_facts("h100_1x", triton=None), compile=True), "engine", "engine.compile")
+    assert_finding(r, Status.FAIL, "needs Triton", "pip install triton==3.6.0")
+
+
+def test_compile_cache_must_be_writable_and_free_of_spaces(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "my cache"))
+    for machine, device in (("cpu_only", "cpu"), ("h100_1x", "cuda")):
+        r = result(ctx_for(_compile_facts(machine), device=device, compile=True), "engine", "engine.compile")
+        assert_finding(r, Status.FAIL, "cannot use a cache path with spaces", "TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    r = result(ctx_for(_compile_facts("h100_1x"), compile=True), "engine", "engine.compile")
+    assert_finding(r, Status.OK, "Triton 3.6.0", str(tmp_path / "inductor"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(blocker / "inductor"))
+    r = result(ctx_for(_compile_facts("h100_1x"), compile=True), "engine", "engine.compile")
+    assert_finding(r, Status.FAIL, "is not writable", "set TORCHINDUCTOR_CACHE_DIR to a writable directory")
+
+
+def test_compile_on_this_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    r = result(ctx_for(live(), device="cpu", compile=True), "engine", "engine.compile")
+    assert_finding(r, Status.OK, "C++ compiler", str(tmp_path / "inductor"))

@@ -47,7 +47,7 @@ def _error(t: float, error_type: str, message: str) -> dict:
 def test_stages_in_run_order_with_their_classes():
     assert [s.value for s in Stage] == [
         "start", "init_pg", "engine_import", "load", "fingerprint", "shard", "tts", "audio_encode",
-        "ref_encode", "text_encode", "receive_inputs", "pose_encode", "denoise", "decode", "motion_encode",
+        "ref_encode", "text_encode", "receive_inputs", "compile", "pose_encode", "denoise", "decode", "motion_encode",
         "receive_motion", "clip_checkpoint", "save", "mux", "idle", "done"]
     load_class = [s for s in Stage if s.is_load_class]
     assert load_class == list(Stage)[:list(Stage).index(Stage.POSE_ENCODE)]  # everything before the clips

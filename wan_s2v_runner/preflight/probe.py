@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -135,6 +136,25 @@ def _versions() -> tuple[dict, dict]:
         except (ImportError, ValueError):
             mods[name] = False
     return pk, mods
+
+
+def _compile_tools() -> dict:
+    """What ``--compile`` needs: the C++ compiler inductor calls on CPU ($CXX, else g++), and on
+    CUDA the Triton installed against the one this torch was built with (its wheel's pin)."""
+    name = os.environ.get("CXX") or "g++"
+    required = None
+    for req in md.requires("torch") or []:
+        m = re.match(r"^(pytorch-triton|triton)\s*==\s*([^;\s]+)", req)
+        if m:
+            required = m[2]
+    installed = None
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            installed = md.version(dist)
+            break
+        except md.PackageNotFoundError:
+            pass
+    return {"cxx_name": name, "cxx": shutil.which(name), "triton": installed, "triton_required": required}
 
 
 def _dep_conflicts(installed: dict) -> list[str]:
@@ -326,6 +346,10 @@ def collect() -> dict:
         facts["dep_conflicts"] = _dep_conflicts(facts["packages"])
     except Exception as e:  # noqa: BLE001
         facts["probe_errors"].append(f"dependency metadata: {e}")
+    try:
+        facts["compile"] = _compile_tools()
+    except Exception as e:  # noqa: BLE001
+        facts["probe_errors"].append(f"compile tools: {e}")
     try:
         facts["attention"] = _attention(gpus, cuda)
     except Exception as e:  # noqa: BLE001

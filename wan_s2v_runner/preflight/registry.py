@@ -16,6 +16,7 @@ from wan_s2v_runner.shared.layout import MODES, Mode
 from . import (
     checks_checkpoint,
     checks_comm,
+    checks_compile,
     checks_engine,
     checks_gpu,
     checks_inputs,
@@ -56,6 +57,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.ENGINE, checks_engine.check_located),
     (G.ENGINE, checks_engine.check_fingerprint),
     (G.ENGINE, checks_engine.check_deps),
+    (G.ENGINE, checks_compile.check_compile),
     (G.MEDIA, checks_engine.check_ffmpeg),
     (G.MEDIA, checks_engine.check_encode),
     (G.CHECKPOINT, checks_checkpoint.check_dir),

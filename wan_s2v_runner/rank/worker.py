@@ -13,6 +13,7 @@ the stage.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import errno
@@ -222,6 +223,7 @@ class RankGroup:
         self.cfg, self.plan, self.parts = cfg, plan, parts
         self.served = False  # jobs come from the server's inbox (set by jobs())
         self.count: Optional[int] = None  # how many jobs a listed group has (set by jobs())
+        self.compiler = None  # --compile: patches.compile_blocks.Compiled (set by run_rank)
 
     def _from_rank0(self, value):
         """Rank 0's ``value``, on every rank (on several nodes only node 0's counts)."""
@@ -357,9 +359,25 @@ class RankGroup:
 
         spec, events, plan, gate = job.run_spec(self.spec), self.events, self.plan, self.gate(job)
 
+        last: dict = {}
+
         def stage(s, **data):
             clock.mark(s)
             events.stage(s, **data)
+            last.update(stage=s, data=data)
+
+        @contextlib.contextmanager
+        def compiling():  # --compile: a size's first block call is its own stage, then back to the step
+            before = dict(last)
+            stage(Stage.COMPILE, **{k: v for k, v in before.get("data", {}).items() if k in ("clip", "clips")})
+            try:
+                yield
+            finally:
+                if before:
+                    stage(before["stage"], **before["data"])
+
+        if self.compiler is not None:
+            self.compiler.around = compiling
 
         hooks = Hooks(stage=stage, step=self._step_or_cancel(job, gate), fault_point=events.fault_point)
         resume_state, identity, preview = None, None, None
@@ -460,6 +478,12 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
         wan = engine.import_wan(spec.wan_repo)
         cfg = engine_config(wan, spec)
         applied = apply_for_run(wan, spec, cfg.param_dtype, on_event=events.stage, on_event_data=events.emit)
+        compiler = None
+        if spec.compile:
+            from patches import compile_blocks
+            compiler = compile_blocks.apply(wan, cfg.param_dtype,
+                                            on_compile=lambda info: events.emit("compile", **info))
+            applied["compile_blocks"] = f"each DiT block compiled (inductor cache {compile_blocks.cache_dir()})"
         events.emit("patches", applied=applied)
 
         events.stage(Stage.LOAD)
@@ -472,6 +496,7 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
         if dist.get_world_size() > 1:  # every rank starts generating together, so each stage's time
             dist.barrier()  # is its own work, not a wait for a slower rank's loading
         group = RankGroup(spec, run_dir, events, rank, cfg, plan, parts)
+        group.compiler = compiler
         for index, job in enumerate(group.jobs()):
             events.job, events.job_prompt = index + 1, job.spec.prompt
             if group.count != 1 or job.record is not None:

@@ -20,6 +20,7 @@ class Stage(str, Enum):
     """Stages in the order a run goes through them.
 
     ``fingerprint``/``shard`` only in FSDP modes; ``tts`` only with ``--tts-text``;
+    ``compile`` (with ``--compile``, before a size's first step);
     ``pose_encode`` (with ``--pose-video``)/``denoise``/``decode``/``motion_encode`` repeat per
     clip; ``tts``/``save``/``mux`` on the first rank only; ``start`` is a rank that has been
     spawned but has not reported a stage yet.
@@ -36,6 +37,9 @@ class Stage(str, Enum):
     REF_ENCODE = "ref_encode"
     TEXT_ENCODE = "text_encode"
     RECEIVE_INPUTS = "receive_inputs"  # waiting for the encoding rank's audio/text/latents
+    # --compile: the DiT block compiled for a size this process has not run (at that size's first
+    # step; a one-off, so it gets the load limit and is listed with the one-off stages)
+    COMPILE = "compile"
     POSE_ENCODE = "pose_encode"  # --pose-video: the clip's pose frames read and VAE-encoded
     DENOISE = "denoise"
     DECODE = "decode"
@@ -94,7 +98,7 @@ class Stage(str, Enum):
 
 _LOAD_CLASS = frozenset({Stage.START, Stage.INIT_PG, Stage.ENGINE_IMPORT, Stage.LOAD,
                          Stage.FINGERPRINT, Stage.SHARD, Stage.TTS, Stage.AUDIO_ENCODE, Stage.REF_ENCODE,
-                         Stage.TEXT_ENCODE, Stage.RECEIVE_INPUTS})
+                         Stage.TEXT_ENCODE, Stage.RECEIVE_INPUTS, Stage.COMPILE})
 _PER_CLIP = frozenset({Stage.POSE_ENCODE, Stage.DENOISE, Stage.DECODE, Stage.MOTION_ENCODE, Stage.RECEIVE_MOTION,
                        Stage.CLIP_CHECKPOINT})
 _FIRST_RANK_ONLY = frozenset({Stage.TTS, Stage.SAVE, Stage.MUX, Stage.CLIP_CHECKPOINT})

@@ -1,0 +1,248 @@
+"""Patch: ``--compile``: each DiT block runs as one compiled graph, and one compiled block serves all.
+
+Upstream (``wan/modules/s2v/model_s2v.py``): ``WanModel_S2V.forward`` calls its 40
+``WanS2VAttentionBlock`` s one by one, eagerly. Peers that run Wan fast compile this repeated
+block (diffusers' ``compile_repeated_blocks``, vLLM-Omni, LightX2V, VideoX-Fun, ComfyUI-WanVideo).
+``torch.compile`` on upstream's block breaks the graph in every call (``bench/gpu_step.py
+--compile`` on an H200: 9 graphs, 6 breaks): ``e[1].item()`` (the segment index); RoPE in
+``complex128`` in a Python loop per sample (``view_as_complex``); the attention call (the
+flash-attn wrapper's asserts and host syncs, Ulysses' all-to-all); the cross-attention's k/v memo
+(``patches.context_cache``, a Python lookup by object).
+
+Change (only with ``--compile``; without it nothing here is applied and eager runs as before, to
+the bit): ``WanS2VAttentionBlock.forward`` becomes a short eager prelude plus one compiled body
+(``torch.compile(fullgraph=True, dynamic=False)``: a graph break is an error, not a slowdown):
+
+* the prelude, eager, does what cannot be traced and costs nothing: reads the segment index once
+  (``int(e[1])``, the same host sync as upstream's ``.item()``) and passes it as a Python int;
+  takes the text keys and values from the context memo (or projects them, as upstream does);
+  views the complex RoPE table as real (``view_as_real``, no copy);
+* the body is upstream's block, line for line (modulation, the two token segments, the
+  ``float32`` autocast regions, self-attention, cross-attention, FFN), with two equivalent forms:
+  RoPE as real arithmetic in ``float64`` (``(a + ib)(c + id) = (ac - bd) + i(ad + bc)``, what the
+  complex multiply computes), and every attention call (self, Ulysses, cross) through one custom
+  op, ``wan_s2v::attention``, which runs the attention function the engine resolves at that
+  moment (``patches.attention``'s backend, ``patches.ulysses_sp``'s exchange): opaque to the
+  compiler, so SDPA, flash-attn and gloo/NCCL collectives all work inside a compiled block.
+
+Shapes are static: a (size, frames, segment) compiles once per process and is reused by every
+block, every step, every clip and every later job of a served group; a new one compiles once
+and is reported (``on_compile``). Inductor's cache lives under the user's cache directory
+(:func:`wan_s2v_runner.shared.inductor.cache_dir`, shared by a node's ranks): a second run or a
+restarted server loads the compiled kernels instead of building them.
+
+Bounds (fp32, CPU): the compiled block differs from eager by float rounding only (inductor fuses
+the norms and elementwise work); measured by ``tests/test_compile.py``, which asserts them.
+Proof: ``tests/test_compile.py`` (no graph break: ``fullgraph``; one compilation for all blocks;
+compiled vs eager within the bound; eager unchanged by applying and restoring; compiled layouts
+over real gloo ranks against the compiled one-process run).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+
+from wan_s2v_runner.shared.inductor import CACHE_ENV, cache_dir
+
+log = logging.getLogger("wan_s2v.patches.compile_blocks")
+
+_UPSTREAM = "_wan_s2v_upstream_forward"
+#: compiled specializations kept per process (sizes x first/later clip x ranks' segments); torch's
+#: default of 8 would fall back to eager after a few sizes in a long-lived server
+CACHE_SIZE_LIMIT = 64
+
+#: which attention the custom op runs
+SELF, SELF_SP, CROSS = 0, 1, 2
+
+
+# --------------------------------------------------------------------------- the attention op
+def _attention_fn(which: int) -> Callable:
+    if which == CROSS:
+        return importlib.import_module("wan.modules.model").flash_attention
+    model_s2v = importlib.import_module("wan.modules.s2v.model_s2v")
+    return model_s2v.distributed_attention if which == SELF_SP else model_s2v.flash_attention
+
+
+@torch.library.custom_op("wan_s2v::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_lens: Optional[torch.Tensor],
+                 which: int) -> torch.Tensor:
+    """The engine's attention as it resolves now: ``which`` = SELF (``flash_attention`` of the S2V
+    block, ``k_lens`` = seq_lens), SELF_SP (Ulysses' ``distributed_attention``) or CROSS."""
+    fn = _attention_fn(which)
+    if which == SELF_SP:
+        out = fn(q, k, v, k_lens)
+    else:
+        out = fn(q=q, k=k, v=v, k_lens=k_lens)
+    return out.contiguous()
+
+
+@attention_op.register_fake
+def _(q, k, v, k_lens, which):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+# --------------------------------------------------------------------------- the block, compiled
+def _cuda_autocast(**kw):
+    # upstream's ``torch.cuda.amp.autocast(...)``, in the form torch does not deprecate
+    return torch.autocast("cuda", **kw)
+
+
+def rope_real(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Upstream's ``rope_apply`` / ``rope_apply_usp`` with ``freqs`` as ``view_as_real`` of its
+    complex table ([B, >=S, 1, C/2, 2], float64): x [B, S, N, C] -> float32."""
+    b, s, n, _ = x.shape
+    with _cuda_autocast(enabled=False):
+        xr = x.to(torch.float64).reshape(b, s, n, -1, 2)
+        a, bi = xr[..., 0], xr[..., 1]
+        f = freqs[:, :s]
+        c, d = f[..., 0], f[..., 1]
+        out = torch.stack((a * c - bi * d, a * d + bi * c), dim=-1).flatten(3)
+        return out.float()
+
+
+def _body(block, x, e0, seg: int, seq_lens, freqs, context_k, context_v, context_lens, sp: bool,
+          sp_dtype: torch.dtype):
+    """``WanS2VAttentionBlock.forward`` with the prelude's values (see the module docstring)."""
+    seg_idx = [0, seg, x.size(1)]
+    modulation = block.modulation.unsqueeze(2)
+    with _cuda_autocast(dtype=torch.float32):
+        e = (modulation + e0).chunk(6, dim=1)
+    e = [element.squeeze(1) for element in e]
+    norm_x = block.norm1(x).float()
+    parts = []
+    for i in range(2):
+        parts.append(norm_x[:, seg_idx[i]:seg_idx[i + 1]] * (1 + e[1][:, i:i + 1]) + e[0][:, i:i + 1])
+    norm_x = torch.cat(parts, dim=1)
+
+    # self-attention (WanS2VSelfAttention.forward, or sp_attn_forward_s2v under Ulysses)
+    sa = block.self_attn
+    b, s, n, d = *norm_x.shape[:2], sa.num_heads, sa.head_dim
+    q = sa.norm_q(sa.q(norm_x)).view(b, s, n, d)
+    k = sa.norm_k(sa.k(norm_x)).view(b, s, n, d)
+    v = sa.v(norm_x).view(b, s, n, d)
+    q, k = rope_real(q, freqs), rope_real(k, freqs)
+    if sp:
+        def half(t):
+            return t if t.dtype in (torch.float16, torch.bfloat16) else t.to(sp_dtype)
+        y = attention_op(half(q), half(k), half(v), seq_lens, SELF_SP)
+    else:
+        y = attention_op(q, k, v, seq_lens, SELF)
+    y = sa.o(y.flatten(2))
+
+    with _cuda_autocast(dtype=torch.float32):
+        z = []
+        for i in range(2):
+            z.append(y[:, seg_idx[i]:seg_idx[i + 1]] * e[2][:, i:i + 1])
+        y = torch.cat(z, dim=1)
+        x = x + y
+
+    # cross-attention (WanCrossAttention.forward, keys and values from the prelude) and FFN
+    ca = block.cross_attn
+    xn = block.norm3(x)
+    q = ca.norm_q(ca.q(xn)).view(b, -1, ca.num_heads, ca.head_dim)
+    x = x + ca.o(attention_op(q, context_k, context_v, context_lens, CROSS).flatten(2))
+    norm2_x = block.norm2(x).float()
+    parts = []
+    for i in range(2):
+        parts.append(norm2_x[:, seg_idx[i]:seg_idx[i + 1]] * (1 + e[4][:, i:i + 1]) + e[3][:, i:i + 1])
+    norm2_x = torch.cat(parts, dim=1)
+    y = block.ffn(norm2_x)
+    with _cuda_autocast(dtype=torch.float32):
+        z = []
+        for i in range(2):
+            z.append(y[:, seg_idx[i]:seg_idx[i + 1]] * e[5][:, i:i + 1])
+        y = torch.cat(z, dim=1)
+        x = x + y
+    return x
+
+
+class Compiled:
+    """The compiled body and what it has compiled (one per process)."""
+
+    def __init__(self, sp_dtype: torch.dtype, on_compile: Optional[Callable[[dict], None]] = None):
+        self.sp_dtype = sp_dtype
+        self.on_compile = on_compile
+        self.body = torch.compile(_body, fullgraph=True, dynamic=False)
+        self.seen: dict[tuple, float] = {}  # specialization -> seconds its first call took
+        #: a context manager factory around a new specialization's first call (the worker's
+        #: ``compile`` stage, so its seconds land in the stage timings); None: nothing around it
+        self.around: Optional[Callable[[], contextlib.AbstractContextManager]] = None
+
+    def context_kv(self, ca, context):
+        """The text keys and values: the context memo's (patches.context_cache), else projected."""
+        from patches import context_cache
+        b, n, d = context.size(0), ca.num_heads, ca.head_dim
+
+        def compute():
+            return ca.norm_k(ca.k(context)).view(b, -1, n, d), ca.v(context).view(b, -1, n, d)
+        memo = getattr(ca, context_cache._MARK, None)
+        if memo is None or torch.is_grad_enabled():
+            return compute()
+        return memo.lookup(context, compute)
+
+    def forward(self, block, x, e, seq_lens, grid_sizes, freqs, context, context_lens):
+        seg = min(max(0, int(e[1])), x.size(1))  # upstream: e[1].item(), clamped
+        # block 0 of a sequence-parallel rank gets its chunk as a view of the whole sequence: its
+        # strides would compile a second graph (dynamo guards on strides); the values are the same
+        x = x.contiguous()
+        sp = getattr(block.self_attn.forward, "__func__", None) is not type(block.self_attn).forward
+        k, v = self.context_kv(block.cross_attn, context)
+        freqs_real = torch.view_as_real(freqs) if freqs.is_complex() else freqs
+        key = (tuple(x.shape), seg, sp, str(x.dtype), str(x.device), torch.is_autocast_enabled("cuda"))
+        args = (block, x, e[0], seg, seq_lens, freqs_real, k, v, context_lens, sp, self.sp_dtype)
+        if key in self.seen:
+            return self.body(*args)
+        with (self.around() if self.around is not None else contextlib.nullcontext()):
+            t0 = time.perf_counter()
+            out = self.body(*args)
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            seconds = time.perf_counter() - t0
+            self.seen[key] = seconds
+            info = {"tokens": int(x.shape[1]), "segment": seg, "sequence_parallel": sp, "seconds": round(seconds, 2),
+                    "cache_dir": str(cache_dir())}
+            log.info("compiled the DiT block for %d tokens (segment %d): %.1f s", x.shape[1], seg, seconds)
+            if self.on_compile is not None:
+                self.on_compile(info)
+        return out
+
+
+_state: dict = {}
+
+
+def apply(wan_module, sp_dtype: torch.dtype, on_compile: Optional[Callable[[dict], None]] = None) -> Compiled:
+    """Compile the S2V block class's forward (every instance, FSDP-wrapped or not). Idempotent."""
+    cls = wan_module.modules.s2v.model_s2v.WanS2VAttentionBlock
+    if _UPSTREAM in cls.__dict__:
+        compiled = _state["compiled"]
+        compiled.on_compile = on_compile or compiled.on_compile
+        return compiled
+    os.environ.setdefault(CACHE_ENV, str(cache_dir()))
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT)
+    compiled = Compiled(sp_dtype, on_compile)
+    upstream = cls.forward
+
+    def forward(self, x, e, seq_lens, grid_sizes, freqs, context, context_lens):
+        return compiled.forward(self, x, e, seq_lens, grid_sizes, freqs, context, context_lens)
+
+    setattr(cls, _UPSTREAM, upstream)
+    cls.forward = forward
+    _state["compiled"] = compiled
+    return compiled
+
+
+def restore(wan_module) -> bool:
+    """Undo :func:`apply` (tests; a process that goes back to eager)."""
+    cls = wan_module.modules.s2v.model_s2v.WanS2VAttentionBlock
+    if _UPSTREAM not in cls.__dict__:
+        return False
+    cls.forward = cls.__dict__[_UPSTREAM]
+    delattr(cls, _UPSTREAM)
+    _state.pop("compiled", None)
+    return True
