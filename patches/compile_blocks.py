@@ -106,6 +106,18 @@ def rope_real(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         return out.float()
 
 
+def _modulate(t, seg_idx, shift, scale):
+    """Each token segment of ``t`` (float) scaled and shifted by its own modulation column."""
+    return torch.cat([t[:, seg_idx[i]:seg_idx[i + 1]] * (1 + scale[:, i:i + 1]) + shift[:, i:i + 1]
+                      for i in range(2)], dim=1)
+
+
+def _gated_add(x, y, seg_idx, gate):
+    """``x + y`` with each token segment of ``y`` gated by its own column, in float32 (autocast)."""
+    with _cuda_autocast(dtype=torch.float32):
+        return x + torch.cat([y[:, seg_idx[i]:seg_idx[i + 1]] * gate[:, i:i + 1] for i in range(2)], dim=1)
+
+
 def _body(block, x, e0, seg: int, seq_lens, freqs, context_k, context_v, context_lens, sp: bool,
           sp_dtype: torch.dtype):
     """``WanS2VAttentionBlock.forward`` with the prelude's values (see the module docstring)."""
@@ -114,11 +126,7 @@ def _body(block, x, e0, seg: int, seq_lens, freqs, context_k, context_v, context
     with _cuda_autocast(dtype=torch.float32):
         e = (modulation + e0).chunk(6, dim=1)
     e = [element.squeeze(1) for element in e]
-    norm_x = block.norm1(x).float()
-    parts = []
-    for i in range(2):
-        parts.append(norm_x[:, seg_idx[i]:seg_idx[i + 1]] * (1 + e[1][:, i:i + 1]) + e[0][:, i:i + 1])
-    norm_x = torch.cat(parts, dim=1)
+    norm_x = _modulate(block.norm1(x).float(), seg_idx, e[0], e[1])
 
     # self-attention (WanS2VSelfAttention.forward, or sp_attn_forward_s2v under Ulysses)
     sa = block.self_attn
@@ -133,33 +141,14 @@ def _body(block, x, e0, seg: int, seq_lens, freqs, context_k, context_v, context
         y = attention_op(half(q), half(k), half(v), seq_lens, SELF_SP)
     else:
         y = attention_op(q, k, v, seq_lens, SELF)
-    y = sa.o(y.flatten(2))
-
-    with _cuda_autocast(dtype=torch.float32):
-        z = []
-        for i in range(2):
-            z.append(y[:, seg_idx[i]:seg_idx[i + 1]] * e[2][:, i:i + 1])
-        y = torch.cat(z, dim=1)
-        x = x + y
+    x = _gated_add(x, sa.o(y.flatten(2)), seg_idx, e[2])
 
     # cross-attention (WanCrossAttention.forward, keys and values from the prelude) and FFN
     ca = block.cross_attn
-    xn = block.norm3(x)
-    q = ca.norm_q(ca.q(xn)).view(b, -1, ca.num_heads, ca.head_dim)
+    q = ca.norm_q(ca.q(block.norm3(x))).view(b, -1, ca.num_heads, ca.head_dim)
     x = x + ca.o(attention_op(q, context_k, context_v, context_lens, CROSS).flatten(2))
-    norm2_x = block.norm2(x).float()
-    parts = []
-    for i in range(2):
-        parts.append(norm2_x[:, seg_idx[i]:seg_idx[i + 1]] * (1 + e[4][:, i:i + 1]) + e[3][:, i:i + 1])
-    norm2_x = torch.cat(parts, dim=1)
-    y = block.ffn(norm2_x)
-    with _cuda_autocast(dtype=torch.float32):
-        z = []
-        for i in range(2):
-            z.append(y[:, seg_idx[i]:seg_idx[i + 1]] * e[5][:, i:i + 1])
-        y = torch.cat(z, dim=1)
-        x = x + y
-    return x
+    y = block.ffn(_modulate(block.norm2(x).float(), seg_idx, e[3], e[4]))
+    return _gated_add(x, y, seg_idx, e[5])
 
 
 class Compiled:
