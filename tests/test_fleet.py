@@ -113,7 +113,12 @@ def test_a_server_frozen_past_its_lease_writes_nothing_once_it_lost_the_job(clus
         frozen = freeze(paused.proc.pid)  # the server, torchrun, the ranks and their encoders: a VM frozen
         done = other.wait(vid, "completed", "failed", timeout=180)
         assert done["status"] == "completed" and done["attempts"] == 2 and done["resumed_at_clip"] >= 2, done
-        finished = snapshot(shared)
+        # the other server removes the finished job's uploads just after its end is committed (what
+        # the status read above can see first): the directory as it leaves it
+        def left_as_finished():
+            files = snapshot(shared)
+            return None if any(p.startswith(f"uploads/{vid}") for p in files) else files
+        finished = wait_for(left_as_finished, 30, "the finished job's uploads removed", other.tail)
         assert f"videos/{vid}.mp4" in finished and not any(".work" in p for p in finished)
         # woken, the ranks first (a VM's processes do not wake in step): they go on with the job for
         # seconds before their server can learn it lost the job
