@@ -158,7 +158,7 @@ class Compiled:
         self.sp_dtype = sp_dtype
         self.on_compile = on_compile
         self.body = torch.compile(_body, fullgraph=True, dynamic=False)
-        self.seen: dict[tuple, float] = {}  # specialization -> seconds its first call took
+        self.seen: set[tuple] = set()  # the specializations compiled so far
         #: a context manager factory around a new specialization's first call (the worker's
         #: ``compile`` stage, so its seconds land in the stage timings); None: nothing around it
         self.around: Optional[Callable[[], contextlib.AbstractContextManager]] = None
@@ -193,7 +193,7 @@ class Compiled:
             if x.is_cuda:
                 torch.cuda.synchronize(x.device)
             seconds = time.perf_counter() - t0
-            self.seen[key] = seconds
+            self.seen.add(key)
             info = {"tokens": int(x.shape[1]), "segment": seg, "sequence_parallel": sp, "seconds": round(seconds, 2),
                     "cache_dir": str(cache_dir())}
             log.info("compiled the DiT block for %d tokens (segment %d): %.1f s", x.shape[1], seg, seconds)

@@ -9,27 +9,12 @@ probe); the cache directory from the launcher's environment, which the ranks inh
 """
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
-
 from wan_s2v_runner.shared.inductor import CACHE_ENV, cache_dir, cpp_build_refuses
 
+from .checks_inputs import writable_dir
 from .core import fail, ok, skip
 
 ID = "engine.compile"
-
-
-def _writable(d: Path) -> str | None:
-    """Why ``d`` cannot hold the cache, or None (made if missing, a file written and removed)."""
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=d, prefix=".wan-s2v-probe-")
-        os.close(fd)
-        os.unlink(name)
-    except OSError as e:
-        return f"{type(e).__name__}: {e.strerror or e}"
-    return None
 
 
 def check_compile(ctx):
@@ -58,8 +43,8 @@ def check_compile(ctx):
     if refused:
         return fail(ID, refused, f"set {CACHE_ENV} to a directory whose path has no spaces, or drop --compile",
                     cache_dir=str(cache))
-    why = _writable(cache)
-    if why:
+    good, why, _ = writable_dir(cache)
+    if not good:
         return fail(ID, f"the compile cache {cache} is not writable ({why})",
                     f"set {CACHE_ENV} to a writable directory, or drop --compile", cache_dir=str(cache))
     return ok(ID, f"{tool}; compiled kernels cached in {cache}", cache_dir=str(cache))
