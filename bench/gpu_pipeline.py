@@ -137,6 +137,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--num-clips", type=int, help="at most this many clips (default: as the speech needs)")
     ap.add_argument("--out", type=Path, default=Path("gpu-pipeline"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--skip-preflight", action="store_true",
+                    help="pass --skip-preflight to `run` (not to doctor): a machine without imageio-ffmpeg then "
+                         "runs every stage and stops in save")
     ap.add_argument("run_args", nargs="*", help="more flags for `wan-s2v doctor` and `run` (after --)")
     a = ap.parse_args(argv)
 
@@ -166,9 +169,14 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     run = subprocess.run(cli("run", *common, "--prompt", "a person talking to the camera", "--steps", str(a.steps),
                              "--output", str(a.out / "out.mp4"), "--runs-root", str(runs),
-                             "--frames-out", str(a.out / "frames.pt")),
+                             "--frames-out", str(a.out / "frames.pt"),
+                             *(["--skip-preflight"] if a.skip_preflight else [])),
                          capture_output=True, text=True)
     out["run_wall_s"] = round(time.perf_counter() - t0, 1)
+    out["run_exit"] = run.returncode
+    (a.out / "run.log").write_text(run.stdout + "\n" + run.stderr)  # the run's own lines, kept for a failure
+    if run.returncode:
+        print(f"wan-s2v run: exit {run.returncode}; its last lines:", run.stderr[-3000:], sep="\n")
     newest = max(runs.glob("*/run.json"), key=lambda p: p.stat().st_mtime, default=None)
     if newest is None:
         print(run.stdout[-4000:], run.stderr[-4000:], sep="\n")

@@ -235,12 +235,13 @@ def main(argv=None) -> dict:
         counters.clear()
         if a.compile == "blocks":  # the product's --compile (patches/compile_blocks.py)
             from patches import compile_blocks
-            compile_blocks.apply(wan, dtype)
+            compile_blocks.apply(wan, dtype, on_compile=lambda info: print(f"compiled: {info}", flush=True))
             compiled = model
         else:
             compiled = torch.compile(model, dynamic=False)
         print(f"compiling ({a.compile}) ...", flush=True)
         c_first, c_step, c_pass = run_steps(compiled, x, t, cond, uncond, device, dtype, a.warmup, a.repeat)
+        print(f"compiled: {c_step:.3f} s/step (first step {c_first:.1f} s), eager {step_s:.3f}", flush=True)
         c_tflops = per_step / c_step / 1e12
         out["compiled"] = {"scope": a.compile, "first_step_s": round(c_first, 1), "step_s": round(c_step, 3),
                            "pass_s": round(c_pass, 3), "tflops": round(c_tflops, 1),

@@ -26,7 +26,9 @@ the bit): ``WanS2VAttentionBlock.forward`` becomes a short eager prelude plus on
   compiler, so SDPA, flash-attn and gloo/NCCL collectives all work inside a compiled block.
 
 Shapes are static: a (size, frames, segment) compiles once per process and is reused by every
-block, every step, every clip and every later job of a served group; a new one compiles once
+block, every step, every clip and every later job of a served group (under CUDA's bf16 autocast
+twice: block 0 gets the patch embedding's bf16 hidden states, blocks 1-39 the float32 the gated
+add returns; an H200 at real size: 11 s + 3 s, then 0.85x eager's step); a new one compiles once
 and is reported (``on_compile``). Inductor's cache lives under the user's cache directory
 (:func:`wan_s2v_runner.shared.inductor.cache_dir`, shared by a node's ranks): a second run or a
 restarted server loads the compiled kernels instead of building them.
@@ -71,19 +73,25 @@ def _attention_fn(which: int) -> Callable:
 
 @torch.library.custom_op("wan_s2v::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_lens: Optional[torch.Tensor],
-                 which: int) -> torch.Tensor:
+                 which: int, amp: Optional[torch.dtype]) -> torch.Tensor:
     """The engine's attention as it resolves now: ``which`` = SELF (``flash_attention`` of the S2V
-    block, ``k_lens`` = seq_lens), SELF_SP (Ulysses' ``distributed_attention``) or CROSS."""
+    block, ``k_lens`` = seq_lens), SELF_SP (Ulysses' ``distributed_attention``) or CROSS.
+
+    ``amp``: the autocast dtype the caller ran under (None: autocast off). A compiled graph calls
+    its custom ops with autocast off (the graph's own casts are baked in), but upstream's attention
+    runs under the loop's autocast: SDPA there gets bf16 inputs. Without re-entering it, SDPA ran
+    in fp32 on the rope's fp32 q/k (an H200 step took over 4x eager's time)."""
     fn = _attention_fn(which)
-    if which == SELF_SP:
-        out = fn(q, k, v, k_lens)
-    else:
-        out = fn(q=q, k=k, v=v, k_lens=k_lens)
+    with torch.autocast(q.device.type, dtype=amp) if amp is not None else contextlib.nullcontext():
+        if which == SELF_SP:
+            out = fn(q, k, v, k_lens)
+        else:
+            out = fn(q=q, k=k, v=v, k_lens=k_lens)
     return out.contiguous()
 
 
 @attention_op.register_fake
-def _(q, k, v, k_lens, which):
+def _(q, k, v, k_lens, which, amp):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -119,7 +127,7 @@ def _gated_add(x, y, seg_idx, gate):
 
 
 def _body(block, x, e0, seg: int, seq_lens, freqs, context_k, context_v, context_lens, sp: bool,
-          sp_dtype: torch.dtype):
+          sp_dtype: torch.dtype, amp: Optional[torch.dtype]):
     """``WanS2VAttentionBlock.forward`` with the prelude's values (see the module docstring)."""
     seg_idx = [0, seg, x.size(1)]
     modulation = block.modulation.unsqueeze(2)
@@ -138,15 +146,15 @@ def _body(block, x, e0, seg: int, seq_lens, freqs, context_k, context_v, context
     if sp:
         def half(t):
             return t if t.dtype in (torch.float16, torch.bfloat16) else t.to(sp_dtype)
-        y = attention_op(half(q), half(k), half(v), seq_lens, SELF_SP)
+        y = attention_op(half(q), half(k), half(v), seq_lens, SELF_SP, amp)
     else:
-        y = attention_op(q, k, v, seq_lens, SELF)
+        y = attention_op(q, k, v, seq_lens, SELF, amp)
     x = _gated_add(x, sa.o(y.flatten(2)), seg_idx, e[2])
 
     # cross-attention (WanCrossAttention.forward, keys and values from the prelude) and FFN
     ca = block.cross_attn
     q = ca.norm_q(ca.q(block.norm3(x))).view(b, -1, ca.num_heads, ca.head_dim)
-    x = x + ca.o(attention_op(q, context_k, context_v, context_lens, CROSS).flatten(2))
+    x = x + ca.o(attention_op(q, context_k, context_v, context_lens, CROSS, amp).flatten(2))
     y = block.ffn(_modulate(block.norm2(x).float(), seg_idx, e[3], e[4]))
     return _gated_add(x, y, seg_idx, e[5])
 
@@ -183,8 +191,11 @@ class Compiled:
         sp = getattr(block.self_attn.forward, "__func__", None) is not type(block.self_attn).forward
         k, v = self.context_kv(block.cross_attn, context)
         freqs_real = torch.view_as_real(freqs) if freqs.is_complex() else freqs
-        key = (tuple(x.shape), seg, sp, str(x.dtype), str(x.device), torch.is_autocast_enabled("cuda"))
-        args = (block, x, e[0], seg, seq_lens, freqs_real, k, v, context_lens, sp, self.sp_dtype)
+        # the autocast the attention runs under in eager (the loop's bf16 on CUDA), for the op
+        dev = x.device.type
+        amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        key = (tuple(x.shape), seg, sp, str(x.dtype), str(x.device), str(amp))
+        args = (block, x, e[0], seg, seq_lens, freqs_real, k, v, context_lens, sp, self.sp_dtype, amp)
         if key in self.seen:
             return self.body(*args)
         with (self.around() if self.around is not None else contextlib.nullcontext()):

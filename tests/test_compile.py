@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,9 +57,31 @@ def test_the_attention_op_runs_the_engines_attention(wan_sdpa):
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 40, 4, 16, generator=g) for _ in range(3))
     lens = torch.tensor([33])
-    assert torch.equal(attention_op(q, k, v, lens, SELF), model_s2v.flash_attention(q=q, k=k, v=v, k_lens=lens))
-    assert torch.equal(attention_op(q, k, v, None, CROSS),
+    assert torch.equal(attention_op(q, k, v, lens, SELF, None),
+                       model_s2v.flash_attention(q=q, k=k, v=v, k_lens=lens))
+    assert torch.equal(attention_op(q, k, v, None, CROSS, None),
                        wan_sdpa.modules.model.flash_attention(q=q, k=k, v=v, k_lens=None))
+
+
+def test_a_compiled_attention_runs_under_the_callers_autocast_as_eager_does(wan_sdpa):
+    """A compiled graph calls its custom ops with autocast off; the op re-enters the caller's, so
+    attention inside a compiled block runs in the loop's dtype as upstream's does (on an H200 it ran
+    in fp32 without this, 4x slower). Shown with the CPU's bf16 autocast: the fp32 q/k the rope
+    makes go to SDPA as bf16 in eager, and must in the compiled block too."""
+    from patches.compile_blocks import SELF, attention_op
+    model_s2v = wan_sdpa.modules.s2v.model_s2v
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 64, 4, 16, generator=g) for _ in range(3))
+    lens = torch.tensor([64])
+
+    def body(q, k, v, amp):
+        return attention_op(q * 1.0, k, v, lens, SELF, amp)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = model_s2v.flash_attention(q=q, k=k, v=v, k_lens=lens)
+        compiled = torch.compile(body, fullgraph=True, dynamic=False)(q, k, v, torch.bfloat16)
+    fp32 = model_s2v.flash_attention(q=q, k=k, v=v, k_lens=lens)
+    assert not torch.equal(eager, fp32)  # the autocast changes the result: the test can fail
+    assert torch.equal(compiled, eager)
 
 
 @pytest.mark.slow(seconds=60)
@@ -137,6 +161,46 @@ def test_compiled_layouts_agree_and_a_batch_compiles_each_size_once(tiny_assets,
     assert cfg_diff <= LAYOUT_BOUND, cfg_diff
     print(f"compiled vs eager frames: {eager_diff:.3g}; compiled, 2 ranks vs 1: ulysses {layout_diff:.3g}, "
           f"cfg-parallel {cfg_diff:.3g}")
+
+
+def _random_lora(ckpt: Path, out: Path) -> Path:
+    """A random peft-format LoRA (rank 4, alpha absent: scale 1) on every block's q, o and FFN."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(3)
+    lora = {}
+    with safe_open(str(ckpt / "diffusion_pytorch_model.safetensors"), "pt") as f:
+        for name in f.keys():
+            if re.fullmatch(r"blocks\.\d+\.(self_attn\.(q|o)|ffn\.0)\.weight", name):
+                rows, cols = f.get_slice(name).get_shape()
+                module = name[:-len(".weight")]
+                lora[f"{module}.lora_A.weight"] = torch.randn(4, cols, generator=g) * 0.3
+                lora[f"{module}.lora_B.weight"] = torch.randn(rows, 4, generator=g) * 0.3
+    save_file(lora, str(out))
+    return out
+
+
+@pytest.mark.slow(seconds=90)
+def test_lora_and_pose_compile_as_they_run_eager(tiny_assets, pose_reference_frames, tmp_path):
+    """A LoRA (merged into the weights the compiled block takes as inputs) and a pose video
+    (conditioning made outside the blocks), compiled against the same run eager: within the
+    frames bound; the LoRA changes the frames, so the bound is not met by a LoRA left out."""
+    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+    lora = _random_lora(tiny_assets.ckpt_dir, tmp_path / "lora.safetensors")
+    flags = [*TINY_FLAGS, "--nproc", "1", "--pose-video", str(tiny_assets.pose_video), "--lora", f"{lora}:0.8"]
+    frames = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        d = tmp_path / name
+        d.mkdir()
+        r = run_cli(["run", *flags, *asset_flags(tiny_assets), *extra, "--output", str(d / "o.mp4"),
+                     "--frames-out", str(d / "f.pt"), "--runs-root", str(d / "runs")], cwd=d, env=cache)
+        assert r.returncode == 0, r.output
+        frames[name] = torch.load(d / "f.pt")
+    lora_effect = (frames["eager"] - pose_reference_frames).abs().max().item()
+    assert lora_effect > 100 * FRAMES_BOUND, lora_effect  # the LoRA acts
+    diff = (frames["compiled"] - frames["eager"]).abs().max().item()
+    assert diff <= FRAMES_BOUND, diff
+    print(f"compiled vs eager, LoRA + pose: {diff:.3g} (the LoRA moves the frames by {lora_effect:.3g})")
 
 
 def test_a_compile_cache_path_inductor_cannot_use_is_refused_before_any_rank(tiny_assets, tmp_path):

@@ -28,6 +28,15 @@ HOST_BASE_CPU = int(0.8 * GiB)  # measured ~0.8 GB RSS per rank for the tiny CPU
 W2V_ACT_PER_S = 18 * 2**20  # wav2vec2 (fp32, CPU) activations per second of audio, all 25 layers
 #: lean loading's conversion buffer on the CPU (ckpt_read.CHUNK_ELEMENTS of a bf16 file)
 LEAN_CHUNK = 2**24 * 2
+#: the VAE's working memory, in fp32 96-channel 4-frame full-resolution maps (1,536 bytes a pixel).
+#: Encode: the reference image's encode took 4.0 GiB at 1024x704 on an H200 (4 maps: 4.1 GiB).
+#: Decode, calibrated on the same run (docs/gpu.md, 2026-11-26): a clip's decode stage peaked at
+#: 18.8 GiB allocated, of which the VAE's weights, the text k/v memo and the decoded frames are 1.9;
+#: 16 maps (16.5 GiB) also cover what the loop holds through decode (latents, audio features, the
+#: motion frames). The split VAE's bands scale with their rows (docs/gpu.md: 0.50x / 0.34x).
+VAE_ENCODE_MAPS = 4
+VAE_DECODE_MAPS = 16
+TEXT_LEN = 512  # the engine's text_len: T5 context tokens (padded)
 
 
 @dataclass
@@ -182,9 +191,16 @@ def _act(l_local: int, l_full: int, dim: int, ffn: int, use_sp: bool) -> int:
     return l_local * per_token + (3 if use_sp else 2) * l_full * dim * 4
 
 
-def _vae_ws(h: int, w: int) -> int:
-    """VAE encode/decode working memory: a few fp32 96-channel 4-frame full-resolution maps."""
-    return 4 * 96 * 4 * h * w * 4
+def _vae_ws(h: int, w: int, maps: int = VAE_ENCODE_MAPS) -> int:
+    """VAE working memory: ``maps`` fp32 96-channel 4-frame full-resolution maps."""
+    return maps * 96 * 4 * h * w * 4
+
+
+def _text_kv(layers: int, dim: int, pb: int, contexts: int) -> int:
+    """The text keys and values ``patches.context_cache`` keeps per block for each context (the
+    prompt and the negative prompt; one per rank with CFG-parallel). They stay where they were
+    made: on the GPU through decode, even when offload parks the DiT on the CPU."""
+    return contexts * 2 * layers * TEXT_LEN * dim * pb
 
 
 def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, device: str,
@@ -202,12 +218,16 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     w_w2v = sizes.wav2vec_params * 4
     act = _act(l_loc, l_full, dim, ffn, use_sp)
     vae_ws = _vae_ws(wl.height, wl.width)
+    # a split VAE decodes a band of rows per rank; the gathering rank also holds the whole clip
+    vae_dec = _vae_ws(wl.height, wl.width, VAE_DECODE_MAPS) // (ws if layout.vae_parallel else 1)
+    text_kv = _text_kv(sizes.num_layers or REFERENCE.num_layers, dim, pb, 2 // layout.cfg_degree)
     dec_frames = 4 * (wl.tokens.latent_frames + (73 + 3) // 4) - 3
     dec_out = 3 * dec_frames * wl.height * wl.width * 4
     # rank 0 keeps every clip's frames (fp32) on the host until the end
     video = 3 * output_frames(wl.n_clips, wl.infer_frames, wl.start_from_ref) * wl.height * wl.width * 4
     parts = {"dit_weights": w_dit, "t5_weights": w_t5, "vae_weights": w_vae, "wav2vec_weights": w_w2v,
-             "dit_activations": act, "vae_workspace": vae_ws + dec_out, "video_frames_rank0": video}
+             "dit_activations": act, "vae_workspace": vae_dec + dec_out, "text_kv_memo": text_kv,
+             "video_frames_rank0": video}
 
     if dit_fsdp:
         dit_res = -(-w_dit // ws)
@@ -223,9 +243,10 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     t5_denoise = 0 if (offload or t5_cpu) else t5_gpu  # offload: T5 back to CPU after encoding
     phases: dict[str, int] = {}
     if on_cuda:
-        phases["encode"] = dit_res + t5_gpu + t5_gather + w_vae + vae_ws
-        phases["denoise"] = dit_res + dit_gathered + t5_denoise + w_vae + act
-        phases["decode"] = (0 if offload else dit_res + t5_denoise) + w_vae + vae_ws + dec_out
+        # the reference is encoded before the prompt: the VAE's workspace and T5 come one after the other
+        phases["encode"] = dit_res + w_vae + max(t5_gpu + t5_gather, vae_ws)
+        phases["denoise"] = dit_res + dit_gathered + t5_denoise + w_vae + act + text_kv
+        phases["decode"] = (0 if offload else dit_res + t5_denoise) + w_vae + vae_dec + dec_out + text_kv
         gpu_peak = max(phases.values()) + GPU_RUNTIME
     else:
         gpu_peak = None
@@ -234,7 +255,8 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     if load is LoadStrategy.LEAN:
         host0, others, shared, transient = _lean_host(
             layout, on_cuda=on_cuda, offload=offload, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
-            w2v_phase=w2v_phase, dit_res=dit_res, dit_gathered=dit_gathered, act=act, vae=vae_ws + dec_out,
+            w2v_phase=w2v_phase, dit_res=dit_res, dit_gathered=dit_gathered, act=act + text_kv,
+            vae=vae_dec + dec_out,
             staging=(dim * ffn * pb) if on_cuda else LEAN_CHUNK)
         host0, others = host0 + base, others + base
         name = layout.mode.value if layout.mode else "custom"
@@ -248,12 +270,12 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         # then); otherwise it goes straight to the GPU (device_map)
         dit_host = w_dit if dit_fsdp else 0
         host = max(t5_build, t5_resident + dit_host, t5_resident + w2v_phase)
-        if offload:
-            host += w_dit + (0 if t5_cpu else w_t5)  # DiT and T5 parked on the CPU between uses
+        if offload:  # the DiT parked on the CPU between uses (T5's host copy is counted above,
+            host += w_dit + (-(-w_t5 // ws) if t5_fsdp else 0)  # but for a shard, which lives on the GPU)
         host += HOST_BASE_CUDA
     else:
         t5_build = sizes.t5_params * 4 + sizes.t5_params * 2
-        run = (dit_res + dit_gathered + w_t5 + w_vae + w_w2v + act + vae_ws + dec_out
+        run = (dit_res + dit_gathered + w_t5 + w_vae + w_w2v + act + text_kv + vae_dec + dec_out
                + int(wl.audio_seconds * W2V_ACT_PER_S))
         host = max(t5_build, run) + HOST_BASE_CPU
         if dit_fsdp:  # the whole DiT is loaded on every rank before sharding
@@ -275,8 +297,8 @@ def _lean_host(layout: Layout, *, on_cuda, offload, w_dit, w_t5, w_vae, w2v_phas
     if on_cuda:
         t5_host = 0 if layout.t5_fsdp else w_t5  # built on the CPU, moved to the GPU when used
         host0 = t5_host + max(w2v_phase, staging)
-        if offload:
-            host0 += w_dit + (0 if layout.t5_cpu else w_t5)  # parked on the CPU between uses
+        if offload:  # the DiT parked on the CPU between uses; T5's host copy is t5_host already,
+            host0 += w_dit + (t5_shard if layout.t5_fsdp else 0)  # but for an FSDP shard
         return host0, staging, 0, staging
     dit_local, shared = (dit_res, 0) if layout.dit_fsdp else (0, w_dit)
     t5_0, t5_other = (t5_shard, t5_shard) if layout.t5_fsdp else (w_t5, 0)

@@ -1,0 +1,36 @@
+#!/bin/bash
+# One device call for what #49's first call left (docs/gpu.md, "Real size on one GPU"): the runner's
+# --compile (patches/compile_blocks.py) on the real-size DiT step against eager, while the ~46 GB
+# random checkpoint is written in the background; then `wan-s2v run` at 1024x704 on that checkpoint
+# (one clip, two steps; --skip-preflight: the image lacks imageio-ffmpeg, so it stops in save) with
+# the doctor's memory plan against it. Each part is bounded so the call
+# ends inside BUDGET seconds (default 530). Wheels in .whl/ as for bench/gpu_session.sh.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+BUDGET=${BUDGET:-530}; CKPT=${CKPT:-/tmp/s2v-random}
+T0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  python3 -c "import sys,torch,transformers,diffusers,triton;print(sys.version);print('torch',torch.__version__,'cuda',torch.version.cuda,'cudnn',torch.backends.cudnn.version(),'transformers',transformers.__version__,'diffusers',diffusers.__version__,'triton',triton.__version__)"
+  df -h /tmp | tail -1; nproc; free -g | sed -n 2p; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+python3 -c "import sys; sys.path.insert(0,'.'); from wan_s2v_runner.loading.engine import import_wan; import_wan(); import rich, pydantic; print('engine imports')" || exit 4
+# the checkpoint, in the background (disk and host bound; its tensors are made on the GPU in bursts)
+( python3 -m wan_s2v_runner.demo.real_checkpoint "$CKPT" --device cuda > "$OUT/checkpoint.txt" 2>&1; echo "rc=$?" >> "$OUT/checkpoint.txt" ) &
+CK=$!
+echo "== step, eager then --compile ($(left) s left)"
+TORCH_LOGS=recompiles,graph_breaks timeout -k 5 ${STEP_S:-290} \
+  python3 bench/gpu_step.py --compile blocks --warmup 1 --repeat 1 --json "$OUT/step-compiled.json" > "$OUT/step-compiled.txt" 2>&1
+echo "rc=$?"; grep -v -i "warning\|autocast\|warn(" "$OUT/step-compiled.txt" | tail -25
+echo "== waiting for the checkpoint ($(left) s left)"
+timeout $(( $(left) - 150 )) tail --pid=$CK -f /dev/null; tail -12 "$OUT/checkpoint.txt"
+echo "== pipeline: one clip, two steps ($(left) s left)"
+timeout -k 5 $(( $(left) - 8 )) python3 bench/gpu_pipeline.py --ckpt "$CKPT" --out /tmp/gp --num-clips 1 --steps 2 --skip-preflight \
+  --json "$OUT/pipeline.json" > "$OUT/pipeline.txt" 2>&1
+echo "rc=$?"; tail -40 "$OUT/pipeline.txt"
+cp /tmp/gp/run.log "$OUT/run.log" 2>/dev/null; cp /tmp/gp/runs/*/run.json "$OUT/" 2>/dev/null
+pkill -f wan_s2v_runner; echo "total $(( $(date +%s) - T0 )) s"
