@@ -38,7 +38,8 @@ class ModeRunner:
             from patches import ulysses_sp
             bound = len(ulysses_sp.apply(plan.sp_group))
         parts = components.load(wan, config, str(spec.ckpt_dir), plan, device, device_id,
-                                strategy=spec.load, waves=spec.load_waves or 1, on_event=on_event)
+                                strategy=spec.load, waves=spec.load_waves or 1, on_event=on_event,
+                                compiled=spec.compile)
         if lay.use_sp:
             heads = "/".join(map(str, lay.head_split(parts.noise_model.num_heads)))
             applied["ulysses_sp"] = (f"{bound} names bound to the SP group; heads {heads} per rank; "

@@ -53,10 +53,14 @@ class Components:
 
 
 def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
-         strategy: LoadStrategy = LoadStrategy.LEAN, waves: int = 1, on_event=None) -> Components:
+         strategy: LoadStrategy = LoadStrategy.LEAN, waves: int = 1, on_event=None,
+         compiled: bool = False) -> Components:
     """The parts ``plan`` needs, loaded as ``WanS2V.__init__`` would load them (``strategy``
     ``full``) or leanly (``lean``: same modules, same values, less memory and reading).
-    ``waves`` > 1 reads in turns of local ranks; ``on_event(stage, **data)`` enters a stage."""
+    ``waves`` > 1 reads in turns of local ranks; ``on_event(stage, **data)`` enters a stage.
+    ``compiled``: the DiT's blocks will be compiled (``--compile``): an FSDP-sharded DiT is wrapped
+    with ``use_orig_params=True`` (upstream's own LoRA setting, ``shard_model(use_lora=True)``),
+    the FSDP form torch.compile can trace; the values are the same flat shards either way."""
     s2v_mod = wan.speech2video
     lay = plan.layout
     self = s2v_mod.WanS2V.__new__(s2v_mod.WanS2V)
@@ -71,6 +75,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
         self.init_on_cpu = False
     # looked up at call time: patches.fsdp_no_sync rebinds shard_model in wan.speech2video
     shard_fn = partial(_shard, s2v_mod, device_id=device_id)
+    dit_shard_fn = partial(shard_fn, use_lora=True) if compiled else shard_fn
 
     lean = strategy is LoadStrategy.LEAN
     report = lean_load.LoadReport(waves=waves)
@@ -89,7 +94,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     if plan.needs_vae:
         self.vae = s2v_mod.Wan2_1_VAE(vae_pth=os.path.join(ckpt_dir, config.vae_checkpoint), device=self.device)
     if lean:
-        self.noise_model = _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event)
+        self.noise_model = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event)
     else:
         if not lay.dit_fsdp:
             noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype,
@@ -97,7 +102,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
         else:
             noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype)
         self.noise_model = self._configure_model(model=noise_model, use_sp=lay.use_sp, dit_fsdp=lay.dit_fsdp,
-                                                 shard_fn=shard_fn, convert_model_dtype=False)
+                                                 shard_fn=dit_shard_fn, convert_model_dtype=False)
         report.strategy["dit"] = "full"
     context_cache.apply(self.noise_model)
     self.audio_encoder = None

@@ -213,7 +213,7 @@ class GroupSpec(BaseModel):
         "auto", description="attention backend; the choice is logged and recorded")
     compile: Annotated[bool, Flag(_LA, env="WAN_S2V_COMPILE")] = Field(
         False, description="compile each DiT block with torch.compile (inductor; one compiled block serves all, "
-                           "once per size, cached under ~/.cache/wan-s2v/inductor; mode ulysses): results within "
+                           "once per size, cached under ~/.cache/wan-s2v/inductor; every mode): results within "
                            "float rounding of eager; speed: docs/bench.md")
     threads: Annotated[int, Flag(_LA, metavar="N")] = Field(1, ge=1, description="torch threads per rank on CPU")
     cpus: Annotated[Optional[str], Flag(_LA, metavar="LIST", default_text="all allowed")] = Field(
@@ -247,10 +247,6 @@ class GroupSpec(BaseModel):
         if self.cfg_parallel and self.world_size % 2:
             raise ValueError(f"--cfg-parallel splits the ranks in two: the world size must be even "
                              f"(got {self.world_size})")
-        if self.compile and self.layout.dit_fsdp:
-            raise ValueError(f"--compile runs the DiT blocks unsharded: mode {self.mode.value} shards them with FSDP, "
-                             "whose flat parameters torch.compile cannot trace; use --mode ulysses (with "
-                             "--cfg-parallel if you like) or drop --compile")
         if (self.load_waves or 1) > 1 and self.load is LoadStrategy.FULL:
             raise ValueError("--load-waves reads weights in turns under lean loading; drop it or --load full")
         return self
