@@ -256,7 +256,7 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         host0, others, shared, transient = _lean_host(
             layout, on_cuda=on_cuda, offload=offload, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
             w2v_phase=w2v_phase, dit_res=dit_res, dit_gathered=dit_gathered, act=act + text_kv,
-            vae=vae_dec + dec_out,
+            vae_band=vae_dec, vae_out=dec_out,
             staging=(dim * ffn * pb) if on_cuda else LEAN_CHUNK)
         host0, others = host0 + base, others + base
         name = layout.mode.value if layout.mode else "custom"
@@ -287,7 +287,7 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
 
 
 def _lean_host(layout: Layout, *, on_cuda, offload, w_dit, w_t5, w_vae, w2v_phase, dit_res,
-               dit_gathered, act, vae, staging) -> tuple[int, int, int, int]:
+               dit_gathered, act, vae_band, vae_out, staging) -> tuple[int, int, int, int]:
     """Host bytes under lean loading, base excluded: (rank 0, any other rank, shared once per
     node, per-rank transient while reading). Rank 0 alone holds T5 (unless FSDP-sharded) and
     runs wav2vec2; weights stream to the GPU through a one-tensor staging buffer; on the CPU a
@@ -302,8 +302,9 @@ def _lean_host(layout: Layout, *, on_cuda, offload, w_dit, w_t5, w_vae, w2v_phas
         return host0, staging, 0, staging
     dit_local, shared = (dit_res, 0) if layout.dit_fsdp else (0, w_dit)
     t5_0, t5_other = (t5_shard, t5_shard) if layout.t5_fsdp else (w_t5, 0)
-    vae_other = (w_vae + vae // max(1, ws)) if layout.vae_parallel else 0
-    host0 = dit_local + dit_gathered + t5_0 + w_vae + w2v_phase + act + vae + staging
+    # a split VAE: every rank works on its band (vae_band is per rank already); rank 0 gathers the clip
+    vae_other = (w_vae + vae_band + vae_out // max(1, ws)) if layout.vae_parallel else 0
+    host0 = dit_local + dit_gathered + t5_0 + w_vae + w2v_phase + act + vae_band + vae_out + staging
     others = dit_local + dit_gathered + t5_other + vae_other + act + staging
     return host0, others, shared, staging
 
