@@ -50,6 +50,7 @@ from typing import Callable, Optional
 
 import torch
 
+from patches import context_cache
 from wan_s2v_runner.shared.inductor import CACHE_ENV, cache_dir
 
 log = logging.getLogger("wan_s2v.patches.compile_blocks")
@@ -171,25 +172,13 @@ class Compiled:
         #: ``compile`` stage, so its seconds land in the stage timings); None: nothing around it
         self.around: Optional[Callable[[], contextlib.AbstractContextManager]] = None
 
-    def context_kv(self, ca, context):
-        """The text keys and values: the context memo's (patches.context_cache), else projected."""
-        from patches import context_cache
-        b, n, d = context.size(0), ca.num_heads, ca.head_dim
-
-        def compute():
-            return ca.norm_k(ca.k(context)).view(b, -1, n, d), ca.v(context).view(b, -1, n, d)
-        memo = getattr(ca, context_cache._MARK, None)
-        if memo is None or torch.is_grad_enabled():
-            return compute()
-        return memo.lookup(context, compute)
-
     def forward(self, block, x, e, seq_lens, grid_sizes, freqs, context, context_lens):
         seg = min(max(0, int(e[1])), x.size(1))  # upstream: e[1].item(), clamped
         # block 0 of a sequence-parallel rank gets its chunk as a view of the whole sequence: its
         # strides would compile a second graph (dynamo guards on strides); the values are the same
         x = x.contiguous()
         sp = getattr(block.self_attn.forward, "__func__", None) is not type(block.self_attn).forward
-        k, v = self.context_kv(block.cross_attn, context)
+        k, v = context_cache.keys_values(block.cross_attn, context, x.size(0))  # the memo's, or projected
         freqs_real = torch.view_as_real(freqs) if freqs.is_complex() else freqs
         # the autocast the attention runs under in eager (the loop's bf16 on CUDA), for the op
         dev = x.device.type

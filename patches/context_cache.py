@@ -83,6 +83,20 @@ def memo_text_embedding(module: torch.nn.Module) -> Memo:
     return memo
 
 
+def keys_values(attn: torch.nn.Module, context: torch.Tensor, b: int):
+    """``attn``'s text keys and values for ``context``, viewed for batch ``b`` as upstream's
+    ``WanCrossAttention.forward`` computes them: from its memo (one per context object) when it
+    has one and grad is off, else projected."""
+    n, d = attn.num_heads, attn.head_dim
+
+    def project():
+        return attn.norm_k(attn.k(context)).view(b, -1, n, d), attn.v(context).view(b, -1, n, d)
+    memo = getattr(attn, _MARK, None)
+    if memo is None or torch.is_grad_enabled():
+        return project()
+    return memo.lookup(context, project)
+
+
 def memo_cross_attention(attn: torch.nn.Module) -> Memo:
     """Make ``attn`` (a block's ``WanCrossAttention``) compute k and v once per context object."""
     memo = Memo(lambda stored, key: stored is key)
@@ -93,8 +107,7 @@ def memo_cross_attention(attn: torch.nn.Module) -> Memo:
             return upstream(x, context, context_lens)
         b, n, d = x.size(0), attn.num_heads, attn.head_dim
         q = attn.norm_q(attn.q(x)).view(b, -1, n, d)
-        k, v = memo.lookup(context, lambda: (attn.norm_k(attn.k(context)).view(b, -1, n, d),
-                                             attn.v(context).view(b, -1, n, d)))
+        k, v = keys_values(attn, context, b)
         flash_attention = type(attn).forward.__globals__["flash_attention"]  # as upstream resolves it
         x = flash_attention(q, k, v, k_lens=context_lens)
         return attn.o(x.flatten(2))

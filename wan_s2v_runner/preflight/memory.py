@@ -18,6 +18,7 @@ from wan_s2v_runner.loading import ckpt_tables as cr
 from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
 from wan_s2v_runner.shared.layout import Layout, LoadStrategy, Mode
 
+from .dit_flops import TEXT_LEN
 from .geometry import TokenCounts, generation_size, output_frames, token_counts
 
 GiB = 2**30
@@ -36,7 +37,6 @@ LEAN_CHUNK = 2**24 * 2
 #: motion frames). The split VAE's bands scale with their rows (docs/gpu.md: 0.50x / 0.34x).
 VAE_ENCODE_MAPS = 4
 VAE_DECODE_MAPS = 16
-TEXT_LEN = 512  # the engine's text_len: T5 context tokens (padded)
 
 
 @dataclass
@@ -270,8 +270,10 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         # then); otherwise it goes straight to the GPU (device_map)
         dit_host = w_dit if dit_fsdp else 0
         host = max(t5_build, t5_resident + dit_host, t5_resident + w2v_phase)
-        if offload:  # the DiT parked on the CPU between uses (T5's host copy is counted above,
-            host += w_dit + (-(-w_t5 // ws) if t5_fsdp else 0)  # but for a shard, which lives on the GPU)
+        # offload parks the DiT on the CPU between uses, and T5's shard when it is FSDP-sharded (a
+        # whole T5 is in t5_resident already)
+        if offload:
+            host += w_dit + (t5_gpu if t5_fsdp else 0)
         host += HOST_BASE_CUDA
     else:
         t5_build = sizes.t5_params * 4 + sizes.t5_params * 2
@@ -297,8 +299,10 @@ def _lean_host(layout: Layout, *, on_cuda, offload, w_dit, w_t5, w_vae, w2v_phas
     if on_cuda:
         t5_host = 0 if layout.t5_fsdp else w_t5  # built on the CPU, moved to the GPU when used
         host0 = t5_host + max(w2v_phase, staging)
-        if offload:  # the DiT parked on the CPU between uses; T5's host copy is t5_host already,
-            host0 += w_dit + (t5_shard if layout.t5_fsdp else 0)  # but for an FSDP shard
+        # offload parks the DiT on the CPU between uses, and T5's shard when it is FSDP-sharded (a
+        # whole T5 is t5_host already)
+        if offload:
+            host0 += w_dit + (t5_shard if layout.t5_fsdp else 0)
         return host0, staging, 0, staging
     dit_local, shared = (dit_res, 0) if layout.dit_fsdp else (0, w_dit)
     t5_0, t5_other = (t5_shard, t5_shard) if layout.t5_fsdp else (w_t5, 0)
