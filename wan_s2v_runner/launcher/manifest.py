@@ -121,7 +121,7 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
         "stage_seconds": stage_durations(r0) if r0 else {},
         "ranks": ranks,
         "output": output,
-        "loras": lora.describe(spec.lora, spec.ckpt_dir) if spec.lora else [],
+        "loras": lora.describe(spec.lora, spec.ckpt_dir, spec.dit_file) if spec.lora else [],
         "resume": _resume_info(spec) if job else None,
         "engine": engine_info(spec),
         "versions": package_versions(),

@@ -11,6 +11,8 @@ handing them back to the kernel afterwards (``madvise(MADV_DONTNEED)``). Both co
 they read in a :class:`ReadCounter` (the proof that a rank reads only its slices, and the
 benchmark's bytes-per-rank column). Dtype conversion happens chunk by chunk (``copy_``: the
 same rounding as ``Tensor.to``), so a bf16 file fills an fp32 model with a bounded buffer.
+:class:`DitFileSource` reads a single ComfyUI-style DiT file (``--dit-file``) under the model's
+names, scaled fp8 weights as their values; :func:`open_dit` picks the DiT's source.
 """
 from __future__ import annotations
 
@@ -18,18 +20,20 @@ import ctypes
 import math
 import mmap
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 
 from wan_s2v_runner.loading.ckpt_tables import dit_files, read_safetensors_header
+from wan_s2v_runner.loading.dit_file import inspect as inspect_dit_file
 
 #: safetensors dtype names -> torch dtypes (the ones a Wan checkpoint can hold)
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-             "U8": torch.uint8, "BOOL": torch.bool}
+             "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+             "F8_E5M2": torch.float8_e5m2}
 #: elements converted per chunk when the file's dtype differs from the destination's
 CHUNK_ELEMENTS = 1 << 24
 _PAGE = mmap.PAGESIZE
@@ -162,6 +166,83 @@ class SafetensorsFiles(CheckpointSource):
             _read_into(fd, _bytes_view(chunk), e.offset + (start + s) * isz)
             out[s:s + m].copy_(chunk.view(e.dtype))
             self.counter.add(m * isz, purpose)
+
+
+class DitFileSource(CheckpointSource):
+    """A single DiT file (``--dit-file``) under the Wan names the model has: the prefix stripped,
+    scales and markers set apart (:func:`wan_s2v_runner.loading.dit_file.inspect`), and a scaled
+    fp8 weight read as its value, ``weight.to(float32) * scale`` (one scale, or one per output row),
+    then converted to the destination's dtype. A full-precision destination therefore holds
+    exactly what a full-precision file of those values would give it."""
+
+    def __init__(self, path, counter: Optional[ReadCounter] = None):
+        self.layout = inspect_dit_file(path)
+        self.files = SafetensorsFiles([self.layout.path], counter)
+        self.counter = self.files.counter
+        for name, key in self.layout.keys.items():  # fp8 in a uint8 container: read as the fp8 it is
+            want = ST_DTYPES[self.layout.dtypes[name]]
+            if self.files.entries[key].dtype != want:
+                self.files.entries[key] = replace(self.files.entries[key], dtype=want)
+        self._scales: dict[str, torch.Tensor] = {}
+        self._tmp = torch.empty(0, dtype=torch.float32)
+
+    def table(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {name: (self.files.entries[key].dtype, self.files.entries[key].shape)
+                for name, key in self.layout.keys.items()}
+
+    def _scale(self, name: str) -> torch.Tensor:
+        if name not in self._scales:
+            key = self.layout.scales[name]
+            s = torch.empty(self.files.entries[key].numel, dtype=torch.float32)
+            self.files.read_flat(key, 0, s)
+            self._scales[name] = s
+        return self._scales[name]
+
+    def read_flat(self, key: str, start: int, out: torch.Tensor, purpose: str = "weights") -> None:
+        fkey = self.layout.keys[key]
+        if key not in self.layout.scales:
+            self.files.read_flat(fkey, start, out, purpose)
+            return
+        scale, shape = self._scale(key), self.files.entries[fkey].shape
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        n = out.numel()
+        if self._tmp.numel() < min(n, CHUNK_ELEMENTS):
+            self._tmp = torch.empty(min(n, CHUNK_ELEMENTS), dtype=torch.float32)
+        for s in range(0, n, CHUNK_ELEMENTS):
+            m = min(CHUNK_ELEMENTS, n - s)
+            tmp = self._tmp[:m]
+            self.files.read_flat(fkey, start + s, tmp, purpose)  # fp8 -> float32: exact
+            if scale.numel() == 1:
+                tmp.mul_(scale[0])
+            else:
+                _scale_rows(tmp, start + s, row, scale)
+            out[s:s + m].copy_(tmp)
+
+    def close(self) -> None:
+        self.files.close()
+        self._tmp = torch.empty(0, dtype=torch.float32)
+
+
+def _scale_rows(flat: torch.Tensor, first: int, row: int, scale: torch.Tensor) -> None:
+    """``flat`` holds elements ``[first, first + len)`` of a row-major [rows, row] weight:
+    multiply each by its row's scale, in place."""
+    pos, end = 0, flat.numel()
+    lead = min(end, (-first) % row)  # the rest of a row begun before this slice
+    if lead:
+        flat[:lead].mul_(scale[first // row])
+        pos = lead
+    full = (end - pos) // row
+    if full:
+        r0 = (first + pos) // row
+        flat[pos:pos + full * row].view(full, row).mul_(scale[r0:r0 + full, None])
+        pos += full * row
+    if pos < end:
+        flat[pos:].mul_(scale[(first + pos) // row])
+
+
+def open_dit(ckpt_dir, dit_file=None, counter: Optional[ReadCounter] = None) -> CheckpointSource:
+    """The DiT's weights: ``dit_file`` (``--dit-file``) when given, else the checkpoint directory's."""
+    return DitFileSource(dit_file, counter) if dit_file else SafetensorsFiles.in_dir(ckpt_dir, counter)
 
 
 _libc = None

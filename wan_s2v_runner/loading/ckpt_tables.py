@@ -37,7 +37,7 @@ class SafetensorsInfo:
     data_bytes: int  # max end offset
     tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # name -> (dtype, shape)
     starts: dict[str, int] = field(default_factory=dict)  # name -> byte offset in the file
-
+    metadata: dict[str, str] = field(default_factory=dict)  # the header's "__metadata__" (str -> str)
 
     @property
     def params(self) -> int:
@@ -66,6 +66,9 @@ def read_safetensors_header(path: Path) -> SafetensorsInfo:
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     starts: dict[str, int] = {}
     max_end = 0
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointFileError(f"{path.name}: header's __metadata__ is not a JSON object")
     for name, meta in header.items():
         if name == "__metadata__":
             continue
@@ -87,7 +90,7 @@ def read_safetensors_header(path: Path) -> SafetensorsInfo:
         what = "truncated" if size < expected else "has trailing bytes"
         raise CheckpointFileError(f"{path.name} is {size} bytes but its header describes {expected} "
                                   f"(8 + {n} header + {max_end} data): {what}")
-    return SafetensorsInfo(path, size, n, max_end, tensors, starts)
+    return SafetensorsInfo(path, size, n, max_end, tensors, starts, {str(k): str(v) for k, v in metadata.items()})
 
 
 def read_index(path: Path) -> dict[str, str]:
@@ -112,9 +115,13 @@ def dit_files(ckpt: Path) -> list[Path]:
     return [ckpt / f for f in (sorted(set(read_index(idx).values())) if idx.is_file() else [DIT_WEIGHTS])]
 
 
-def dit_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
+def dit_shapes(ckpt: Path, dit_file: Optional[Path] = None) -> dict[str, tuple[int, ...]]:
     """DiT tensor name -> shape from the safetensors headers (single file or sharded with an
-    index). Reads no tensor data; raises CheckpointFileError/OSError."""
+    index; or ``dit_file``, a ``--dit-file``, under the model's names). Reads no tensor data;
+    raises CheckpointFileError/OSError."""
+    if dit_file is not None:
+        from wan_s2v_runner.loading.dit_file import inspect
+        return dict(inspect(dit_file).shapes)
     out: dict[str, tuple[int, ...]] = {}
     for f in dit_files(ckpt):
         out.update({k: shape for k, (_, shape) in read_safetensors_header(f).tensors.items()})

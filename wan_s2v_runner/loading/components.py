@@ -26,7 +26,7 @@ import torch
 
 from patches import context_cache
 from wan_s2v_runner.loading import lean_load
-from wan_s2v_runner.loading.ckpt_read import PthFile, SafetensorsFiles
+from wan_s2v_runner.loading.ckpt_read import PthFile, open_dit
 from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
 from wan_s2v_runner.shared.layout import LoadStrategy
 from wan_s2v_runner.shared.stages import Stage
@@ -54,13 +54,15 @@ class Components:
 
 def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
          strategy: LoadStrategy = LoadStrategy.LEAN, waves: int = 1, on_event=None,
-         compiled: bool = False) -> Components:
+         compiled: bool = False, dit_file=None) -> Components:
     """The parts ``plan`` needs, loaded as ``WanS2V.__init__`` would load them (``strategy``
     ``full``) or leanly (``lean``: same modules, same values, less memory and reading).
     ``waves`` > 1 reads in turns of local ranks; ``on_event(stage, **data)`` enters a stage.
     ``compiled``: the DiT's blocks will be compiled (``--compile``): an FSDP-sharded DiT is wrapped
     with ``use_orig_params=True`` (upstream's own LoRA setting, ``shard_model(use_lora=True)``),
-    the FSDP form torch.compile can trace; the values are the same flat shards either way."""
+    the FSDP form torch.compile can trace; the values are the same flat shards either way.
+    ``dit_file``: the DiT's weights come from this single file (``--dit-file``; lean loading only),
+    its config and everything else from ``ckpt_dir``."""
     s2v_mod = wan.speech2video
     lay = plan.layout
     self = s2v_mod.WanS2V.__new__(s2v_mod.WanS2V)
@@ -93,8 +95,10 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     self.vae = None
     if plan.needs_vae:
         self.vae = s2v_mod.Wan2_1_VAE(vae_pth=os.path.join(ckpt_dir, config.vae_checkpoint), device=self.device)
+    if dit_file is not None and not lean:
+        raise ValueError("a --dit-file is read by lean loading only")
     if lean:
-        self.noise_model = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event)
+        self.noise_model = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, dit_file)
     else:
         if not lay.dit_fsdp:
             noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype,
@@ -119,11 +123,14 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     return Components(self, report)
 
 
-def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event):
-    """The DiT built on meta and filled as the layout needs (see ``lean_load``)."""
+def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file=None):
+    """The DiT built on meta and filled as the layout needs (see ``lean_load``), from the
+    checkpoint directory's DiT files or from ``dit_file``."""
     from patches import lora_merge
     model = lean_load.empty_dit(s2v_mod.WanModel_S2V, ckpt_dir, self.param_dtype)
-    with SafetensorsFiles.in_dir(ckpt_dir, counter=report.counter) as src:
+    with open_dit(ckpt_dir, dit_file, counter=report.counter) as src:
+        if dit_file is not None:
+            report.strategy["dit_file"] = src.layout.describe()
         lean_load.check_same_keys(model, src, "DiT")
         if not lay.dit_fsdp:
             if self.device.type == "cpu":

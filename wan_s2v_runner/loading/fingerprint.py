@@ -35,14 +35,15 @@ def source_digest(source) -> str:
     return h.hexdigest()
 
 
-def weights_fingerprint(ckpt_dir: Path) -> dict[str, str]:
-    """Each weight file's digest in a checkpoint directory: the DiT, T5, the VAE and wav2vec2
-    (the files :mod:`~wan_s2v_runner.shared.ckpt_layout` names; one missing is left out)."""
-    from wan_s2v_runner.loading.ckpt_read import PthFile, SafetensorsFiles
+def weights_fingerprint(ckpt_dir: Path, dit_file=None) -> dict[str, str]:
+    """Each weight file's digest in a checkpoint directory: the DiT (``dit_file`` when given), T5,
+    the VAE and wav2vec2 (the files :mod:`~wan_s2v_runner.shared.ckpt_layout` names; one missing
+    is left out)."""
+    from wan_s2v_runner.loading.ckpt_read import PthFile, SafetensorsFiles, open_dit
 
     ckpt_dir = Path(ckpt_dir)
     out: dict[str, str] = {}
-    sources = {"dit": lambda: SafetensorsFiles.in_dir(ckpt_dir),
+    sources = {"dit": lambda: open_dit(ckpt_dir, dit_file),
                "t5": lambda: PthFile(ckpt_dir / ckpt_layout.T5_FILE),
                "vae": lambda: PthFile(ckpt_dir / ckpt_layout.VAE_FILE),
                "wav2vec2": lambda: (SafetensorsFiles([ckpt_dir / ckpt_layout.W2V_WEIGHTS])

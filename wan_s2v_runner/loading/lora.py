@@ -275,14 +275,14 @@ def merge(model, loras: Iterable[LoraSource], allow_partial: bool = False) -> li
     return deltas.records
 
 
-def describe(refs: Sequence, ckpt_dir: Optional[Path]) -> list[dict]:
+def describe(refs: Sequence, ckpt_dir: Optional[Path], dit_file: Optional[Path] = None) -> list[dict]:
     """For run.json: each LoRA's path, sha256, format, strength and matched-module count (from
     the headers, by the same :func:`plan` the merge uses)."""
     from wan_s2v_runner.loading.ckpt_tables import CheckpointFileError, dit_shapes
     from wan_s2v_runner.shared.media import sha256_file
 
     try:
-        dit = dit_shapes(ckpt_dir) if ckpt_dir else None
+        dit = dit_shapes(ckpt_dir, dit_file) if ckpt_dir else None
     except (CheckpointFileError, OSError):
         dit = None
     out = []

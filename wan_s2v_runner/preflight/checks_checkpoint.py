@@ -26,6 +26,7 @@ from wan_s2v_runner.shared.ckpt_layout import (
     DIT_CONFIG,
     DIT_INDEX,
     DIT_WEIGHTS,
+    DIT_WEIGHTS_ENTRY,
     LAYOUT,
     T5_FILE,
     TINY_INFO_FILE,
@@ -97,17 +98,22 @@ def check_dir(ctx):
 def check_files(ctx):
     if (r := _no_ckpt(ctx, "ckpt.files")):
         return r
-    missing = [(what, alts) for what, (alts, _) in LAYOUT.items() if find_entry(ctx.spec.ckpt_dir, alts) is None]
+    needed = {what: alts for what, (alts, _) in LAYOUT.items()
+              if not (what == DIT_WEIGHTS_ENTRY and ctx.spec.dit_file is not None)}  # --dit-file replaces them
+    missing = [(what, alts) for what, alts in needed.items() if find_entry(ctx.spec.ckpt_dir, alts) is None]
     if missing:
         desc = "; ".join(f"{' or '.join(alts)}" for _, alts in missing)
         return fail("ckpt.files", f"{len(missing)} expected entr{'y' if len(missing) == 1 else 'ies'} missing: {desc}",
                     FIX_DOWNLOAD, missing=[m for m, _ in missing])
-    return ok("ckpt.files", f"all {len(LAYOUT)} expected entries present")
+    return ok("ckpt.files", f"all {len(needed)} expected entries present"
+              + (" (the DiT's weights come from --dit-file)" if len(needed) < len(LAYOUT) else ""))
 
 
 def check_index(ctx):
     if (r := _no_ckpt(ctx, "ckpt.index")):
         return r
+    if ctx.spec.dit_file is not None:
+        return skip("ckpt.index", "the DiT comes from --dit-file (see ckpt.dit_file)")
     idx = ctx.spec.ckpt_dir / DIT_INDEX
     if not idx.is_file():
         if (ctx.spec.ckpt_dir / DIT_WEIGHTS).is_file():

@@ -14,7 +14,7 @@ from .core import fail, ok, skip, warn
 def _dit(ctx):
     if "dit_shapes" not in ctx.cache:
         try:
-            ctx.cache["dit_shapes"] = dit_shapes(ctx.spec.ckpt_dir) if ctx.spec.ckpt_dir else None
+            ctx.cache["dit_shapes"] = dit_shapes(ctx.spec.ckpt_dir, ctx.spec.dit_file) if ctx.spec.ckpt_dir else None
         except (CheckpointFileError, OSError):
             ctx.cache["dit_shapes"] = None
     return ctx.cache["dit_shapes"]

@@ -45,10 +45,12 @@ W2V_TOKENIZER_CONFIG = f"{WAV2VEC_DIR}/tokenizer_config.json"
 W2V_PREPROCESSOR = f"{WAV2VEC_DIR}/preprocessor_config.json"  # transformers 4.x
 W2V_PROCESSOR = f"{WAV2VEC_DIR}/processor_config.json"  # transformers 5.x
 
+#: the LAYOUT entry a ``--dit-file`` stands in for
+DIT_WEIGHTS_ENTRY = "dit weights"
 #: entry -> (alternatives, any one present is enough; what reads it)
 LAYOUT: dict[str, tuple[tuple[str, ...], str]] = {
     "dit config": ((DIT_CONFIG,), "WanModel_S2V.from_pretrained"),
-    "dit weights": ((DIT_INDEX, DIT_WEIGHTS), "WanModel_S2V.from_pretrained"),
+    DIT_WEIGHTS_ENTRY: ((DIT_INDEX, DIT_WEIGHTS), "WanModel_S2V.from_pretrained"),
     "t5 weights": ((T5_FILE,), "T5EncoderModel"),
     "t5 tokenizer config": ((T5_TOKENIZER_CONFIG,), "AutoTokenizer"),
     "t5 tokenizer": ((T5_TOKENIZER_JSON, T5_SPIECE), "AutoTokenizer"),

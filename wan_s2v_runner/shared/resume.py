@@ -53,12 +53,15 @@ def spec_digest(spec) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def checkpoint_digest(ckpt_dir: Path) -> str:
-    """Names and sizes of every checkpoint file, and the DiT config's bytes (cheap: no weights read)."""
+def checkpoint_digest(ckpt_dir: Path, dit_file: Optional[Path] = None) -> str:
+    """Names and sizes of every checkpoint file (and of ``dit_file``, a ``--dit-file``), and the
+    DiT config's bytes (cheap: no weights read)."""
     from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG
 
     ckpt_dir = Path(ckpt_dir)
     rows = sorted((str(p.relative_to(ckpt_dir)), p.stat().st_size) for p in ckpt_dir.rglob("*") if p.is_file())
+    if dit_file is not None:
+        rows.append(["--dit-file", Path(dit_file).name, Path(dit_file).stat().st_size])
     h = hashlib.sha256(json.dumps(rows).encode())
     cfg = ckpt_dir / DIT_CONFIG
     if cfg.is_file():
@@ -72,7 +75,7 @@ def engine_digest(wan_repo: Optional[Path]) -> str:
 
 
 def identity(spec) -> dict:
-    return {"spec": spec_digest(spec), "checkpoint": checkpoint_digest(spec.ckpt_dir),
+    return {"spec": spec_digest(spec), "checkpoint": checkpoint_digest(spec.ckpt_dir, spec.dit_file),
             "engine": engine_digest(spec.wan_repo)}
 
 

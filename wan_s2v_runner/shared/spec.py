@@ -165,6 +165,10 @@ class GroupSpec(BaseModel):
     # ----- the model
     ckpt_dir: Annotated[AbsPath, Flag(_MO, metavar="DIR")] = Field(
         description="Wan2.2-S2V-14B checkpoint directory")
+    dit_file: Annotated[Optional[AbsPath], Flag(_MO, metavar="FILE", default_text="CKPT_DIR's DiT")] = Field(
+        None, description="read the DiT from this one .safetensors file (a ComfyUI or Kijai single file: bare or "
+                          "model.diffusion_model. names; bf16, fp16, fp32 or scaled fp8, dequantized at load); "
+                          "everything else still comes from --ckpt-dir")
     wan_repo: Annotated[Optional[AbsPath], Flag(_MO, env="WAN_REPO", metavar="DIR",
                                                 default_text="installed `wan`")] = Field(
         None, description="use this Wan2.2 checkout (repo root) instead of the installed wan package")
@@ -249,6 +253,9 @@ class GroupSpec(BaseModel):
                              f"(got {self.world_size})")
         if (self.load_waves or 1) > 1 and self.load is LoadStrategy.FULL:
             raise ValueError("--load-waves reads weights in turns under lean loading; drop it or --load full")
+        if self.dit_file is not None and self.load is LoadStrategy.FULL:
+            raise ValueError("--dit-file is read by lean loading (--load full is upstream's own reading of "
+                             "CKPT_DIR); drop --load full")
         return self
 
     # ----- derived facts everything else asks -----
