@@ -223,21 +223,31 @@ class DitFileSource(CheckpointSource):
         self._tmp = torch.empty(0, dtype=torch.float32)
 
 
+def row_slices(first: int, n: int, row: int) -> Iterator[tuple[int, int, int, int]]:
+    """Elements ``[first, first + n)`` of a row-major [rows, row] tensor, cut at row ends:
+    (lo, hi, r0, rows) with offsets relative to ``first``; ``rows`` > 0 means ``[lo, hi)`` is that
+    many whole rows from row ``r0``, 0 that it is part of row ``r0``."""
+    pos = 0
+    lead = min(n, (-first) % row)  # the rest of a row begun before the slice
+    if lead:
+        yield 0, lead, first // row, 0
+        pos = lead
+    full = (n - pos) // row
+    if full:
+        yield pos, pos + full * row, (first + pos) // row, full
+        pos += full * row
+    if pos < n:
+        yield pos, n, (first + pos) // row, 0
+
+
 def _scale_rows(flat: torch.Tensor, first: int, row: int, scale: torch.Tensor) -> None:
     """``flat`` holds elements ``[first, first + len)`` of a row-major [rows, row] weight:
     multiply each by its row's scale, in place."""
-    pos, end = 0, flat.numel()
-    lead = min(end, (-first) % row)  # the rest of a row begun before this slice
-    if lead:
-        flat[:lead].mul_(scale[first // row])
-        pos = lead
-    full = (end - pos) // row
-    if full:
-        r0 = (first + pos) // row
-        flat[pos:pos + full * row].view(full, row).mul_(scale[r0:r0 + full, None])
-        pos += full * row
-    if pos < end:
-        flat[pos:].mul_(scale[(first + pos) // row])
+    for lo, hi, r0, rows in row_slices(first, flat.numel(), row):
+        if rows:
+            flat[lo:hi].view(rows, row).mul_(scale[r0:r0 + rows, None])
+        else:
+            flat[lo:hi].mul_(scale[r0])
 
 
 def open_dit(ckpt_dir, dit_file=None, counter: Optional[ReadCounter] = None) -> CheckpointSource:

@@ -27,8 +27,9 @@ import torch
 from patches import context_cache
 from wan_s2v_runner.loading import lean_load
 from wan_s2v_runner.loading.ckpt_read import PthFile, open_dit
+from wan_s2v_runner.loading.quantize import Fp8Source
 from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
-from wan_s2v_runner.shared.layout import LoadStrategy
+from wan_s2v_runner.shared.layout import DitQuant, LoadStrategy
 from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.components")
@@ -54,7 +55,7 @@ class Components:
 
 def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
          strategy: LoadStrategy = LoadStrategy.LEAN, waves: int = 1, on_event=None,
-         compiled: bool = False, dit_file=None) -> Components:
+         compiled: bool = False, dit_file=None, dit_quant: DitQuant = DitQuant.NONE) -> Components:
     """The parts ``plan`` needs, loaded as ``WanS2V.__init__`` would load them (``strategy``
     ``full``) or leanly (``lean``: same modules, same values, less memory and reading).
     ``waves`` > 1 reads in turns of local ranks; ``on_event(stage, **data)`` enters a stage.
@@ -62,7 +63,8 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     with ``use_orig_params=True`` (upstream's own LoRA setting, ``shard_model(use_lora=True)``),
     the FSDP form torch.compile can trace; the values are the same flat shards either way.
     ``dit_file``: the DiT's weights come from this single file (``--dit-file``; lean loading only),
-    its config and everything else from ``ckpt_dir``."""
+    its config and everything else from ``ckpt_dir``. ``dit_quant`` fp8: the DiT's big Linears are
+    held in float8_e4m3fn (``patches.fp8_linear``; lean loading only)."""
     s2v_mod = wan.speech2video
     lay = plan.layout
     self = s2v_mod.WanS2V.__new__(s2v_mod.WanS2V)
@@ -95,10 +97,11 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     self.vae = None
     if plan.needs_vae:
         self.vae = s2v_mod.Wan2_1_VAE(vae_pth=os.path.join(ckpt_dir, config.vae_checkpoint), device=self.device)
-    if dit_file is not None and not lean:
-        raise ValueError("a --dit-file is read by lean loading only")
+    if (dit_file is not None or DitQuant(dit_quant) is not DitQuant.NONE) and not lean:
+        raise ValueError("--dit-file and --dit-quant are read by lean loading only")
     if lean:
-        self.noise_model = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, dit_file)
+        self.noise_model = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, dit_file,
+                                     dit_quant)
     else:
         if not lay.dit_fsdp:
             noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype,
@@ -123,14 +126,21 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     return Components(self, report)
 
 
-def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file=None):
+def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file=None, quant=DitQuant.NONE):
     """The DiT built on meta and filled as the layout needs (see ``lean_load``), from the
-    checkpoint directory's DiT files or from ``dit_file``."""
-    from patches import lora_merge
+    checkpoint directory's DiT files or from ``dit_file``; with ``quant`` fp8, its target Linears
+    quantized as they are read (:mod:`wan_s2v_runner.loading.quantize`)."""
+    from patches import fp8_linear, lora_merge
     model = lean_load.empty_dit(s2v_mod.WanModel_S2V, ckpt_dir, self.param_dtype)
+    fp8 = DitQuant(quant) is DitQuant.FP8
     with open_dit(ckpt_dir, dit_file, counter=report.counter) as src:
         if dit_file is not None:
             report.strategy["dit_file"] = src.layout.describe()
+        if fp8:
+            src = Fp8Source(src, fp8_linear.convert(model))
+            report.strategy["dit_quant"] = (f"fp8: {len(src.shapes)} Linears in float8_e4m3fn, one scale per row"
+                                            + (f" ({len(src.as_is)} used as the file holds them)" if src.as_is
+                                               else ""))
         lean_load.check_same_keys(model, src, "DiT")
         if not lay.dit_fsdp:
             if self.device.type == "cpu":
@@ -138,14 +148,22 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file
             else:
                 lean_load.in_turns(report.waves, lambda: lean_load.device_weights(model, src, self.device,
                                                                                   report, "dit"))
+            if fp8:
+                src.share_scales()
+                fp8_linear.set_scales(model, src.row_scales(), self.device)
             return self._configure_model(model=model, use_sp=lay.use_sp, dit_fsdp=False, shard_fn=shard_fn,
                                          convert_model_dtype=False)
         model = self._configure_model(model=model, use_sp=lay.use_sp, dit_fsdp=True, shard_fn=shard_fn,
                                       convert_model_dtype=False)  # wraps on meta: shards allocated
         on_event(Stage.FINGERPRINT, what="WanModel_S2V")
-        lean_load.verify_same_checkpoint(src, "DiT")
+        lean_load.verify_same_checkpoint(src.inner if fp8 else src, "DiT")
         on_event(Stage.LOAD, what="WanModel_S2V shards")
+        if fp8:
+            lean_load.in_turns(report.waves, lambda: src.measure(lean_load.shard_slices(model)))
+            src.agree_scales(self.device)
         lean_load.in_turns(report.waves, lambda: lean_load.fill_fsdp_shards(model, src))
+        if fp8:
+            fp8_linear.set_scales(model, src.row_scales(), self.device)
     deltas = getattr(self, lora_merge.PENDING, None)
     if deltas is not None:
         lean_load.merge_deltas_into_shards(model, deltas)
@@ -181,4 +199,6 @@ def _lean_t5(wan, config, ckpt_dir, lay, shard_fn, report, on_event):
 
 
 def _shard(s2v_mod, model, device_id, **kwargs):
-    return s2v_mod.shard_model(model, device_id=device_id, **kwargs)
+    from patches import fp8_linear
+    with fp8_linear.own_fsdp_units(model):  # an fp8 DiT's weights are units of their own
+        return s2v_mod.shard_model(model, device_id=device_id, **kwargs)

@@ -40,6 +40,13 @@ class LoadStrategy(str, Enum):
     FULL = "full"  # upstream's constructors: every rank reads every file it needs, whole
 
 
+class DitQuant(str, Enum):
+    """How the DiT's big Linears hold their weights (``--dit-quant``; ``patches.fp8_linear``)."""
+
+    NONE = "none"  # the param dtype, as upstream
+    FP8 = "fp8"  # float8_e4m3fn, one scale per output row, dequantized per call
+
+
 class MeshAxis(str, Enum):
     """The device mesh's dimensions, outermost first (:attr:`Layout.mesh_shape`'s order): the
     names the mesh is built with and its process groups are looked up by."""

@@ -42,7 +42,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from wan_s2v_runner.shared.layout import Layout, LoadStrategy, Mode
+from wan_s2v_runner.shared.layout import DitQuant, Layout, LoadStrategy, Mode
 
 try:  # Python 3.11+
     import tomllib
@@ -169,6 +169,10 @@ class GroupSpec(BaseModel):
         None, description="read the DiT from this one .safetensors file (a ComfyUI or Kijai single file: bare or "
                           "model.diffusion_model. names; bf16, fp16, fp32 or scaled fp8, dequantized at load); "
                           "everything else still comes from --ckpt-dir")
+    dit_quant: Annotated[DitQuant, Flag(_MO)] = Field(
+        DitQuant.NONE, description="fp8: hold the DiT's block and audio-injection Linears in float8_e4m3fn with one "
+                                   "scale per output row (quantized as read; an fp8 --dit-file is used as it is), "
+                                   "dequantized per call: about half the DiT's bf16 bytes; precision: docs/loading.md")
     wan_repo: Annotated[Optional[AbsPath], Flag(_MO, env="WAN_REPO", metavar="DIR",
                                                 default_text="installed `wan`")] = Field(
         None, description="use this Wan2.2 checkout (repo root) instead of the installed wan package")
@@ -253,6 +257,12 @@ class GroupSpec(BaseModel):
                              f"(got {self.world_size})")
         if (self.load_waves or 1) > 1 and self.load is LoadStrategy.FULL:
             raise ValueError("--load-waves reads weights in turns under lean loading; drop it or --load full")
+        if self.dit_quant is not DitQuant.NONE:
+            for given, why in ((self.load is LoadStrategy.FULL, "--load full (quantizing happens as lean loading "
+                                "reads the weights)"), (bool(self.lora), "--lora (merging a LoRA before quantizing "
+                                "is not built yet)"), (self.compile, "--compile (not yet proven with fp8 weights)")):
+                if given:
+                    raise ValueError(f"--dit-quant {self.dit_quant.value} cannot be combined with {why}; drop one")
         if self.dit_file is not None and self.load is LoadStrategy.FULL:
             raise ValueError("--dit-file is read by lean loading (--load full is upstream's own reading of "
                              "CKPT_DIR); drop --load full")

@@ -41,14 +41,16 @@ PARTS = {"weights": "weights", "checkpoint": "checkpoint files", "engine": "Wan2
 
 def frame_settings(group: GroupSpec) -> dict[str, Any]:
     """The group settings that change the frames: the device and its dtype, the attention
-    kernel, the LoRAs (their files' contents and strengths); on a GPU the layout too (bf16
+    kernel, the LoRAs (their files' contents and strengths), fp8 weights, compiled blocks (float
+    rounding); on a GPU the layout too (bf16
     collectives and kernels are not proven to give one rank's bits in every layout; on the CPU
     every layout does, exactly: docs/parallelism.md)."""
     from wan_s2v_runner.shared.media import sha256_file
 
     out: dict[str, Any] = {"device": group.device, "attention": getattr(group.attention, "value", group.attention),
                            "loras": [[sha256_file(ref.path), ref.strength] for ref in group.lora],
-                           "lora_allow_partial": group.lora_allow_partial}
+                           "lora_allow_partial": group.lora_allow_partial, "dit_quant": group.dit_quant.value,
+                           "compile": group.compile}
     if group.device == "cuda":
         layout = group.layout
         out["layout"] = {"mode": group.mode.value, "world_size": group.world_size, "cfg_degree": layout.cfg_degree,

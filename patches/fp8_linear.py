@@ -1,0 +1,123 @@
+"""Patch: the DiT's big Linears hold float8_e4m3fn weights, one scale per output row (``--dit-quant fp8``).
+
+Upstream: every ``nn.Linear`` of ``WanModel_S2V`` holds its weight in the param dtype (bf16 on a
+GPU, fp32 on the CPU): 32.6 GB for the S2V-14B DiT in bf16.
+Change: :func:`convert` replaces, on the model built on meta (before any weight is read), the
+block Linears (self- and cross-attention q/k/v/o, the FFN's two) and the audio injection's
+q/k/v/o with :class:`Fp8Linear`. Its weight lives in a child :class:`Fp8Weight`: ``weight``
+[out, in] in float8_e4m3fn and ``scale`` [out, 1] in float32 (a non-persistent buffer), and its
+forward returns ``(weight.float() * scale).to(dtype)``: the weight is dequantized per call, on
+any device, and the matrix product is upstream's ``F.linear`` in the run's dtype. Everything
+else (modulation, embeddings, norms, biases, the audio encoder, the frame packer, the head) is
+unchanged.
+
+Under FSDP each :class:`Fp8Weight` is its own unit (a flat parameter holds one dtype; the block's
+unit keeps the biases and norms): :func:`own_fsdp_units` widens upstream ``shard_model``'s wrap
+policy while it runs. FSDP's mixed precision casts the fp8 shard to the param dtype before the
+all-gather, which is exact (every e4m3 value is a bf16 and an fp32 value), so a sharded layout
+dequantizes the same numbers as one process. The scales are replicated buffers (9.6 MB at real
+size), filled by :func:`set_scales` after the weights are read
+(:mod:`wan_s2v_runner.loading.quantize` makes both).
+
+Proof: tests/test_fp8.py (every layout with fp8 equals one rank exactly; an fp8 file is used as
+it is; the quantized values and the distance to full precision).
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: e4m3fn's largest finite value: a row's largest magnitude maps to it
+E4M3_MAX = 448.0
+#: the Linears quantized (their module names in WanModel_S2V)
+TARGETS = re.compile(r"^(blocks\.\d+\.(self_attn|cross_attn)\.[qkvo]|blocks\.\d+\.ffn\.[02]"
+                     r"|audio_injector\.injector\.\d+\.[qkvo])$")
+QWEIGHT = "qweight"
+
+
+def quantized_name(weight_name: str) -> str:
+    """``blocks.0.ffn.0.weight`` -> ``blocks.0.ffn.0.qweight.weight`` (the fp8 parameter's name)."""
+    return f"{weight_name.removesuffix('.weight')}.{QWEIGHT}.weight"
+
+
+class Fp8Weight(nn.Module):
+    """A Linear's weight in float8_e4m3fn with one float32 scale per output row."""
+
+    def __init__(self, out_features: int, in_features: int, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device),
+                                   requires_grad=False)
+        self.register_buffer("scale", torch.empty(out_features, 1, dtype=torch.float32, device=device),
+                             persistent=False)
+        self.source_name = ""  # the full-precision weight's name (set by convert)
+
+    def forward(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight.float() * self.scale).to(dtype)
+
+
+class Fp8Linear(nn.Module):
+    """``nn.Linear`` with an :class:`Fp8Weight`; the bias stays in the param dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.qweight = Fp8Weight(linear.out_features, linear.in_features, device=linear.weight.device)
+        self.bias = linear.bias
+        self.dtype = linear.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.qweight(self.bias.dtype if self.bias is not None else self.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight=float8_e4m3fn"
+
+
+def convert(model: nn.Module) -> list[str]:
+    """Replace the target Linears of ``model`` (on meta) with :class:`Fp8Linear`; returns the
+    full-precision weight names replaced (``blocks.0.ffn.0.weight``, ...)."""
+    names = []
+    for name, mod in list(model.named_modules()):
+        if TARGETS.match(name) and isinstance(mod, nn.Linear):
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            new = Fp8Linear(mod)
+            new.qweight.source_name = f"{name}.weight"
+            setattr(parent, leaf, new)
+            names.append(f"{name}.weight")
+    return names
+
+
+def set_scales(model: nn.Module, scales: dict, device: torch.device) -> int:
+    """Put each :class:`Fp8Weight`'s scale (``scales[source_name]``, float32 [out, 1]) on ``device``."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, Fp8Weight):
+            mod.scale = scales[mod.source_name].to(device=device, dtype=torch.float32).reshape(-1, 1)
+            n += 1
+    return n
+
+
+@contextlib.contextmanager
+def own_fsdp_units(model: nn.Module):
+    """While inside, upstream ``shard_model`` (``wan.distributed.fsdp``) also wraps every
+    :class:`Fp8Weight` as its own FSDP unit. A model without one is wrapped as upstream does."""
+    if not any(isinstance(m, Fp8Weight) for m in model.modules()):
+        yield
+        return
+    fsdp_module = sys.modules["wan.distributed.fsdp"]
+    upstream = fsdp_module.lambda_auto_wrap_policy
+
+    def policy(module, recurse, nonwrapped_numel, lambda_fn):
+        return upstream(module, recurse, nonwrapped_numel,
+                        lambda_fn=lambda m: isinstance(m, Fp8Weight) or lambda_fn(m))
+
+    fsdp_module.lambda_auto_wrap_policy = policy
+    try:
+        yield
+    finally:
+        fsdp_module.lambda_auto_wrap_policy = upstream

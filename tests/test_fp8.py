@@ -1,0 +1,153 @@
+"""``--dit-quant fp8`` (issue #47, part 2): the DiT's big Linears in float8_e4m3fn, one scale
+per output row, quantized as they are read (``wan_s2v_runner.loading.quantize``,
+``patches.fp8_linear``).
+
+What is proven here: the quantization itself (row scales, the largest magnitude of a row maps to
+448, slices quantized after an agreed scale equal the whole tensor quantized); an fp8
+``--dit-file`` is used as it is (its bytes and its scales, never requantized); every layout with
+fp8 equals one rank with fp8 exactly (fp32 compute on the CPU; real ranks); and the distance of
+fp8 frames from full precision on the tiny checkpoint (stated as a bound).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from patches.fp8_linear import E4M3_MAX, TARGETS, Fp8Weight, quantized_name
+from tests.conftest import TINY_FLAGS, asset_flags, cpu_engine, one_process_frames, run_cli
+from tests.test_dit_file import COMFY, dir_tensors, fp8_file
+from wan_s2v_runner.loading import ckpt_read
+from wan_s2v_runner.loading.quantize import Fp8Source
+from wan_s2v_runner.shared.layout import DitQuant
+
+#: the tiny checkpoint's frames with an fp8 DiT against full precision (fp32 on the CPU), measured
+#: 5.6e-4 max and 5.6e-5 mean absolute (frames in [-1, 1]): the bound asserted
+FP8_FRAMES_BOUND = (2e-3, 2e-4)
+
+
+def targets(table) -> list[str]:
+    return [n for n in table if n.endswith(".weight") and TARGETS.match(n.removesuffix(".weight"))]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from wan_s2v_runner.demo.tiny_checkpoint import build_tiny_checkpoint
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("fp8") / "ckpt")
+
+
+def test_quantization_by_rows_and_by_slices(ckpt):
+    """Whole tensors: each row's largest magnitude maps to +-448 and every value is within
+    e4m3's rounding (2^-4 relative, or its smallest step) of the original. Slices: partial row
+    maxima agreed (here one process: no all-reduce needed), then any slice quantizes to the
+    same bytes as the whole tensor."""
+    with ckpt_read.SafetensorsFiles.in_dir(ckpt) as inner:
+        names = targets(inner.table())
+        assert len(names) == 2 * 10 + 2 * 4  # 2 blocks x (q,k,v,o x 2 attentions + 2 FFN) + 2 injectors x 4
+        whole = Fp8Source(inner, names)
+        q = {}
+        for n in names:
+            shape = whole.shapes[n]
+            t = torch.empty(shape, dtype=torch.float8_e4m3fn)
+            whole.read_flat(quantized_name(n), 0, t.view(-1))
+            q[n] = t
+            w = torch.empty(shape)
+            inner.read_flat(n, 0, w.view(-1))
+            s = whole.scales[n]
+            assert torch.equal(q[n].float().abs().amax(dim=1), torch.full((shape[0],), E4M3_MAX))
+            back = q[n].float() * s[:, None]
+            assert ((back - w).abs() <= w.abs() * 2**-4 + s[:, None] * 2**-9).all(), n
+        sliced = Fp8Source(inner, names)
+        cuts = {n: [(0, 7), (7, 40), (47, whole.shapes[n][0] * whole.shapes[n][1] - 47)] for n in names}
+        slices = [(quantized_name(n), a, torch.empty(b, dtype=torch.float8_e4m3fn)) for n in names for a, b in cuts[n]]
+        sliced.measure(slices)
+        sliced.agree_scales(torch.device("cpu"))
+        for key, start, dest in slices:
+            sliced.read_flat(key, start, dest)
+        for n in names:
+            got = torch.cat([d.view(torch.uint8) for k, _, d in slices if k == quantized_name(n)])
+            assert torch.equal(got, q[n].view(torch.uint8).reshape(-1)), n
+            assert torch.equal(sliced.scales[n], whole.scales[n])
+
+
+def test_an_fp8_file_is_used_as_it_is(ckpt, tmp_path):
+    """A ComfyUI fp8 file under --dit-quant fp8: its float8_e4m3fn bytes are the weights and its
+    per-tensor scale is every row's scale; nothing is requantized."""
+    from safetensors.torch import load_file
+    path = tmp_path / "fp8.safetensors"
+    fp8_file(dir_tensors(ckpt), path, "comfy_quant", prefix=COMFY)
+    raw = load_file(str(path))
+    with Fp8Source(ckpt_read.DitFileSource(path), targets(dir_tensors(ckpt))) as src:
+        assert src.as_is == set(src.shapes)
+        for n, shape in src.shapes.items():
+            t = torch.empty(shape, dtype=torch.float8_e4m3fn)
+            src.read_flat(quantized_name(n), 0, t.view(-1))
+            assert torch.equal(t.view(torch.uint8), raw[COMFY + n].view(torch.uint8)), n
+        src.share_scales()
+        scales = src.row_scales()
+        for n, shape in src.shapes.items():
+            file_scale = raw[COMFY + n.removesuffix(".weight") + ".weight_scale"]
+            assert torch.equal(scales[n], file_scale.reshape(1, 1).expand(shape[0], 1)), n
+
+
+@pytest.mark.slow(seconds=40)
+def test_fp8_frames_are_near_full_precision(tiny_assets):
+    """In this process: the fp8 DiT's frames are within the stated bound of full precision, and
+    not equal to them (the fp8 weights are used); the model holds its Linears in fp8."""
+    from wan_s2v_runner.loading import components
+    from wan_s2v_runner.rank.parallel import RankPlan
+    from wan_s2v_runner.shared.layout import Layout, Mode
+    with cpu_engine(tiny_assets) as engine:
+        fp8 = one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1)
+        full = one_process_frames(engine, num_clips=1)
+        wan, cfg, spec = engine
+        parts = components.load(wan, cfg, str(spec.ckpt_dir), RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0),
+                                torch.device("cpu"), 0, dit_quant=DitQuant.FP8)
+    d = (fp8 - full).abs()
+    assert 0 < d.max() <= FP8_FRAMES_BOUND[0] and d.mean() <= FP8_FRAMES_BOUND[1], (d.max(), d.mean())
+    held = [m for m in parts.noise_model.modules() if isinstance(m, Fp8Weight)]
+    assert len(held) == 28 and all(m.weight.dtype == torch.float8_e4m3fn for m in held)
+    assert parts.noise_model.blocks[0].self_attn.norm_q.weight.dtype == torch.float32
+    assert "fp8: 28 Linears" in parts.load_report.strategy["dit_quant"]
+
+
+@pytest.mark.slow(seconds=200)
+def test_every_layout_with_fp8_equals_one_rank(tiny_assets, tmp_path):
+    """Real ranks, fp8 DiT: fsdp-fixed (the fp8 weights are FSDP units of their own, scales
+    agreed by all-reduce), ulysses with CFG-parallel (the node's shared copy; rank 0's scales)
+    and hybrid, each at 2 ranks, equal one process with fp8 exactly."""
+    with cpu_engine(tiny_assets) as engine:
+        want = one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1)
+    for name, flags in (("fsdp", ["--mode", "fsdp-fixed"]), ("ulysses_cfg", ["--mode", "ulysses", "--cfg-parallel"]),
+                        ("hybrid", ["--mode", "hybrid"])):
+        d = tmp_path / name
+        d.mkdir()
+        r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--num-clips", "1", "--nproc", "2", *flags,
+                     "--dit-quant", "fp8", "--output", str(d / "o.mp4"), "--frames-out", str(d / "f.pt"),
+                     "--runs-root", str(d / "runs")], cwd=d)
+        assert r.returncode == 0, r.output
+        assert torch.equal(torch.load(d / "f.pt"), want), name
+        for rank in (0, 1):  # each rank's load report says what it holds
+            assert "fp8: 28 Linears" in (next((d / "runs").glob("*")) / "events" / f"rank{rank}.jsonl").read_text()
+
+
+def test_fp8_refuses_what_it_is_not_built_for():
+    from pydantic import ValidationError
+
+    from wan_s2v_runner.shared.spec import GroupSpec
+    for extra, needle in (({"load": "full"}, "--load full"), ({"compile": True}, "--compile"),
+                          ({"lora": ["/x/l.safetensors"]}, "--lora")):
+        with pytest.raises(ValidationError, match=needle):
+            GroupSpec(ckpt_dir="/x", dit_quant="fp8", **extra)
+    assert GroupSpec(ckpt_dir="/x", dit_quant="fp8").dit_quant is DitQuant.FP8
+
+
+def test_the_settings_travel_in_the_groups_json(tmp_path):
+    """The setting travels in the group's JSON (ranks, batch and serve read it back)."""
+    from wan_s2v_runner.shared.spec import GroupSpec, read_spec
+    p = tmp_path / "g.json"
+    p.write_text(GroupSpec(ckpt_dir="/x", dit_quant="fp8", dit_file="/y/d.safetensors").to_json())
+    g = read_spec(p)
+    assert g.dit_quant is DitQuant.FP8 and str(g.dit_file) == "/y/d.safetensors"
+    assert json.loads(p.read_text())["dit_quant"] == "fp8"

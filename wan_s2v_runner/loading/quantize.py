@@ -1,0 +1,187 @@
+"""``--dit-quant fp8`` at load: the DiT's target Linears read from the files as float8_e4m3fn,
+one scale per output row, tensor by tensor (no rank ever holds the full-precision DiT).
+
+:class:`Fp8Source` wraps the DiT's source (:func:`~wan_s2v_runner.loading.ckpt_read.open_dit`)
+and presents the model of :mod:`patches.fp8_linear`: each target weight ``X.weight`` becomes
+``X.qweight.weight`` in float8_e4m3fn; everything else reads as before. The quantization, for a
+weight ``w`` (read in float32):
+
+* ``amax[r] = max |w[r, :]|`` per output row; ``scale[r] = amax[r] / 448`` (1 for an all-zero row);
+* ``q = clamp(w / scale, -448, 448)`` cast to float8_e4m3fn (round to nearest even).
+
+Each element's ``q`` depends only on its row's scale, so a rank can quantize any slice once the
+scales are known:
+
+* **whole tensors** (a replicated DiT: ``lean_load.device_weights``/``node_shared_weights``): the
+  tensor is read once in float32 (one tensor at a time), its scales computed, quantized. Only
+  the ranks that read compute scales; :meth:`Fp8Source.share_scales` gives every rank rank 0's.
+* **FSDP shards**: :meth:`Fp8Source.measure` reads this rank's slices and takes the partial
+  per-row maxima, :meth:`Fp8Source.agree_scales` all-reduces them (MAX: a row cut between ranks
+  gets its whole maximum), then ``fill_fsdp_shards`` reads the slices again, quantized. Each
+  rank reads its slices twice (the second from the page cache), never a whole tensor.
+
+A weight already stored in float8_e4m3fn in a ``--dit-file`` is used as it is (its bytes, and its
+file scale per row), never requantized. The scales end up in the model through
+:func:`patches.fp8_linear.set_scales`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+
+from patches.fp8_linear import E4M3_MAX, quantized_name
+from wan_s2v_runner.loading.ckpt_read import CHUNK_ELEMENTS, CheckpointSource, DitFileSource, row_slices
+
+
+class Fp8Source(CheckpointSource):
+    """A DiT source whose target weights read as float8_e4m3fn (see the module's docstring)."""
+
+    def __init__(self, inner: CheckpointSource, targets: Iterable[str]):
+        self.inner = inner
+        self.counter = inner.counter
+        self.by_qname = {quantized_name(n): n for n in targets}
+        self.scales: dict[str, torch.Tensor] = {}  # weight name -> float32 [rows]
+        self._partial: dict[str, torch.Tensor] = {}  # weight name -> float32 [rows] partial maxima
+        self._tmp = torch.empty(0, dtype=torch.float32)
+        inner_table = inner.table()
+        self.shapes = {n: tuple(inner_table[n][1]) for n in self.by_qname.values()}
+        self.as_is = {n for n in self.by_qname.values() if self._stored_fp8(n)}
+
+    # ----- what the file already holds
+    def _stored_fp8(self, name: str) -> bool:
+        if not isinstance(self.inner, DitFileSource):
+            return False
+        return self.inner.layout.dtypes.get(name) == "F8_E4M3"
+
+    def _file_scale(self, name: str) -> torch.Tensor:
+        rows = self.shapes[name][0]
+        if name not in self.inner.layout.scales:
+            return torch.ones(rows)  # fp8 cast without a scale
+        s = self.inner._scale(name)
+        return s.expand(rows).clone() if s.numel() == 1 else s.reshape(rows).clone()
+
+    # ----- the table the fp8 model matches
+    def table(self):
+        out = {}
+        for name, (dtype, shape) in self.inner.table().items():
+            q = quantized_name(name)
+            out[q if q in self.by_qname else name] = (torch.float8_e4m3fn, shape) if q in self.by_qname \
+                else (dtype, shape)
+        return out
+
+    # ----- reading
+    def _row(self, name: str) -> int:
+        shape = self.shapes[name]
+        return math.prod(shape[1:]) if len(shape) > 1 else 1
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        if self._tmp.numel() < n:
+            self._tmp = torch.empty(n, dtype=torch.float32)
+        return self._tmp[:n]
+
+    def _scale(self, name: str) -> Optional[torch.Tensor]:
+        if name not in self.scales and name in self.as_is:
+            self.scales[name] = self._file_scale(name)
+        return self.scales.get(name)
+
+    def read_flat(self, key: str, start: int, out: torch.Tensor, purpose: str = "weights") -> None:
+        name = self.by_qname.get(key)
+        if name is None:
+            self.inner.read_flat(key, start, out, purpose)
+            return
+        if name in self.as_is:
+            self._scale(name)
+            self.inner.files.read_flat(self.inner.layout.keys[name], start, out, purpose)  # the file's fp8 bytes
+            return
+        n, numel = out.numel(), math.prod(self.shapes[name])
+        if self._scale(name) is None:
+            if start != 0 or n != numel:
+                raise RuntimeError(f"{key}: a slice is read before its scales are known (measure, agree_scales)")
+            whole = torch.empty(numel, dtype=torch.float32)
+            self.inner.read_flat(name, 0, whole, purpose)
+            amax = whole.view(self.shapes[name][0], -1).abs().amax(dim=1)
+            self.scales[name] = _scales(amax)
+            out.copy_(_quantize(whole, 0, self._row(name), self.scales[name]))
+            return
+        for s in range(0, n, CHUNK_ELEMENTS):
+            m = min(CHUNK_ELEMENTS, n - s)
+            chunk = self._buffer(m)
+            self.inner.read_flat(name, start + s, chunk, purpose)
+            out[s:s + m].copy_(_quantize(chunk, start + s, self._row(name), self.scales[name]))
+
+    # ----- FSDP: scales agreed from slices
+    def measure(self, slices: Iterable[tuple[str, int, torch.Tensor]]) -> None:
+        """Partial per-row maxima of this rank's slices of the target weights."""
+        for key, start, dest in slices:
+            name = self.by_qname.get(key)
+            if name is None or name in self.as_is:
+                continue
+            amax = self._partial.setdefault(name, torch.zeros(self.shapes[name][0]))
+            row, n = self._row(name), dest.numel()
+            for s in range(0, n, CHUNK_ELEMENTS):
+                m = min(CHUNK_ELEMENTS, n - s)
+                chunk = self._buffer(m)
+                self.inner.read_flat(name, start + s, chunk, purpose="scales")
+                for lo, hi, r0, rows in row_slices(start + s, m, row):
+                    part = chunk[lo:hi].abs()
+                    if rows:
+                        amax[r0:r0 + rows] = torch.maximum(amax[r0:r0 + rows], part.view(rows, row).amax(dim=1))
+                    else:
+                        amax[r0] = torch.maximum(amax[r0], part.max())
+
+    def agree_scales(self, device: torch.device, group=None) -> None:
+        """All-reduce the partial maxima (MAX) of every target weight across the ranks; the
+        scales follow. Every rank calls it, in the same order (sorted names)."""
+        import torch.distributed as dist
+        names = sorted(n for n in self.shapes if n not in self.as_is)
+        flat = torch.cat([self._partial.get(n, torch.zeros(self.shapes[n][0])) for n in names]) if names \
+            else torch.zeros(0)
+        if dist.is_initialized() and dist.get_world_size(group) > 1 and flat.numel():
+            moved = flat.to(device)
+            dist.all_reduce(moved, op=dist.ReduceOp.MAX, group=group)
+            flat = moved.cpu()
+        off = 0
+        for n in names:
+            rows = self.shapes[n][0]
+            self.scales[n] = _scales(flat[off:off + rows])
+            off += rows
+        self._partial.clear()
+
+    def share_scales(self) -> None:
+        """Every rank takes rank 0's scales (a replicated DiT: the ranks that map a node's shared
+        copy read nothing, so computed none)."""
+        import torch.distributed as dist
+        for n in self.as_is:
+            self._scale(n)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [self.scales if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            self.scales = box[0]
+
+    def row_scales(self) -> dict[str, torch.Tensor]:
+        """Weight name -> float32 [rows, 1], for :func:`patches.fp8_linear.set_scales`."""
+        missing = sorted(set(self.shapes) - set(self.scales))
+        if missing:
+            raise RuntimeError(f"no scales for {missing[:3]}")
+        return {n: s.reshape(-1, 1) for n, s in self.scales.items()}
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _scales(amax: torch.Tensor) -> torch.Tensor:
+    amax = amax.float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def _quantize(flat: torch.Tensor, first: int, row: int, scale: torch.Tensor) -> torch.Tensor:
+    """Elements ``[first, first + len)`` of a row-major weight (float32), quantized with their
+    rows' scales; ``flat`` is overwritten."""
+    for lo, hi, r0, rows in row_slices(first, flat.numel(), row):
+        if rows:
+            flat[lo:hi].view(rows, row).div_(scale[r0:r0 + rows, None])
+        else:
+            flat[lo:hi].div_(scale[r0:r0 + 1])
+    return flat.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
