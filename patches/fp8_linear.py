@@ -25,18 +25,15 @@ it is; the quantized values and the distance to full precision).
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: e4m3fn's largest finite value: a row's largest magnitude maps to it
-E4M3_MAX = 448.0
-#: the Linears quantized (their module names in WanModel_S2V)
-TARGETS = re.compile(r"^(blocks\.\d+\.(self_attn|cross_attn)\.[qkvo]|blocks\.\d+\.ffn\.[02]"
-                     r"|audio_injector\.injector\.\d+\.[qkvo])$")
+from wan_s2v_runner.shared.quant import E4M3_MAX, FP8_LINEARS
+
+__all__ = ["E4M3_MAX", "Fp8Linear", "Fp8Weight", "convert", "own_fsdp_units", "quantized_name", "set_scales"]
 QWEIGHT = "qweight"
 
 
@@ -82,7 +79,7 @@ def convert(model: nn.Module) -> list[str]:
     full-precision weight names replaced (``blocks.0.ffn.0.weight``, ...)."""
     names = []
     for name, mod in list(model.named_modules()):
-        if TARGETS.match(name) and isinstance(mod, nn.Linear):
+        if FP8_LINEARS.match(name) and isinstance(mod, nn.Linear):
             parent_name, _, leaf = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             new = Fp8Linear(mod)

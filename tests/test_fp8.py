@@ -15,12 +15,13 @@ import json
 import pytest
 import torch
 
-from patches.fp8_linear import E4M3_MAX, TARGETS, Fp8Weight, quantized_name
+from patches.fp8_linear import E4M3_MAX, Fp8Weight, quantized_name
 from tests.conftest import TINY_FLAGS, asset_flags, cpu_engine, one_process_frames, run_cli
 from tests.test_dit_file import COMFY, dir_tensors, fp8_file
 from wan_s2v_runner.loading import ckpt_read
 from wan_s2v_runner.loading.quantize import Fp8Source
 from wan_s2v_runner.shared.layout import DitQuant
+from wan_s2v_runner.shared.quant import is_fp8_weight
 
 #: the tiny checkpoint's frames with an fp8 DiT against full precision (fp32 on the CPU), measured
 #: 5.6e-4 max and 5.6e-5 mean absolute (frames in [-1, 1]): the bound asserted
@@ -28,7 +29,7 @@ FP8_FRAMES_BOUND = (2e-3, 2e-4)
 
 
 def targets(table) -> list[str]:
-    return [n for n in table if n.endswith(".weight") and TARGETS.match(n.removesuffix(".weight"))]
+    return [n for n in table if is_fp8_weight(n)]
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +152,35 @@ def test_the_settings_travel_in_the_groups_json(tmp_path):
     g = read_spec(p)
     assert g.dit_quant is DitQuant.FP8 and str(g.dit_file) == "/y/d.safetensors"
     assert json.loads(p.read_text())["dit_quant"] == "fp8"
+
+
+def test_the_memory_plan_and_doctor_know_fp8():
+    """Recorded machines, reference sizes, 1024x704: fp8 holds the DiT in 53% of bf16's bytes; one
+    48 GB card (L40S) does not fit the full-precision DiT and its fix names --dit-quant fp8, which
+    fits; the plan never turns fp8 on by itself."""
+    from pathlib import Path
+
+    from wan_s2v_runner.preflight import CheckContext, MachineFacts, Status, run_checks
+    from wan_s2v_runner.preflight.core import find
+    from wan_s2v_runner.preflight.memory import plan_all
+    machines = Path(__file__).parent / "data" / "machines"
+    l40s = MachineFacts.load(machines / "l40s_1x.json")
+
+    def ctx(**kw):
+        return CheckContext.for_values(dict(device="cuda", nproc=1, max_area=1024 * 704, **kw), l40s)
+
+    full, fp8 = plan_all(ctx())["ulysses"], plan_all(ctx(dit_quant="fp8"))["ulysses"]
+    ratio = fp8.parts["dit_weights"] / full.parts["dit_weights"]
+    assert 0.5 < ratio < 0.56, ratio
+    assert fp8.gpu_peak < full.gpu_peak - 13 * 2**30
+    r = find(run_checks(ctx(), ["memory"]), "memory.gpu")
+    # (a warning, not a refusal, while the sizes are the reference's: no checkpoint given)
+    assert r.status is Status.WARN and "does not fit" in r.finding and "--dit-quant fp8" in r.fix, (r.finding, r.fix)
+    r = find(run_checks(ctx(dit_quant="fp8"), ["memory"]), "memory.gpu")
+    assert r.status is Status.OK, r.finding
+    assert "fp8 Linears" in find(run_checks(ctx(dit_quant="fp8"), ["memory"]), "memory.plan").finding
+    # two 24 GB cards: hybrid with fp8 needs 10 GiB less than without (at 1024x704 still over 23.5 GiB)
+    two = MachineFacts.load(machines / "rtx4090_2x.json")
+    plans = [plan_all(CheckContext.for_values(dict(device="cuda", nproc=2, max_area=1024 * 704, dit_quant=q),
+                                              two))["hybrid"].gpu_peak for q in ("none", "fp8")]
+    assert plans[0] - plans[1] > 9 * 2**30

@@ -115,13 +115,10 @@ def dit_files(ckpt: Path) -> list[Path]:
     return [ckpt / f for f in (sorted(set(read_index(idx).values())) if idx.is_file() else [DIT_WEIGHTS])]
 
 
-def dit_shapes(ckpt: Path, dit_file: Optional[Path] = None) -> dict[str, tuple[int, ...]]:
+def dit_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
     """DiT tensor name -> shape from the safetensors headers (single file or sharded with an
-    index; or ``dit_file``, a ``--dit-file``, under the model's names). Reads no tensor data;
-    raises CheckpointFileError/OSError."""
-    if dit_file is not None:
-        from wan_s2v_runner.loading.dit_file import inspect
-        return dict(inspect(dit_file).shapes)
+    index). Reads no tensor data; raises CheckpointFileError/OSError. With a ``--dit-file``:
+    :func:`wan_s2v_runner.loading.dit_file.dit_shapes`."""
     out: dict[str, tuple[int, ...]] = {}
     for f in dit_files(ckpt):
         out.update({k: shape for k, (_, shape) in read_safetensors_header(f).tensors.items()})

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from wan_s2v_runner.loading.ckpt_tables import CheckpointFileError, SafetensorsInfo, read_safetensors_header
+from wan_s2v_runner.loading.ckpt_tables import dit_shapes as dir_dit_shapes
 
 #: name prefixes a single-file DiT may carry (stripped; the first that matches)
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -232,6 +233,14 @@ def inspect(path) -> DitFileLayout:
         raise DitFileError(f"{path.name}: has the scaled_fp8 marker but no scale_weight tensors; fp8 format not "
                            "recognised", FIX_FP8)
     return out
+
+
+def dit_shapes(ckpt_dir, dit_file=None) -> dict[str, tuple[int, ...]]:
+    """The DiT's tensor name -> shape: ``dit_file``'s under the model's names when given, else the
+    checkpoint directory's (headers only; raises CheckpointFileError/OSError)."""
+    if dit_file is not None:
+        return dict(inspect(dit_file).shapes)
+    return dir_dit_shapes(Path(ckpt_dir))
 
 
 def architecture(shapes: dict[str, tuple[int, ...]]) -> DitArchitecture:

@@ -278,7 +278,8 @@ def merge(model, loras: Iterable[LoraSource], allow_partial: bool = False) -> li
 def describe(refs: Sequence, ckpt_dir: Optional[Path], dit_file: Optional[Path] = None) -> list[dict]:
     """For run.json: each LoRA's path, sha256, format, strength and matched-module count (from
     the headers, by the same :func:`plan` the merge uses)."""
-    from wan_s2v_runner.loading.ckpt_tables import CheckpointFileError, dit_shapes
+    from wan_s2v_runner.loading.ckpt_tables import CheckpointFileError
+    from wan_s2v_runner.loading.dit_file import dit_shapes
     from wan_s2v_runner.shared.media import sha256_file
 
     try:

@@ -31,8 +31,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from patches.fp8_linear import E4M3_MAX, quantized_name
+from patches.fp8_linear import quantized_name
 from wan_s2v_runner.loading.ckpt_read import CHUNK_ELEMENTS, CheckpointSource, DitFileSource, row_slices
+from wan_s2v_runner.shared.quant import E4M3_MAX
 
 
 class Fp8Source(CheckpointSource):

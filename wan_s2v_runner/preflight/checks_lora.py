@@ -5,7 +5,8 @@ headers of the LoRA and the checkpoint; nothing is loaded). Unmatched keys fail 
 """
 from __future__ import annotations
 
-from wan_s2v_runner.loading.ckpt_tables import CheckpointFileError, dit_shapes, read_safetensors_header
+from wan_s2v_runner.loading.ckpt_tables import CheckpointFileError, read_safetensors_header
+from wan_s2v_runner.loading.dit_file import dit_shapes
 from wan_s2v_runner.loading.lora import plan
 
 from .core import fail, ok, skip, warn

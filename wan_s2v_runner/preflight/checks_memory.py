@@ -4,7 +4,7 @@ rank group on the node (``serve --replicas``: the groups load at once, each with
 """
 from __future__ import annotations
 
-from wan_s2v_runner.shared.layout import LoadStrategy
+from wan_s2v_runner.shared.layout import DitQuant, LoadStrategy
 
 from .core import fail, gib, human_count, ok, skip, warn
 from .memory import largest_fitting_size, model_sizes, plan_all, workload
@@ -25,9 +25,26 @@ def check_plan(ctx):
     gpu = f"GPU {gib(p.gpu_peak)}/rank, " if p.gpu_peak else ""
     assumed = f"; assumed {', '.join(wl.assumed)}" if wl.assumed else ""
     return ok("memory.plan", f"{ctx.mode.value} x{p.world_size}: {gpu}host {gib(p.host_peak)}/rank "
-              f"(DiT {human_count(sizes.dit_params)}, T5 {human_count(sizes.t5_params)} params; "
+              f"(DiT {human_count(sizes.dit_params)} params, {gib(p.parts['dit_weights'])}{_quant(ctx)}; "
+              f"T5 {human_count(sizes.t5_params)} params; "
               f"{wl.width}x{wl.height}, {wl.tokens.max_len} tokens{assumed})",
               "approximate: see docs/memory-plan.md", sizes_source=sizes.source)
+
+
+def _quant(ctx) -> str:
+    return ", fp8 Linears" if DitQuant(ctx.spec.dit_quant) is DitQuant.FP8 else ""
+
+
+def _fp8_fits(ctx, free: int) -> str:
+    """``--dit-quant fp8`` when the DiT in fp8 would fit this mode where full precision does not
+    (never chosen for the user: it changes the frames)."""
+    if DitQuant(ctx.spec.dit_quant) is DitQuant.FP8:
+        return ""
+    need = plan_all(ctx.with_settings(dit_quant=DitQuant.FP8.value))[ctx.mode.value].gpu_peak
+    if need and need <= GPU_WARN * free:
+        return (f"add --dit-quant fp8 (the DiT's Linears in fp8: est. {gib(need)} per rank; frames change "
+                "slightly, see docs/loading.md), or use more GPUs")
+    return ""
 
 
 def check_gpu(ctx):
@@ -47,7 +64,7 @@ def check_gpu(ctx):
     size = largest_fitting_size(ctx, ctx.mode, int(GPU_WARN * free))
     smaller = f"--size {size}" if size else "a smaller --size"
     if need > free:
-        better = _better_mode(ctx, free)
+        better = _better_mode(ctx, free) or _fp8_fits(ctx, free)
         return _fail_or_warn(ctx)("memory.gpu", f"does not fit: {detail}",
                                   better or f"use more GPUs (hybrid shards the DiT) or {smaller}",
                                   need=need, free=free)

@@ -16,7 +16,8 @@ from typing import Optional
 
 from wan_s2v_runner.loading import ckpt_tables as cr
 from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
-from wan_s2v_runner.shared.layout import Layout, LoadStrategy, Mode
+from wan_s2v_runner.shared.layout import DitQuant, Layout, LoadStrategy, Mode
+from wan_s2v_runner.shared.quant import SCALE_BYTES, is_fp8_weight
 
 from .dit_flops import TEXT_LEN
 from .geometry import TokenCounts, generation_size, output_frames, token_counts
@@ -53,6 +54,8 @@ class ModelSizes:
     ffn_dim: int
     num_heads: int
     num_layers: int
+    dit_fp8_params: int = 0  # the weights --dit-quant fp8 holds in float8_e4m3fn (shared.quant)
+    dit_fp8_rows: int = 0  # their output rows (one float32 scale each)
 
 
 #: Wan2.2-S2V-14B (engine-facts): DiT 16.3B = 40 blocks x 351.4M + 2.24B root; T5 umt5-xxl
@@ -61,7 +64,10 @@ REFERENCE = ModelSizes(source="reference Wan2.2-S2V-14B sizes (no readable check
                        dit_params=16_300_000_000, dit_root_params=2_240_000_000,
                        dit_block_max=351_400_000, t5_params=5_680_000_000, t5_block_max=201_000_000,
                        vae_params=127_000_000, wav2vec_params=317_000_000, dim=5120, ffn_dim=13824,
-                       num_heads=40, num_layers=40)
+                       num_heads=40, num_layers=40,
+                       # 40 blocks x (8 x 5120^2 + 2 x 5120 x 13824) + 12 audio layers x 4 x 5120^2
+                       dit_fp8_params=40 * (8 * 5120**2 + 2 * 5120 * 13824) + 12 * 4 * 5120**2,
+                       dit_fp8_rows=40 * (8 * 5120 + 13824 + 5120) + 12 * 4 * 5120)
 
 
 def _blocks(names_params: dict[str, int], prefix=r"blocks\.(\d+)\.") -> tuple[int, int]:
@@ -82,9 +88,11 @@ def sizes_from_checkpoint(ckpt: Path, cache: Optional[dict] = None) -> ModelSize
     cache = cache if cache is not None else {}
     ckpt = Path(ckpt)
     cfg = cache.get("config") or json.loads((ckpt / DIT_CONFIG).read_text(encoding="utf-8"))
-    dit = cache.get("dit_tensors")
-    if dit is None:
-        dit = {k: math.prod(s) for k, s in cr.dit_shapes(ckpt).items()}
+    shapes = cache.get("dit_shapes")
+    if shapes is None:
+        shapes = cr.dit_shapes(ckpt)
+    dit = cache.get("dit_tensors") or {k: math.prod(s) for k, s in shapes.items()}
+    fp8 = {k: s for k, s in shapes.items() if is_fp8_weight(k)}
     t5 = cache.get("t5_shapes") or cr.read_pth_shapes(ckpt / T5_FILE)
     vae = cache.get("vae_shapes") or cr.read_pth_shapes(ckpt / VAE_FILE)
     w2v = cache.get("w2v_params")
@@ -99,7 +107,8 @@ def sizes_from_checkpoint(ckpt: Path, cache: Optional[dict] = None) -> ModelSize
         dit_block_max=block, t5_params=cr.pth_params(t5), t5_block_max=t5_block,
         vae_params=cr.pth_params(vae), wav2vec_params=int(w2v), dim=int(cfg.get("dim", 0)),
         ffn_dim=int(cfg.get("ffn_dim", 0)), num_heads=int(cfg.get("num_heads", 0)),
-        num_layers=int(cfg.get("num_layers", 0)))
+        num_layers=int(cfg.get("num_layers", 0)), dit_fp8_params=sum(math.prod(s) for s in fp8.values()),
+        dit_fp8_rows=sum(s[0] for s in fp8.values()))
 
 
 def model_sizes(ctx) -> ModelSizes:
@@ -204,9 +213,11 @@ def _text_kv(layers: int, dim: int, pb: int, contexts: int) -> int:
 
 
 def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, device: str,
-              offload: bool, load: LoadStrategy = LoadStrategy.LEAN) -> ModePlan:
+              offload: bool, load: LoadStrategy = LoadStrategy.LEAN, quant: DitQuant = DitQuant.NONE) -> ModePlan:
     """The plan of one layout: what it shards, splits or keeps on the CPU decides every term;
-    the host figures also follow the loading strategy (``load``)."""
+    the host figures also follow the loading strategy (``load``) and the DiT's weights ``quant``
+    (fp8: its big Linears at one byte a weight plus a float32 scale a row, each dequantized when
+    called: an fp32 and a param-dtype copy of the largest one in flight)."""
     on_cuda = device == "cuda"
     pb = 2 if on_cuda else 4  # param_dtype/t5_dtype: bf16 on CUDA, fp32 on CPU (worker.engine_config)
     ws = max(1, layout.world_size)
@@ -216,7 +227,11 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     l_loc = -(-l_full // layout.sp_degree) if use_sp else l_full  # a CFG branch splits over its SP group
     w_dit, w_t5, w_vae = sizes.dit_params * pb, sizes.t5_params * pb, sizes.vae_params * 4
     w_w2v = sizes.wav2vec_params * 4
-    act = _act(l_loc, l_full, dim, ffn, use_sp)
+    fp8 = DitQuant(quant) is DitQuant.FP8 and sizes.dit_fp8_params > 0
+    largest_linear = dim * ffn
+    if fp8:
+        w_dit = (sizes.dit_params - sizes.dit_fp8_params) * pb + sizes.dit_fp8_params + sizes.dit_fp8_rows * SCALE_BYTES
+    act = _act(l_loc, l_full, dim, ffn, use_sp) + (largest_linear * (4 + pb) if fp8 else 0)
     vae_ws = _vae_ws(wl.height, wl.width)
     # a split VAE decodes a band of rows per rank; the gathering rank also holds the whole clip
     vae_dec = _vae_ws(wl.height, wl.width, VAE_DECODE_MAPS) // (ws if layout.vae_parallel else 1)
@@ -231,7 +246,12 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
 
     if dit_fsdp:
         dit_res = -(-w_dit // ws)
-        dit_gathered = (sizes.dit_root_params + 2 * sizes.dit_block_max) * pb if ws > 1 else 0
+        root, block = sizes.dit_root_params, sizes.dit_block_max
+        if fp8:  # the fp8 weights are units of their own, gathered one Linear at a time (in the param dtype)
+            per_block = 8 * dim * dim + 2 * largest_linear
+            root -= max(0, sizes.dit_fp8_params - (sizes.num_layers or REFERENCE.num_layers) * per_block)
+            block = max(0, block - per_block) + largest_linear
+        dit_gathered = (root + 2 * block) * pb if ws > 1 else 0
     else:
         dit_res, dit_gathered = w_dit, 0
     if t5_cpu:
@@ -257,7 +277,8 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
             layout, on_cuda=on_cuda, offload=offload, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
             w2v_phase=w2v_phase, dit_res=dit_res, dit_gathered=dit_gathered, act=act + text_kv,
             vae_band=vae_dec, vae_out=dec_out,
-            staging=(dim * ffn * pb) if on_cuda else LEAN_CHUNK)
+            staging=(largest_linear * (5 if fp8 else pb)) if on_cuda  # fp8: read in fp32, quantized
+            else LEAN_CHUNK + (largest_linear * 4 if fp8 else 0))
         host0, others = host0 + base, others + base
         name = layout.mode.value if layout.mode else "custom"
         node = host0 + (nproc - 1) * others + shared + video
@@ -317,7 +338,7 @@ def plan_all(ctx) -> dict[str, ModePlan]:
     """The plan of every mode at this context's world size (keys: mode values)."""
     sizes, wl = model_sizes(ctx), workload(ctx)
     return {m.value: plan_mode(ctx.layout_for(m), sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device,
-                               offload=ctx.offload, load=ctx.spec.load)
+                               offload=ctx.offload, load=ctx.spec.load, quant=ctx.spec.dit_quant)
             for m in Mode}
 
 

@@ -95,7 +95,7 @@ def recommend(ctx: CheckContext) -> Recommendation:
     if free and ctx.spec.device != "cpu":
         def fits(p: Plan) -> bool:
             peak = plan_mode(p.layout, sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device,
-                             offload=ctx.offload).gpu_peak
+                             offload=ctx.offload, quant=ctx.spec.dit_quant).gpu_peak
             return not peak or peak <= free
         plans = [p for p in plans if fits(p)] or plans
     return Recommendation(rec.mode, rec.reason, plans[0])
