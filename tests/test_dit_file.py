@@ -278,7 +278,7 @@ def test_frames_from_an_fp8_file_equal_its_dequantized_weights(tiny_assets, tmp_
 @pytest.mark.slow(seconds=150)
 def test_fsdp_ranks_from_an_fp8_file_equal_one_process(tiny_assets, tmp_path):
     """Real ranks: a 2-rank ``fsdp-fixed`` run (``wan-s2v run --dit-file``, each rank filling its
-    flat shards from slices of the per-row scaled fp8 file) equals one process's frames from the
+    flat shards from slices of the per-row scaled fp8 file, in two waves) equals one process's frames from the
     dequantized full-precision file, exactly."""
     ref_file, fp8 = tmp_path / "dequantized.safetensors", tmp_path / "wan2.2 s2v fp8.safetensors"
     ref = fp8_file(dir_tensors(tiny_assets.ckpt_dir), fp8, "comfy_quant", per_row=True, prefix=COMFY)
@@ -288,7 +288,7 @@ def test_fsdp_ranks_from_an_fp8_file_equal_one_process(tiny_assets, tmp_path):
     d = tmp_path / "run"
     d.mkdir()
     r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--num-clips", "1", "--nproc", "2",
-                 "--mode", "fsdp-fixed", "--dit-file", str(fp8), "--output", str(d / "o.mp4"),
+                 "--mode", "fsdp-fixed", "--load-waves", "2", "--dit-file", str(fp8), "--output", str(d / "o.mp4"),
                  "--frames-out", str(d / "f.pt"), "--runs-root", str(d / "runs")], cwd=d)
     assert r.returncode == 0, r.output
     assert torch.equal(torch.load(d / "f.pt"), want)

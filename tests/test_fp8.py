@@ -117,11 +117,11 @@ def test_fp8_frames_are_near_full_precision(tiny_assets):
 def test_every_layout_with_fp8_equals_one_rank(tiny_assets, tmp_path):
     """Real ranks, fp8 DiT: fsdp-fixed (the fp8 weights are FSDP units of their own, scales
     agreed by all-reduce), ulysses with CFG-parallel (the node's shared copy; rank 0's scales)
-    and hybrid, each at 2 ranks, equal one process with fp8 exactly."""
+    and hybrid (reading in two waves), each at 2 ranks, equal one process with fp8 exactly."""
     with cpu_engine(tiny_assets) as engine:
         want = one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1)
     for name, flags in (("fsdp", ["--mode", "fsdp-fixed"]), ("ulysses_cfg", ["--mode", "ulysses", "--cfg-parallel"]),
-                        ("hybrid", ["--mode", "hybrid"])):
+                        ("hybrid", ["--mode", "hybrid", "--load-waves", "2"])):
         d = tmp_path / name
         d.mkdir()
         r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--num-clips", "1", "--nproc", "2", *flags,
