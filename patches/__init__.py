@@ -19,6 +19,8 @@ log = logging.getLogger("wan_s2v.patches")
 def apply_for_run(wan, spec, param_dtype, on_event=None, on_event_data=None) -> dict:
     """Apply the post-import patches a run needs. Returns {patch name: detail}. ``on_event`` enters
     a stage; ``on_event_data(kind, **data)`` records an informational event."""
+    from wan_s2v_runner.shared.layout import DitQuant
+
     from . import attention, checkpoint_dims, cpu_device, fsdp_no_sync, local_audio, lora_merge, sp_dtype
 
     on_cpu = spec.device == "cpu"
@@ -37,7 +39,10 @@ def apply_for_run(wan, spec, param_dtype, on_event=None, on_event_data=None) -> 
     if spec.layout.dit_fsdp or spec.layout.t5_fsdp:
         fsdp_no_sync.apply(wan, param_dtype=param_dtype, on_cpu=on_cpu, on_event=on_event)
         applied["fsdp_no_sync"] = "sync_module_states=False + weight fingerprint"
-    if spec.lora:
+    if spec.lora and DitQuant(spec.dit_quant) is not DitQuant.NONE:  # merged as the weights are quantized
+        applied["lora_merge"] = (", ".join(str(ref) for ref in spec.lora)
+                                 + ": merged before quantizing (wan_s2v_runner.loading.quantize)")
+    elif spec.lora:
         lora_merge.apply(wan, spec.lora, allow_partial=spec.lora_allow_partial,
                          on_merged=(lambda records: on_event_data("lora", loras=records)) if on_event_data else None)
         applied["lora_merge"] = ", ".join(str(ref) for ref in spec.lora)

@@ -72,6 +72,90 @@ def test_quantization_by_rows_and_by_slices(ckpt):
             assert torch.equal(sliced.scales[n], whole.scales[n])
 
 
+def comfy_lora(ckpt, path, seed=3):
+    """A random ComfyUI-format LoRA (rank 4, alpha 4) on a few fp8 Linears of both blocks and the
+    audio injection, plus a bias delta (``diff_b``) on a kept parameter."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    shapes = {k: tuple(v.shape) for k, v in dir_tensors(ckpt).items()}
+    out = {}
+    for module in ("blocks.0.self_attn.q", "blocks.1.ffn.0", "blocks.1.cross_attn.o", "audio_injector.injector.1.v"):
+        o, i = shapes[f"{module}.weight"]
+        out[f"diffusion_model.{module}.lora_down.weight"] = torch.randn(4, i, generator=g) * 0.3
+        out[f"diffusion_model.{module}.lora_up.weight"] = torch.randn(o, 4, generator=g) * 0.3
+        out[f"diffusion_model.{module}.alpha"] = torch.tensor(4.0)
+    out["diffusion_model.blocks.0.self_attn.q.diff_b"] = torch.randn(shapes["blocks.0.self_attn.q.bias"], generator=g)
+    save_file(out, str(path))
+    return path
+
+
+def merged_file(ckpt, lora, path, base=None):
+    """A full-precision (fp32) DiT file of ``base`` (default: the directory's weights) with the
+    LoRA added in fp32: what --dit-quant fp8 must quantize when given the LoRA."""
+    from safetensors.torch import save_file
+
+    from wan_s2v_runner.loading.lora import LoraDeltas, LoraSource
+    t = {k: v.float() for k, v in (base or dir_tensors(ckpt)).items()}
+    deltas = LoraDeltas([LoraSource(lora, 1.0)], {k: tuple(v.shape) for k, v in t.items()})
+    for n in deltas.names:
+        t[n] = t[n] + deltas.delta(n)
+    save_file(t, str(path))
+    return path, deltas
+
+
+def test_a_lora_is_merged_before_quantizing(ckpt, tmp_path):
+    """With a LoRA, the fp8 weights are those of the merged full-precision weights, quantized; a
+    kept parameter (a bias) gets the merge; on an fp8 file, the weights the LoRA changes are
+    dequantized, merged and requantized (and said so), the others used as they are."""
+    from safetensors.torch import load_file
+
+    from wan_s2v_runner.loading.lora import LoraDeltas, LoraSource
+    lora = comfy_lora(ckpt, tmp_path / "lora.safetensors")
+    names = targets(dir_tensors(ckpt))
+
+    def read(src) -> dict[str, torch.Tensor]:
+        out = {}
+        for n, (dtype, shape) in src.table().items():
+            t = torch.empty(shape, dtype=dtype if dtype == torch.float8_e4m3fn else torch.float32)
+            src.read_flat(n, 0, t.view(-1))
+            out[n] = t.view(torch.uint8) if dtype == torch.float8_e4m3fn else t
+        return out
+
+    def deltas_for(inner):
+        return LoraDeltas([LoraSource(lora, 1.0)], {n: s for n, (_, s) in inner.table().items()})
+
+    merged, _ = merged_file(ckpt, lora, tmp_path / "merged.safetensors")
+    inner = ckpt_read.SafetensorsFiles.in_dir(ckpt)
+    with Fp8Source(inner, names, deltas_for(inner)) as a, \
+            Fp8Source(ckpt_read.DitFileSource(merged), names) as b:
+        got, want = read(a), read(b)
+        assert got.keys() == want.keys()
+        for n in want:
+            assert torch.equal(got[n], want[n]), n
+        assert torch.equal(a.scales["blocks.1.ffn.0.weight"], b.scales["blocks.1.ffn.0.weight"])
+    plain = read(Fp8Source(ckpt_read.SafetensorsFiles.in_dir(ckpt), names))
+    assert not torch.equal(plain[quantized_name("blocks.1.ffn.0.weight")], got[quantized_name("blocks.1.ffn.0.weight")])
+    assert not torch.equal(plain["blocks.0.self_attn.q.bias"], got["blocks.0.self_attn.q.bias"])
+
+    fp8 = tmp_path / "fp8.safetensors"
+    dequantized = fp8_file(dir_tensors(ckpt), fp8, "comfy_quant", prefix=COMFY)
+    remerged, _ = merged_file(ckpt, lora, tmp_path / "remerged.safetensors", base=dequantized)
+    file_src = ckpt_read.DitFileSource(fp8)
+    with Fp8Source(file_src, names, deltas_for(file_src)) as a, \
+            Fp8Source(ckpt_read.DitFileSource(remerged), names) as b:
+        assert a.requantized == {"blocks.0.self_attn.q.weight", "blocks.1.ffn.0.weight", "blocks.1.cross_attn.o.weight",
+                                 "audio_injector.injector.1.v.weight"}
+        assert len(a.as_is) == len(names) - 4
+        got, want = read(a), read(b)
+        raw = load_file(str(fp8))
+        for n in names:
+            q = quantized_name(n)
+            if n in a.requantized:
+                assert torch.equal(got[q], want[q]), n
+            else:
+                assert torch.equal(got[q], raw[COMFY + n].view(torch.uint8)), n
+
+
 def test_an_fp8_file_is_used_as_it_is(ckpt, tmp_path):
     """A ComfyUI fp8 file under --dit-quant fp8: its float8_e4m3fn bytes are the weights and its
     per-tensor scale is every row's scale; nothing is requantized."""
@@ -133,12 +217,34 @@ def test_every_layout_with_fp8_equals_one_rank(tiny_assets, tmp_path):
             assert "fp8: 28 Linears" in (next((d / "runs").glob("*")) / "events" / f"rank{rank}.jsonl").read_text()
 
 
+@pytest.mark.slow(seconds=60)
+def test_a_lora_with_fp8_over_fsdp_ranks_equals_one_process(tiny_assets, tmp_path):
+    """Real ranks: fsdp-fixed at 2 ranks with a LoRA and fp8 equals one process with them, and
+    one process equals the fp8 run of the merged full-precision weights (the LoRA is merged
+    before quantizing, in every layout)."""
+    lora = comfy_lora(tiny_assets.ckpt_dir, tmp_path / "style lora.safetensors")
+    merged, _ = merged_file(tiny_assets.ckpt_dir, lora, tmp_path / "merged.safetensors")
+    from wan_s2v_runner.shared.spec import LoraRef
+    with cpu_engine(tiny_assets) as engine:
+        want = one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1,
+                                  lora=[LoraRef.model_validate(str(lora))])
+        assert torch.equal(want, one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1, dit_file=merged))
+    d = tmp_path / "run"
+    d.mkdir()
+    r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--num-clips", "1", "--nproc", "2", "--mode",
+                 "fsdp-fixed", "--dit-quant", "fp8", "--lora", str(lora), "--output", str(d / "o.mp4"),
+                 "--frames-out", str(d / "f.pt"), "--runs-root", str(d / "runs")], cwd=d)
+    assert r.returncode == 0, r.output
+    assert torch.equal(torch.load(d / "f.pt"), want)
+    events = (next((d / "runs").glob("*")) / "events" / "rank1.jsonl").read_text()
+    assert "LoRAs merged before quantizing (5 parameters)" in events
+
+
 def test_fp8_refuses_what_it_is_not_built_for():
     from pydantic import ValidationError
 
     from wan_s2v_runner.shared.spec import GroupSpec
-    for extra, needle in (({"load": "full"}, "--load full"), ({"compile": True}, "--compile"),
-                          ({"lora": ["/x/l.safetensors"]}, "--lora")):
+    for extra, needle in (({"load": "full"}, "--load full"), ({"compile": True}, "--compile")):
         with pytest.raises(ValidationError, match=needle):
             GroupSpec(ckpt_dir="/x", dit_quant="fp8", **extra)
     assert GroupSpec(ckpt_dir="/x", dit_quant="fp8").dit_quant is DitQuant.FP8

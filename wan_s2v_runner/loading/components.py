@@ -55,7 +55,8 @@ class Components:
 
 def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
          strategy: LoadStrategy = LoadStrategy.LEAN, waves: int = 1, on_event=None,
-         compiled: bool = False, dit_file=None, dit_quant: DitQuant = DitQuant.NONE) -> Components:
+         compiled: bool = False, dit_file=None, dit_quant: DitQuant = DitQuant.NONE, loras=(),
+         lora_allow_partial: bool = False) -> Components:
     """The parts ``plan`` needs, loaded as ``WanS2V.__init__`` would load them (``strategy``
     ``full``) or leanly (``lean``: same modules, same values, less memory and reading).
     ``waves`` > 1 reads in turns of local ranks; ``on_event(stage, **data)`` enters a stage.
@@ -64,7 +65,9 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     the FSDP form torch.compile can trace; the values are the same flat shards either way.
     ``dit_file``: the DiT's weights come from this single file (``--dit-file``; lean loading only),
     its config and everything else from ``ckpt_dir``. ``dit_quant`` fp8: the DiT's big Linears are
-    held in float8_e4m3fn (``patches.fp8_linear``; lean loading only)."""
+    held in float8_e4m3fn (``patches.fp8_linear``; lean loading only), and ``loras`` (LoraRef
+    items) are merged into them as they are read, before quantizing (with full precision,
+    ``patches.lora_merge`` merges them and these are not used)."""
     s2v_mod = wan.speech2video
     lay = plan.layout
     self = s2v_mod.WanS2V.__new__(s2v_mod.WanS2V)
@@ -101,7 +104,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
         raise ValueError("--dit-file and --dit-quant are read by lean loading only")
     if lean:
         self.noise_model = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, dit_file,
-                                     dit_quant)
+                                     dit_quant, (loras, lora_allow_partial))
     else:
         if not lay.dit_fsdp:
             noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype,
@@ -126,7 +129,8 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     return Components(self, report)
 
 
-def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file=None, quant=DitQuant.NONE):
+def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file=None, quant=DitQuant.NONE,
+              fp8_loras=((), False)):
     """The DiT built on meta and filled as the layout needs (see ``lean_load``), from the
     checkpoint directory's DiT files or from ``dit_file``; with ``quant`` fp8, its target Linears
     quantized as they are read (:mod:`wan_s2v_runner.loading.quantize`)."""
@@ -137,10 +141,8 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file
         if dit_file is not None:
             report.strategy["dit_file"] = src.layout.describe()
         if fp8:
-            src = Fp8Source(src, fp8_linear.convert(model))
-            report.strategy["dit_quant"] = (f"fp8: {len(src.shapes)} Linears in float8_e4m3fn, one scale per row"
-                                            + (f" ({len(src.as_is)} used as the file holds them)" if src.as_is
-                                               else ""))
+            src = Fp8Source(src, fp8_linear.convert(model), _fp8_deltas(src, *fp8_loras))
+            report.strategy["dit_quant"] = _describe_fp8(src)
         lean_load.check_same_keys(model, src, "DiT")
         if not lay.dit_fsdp:
             if self.device.type == "cpu":
@@ -170,6 +172,31 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file
         delattr(self, lora_merge.PENDING)
     report.strategy["dit"] = "fsdp shards"
     return model
+
+
+def _fp8_deltas(src, loras, allow_partial):
+    """The run's LoRAs against the DiT's full-precision names (None without any)."""
+    if not loras:
+        return None
+    from wan_s2v_runner.loading.lora import LoraDeltas, LoraSource
+    deltas = LoraDeltas([LoraSource(ref.path, ref.strength) for ref in loras],
+                        {n: shape for n, (_, shape) in src.table().items()}, allow_partial)
+    for r in deltas.records:
+        log.info("LoRA %s (%s, strength %g): %d modules merged before quantizing", r["path"], r["format"],
+                 r["strength"], r["matched_modules"])
+    return deltas
+
+
+def _describe_fp8(src) -> str:
+    out = f"fp8: {len(src.shapes)} Linears in float8_e4m3fn, one scale per row"
+    if src.as_is:
+        out += f"; {len(src.as_is)} used as the file holds them"
+    if src.deltas is not None:
+        out += f"; LoRAs merged before quantizing ({len(src.deltas.names)} parameters)"
+    if src.requantized:
+        out += (f"; {len(src.requantized)} of the file's fp8 weights a LoRA changes were dequantized, merged "
+                "and requantized")
+    return out
 
 
 def _lean_t5(wan, config, ckpt_dir, lay, shard_fn, report, on_event):

@@ -21,8 +21,11 @@ scales are known:
   rank reads its slices twice (the second from the page cache), never a whole tensor.
 
 A weight already stored in float8_e4m3fn in a ``--dit-file`` is used as it is (its bytes, and its
-file scale per row), never requantized. The scales end up in the model through
-:func:`patches.fp8_linear.set_scales`.
+file scale per row), never requantized, unless a LoRA changes it. LoRAs (``deltas``) are merged in
+full precision before quantizing: ``w + delta`` in float32 (a stored fp8 weight dequantized first,
+then requantized: :attr:`Fp8Source.requantized` says which); a kept parameter (a bias, a norm)
+gets ``patches.lora_merge``'s merge, rounded once to its dtype. The scales end up in the model
+through :func:`patches.fp8_linear.set_scales`.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from wan_s2v_runner.shared.quant import E4M3_MAX
 class Fp8Source(CheckpointSource):
     """A DiT source whose target weights read as float8_e4m3fn (see the module's docstring)."""
 
-    def __init__(self, inner: CheckpointSource, targets: Iterable[str]):
+    def __init__(self, inner: CheckpointSource, targets: Iterable[str], deltas=None):
         self.inner = inner
         self.counter = inner.counter
         self.by_qname = {quantized_name(n): n for n in targets}
@@ -48,7 +51,12 @@ class Fp8Source(CheckpointSource):
         self._tmp = torch.empty(0, dtype=torch.float32)
         inner_table = inner.table()
         self.shapes = {n: tuple(inner_table[n][1]) for n in self.by_qname.values()}
-        self.as_is = {n for n in self.by_qname.values() if self._stored_fp8(n)}
+        self.deltas = deltas  # LoRAs (loading.lora.LoraDeltas, full-precision names), merged before quantizing
+        touched = set(deltas.names) if deltas is not None else set()
+        stored = {n for n in self.by_qname.values() if self._stored_fp8(n)}
+        self.as_is = stored - touched
+        self.requantized = stored & touched  # an fp8 file's weights a LoRA changes
+        self._delta: tuple[str, Optional[torch.Tensor]] = ("", None)
 
     # ----- what the file already holds
     def _stored_fp8(self, name: str) -> bool:
@@ -87,10 +95,29 @@ class Fp8Source(CheckpointSource):
             self.scales[name] = self._file_scale(name)
         return self.scales.get(name)
 
+    def _delta_slice(self, name: str, start: int, n: int) -> Optional[torch.Tensor]:
+        """Elements ``[start, start + n)`` of the LoRAs' fp32 change to ``name`` (None: untouched);
+        the last parameter's change is kept (slices of one tensor come one after the other)."""
+        if self.deltas is None or name not in self.deltas.names:
+            return None
+        if self._delta[0] != name:
+            self._delta = (name, self.deltas.delta(name).reshape(-1))
+        return self._delta[1][start:start + n]
+
+    def _read_merged(self, name: str, start: int, out: torch.Tensor, purpose: str) -> None:
+        """The full-precision values (float32 ``out``) with the LoRAs merged."""
+        self.inner.read_flat(name, start, out, purpose)
+        d = self._delta_slice(name, start, out.numel())
+        if d is not None:
+            out.add_(d)
+
     def read_flat(self, key: str, start: int, out: torch.Tensor, purpose: str = "weights") -> None:
         name = self.by_qname.get(key)
         if name is None:
             self.inner.read_flat(key, start, out, purpose)
+            d = self._delta_slice(key, start, out.numel())
+            if d is not None:  # a LoRA on a kept parameter: merged as patches.lora_merge merges
+                out.copy_((out.float() + d).to(out.dtype))
             return
         if name in self.as_is:
             self._scale(name)
@@ -101,7 +128,7 @@ class Fp8Source(CheckpointSource):
             if start != 0 or n != numel:
                 raise RuntimeError(f"{key}: a slice is read before its scales are known (measure, agree_scales)")
             whole = torch.empty(numel, dtype=torch.float32)
-            self.inner.read_flat(name, 0, whole, purpose)
+            self._read_merged(name, 0, whole, purpose)
             amax = whole.view(self.shapes[name][0], -1).abs().amax(dim=1)
             self.scales[name] = _scales(amax)
             out.copy_(_quantize(whole, 0, self._row(name), self.scales[name]))
@@ -109,7 +136,7 @@ class Fp8Source(CheckpointSource):
         for s in range(0, n, CHUNK_ELEMENTS):
             m = min(CHUNK_ELEMENTS, n - s)
             chunk = self._buffer(m)
-            self.inner.read_flat(name, start + s, chunk, purpose)
+            self._read_merged(name, start + s, chunk, purpose)
             out[s:s + m].copy_(_quantize(chunk, start + s, self._row(name), self.scales[name]))
 
     # ----- FSDP: scales agreed from slices
@@ -124,7 +151,7 @@ class Fp8Source(CheckpointSource):
             for s in range(0, n, CHUNK_ELEMENTS):
                 m = min(CHUNK_ELEMENTS, n - s)
                 chunk = self._buffer(m)
-                self.inner.read_flat(name, start + s, chunk, purpose="scales")
+                self._read_merged(name, start + s, chunk, purpose="scales")
                 for lo, hi, r0, rows in row_slices(start + s, m, row):
                     part = chunk[lo:hi].abs()
                     if rows:
