@@ -77,11 +77,10 @@ def one_pass(a) -> list[dict]:
 
     import torch
 
-    from patches import attention, context_cache, fp8_linear
+    from patches import attention, context_cache
     from wan_s2v_runner.demo.random_weights import dit_kwargs, random_dit_inputs
-    from wan_s2v_runner.loading.ckpt_read import SafetensorsFiles
     from wan_s2v_runner.loading.engine import import_wan
-    from wan_s2v_runner.loading.quantize import Fp8Source
+    from wan_s2v_runner.loading.quantize import quantize_loaded
     from wan_s2v_runner.preflight.geometry import token_counts
 
     torch.set_num_threads(1)
@@ -91,12 +90,7 @@ def one_pass(a) -> list[dict]:
     full = wan.modules.s2v.model_s2v.WanModel_S2V.from_pretrained(str(ckpt), torch_dtype=torch.float32)
     full = full.eval().requires_grad_(False)
     fp8 = copy.deepcopy(full)
-    names = fp8_linear.convert(fp8)
-    with Fp8Source(SafetensorsFiles.in_dir(ckpt), names) as src, torch.no_grad():
-        for n in names:
-            q = fp8.get_parameter(fp8_linear.quantized_name(n))
-            src.read_flat(fp8_linear.quantized_name(n), 0, q.data.view(-1))
-        fp8_linear.set_scales(fp8, src.row_scales(), torch.device("cpu"))
+    quantize_loaded(fp8)  # the rule loading uses (loading.quantize), on weights in memory
     w, h = (int(x) for x in PRESETS[a.preset]["size"].split("*"))
     cfg = full.config
     motion = int(cfg.get("motion_frames", dit_kwargs(wan)["motion_frames"]))

@@ -137,6 +137,33 @@ def counted_flops(model, x, t, cond, device, dtype) -> int:
     return int(counter.get_total_flops())
 
 
+def fp8_step(model, x, t, cond, uncond, device, dtype, a, eager_step_s: float) -> dict:
+    """Quantize ``model`` in place (--dit-quant fp8's rule) and time its step: seconds, peak memory,
+    the weights' bytes, and one conditional pass's distance from the full-precision pass."""
+    import torch
+
+    from wan_s2v_runner.loading.quantize import quantize_loaded
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+        ref = torch.stack(list(model(x, t=t, **cond))).float()
+    names = quantize_loaded(model)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers())
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    first, step_s, pass_s = run_steps(model, x, t, cond, uncond, device, dtype, a.warmup, a.repeat)
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+        got = torch.stack(list(model(x, t=t, **cond))).float()
+    d = (got - ref).abs()
+    out = {"linears": len(names), "weights_gib": round(weights / 2**30, 2), "first_step_s": round(first, 3),
+           "step_s": round(step_s, 3), "pass_s": round(pass_s, 3), "vs_eager": round(step_s / eager_step_s, 3),
+           "output_max_abs": float(d.max()), "output_mean_abs": float(d.mean()),
+           "output_mean_magnitude": float(ref.abs().mean())}
+    if device.type == "cuda":
+        out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,6 +178,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile", nargs="?", const="blocks", choices=["blocks", "model"],
                     help="also time the step under torch.compile: each DiT block (default: the runner's --compile, "
                          "patches/compile_blocks.py) or the whole model as upstream wrote it")
+    ap.add_argument("--dit-quant", default="none", choices=["none", "fp8"],
+                    help="fp8: after the eager step, quantize the DiT's Linears in place (the runner's --dit-quant "
+                         "fp8 rule, loading/quantize.py) and time the fp8 step, its peak memory and its output's "
+                         "distance (a --compile then compiles the fp8 DiT)")
     ap.add_argument("--count-flops", action="store_true", help="also count one pass with torch.utils.flop_counter")
     ap.add_argument("--text-cached", action="store_true",
                     help="count FLOPs as the runner runs (text embedding and cross-attention k/v cached)")
@@ -230,6 +261,9 @@ def main(argv=None) -> dict:
         out["flops_counted_per_pass"] = counted_flops(model, x, t, cond, device, dtype)
         attention.apply(wan, backend)
         out["flops_counted_vs_shapes"] = round(out["flops_counted_per_pass"] / flops.total, 4)
+    if a.dit_quant == "fp8":
+        out["fp8"] = fp8_step(model, x, t, cond, uncond, device, dtype, a, step_s)
+        print(f"fp8: {out['fp8']['step_s']:.3f} s/step ({out['fp8']['vs_eager']}x eager)", flush=True)
     if a.compile:
         from torch._dynamo.utils import counters
         counters.clear()
@@ -268,9 +302,17 @@ def render(r: dict) -> str:
     mfu = lambda v: f"{100 * v:.1f}%" if v is not None else "-"  # noqa: E731
     mem = f"{r.get('peak_allocated_gib', '-')} ({r['weights_gib']})"
     lines.append(f"| eager | {r['step_s']} | {r['pass_s']} | {r['tflops']} | {mfu(r['mfu'])} | {mem} |")
+    if "fp8" in r:
+        f = r["fp8"]
+        lines.append(f"| --dit-quant fp8 ({f['linears']} Linears; {f['vs_eager']}x eager; output vs full "
+                     f"precision: max {f['output_max_abs']:.3g}, mean {f['output_mean_abs']:.3g} of "
+                     f"{f['output_mean_magnitude']:.3g}) "
+                     f"| {f['step_s']} | {f['pass_s']} | - | - | {f.get('peak_allocated_gib', '-')} "
+                     f"({f['weights_gib']}) |")
     if "compiled" in r:
         c = r["compiled"]
-        lines.append(f"| torch.compile, {c['scope']} (first step {c['first_step_s']} s; {c['unique_graphs']} graphs, "
+        what = "torch.compile" + (" (fp8)" if "fp8" in r else "")
+        lines.append(f"| {what}, {c['scope']} (first step {c['first_step_s']} s; {c['unique_graphs']} graphs, "
                      f"{c['graph_breaks']} breaks) | {c['step_s']} | {c['pass_s']} | "
                      f"{c['tflops']} | {mfu(c['mfu'])} | - |")
     lines.append("")

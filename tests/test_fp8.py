@@ -244,9 +244,12 @@ def test_fp8_refuses_what_it_is_not_built_for():
     from pydantic import ValidationError
 
     from wan_s2v_runner.shared.spec import GroupSpec
-    for extra, needle in (({"load": "full"}, "--load full"), ({"compile": True}, "--compile")):
+    for extra, needle in (({"load": "full"}, "--load full"),
+                          ({"compile": True, "mode": "fsdp-fixed", "nproc": 2}, "--compile in fsdp-fixed mode"),
+                          ({"compile": True, "mode": "hybrid", "nproc": 2}, "--compile in hybrid mode")):
         with pytest.raises(ValidationError, match=needle):
             GroupSpec(ckpt_dir="/x", dit_quant="fp8", **extra)
+    assert GroupSpec(ckpt_dir="/x", dit_quant="fp8", compile=True, nproc=2).compile  # ulysses: compiled
     assert GroupSpec(ckpt_dir="/x", dit_quant="fp8").dit_quant is DitQuant.FP8
 
 
@@ -290,3 +293,55 @@ def test_the_memory_plan_and_doctor_know_fp8():
     plans = [plan_all(CheckContext.for_values(dict(device="cuda", nproc=2, max_area=1024 * 704, dit_quant=q),
                                               two))["hybrid"].gpu_peak for q in ("none", "fp8")]
     assert plans[0] - plans[1] > 9 * 2**30
+
+
+@pytest.mark.slow(seconds=40)
+def test_a_compiled_fp8_block_is_one_graph_within_the_bound_of_eager():
+    """--compile with fp8 (ulysses: the fp8 weights are the block's own tensors): each block is
+    still one graph with no break, within test_compile's forward bound of the eager fp8 DiT."""
+    from torch._dynamo.utils import counters
+
+    from patches import attention, compile_blocks, context_cache
+    from tests.test_compile import FORWARD_BOUND, SMALL
+    from wan_s2v_runner.demo.random_weights import dit_kwargs, random_dit, random_dit_inputs
+    from wan_s2v_runner.loading.engine import import_wan
+    from wan_s2v_runner.loading.quantize import quantize_loaded
+    from wan_s2v_runner.preflight.geometry import token_counts
+
+    wan = import_wan()
+    attention.apply(wan, "sdpa")
+    torch.manual_seed(0)
+    model, _ = random_dit(wan, torch.device("cpu"), torch.float32, **SMALL)
+    assert len(quantize_loaded(model)) == 4 * 10 + 3 * 4
+    context_cache.apply(model)
+    cfg = dit_kwargs(wan, **SMALL)
+    x, t, cond, _ = random_dit_inputs(int(cfg["audio_dim"]), int(cfg["motion_frames"]), token_counts(128, 128, 8), 8,
+                                      torch.device("cpu"), torch.float32, False)
+    with torch.no_grad():
+        eager = model(x, t=t, **cond)
+        compile_blocks.apply(wan, torch.float32)
+        try:
+            counters.clear()
+            compiled = model(x, t=t, **cond)  # fullgraph: a break inside the block would raise
+            assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
+        finally:
+            compile_blocks.restore(wan)
+    diff = max((a - b).abs().max().item() for a, b in zip(eager, compiled))
+    assert diff <= FORWARD_BOUND, diff
+
+
+@pytest.mark.slow(seconds=150)
+def test_compiled_fp8_ranks_are_within_the_bound_of_eager(tiny_assets, tmp_path):
+    """Real ranks: ulysses with CFG-parallel at 2 ranks, --compile --dit-quant fp8, within
+    test_compile's frames bound of one process's eager fp8 frames."""
+    from tests.test_compile import FRAMES_BOUND
+    with cpu_engine(tiny_assets) as engine:
+        want = one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1)
+    d = tmp_path / "run"
+    d.mkdir()
+    r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--num-clips", "1", "--nproc", "2", "--cfg-parallel",
+                 "--compile", "--dit-quant", "fp8", "--output", str(d / "o.mp4"), "--frames-out", str(d / "f.pt"),
+                 "--runs-root", str(d / "runs")], cwd=d, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    assert r.returncode == 0, r.output
+    diff = (torch.load(d / "f.pt") - want).abs().max().item()
+    assert diff <= FRAMES_BOUND, diff

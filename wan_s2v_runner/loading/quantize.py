@@ -199,6 +199,32 @@ class Fp8Source(CheckpointSource):
         self.inner.close()
 
 
+def quantize_loaded(model) -> list[str]:
+    """Quantize a model whose weights are already in memory (on any device), Linear by Linear,
+    by the same rule: for the benches and the GPU runbook, which build random weights in
+    place. Returns the quantized weights' names."""
+    from patches import fp8_linear
+    from wan_s2v_runner.shared.quant import FP8_LINEARS
+
+    names = []
+    with torch.no_grad():
+        for name, mod in list(model.named_modules()):
+            if not (FP8_LINEARS.match(name) and isinstance(mod, torch.nn.Linear)):
+                continue
+            w = mod.weight.detach()
+            rows = w.shape[0]
+            scale = _scales(w.float().abs().amax(dim=1))
+            new = fp8_linear.Fp8Linear(mod)
+            new.qweight.weight = torch.nn.Parameter(_quantize(w.float().reshape(-1), 0, w[0].numel(), scale)
+                                                    .view(w.shape), requires_grad=False)
+            new.qweight.scale = scale.reshape(rows, 1)
+            new.qweight.source_name = f"{name}.weight"
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, new)
+            names.append(f"{name}.weight")
+    return names
+
+
 def _scales(amax: torch.Tensor) -> torch.Tensor:
     amax = amax.float()
     return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))

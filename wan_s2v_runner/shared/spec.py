@@ -259,7 +259,10 @@ class GroupSpec(BaseModel):
             raise ValueError("--load-waves reads weights in turns under lean loading; drop it or --load full")
         if self.dit_quant is not DitQuant.NONE:
             for given, why in ((self.load is LoadStrategy.FULL, "--load full (quantizing happens as lean loading "
-                                "reads the weights)"), (self.compile, "--compile (not yet proven with fp8 weights)")):
+                                "reads the weights)"),
+                               (self.compile and self.layout.dit_fsdp, f"--compile in {self.mode.value} mode (the "
+                                "fp8 weights are FSDP units of their own, which a compiled block cannot call); "
+                                "use --mode ulysses")):
                 if given:
                     raise ValueError(f"--dit-quant {self.dit_quant.value} cannot be combined with {why}; drop one")
         if self.dit_file is not None and self.load is LoadStrategy.FULL:
