@@ -190,7 +190,7 @@ class DitFileSource(CheckpointSource):
         return {name: (self.files.entries[key].dtype, self.files.entries[key].shape)
                 for name, key in self.layout.keys.items()}
 
-    def _scale(self, name: str) -> torch.Tensor:
+    def scale_of(self, name: str) -> torch.Tensor:
         if name not in self._scales:
             key = self.layout.scales[name]
             s = torch.empty(self.files.entries[key].numel, dtype=torch.float32)
@@ -203,7 +203,7 @@ class DitFileSource(CheckpointSource):
         if key not in self.layout.scales:
             self.files.read_flat(fkey, start, out, purpose)
             return
-        scale, shape = self._scale(key), self.files.entries[fkey].shape
+        scale, shape = self.scale_of(key), self.files.entries[fkey].shape
         row = math.prod(shape[1:]) if len(shape) > 1 else 1
         n = out.numel()
         if self._tmp.numel() < min(n, CHUNK_ELEMENTS):
@@ -217,6 +217,10 @@ class DitFileSource(CheckpointSource):
             else:
                 _scale_rows(tmp, start + s, row, scale)
             out[s:s + m].copy_(tmp)
+
+    def read_stored(self, key: str, start: int, out: torch.Tensor, purpose: str = "weights") -> None:
+        """Elements of ``key`` as the file stores them (an fp8 weight's bytes, no scale applied)."""
+        self.files.read_flat(self.layout.keys[key], start, out, purpose)
 
     def close(self) -> None:
         self.files.close()

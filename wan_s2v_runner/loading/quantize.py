@@ -68,7 +68,7 @@ class Fp8Source(CheckpointSource):
         rows = self.shapes[name][0]
         if name not in self.inner.layout.scales:
             return torch.ones(rows)  # fp8 cast without a scale
-        s = self.inner._scale(name)
+        s = self.inner.scale_of(name)
         return s.expand(rows).clone() if s.numel() == 1 else s.reshape(rows).clone()
 
     # ----- the table the fp8 model matches
@@ -121,7 +121,7 @@ class Fp8Source(CheckpointSource):
             return
         if name in self.as_is:
             self._scale(name)
-            self.inner.files.read_flat(self.inner.layout.keys[name], start, out, purpose)  # the file's fp8 bytes
+            self.inner.read_stored(name, start, out, purpose)  # the file's fp8 bytes
             return
         n, numel = out.numel(), math.prod(self.shapes[name])
         if self._scale(name) is None:
