@@ -345,3 +345,27 @@ def test_compiled_fp8_ranks_are_within_the_bound_of_eager(tiny_assets, tmp_path)
     assert r.returncode == 0, r.output
     diff = (torch.load(d / "f.pt") - want).abs().max().item()
     assert diff <= FRAMES_BOUND, diff
+
+
+@pytest.mark.slow(seconds=60)
+def test_a_batch_with_an_fp8_file_equals_one_process_per_job(tiny_assets, tmp_path):
+    """--dit-file and --dit-quant are group settings: a batch group loads the fp8 file once and
+    each job's frames equal one process's with them; a resume refuses a run made without fp8."""
+    from wan_s2v_runner.shared import resume
+    from wan_s2v_runner.shared.spec import RunSpec
+    fp8 = tmp_path / "fp8.safetensors"
+    fp8_file(dir_tensors(tiny_assets.ckpt_dir), fp8, "scale_weight", prefix=COMFY)
+    with cpu_engine(tiny_assets) as engine:
+        want = {seed: one_process_frames(engine, dit_quant=DitQuant.FP8, dit_file=fp8, num_clips=1, seed=seed)
+                for seed in (42, 7)}
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("".join(json.dumps({"id": f"s{seed}", "seed": seed, "frames_out": str(tmp_path / f"{seed}.pt")})
+                            + "\n" for seed in want))
+    r = run_cli(["batch", str(jobs), *TINY_FLAGS, *asset_flags(tiny_assets), "--num-clips", "1", "--dit-file", str(fp8),
+                 "--dit-quant", "fp8", "--output-dir", str(tmp_path / "out"), "--runs-root", str(tmp_path / "runs")],
+                cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    for seed, frames in want.items():
+        assert torch.equal(torch.load(tmp_path / f"{seed}.pt"), frames), seed
+    base = dict(ckpt_dir=tiny_assets.ckpt_dir, image=tiny_assets.image, audio=tiny_assets.audio, prompt="p")
+    assert resume.spec_digest(RunSpec(**base)) != resume.spec_digest(RunSpec(**base, dit_quant="fp8"))
