@@ -230,3 +230,36 @@ def test_compile_is_a_group_setting_from_flags_toml_and_environment(tmp_path):
         flags.add_spec_flags(parser, command)
         assert flags.flag_values(parser.parse_args(["--compile"]))["compile"] is True, command
         assert "compile" not in flags.flag_values(parser.parse_args([])), command  # unset: env/TOML/default decide
+
+
+@pytest.mark.slow(seconds=150)
+def test_a_compiled_run_resumes_to_the_uninterrupted_compiled_frames(tiny_assets, tmp_path):
+    """--compile and resume: a compiled run whose rank fails in clip 2 of 3, resumed (compiled: the
+    group setting comes from the run), ends with the uninterrupted compiled run's frames (within
+    ``LAYOUT_BOUND``; measured: equal). Resume hands the loop clip 1's motion latents, made
+    outside the compiled blocks."""
+    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+    three = [*TINY_FLAGS, *asset_flags(tiny_assets), "--infer-frames", "4", "--num-clips", "3", "--nproc", "1",
+             "--compile"]
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    r = run_cli(["run", *three, "--frames-out", str(whole / "f.pt"), "--output", str(whole / "o.mp4"),
+                 "--runs-root", str(whole / "runs")], cwd=whole, env=cache)
+    assert r.returncode == 0, r.output
+    crash = tmp_path / "crash"
+    crash.mkdir()
+    r = run_cli(["run", *three, "--frames-out", str(crash / "f.pt"), "--output", str(crash / "o.mp4"),
+                 "--runs-root", str(crash / "runs")], cwd=crash,
+                env={**cache, "WAN_S2V_TEST_FAULT": "0:denoise@2:raise"})
+    assert r.returncode == exit_codes.RANK_FAILED, r.output
+    run_dir = next((crash / "runs").iterdir())
+    r = run_cli(["resume", str(run_dir)], cwd=crash, env=cache)
+    assert r.returncode == 0, r.output
+    assert "at clip 2/3" in r.stderr
+    resumed = [d for d in (crash / "runs").iterdir() if d != run_dir]
+    assert len(resumed) == 1, resumed
+    spec = json.loads((resumed[0] / "spec.json").read_text())
+    assert spec["compile"] and spec["resume_from"] == str(run_dir), spec
+    diff = (torch.load(crash / "f.pt") - torch.load(whole / "f.pt")).abs().max().item()
+    assert diff <= LAYOUT_BOUND, diff
+    print(f"compiled, resumed at clip 2 vs uninterrupted: {diff:.3g}")
