@@ -21,7 +21,7 @@ def apply_for_run(wan, spec, param_dtype, on_event=None, on_event_data=None) -> 
     a stage; ``on_event_data(kind, **data)`` records an informational event."""
     from wan_s2v_runner.shared.layout import DitQuant
 
-    from . import attention, checkpoint_dims, cpu_device, fsdp_no_sync, local_audio, lora_merge, sp_dtype
+    from . import attention, audio_load, checkpoint_dims, cpu_device, fsdp_no_sync, local_audio, lora_merge, sp_dtype
 
     on_cpu = spec.device == "cpu"
     applied: dict = {}
@@ -31,6 +31,8 @@ def apply_for_run(wan, spec, param_dtype, on_event=None, on_event_data=None) -> 
     mods = attention.apply(wan, backend)
     applied["attention"] = f"{backend} ({reason}); {len(mods)} modules"
     log.info("attention backend: %s (%s)", backend, reason)
+    audio_load.apply(wan)
+    applied["audio_load"] = "16 kHz mono speech read with libsndfile (librosa's first load skipped)"
     sp_dtype.apply(wan, param_dtype)
     applied["sp_dtype"] = str(param_dtype)
     if spec.layout.use_sp:

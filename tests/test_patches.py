@@ -99,3 +99,46 @@ def test_context_cache_serves_equal_contexts_bounded_and_steps_aside_under_grad(
     assert emb_memo.entries == kv_memo.entries == []
     with torch.no_grad():
         assert torch.equal(attn(x, emb(raw[0]), None), want[0]) and kv_memo.misses == 4
+
+
+@pytest.mark.slow(seconds=30)
+def test_16k_mono_speech_is_read_as_librosa_reads_it_without_its_first_load(tmp_path):
+    """patches.audio_load: a 16 kHz mono wav and flac give librosa.load's samples and rate, read
+    directly (no numba or scipy.signal imported: a fresh process); a 22.05 kHz file, a stereo
+    file and an mp3 go to librosa and give its result."""
+    import numpy as np
+    import soundfile as sf
+    code = (
+        "import sys\n"
+        "from wan_s2v_runner.loading.engine import import_wan\n"
+        "from patches import audio_load\n"
+        "wan = import_wan()\n"
+        "assert audio_load.apply(wan) and not audio_load.apply(wan)\n"
+        "proxy = wan.modules.s2v.audio_encoder.librosa\n"
+        f"y, sr = proxy.load({str(tmp_path / 'mono16k.wav')!r}, sr=16000)\n"
+        "assert sr == 16000 and proxy.direct == 1, (sr, proxy.direct)\n"
+        "print(sorted(m for m in ('numba', 'scipy.signal') if m in sys.modules))\n"
+        "import numpy as np\n"
+        f"np.save({str(tmp_path / 'direct.npy')!r}, y)\n")
+    rng = np.random.default_rng(0)
+    speech = (rng.standard_normal(16000) * 3000).astype(np.int16)
+    sf.write(tmp_path / "mono16k.wav", speech, 16000, subtype="PCM_16")
+    sf.write(tmp_path / "mono16k.flac", speech, 16000)
+    sf.write(tmp_path / "mono22k.wav", speech, 22050, subtype="PCM_16")
+    sf.write(tmp_path / "stereo16k.wav", np.stack([speech, speech[::-1]], axis=1), 16000, subtype="PCM_16")
+    r = _py(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout  # librosa's lazy parts were not imported
+
+    import librosa
+
+    from patches.audio_load import LibrosaProxy
+    proxy = LibrosaProxy(librosa)
+    for name, direct in (("mono16k.wav", 1), ("mono16k.flac", 1), ("mono22k.wav", 0), ("stereo16k.wav", 0)):
+        before = proxy.direct
+        got, sr = proxy.load(str(tmp_path / name), sr=16000)
+        want, want_sr = librosa.load(str(tmp_path / name), sr=16000)
+        assert sr == want_sr and got.dtype == want.dtype and np.array_equal(got, want), name
+        assert proxy.direct - before == direct, name
+    assert np.array_equal(np.load(tmp_path / "direct.npy"), librosa.load(str(tmp_path / "mono16k.wav"), sr=16000)[0])
+    assert proxy.load(str(tmp_path / "mono16k.wav"), sr=16000, offset=0.5)[0].shape == (8000,)  # other args: librosa's
