@@ -13,7 +13,7 @@ Two parts:
   conditional pass of a step): seconds per pass, and the DiT output's max and mean absolute
   difference (and its mean magnitude, for scale).
 
-    .venv/bin/python bench/bench_fp8.py --markdown               # ~6 min on 2 cores
+    .venv/bin/python bench/bench_fp8.py --markdown               # ~12 min on 2 cores
     .venv/bin/python bench/bench_fp8.py --preset tiny --layouts 1  # smoke test
 """
 from __future__ import annotations

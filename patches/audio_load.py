@@ -13,8 +13,8 @@ unchanged; every other attribute is librosa's.
 Measured (tiny demo run, 1 rank, this CPU, two runs each): the ``audio_encode`` stage took
 2.03-2.64 s before, 0.04 s after.
 Proof: tests/test_patches.py (the same samples and rate as ``librosa.load`` for a 16 kHz mono
-wav and flac; a 22.05 kHz file, a stereo file and an mp3 go to librosa and give its result; a
-patched load does not import numba or scipy.signal).
+wav and flac; a 22.05 kHz file, a stereo file and other arguments go to librosa and give its
+result; a patched load does not import numba or scipy.signal).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Change: :func:`convert` replaces, on the model built on meta (before any weight 
 block Linears (self- and cross-attention q/k/v/o, the FFN's two) and the audio injection's
 q/k/v/o with :class:`Fp8Linear`. Its weight lives in a child :class:`Fp8Weight`: ``weight``
 [out, in] in float8_e4m3fn and ``scale`` [out, 1] in float32 (a non-persistent buffer), and its
-forward returns ``(weight.float() * scale).to(dtype)``: the weight is dequantized per call, on
+forward returns ``(weight.float() * scale).to(dtype)`` (into one float32 copy): the weight is dequantized per call, on
 any device, and the matrix product is upstream's ``F.linear`` in the run's dtype. Everything
 else (modulation, embeddings, norms, biases, the audio encoder, the frame packer, the head) is
 unchanged.
@@ -15,7 +15,7 @@ Under FSDP each :class:`Fp8Weight` is its own unit (a flat parameter holds one d
 unit keeps the biases and norms): :func:`own_fsdp_units` widens upstream ``shard_model``'s wrap
 policy while it runs. FSDP's mixed precision casts the fp8 shard to the param dtype before the
 all-gather, which is exact (every e4m3 value is a bf16 and an fp32 value), so a sharded layout
-dequantizes the same numbers as one process. The scales are replicated buffers (9.6 MB at real
+dequantizes the same numbers as one process. The scales are replicated buffers (10.6 MB at real
 size), filled by :func:`set_scales` after the weights are read
 (:mod:`wan_s2v_runner.loading.quantize` makes both).
 
@@ -47,6 +47,7 @@ class Fp8Weight(nn.Module):
 
     def __init__(self, out_features: int, in_features: int, device=None):
         super().__init__()
+        # on meta this costs nothing; a model in memory gets its quantized weight assigned (convert)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device),
                                    requires_grad=False)
         self.register_buffer("scale", torch.empty(out_features, 1, dtype=torch.float32, device=device),
@@ -54,16 +55,20 @@ class Fp8Weight(nn.Module):
         self.source_name = ""  # the full-precision weight's name (set by convert)
 
     def forward(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.weight.float() * self.scale).to(dtype)
+        # a fresh float32 copy scaled in place: under FSDP on the CPU the gathered weight is float32
+        # already, and .float() would be the parameter itself
+        return self.weight.to(torch.float32, copy=True).mul_(self.scale).to(dtype)
 
 
 class Fp8Linear(nn.Module):
     """``nn.Linear`` with an :class:`Fp8Weight`; the bias stays in the param dtype."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, allocate: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.qweight = Fp8Weight(linear.out_features, linear.in_features, device=linear.weight.device)
+        # allocate=False: a placeholder on meta, replaced by the quantized weight (convert)
+        self.qweight = Fp8Weight(linear.out_features, linear.in_features,
+                                 device=linear.weight.device if allocate else torch.device("meta"))
         self.bias = linear.bias
         self.dtype = linear.weight.dtype
 
@@ -74,17 +79,22 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=float8_e4m3fn"
 
 
-def convert(model: nn.Module) -> list[str]:
-    """Replace the target Linears of ``model`` (on meta) with :class:`Fp8Linear`; returns the
-    full-precision weight names replaced (``blocks.0.ffn.0.weight``, ...)."""
+def convert(model: nn.Module, quantize=None) -> list[str]:
+    """Replace the target Linears of ``model`` with :class:`Fp8Linear`; returns the full-precision
+    weight names replaced (``blocks.0.ffn.0.weight``, ...). On meta (loading) the fp8 weights are
+    filled later; with ``quantize(weight, name) -> (fp8 values, scales [out, 1])`` each Linear's
+    own weight is quantized now (a model already in memory)."""
     names = []
     for name, mod in list(model.named_modules()):
         if FP8_LINEARS.match(name) and isinstance(mod, nn.Linear):
             parent_name, _, leaf = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            new = Fp8Linear(mod)
+            new = Fp8Linear(mod, allocate=quantize is None)
             new.qweight.source_name = f"{name}.weight"
-            setattr(parent, leaf, new)
+            if quantize is not None:
+                q, scale = quantize(mod.weight.detach(), new.qweight.source_name)
+                new.qweight.weight = nn.Parameter(q, requires_grad=False)
+                new.qweight.scale = scale
+            setattr(model.get_submodule(parent_name), leaf, new)
             names.append(f"{name}.weight")
     return names
 

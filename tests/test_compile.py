@@ -262,4 +262,3 @@ def test_a_compiled_run_resumes_to_the_uninterrupted_compiled_frames(tiny_assets
     assert spec["compile"] and spec["resume_from"] == str(run_dir), spec
     diff = (torch.load(crash / "f.pt") - torch.load(whole / "f.pt")).abs().max().item()
     assert diff <= LAYOUT_BOUND, diff
-    print(f"compiled, resumed at clip 2 vs uninterrupted: {diff:.3g}")

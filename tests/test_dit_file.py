@@ -180,6 +180,12 @@ def test_a_good_file_passes_and_stands_in_for_the_directory(tiny, tmp_path):
     assert r.status is Status.OK and "scaled fp8" in r.finding and "Wan S2V DiT: dim 32" in r.finding
     assert find(results, "ckpt.config").status is Status.OK
     assert find(results, "ckpt.submodels").status is Status.OK
+    # the memory plan sizes the DiT from the file (the directory has none)
+    from wan_s2v_runner.preflight.memory import model_sizes
+    sizes = model_sizes(ctx({**tiny, "ckpt": ckpt}, path))
+    assert sizes.source.startswith("checkpoint")
+    assert sizes.dit_params == sum(v.numel() for v in dir_tensors(tiny["ckpt"]).values())
+    assert sizes.dit_fp8_params > 0
 
 
 def _without(tensors, *prefixes):
@@ -197,6 +203,8 @@ def _without(tensors, *prefixes):
     ("marker_only", "scaled_fp8 marker but no scale_weight"),
     ("truncated", "truncated"),
     ("gguf", "not a .safetensors file"),
+    ("scale_per_column", "not one float per tensor or per output row"),
+    ("full_checkpoint", "holds more than the DiT (first_stage_model, text_encoders"),
 ])
 def test_preflight_refuses_a_file_it_cannot_use(tiny, tmp_path, case, needle):
     """Each refusal names the cause and a fix, before anything spawns."""
@@ -223,6 +231,13 @@ def test_preflight_refuses_a_file_it_cannot_use(tiny, tmp_path, case, needle):
         save_file({**t, "blocks.0.ffn.0.scale_weight": torch.ones(1)}, str(path))
     elif case == "marker_only":
         save_file({**t, "scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}, str(path))
+    elif case == "scale_per_column":  # [1, in] on a square weight: as many numbers as rows, not per row
+        q = t["blocks.0.self_attn.q.weight"].float().to(torch.float8_e4m3fn)
+        save_file({**t, "blocks.0.self_attn.q.weight": q, "blocks.0.self_attn.q.weight_scale": torch.ones(1, 32)},
+                  str(path))
+    elif case == "full_checkpoint":
+        save_file({**{COMFY + k: v for k, v in t.items()}, "first_stage_model.decoder.conv_in.weight": torch.zeros(4),
+                   "text_encoders.umt5xxl.shared.weight": torch.zeros(4)}, str(path))
     elif case == "truncated":
         save_file(t, str(path))
         path.write_bytes(path.read_bytes()[:-100])

@@ -158,11 +158,13 @@ def test_a_database_restart_and_outage_lose_nothing_and_make_nothing_twice(clust
     keys: dict[str, str] = {}
 
     def submit(i: int, s) -> str:
-        """Submit job ``i`` until it is accepted: retried after a 503, its Idempotency-Key the same."""
+        """Submit job ``i`` until it is accepted: retried after a 503, its Idempotency-Key the same.
+        60 steps a clip (~6 s of denoising, ~12 s a job on this CPU): a group's second job spans the
+        outage (with 12, both groups could finish before it began)."""
         key = keys.setdefault(str(i), f"job-{i}-{uuid.uuid4().hex}")
         while True:
             r = s.http.post("/v1/videos", files=files, headers={"Idempotency-Key": key},
-                            data={"seed": str(i), "infer_frames": "4", "num_clips": "2", "steps": "12"})
+                            data={"seed": str(i), "infer_frames": "4", "num_clips": "2", "steps": "60"})
             if r.status_code == 200:
                 return r.json()["id"]
             assert r.status_code == 503 and r.json()["error"]["code"] in ("queue_unavailable", "not_ready"), r.text

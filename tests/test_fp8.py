@@ -369,3 +369,41 @@ def test_a_batch_with_an_fp8_file_equals_one_process_per_job(tiny_assets, tmp_pa
         assert torch.equal(torch.load(tmp_path / f"{seed}.pt"), frames), seed
     base = dict(ckpt_dir=tiny_assets.ckpt_dir, image=tiny_assets.image, audio=tiny_assets.audio, prompt="p")
     assert resume.spec_digest(RunSpec(**base)) != resume.spec_digest(RunSpec(**base, dit_quant="fp8"))
+
+
+def test_non_finite_weights_are_refused_and_file_scales_need_no_read(ckpt, tmp_path):
+    """A NaN in a weight to quantize is refused with its name, whole or by slices (where every rank
+    refuses alike); the scales of an e4m3 file's weights are there even for a rank that read none."""
+    from safetensors.torch import save_file
+    t = dir_tensors(ckpt)
+    bad = dict(t)
+    w = t["blocks.1.ffn.0.weight"].clone()
+    w[3, 5] = float("nan")
+    bad["blocks.1.ffn.0.weight"] = w
+    path = tmp_path / "nan.safetensors"
+    save_file(bad, str(path))
+    names = targets(t)
+    with Fp8Source(ckpt_read.DitFileSource(path), names) as src:
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+        with pytest.raises(ValueError, match="blocks.1.ffn.0.weight holds NaN"):
+            src.read_flat(quantized_name("blocks.1.ffn.0.weight"), 0, q.view(-1))
+    with Fp8Source(ckpt_read.DitFileSource(path), names) as src:
+        src.measure([(quantized_name("blocks.1.ffn.0.weight"), 100, torch.empty(200, dtype=torch.float8_e4m3fn))])
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            src.agree_scales(torch.device("cpu"))
+    fp8 = tmp_path / "fp8.safetensors"
+    fp8_file(t, fp8, "scale_weight")
+    with Fp8Source(ckpt_read.DitFileSource(fp8), names) as src:
+        src.agree_scales(torch.device("cpu"))  # no slice read at all
+        assert set(src.row_scales()) == set(names)
+
+
+def test_a_pool_recorded_before_fp8_keeps_its_identity():
+    """The fleet's frame-deciding settings name fp8 and compile only when set: the identity of a
+    default group is what it was before these settings existed."""
+    from wan_s2v_runner.launcher.serve.fleet import frame_settings
+    from wan_s2v_runner.shared.spec import GroupSpec
+    plain = frame_settings(GroupSpec(ckpt_dir="/x", device="cpu"))
+    assert "dit_quant" not in plain and "compile" not in plain
+    both = frame_settings(GroupSpec(ckpt_dir="/x", device="cpu", dit_quant="fp8", compile=True))
+    assert both["dit_quant"] == "fp8" and both["compile"] is True

@@ -105,7 +105,7 @@ def test_context_cache_serves_equal_contexts_bounded_and_steps_aside_under_grad(
 def test_16k_mono_speech_is_read_as_librosa_reads_it_without_its_first_load(tmp_path):
     """patches.audio_load: a 16 kHz mono wav and flac give librosa.load's samples and rate, read
     directly (no numba or scipy.signal imported: a fresh process); a 22.05 kHz file, a stereo
-    file and an mp3 go to librosa and give its result."""
+    file and other arguments go to librosa and give its result."""
     import numpy as np
     import soundfile as sf
     code = (

@@ -203,8 +203,7 @@ class DitFileSource(CheckpointSource):
         if key not in self.layout.scales:
             self.files.read_flat(fkey, start, out, purpose)
             return
-        scale, shape = self.scale_of(key), self.files.entries[fkey].shape
-        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        scale, row = self.scale_of(key), row_length(self.files.entries[fkey].shape)
         n = out.numel()
         if self._tmp.numel() < min(n, CHUNK_ELEMENTS):
             self._tmp = torch.empty(min(n, CHUNK_ELEMENTS), dtype=torch.float32)
@@ -215,7 +214,7 @@ class DitFileSource(CheckpointSource):
             if scale.numel() == 1:
                 tmp.mul_(scale[0])
             else:
-                _scale_rows(tmp, start + s, row, scale)
+                per_row(tmp, start + s, row, scale, torch.Tensor.mul_)
             out[s:s + m].copy_(tmp)
 
     def read_stored(self, key: str, start: int, out: torch.Tensor, purpose: str = "weights") -> None:
@@ -244,14 +243,20 @@ def row_slices(first: int, n: int, row: int) -> Iterator[tuple[int, int, int, in
         yield pos, n, (first + pos) // row, 0
 
 
-def _scale_rows(flat: torch.Tensor, first: int, row: int, scale: torch.Tensor) -> None:
-    """``flat`` holds elements ``[first, first + len)`` of a row-major [rows, row] weight:
-    multiply each by its row's scale, in place."""
+def row_length(shape) -> int:
+    """Elements per row of a row-major tensor of ``shape`` (its first dimension's rows)."""
+    return math.prod(shape[1:]) if len(shape) > 1 else 1
+
+
+def per_row(flat: torch.Tensor, first: int, row: int, values: torch.Tensor, op) -> torch.Tensor:
+    """``flat`` holds elements ``[first, first + len)`` of a row-major [rows, row] tensor: apply
+    ``op`` (``torch.Tensor.mul_`` or ``div_``) with each element's row value, in place; returns ``flat``."""
     for lo, hi, r0, rows in row_slices(first, flat.numel(), row):
         if rows:
-            flat[lo:hi].view(rows, row).mul_(scale[r0:r0 + rows, None])
+            op(flat[lo:hi].view(rows, row), values[r0:r0 + rows, None])
         else:
-            flat[lo:hi].mul_(scale[r0])
+            op(flat[lo:hi], values[r0:r0 + 1])
+    return flat
 
 
 def open_dit(ckpt_dir, dit_file=None, counter: Optional[ReadCounter] = None) -> CheckpointSource:

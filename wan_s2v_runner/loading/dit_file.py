@@ -36,6 +36,8 @@ from wan_s2v_runner.loading.ckpt_tables import dit_shapes as dir_dit_shapes
 
 #: name prefixes a single-file DiT may carry (stripped; the first that matches)
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+#: what a full ComfyUI checkpoint holds besides the DiT (its VAE, its text encoders)
+OTHER_MODELS = ("first_stage_model.", "cond_stage_model.", "text_encoders.", "vae.", "conditioner.")
 #: top-level marker of ComfyUI's older scaled-fp8 files
 SCALED_FP8_MARKER = "scaled_fp8"
 #: per-Linear tensors beside ``weight``: the weight scale of each form, and what a
@@ -166,6 +168,11 @@ def inspect(path) -> DitFileLayout:
             f.seek(start)
             return f.read(n)
 
+    others = sorted({k.split(".", 1)[0] for k in info.tensors if k.startswith(OTHER_MODELS)})
+    if others:
+        raise DitFileError(f"{path.name} holds more than the DiT ({', '.join(others)}: a full ComfyUI checkpoint "
+                           "with its VAE or text encoder)", "pass the DiT-only file (ComfyUI's "
+                           "models/diffusion_models/wan2.2_s2v_14B_*.safetensors)")
     layer_formats = _layer_formats(info, read_bytes)
     out = DitFileLayout(path, info, DitFileFormat.FULL, "")
     prefixes: set[str] = set()
@@ -204,7 +211,9 @@ def inspect(path) -> DitFileLayout:
                                FIX_FP8)
         sshape = tuple(info.tensors[skey][1])
         rows = out.shapes[wname][0] if out.shapes[wname] else 1
-        if info.tensors[skey][0] not in FULL_DTYPES or math.prod(sshape) not in (1, rows) or len(sshape) > 2:
+        # one number ([], [1], [1, 1]) or one per output row ([rows], [rows, 1]); [1, in] is per column
+        per_row = sshape in ((rows,), (rows, 1))
+        if info.tensors[skey][0] not in FULL_DTYPES or not (math.prod(sshape) == 1 or per_row) or len(sshape) > 2:
             raise DitFileError(f"{path.name}: scale {skey!r} is {info.tensors[skey][0]} {list(sshape)}, not one "
                                f"float per tensor or per output row ({rows}); fp8 format not recognised", FIX_FP8)
         out.scales[wname] = skey

@@ -35,7 +35,14 @@ from typing import Iterable, Optional
 import torch
 
 from patches.fp8_linear import quantized_name
-from wan_s2v_runner.loading.ckpt_read import CHUNK_ELEMENTS, CheckpointSource, DitFileSource, row_slices
+from wan_s2v_runner.loading.ckpt_read import (
+    CHUNK_ELEMENTS,
+    CheckpointSource,
+    DitFileSource,
+    per_row,
+    row_length,
+    row_slices,
+)
 from wan_s2v_runner.shared.quant import E4M3_MAX
 
 
@@ -82,8 +89,7 @@ class Fp8Source(CheckpointSource):
 
     # ----- reading
     def _row(self, name: str) -> int:
-        shape = self.shapes[name]
-        return math.prod(shape[1:]) if len(shape) > 1 else 1
+        return row_length(self.shapes[name])
 
     def _buffer(self, n: int) -> torch.Tensor:
         if self._tmp.numel() < n:
@@ -127,17 +133,17 @@ class Fp8Source(CheckpointSource):
         if self._scale(name) is None:
             if start != 0 or n != numel:
                 raise RuntimeError(f"{key}: a slice is read before its scales are known (measure, agree_scales)")
-            whole = torch.empty(numel, dtype=torch.float32)
-            self._read_merged(name, 0, whole, purpose)
-            amax = whole.view(self.shapes[name][0], -1).abs().amax(dim=1)
-            self.scales[name] = _scales(amax)
-            out.copy_(_quantize(whole, 0, self._row(name), self.scales[name]))
+            whole = torch.empty(self.shapes[name], dtype=torch.float32)
+            self._read_merged(name, 0, whole.view(-1), purpose)
+            q, scale = quantize_tensor(whole, name, scratch=True)
+            self.scales[name] = scale.reshape(-1)
+            out.copy_(q.view(-1))
             return
         for s in range(0, n, CHUNK_ELEMENTS):
             m = min(CHUNK_ELEMENTS, n - s)
             chunk = self._buffer(m)
             self._read_merged(name, start + s, chunk, purpose)
-            out[s:s + m].copy_(_quantize(chunk, start + s, self._row(name), self.scales[name]))
+            out[s:s + m].copy_(_quantize(chunk, start + s, self._row(name), self.scales[name]))  # chunk overwritten
 
     # ----- FSDP: scales agreed from slices
     def measure(self, slices: Iterable[tuple[str, int, torch.Tensor]]) -> None:
@@ -166,6 +172,8 @@ class Fp8Source(CheckpointSource):
         names = sorted(n for n in self.shapes if n not in self.as_is)
         flat = torch.cat([self._partial.get(n, torch.zeros(self.shapes[n][0])) for n in names]) if names \
             else torch.zeros(0)
+        # a NaN maximum becomes inf (MAX keeps inf on every backend): every rank then refuses alike
+        flat = torch.nan_to_num(flat, nan=float("inf"))
         if dist.is_initialized() and dist.get_world_size(group) > 1 and flat.numel():
             moved = flat.to(device)
             dist.all_reduce(moved, op=dist.ReduceOp.MAX, group=group)
@@ -173,9 +181,11 @@ class Fp8Source(CheckpointSource):
         off = 0
         for n in names:
             rows = self.shapes[n][0]
-            self.scales[n] = _scales(flat[off:off + rows])
+            self.scales[n] = _scales(flat[off:off + rows], n)
             off += rows
         self._partial.clear()
+        for n in self.as_is:  # a rank whose shard holds none of such a weight still needs its scales
+            self._scale(n)
 
     def share_scales(self) -> None:
         """Every rank takes rank 0's scales (a replicated DiT: the ranks that map a node's shared
@@ -201,41 +211,33 @@ class Fp8Source(CheckpointSource):
 
 def quantize_loaded(model) -> list[str]:
     """Quantize a model whose weights are already in memory (on any device), Linear by Linear,
-    by the same rule: for the benches and the GPU runbook, which build random weights in
-    place. Returns the quantized weights' names."""
+    by the same rule (:func:`quantize_tensor`): for the benches and the GPU runbook, which build
+    random weights in place. Returns the quantized weights' names."""
     from patches import fp8_linear
-    from wan_s2v_runner.shared.quant import FP8_LINEARS
-
-    names = []
     with torch.no_grad():
-        for name, mod in list(model.named_modules()):
-            if not (FP8_LINEARS.match(name) and isinstance(mod, torch.nn.Linear)):
-                continue
-            w = mod.weight.detach()
-            rows = w.shape[0]
-            scale = _scales(w.float().abs().amax(dim=1))
-            new = fp8_linear.Fp8Linear(mod)
-            new.qweight.weight = torch.nn.Parameter(_quantize(w.float().reshape(-1), 0, w[0].numel(), scale)
-                                                    .view(w.shape), requires_grad=False)
-            new.qweight.scale = scale.reshape(rows, 1)
-            new.qweight.source_name = f"{name}.weight"
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent), leaf, new)
-            names.append(f"{name}.weight")
-    return names
+        return fp8_linear.convert(model, quantize=quantize_tensor)
 
 
-def _scales(amax: torch.Tensor) -> torch.Tensor:
+def quantize_tensor(w: torch.Tensor, name: str = "weight", scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole [rows, ...] weight -> (float8_e4m3fn values of its shape, float32 scales [rows, 1]).
+    ``scratch``: ``w`` is a float32 buffer the caller gives up (quantized in it, no copy)."""
+    rows = w.shape[0]
+    flat = (w if scratch and w.dtype == torch.float32 else w.to(torch.float32, copy=True)).reshape(-1)
+    scale = _scales(flat.view(rows, -1).abs().amax(dim=1), name)
+    return _quantize(flat, 0, row_length(w.shape), scale).view(w.shape), scale.reshape(rows, 1)
+
+
+def _scales(amax: torch.Tensor, name: str) -> torch.Tensor:
+    """Row scales from row maxima: ``amax / 448``, 1 for an all-zero row. Refuses NaN or
+    infinite weights (they would quantize to nothing the file meant)."""
     amax = amax.float()
+    if not torch.isfinite(amax).all():
+        raise ValueError(f"{name} holds NaN or infinite values: the DiT file is corrupt. "
+                         "Fix: download it again (or check it with wan-s2v doctor)")
     return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
 
 
 def _quantize(flat: torch.Tensor, first: int, row: int, scale: torch.Tensor) -> torch.Tensor:
     """Elements ``[first, first + len)`` of a row-major weight (float32), quantized with their
     rows' scales; ``flat`` is overwritten."""
-    for lo, hi, r0, rows in row_slices(first, flat.numel(), row):
-        if rows:
-            flat[lo:hi].view(rows, row).div_(scale[r0:r0 + rows, None])
-        else:
-            flat[lo:hi].div_(scale[r0:r0 + 1])
-    return flat.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return per_row(flat, first, row, scale, torch.Tensor.div_).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)

@@ -13,6 +13,9 @@ from .core import fail, ok, skip, warn
 
 
 def _dit(ctx):
+    known = ctx.cache.get("ckpt", {}).get("dit_shapes")  # ckpt.safetensors / ckpt.dit_file read them
+    if "dit_shapes" not in ctx.cache and known is not None:
+        ctx.cache["dit_shapes"] = known
     if "dit_shapes" not in ctx.cache:
         try:
             ctx.cache["dit_shapes"] = dit_shapes(ctx.spec.ckpt_dir, ctx.spec.dit_file) if ctx.spec.ckpt_dir else None

@@ -38,7 +38,9 @@ def _quant(ctx) -> str:
 def _fp8_fits(ctx, free: int) -> str:
     """``--dit-quant fp8`` when the DiT in fp8 would fit this mode where full precision does not
     (never chosen for the user: it changes the frames)."""
-    if DitQuant(ctx.spec.dit_quant) is DitQuant.FP8:
+    spec = ctx.spec
+    if DitQuant(spec.dit_quant) is DitQuant.FP8 or LoadStrategy(spec.load) is LoadStrategy.FULL \
+            or (spec.compile and ctx.layout.dit_fsdp):  # combinations fp8 refuses (shared/spec.py)
         return ""
     need = plan_all(ctx.with_settings(dit_quant=DitQuant.FP8.value))[ctx.mode.value].gpu_peak
     if need and need <= GPU_WARN * free:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from wan_s2v_runner.loading import ckpt_tables as cr
+from wan_s2v_runner.loading.dit_file import dit_shapes
 from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
 from wan_s2v_runner.shared.layout import DitQuant, Layout, LoadStrategy, Mode
 from wan_s2v_runner.shared.quant import SCALE_BYTES, is_fp8_weight
@@ -83,14 +84,15 @@ def _blocks(names_params: dict[str, int], prefix=r"blocks\.(\d+)\.") -> tuple[in
     return root, max(per.values(), default=0)
 
 
-def sizes_from_checkpoint(ckpt: Path, cache: Optional[dict] = None) -> ModelSizes:
-    """Read the sizes from the files (headers/shapes only). Raises CheckpointFileError/OSError."""
+def sizes_from_checkpoint(ckpt: Path, cache: Optional[dict] = None, dit_file: Optional[Path] = None) -> ModelSizes:
+    """Read the sizes from the files (headers/shapes only; the DiT's from ``dit_file`` when given).
+    Raises CheckpointFileError/OSError."""
     cache = cache if cache is not None else {}
     ckpt = Path(ckpt)
     cfg = cache.get("config") or json.loads((ckpt / DIT_CONFIG).read_text(encoding="utf-8"))
     shapes = cache.get("dit_shapes")
     if shapes is None:
-        shapes = cr.dit_shapes(ckpt)
+        shapes = dit_shapes(ckpt, dit_file)
     dit = cache.get("dit_tensors") or {k: math.prod(s) for k, s in shapes.items()}
     fp8 = {k: s for k, s in shapes.items() if is_fp8_weight(k)}
     t5 = cache.get("t5_shapes") or cr.read_pth_shapes(ckpt / T5_FILE)
@@ -118,7 +120,7 @@ def model_sizes(ctx) -> ModelSizes:
     sizes = REFERENCE
     if ctx.spec.ckpt_dir is not None:
         try:
-            sizes = sizes_from_checkpoint(ctx.spec.ckpt_dir, ctx.cache.setdefault("ckpt", {}))
+            sizes = sizes_from_checkpoint(ctx.spec.ckpt_dir, ctx.cache.setdefault("ckpt", {}), ctx.spec.dit_file)
         except Exception as e:  # noqa: BLE001 - the checkpoint checks report the cause
             sizes = ModelSizes(**{**asdict(REFERENCE),
                                   "source": f"reference Wan2.2-S2V-14B sizes (checkpoint unreadable: {e})"})
@@ -217,7 +219,7 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     """The plan of one layout: what it shards, splits or keeps on the CPU decides every term;
     the host figures also follow the loading strategy (``load``) and the DiT's weights ``quant``
     (fp8: its big Linears at one byte a weight plus a float32 scale a row, each dequantized when
-    called: an fp32 and a param-dtype copy of the largest one in flight)."""
+    called: an fp32 copy and the param-dtype copy F.linear takes of the largest one in flight)."""
     on_cuda = device == "cuda"
     pb = 2 if on_cuda else 4  # param_dtype/t5_dtype: bf16 on CUDA, fp32 on CPU (worker.engine_config)
     ws = max(1, layout.world_size)
@@ -277,7 +279,7 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
             layout, on_cuda=on_cuda, offload=offload, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
             w2v_phase=w2v_phase, dit_res=dit_res, dit_gathered=dit_gathered, act=act + text_kv,
             vae_band=vae_dec, vae_out=dec_out,
-            staging=(largest_linear * (5 if fp8 else pb)) if on_cuda  # fp8: read in fp32, quantized
+            staging=(largest_linear * (6 if fp8 else pb)) if on_cuda  # fp8: read in fp32, quantized, staged
             else LEAN_CHUNK + (largest_linear * 4 if fp8 else 0))
         host0, others = host0 + base, others + base
         name = layout.mode.value if layout.mode else "custom"

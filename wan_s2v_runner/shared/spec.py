@@ -171,7 +171,7 @@ class GroupSpec(BaseModel):
                           "everything else still comes from --ckpt-dir")
     dit_quant: Annotated[DitQuant, Flag(_MO)] = Field(
         DitQuant.NONE, description="fp8: hold the DiT's block and audio-injection Linears in float8_e4m3fn with one "
-                                   "scale per output row (quantized as read; an fp8 --dit-file is used as it is), "
+                                   "scale per output row (quantized as read; an e4m3 --dit-file is used as it is), "
                                    "dequantized per call: about half the DiT's bf16 bytes; precision: docs/loading.md")
     wan_repo: Annotated[Optional[AbsPath], Flag(_MO, env="WAN_REPO", metavar="DIR",
                                                 default_text="installed `wan`")] = Field(

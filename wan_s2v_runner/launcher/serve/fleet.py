@@ -49,8 +49,12 @@ def frame_settings(group: GroupSpec) -> dict[str, Any]:
 
     out: dict[str, Any] = {"device": group.device, "attention": getattr(group.attention, "value", group.attention),
                            "loras": [[sha256_file(ref.path), ref.strength] for ref in group.lora],
-                           "lora_allow_partial": group.lora_allow_partial, "dit_quant": group.dit_quant.value,
-                           "compile": group.compile}
+                           "lora_allow_partial": group.lora_allow_partial}
+    # added only when not the default: a pool recorded before these settings existed keeps its identity
+    if group.dit_quant.value != "none":
+        out["dit_quant"] = group.dit_quant.value
+    if group.compile:
+        out["compile"] = True
     if group.device == "cuda":
         layout = group.layout
         out["layout"] = {"mode": group.mode.value, "world_size": group.world_size, "cfg_degree": layout.cfg_degree,
