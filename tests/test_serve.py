@@ -287,7 +287,11 @@ def test_metrics_move_as_jobs_run(server, inputs):
     job = server.submit(image=inputs["image"], audio=inputs["audio"], prompt="counted", steps=1, infer_frames=4,
                         num_clips=1).json()
     server.wait(job["id"], "completed")
-    after = _metrics(server)
+    # the keeper observes the job's seconds just after the store says completed: a scrape in between
+    # sees the status first (the histogram follows within the same keeper step)
+    seconds = ("wan_s2v_job_seconds_count", ())
+    after = wait_for(lambda: (m := _metrics(server)).get(seconds, 0) > before.get(seconds, 0) and m, 10,
+                     "the job's seconds in the histogram", server.tail)
     done = ("wan_s2v_jobs_finished_total", (("status", "completed"),))
     assert after[done] == before.get(done, 0) + 1
     assert after[("wan_s2v_job_seconds_count", ())] == before.get(("wan_s2v_job_seconds_count", ()), 0) + 1
