@@ -18,7 +18,6 @@ Two parts:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_load import Sampler, load_windows  # noqa: E402
+from bench_load import Sampler, load_windows, sampled_run_parser  # noqa: E402
 from bench_loop import PRESETS, checkout_env, ensure_assets  # noqa: E402
 
 #: layout -> (nproc, extra flags)
@@ -109,15 +108,8 @@ def one_pass(a) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="compute", choices=sorted(PRESETS))
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
-    p.add_argument("--steps", type=int, default=1)
-    p.add_argument("--interval", type=float, default=0.1, help="seconds between /proc samples")
-    p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--cache", type=Path, default=Path("~/.cache/wan-s2v/bench"))
+    p = sampled_run_parser(__doc__.split("\n\n")[0], LAYOUTS)
     p.add_argument("--no-pass", action="store_true", help="skip the in-process DiT pass")
-    p.add_argument("--markdown", action="store_true")
     a = p.parse_args(argv)
     import torch
 

@@ -255,15 +255,22 @@ def table(results: list[dict], markdown: bool) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def sampled_run_parser(description: str, layouts) -> argparse.ArgumentParser:
+    """The flags of a bench that runs ``wan-s2v run`` per layout under the /proc sampler (this one,
+    ``bench_fp8.py``)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--preset", default="compute", choices=sorted(PRESETS))
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
+    p.add_argument("--layouts", default=",".join(layouts), help=f"comma list of {', '.join(layouts)}")
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--interval", type=float, default=0.1, help="seconds between /proc samples")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--cache", type=Path, default=Path("~/.cache/wan-s2v/bench"))
     p.add_argument("--markdown", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    p = sampled_run_parser(__doc__.split("\n\n")[0], LAYOUTS)
     a = p.parse_args(argv)
     names = [n for n in a.layouts.split(",") if n]
     unknown = [n for n in names if n not in LAYOUTS]
