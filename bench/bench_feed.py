@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_loop import served  # noqa: E402
 
-STUB = {"WAN_S2V_TEST_RANK_BODY": "tests.stub_rank:run_rank"}
+STUB = {"WAN_S2V_RANK_WORKER": "tests.stub_rank"}
 JOB_FLAGS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "--steps", "2", "--nproc", "1"]
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import sys
 
 import torch
@@ -38,10 +37,6 @@ import torch.distributed as dist
 from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.fsdp")
-
-#: test-only fault: the named rank perturbs its weights before the fingerprint (see worker faults)
-PERTURB_ENV = "WAN_S2V_TEST_PERTURB_WEIGHTS_RANK"
-
 
 class WeightMismatch(RuntimeError):
     pass
@@ -77,13 +72,6 @@ def check_same_weights(module: torch.nn.Module, what: str, group=None) -> None:
             f"({n_diff} of {fp.shape[0]} tensors differ). FSDP without sync_module_states never "
             "broadcasts, so the output would be silently wrong. Fix: give every node the same "
             "checkpoint files (compare sha256 of the .safetensors/.pth files).")
-
-
-def _maybe_perturb(model: torch.nn.Module) -> None:
-    rank = os.environ.get(PERTURB_ENV)
-    if rank is not None and dist.is_initialized() and int(rank) == dist.get_rank():
-        with torch.no_grad():
-            next(model.parameters()).add_(1e-3)
 
 
 def is_meta(model: torch.nn.Module) -> bool:
@@ -140,7 +128,6 @@ def make_shard_model(upstream_shard_model, param_dtype: torch.dtype, on_cpu: boo
             log.info("FSDP-wrapping %s on meta (lean loading: each rank allocates its shards)", what)
             with wrapping_on_meta(fsdp_module, device):
                 return upstream_shard_model(model, device_id=device_id, **kwargs)
-        _maybe_perturb(model)
         if on_event:
             on_event(Stage.FINGERPRINT, what=what)
         check_same_weights(model, what)

@@ -22,8 +22,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from fault_worker import fault_env  # noqa: E402
 
-from wan_s2v_runner.launcher.observer import STRICT_ENV  # noqa: E402
+#: the spec's environment layer of ``--strict-observers``
+STRICT_ENV = "WAN_S2V_STRICT_OBSERVERS"
 
 torch.set_num_threads(1)
 #: an observer's error (the console, a server's keeper) fails the run it watches, in this process
@@ -41,7 +43,7 @@ cpu_torch_only = pytest.mark.skipif(torch.version.cuda is not None or torch.cuda
 
 #: ranks without the engine (tests/stub_rank.py), for the tests whose subject is the launcher and
 #: its supervisor: the real worker, process group, events, faults and mp4 writer
-STUB_RANKS = {"WAN_S2V_TEST_RANK_BODY": "tests.stub_rank:run_rank"}
+STUB_RANKS = {"WAN_S2V_RANK_WORKER": "tests.stub_rank"}
 
 #: the tiny spec every distributed test shares (fast on 2 cores; 2 clips of 5 + 8 frames)
 TINY_FLAGS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "--steps", "2",
@@ -264,7 +266,7 @@ def server(tiny_assets, inputs, tmp_path_factory):
     d = tmp_path_factory.mktemp("serve") / "server dir"
     flags = [*SERVER_FLAGS, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--token", TOKEN,
              "--allow-dir", str(inputs["root"]), "--max-queue", "6", "--max-upload-mb", "1"]
-    s = ServerProcess(d, flags, env={"WAN_S2V_TEST_FAULT": f"{POISON},{NO_SPACE}"})
+    s = ServerProcess(d, flags, env=fault_env(f"{POISON},{NO_SPACE}"))
     yield s
     assert s.stop() == [] and "serve: stopping the rank group" in s.text()  # SIGTERM leaves nothing running
 

@@ -1,16 +1,18 @@
 """A rank without the engine, for the tests whose subject is the launcher and its supervisor.
 
-``WAN_S2V_TEST_RANK_BODY=stub_rank:run_rank`` (:func:`wan_s2v_runner.rank.faults.rank_body`)
-makes the real worker (its ``@record`` entry point, ``hello``/``end`` events, stack dumps, CPU
-binding and the ``WAN_S2V_TEST_FAULT`` hook at every stage) run :func:`run_rank` below instead of
-the engine: it joins the real gloo process group, walks the stages a run's rank reports (load,
-then per clip: denoise with its steps, decode), does a real ``all_to_all`` at every denoising step
-(where a sequence-parallel rank waits for its peers), and rank 0 writes the mp4 with the run's
-audio through the same :func:`~wan_s2v_runner.shared.media.save_video_with_audio` (save, mux:
-temporary names, then rename). It imports torch, not the engine: a group starts in about a
-second instead of several. A served group (a server's: its spec is a group's, its run directory
-has an inbox) only waits, idle, until the server says stop: the tests that start a server on
-the stub are about what the server does before any job reaches its ranks.
+``--rank-worker tests.stub_rank`` (:func:`rank_main`) makes every rank the real worker (its
+``@record`` entry point, ``hello``/``end`` events, stack dumps, CPU binding) with the tests' fault
+injection (``WAN_S2V_TEST_FAULT`` at every stage: tests/fault_worker.py) running
+:func:`run_rank` below instead of the engine: it joins the real gloo process group, walks the
+stages a run's rank reports (load, then per clip: denoise with its steps, decode), does a real
+``all_to_all`` at every denoising step (where a sequence-parallel rank waits for its peers), and
+rank 0 writes the mp4 with the run's audio through the same
+:func:`~wan_s2v_runner.shared.media.save_video_with_audio` (save, mux: temporary names, then
+rename). It imports torch, not the engine (it has no ``preload``: the node's agent imports only
+torch before forking it): a group starts in about a second instead of several. A served group
+(a server's: its spec is a group's, its run directory has an inbox) only waits, idle, until the
+server says stop: the tests that start a server on the stub are about what the server does
+before any job reaches its ranks.
 """
 from __future__ import annotations
 
@@ -58,7 +60,6 @@ def run_rank(spec, run_dir: Path, events) -> int:
         for clip in range(1, clips + 1):
             events.stage(Stage.DENOISE, clip=clip, clips=clips, steps=steps)
             for step in range(1, steps + 1):
-                events.fault_point(Stage.DENOISE, clip=clip)
                 sent = [torch.full((4,), float(rank)) for _ in range(world)]
                 got = [torch.empty(4) for _ in range(world)]
                 dist.all_to_all(got, sent)  # a sequence-parallel step's exchange
@@ -76,3 +77,13 @@ def run_rank(spec, run_dir: Path, events) -> int:
         raise
     dist.destroy_process_group()
     return 0
+
+
+#: the spec's environment layer naming this worker (``--rank-worker``), for a command's environment
+ENV = {"WAN_S2V_RANK_WORKER": "tests.stub_rank"}
+
+
+def rank_main(spec_path: str) -> int:
+    from tests import fault_worker
+
+    return fault_worker.rank_main(spec_path, body=run_rank)

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from conftest import TINY_FLAGS, asset_flags, one_process_frames, run_cli
+from fault_worker import fault_env
 
 from wan_s2v_runner.launcher.batch import plan_lines
 from wan_s2v_runner.launcher.job_book import JobState, group_values
@@ -75,7 +76,7 @@ def test_batch_resumes_the_interrupted_job_and_skips_the_finished_one(tiny_asset
     out = tmp_path / "out"
     argv = ["batch", str(jobs), *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "2", "--output-dir", str(out),
             "--runs-root", str(tmp_path / "runs")]
-    r = run_cli(argv, cwd=tmp_path, env={"WAN_S2V_TEST_FAULT": "1:denoise@2#2:raise"})  # job 2, clip 2
+    r = run_cli(argv, cwd=tmp_path, env=fault_env("1:denoise@2#2:raise"))  # job 2, clip 2
     assert r.returncode == exit_codes.RANK_FAILED, r.output
     assert "rank 1 failed in stage denoise" in r.stderr
     assert (out / "one.json").is_file() and not (out / "two.mp4").exists()

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_FLAGS, asset_flags, run_cli
+from fault_worker import fault_env
 
 from wan_s2v_runner.shared import exit_codes
 
@@ -250,7 +251,7 @@ def test_a_compiled_run_resumes_to_the_uninterrupted_compiled_frames(tiny_assets
     crash.mkdir()
     r = run_cli(["run", *three, "--frames-out", str(crash / "f.pt"), "--output", str(crash / "o.mp4"),
                  "--runs-root", str(crash / "runs")], cwd=crash,
-                env={**cache, "WAN_S2V_TEST_FAULT": "0:denoise@2:raise"})
+                env={**cache, **fault_env("0:denoise@2:raise")})
     assert r.returncode == exit_codes.RANK_FAILED, r.output
     run_dir = next((crash / "runs").iterdir())
     r = run_cli(["resume", str(run_dir)], cwd=crash, env=cache)

@@ -3,13 +3,17 @@ logged and kept, never stops the others, and fails the run in strict mode (the t
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
 
 from wan_s2v_runner.launcher.console import Display
-from wan_s2v_runner.launcher.observer import STRICT_ENV, ObserverError, Observers, RunObserver
+from wan_s2v_runner.launcher.observer import ObserverError, Observers, RunObserver
 from wan_s2v_runner.launcher.serve.keeper import KeeperObserver
+from wan_s2v_runner.shared.spec import env_values
+
+STRICT_ENV = "WAN_S2V_STRICT_OBSERVERS"
 
 
 class Broken:
@@ -65,11 +69,14 @@ def test_an_observer_error_is_logged_and_kept_and_the_others_are_still_told(capl
 
 
 def test_strict_mode_fails_the_run_at_the_next_poll(monkeypatch):
+    from wan_s2v_runner.shared.spec import GroupSpec
+
     monkeypatch.setenv(STRICT_ENV, "1")
-    watchers = Observers([Broken()])
+    # the spec's environment layer
+    watchers = Observers([Broken()], strict=GroupSpec(ckpt_dir="c", **env_values(os.environ)).strict_observers)
     assert watchers.strict
     watchers.update(None, [], 0.0)  # the error is kept where it happened (maybe the pump's thread)
     with pytest.raises(ObserverError, match="Broken.update: ValueError: bad event"):
         watchers.raise_if_strict()  # and raised on the supervisor's
     monkeypatch.setenv(STRICT_ENV, "0")
-    assert not Observers([]).strict
+    assert not GroupSpec(ckpt_dir="c", **env_values(os.environ)).strict_observers and not Observers([]).strict

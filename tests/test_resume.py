@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 from conftest import TINY_FLAGS, asset_flags, one_process_frames, run_cli
+from fault_worker import fault_env
 
 from wan_s2v_runner.shared import exit_codes, media
 
@@ -28,7 +29,7 @@ def test_resume_after_a_failure_in_clip_2_gives_the_same_mp4(tiny_assets, engine
     crash.mkdir()
     out = crash / "o.mp4"
     r = run_cli([*base, "--nproc", "2", "--output", str(out), "--runs-root", str(crash / "runs")], cwd=crash,
-                env={"WAN_S2V_TEST_FAULT": "1:denoise@2:raise"})
+                env=fault_env("1:denoise@2:raise"))
     assert r.returncode == exit_codes.RANK_FAILED, r.output
     assert not out.exists()
     run_dir = next((crash / "runs").iterdir())

@@ -86,13 +86,13 @@ def test_layout_per_mode():
     assert RunSpec(**{**kw, "nproc": 1}).layout.use_sp is False  # one rank: plain engine path
 
 
-def test_torchrun_gets_an_argument_list(tmp_path):
+def test_the_agent_gets_an_argument_list(tmp_path):
     spec = torchrun.finalize_spec(RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p",
                                         output=tmp_path / "it's a \"file\".mp4", nproc=2))
-    argv = torchrun.torchrun_argv(spec, tmp_path / "run dir")
-    assert argv[1:3] == ["-m", "torch.distributed.run"]
-    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+    argv = torchrun.agent_argv(tmp_path / "run dir")
+    assert argv[1:3] == ["-m", "wan_s2v_runner.rank.agent"] and spec.nproc == 2
     assert argv[-1] == str(tmp_path / "run dir" / "spec.json")  # one element, spaces and all
+    assert torchrun.agent_argv(tmp_path / "run dir", wait=True)[3] == "--wait"
 
 
 def test_a_slurm_step_supplies_the_nodes_and_explicit_variables_win():

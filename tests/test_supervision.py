@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from conftest import STUB_RANKS, TINY_FLAGS, asset_flags, cli_env, run_cli, wait_for
+from fault_worker import fault_env
 
 from wan_s2v_runner.shared import exit_codes, media
 
@@ -163,11 +164,14 @@ def test_normal_run_manifest_is_complete(hybrid_run):
     r, tmp_path = hybrid_run.result, hybrid_run.dir
     assert r.returncode == 0, r.output
     assert hybrid_run.other_result.returncode == 0, hybrid_run.other_result.output
+    from wan_s2v_runner.rank.agent import rendezvous
+    from wan_s2v_runner.shared.spec import read_spec
+
     for d in (tmp_path, hybrid_run.other_dir):
         rd = _run_dir(d)
-        argv = json.loads((rd / "command.json").read_text())
-        assert "--master-port" not in argv and argv[argv.index("--rdzv-endpoint") + 1] == "localhost:0"
+        assert json.loads((rd / "command.json").read_text())[-1] == str(rd / "spec.json")
         assert _manifest(rd)["spec"]["master_port"] is None
+        assert rendezvous(read_spec(rd / "spec.json"))["rdzv_endpoint"] == "localhost:0"
     first, second = (_manifest(_run_dir(d))["started"] for d in (tmp_path, hybrid_run.other_dir))
     assert abs(datetime.fromisoformat(first).timestamp() - datetime.fromisoformat(second).timestamp()) < 5
     run_dir = _run_dir(tmp_path)
@@ -212,14 +216,14 @@ def test_rank_raising_in_denoise_is_reported_and_everything_stops(tiny_assets, t
     procs = RunProcs()
     try:
         r = run_cli(_args(tiny_assets, tmp_path), cwd=tmp_path,
-                    env={**STUB_RANKS, "WAN_S2V_TEST_FAULT": "1:denoise:raise"})
+                    env={**fault_env("1:denoise:raise"), **STUB_RANKS})
         run_dir = _run_dir(tmp_path)
         procs.add_from_run_dir(run_dir)
         assert r.returncode == exit_codes.RANK_FAILED, r.output
         # the first failing rank, not rank 0 (which then fails with "connection closed")
         assert "rank 1 failed in stage denoise" in r.stderr, r.stderr
         assert "InjectedFault: injected fault on rank 1 in stage denoise" in r.stderr
-        assert "Traceback (most recent call last)" in r.stderr and "faults.py" in r.stderr
+        assert "Traceback (most recent call last)" in r.stderr and "fault_worker.py" in r.stderr
         m = _manifest(run_dir)
         assert m["exit"]["failed_rank"] == 1 and m["exit"]["failed_stage"] == "denoise"
         assert m["output"] is None
@@ -237,7 +241,7 @@ def test_hang_fires_watchdog_with_stacks_of_every_rank(tiny_assets, tmp_path):
     procs = RunProcs()
     try:
         r = run_cli(_args(tiny_assets, tmp_path, "--watchdog-step", str(WATCHDOG_STEP)), cwd=tmp_path,
-                    env={"WAN_S2V_TEST_FAULT": "1:denoise:hang"})
+                    env=fault_env("1:denoise:hang"))
         run_dir = _run_dir(tmp_path)
         procs.add_from_run_dir(run_dir)
         assert r.returncode == exit_codes.HUNG, r.output
@@ -245,7 +249,7 @@ def test_hang_fires_watchdog_with_stacks_of_every_rank(tiny_assets, tmp_path):
         assert f"stacks in {run_dir / 'stacks'}" in r.stderr
         # the suspect is named: rank 1 never reached the collective rank 0 waits in
         assert "rank 0: waiting in collective all_to_all" in r.stderr, r.stderr
-        assert "rank 1: not in a collective, at faults.py" in r.stderr, r.stderr
+        assert "rank 1: not in a collective, at fault_worker.py" in r.stderr, r.stderr
         for rank in (0, 1):
             text = (run_dir / "stacks" / f"rank{rank}.txt").read_text()
             assert 'File "' in text and "wan_s2v_runner/rank/worker.py" in text, text
@@ -271,7 +275,7 @@ def test_watchdog_sees_a_rank_that_never_reports(tiny_assets, tmp_path):
         # 12 s: time for rank 0 to import torch and register its stack dumps (1-2 s alone; over 8 s
         # once, with three test workers on 2 cores) before the limit fires
         r = run_cli(_args(tiny_assets, tmp_path, "--watchdog-load", "12"), cwd=tmp_path,
-                    env={**STUB_RANKS, "WAN_S2V_TEST_FAULT": "0:start:hang"})
+                    env={**fault_env("0:start:hang"), **STUB_RANKS})
         run_dir = _run_dir(tmp_path)
         procs.add_from_run_dir(run_dir)
         assert r.returncode == exit_codes.HUNG, r.output
@@ -279,10 +283,10 @@ def test_watchdog_sees_a_rank_that_never_reports(tiny_assets, tmp_path):
         m = _manifest(run_dir)
         assert 0 in m["exit"]["stuck"]["start"], m["exit"]
         assert "rank 0 never reported (no events): its process (pid" in r.stderr, r.stderr
-        # where it hung: the fault hook (faults.py); the dump is whole (one SIGTERM reaches the rank:
+        # where it hung: the fault hook (fault_worker.py); the dump is whole (one SIGTERM reaches the rank:
         # test_stop_gives_each_rank_one_sigterm_so_its_stack_dump_is_whole)
         stack = (run_dir / "stacks" / "rank0.at-stop.txt").read_text()
-        assert 'wan_s2v_runner/rank/faults.py", line' in stack and " in maybe_fire" in stack, stack
+        assert 'tests/fault_worker.py", line' in stack and " in maybe_fire" in stack, stack
         _assert_nothing_left(procs, run_dir, tmp_path)
     finally:
         procs.kill_all()
@@ -295,7 +299,7 @@ def test_rank0_stopped_while_muxing_leaves_no_partial_output(tiny_assets, tmp_pa
     launcher removes the rank's temporary files."""
     procs = RunProcs()
     p = _popen(_args(tiny_assets, tmp_path, "--watchdog-step", str(WATCHDOG_STEP)), cwd=tmp_path,
-               env={**STUB_RANKS, "WAN_S2V_TEST_FAULT": "0:mux:hang"})
+               env={**fault_env("0:mux:hang"), **STUB_RANKS})
     try:
         procs.add([p.pid])
         out_dir = tmp_path / "out"
@@ -459,24 +463,24 @@ def test_watchdog_stalled_is_stage_aware(tmp_path):
 
 
 def test_rendezvous_lets_the_os_pick_the_port_on_one_node(tmp_path):
-    """No port is picked before torchrun binds it: one node without --master-port gets the c10d
+    """No port is picked before the agent binds it: one node without --master-port gets the c10d
     rendezvous on localhost:0 (torchrun --standalone); a given port or several nodes keep the
-    static --master-addr/--master-port rendezvous (29500 by default with several nodes)."""
-    from wan_s2v_runner.launcher.torchrun import finalize_spec, torchrun_argv
+    static rendezvous on --master-addr:--master-port (29500 by default with several nodes)."""
+    from wan_s2v_runner.launcher.torchrun import finalize_spec
+    from wan_s2v_runner.rank.agent import rendezvous
 
-    def argv(**kw):
+    def rdzv(**kw):
         spec = finalize_spec(_supervisor(tmp_path, **kw).spec)
-        return spec, torchrun_argv(spec, tmp_path / "run")
+        return spec, rendezvous(spec)
 
-    spec, a = argv()
-    assert spec.master_port is None and "--master-port" not in a and "--master-addr" not in a
-    assert a[a.index("--rdzv-backend") + 1] == "c10d" and a[a.index("--rdzv-endpoint") + 1] == "localhost:0"
-    assert a[a.index("--rdzv-id") + 1] != argv()[1][a.index("--rdzv-id") + 1]  # one rendezvous per run
-    spec, a = argv(master_port=29611)
-    assert "--rdzv-backend" not in a and a[a.index("--master-port") + 1] == "29611"
-    spec, a = argv(nnodes=2, node_rank=1, master_addr="node0")
-    assert spec.master_port == 29500 and "--rdzv-backend" not in a
-    assert a[a.index("--master-addr") + 1:a.index("--master-addr") + 4] == ["node0", "--master-port", "29500"]
+    spec, r = rdzv()
+    assert spec.master_port is None and (r["rdzv_backend"], r["rdzv_endpoint"]) == ("c10d", "localhost:0")
+    assert r["run_id"] != rdzv()[1]["run_id"]  # one rendezvous per run
+    spec, r = rdzv(master_port=29611)
+    assert (r["rdzv_backend"], r["rdzv_endpoint"]) == ("static", f"{spec.master_addr}:29611")
+    spec, r = rdzv(nnodes=2, node_rank=1, master_addr="node0")
+    assert spec.master_port == 29500
+    assert (r["rdzv_backend"], r["rdzv_endpoint"], r["rdzv_configs"]) == ("static", "node0:29500", {"rank": 1})
 
 
 def test_log_filter_keeps_rank0_logs_and_drops_noise():

@@ -88,19 +88,27 @@ def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
     from wan_s2v_runner.launcher import launch
     from wan_s2v_runner.launcher.console import Display
 
-    if args.skip_preflight:
-        from wan_s2v_runner.preflight import groups_for
-        print(f"WARNING: --skip-preflight: NOT checking {', '.join(g.value for g in groups_for(spec.mode))}; "
-              "a job known to fail may be spawned.", file=sys.stderr)
-    else:
-        from wan_s2v_runner import preflight
-        report = preflight.gate_report(spec, json_mode=args.json)
-        if report.refused:
-            return exit_codes.PREFLIGHT
-        waves = report.data_of("memory.host").get("waves")
-        if spec.load_waves is None and waves and waves > 1:  # the memory plan's safety net
-            spec = spec.model_copy(update={"load_waves": waves})
-    return launch.run(spec, observers=[Display.auto(json_mode=args.json)], extra_env=extra_env)
+    prepared = launch.prepare(spec, extra_env)  # the ranks' imports overlap the checks
+    settled = prepared.spec  # what the ranks will read: the spec as written, and what the checks change
+    try:
+        if args.skip_preflight:
+            from wan_s2v_runner.preflight import groups_for
+            print(f"WARNING: --skip-preflight: NOT checking {', '.join(g.value for g in groups_for(spec.mode))}; "
+                  "a job known to fail may be spawned.", file=sys.stderr)
+        else:
+            from wan_s2v_runner import preflight
+            report = preflight.gate_report(spec, json_mode=args.json)
+            if report.refused:
+                prepared.abandon()
+                return exit_codes.PREFLIGHT
+            waves = report.data_of("memory.host").get("waves")
+            if spec.load_waves is None and waves and waves > 1:  # the memory plan's safety net
+                settled = settled.model_copy(update={"load_waves": waves})
+    except BaseException:
+        prepared.abandon()
+        raise
+    return launch.run(settled, observers=[Display.auto(json_mode=args.json)], extra_env=extra_env,
+                      prepared=prepared)
 
 
 def cmd_resume(args, extra_env=None) -> int:

@@ -16,17 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Mapping, Optional, Union
 
-from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
 from wan_s2v_runner.shared.events import EventReader, RankState, denoise_position, is_secondary
 from wan_s2v_runner.shared.layout import MODES, ModeTraits
+from wan_s2v_runner.shared.node_agent import AGENT_MODULE, DEFAULT_WORKER
 from wan_s2v_runner.shared.spec import RunSpec
 from wan_s2v_runner.shared.stages import Stage
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-#: how the worker module appears in a stack dump's frames
-WORKER_FILE = WORKER_MODULE.replace(".", "/") + ".py"
+#: how a rank's main thread shows in a stack dump: the worker's frames, or the agent's it was forked from
+MAIN_THREAD_FILES = tuple(m.replace(".", "/") + ".py" for m in (DEFAULT_WORKER, AGENT_MODULE))
 
 
 def has_frame(path: Path) -> bool:
@@ -183,7 +183,7 @@ def analyse_stacks(run_dir: Path, ranks: list[int], remote: Optional[str] = None
         except OSError:
             continue
         blocks = [b for b in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text) if _FRAME_RE.search(b)]
-        main = next((b for b in blocks if WORKER_FILE in b or "in <module>" in b), None)
+        main = next((b for b in blocks if any(f in b for f in MAIN_THREAD_FILES) or "in <module>" in b), None)
         if main is None:
             continue
         frames = _FRAME_RE.findall(main)

@@ -1,7 +1,8 @@
-"""The launcher: spawn ``python -m torch.distributed.run`` for a rank group and supervise it.
+"""The launcher: spawn a rank group's agent (torch elastic's, :mod:`wan_s2v_runner.rank.agent`) and supervise it.
 
 One call, :func:`run`, does it all: make the run directory (``<runs_root>/<time>-<mode>/``),
-write the group's ``spec.json`` once (and its jobs' ``jobs.jsonl``), spawn torchrun
+write the group's ``spec.json`` once (and its jobs' ``jobs.jsonl``), spawn the agent (or, for
+``wan-s2v run``, tell the agent :func:`prepare` spawned before the preflight to go)
 (:mod:`.torchrun` builds the command), supervise it
 (:class:`~.supervisor.Supervisor`: live progress, the hang watchdog, fast stop of every rank
 when one fails or on Ctrl-C/SIGTERM, a failure report naming the *first* failing rank), remove
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +25,7 @@ from wan_s2v_runner.launcher import manifest
 from wan_s2v_runner.launcher.console import Display
 from wan_s2v_runner.launcher.diagnose import parse_torchrun_exits
 from wan_s2v_runner.launcher.observer import Observers, RunObserver
+from wan_s2v_runner.launcher.processes import EarlyAgent
 from wan_s2v_runner.launcher.proctree import cpu_s
 from wan_s2v_runner.launcher.supervisor import Outcome, Supervisor
 from wan_s2v_runner.launcher.torchrun import finalize_spec, make_run_dir
@@ -71,23 +75,66 @@ def _remove_empty_stacks(run_dir: Path) -> None:
         pass
 
 
-def run(spec: GroupSpec, *, observers: Optional[list[RunObserver]] = None, extra_env: Optional[dict] = None,
-        jobs: Optional[list[Job]] = None, served: bool = False, halt: Optional[threading.Event] = None) -> int:
-    """Spawn and supervise one rank group of ``spec`` (a :class:`GroupSpec`) that makes, in turn,
-    each of ``jobs``, or, ``served``, whatever a server posts to the run directory's inbox
-    (:mod:`wan_s2v_runner.shared.inbox`) until it says stop; a :class:`RunSpec` alone (``wan-s2v
-    run``) is a group with its one job. ``observers`` (default: the console) are told how it goes
-    (:mod:`.observer`). ``halt`` set from another thread stops the ranks as a signal would.
-    Returns an exit code (see exit_codes)."""
+@dataclass
+class Prepared:
+    """``wan-s2v run``'s head start (:func:`prepare`): the run directory and its spec, and the
+    node's agent importing torch and the engine while the launcher's preflight runs."""
+
+    spec: GroupSpec
+    run_dir: Path
+    agent: EarlyAgent
+    made_root: bool  # the runs root did not exist before
+
+    def abandon(self) -> None:
+        """The run will not start (refused, or the launcher stopped): end the agent, remove the
+        run directory (and the runs root, when it made that and it is empty): nothing is left."""
+        self.agent.abandon()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.made_root:
+            try:
+                self.run_dir.parent.rmdir()
+            except OSError:  # another run's directory is there now
+                pass
+
+
+def _new_run(spec: GroupSpec, jobs: Optional[list[Job]], served: bool) -> tuple[GroupSpec, Path]:
     spec = finalize_spec(spec)
-    watchers = Observers(observers if observers is not None else [Display.auto()])
     run_dir = make_run_dir(spec)
     atomic.write_text(run_dir / "spec.json", spec.to_json())
     if jobs:
         write_jobs(run_dir, jobs)
     if served:
         inbox.inbox_of(run_dir).mkdir()
+    return spec, run_dir
+
+
+def prepare(spec: GroupSpec, extra_env: Optional[dict] = None) -> Prepared:
+    """Make the run directory now and spawn its agent waiting (:class:`EarlyAgent`): the imports a
+    rank needs (3-8 s) overlap the checks before it. Pass the result to :func:`run` (with the spec
+    the checks settled on: :attr:`Prepared.spec`, updated) or :meth:`~Prepared.abandon` it."""
+    made_root = not spec.runs_root.exists()
+    spec, run_dir = _new_run(spec, None, False)
+    return Prepared(spec, run_dir, EarlyAgent(spec, run_dir, extra_env), made_root)
+
+
+def run(spec: GroupSpec, *, observers: Optional[list[RunObserver]] = None, extra_env: Optional[dict] = None,
+        jobs: Optional[list[Job]] = None, served: bool = False, halt: Optional[threading.Event] = None,
+        prepared: Optional[Prepared] = None) -> int:
+    """Spawn and supervise one rank group of ``spec`` (a :class:`GroupSpec`) that makes, in turn,
+    each of ``jobs``, or, ``served``, whatever a server posts to the run directory's inbox
+    (:mod:`wan_s2v_runner.shared.inbox`) until it says stop; a :class:`RunSpec` alone (``wan-s2v
+    run``) is a group with its one job. ``observers`` (default: the console) are told how it goes
+    (:mod:`.observer`). ``halt`` set from another thread stops the ranks as a signal would.
+    ``prepared``: the run directory and waiting agent of :func:`prepare` (``spec``: its spec, as
+    the checks left it). Returns an exit code (see exit_codes)."""
+    if prepared is None:
+        spec, run_dir = _new_run(spec, jobs, served)
+    else:
+        spec, run_dir = finalize_spec(spec), prepared.run_dir
+        if spec != prepared.spec:  # the agent reads it once told to go
+            atomic.write_text(run_dir / "spec.json", spec.to_json())
     own_job = spec if isinstance(spec, RunSpec) else None  # the run's own job (else the jobs', or served)
+    watchers = Observers(observers if observers is not None else [Display.auto()], strict=spec.strict_observers)
     watchers.started(spec, run_dir)
     sup = Supervisor(spec, run_dir, watchers, extra_env, halt=halt)
     old = {}
@@ -101,7 +148,7 @@ def run(spec: GroupSpec, *, observers: Optional[list[RunObserver]] = None, extra
     cpu_before = cpu_s(os.getpid()) or 0.0
     try:
         try:
-            sup.start()
+            sup.start(prepared.agent if prepared is not None else None)
             outcome = sup.supervise()
         except BaseException:
             sup.processes.force = True  # the launcher itself failed: leave nothing behind

@@ -9,13 +9,13 @@ watches, or JSON for machines) is one observer; a server's keeper
 An observer's error never stops supervision (the ranks keep running and are still stopped,
 reported and cleaned up as they would be), and it is never swallowed: :class:`Observers` logs
 it with its traceback on the ``wan_s2v.observer`` logger and keeps it in :attr:`Observers.errors`.
-With ``WAN_S2V_STRICT_OBSERVERS=1`` (the test suite sets it, for every process it starts) the
-supervisor raises :class:`ObserverError` at its next poll instead, so a test fails on it.
+With ``strict`` (the group's ``--strict-observers``, or ``WAN_S2V_STRICT_OBSERVERS=1``: the test
+suite sets it for every process it starts) the supervisor raises :class:`ObserverError` at its
+next poll instead, so a test fails on it.
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Any, Iterable, Protocol, runtime_checkable
@@ -25,8 +25,6 @@ from wan_s2v_runner.shared.spec import GroupSpec
 
 log = logging.getLogger("wan_s2v.observer")
 
-#: set to 1 to make an observer's error fail the run (the test suite sets it)
-STRICT_ENV = "WAN_S2V_STRICT_OBSERVERS"
 
 
 @runtime_checkable
@@ -47,15 +45,15 @@ class RunObserver(Protocol):
 
 
 class ObserverError(RuntimeError):
-    """An observer failed while ``WAN_S2V_STRICT_OBSERVERS`` is set."""
+    """An observer failed in a strict run (``--strict-observers``)."""
 
 
 class Observers:
     """The observers of one run, told in order; their errors are logged and kept."""
 
-    def __init__(self, observers: Iterable[RunObserver], strict: bool | None = None):
+    def __init__(self, observers: Iterable[RunObserver], strict: bool = False):
         self.observers = list(observers)
-        self.strict = os.environ.get(STRICT_ENV) == "1" if strict is None else strict
+        self.strict = strict
         self.errors: list[str] = []
         self._lock = threading.Lock()
 

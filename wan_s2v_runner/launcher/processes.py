@@ -1,5 +1,7 @@
-"""The processes of one run: torchrun (its own session, PR_SET_PDEATHSIG) and every worker it
-starts. :class:`RunProcesses` spawns torchrun with its output pumped to ``torchrun.log`` and the
+"""The processes of one run: the node's agent ("torchrun": torch elastic's agent,
+:mod:`wan_s2v_runner.rank.agent`; its own session, PR_SET_PDEATHSIG) and every worker it forks.
+:class:`RunProcesses` spawns the agent (or adopts an :class:`EarlyAgent`, spawned before the
+preflight) with its output pumped to ``torchrun.log`` and the
 observers, finds the run's processes (torchrun's descendants, the pids ranks report, command lines
 naming the run's ``spec.json``), notes each exit as it happens (:class:`~.proctree.ProcTable`),
 samples their memory and CPU, asks them for stack dumps, and stops them all. It decides nothing:
@@ -26,11 +28,52 @@ from wan_s2v_runner.launcher.proctree import (
     pids_with_cmdline,
     ppid_map,
 )
-from wan_s2v_runner.launcher.torchrun import WORKER_MODULE, torchrun_argv, worker_env
+from wan_s2v_runner.launcher.torchrun import WORKER_MODULE, agent_argv, worker_env
 from wan_s2v_runner.shared import atomic
 from wan_s2v_runner.shared.events import EventReader, RankState
 from wan_s2v_runner.shared.procfs import hwm_mb
 from wan_s2v_runner.shared.spec import GroupSpec
+
+
+def _spawn_agent(argv: list[str], spec: GroupSpec, extra_env: Optional[dict], stdin) -> subprocess.Popen:
+    """The node's agent in its own session (PR_SET_PDEATHSIG: it dies with the launcher), its
+    output on one pipe (the launcher's pump reads it)."""
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin,
+                            env=worker_env(spec, extra_env), start_new_session=True, cwd=os.getcwd(),
+                            preexec_fn=pdeathsig_preexec())
+
+
+class EarlyAgent:
+    """A run's agent spawned before the launcher's preflight (``wan-s2v run``): it imports torch
+    and the engine meanwhile, then waits for :meth:`go` (stdin ``go``); :meth:`abandon` (the run
+    was refused) ends it before any rank starts. Its output waits in the pipe until the run's
+    :class:`RunProcesses` adopts it."""
+
+    def __init__(self, spec: GroupSpec, run_dir: Path, extra_env: Optional[dict] = None):
+        self.argv = agent_argv(run_dir, wait=True)
+        self.t0 = time.time()
+        self.proc = _spawn_agent(self.argv, spec, extra_env, stdin=subprocess.PIPE)
+
+    def go(self) -> None:
+        try:
+            self.proc.stdin.write(b"go\n")  # type: ignore[union-attr]
+            self.proc.stdin.close()  # type: ignore[union-attr]
+        except OSError:  # it died already: the supervisor sees its exit
+            pass
+
+    def abandon(self) -> None:
+        """End the agent without starting a rank (end of its input), at once if it lingers."""
+        try:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 class RunProcesses:
@@ -49,17 +92,21 @@ class RunProcesses:
         self._needle = str(run_dir / "spec.json").encode()
         self._host = os.uname().nodename
 
-    def start(self) -> float:
-        """Spawn torchrun; returns the time it was started."""
-        argv = torchrun_argv(self.spec, self.run_dir)
-        atomic.write_text(self.run_dir / "command.json", json.dumps(argv, indent=1))
-        t0 = time.time()
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=worker_env(self.spec, self.extra_env),
-                                     start_new_session=True, cwd=os.getcwd(),
-                                     preexec_fn=pdeathsig_preexec())
+    def start(self, early: Optional["EarlyAgent"] = None) -> float:
+        """Start the ranks: spawn the node's agent, or tell ``early`` (spawned before the
+        launcher's preflight, preloaded since) to go; returns the time the agent was spawned."""
+        if early is not None:
+            self.proc, t0 = early.proc, early.t0
+            atomic.write_text(self.run_dir / "command.json", json.dumps(early.argv, indent=1))
+        else:
+            argv = agent_argv(self.run_dir)
+            atomic.write_text(self.run_dir / "command.json", json.dumps(argv, indent=1))
+            t0 = time.time()
+            self.proc = _spawn_agent(argv, self.spec, self.extra_env, stdin=subprocess.DEVNULL)
         self._pump_thread = threading.Thread(target=self._pump, daemon=True, name="wan-s2v-pump")
         self._pump_thread.start()
+        if early is not None:
+            early.go()
         return t0
 
     def _pump(self) -> None:

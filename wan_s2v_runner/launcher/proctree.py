@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
+from wan_s2v_runner.shared.procfs import comm_rank
 
 
 def pdeathsig_preexec():
@@ -98,16 +99,15 @@ def pids_with_cmdline(*needles: bytes) -> set[int]:
 
 
 def worker_rank(pid: int) -> Optional[int]:
-    """RANK from a worker's environment (same user), for workers that never reported."""
+    """The global rank of a run's worker process (same user), for workers that never reported: a
+    rank names itself ``wan-s2v-rN`` (its ``comm``, :func:`~wan_s2v_runner.shared.procfs.rank_comm`)
+    before anything else; None for any other process (the agent, a rank not that far yet)."""
     try:
         if WORKER_MODULE.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
             return None
-        for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-            if kv.startswith(b"RANK="):
-                return int(kv[5:])
-    except (OSError, ValueError):
-        pass
-    return None
+        return comm_rank(Path(f"/proc/{pid}/comm").read_text().strip())
+    except OSError:
+        return None
 
 
 def proc_state(pid: int) -> str:

@@ -86,8 +86,9 @@ class Supervisor:
         self.signal_received: Optional[int] = None
         self.t0 = time.time()
 
-    def start(self) -> None:
-        self.t0 = self.processes.start()
+    def start(self, early=None) -> None:
+        """Start the ranks (``early``: tell the agent spawned before the preflight to go)."""
+        self.t0 = self.processes.start(early)
 
     # ----- watchdog -----
     def stalled(self, now: float) -> Optional[Stuck]:

@@ -1,27 +1,28 @@
-"""How a run is spawned: its run directory, its torchrun command line and the workers' environment.
+"""How a run is spawned: its run directory, its agent's command line and the workers' environment.
 
-:func:`torchrun_argv` is the whole command (an argument list, no shell): ``python -m
-torch.distributed.run`` with this node's share of the world, the rendezvous (:func:`rendezvous_argv`),
-per-rank logs and torch elastic error files under ``logs/``, and the worker module
-(:data:`WORKER_MODULE`) reading the run's ``spec.json``. :func:`finalize_spec` resolves what the
-launcher decides once (seed, multi-node port) before the spec is written.
+:func:`agent_argv` is the whole command (an argument list, no shell): ``python -m
+wan_s2v_runner.rank.agent`` with the run's ``spec.json``, from which the agent (torch elastic's,
+as torchrun runs it; see :mod:`wan_s2v_runner.rank.agent`) takes this node's share of the world,
+the rendezvous and the rank body; per-rank logs and torch elastic error files go under ``logs/``.
+The launcher still calls the agent "torchrun" (``torchrun.log``, ``torchrun_pid``): it is the same
+agent. :func:`finalize_spec` resolves what the launcher decides once (seed, multi-node port)
+before the spec is written.
 """
 from __future__ import annotations
 
 import os
 import sys
-import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
+from wan_s2v_runner.shared.node_agent import AGENT_MODULE, DEFAULT_MASTER_PORT
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-#: the module every rank runs (``python -m``); the supervisor finds workers by it in /proc
-WORKER_MODULE = "wan_s2v_runner.rank.worker"
-#: rendezvous port of a multi-node run when none is given (torchrun's own default)
-DEFAULT_MASTER_PORT = 29500
+#: the module in every rank's command line (the node's agent, which forks them); the supervisor
+#: finds a run's processes by it in /proc, with the run's spec path
+WORKER_MODULE = AGENT_MODULE
 
 
 def make_run_dir(spec: GroupSpec) -> Path:
@@ -41,8 +42,8 @@ def make_run_dir(spec: GroupSpec) -> Path:
 def finalize_spec(spec: GroupSpec) -> GroupSpec:
     """Resolve what the launcher decides once: the seed, and the rendezvous port of a
     multi-node run (:data:`DEFAULT_MASTER_PORT` unless given). A one-node run without a port
-    keeps ``master_port=None``: torchrun's rendezvous then binds port 0 and the OS picks
-    (:func:`rendezvous_argv`)."""
+    keeps ``master_port=None``: the agent's rendezvous then binds port 0 and the OS picks
+    (:func:`wan_s2v_runner.rank.agent.rendezvous`)."""
     if isinstance(spec, JobSpec):  # a run's spec carries its job's seed
         spec = spec.with_resolved_seed()
     if spec.master_port is None and spec.nnodes > 1:
@@ -50,37 +51,16 @@ def finalize_spec(spec: GroupSpec) -> GroupSpec:
     return spec
 
 
-def rendezvous_argv(spec: GroupSpec) -> list[str]:
-    """torchrun's rendezvous flags.
-
-    One node, no ``--master-port``: what ``torchrun --standalone`` does, a c10d rendezvous on
-    ``localhost:0``. Its store binds port 0 and keeps the port the OS gave it (no port is picked
-    first and bound later, so runs started together cannot collide); the agent then serves the
-    store the ranks join, also on an OS-picked port, and hands every rank ``MASTER_ADDR``
-    (``--local-addr``: this host) and ``MASTER_PORT`` for ``init_process_group("env://")``.
-    Otherwise (a port given, or several nodes): the static rendezvous on
-    ``--master-addr:--master-port``."""
-    if spec.master_port is None and spec.nnodes == 1:
-        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
-                "--rdzv-id", uuid.uuid4().hex, "--local-addr", "127.0.0.1"]
-    port = spec.master_port or DEFAULT_MASTER_PORT
-    return ["--master-addr", spec.master_addr, "--master-port", str(port)]
-
-
 def expected_ranks(spec: GroupSpec) -> list[int]:
     """Global ranks started on this node (node-major: one node's are 0..nproc-1)."""
     return list(range(spec.node_rank * spec.nproc, (spec.node_rank + 1) * spec.nproc))
 
 
-def torchrun_argv(spec: GroupSpec, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
-            "--nproc-per-node", str(spec.nproc),
-            *rendezvous_argv(spec),
-            "--max-restarts", "0",
-            "--log-dir", str(run_dir / "logs"), "--redirects", "3", "--tee", "3",
-            "--local-ranks-filter", "0",
-            "-m", WORKER_MODULE, str(run_dir / "spec.json")]
+def agent_argv(run_dir: Path, wait: bool = False) -> list[str]:
+    """The node agent's command (:mod:`wan_s2v_runner.rank.agent`: torch elastic's agent, as
+    torchrun runs it, forking the ranks from a process that has imported torch and the engine);
+    ``wait``: it preloads, then starts the ranks when told ``go`` on stdin."""
+    return [sys.executable, "-m", AGENT_MODULE, *(["--wait"] if wait else []), str(run_dir / "spec.json")]
 
 
 #: glibc malloc settings for CPU ranks (each kept if the user set it). By default glibc serves

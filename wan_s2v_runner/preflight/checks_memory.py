@@ -110,8 +110,11 @@ def check_host(ctx):
     n = ctx.spec.nproc
     ranks = f"{n} local rank{'s' if n > 1 else ''}"
     shared = f" + {gib(p.host_shared)} shared DiT" if p.host_shared else ""
-    per_rank = gib(p.host_peak - p.host_shared) if n == 1 or p.host_others == p.host_peak else \
-        f"{gib(p.host_peak - p.host_shared)} (rank 0) / {gib(p.host_others)}"
+    if n == 1 or p.host_others == p.host_rank0 == p.host_peak:
+        per_rank = gib(p.host_peak - p.host_shared)
+    else:
+        text = f" / {gib(p.host_others + p.host_text_extra)} (rank {p.world_size - 1}: T5)" if p.host_text_extra else ""
+        per_rank = f"{gib(p.host_rank0)} (rank 0){text} / {gib(p.host_others)}"
     chosen, groups = ctx.spec.load_waves, ctx.node_groups
     waves = chosen or p.waves_needed(avail // groups) or (n if p.host_load_transient else 1)
     need = p.node_total(waves) * groups

@@ -165,14 +165,16 @@ class ModePlan:
     world_size: int
     gpu_peak: Optional[int]  # per rank, bytes; None on CPU
     gpu_phases: dict[str, int]
-    host_peak: int  # per rank (the largest: rank 0), a node-shared DiT included
+    host_peak: int  # per rank (the largest: rank 0, or the text rank holding T5), a node-shared DiT included
     host_node_total: int  # all local ranks loading at once + rank 0's output video
     parts: dict[str, int]
     load: LoadStrategy = LoadStrategy.LEAN
-    host_others: int = 0  # per rank other than rank 0 (node-shared weights not included)
+    host_others: int = 0  # per rank other than rank 0 and the text rank (node-shared weights not included)
     host_shared: int = 0  # held once per node, mapped by every local rank (lean: a replicated CPU DiT)
     host_load_transient: int = 0  # per rank, only while reading weights (what waves spread out)
     nproc: int = 1
+    host_rank0: int = 0  # rank 0 (node-shared weights not included)
+    host_text_extra: int = 0  # what the text rank (the last: it encodes the prompts) holds beyond host_others
 
     def node_total(self, waves: int = 1) -> int:
         """Host RAM the node needs when its ranks read their weights in ``waves`` turns."""
@@ -275,7 +277,7 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     w2v_phase = w_w2v + int(wl.audio_seconds * W2V_ACT_PER_S)
     base = HOST_BASE_CUDA if on_cuda else HOST_BASE_CPU
     if load is LoadStrategy.LEAN:
-        host0, others, shared, transient = _lean_host(
+        host0, others, shared, transient, text_extra = _lean_host(
             layout, on_cuda=on_cuda, offload=offload, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
             w2v_phase=w2v_phase, dit_res=dit_res, dit_gathered=dit_gathered, act=act + text_kv,
             vae_band=vae_dec, vae_out=dec_out,
@@ -283,9 +285,10 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
             else LEAN_CHUNK + (largest_linear * 4 if fp8 else 0))
         host0, others = host0 + base, others + base
         name = layout.mode.value if layout.mode else "custom"
-        node = host0 + (nproc - 1) * others + shared + video
-        return ModePlan(name, ws, gpu_peak, phases, int(host0 + shared), int(node), parts, load,
-                        int(others), int(shared), int(transient), nproc)
+        # the text rank (the last) holds T5 on top of what any other rank holds
+        node = host0 + (nproc - 1) * others + (text_extra if nproc > 1 else 0) + shared + video
+        return ModePlan(name, ws, gpu_peak, phases, int(max(host0, others + text_extra) + shared), int(node), parts,
+                        load, int(others), int(shared), int(transient), nproc, int(host0), int(text_extra))
     if on_cuda:
         t5_build = sizes.t5_params * 4 + (0 if pb == 2 else sizes.t5_params * 2)  # fp32 init (+ file)
         t5_resident = w_t5 if not t5_fsdp else 0
@@ -308,32 +311,34 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     name = layout.mode.value if layout.mode else "custom"
     # --load full: upstream's constructors; reading in waves is lean loading's (no transient here)
     return ModePlan(name, ws, gpu_peak, phases, int(host), int(nproc * host + video), parts, load,
-                    int(host), 0, 0, nproc)
+                    int(host), 0, 0, nproc, int(host))
 
 
 def _lean_host(layout: Layout, *, on_cuda, offload, w_dit, w_t5, w_vae, w2v_phase, dit_res,
-               dit_gathered, act, vae_band, vae_out, staging) -> tuple[int, int, int, int]:
+               dit_gathered, act, vae_band, vae_out, staging) -> tuple[int, int, int, int, int]:
     """Host bytes under lean loading, base excluded: (rank 0, any other rank, shared once per
-    node, per-rank transient while reading). Rank 0 alone holds T5 (unless FSDP-sharded) and
-    runs wav2vec2; weights stream to the GPU through a one-tensor staging buffer; on the CPU a
-    replicated DiT is one node-shared copy and an FSDP rank holds its shards."""
+    node, per-rank transient while reading, what the text rank holds on top of any other rank).
+    Rank 0 runs wav2vec2; the text rank (the layout's ``text_rank``: the last, rank 0 when alone)
+    holds T5 unless it is FSDP-sharded; weights stream to the GPU through a one-tensor staging
+    buffer; on the CPU a replicated DiT is one node-shared copy and an FSDP rank holds its shards."""
     ws = max(1, layout.world_size)
     t5_shard = -(-w_t5 // ws)
+    t5_whole = 0 if layout.t5_fsdp else w_t5
+    t5_0, text_extra = (t5_whole, 0) if layout.text_rank in (0, None) else (0, t5_whole)
     if on_cuda:
-        t5_host = 0 if layout.t5_fsdp else w_t5  # built on the CPU, moved to the GPU when used
-        host0 = t5_host + max(w2v_phase, staging)
+        host0 = t5_0 + max(w2v_phase, staging)  # T5 is built on the CPU, moved to the GPU when used
         # offload parks the DiT on the CPU between uses, and T5's shard when it is FSDP-sharded (a
-        # whole T5 is t5_host already)
+        # whole T5 is counted where it is built already)
         if offload:
             host0 += w_dit + (t5_shard if layout.t5_fsdp else 0)
-        return host0, staging, 0, staging
+        return host0, staging, 0, staging, text_extra
     dit_local, shared = (dit_res, 0) if layout.dit_fsdp else (0, w_dit)
-    t5_0, t5_other = (t5_shard, t5_shard) if layout.t5_fsdp else (w_t5, 0)
+    t5_0, t5_other = (t5_shard, t5_shard) if layout.t5_fsdp else (t5_0, 0)
     # a split VAE: every rank works on its band (vae_band is per rank already); rank 0 gathers the clip
     vae_other = (w_vae + vae_band + vae_out // max(1, ws)) if layout.vae_parallel else 0
     host0 = dit_local + dit_gathered + t5_0 + w_vae + w2v_phase + act + vae_band + vae_out + staging
     others = dit_local + dit_gathered + t5_other + vae_other + act + staging
-    return host0, others, shared, staging
+    return host0, others, shared, staging, text_extra
 
 
 def plan_all(ctx) -> dict[str, ModePlan]:

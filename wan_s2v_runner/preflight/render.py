@@ -30,7 +30,7 @@ def gate_text(report: GateReport) -> str:
     fails, warns = report.with_status(Status.FAIL), report.with_status(Status.WARN)
     c = report.counts
     if report.refused:
-        lines = [f"preflight refused the run ({len(fails)} failed, {len(warns)} warnings); nothing was spawned."]
+        lines = [f"preflight refused the run ({len(fails)} failed, {len(warns)} warnings); no rank was started."]
         lines += [check_line(r) for r in fails + warns]
         lines.append("Full report: wan-s2v doctor with the same flags. Override (not recommended): "
                      "--skip-preflight.")

@@ -8,9 +8,11 @@ the same noise, scheduler, CFG combine ``u + g * (c - u)`` and decode/re-encode.
 ``generate`` stays the reference (tests/test_generation.py: our loop == upstream exactly).
 
 What differs is *where* work runs (:class:`~wan_s2v_runner.rank.parallel.RankPlan`):
-* audio features, text contexts (prompt and negative), reference and initial-motion latents are
-  computed by the encoding rank (rank 0) and broadcast; with an FSDP-sharded T5 every rank takes
-  part in the text encode (FSDP needs it) and no broadcast of contexts is needed;
+* audio features, reference and initial-motion latents are computed by the encoding rank (rank 0)
+  and broadcast; the text contexts (prompt and negative) by the last rank (the layout's
+  ``text_rank``), at the same time, and broadcast from there (one rank: rank 0 does both); with
+  an FSDP-sharded T5 every rank takes part in the text encode (FSDP needs it) and no broadcast
+  of contexts is needed;
 * with CFG-parallel the conditional and unconditional DiT passes run on the two halves of the
   ranks and the two noise predictions are exchanged with one all-gather per step;
 * the VAE work (reference and initial-motion encode, each clip's decode, the motion re-encode of
@@ -102,7 +104,6 @@ class Hooks:
 
     stage: Callable[..., None] = lambda *a, **k: None
     step: Callable[..., None] = lambda **k: None
-    fault_point: Callable[..., None] = lambda *a, **k: None
     #: decoding rank only: (clip index, its frames on the CPU, the state after it, number of clips)
     clip_done: Optional[Callable[[int, torch.Tensor, ClipState, int], None]] = None
 
@@ -161,6 +162,11 @@ class S2VGenerator:
         if split_vae:  # every rank encodes its rows of the reference and initial motion
             h.stage(Stage.REF_ENCODE)
             ref_latents, motion_latents, drop_first_motion, last_frames = self._encode_reference(req, size, True)
+        texts: dict = {}
+        if plan.encodes_text and not plan.encodes:  # the text rank, while rank 0 encodes the speech
+            h.stage(Stage.TEXT_ENCODE)
+            context, context_null = self._encode_text(req)
+            texts = {"context": context, "context_null": context_null}
         if plan.encodes:
             h.stage(Stage.AUDIO_ENCODE)
             with torch.no_grad():
@@ -171,16 +177,16 @@ class S2VGenerator:
                 mine = {"ref_latents": ref_latents, "motion_latents": motion_latents}
             mine.update(audio_emb=audio_emb, meta=torch.tensor([size[0], size[1], nr, int(drop_first_motion)],
                                                                dtype=torch.int64))
-            if not plan.all_encode_text:
+            if plan.encodes_text:  # one rank: it encodes everything
                 h.stage(Stage.TEXT_ENCODE)
                 context, context_null = self._encode_text(req)
-                mine.update(context=context, context_null=context_null)
         if plan.layout.world_size > 1:
             if not plan.encodes:
                 h.stage(Stage.RECEIVE_INPUTS)
             got = broadcast_tensors(mine, src=0, device=self.device)
-            if not plan.all_encode_text:
-                context, context_null = got["context"], got["context_null"]
+            if plan.layout.text_rank is not None:  # the contexts, from the rank that encoded them
+                texts = broadcast_tensors(texts, src=plan.layout.text_rank, device=self.device)
+                context, context_null = texts["context"], texts["context_null"]
             mine = got
         if split_vae:
             mine.update(ref_latents=ref_latents, motion_latents=motion_latents)
@@ -374,7 +380,6 @@ class S2VGenerator:
                     self._empty_cache()
                 h.stage(Stage.DENOISE, clip=r + 1, clips=enc.num_repeat, steps=len(timesteps))
                 for i, t in enumerate(timesteps):
-                    h.fault_point(Stage.DENOISE, clip=r + 1)
                     timestep = torch.stack([t]).to(self.device)
                     noise_pred = self._denoise_pred(latents[0:1], timestep, arg_c, arg_null, req.guide_scale)
                     temp_x0 = sample_scheduler.step(noise_pred[0].unsqueeze(0), t, latents[0].unsqueeze(0),

@@ -6,8 +6,9 @@ degrees, the mesh's shape, a rank's coordinates on it, and it builds the ``Devic
 an SP group is consecutive ranks, i.e. one node; CFG groups span nodes). Ask it (``plan.layout``)
 for those. A :class:`RankPlan` adds only what is this rank's own: its number, the mesh and its
 process groups (looked up by :class:`~wan_s2v_runner.shared.layout.MeshAxis`), and who does what:
-rank 0 encodes audio and text and keeps the clips' frames; the other ranks load neither wav2vec2
-nor T5 unless T5 is FSDP-sharded (then every rank takes part in the text encode). The VAE work
+rank 0 encodes the speech and keeps the clips' frames while the last rank (the layout's
+``text_rank``; rank 0 when alone) encodes the prompts, at the same time; the others load neither
+wav2vec2 nor T5 unless T5 is FSDP-sharded (then every rank takes part in the text encode). The VAE work
 (reference encode, per-clip decode, motion re-encode) is split by rows over every rank with
 ``--vae-parallel`` (on by default with more than one rank: every rank loads the VAE); without it
 rank 0 runs it alone and the other ranks do not load the VAE.
@@ -53,8 +54,13 @@ class RankPlan:
 
     @property
     def encodes(self) -> bool:
-        """Computes audio features, reference/motion latents and (unless FSDP T5) text contexts."""
+        """Computes audio features and reference/motion latents (broadcast from rank 0)."""
         return self.rank == 0
+
+    @property
+    def encodes_text(self) -> bool:
+        """Computes the text contexts and broadcasts them (unless FSDP T5: every rank takes part)."""
+        return self.rank == self.layout.text_rank
 
     @property
     def decodes(self) -> bool:
@@ -68,7 +74,7 @@ class RankPlan:
 
     @property
     def needs_t5(self) -> bool:
-        return self.encodes or self.all_encode_text
+        return self.encodes_text or self.all_encode_text
 
     @property
     def needs_audio_encoder(self) -> bool:

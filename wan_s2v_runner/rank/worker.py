@@ -1,4 +1,5 @@
-"""One rank of a run: ``python -m wan_s2v_runner.rank.worker SPEC_JSON`` (spawned by torchrun).
+"""One rank of a run: :func:`rank_main` (``SPEC_JSON``), which the node's agent
+(:mod:`wan_s2v_runner.rank.agent`) runs in each rank it forks.
 
 Reads the group's spec the launcher wrote (:func:`~wan_s2v_runner.shared.spec.read_spec`: a
 group spec, or a run's spec with its one job), joins the process group (gloo on CPU, nccl on
@@ -33,7 +34,6 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from wan_s2v_runner.loading import engine
-from wan_s2v_runner.rank import faults
 from wan_s2v_runner.rank.cpu_binding import cpu_binding
 from wan_s2v_runner.rank.lease import ALWAYS, JobLost, LeaseGate
 from wan_s2v_runner.rank.memory_peaks import StagePeaks
@@ -97,31 +97,28 @@ def input_problem(spec) -> Optional[str]:
 
 
 class RankEvents(EventWriter):
-    """EventWriter that also checks the test fault hook at every stage, and reports this rank's
-    memory: peaks per stage (``stage_peak`` records, :mod:`.memory_peaks`) and in heartbeats."""
+    """EventWriter that also reports this rank's memory: peaks per stage (``stage_peak`` records,
+    :mod:`.memory_peaks`) and in heartbeats. A worker module of one's own (``--rank-worker``) may
+    subclass it and pass it to :func:`main` (the tests' fault injection acts at its stage changes)."""
 
     def __init__(self, run_dir: Path, rank: int, peaks: StagePeaks):
         super().__init__(run_dir, rank, mem_fn=lambda: memory_figures(peaks, heartbeat=True),
                          stage_peak_fn=peaks.take)
         self.peaks = peaks
-        self._fault = faults.parse_all(os.environ.get(faults.ENV))
         self.error_reported = False
         self.job = 1  # the rank group's job in progress (1-based)
-        self.job_prompt = ""  # its prompt (a test fault may name a word of it: served jobs have random ids)
+        self.job_prompt = ""  # its prompt
+
+    @classmethod
+    def starting(cls, rank: int) -> None:
+        """Called once the rank's logging and stack dumps are set up, before its first event
+        (nothing here; a subclass may act)."""
 
     def error(self, e: BaseException) -> None:
         """Record the rank's failure once, as early as possible (before comms are torn down)."""
         if not self.error_reported:
             self.error_reported = True
             self.emit("error", error_type=type(e).__name__, message=str(e)[:2000])
-
-    def fault_point(self, stage: Stage, clip=None) -> None:
-        if self._fault:
-            faults.maybe_fire(self.rank, stage, self._fault, clip=clip, job=self.job, prompt=self.job_prompt)
-
-    def stage(self, stage: Stage, **data) -> None:
-        super().stage(stage, **data)
-        self.fault_point(self.current_stage, clip=data.get("clip"))
 
 
 def _setup_logging(rank: int) -> None:
@@ -379,7 +376,7 @@ class RankGroup:
         if self.compiler is not None:
             self.compiler.around = compiling
 
-        hooks = Hooks(stage=stage, step=self._step_or_cancel(job, gate), fault_point=events.fault_point)
+        hooks = Hooks(stage=stage, step=self._step_or_cancel(job, gate))
         resume_state, identity, preview = None, None, None
         if plan.decodes:  # clip checkpoints: a crash loses at most the clip in progress
             identity = resume.identity(spec)
@@ -552,26 +549,30 @@ def _bind_cpus(spec: GroupSpec) -> list[int] | None:
 
 
 @record
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, body=None, events_cls: type[RankEvents] = RankEvents,
+         spec_for_rank=None) -> int:
+    """One rank: ``argv`` = [SPEC_JSON]. A worker module of one's own calls it with ``body``
+    (``body(spec, run_dir, events)`` in place of the engine's :func:`run_rank`), ``events_cls``
+    (a :class:`RankEvents` subclass) or ``spec_for_rank`` (``(spec, rank) -> spec``: what this
+    rank reads, e.g. another node's checkpoint directory)."""
     argv = sys.argv[1:] if argv is None else argv
     spec_path = Path(argv[0])
     run_dir = spec_path.parent
     spec = read_spec(spec_path)  # the group's (a run's: with its one job)
     rank = int(os.environ.get("RANK", 0))
-    other_ckpt = faults.checkpoint_for(rank)  # test hook: this rank's node has other files
-    if other_ckpt:
-        spec = spec.model_copy(update={"ckpt_dir": Path(other_ckpt)})
+    if spec_for_rank is not None:
+        spec = spec_for_rank(spec, rank)
     _setup_logging(rank)
     stack_files = _register_stack_dump(run_dir, rank)  # noqa: F841 (open for the process's life)
-    faults.maybe_fire(rank, Stage.START)  # test hook: a rank that fails/hangs before its first event
+    events_cls.starting(rank)
     cpus = _bind_cpus(spec)  # before any thread starts: threads inherit the binding
     gpu = int(os.environ.get("LOCAL_RANK", 0)) if spec.device == "cuda" else None  # run_rank's set_device
-    events = RankEvents(run_dir, rank, StagePeaks(cuda_device=gpu))
+    events = events_cls(run_dir, rank, StagePeaks(cuda_device=gpu))
     events.emit("hello", pid=os.getpid(), host=os.uname().nodename,
                 local_rank=int(os.environ.get("LOCAL_RANK", 0)), cpus=cpus)
     t0 = time.time()
     try:
-        (faults.rank_body() or run_rank)(spec, run_dir, events)
+        (body or run_rank)(spec, run_dir, events)
     except BaseException as e:
         events.error(e)
         raise
@@ -580,6 +581,22 @@ def main(argv: list[str] | None = None) -> int:
         events.emit("end", wall_s=round(time.time() - t0, 3), **memory_figures(events.peaks))
         events.close()
     return 0
+
+
+def preload(spec: GroupSpec) -> None:
+    """What the node's agent imports before it forks the ranks (:func:`wan_s2v_runner.rank.agent.preload`):
+    the engine (``spec.wan_repo``'s, with its pre-import fixes) and the modules :func:`run_rank`
+    imports to patch, load and generate. Touches no GPU."""
+    engine.import_wan(spec.wan_repo)
+    import patches  # noqa: F401
+    import runners  # noqa: F401
+    from wan_s2v_runner.rank import generation  # noqa: F401
+    from wan_s2v_runner.shared import media  # noqa: F401
+
+
+def rank_main(spec_path: str) -> int:
+    """A rank, as the node's agent (:mod:`wan_s2v_runner.rank.agent`) runs it in each forked child."""
+    return main([spec_path])
 
 
 if __name__ == "__main__":

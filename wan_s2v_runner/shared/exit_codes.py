@@ -2,7 +2,7 @@
 OK = 0
 DOCTOR_FAILED = 1  # `wan-s2v doctor`: at least one check failed
 USAGE = 2  # bad flags or an invalid run spec (one-line cause + fix printed)
-PREFLIGHT = 3  # preflight refused the run; nothing was spawned
+PREFLIGHT = 3  # preflight refused the run; no rank was started
 RANK_FAILED = 4  # a rank raised or died; its rank, stage and traceback are printed
 HUNG = 5  # the hang watchdog fired; stacks dumped into the run directory
 JOB_FAILED = 6  # `wan-s2v submit`: the server's job failed or was cancelled (its cause printed)

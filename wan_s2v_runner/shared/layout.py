@@ -179,6 +179,13 @@ class Layout(BaseModel):
         return self.dit_fsdp or self.t5_fsdp
 
     @property
+    def text_rank(self) -> Optional[int]:
+        """The rank that encodes the prompts and broadcasts the contexts: the last one, so that with
+        more than one rank T5 runs while rank 0 encodes the speech (and, unsplit, the reference);
+        rank 0 alone; None when T5 is FSDP-sharded (every rank takes part)."""
+        return None if self.t5_fsdp else max(1, self.world_size) - 1
+
+    @property
     def t5_placement(self) -> str:
         """'cpu', 'fsdp' or 'gpu' (on the rank's device)."""
         return "cpu" if self.t5_cpu else ("fsdp" if self.t5_fsdp else "gpu")

@@ -1,4 +1,5 @@
-"""Linux /proc readings both sides take: a process's resident-set high-water mark.
+"""Linux /proc readings both sides take: a process's resident-set high-water mark, and the name (``comm``)
+a rank gives itself so the launcher knows a silent one.
 
 The launcher samples its ranks' (``launcher.processes``); a rank reads and resets its own per
 stage (``rank.memory_peaks``).
@@ -18,3 +19,28 @@ def hwm_mb(pid: Union[int, str] = "self") -> Optional[float]:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+#: how a rank names itself (its ``comm``, what ps and top show): ``wan-s2v-r`` and its global rank
+RANK_COMM_PREFIX = "wan-s2v-r"
+
+
+def rank_comm(rank: int) -> str:
+    """The ``comm`` a rank gives itself (at most 15 bytes, the kernel's limit)."""
+    return f"{RANK_COMM_PREFIX}{rank}"[:15]
+
+
+def comm_rank(comm: str) -> Optional[int]:
+    """The global rank a ``comm`` of :func:`rank_comm` names, or None."""
+    tail = comm[len(RANK_COMM_PREFIX):] if comm.startswith(RANK_COMM_PREFIX) else ""
+    return int(tail) if tail.isdigit() else None
+
+
+def name_this_process(comm: str) -> None:
+    """Set this process's ``comm`` (Linux ``prctl(PR_SET_NAME)``); nothing where that fails."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, comm.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass

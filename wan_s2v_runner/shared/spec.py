@@ -43,6 +43,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from wan_s2v_runner.shared.layout import DitQuant, Layout, LoadStrategy, Mode
+from wan_s2v_runner.shared.node_agent import DEFAULT_WORKER
 
 try:  # Python 3.11+
     import tomllib
@@ -240,6 +241,13 @@ class GroupSpec(BaseModel):
         600.0, ge=0, description="hang limit per step, decode, save, s (0 = off)")
     runs_root: Annotated[AbsPath, Flag(_SU, metavar="DIR")] = Field(
         Path("runs"), validate_default=True, description="where run directories go")
+    strict_observers: Annotated[bool, Flag(_SU, env="WAN_S2V_STRICT_OBSERVERS")] = Field(
+        False, description="an observer's error (the console's, a server's keeper's) fails the run instead of being "
+                           "logged (the test suite sets it)")
+    rank_worker: Annotated[str, Flag(_SU, env="WAN_S2V_RANK_WORKER", metavar="MODULE")] = Field(
+        DEFAULT_WORKER, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
+        description="module whose rank_main(spec_path) each rank runs (a custom rank body; the tests' "
+                    "fault-injecting and engine-free workers)")
 
     @model_validator(mode="after")
     def _group_rules(self) -> "GroupSpec":

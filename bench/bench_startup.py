@@ -1,0 +1,197 @@
+"""Benchmark for a run's serial start (issue #48): an earlier commit and this checkout side by
+side in one invocation, on the compute preset of ``bench/bench_loop.py``.
+
+The earlier commit (``--base``, default ``HEAD``) runs from a git worktree made for the bench
+(removed at the end); this checkout runs as it is, uncommitted changes included. For each layout
+(``1``, ``ulysses``, ``ulysses+cfg``: the layouts of bench_loop.py) and each side, one
+``python -m wan_s2v_runner run ... --json`` on the same inputs and seed, and per run:
+
+* **to step**: seconds from the command to rank 0 starting its first denoising step (its
+  ``denoise`` stage in the run's events), the serial part a user waits through;
+* **wall**: seconds from the command to its exit;
+* **CPU**: CPU-seconds of the command and everything it started (``RUSAGE_CHILDREN``: the
+  launcher, the agent, every rank);
+* with ``--preview-clips N``, one more run per side (``ulysses+cfg --preview --num-clips N``):
+  seconds to the first playable video so far (rank 0's ``preview`` event) and its share of the wall.
+
+The table gives each side's ratios: to-step against the base side's, and a 2-rank layout's wall
+and CPU against the same side's 1 rank. ``--repeat K`` runs K rounds (base then new, each layout)
+and prints each cell's median.
+
+    .venv/bin/python bench/bench_startup.py --markdown                  # compute preset, 4 steps
+    .venv/bin/python bench/bench_startup.py --base 7a4caef --repeat 2 --preview-clips 3 --markdown
+    .venv/bin/python bench/bench_startup.py --preset tiny --steps 1     # smoke test
+
+Nothing else should run meanwhile: each rank has one torch thread, and a 2-rank layout wants both
+cores of this machine (the footer records the load average).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_loop import LAYOUTS, PRESETS, ensure_assets, run_argv  # noqa: E402
+
+DEFAULT_LAYOUTS = ("1", "ulysses", "ulysses+cfg")
+PREVIEW_LAYOUT = "ulysses+cfg"
+
+
+def worktree(rev: str, where: Path) -> Path:
+    """A detached worktree of ``rev`` under ``where`` (the caller removes it)."""
+    path = where / f"base-{rev.replace('/', '_')}"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True,
+                   stdout=subprocess.DEVNULL)
+    return path
+
+
+def first_event_t(run_dir: Path, kind: str, stage: Optional[str] = None) -> Optional[float]:
+    """The time of rank 0's first event of ``kind`` (and ``stage``) in the run's events."""
+    try:
+        lines = (run_dir / "events" / "rank0.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("kind") == kind and (stage is None or e.get("stage") == stage):
+            return float(e["t"])
+    return None
+
+
+def one(a, checkout: Path, side: str, layout: str, assets, work: Path, tag: str, preview: int = 0) -> dict:
+    """One run of ``layout`` from ``checkout``; its timings."""
+    run_args = argparse.Namespace(**{**vars(a), "num_clips": preview or a.num_clips})
+    argv = run_argv(run_args, layout, *assets, work, tag)
+    argv[0] = str(Path(sys.executable))
+    if preview:
+        argv.append("--preview")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.time()
+    with open(work / f"{tag}.stdout.txt", "w") as fo, open(work / f"{tag}.stderr.txt", "w") as fe:
+        rc = subprocess.run(argv, cwd=str(checkout), env=env, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
+                            timeout=a.timeout).returncode
+    wall = time.time() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    runs = sorted((work / "runs" / tag).glob("*/"))
+    row = {"side": side, "layout": layout, "preview": preview, "rc": rc, "wall_s": wall, "cpu_s": cpu}
+    if rc != 0 or not runs:
+        tail = (work / f"{tag}.stderr.txt").read_text(errors="replace").splitlines()[-15:]
+        print(f"!! {side} {layout} failed (rc {rc}):\n" + "\n".join(tail), file=sys.stderr, flush=True)
+        return row
+    step_t = first_event_t(runs[-1], "stage", "denoise")
+    row["to_step_s"] = step_t - t0 if step_t else None
+    if preview:
+        shown = first_event_t(runs[-1], "preview")
+        row["preview_s"] = shown - t0 if shown else None
+    print(f"   {side} {layout}{' preview' if preview else ''}: to step {row.get('to_step_s') or 0:.1f} s, "
+          f"wall {wall:.1f} s, CPU {cpu:.1f} s", file=sys.stderr, flush=True)
+    return row
+
+
+def median(rows: list[dict], key: str) -> Optional[float]:
+    vals = [r[key] for r in rows if r.get(key) is not None and r.get("rc") == 0]
+    return statistics.median(vals) if vals else None
+
+
+def render(rows: list[dict], sides: list[str], layouts: list[str], markdown: bool) -> str:
+    def cell(v, fmt="{:.1f}"):
+        return "-" if v is None else fmt.format(v)
+
+    def ratio(x, y):
+        return None if x is None or not y else x / y
+
+    head = ["side", "layout", "to step s", "to step x base", "wall s", "wall x 1 rank", "CPU s", "CPU x 1 rank"]
+    body = []
+    for side in sides:
+        ones = [r for r in rows if r["side"] == side and r["layout"] == "1" and not r["preview"]]
+        wall1, cpu1 = median(ones, "wall_s"), median(ones, "cpu_s")
+        for layout in layouts:
+            mine = [r for r in rows if r["side"] == side and r["layout"] == layout and not r["preview"]]
+            base = [r for r in rows if r["side"] == sides[0] and r["layout"] == layout and not r["preview"]]
+            step, wall, cpu = median(mine, "to_step_s"), median(mine, "wall_s"), median(mine, "cpu_s")
+            body.append([side, layout, cell(step), cell(ratio(step, median(base, "to_step_s")), "{:.2f}x"),
+                         cell(wall), cell(ratio(wall, wall1), "{:.2f}x") if layout != "1" else "",
+                         cell(cpu), cell(ratio(cpu, cpu1), "{:.2f}x") if layout != "1" else ""])
+    previews = [r for r in rows if r["preview"]]
+    if previews:
+        for side in sides:
+            mine = [r for r in previews if r["side"] == side]
+            shown, wall = median(mine, "preview_s"), median(mine, "wall_s")
+            body.append([side, f"{PREVIEW_LAYOUT} --preview, {mine[0]['preview']} clips" if mine else "",
+                         f"first video {cell(shown)}", f"{cell(ratio(shown, wall), '{:.2f}')} of wall",
+                         cell(wall), "", cell(median(mine, "cpu_s")), ""])
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in body]
+        return "\n".join(lines)
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(r, widths)) for r in [head, *body])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="HEAD", help="the earlier commit (run from a worktree)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="compute")
+    ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--num-clips", type=int, default=1)
+    ap.add_argument("--preview-clips", type=int, default=0, help="also a --preview run of this many clips")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--infer-frames", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--cache", type=Path, default=Path("~/.cache/wan-s2v/bench"))
+    ap.add_argument("--markdown", action="store_true")
+    a = ap.parse_args(argv)
+    a.size, a.skip_preflight = PRESETS[a.preset]["size"], False
+    layouts = [x for x in a.layouts.split(",") if x]
+    unknown = [x for x in layouts if x not in LAYOUTS]
+    if unknown:
+        ap.error(f"unknown layouts {unknown} (one of {', '.join(LAYOUTS)})")
+    if "1" not in layouts:
+        layouts.insert(0, "1")
+    assets = ensure_assets(a.cache, a.preset)
+    load_before = os.getloadavg()[0]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
+        tmp_path = Path(tmp)
+        base = worktree(a.base, tmp_path)
+        sides = [(f"base {a.base}", base), ("new", ROOT)]
+        try:
+            for k in range(a.repeat):
+                for side, checkout in sides:
+                    for layout in layouts:
+                        tag = f"{'base' if checkout == base else 'new'}-{layout.replace('+', '-')}-{k}"
+                        rows.append(one(a, checkout, side, layout, assets, tmp_path, tag))
+                    if a.preview_clips:
+                        tag = f"{'base' if checkout == base else 'new'}-preview-{k}"
+                        rows.append(one(a, checkout, side, PREVIEW_LAYOUT, assets, tmp_path, tag,
+                                        preview=a.preview_clips))
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+    print(render(rows, [s for s, _ in sides], layouts, a.markdown))
+    print(f"\npreset {a.preset}, {a.steps} steps, {a.num_clips} clip(s), {a.repeat} round(s), medians; "
+          f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; "
+          f"{os.cpu_count()} CPUs; command: bench/bench_startup.py {' '.join(argv or sys.argv[1:])}")
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
