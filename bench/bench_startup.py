@@ -20,6 +20,7 @@ and prints each cell's median.
 
     .venv/bin/python bench/bench_startup.py --markdown                  # compute preset, 4 steps
     .venv/bin/python bench/bench_startup.py --base 7a4caef --repeat 2 --preview-clips 3 --markdown
+    .venv/bin/python bench/bench_startup.py --layouts none --preview-clips 3   # the preview rows alone
     .venv/bin/python bench/bench_startup.py --preset tiny --steps 1     # smoke test
 
 Nothing else should run meanwhile: each rank has one torch thread, and a 2-rank layout wants both
@@ -148,7 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="the earlier commit (run from a worktree)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="compute")
-    ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS))
+    ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma-separated, or none")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--num-clips", type=int, default=1)
     ap.add_argument("--preview-clips", type=int, default=0, help="also a --preview run of this many clips")
@@ -161,11 +162,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args(argv)
     a.size, a.skip_preflight = PRESETS[a.preset]["size"], False
-    layouts = [x for x in a.layouts.split(",") if x]
+    layouts = [x for x in a.layouts.split(",") if x and x != "none"]
     unknown = [x for x in layouts if x not in LAYOUTS]
     if unknown:
         ap.error(f"unknown layouts {unknown} (one of {', '.join(LAYOUTS)})")
-    if "1" not in layouts:
+    if layouts and "1" not in layouts:
         layouts.insert(0, "1")
     assets = ensure_assets(a.cache, a.preset)
     load_before = os.getloadavg()[0]

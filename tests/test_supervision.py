@@ -177,6 +177,11 @@ def test_normal_run_manifest_is_complete(hybrid_run):
     run_dir = _run_dir(tmp_path)
     m = _manifest(run_dir)
     assert m["exit"]["status"] == "ok" and m["exit"]["code"] == 0
+    # every rank was forked from its agent with the engine imported already (rank/agent.py)
+    for rank in (0, 1):
+        events = [json.loads(line) for line in (run_dir / "events" / f"rank{rank}.jsonl").read_text().splitlines()]
+        imports = [e for e in events if e["kind"] == "stage" and e["stage"] == "engine_import"]
+        assert len(imports) == 1 and imports[0]["preloaded"] is True, imports
     assert m["seed"] == 42 and m["spec"]["seed"] == 42
     assert m["mode"] == "hybrid" and m["layout"]["world_size"] == 2
     for stage in ("init_pg", "engine_import", "load", "fingerprint", "shard", "audio_encode",

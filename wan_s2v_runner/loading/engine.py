@@ -20,9 +20,14 @@ from typing import Optional
 from wan_s2v_runner.shared.engine_source import EngineNotFound, locate
 
 
+def imported() -> bool:
+    """The engine is imported in this process already (a rank forked from its node's agent)."""
+    return "wan" in sys.modules and hasattr(sys.modules["wan"], "WanS2V")
+
+
 def import_wan(wan_repo: Optional[Path] = None) -> ModuleType:
     """Import the engine with the pre-import fixes this machine needs. Idempotent."""
-    if "wan" in sys.modules and hasattr(sys.modules["wan"], "WanS2V"):
+    if imported():
         return sys.modules["wan"]
     loc = locate(wan_repo)
     if loc.source == "checkout" and str(loc.repo_root) not in sys.path:

@@ -104,8 +104,12 @@ class Hooks:
 
     stage: Callable[..., None] = lambda *a, **k: None
     step: Callable[..., None] = lambda **k: None
-    #: decoding rank only: (clip index, its frames on the CPU, the state after it, number of clips)
+    #: decoding rank only: (clip index, its frames on the CPU, the state after it, number of clips),
+    #: once the next clip's motion latents are known (a clip checkpoint)
     clip_done: Optional[Callable[[int, torch.Tensor, ClipState, int], None]] = None
+    #: decoding rank only: (clip index, its frames on the CPU, number of clips), as soon as the
+    #: clip is decoded, before its motion re-encode (the video so far: nothing waits for it)
+    frames_done: Optional[Callable[[int, torch.Tensor, int], None]] = None
 
 
 # --------------------------------------------------------------------------- broadcast helpers
@@ -405,6 +409,8 @@ class S2VGenerator:
                     if plan.decodes:
                         frames = image.cpu()
                         out.append(frames)
+                        if h.frames_done is not None:
+                            h.frames_done(r, frames, enc.num_repeat)
                     del image, image_band
                 last = r == enc.num_repeat - 1
                 if not last:  # upstream also re-encodes after the last clip, for nothing

@@ -49,15 +49,6 @@ log = logging.getLogger("wan_s2v.worker")
 WAITING_EVERY_S = 2.0
 
 
-def _and_then(first, then):
-    """Rank 0's clip hook: ``first`` (the clip checkpoint), then ``then(clip, frames, num_clips)``."""
-    def clip_done(clip: int, frames, state, num_clips: int) -> None:
-        first(clip, frames, state, num_clips)
-        then(clip, frames, num_clips)
-
-    return clip_done
-
-
 class JobCancelled(Exception):
     """The server cancelled the job in progress; raised on every rank at the same step."""
 
@@ -395,7 +386,7 @@ class RankGroup:
 
                 preview = PreviewWriter(spec.output, spec.speech, self.cfg.sample_fps, events,
                                         before=resume_state[1] if resume_state else None, gate=gate)
-                hooks.clip_done = _and_then(hooks.clip_done, preview.clip_done)
+                hooks.frames_done = preview.clip_done  # as each clip is decoded, not after its checkpoint
         try:
             self._make(job, index, spec, hooks, resume_state, identity, started, clock, stage, gate)
         except BaseException:
@@ -471,7 +462,7 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
     dist.init_process_group(backend=backend, init_method="env://",
                             timeout=timedelta(seconds=spec.pg_timeout_s))
     try:
-        events.stage(Stage.ENGINE_IMPORT)
+        events.stage(Stage.ENGINE_IMPORT, preloaded=engine.imported())  # by the agent, before the fork
         wan = engine.import_wan(spec.wan_repo)
         cfg = engine_config(wan, spec)
         applied = apply_for_run(wan, spec, cfg.param_dtype, on_event=events.stage, on_event_data=events.emit)
