@@ -185,8 +185,10 @@ def test_normal_run_manifest_is_complete(hybrid_run):
     assert m["seed"] == 42 and m["spec"]["seed"] == 42
     assert m["mode"] == "hybrid" and m["layout"]["world_size"] == 2
     for stage in ("init_pg", "engine_import", "load", "fingerprint", "shard", "audio_encode",
-                  "ref_encode", "text_encode", "denoise", "decode", "motion_encode", "save", "mux"):
+                  "ref_encode", "denoise", "decode", "motion_encode", "save", "mux"):  # rank 0's
         assert isinstance(m["stage_seconds"].get(stage), float), (stage, m["stage_seconds"])
+    # the prompts: on the text rank (the last), while rank 0 encodes the speech
+    assert isinstance(m["ranks"]["1"]["stage_seconds"].get("text_encode"), float), m["ranks"]["1"]
     assert set(m["ranks"]) == {"0", "1"}
     for info in m["ranks"].values():
         assert info["host_peak_rss_mb"] > 100, info

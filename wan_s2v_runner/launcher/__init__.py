@@ -1,6 +1,7 @@
 """Launcher side: the user's process. It parses the command line (:mod:`.cli`, flags generated
 from the spec by :mod:`.flags`), runs preflight, writes the run directory, spawns
-``torch.distributed.run`` (:mod:`.torchrun`) and supervises it (:mod:`.processes` tracks the
+each node's agent (``wan_s2v_runner.rank.agent``, torch elastic's; its command: :mod:`.torchrun`)
+and supervises it (:mod:`.processes` tracks the
 process tree, :mod:`.supervisor` gathers what the ranks report and decides, :mod:`.launch` runs
 one launch end to end, of a rank group from its group spec, reporting to the observers of
 :mod:`.observer`), shows progress (:mod:`.console`, one observer), turns failures and hangs into

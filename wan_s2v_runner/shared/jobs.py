@@ -1,6 +1,6 @@
 """Jobs: what one video needs beyond what the rank group holds for its whole life.
 
-A rank group (one ``torch.distributed.run`` launch) loads the checkpoint once, in one mode and
+A rank group (one launch of its nodes' agents) loads the checkpoint once, in one mode and
 layout, with its LoRAs, device and attention backend (its
 :class:`~wan_s2v_runner.shared.spec.GroupSpec`), then makes one or more videos. Each video is a
 :class:`Job`: its :class:`~wan_s2v_runner.shared.spec.JobSpec` (inputs, sampling, outputs), the

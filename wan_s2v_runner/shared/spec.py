@@ -1,6 +1,6 @@
 """The run spec: every run setting, in two typed sections, shared by the launcher and every rank.
 
-A rank group (one ``torch.distributed.run`` launch) and a job (one video it makes) are two
+A rank group (one launch of its nodes' agents) and a job (one video it makes) are two
 things, so they are two models: :class:`GroupSpec` holds what the group fixes for its life
 (checkpoint, LoRAs, mode and layout, device, attention, supervision, where runs go) and
 :class:`JobSpec` what one video needs (inputs, sampling, outputs). :class:`RunSpec` is both

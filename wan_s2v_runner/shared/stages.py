@@ -7,7 +7,7 @@ their own sets of names, so a new or renamed stage is one edit here, and a missp
 ``AttributeError``/``ValueError`` instead of a stage that silently gets the wrong time limit.
 
 Members are strings (``Stage.LOAD == "load"``, ``f"{Stage.LOAD}" == "load"``), so event files,
-``run.json`` and ``WAN_S2V_TEST_FAULT`` keep the plain names. This module imports nothing from
+``run.json`` and the tests' ``WAN_S2V_TEST_FAULT`` keep the plain names. This module imports nothing from
 the project.
 """
 from __future__ import annotations
