@@ -51,7 +51,6 @@ class EarlyAgent:
 
     def __init__(self, spec: GroupSpec, run_dir: Path, extra_env: Optional[dict] = None):
         self.argv = agent_argv(run_dir, wait=True)
-        self.t0 = time.time()
         self.proc = _spawn_agent(self.argv, spec, extra_env, stdin=subprocess.PIPE)
 
     def go(self) -> None:
@@ -94,9 +93,10 @@ class RunProcesses:
 
     def start(self, early: Optional["EarlyAgent"] = None) -> float:
         """Start the ranks: spawn the node's agent, or tell ``early`` (spawned before the
-        launcher's preflight, preloaded since) to go; returns the time the agent was spawned."""
+        launcher's preflight, preloaded since) to go; returns the time the ranks' start began
+        (the watchdog counts a rank that never reports from it)."""
         if early is not None:
-            self.proc, t0 = early.proc, early.t0
+            self.proc, t0 = early.proc, time.time()
             atomic.write_text(self.run_dir / "command.json", json.dumps(early.argv, indent=1))
         else:
             argv = agent_argv(self.run_dir)
