@@ -28,9 +28,10 @@ from wan_s2v_runner.launcher.proctree import (
     pids_with_cmdline,
     ppid_map,
 )
-from wan_s2v_runner.launcher.torchrun import WORKER_MODULE, agent_argv, worker_env
+from wan_s2v_runner.launcher.torchrun import agent_argv, worker_env
 from wan_s2v_runner.shared import atomic
 from wan_s2v_runner.shared.events import EventReader, RankState
+from wan_s2v_runner.shared.node_agent import AGENT_MODULE
 from wan_s2v_runner.shared.procfs import hwm_mb
 from wan_s2v_runner.shared.spec import GroupSpec
 
@@ -95,14 +96,11 @@ class RunProcesses:
         """Start the ranks: spawn the node's agent, or tell ``early`` (spawned before the
         launcher's preflight, preloaded since) to go; returns the time the ranks' start began
         (the watchdog counts a rank that never reports from it)."""
-        if early is not None:
-            self.proc, t0 = early.proc, time.time()
-            atomic.write_text(self.run_dir / "command.json", json.dumps(early.argv, indent=1))
-        else:
-            argv = agent_argv(self.run_dir)
-            atomic.write_text(self.run_dir / "command.json", json.dumps(argv, indent=1))
-            t0 = time.time()
-            self.proc = _spawn_agent(argv, self.spec, self.extra_env, stdin=subprocess.DEVNULL)
+        argv = early.argv if early is not None else agent_argv(self.run_dir)
+        atomic.write_text(self.run_dir / "command.json", json.dumps(argv, indent=1))
+        t0 = time.time()
+        self.proc = early.proc if early is not None else \
+            _spawn_agent(argv, self.spec, self.extra_env, stdin=subprocess.DEVNULL)
         self._pump_thread = threading.Thread(target=self._pump, daemon=True, name="wan-s2v-pump")
         self._pump_thread.start()
         if early is not None:
@@ -132,7 +130,7 @@ class RunProcesses:
             roots.append(self.proc.pid)
         found = descendants(roots, ppid_map())
         if full:
-            found |= pids_with_cmdline(WORKER_MODULE.encode(), self._needle)
+            found |= pids_with_cmdline(AGENT_MODULE.encode(), self._needle)
         found.discard(os.getpid())
         if self.proc is not None:
             found.discard(self.proc.pid)

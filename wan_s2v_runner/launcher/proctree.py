@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
+from wan_s2v_runner.shared.node_agent import AGENT_MODULE
 from wan_s2v_runner.shared.procfs import comm_rank
 
 
@@ -103,7 +103,7 @@ def worker_rank(pid: int) -> Optional[int]:
     rank names itself ``wan-s2v-rN`` (its ``comm``, :func:`~wan_s2v_runner.shared.procfs.rank_comm`)
     before anything else; None for any other process (the agent, a rank not that far yet)."""
     try:
-        if WORKER_MODULE.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if AGENT_MODULE.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
             return None
         return comm_rank(Path(f"/proc/{pid}/comm").read_text().strip())
     except OSError:

@@ -20,9 +20,6 @@ from wan_s2v_runner.shared.node_agent import AGENT_MODULE, DEFAULT_MASTER_PORT
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-#: the module in every rank's command line (the node's agent, which forks them); the supervisor
-#: finds a run's processes by it in /proc, with the run's spec path
-WORKER_MODULE = AGENT_MODULE
 
 
 def make_run_dir(spec: GroupSpec) -> Path:

@@ -126,13 +126,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         from wan_s2v_runner.shared.spec import read_spec
 
         spec_path = Path(a.spec).absolute()
-        problem = preload(read_spec(spec_path))
+        spec = read_spec(spec_path)
+        problem = preload(spec)
         if problem:
             print(f"[wan-s2v agent] the engine did not import here ({problem}); each rank imports it itself",
                   file=sys.stderr, flush=True)
-        if a.wait and not _wait_for_go():
-            return 0
-        spec = read_spec(spec_path)  # as the launcher left it (its preflight may have changed it)
+        if a.wait:
+            if not _wait_for_go():
+                return 0
+            spec = read_spec(spec_path)  # as the launcher left it (its preflight may have changed it)
         method = start_method()
         if method != "fork":
             print("[wan-s2v agent] CUDA was initialised in the agent: spawning the ranks fresh (no preloaded imports)",

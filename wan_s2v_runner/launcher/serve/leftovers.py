@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from wan_s2v_runner.launcher.proctree import pids_with_cmdline
-from wan_s2v_runner.launcher.torchrun import WORKER_MODULE
+from wan_s2v_runner.shared.node_agent import AGENT_MODULE
 
 #: the running group's run directory, so the next server can find (and stop) what a killed one left
 GROUP_FILE = "group.json"
@@ -30,7 +30,7 @@ def group_file(root: Path, index: int) -> Path:
 
 def group_processes(run_dir: str) -> set[int]:
     """torchrun and the workers of the rank group in ``run_dir`` (their command lines name its spec)."""
-    return pids_with_cmdline(WORKER_MODULE.encode(), str(Path(run_dir) / "spec.json").encode())
+    return pids_with_cmdline(AGENT_MODULE.encode(), str(Path(run_dir) / "spec.json").encode())
 
 
 def wait_for_leftovers(group_file: Path, grace_s: float = 5.0) -> list[int]:
