@@ -138,30 +138,69 @@ def counted_flops(model, x, t, cond, device, dtype) -> int:
 
 
 def fp8_step(model, x, t, cond, uncond, device, dtype, a, eager_step_s: float) -> dict:
-    """Quantize ``model`` in place (--dit-quant fp8's rule) and time its step: seconds, peak memory,
-    the weights' bytes, and one conditional pass's distance from the full-precision pass."""
+    """Quantize ``model`` in place (--dit-quant fp8's rule) and time its step once per
+    ``--fp8-matmul`` way: seconds, peak memory, and one conditional pass's distance from the
+    full-precision pass; plus the weights' bytes. The model is left in the last way (a
+    ``--compile`` compiles that)."""
     import torch
 
+    from patches import fp8_linear
     from wan_s2v_runner.loading.quantize import quantize_loaded
     with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
         ref = torch.stack(list(model(x, t=t, **cond))).float()
     names = quantize_loaded(model)
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
         b.numel() * b.element_size() for b in model.buffers())
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    first, step_s, pass_s = run_steps(model, x, t, cond, uncond, device, dtype, a.warmup, a.repeat)
-    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-        got = torch.stack(list(model(x, t=t, **cond))).float()
-    d = (got - ref).abs()
-    out = {"linears": len(names), "weights_gib": round(weights / 2**30, 2), "first_step_s": round(first, 3),
-           "step_s": round(step_s, 3), "pass_s": round(pass_s, 3), "vs_eager": round(step_s / eager_step_s, 3),
-           "output_max_abs": float(d.max()), "output_mean_abs": float(d.mean()),
-           "output_mean_magnitude": float(ref.abs().mean())}
-    if device.type == "cuda":
-        out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    out = {"linears": len(names), "weights_gib": round(weights / 2**30, 2),
+           "output_mean_magnitude": float(ref.abs().mean()), "matmul": {}}
+    for way in a.fp8_matmul:
+        fp8_linear.set_matmul(model, way)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        first, step_s, pass_s = run_steps(model, x, t, cond, uncond, device, dtype, a.warmup, a.repeat)
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+            got = torch.stack(list(model(x, t=t, **cond))).float()
+        d = (got - ref).abs()
+        r = {"first_step_s": round(first, 3), "step_s": round(step_s, 3), "pass_s": round(pass_s, 3),
+             "vs_eager": round(step_s / eager_step_s, 3), "output_max_abs": float(d.max()),
+             "output_mean_abs": float(d.mean())}
+        del got, d
+        if device.type == "cuda":
+            r["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        out["matmul"][way] = r
+        print(f"fp8 ({way}): {step_s:.3f} s/step ({r['vs_eager']}x eager)", flush=True)
     return out
+
+
+def linear_times(device, dtype, tokens: int, dims, repeat: int = 10) -> dict:
+    """Seconds of one block Linear at the step's token count, by the three ways: the param dtype's
+    F.linear, fp8 dequantized per call, and torch._scaled_mm with per-token activation scales
+    (the quantizing of the input included). Shapes: the FFN's first Linear and one q/k/v/o."""
+    import torch
+    import torch.nn.functional as F
+
+    from patches import fp8_linear
+    from wan_s2v_runner.loading.quantize import quantize_tensor
+    def one(n_in: int, n_out: int) -> dict:
+        lin = torch.nn.Linear(n_in, n_out, device=device, dtype=dtype)
+        xin = torch.randn(tokens, n_in, device=device, dtype=dtype)
+        qw = fp8_linear.Fp8Weight(n_out, n_in, device=device)
+        q, scale = quantize_tensor(lin.weight.detach())
+        qw.weight = torch.nn.Parameter(q, requires_grad=False)
+        qw.scale = scale
+        ways = {"bf16": lambda: F.linear(xin, lin.weight, lin.bias),
+                "dequant": lambda: F.linear(xin, qw(dtype), lin.bias),
+                "scaled-mm": lambda: fp8_linear.scaled_mm_linear(xin, qw, lin.bias)}
+        row = {}
+        with torch.no_grad():
+            for way, fn in ways.items():
+                fn()
+                row[way] = round(statistics.median(timed(fn, device) for _ in range(repeat)) * 1e3, 3)
+        return {"shape": [tokens, n_in, n_out], "ms": row}
+
+    return {name: one(*shape) for name, shape in (("ffn.0", (dims.dim, dims.ffn_dim)),
+                                                   ("self_attn.q", (dims.dim, dims.dim)))}
 
 
 def main(argv=None) -> dict:
@@ -182,12 +221,20 @@ def main(argv=None) -> dict:
                     help="fp8: after the eager step, quantize the DiT's Linears in place (the runner's --dit-quant "
                          "fp8 rule, loading/quantize.py) and time the fp8 step, its peak memory and its output's "
                          "distance (a --compile then compiles the fp8 DiT)")
+    ap.add_argument("--fp8-matmul", default="dequant", type=lambda v: v.split(","),
+                    help="with --dit-quant fp8: the ways to time, comma-separated, in order (dequant, scaled-mm; "
+                         "the runner's --fp8-matmul); the last is the one --compile compiles")
+    ap.add_argument("--linear-times", action="store_true",
+                    help="also time one block Linear at the step's token count: bf16, fp8 dequant, fp8 scaled-mm")
     ap.add_argument("--count-flops", action="store_true", help="also count one pass with torch.utils.flop_counter")
     ap.add_argument("--text-cached", action="store_true",
                     help="count FLOPs as the runner runs (text embedding and cross-attention k/v cached)")
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, TFLOP/s (default: by name)")
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args(argv)
+    bad = [w for w in a.fp8_matmul if w not in ("dequant", "scaled-mm")]
+    if bad:
+        ap.error(f"--fp8-matmul {','.join(bad)}: the ways are dequant and scaled-mm")
 
     import torch
 
@@ -261,9 +308,17 @@ def main(argv=None) -> dict:
         out["flops_counted_per_pass"] = counted_flops(model, x, t, cond, device, dtype)
         attention.apply(wan, backend)
         out["flops_counted_vs_shapes"] = round(out["flops_counted_per_pass"] / flops.total, 4)
+    def dump() -> None:  # after each part: a call stopped by its time limit keeps what was measured
+        if a.json:
+            a.json.write_text(json.dumps(out, indent=2) + "\n")
+
+    dump()
+    if a.linear_times:
+        out["linear_ms"] = linear_times(device, dtype, flops.length, dims)
+        print(f"one Linear, ms: {out['linear_ms']}", flush=True)
     if a.dit_quant == "fp8":
         out["fp8"] = fp8_step(model, x, t, cond, uncond, device, dtype, a, step_s)
-        print(f"fp8: {out['fp8']['step_s']:.3f} s/step ({out['fp8']['vs_eager']}x eager)", flush=True)
+        dump()
     if a.compile:
         from torch._dynamo.utils import counters
         counters.clear()
@@ -283,8 +338,7 @@ def main(argv=None) -> dict:
                            "unique_graphs": int(counters["stats"]["unique_graphs"]),
                            "graph_breaks": int(sum(counters["graph_break"].values()))}
     print(render(out))
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=2) + "\n")
+    dump()
     return out
 
 
@@ -304,20 +358,22 @@ def render(r: dict) -> str:
     lines.append(f"| eager | {r['step_s']} | {r['pass_s']} | {r['tflops']} | {mfu(r['mfu'])} | {mem} |")
     if "fp8" in r:
         f = r["fp8"]
-        lines.append(f"| --dit-quant fp8 ({f['linears']} Linears; {f['vs_eager']}x eager; output vs full "
-                     f"precision: max {f['output_max_abs']:.3g}, mean {f['output_mean_abs']:.3g} of "
-                     f"{f['output_mean_magnitude']:.3g}) "
-                     f"| {f['step_s']} | {f['pass_s']} | - | - | {f.get('peak_allocated_gib', '-')} "
-                     f"({f['weights_gib']}) |")
+        for way, m in f["matmul"].items():
+            lines.append(f"| --dit-quant fp8 --fp8-matmul {way} ({f['linears']} Linears; {m['vs_eager']}x eager; "
+                         f"output vs full precision: max {m['output_max_abs']:.3g}, mean {m['output_mean_abs']:.3g} "
+                         f"of {f['output_mean_magnitude']:.3g}) | {m['step_s']} | {m['pass_s']} | - | - | "
+                         f"{m.get('peak_allocated_gib', '-')} ({f['weights_gib']}) |")
     if "compiled" in r:
         c = r["compiled"]
-        what = "torch.compile" + (" (fp8)" if "fp8" in r else "")
+        what = "torch.compile" + (f" (fp8, {list(r['fp8']['matmul'])[-1]})" if "fp8" in r else "")
         lines.append(f"| {what}, {c['scope']} (first step {c['first_step_s']} s; {c['unique_graphs']} graphs, "
                      f"{c['graph_breaks']} breaks) | {c['step_s']} | {c['pass_s']} | "
                      f"{c['tflops']} | {mfu(c['mfu'])} | - |")
     lines.append("")
     lines.append(f"operations per step (from shapes): {r['flops_per_step'] / 1e15:.4g} PFLOP; per pass by term: "
                  + ", ".join(f"{k} {v / r['flops_per_pass'] * 100:.1f}%" for k, v in r["flops_terms"].items()))
+    for name, row in r.get("linear_ms", {}).items():
+        lines.append(f"one Linear {name} {row['shape']}: " + ", ".join(f"{k} {v} ms" for k, v in row["ms"].items()))
     if "flops_counted_per_pass" in r:
         lines.append(f"torch.utils.flop_counter, one pass: {r['flops_counted_per_pass'] / 1e15:.4g} PFLOP "
                      f"({r['flops_counted_vs_shapes']}x the count from shapes)")

@@ -11,6 +11,13 @@ any device, and the matrix product is upstream's ``F.linear`` in the run's dtype
 else (modulation, embeddings, norms, biases, the audio encoder, the frame packer, the head) is
 unchanged.
 
+With ``--fp8-matmul scaled-mm`` (:func:`set_matmul`; the rule in
+:func:`wan_s2v_runner.shared.quant.choose_fp8_matmul`) the Linear multiplies in fp8 instead:
+its input, in the dtype F.linear would compute in (autocast's), is quantized to e4m3 with one
+scale per token (row), and ``torch._scaled_mm`` multiplies the two fp8 operands with both row
+scales into that dtype; the bias is added after. One token's numbers depend only on that token,
+so sequence-parallel ranks compute what one process computes.
+
 Under FSDP each :class:`Fp8Weight` is its own unit (a flat parameter holds one dtype; the block's
 unit keeps the biases and norms): :func:`own_fsdp_units` widens upstream ``shard_model``'s wrap
 policy while it runs. FSDP's mixed precision casts the fp8 shard to the param dtype before the
@@ -26,14 +33,16 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wan_s2v_runner.shared.quant import E4M3_MAX, FP8_LINEARS
+from wan_s2v_runner.shared.quant import E4M3_MAX, FP8_LINEARS, Fp8Matmul, choose_fp8_matmul
 
-__all__ = ["E4M3_MAX", "Fp8Linear", "Fp8Weight", "convert", "own_fsdp_units", "quantized_name", "set_scales"]
+__all__ = ["E4M3_MAX", "Fp8Linear", "Fp8Weight", "convert", "own_fsdp_units", "quantized_name", "resolve_matmul",
+           "scaled_mm_linear", "set_matmul", "set_scales"]
 QWEIGHT = "qweight"
 
 
@@ -54,7 +63,14 @@ class Fp8Weight(nn.Module):
                              persistent=False)
         self.source_name = ""  # the full-precision weight's name (set by convert)
 
-    def forward(self, dtype: torch.dtype) -> torch.Tensor:
+    def forward(self, dtype: Optional[torch.dtype]) -> torch.Tensor:
+        """The weight dequantized into ``dtype``; with None the e4m3 values themselves (for
+        ``torch._scaled_mm``). Called as a module so that FSDP gathers the weight first."""
+        if dtype is None:
+            # FSDP gathers the shard in the param dtype (e4m3 values, exactly): back to e4m3, a copy
+            # that outlives the gathered storage FSDP frees after this call
+            w = self.weight
+            return w if w.dtype == torch.float8_e4m3fn else w.to(torch.float8_e4m3fn)
         # a fresh float32 copy scaled in place: under FSDP on the CPU the gathered weight is float32
         # already, and .float() would be the parameter itself
         return self.weight.to(torch.float32, copy=True).mul_(self.scale).to(dtype)
@@ -71,12 +87,61 @@ class Fp8Linear(nn.Module):
                                  device=linear.weight.device if allocate else torch.device("meta"))
         self.bias = linear.bias
         self.dtype = linear.weight.dtype
+        self.matmul = Fp8Matmul.DEQUANT  # set_matmul: the run's resolved --fp8-matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matmul is Fp8Matmul.SCALED_MM:
+            return scaled_mm_linear(x, self.qweight, self.bias)
         return F.linear(x, self.qweight(self.bias.dtype if self.bias is not None else self.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=float8_e4m3fn"
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D activation [tokens, in] -> (e4m3 values, float32 scales [tokens, 1]): each row's largest
+    magnitude maps to 448. The division runs in ``x``'s dtype (no float32 copy of a bf16 input) by
+    the scale rounded to that dtype, and that rounded scale is the one returned."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(x.dtype)
+    q = (x / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale.float()
+
+
+def scaled_mm_linear(x: torch.Tensor, qweight: Fp8Weight, bias) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` as fp8 x fp8 with ``torch._scaled_mm`` (``--fp8-matmul scaled-mm``):
+    ``x`` quantized per token in the dtype F.linear would compute in (autocast's when it is on),
+    the result in that dtype."""
+    kind = x.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    w = qweight(None)
+    x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+    xq, x_scale = quantize_rows(x2)
+    out = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=qweight.scale.reshape(1, -1), out_dtype=dtype)
+    if bias is not None:
+        out = out + bias.to(dtype)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def resolve_matmul(requested, device: torch.device, compiled: bool = False) -> tuple[Fp8Matmul, str]:
+    """``(matmul, reason)`` for the fp8 Linears on ``device``, by the one rule
+    (:func:`wan_s2v_runner.shared.quant.choose_fp8_matmul`) on this GPU's own compute capability."""
+    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return choose_fp8_matmul(requested, device.type, cc, compiled)
+
+
+def set_matmul(model: nn.Module, matmul: Fp8Matmul) -> int:
+    """Every :class:`Fp8Linear` of ``model`` computes by ``matmul`` (resolved: dequant or scaled-mm);
+    returns how many."""
+    matmul = Fp8Matmul(matmul)
+    if matmul is Fp8Matmul.AUTO:
+        raise ValueError("set_matmul takes a resolved choice (shared.quant.choose_fp8_matmul)")
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, Fp8Linear):
+            mod.matmul = matmul
+            n += 1
+    return n
 
 
 def convert(model: nn.Module, quantize=None) -> list[str]:

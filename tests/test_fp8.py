@@ -201,20 +201,25 @@ def test_fp8_frames_are_near_full_precision(tiny_assets):
 def test_every_layout_with_fp8_equals_one_rank(tiny_assets, tmp_path):
     """Real ranks, fp8 DiT: fsdp-fixed (the fp8 weights are FSDP units of their own, scales
     agreed by all-reduce), ulysses with CFG-parallel (the node's shared copy; rank 0's scales)
-    and hybrid (reading in two waves), each at 2 ranks, equal one process with fp8 exactly."""
+    and hybrid (reading in two waves; ``--fp8-matmul scaled-mm``: FSDP gathers the fp8 weights and
+    each rank quantizes its own tokens), each at 2 ranks, equal one process with fp8 exactly."""
     with cpu_engine(tiny_assets) as engine:
         want = one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1)
+        want_mm = one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1, fp8_matmul="scaled-mm")
     for name, flags in (("fsdp", ["--mode", "fsdp-fixed"]), ("ulysses_cfg", ["--mode", "ulysses", "--cfg-parallel"]),
-                        ("hybrid", ["--mode", "hybrid", "--load-waves", "2"])):
+                        ("hybrid", ["--mode", "hybrid", "--load-waves", "2", "--fp8-matmul", "scaled-mm"])):
         d = tmp_path / name
         d.mkdir()
         r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--num-clips", "1", "--nproc", "2", *flags,
                      "--dit-quant", "fp8", "--output", str(d / "o.mp4"), "--frames-out", str(d / "f.pt"),
                      "--runs-root", str(d / "runs")], cwd=d)
         assert r.returncode == 0, r.output
-        assert torch.equal(torch.load(d / "f.pt"), want), name
-        for rank in (0, 1):  # each rank's load report says what it holds
-            assert "fp8: 28 Linears" in (next((d / "runs").glob("*")) / "events" / f"rank{rank}.jsonl").read_text()
+        mm = "scaled-mm" in flags
+        assert torch.equal(torch.load(d / "f.pt"), want_mm if mm else want), name
+        for rank in (0, 1):  # each rank's load report says what it holds and how it multiplies
+            events = (next((d / "runs").glob("*")) / "events" / f"rank{rank}.jsonl").read_text()
+            assert "fp8: 28 Linears" in events
+            assert ("scaled-mm (requested explicitly;" if mm else "dequant (auto") in events, name
 
 
 @pytest.mark.slow(seconds=60)
@@ -407,3 +412,77 @@ def test_a_pool_recorded_before_fp8_keeps_its_identity():
     assert "dit_quant" not in plain and "compile" not in plain
     both = frame_settings(GroupSpec(ckpt_dir="/x", device="cpu", dit_quant="fp8", compile=True))
     assert both["dit_quant"] == "fp8" and both["compile"] is True
+
+
+def test_scaled_mm_is_a_linear_within_fp8s_rounding_and_token_by_token():
+    """``--fp8-matmul scaled-mm``'s Linear: within e4m3's rounding of both operands of the
+    dequantizing Linear (fp32 and bf16 autocast, with and without a bias), the bf16 result in
+    autocast's dtype, and a token's output unchanged by the other tokens' values (per-token
+    activation scales: what lets sequence-parallel ranks equal one process)."""
+    from patches import fp8_linear
+    from wan_s2v_runner.loading.quantize import quantize_tensor
+    torch.manual_seed(0)
+    w, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(3, 40, 64)
+    qw = Fp8Weight(96, 64)
+    q, scale = quantize_tensor(w)
+    qw.weight, qw.scale = torch.nn.Parameter(q, requires_grad=False), scale
+    for b in (None, bias):
+        deq = torch.nn.functional.linear(x, qw(torch.float32), b)
+        got = fp8_linear.scaled_mm_linear(x, qw, b)
+        assert got.shape == deq.shape and got.dtype == torch.float32
+        rel = (got - deq).abs().max() / deq.abs().max()
+        assert 0 < rel < 0.05, rel  # e4m3 keeps 3 mantissa bits: 2^-4 relative per operand
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fp8_linear.scaled_mm_linear(x, qw, bias).dtype == torch.bfloat16
+    other = x.clone()
+    other[:, 20:] *= 1000  # other tokens' magnitudes change; token 0-19's scales and values do not
+    a, b = fp8_linear.scaled_mm_linear(x, qw, bias), fp8_linear.scaled_mm_linear(other, qw, bias)
+    assert torch.equal(a[:, :20], b[:, :20]) and not torch.equal(a[:, 20:], b[:, 20:])
+
+
+def test_fp8_matmul_is_chosen_by_one_rule_and_refused_on_an_old_gpu():
+    """The rule (run and doctor share it), the flag's own validation, and the preflight on
+    recorded machines: ``scaled-mm`` on an A100 (cc 8.0) or a V100 is refused with the fix before
+    any rank starts; on an L40S (8.9) and an H100 (9.0) it runs; ``auto`` is scaled-mm only where it
+    measured faster (compiled, cc >= 8.9), dequant elsewhere."""
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from wan_s2v_runner.preflight import CheckContext, MachineFacts, Status, run_checks
+    from wan_s2v_runner.preflight.core import find
+    from wan_s2v_runner.shared.quant import Fp8Matmul, Fp8MatmulUnavailable, choose_fp8_matmul
+    from wan_s2v_runner.shared.spec import GroupSpec
+    assert choose_fp8_matmul("auto", "cuda", (9, 0))[0] is Fp8Matmul.DEQUANT  # eager: dequant measured faster
+    assert choose_fp8_matmul("auto", "cuda", (9, 0), compiled=True)[0] is Fp8Matmul.SCALED_MM  # compiled: scaled-mm
+    for device, cc in (("cuda", (8, 0)), ("cuda", None), ("cpu", None)):
+        assert choose_fp8_matmul("auto", device, cc, compiled=True)[0] is Fp8Matmul.DEQUANT
+    assert choose_fp8_matmul("scaled-mm", "cuda", (8, 9))[0] is Fp8Matmul.SCALED_MM
+    assert choose_fp8_matmul("scaled-mm", "cpu", None)[0] is Fp8Matmul.SCALED_MM
+    for cc in ((8, 6), (8, 0), None):
+        with pytest.raises(Fp8MatmulUnavailable, match="compute capability >= 8.9"):
+            choose_fp8_matmul("scaled-mm", "cuda", cc)
+    with pytest.raises(ValidationError, match="add --dit-quant fp8"):
+        GroupSpec(ckpt_dir="/x", fp8_matmul="scaled-mm")
+    machines = Path(__file__).parent / "data" / "machines"
+
+    def check(machine, **kw):
+        facts = MachineFacts.load(machines / f"{machine}.json")
+        vals = dict(device="cuda", nproc=1, dit_quant="fp8", **kw)
+        return find(run_checks(CheckContext.for_values(vals, facts), ["gpus"]), "gpus.fp8_matmul")
+
+    for machine in ("a100_8x_nvlink", "v100s_2x_pcie"):
+        r = check(machine, fp8_matmul="scaled-mm")
+        assert r.status is Status.FAIL and "compute capability >= 8.9" in r.finding, r.finding
+        assert "--fp8-matmul dequant" in r.fix
+        assert check(machine).status is Status.OK  # auto: dequant runs anywhere
+    for machine in ("l40s_1x", "h100_1x"):
+        r = check(machine, fp8_matmul="scaled-mm")
+        assert r.status is Status.OK and "-> scaled-mm" in r.finding, r.finding
+    assert "-> dequant" in check("h100_1x").finding
+    assert "-> scaled-mm" in check("h100_1x", compile=True).finding  # auto, compiled, cc 9.0
+    assert "-> dequant" in check("a100_8x_nvlink", compile=True).finding
+    r = find(run_checks(CheckContext.for_values(dict(device="cuda", nproc=1),
+                                                MachineFacts.load(machines / "h100_1x.json")), ["gpus"]),
+             "gpus.fp8_matmul")
+    assert r.status is Status.SKIP

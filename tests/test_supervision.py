@@ -671,3 +671,20 @@ def test_stop_gives_each_rank_one_sigterm_so_its_stack_dump_is_whole(tmp_path):
         text = Path(f"{dump}.part").read_text()
         assert text.count("hread 0x") == 41, text[-300:]
         assert text.count("in deep") == 41 * 81 and text.endswith("\n"), (i, text[-300:])
+
+
+@pytest.mark.slow(seconds=25)
+def test_a_run_whose_video_cannot_be_written_says_why(tiny_assets, tmp_path):
+    """The disk fills while rank 0 writes the mp4 (a real rank, one process): the job's error is
+    the job's (the group ends cleanly), and the run's exit names it, its rank and stage, and the
+    fix, instead of only "not written" (found on a GPU without imageio-ffmpeg, docs/gpu.md)."""
+    out = tmp_path / "out" / "o.mp4"
+    r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--num-clips", "1", "--steps", "1",
+                 "--output", str(out), "--runs-root", str(tmp_path / "runs")],
+                cwd=tmp_path, env=fault_env("0:save:enospc"))
+    assert r.returncode == exit_codes.RANK_FAILED, r.output
+    assert "was not written: writing the video failed in stage save: OSError" in r.stderr, r.stderr
+    assert "Fix: free space on the disk" in r.stderr
+    m = _manifest(_run_dir(tmp_path))
+    assert m["exit"]["failed_rank"] == 0 and m["exit"]["failed_stage"] == "save", m["exit"]
+    assert not out.exists()

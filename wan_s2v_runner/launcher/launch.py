@@ -163,8 +163,12 @@ def run(spec: GroupSpec, *, observers: Optional[list[RunObserver]] = None, extra
         sup.reader.poll()
         if outcome.code == exit_codes.OK and own_job and spec.writes_output and \
                 (not own_job.output.is_file() or _output_stamp(own_job.output) == before):
+            failed = next((st for _, st in sorted(sup.reader.ranks.items()) if st.job_failed), None)
             outcome = Outcome(code=exit_codes.RANK_FAILED, torchrun_rc=outcome.torchrun_rc,
-                              reason=f"the run ended but {own_job.output} was not written")
+                              reason=f"the run ended but {own_job.output} was not written"
+                              + (f": {failed.job_failed.get('error')}" if failed else ""),
+                              failed_rank=failed.rank if failed else None,
+                              failed_stage=failed.job_failed.get("stage") if failed else None)
         data = manifest.build(spec, run_dir, sup.reader, outcome, started, time.time(),
                               launcher={"pid": os.getpid(), "torchrun_pid": procs.proc.pid if procs.proc else None,
                                         "torchrun_exit_code": outcome.torchrun_rc,

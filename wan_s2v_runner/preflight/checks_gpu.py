@@ -1,13 +1,17 @@
 """Groups ``gpus`` and ``attention``: GPU count vs ranks, kernels for the GPU's architecture,
-bf16 support, busy GPUs; flash-attn 2/3 health (ABI mismatch with the missing symbol, FA3's
-return type), the compute capability a requested backend needs, and what ``--attention auto``
-picks (the same order as ``patches.attention.resolve_backend``: fa3 > fa2 > sdpa).
+bf16 support, busy GPUs, how ``--dit-quant fp8``'s Linears multiply (``--fp8-matmul``: the run's
+own rule, ``shared.quant.choose_fp8_matmul``, on the lowest compute capability in use);
+flash-attn 2/3 health (ABI mismatch with the missing symbol, FA3's return type), the compute
+capability a requested backend needs, and what ``--attention auto`` picks
+(the same order as ``patches.attention.resolve_backend``: fa3 > fa2 > sdpa).
 """
 from __future__ import annotations
 
 import re
 
 from wan_s2v_runner.shared.attention_backends import FA2_MIN_CC, FA3_CC, BackendUnavailable, choose_backend
+from wan_s2v_runner.shared.layout import DitQuant
+from wan_s2v_runner.shared.quant import Fp8MatmulUnavailable, choose_fp8_matmul
 
 from .core import fail, ok, skip, warn
 
@@ -42,6 +46,23 @@ def check_visible(ctx):
     mem = ", ".join(f"{g['total_mib'] / 1024:.0f}" for g in f.gpus)
     return ok("gpus.visible", f"{f.gpu_count} x {_gpu_names(f.gpus)} (cc {_cc_s(f.gpus[0])}, "
               f"{mem} GiB)", gpus=[g.get("name") for g in f.gpus])
+
+
+def check_fp8_matmul(ctx):
+    """What ``--fp8-matmul`` resolves to on these GPUs; an explicit ``scaled-mm`` on a GPU older
+    than cc 8.9 is refused before any rank starts."""
+    spec = ctx.spec
+    if DitQuant(spec.dit_quant) is not DitQuant.FP8:
+        return skip("gpus.fp8_matmul", "no --dit-quant fp8")
+    gpus = ctx.local_gpus if ctx.on_cuda else []
+    lowest = min(gpus, key=_cc) if gpus else None
+    try:
+        way, why = choose_fp8_matmul(spec.fp8_matmul, "cuda" if ctx.on_cuda else "cpu",
+                                     _cc(lowest) if lowest else None, compiled=bool(spec.compile))
+    except Fp8MatmulUnavailable as e:
+        return fail("gpus.fp8_matmul", str(e) + (f" ({lowest['name']})" if lowest else ""), e.fix,
+                    cc=list(_cc(lowest)) if lowest else None)
+    return ok("gpus.fp8_matmul", f"--fp8-matmul {spec.fp8_matmul.value} -> {way.value} ({why})", fp8_matmul=way.value)
 
 
 def check_count(ctx):

@@ -42,6 +42,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.GPUS, checks_gpu.check_arch),
     (G.GPUS, checks_gpu.check_bf16),
     (G.GPUS, checks_gpu.check_busy),
+    (G.GPUS, checks_gpu.check_fp8_matmul),
     (G.COMMUNICATION, checks_comm.check_backend),
     (G.COMMUNICATION, checks_comm.check_topology),
     (G.COMMUNICATION, checks_comm.check_consumer_p2p),

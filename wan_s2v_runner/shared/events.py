@@ -143,6 +143,7 @@ class RankState:
     mem: dict[str, Any] = field(default_factory=dict)  # last heartbeat's memory figures
     end: Optional[dict[str, Any]] = None
     error: Optional[dict[str, Any]] = None
+    job_failed: Optional[dict[str, Any]] = None  # the last job whose own error the group outlived
     loaded: Optional[dict[str, Any]] = None  # what the rank's loading read, and how (``loaded`` event)
     stage_peaks: dict[Union[Stage, str], dict[str, float]] = field(default_factory=dict)  # MiB, largest per stage
 
@@ -250,6 +251,8 @@ class EventReader:
                     peaks[k] = max(peaks.get(k, v), v)
         elif kind == "end":
             st.end = ev
+        elif kind == "job_failed":
+            st.job_failed = ev
         elif kind == "loaded":
             st.loaded = {k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")}
         elif kind == "error":

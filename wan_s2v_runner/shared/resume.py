@@ -29,7 +29,7 @@ STATE_PT = "state.pt"
 FORMAT = 1
 #: spec fields that decide the frames (layout, supervision and output fields do not)
 FRAME_FIELDS = ("prompt", "negative_prompt", "max_area", "infer_frames", "num_clips", "steps", "shift",
-                "guide_scale", "solver", "seed", "start_from_ref", "device", "lora", "dit_quant")
+                "guide_scale", "solver", "seed", "start_from_ref", "device", "lora", "dit_quant", "fp8_matmul")
 
 
 class ResumeError(ValueError):
@@ -47,6 +47,8 @@ def spec_digest(spec) -> str:
     data = json.loads(spec.model_dump_json(include=set(FRAME_FIELDS)))
     if data.get("dit_quant") == "none":  # the default: digests made before --dit-quant existed still match
         data.pop("dit_quant")
+    if data.get("fp8_matmul") == "auto":  # likewise for --fp8-matmul's default
+        data.pop("fp8_matmul")
     data["image_sha256"] = sha256_file(spec.image)
     data["audio_sha256"] = sha256_file(spec.speech)  # --tts-text: the speech it made (kept for a resume)
     if spec.pose_video:

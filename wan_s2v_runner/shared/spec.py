@@ -44,6 +44,7 @@ from pydantic.fields import FieldInfo
 
 from wan_s2v_runner.shared.layout import DitQuant, Layout, LoadStrategy, Mode
 from wan_s2v_runner.shared.node_agent import DEFAULT_WORKER
+from wan_s2v_runner.shared.quant import Fp8Matmul
 
 try:  # Python 3.11+
     import tomllib
@@ -172,8 +173,15 @@ class GroupSpec(BaseModel):
                           "everything else still comes from --ckpt-dir")
     dit_quant: Annotated[DitQuant, Flag(_MO)] = Field(
         DitQuant.NONE, description="fp8: hold the DiT's block and audio-injection Linears in float8_e4m3fn with one "
-                                   "scale per output row (quantized as read; an e4m3 --dit-file is used as it is), "
-                                   "dequantized per call: about half the DiT's bf16 bytes; precision: docs/loading.md")
+                                   "scale per output row (quantized as read; an e4m3 --dit-file is used as it is): "
+                                   "about half the DiT's bf16 bytes; how it multiplies: --fp8-matmul; precision: "
+                                   "docs/loading.md")
+    fp8_matmul: Annotated[Fp8Matmul, Flag(_MO)] = Field(
+        Fp8Matmul.AUTO, description="with --dit-quant fp8: dequant multiplies the dequantized weights in the run's "
+                                    "dtype; scaled-mm multiplies in fp8 with torch._scaled_mm, the activations "
+                                    "quantized per token (a GPU of compute capability >= 8.9); auto: scaled-mm "
+                                    "with --compile on such a GPU, where it measured faster, else dequant "
+                                    "(docs/gpu.md)")
     wan_repo: Annotated[Optional[AbsPath], Flag(_MO, env="WAN_REPO", metavar="DIR",
                                                 default_text="installed `wan`")] = Field(
         None, description="use this Wan2.2 checkout (repo root) instead of the installed wan package")
@@ -273,6 +281,9 @@ class GroupSpec(BaseModel):
                                 "use --mode ulysses")):
                 if given:
                     raise ValueError(f"--dit-quant {self.dit_quant.value} cannot be combined with {why}; drop one")
+        if self.fp8_matmul is not Fp8Matmul.AUTO and self.dit_quant is not DitQuant.FP8:
+            raise ValueError(f"--fp8-matmul {self.fp8_matmul.value} is how --dit-quant fp8's Linears multiply; "
+                             "add --dit-quant fp8 or drop --fp8-matmul")
         if self.dit_file is not None and self.load is LoadStrategy.FULL:
             raise ValueError("--dit-file is read by lean loading (--load full is upstream's own reading of "
                              "CKPT_DIR); drop --load full")

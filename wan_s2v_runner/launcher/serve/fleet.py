@@ -53,6 +53,8 @@ def frame_settings(group: GroupSpec) -> dict[str, Any]:
     # added only when not the default: a pool recorded before these settings existed keeps its identity
     if group.dit_quant.value != "none":
         out["dit_quant"] = group.dit_quant.value
+    if group.fp8_matmul.value != "auto":
+        out["fp8_matmul"] = group.fp8_matmul.value
     if group.compile:
         out["compile"] = True
     if group.device == "cuda":
