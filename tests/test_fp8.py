@@ -301,12 +301,14 @@ def test_the_memory_plan_and_doctor_know_fp8():
 
 
 @pytest.mark.slow(seconds=40)
-def test_a_compiled_fp8_block_is_one_graph_within_the_bound_of_eager():
-    """--compile with fp8 (ulysses: the fp8 weights are the block's own tensors): each block is
-    still one graph with no break, within test_compile's forward bound of the eager fp8 DiT."""
+@pytest.mark.parametrize("matmul", ["dequant", "scaled-mm"])
+def test_a_compiled_fp8_block_is_one_graph_within_the_bound_of_eager(matmul):
+    """--compile with fp8 (ulysses: the fp8 weights are the block's own tensors), either way an fp8
+    Linear multiplies (scaled-mm is what ``auto`` takes compiled on a GPU of cc >= 8.9): each block
+    is still one graph with no break, within test_compile's forward bound of the eager fp8 DiT."""
     from torch._dynamo.utils import counters
 
-    from patches import attention, compile_blocks, context_cache
+    from patches import attention, compile_blocks, context_cache, fp8_linear
     from tests.test_compile import FORWARD_BOUND, SMALL
     from wan_s2v_runner.demo.random_weights import dit_kwargs, random_dit, random_dit_inputs
     from wan_s2v_runner.loading.engine import import_wan
@@ -318,12 +320,17 @@ def test_a_compiled_fp8_block_is_one_graph_within_the_bound_of_eager():
     torch.manual_seed(0)
     model, _ = random_dit(wan, torch.device("cpu"), torch.float32, **SMALL)
     assert len(quantize_loaded(model)) == 4 * 10 + 3 * 4
+    assert fp8_linear.set_matmul(model, matmul) == 4 * 10 + 3 * 4
     context_cache.apply(model)
     cfg = dit_kwargs(wan, **SMALL)
     x, t, cond, _ = random_dit_inputs(int(cfg["audio_dim"]), int(cfg["motion_frames"]), token_counts(128, 128, 8), 8,
                                       torch.device("cpu"), torch.float32, False)
     with torch.no_grad():
         eager = model(x, t=t, **cond)
+        if matmul == "scaled-mm":  # the activations' own rounding to e4m3: how far scaled-mm is from dequant
+            fp8_linear.set_matmul(model, "dequant")
+            rounding = max((a - b).abs().max().item() for a, b in zip(eager, model(x, t=t, **cond)))
+            fp8_linear.set_matmul(model, matmul)
         compile_blocks.apply(wan, torch.float32)
         try:
             counters.clear()
@@ -332,7 +339,13 @@ def test_a_compiled_fp8_block_is_one_graph_within_the_bound_of_eager():
         finally:
             compile_blocks.restore(wan)
     diff = max((a - b).abs().max().item() for a, b in zip(eager, compiled))
-    assert diff <= FORWARD_BOUND, diff
+    if matmul == "dequant":
+        assert diff <= FORWARD_BOUND, diff
+    else:
+        # compiling reorders float32 sums before an activation is rounded to e4m3 (3 mantissa bits):
+        # an input one ulp apart can round one fp8 step apart. Bound: less than the activation
+        # rounding itself moves the output (measured 5.7e-3 against 1.8e-2 on this DiT)
+        assert 0 < diff < rounding / 2, (diff, rounding)
 
 
 @pytest.mark.slow(seconds=150)
