@@ -159,6 +159,19 @@ def run_frames(assets, d: Path, flags: list[str], *extra: str) -> tuple["torch.T
 
 
 @pytest.fixture(scope="session")
+def inductor_cache(tmp_path_factory) -> dict:
+    """The environment of one inductor cache for the session's compiling runs, shared by both
+    xdist workers: ``{"TORCHINDUCTOR_CACHE_DIR": DIR}`` (no spaces: preflight refuses them). Each
+    run still compiles (dynamo traces its blocks, the ``compile`` stage is timed); what a later
+    run stops paying is the C++ build of the kernels an earlier one built, as a user's second run
+    does (the runner's cache is per user and node: wan_s2v_runner/shared/inductor.py)."""
+    base = tmp_path_factory.getbasetemp()
+    d = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "inductor-cache"
+    d.mkdir(exist_ok=True)
+    return {"TORCHINDUCTOR_CACHE_DIR": str(d)}
+
+
+@pytest.fixture(scope="session")
 def reference_frames(tiny_assets):
     """One process's frames for the shared tiny spec (TINY_FLAGS), computed in this process by the
     loop a ``--nproc 1`` run's worker runs: what every parallel layout must equal."""

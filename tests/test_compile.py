@@ -125,13 +125,14 @@ def _frames(tmp_path, name):
 
 
 @pytest.mark.slow(seconds=330)
-def test_compiled_layouts_agree_and_a_batch_compiles_each_size_once(tiny_assets, reference_frames, tmp_path):
+def test_compiled_layouts_agree_and_a_batch_compiles_each_size_once(tiny_assets, reference_frames, inductor_cache,
+                                                                    tmp_path):
     """A 2-rank Ulysses batch of two same-size jobs, compiled, against the compiled one-process run
     of the first job; the second job compiles nothing (no ``compile`` stage in its timings); a
     2-rank CFG-parallel run, a 2-rank hybrid run (FSDP-sharded DiT, Ulysses) and a 2-rank
     fsdp-fixed CFG-parallel run, compiled, against the same. Measured: all equal the compiled
     one-process frames bit for bit (2026-11-26, CPU); the bound is asserted."""
-    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}  # no spaces: preflight refuses them
+    cache = inductor_cache
     one = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "1", "--compile",
                    "--frames-out", str(tmp_path / "one.pt"), "--output", str(tmp_path / "one.mp4"),
                    "--runs-root", str(tmp_path / "runs-one")], cwd=tmp_path, env=cache)
@@ -186,11 +187,11 @@ def _random_lora(ckpt: Path, out: Path) -> Path:
 
 
 @pytest.mark.slow(seconds=90)
-def test_lora_and_pose_compile_as_they_run_eager(tiny_assets, pose_reference_frames, tmp_path):
+def test_lora_and_pose_compile_as_they_run_eager(tiny_assets, pose_reference_frames, inductor_cache, tmp_path):
     """A LoRA (merged into the weights the compiled block takes as inputs) and a pose video
     (conditioning made outside the blocks), compiled against the same run eager: within the
     frames bound; the LoRA changes the frames, so the bound is not met by a LoRA left out."""
-    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+    cache = inductor_cache
     lora = _random_lora(tiny_assets.ckpt_dir, tmp_path / "lora.safetensors")
     flags = [*TINY_FLAGS, "--nproc", "1", "--pose-video", str(tiny_assets.pose_video), "--lora", f"{lora}:0.8"]
     frames = {}
@@ -234,12 +235,12 @@ def test_compile_is_a_group_setting_from_flags_toml_and_environment(tmp_path):
 
 
 @pytest.mark.slow(seconds=150)
-def test_a_compiled_run_resumes_to_the_uninterrupted_compiled_frames(tiny_assets, tmp_path):
+def test_a_compiled_run_resumes_to_the_uninterrupted_compiled_frames(tiny_assets, inductor_cache, tmp_path):
     """--compile and resume: a compiled run whose rank fails in clip 2 of 3, resumed (compiled: the
     group setting comes from the run), ends with the uninterrupted compiled run's frames (within
     ``LAYOUT_BOUND``; measured: equal). Resume hands the loop clip 1's motion latents, made
     outside the compiled blocks."""
-    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+    cache = inductor_cache
     three = [*TINY_FLAGS, *asset_flags(tiny_assets), "--infer-frames", "4", "--num-clips", "3", "--nproc", "1",
              "--compile"]
     whole = tmp_path / "whole"

@@ -349,7 +349,7 @@ def test_a_compiled_fp8_block_is_one_graph_within_the_bound_of_eager(matmul):
 
 
 @pytest.mark.slow(seconds=150)
-def test_compiled_fp8_ranks_are_within_the_bound_of_eager(tiny_assets, tmp_path):
+def test_compiled_fp8_ranks_are_within_the_bound_of_eager(tiny_assets, inductor_cache, tmp_path):
     """Real ranks: ulysses with CFG-parallel at 2 ranks, --compile --dit-quant fp8, within
     test_compile's frames bound of one process's eager fp8 frames."""
     from tests.test_compile import FRAMES_BOUND
@@ -359,7 +359,7 @@ def test_compiled_fp8_ranks_are_within_the_bound_of_eager(tiny_assets, tmp_path)
     d.mkdir()
     r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--num-clips", "1", "--nproc", "2", "--cfg-parallel",
                  "--compile", "--dit-quant", "fp8", "--output", str(d / "o.mp4"), "--frames-out", str(d / "f.pt"),
-                 "--runs-root", str(d / "runs")], cwd=d, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+                 "--runs-root", str(d / "runs")], cwd=d, env=inductor_cache)
     assert r.returncode == 0, r.output
     diff = (torch.load(d / "f.pt") - want).abs().max().item()
     assert diff <= FRAMES_BOUND, diff
