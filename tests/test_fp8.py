@@ -387,6 +387,9 @@ def test_a_batch_with_an_fp8_file_equals_one_process_per_job(tiny_assets, tmp_pa
         assert torch.equal(torch.load(tmp_path / f"{seed}.pt"), frames), seed
     base = dict(ckpt_dir=tiny_assets.ckpt_dir, image=tiny_assets.image, audio=tiny_assets.audio, prompt="p")
     assert resume.spec_digest(RunSpec(**base)) != resume.spec_digest(RunSpec(**base, dit_quant="fp8"))
+    fp8_auto = resume.spec_digest(RunSpec(**base, dit_quant="fp8", fp8_matmul="auto"))
+    assert fp8_auto == resume.spec_digest(RunSpec(**base, dit_quant="fp8"))  # a run made before the flag matches
+    assert fp8_auto != resume.spec_digest(RunSpec(**base, dit_quant="fp8", fp8_matmul="scaled-mm"))
 
 
 def test_non_finite_weights_are_refused_and_file_scales_need_no_read(ckpt, tmp_path):
@@ -424,7 +427,9 @@ def test_a_pool_recorded_before_fp8_keeps_its_identity():
     plain = frame_settings(GroupSpec(ckpt_dir="/x", device="cpu"))
     assert "dit_quant" not in plain and "compile" not in plain
     both = frame_settings(GroupSpec(ckpt_dir="/x", device="cpu", dit_quant="fp8", compile=True))
-    assert both["dit_quant"] == "fp8" and both["compile"] is True
+    assert both["dit_quant"] == "fp8" and both["compile"] is True and "fp8_matmul" not in both
+    mm = frame_settings(GroupSpec(ckpt_dir="/x", device="cpu", dit_quant="fp8", fp8_matmul="scaled-mm"))
+    assert mm["fp8_matmul"] == "scaled-mm"
 
 
 def test_scaled_mm_is_a_linear_within_fp8s_rounding_and_token_by_token():
