@@ -232,9 +232,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, TFLOP/s (default: by name)")
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args(argv)
-    bad = [w for w in a.fp8_matmul if w not in ("dequant", "scaled-mm")]
-    if bad:
-        ap.error(f"--fp8-matmul {','.join(bad)}: the ways are dequant and scaled-mm")
+    from wan_s2v_runner.shared.quant import Fp8Matmul
+    try:
+        a.fp8_matmul = [Fp8Matmul(w).value for w in a.fp8_matmul]
+    except ValueError as e:
+        ap.error(f"--fp8-matmul: {e} (the ways: {', '.join(m.value for m in Fp8Matmul)})")
 
     import torch
 
@@ -332,7 +334,8 @@ def main(argv=None) -> dict:
         c_first, c_step, c_pass = run_steps(compiled, x, t, cond, uncond, device, dtype, a.warmup, a.repeat)
         print(f"compiled: {c_step:.3f} s/step (first step {c_first:.1f} s), eager {step_s:.3f}", flush=True)
         c_tflops = per_step / c_step / 1e12
-        out["compiled"] = {"scope": a.compile, "first_step_s": round(c_first, 1), "step_s": round(c_step, 3),
+        out["compiled"] = {"scope": a.compile, "fp8_matmul": a.fp8_matmul[-1] if "fp8" in out else None,
+                           "first_step_s": round(c_first, 1), "step_s": round(c_step, 3),
                            "pass_s": round(c_pass, 3), "tflops": round(c_tflops, 1),
                            "mfu": round(c_tflops / peak, 4) if peak else None, "speedup": round(step_s / c_step, 3),
                            "unique_graphs": int(counters["stats"]["unique_graphs"]),

@@ -39,7 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wan_s2v_runner.shared.quant import E4M3_MAX, FP8_LINEARS, Fp8Matmul, choose_fp8_matmul
+from wan_s2v_runner.shared.quant import (
+    DEQUANT_FIX,
+    E4M3_MAX,
+    FP8_LINEARS,
+    Fp8Matmul,
+    Fp8MatmulUnavailable,
+    choose_fp8_matmul,
+)
 
 __all__ = ["E4M3_MAX", "Fp8Linear", "Fp8Weight", "convert", "own_fsdp_units", "quantized_name", "resolve_matmul",
            "scaled_mm_linear", "set_matmul", "set_scales"]
@@ -70,7 +77,9 @@ class Fp8Weight(nn.Module):
             # FSDP gathers the shard in the param dtype (e4m3 values, exactly): back to e4m3, a copy
             # that outlives the gathered storage FSDP frees after this call
             w = self.weight
-            return w if w.dtype == torch.float8_e4m3fn else w.to(torch.float8_e4m3fn)
+            if isinstance(w, nn.Parameter) and w.dtype == torch.float8_e4m3fn:
+                return w  # this module's own weight (no FSDP): lives as long as the module
+            return w.to(torch.float8_e4m3fn, copy=True)
         # a fresh float32 copy scaled in place: under FSDP on the CPU the gathered weight is float32
         # already, and .float() would be the parameter itself
         return self.weight.to(torch.float32, copy=True).mul_(self.scale).to(dtype)
@@ -115,7 +124,7 @@ def scaled_mm_linear(x: torch.Tensor, qweight: Fp8Weight, bias) -> torch.Tensor:
     kind = x.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
     w = qweight(None)
-    x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+    x2 = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()  # _scaled_mm's first operand: row-major
     xq, x_scale = quantize_rows(x2)
     out = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=qweight.scale.reshape(1, -1), out_dtype=dtype)
     if bias is not None:
@@ -123,19 +132,28 @@ def scaled_mm_linear(x: torch.Tensor, qweight: Fp8Weight, bias) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
-def resolve_matmul(requested, device: torch.device, compiled: bool = False) -> tuple[Fp8Matmul, str]:
+def resolve_matmul(requested, device: torch.device) -> tuple[Fp8Matmul, str]:
     """``(matmul, reason)`` for the fp8 Linears on ``device``, by the one rule
-    (:func:`wan_s2v_runner.shared.quant.choose_fp8_matmul`) on this GPU's own compute capability."""
+    (:func:`wan_s2v_runner.shared.quant.choose_fp8_matmul`) on this GPU's own compute capability;
+    a scaled-mm on CUDA is also tried once on a tiny product (row-wise scaling is not in every
+    torch build for every architecture): :class:`Fp8MatmulUnavailable` at load, not mid-denoise."""
     cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return choose_fp8_matmul(requested, device.type, cc, compiled)
+    way, why = choose_fp8_matmul(requested, device.type, cc)
+    if way is Fp8Matmul.SCALED_MM and device.type == "cuda":
+        a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+        ones = torch.ones(16, 1, device=device)
+        try:
+            torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t().contiguous(), out_dtype=torch.bfloat16)
+        except RuntimeError as e:
+            raise Fp8MatmulUnavailable(f"--fp8-matmul scaled-mm: torch {torch.__version__} cannot multiply fp8 with "
+                                       f"row-wise scales on this GPU (cc {cc[0]}.{cc[1]}): "
+                                       f"{str(e).splitlines()[0]}", DEQUANT_FIX) from e
+    return way, why
 
 
 def set_matmul(model: nn.Module, matmul: Fp8Matmul) -> int:
-    """Every :class:`Fp8Linear` of ``model`` computes by ``matmul`` (resolved: dequant or scaled-mm);
-    returns how many."""
+    """Every :class:`Fp8Linear` of ``model`` computes by ``matmul``; returns how many."""
     matmul = Fp8Matmul(matmul)
-    if matmul is Fp8Matmul.AUTO:
-        raise ValueError("set_matmul takes a resolved choice (shared.quant.choose_fp8_matmul)")
     n = 0
     for mod in model.modules():
         if isinstance(mod, Fp8Linear):

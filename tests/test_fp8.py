@@ -219,7 +219,7 @@ def test_every_layout_with_fp8_equals_one_rank(tiny_assets, tmp_path):
         for rank in (0, 1):  # each rank's load report says what it holds and how it multiplies
             events = (next((d / "runs").glob("*")) / "events" / f"rank{rank}.jsonl").read_text()
             assert "fp8: 28 Linears" in events
-            assert ("scaled-mm (requested explicitly;" if mm else "dequant (auto") in events, name
+            assert ("scaled-mm (torch's CPU kernel" if mm else "dequant (the weights dequantized") in events, name
 
 
 @pytest.mark.slow(seconds=60)
@@ -304,8 +304,9 @@ def test_the_memory_plan_and_doctor_know_fp8():
 @pytest.mark.parametrize("matmul", ["dequant", "scaled-mm"])
 def test_a_compiled_fp8_block_is_one_graph_within_the_bound_of_eager(matmul):
     """--compile with fp8 (ulysses: the fp8 weights are the block's own tensors), either way an fp8
-    Linear multiplies (scaled-mm is what ``auto`` takes compiled on a GPU of cc >= 8.9): each block
-    is still one graph with no break, within test_compile's forward bound of the eager fp8 DiT."""
+    Linear multiplies (scaled-mm measured faster than dequant only compiled): each block is still
+    one graph with no break; dequant within test_compile's forward bound of the eager fp8 DiT,
+    scaled-mm within half of what the activations' own rounding moves it."""
     from torch._dynamo.utils import counters
 
     from patches import attention, compile_blocks, context_cache, fp8_linear
@@ -345,7 +346,7 @@ def test_a_compiled_fp8_block_is_one_graph_within_the_bound_of_eager(matmul):
         # compiling reorders float32 sums before an activation is rounded to e4m3 (3 mantissa bits):
         # an input one ulp apart can round one fp8 step apart. Bound: less than the activation
         # rounding itself moves the output (measured 5.7e-3 against 1.8e-2 on this DiT)
-        assert 0 < diff < rounding / 2, (diff, rounding)
+        assert diff < rounding / 2, (diff, rounding)
 
 
 @pytest.mark.slow(seconds=150)
@@ -387,9 +388,9 @@ def test_a_batch_with_an_fp8_file_equals_one_process_per_job(tiny_assets, tmp_pa
         assert torch.equal(torch.load(tmp_path / f"{seed}.pt"), frames), seed
     base = dict(ckpt_dir=tiny_assets.ckpt_dir, image=tiny_assets.image, audio=tiny_assets.audio, prompt="p")
     assert resume.spec_digest(RunSpec(**base)) != resume.spec_digest(RunSpec(**base, dit_quant="fp8"))
-    fp8_auto = resume.spec_digest(RunSpec(**base, dit_quant="fp8", fp8_matmul="auto"))
-    assert fp8_auto == resume.spec_digest(RunSpec(**base, dit_quant="fp8"))  # a run made before the flag matches
-    assert fp8_auto != resume.spec_digest(RunSpec(**base, dit_quant="fp8", fp8_matmul="scaled-mm"))
+    plain = resume.spec_digest(RunSpec(**base, dit_quant="fp8", fp8_matmul="dequant"))
+    assert plain == resume.spec_digest(RunSpec(**base, dit_quant="fp8"))  # a run made before the flag matches
+    assert plain != resume.spec_digest(RunSpec(**base, dit_quant="fp8", fp8_matmul="scaled-mm"))
 
 
 def test_non_finite_weights_are_refused_and_file_scales_need_no_read(ckpt, tmp_path):
@@ -451,7 +452,11 @@ def test_scaled_mm_is_a_linear_within_fp8s_rounding_and_token_by_token():
         rel = (got - deq).abs().max() / deq.abs().max()
         assert 0 < rel < 0.05, rel  # e4m3 keeps 3 mantissa bits: 2^-4 relative per operand
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert fp8_linear.scaled_mm_linear(x, qw, bias).dtype == torch.bfloat16
+        got = fp8_linear.scaled_mm_linear(x, qw, bias)
+        deq = torch.nn.functional.linear(x, qw(torch.float32), bias)
+    assert got.dtype == torch.bfloat16
+    rel = (got.float() - deq.float()).abs().max() / deq.float().abs().max()
+    assert 0 < rel < 0.05, rel
     other = x.clone()
     other[:, 20:] *= 1000  # other tokens' magnitudes change; token 0-19's scales and values do not
     a, b = fp8_linear.scaled_mm_linear(x, qw, bias), fp8_linear.scaled_mm_linear(other, qw, bias)
@@ -461,8 +466,8 @@ def test_scaled_mm_is_a_linear_within_fp8s_rounding_and_token_by_token():
 def test_fp8_matmul_is_chosen_by_one_rule_and_refused_on_an_old_gpu():
     """The rule (run and doctor share it), the flag's own validation, and the preflight on
     recorded machines: ``scaled-mm`` on an A100 (cc 8.0) or a V100 is refused with the fix before
-    any rank starts; on an L40S (8.9) and an H100 (9.0) it runs; ``auto`` is scaled-mm only where it
-    measured faster (compiled, cc >= 8.9), dequant elsewhere."""
+    any rank starts; on an L40S (8.9) and an H100 (9.0) it runs; never chosen for the user, the
+    doctor names it for a compiled run where it measured faster."""
     from pathlib import Path
 
     from pydantic import ValidationError
@@ -471,10 +476,7 @@ def test_fp8_matmul_is_chosen_by_one_rule_and_refused_on_an_old_gpu():
     from wan_s2v_runner.preflight.core import find
     from wan_s2v_runner.shared.quant import Fp8Matmul, Fp8MatmulUnavailable, choose_fp8_matmul
     from wan_s2v_runner.shared.spec import GroupSpec
-    assert choose_fp8_matmul("auto", "cuda", (9, 0))[0] is Fp8Matmul.DEQUANT  # eager: dequant measured faster
-    assert choose_fp8_matmul("auto", "cuda", (9, 0), compiled=True)[0] is Fp8Matmul.SCALED_MM  # compiled: scaled-mm
-    for device, cc in (("cuda", (8, 0)), ("cuda", None), ("cpu", None)):
-        assert choose_fp8_matmul("auto", device, cc, compiled=True)[0] is Fp8Matmul.DEQUANT
+    assert choose_fp8_matmul("dequant", "cuda", (9, 0))[0] is Fp8Matmul.DEQUANT
     assert choose_fp8_matmul("scaled-mm", "cuda", (8, 9))[0] is Fp8Matmul.SCALED_MM
     assert choose_fp8_matmul("scaled-mm", "cpu", None)[0] is Fp8Matmul.SCALED_MM
     for cc in ((8, 6), (8, 0), None):
@@ -482,6 +484,7 @@ def test_fp8_matmul_is_chosen_by_one_rule_and_refused_on_an_old_gpu():
             choose_fp8_matmul("scaled-mm", "cuda", cc)
     with pytest.raises(ValidationError, match="add --dit-quant fp8"):
         GroupSpec(ckpt_dir="/x", fp8_matmul="scaled-mm")
+    assert GroupSpec(ckpt_dir="/x").fp8_matmul is Fp8Matmul.DEQUANT
     machines = Path(__file__).parent / "data" / "machines"
 
     def check(machine, **kw):
@@ -493,13 +496,14 @@ def test_fp8_matmul_is_chosen_by_one_rule_and_refused_on_an_old_gpu():
         r = check(machine, fp8_matmul="scaled-mm")
         assert r.status is Status.FAIL and "compute capability >= 8.9" in r.finding, r.finding
         assert "--fp8-matmul dequant" in r.fix
-        assert check(machine).status is Status.OK  # auto: dequant runs anywhere
+        assert check(machine).status is Status.OK  # the default, dequant, runs anywhere
+        assert "scaled-mm would be faster" not in check(machine, compile=True).finding
     for machine in ("l40s_1x", "h100_1x"):
         r = check(machine, fp8_matmul="scaled-mm")
-        assert r.status is Status.OK and "-> scaled-mm" in r.finding, r.finding
-    assert "-> dequant" in check("h100_1x").finding
-    assert "-> scaled-mm" in check("h100_1x", compile=True).finding  # auto, compiled, cc 9.0
-    assert "-> dequant" in check("a100_8x_nvlink", compile=True).finding
+        assert r.status is Status.OK and r.finding.startswith("--fp8-matmul scaled-mm"), r.finding
+    assert check("h100_1x").finding.startswith("--fp8-matmul dequant")
+    assert "scaled-mm would be faster" not in check("h100_1x").finding  # eager: it is not
+    assert "scaled-mm would be faster" in check("h100_1x", compile=True).finding
     r = find(run_checks(CheckContext.for_values(dict(device="cuda", nproc=1),
                                                 MachineFacts.load(machines / "h100_1x.json")), ["gpus"]),
              "gpus.fp8_matmul")

@@ -32,6 +32,7 @@ from wan_s2v_runner.launcher.torchrun import finalize_spec, make_run_dir
 from wan_s2v_runner.shared import atomic, exit_codes, inbox
 from wan_s2v_runner.shared.jobs import Job, write_jobs
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
+from wan_s2v_runner.shared.stages import Stage
 
 
 def _output_stamp(path: Path) -> Optional[tuple]:
@@ -168,7 +169,8 @@ def run(spec: GroupSpec, *, observers: Optional[list[RunObserver]] = None, extra
                               reason=f"the run ended but {own_job.output} was not written"
                               + (f": {failed.job_failed.get('error')}" if failed else ""),
                               failed_rank=failed.rank if failed else None,
-                              failed_stage=failed.job_failed.get("stage") if failed else None)
+                              failed_stage=Stage.coerce(failed.job_failed.get("stage", "?")) if failed else None,
+                              error=failed.job_failed.get("error") if failed else None)
         data = manifest.build(spec, run_dir, sup.reader, outcome, started, time.time(),
                               launcher={"pid": os.getpid(), "torchrun_pid": procs.proc.pid if procs.proc else None,
                                         "torchrun_exit_code": outcome.torchrun_rc,

@@ -57,7 +57,7 @@ class Components:
 def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
          strategy: LoadStrategy = LoadStrategy.LEAN, waves: int = 1, on_event=None,
          compiled: bool = False, dit_file=None, dit_quant: DitQuant = DitQuant.NONE, loras=(),
-         lora_allow_partial: bool = False, fp8_matmul: Fp8Matmul = Fp8Matmul.AUTO) -> Components:
+         lora_allow_partial: bool = False, fp8_matmul: Fp8Matmul = Fp8Matmul.DEQUANT) -> Components:
     """The parts ``plan`` needs, loaded as ``WanS2V.__init__`` would load them (``strategy``
     ``full``) or leanly (``lean``: same modules, same values, less memory and reading).
     ``waves`` > 1 reads in turns of local ranks; ``on_event(stage, **data)`` enters a stage.
@@ -69,7 +69,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     held in float8_e4m3fn (``patches.fp8_linear``; lean loading only), and ``loras`` (LoraRef
     items) are merged into them as they are read, before quantizing (with full precision,
     ``patches.lora_merge`` merges them and these are not used); ``fp8_matmul`` how they multiply
-    (``--fp8-matmul``, resolved on this rank's device by ``shared.quant.choose_fp8_matmul``)."""
+    (``--fp8-matmul``, checked on this rank's device by ``fp8_linear.resolve_matmul``)."""
     s2v_mod = wan.speech2video
     lay = plan.layout
     self = s2v_mod.WanS2V.__new__(s2v_mod.WanS2V)
@@ -106,7 +106,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
         raise ValueError("--dit-file and --dit-quant are read by lean loading only")
     if lean:
         self.noise_model = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, dit_file,
-                                     dit_quant, (loras, lora_allow_partial), fp8_matmul, compiled)
+                                     dit_quant, (loras, lora_allow_partial), fp8_matmul)
     else:
         if not lay.dit_fsdp:
             noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype,
@@ -132,7 +132,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
 
 
 def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file=None, quant=DitQuant.NONE,
-              fp8_loras=((), False), fp8_matmul=Fp8Matmul.AUTO, compiled=False):
+              fp8_loras=((), False), fp8_matmul=Fp8Matmul.DEQUANT):
     """The DiT built on meta and filled as the layout needs (see ``lean_load``), from the
     checkpoint directory's DiT files or from ``dit_file``; with ``quant`` fp8, its target Linears
     quantized as they are read (:mod:`wan_s2v_runner.loading.quantize`)."""
@@ -145,7 +145,7 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file
         if fp8:
             src = Fp8Source(src, fp8_linear.convert(model), _fp8_deltas(src, *fp8_loras))
             report.strategy["dit_quant"] = _describe_fp8(src)
-            matmul, why = fp8_linear.resolve_matmul(fp8_matmul, self.device, compiled)
+            matmul, why = fp8_linear.resolve_matmul(fp8_matmul, self.device)
             fp8_linear.set_matmul(model, matmul)
             report.strategy["fp8_matmul"] = f"{matmul.value} ({why})"
         lean_load.check_same_keys(model, src, "DiT")

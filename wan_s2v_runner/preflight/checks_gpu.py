@@ -11,7 +11,7 @@ import re
 
 from wan_s2v_runner.shared.attention_backends import FA2_MIN_CC, FA3_CC, BackendUnavailable, choose_backend
 from wan_s2v_runner.shared.layout import DitQuant
-from wan_s2v_runner.shared.quant import Fp8MatmulUnavailable, choose_fp8_matmul
+from wan_s2v_runner.shared.quant import Fp8Matmul, Fp8MatmulUnavailable, choose_fp8_matmul, scaled_mm_hint
 
 from .core import fail, ok, skip, warn
 
@@ -49,20 +49,24 @@ def check_visible(ctx):
 
 
 def check_fp8_matmul(ctx):
-    """What ``--fp8-matmul`` resolves to on these GPUs; an explicit ``scaled-mm`` on a GPU older
-    than cc 8.9 is refused before any rank starts."""
+    """How ``--dit-quant fp8``'s Linears will multiply on these GPUs (the run's rule); ``scaled-mm``
+    on a GPU older than cc 8.9 is refused before any rank starts; a compiled dequant run on a GPU
+    where scaled-mm measured faster is told so."""
     spec = ctx.spec
     if DitQuant(spec.dit_quant) is not DitQuant.FP8:
         return skip("gpus.fp8_matmul", "no --dit-quant fp8")
-    gpus = ctx.local_gpus if ctx.on_cuda else []
-    lowest = min(gpus, key=_cc) if gpus else None
+    device = "cuda" if ctx.on_cuda else "cpu"
+    known = [g for g in (ctx.local_gpus if ctx.on_cuda else []) if g.get("capability")]
+    lowest = min(known, key=_cc) if known else None
+    cc = _cc(lowest) if lowest else None
     try:
-        way, why = choose_fp8_matmul(spec.fp8_matmul, "cuda" if ctx.on_cuda else "cpu",
-                                     _cc(lowest) if lowest else None, compiled=bool(spec.compile))
+        way, why = choose_fp8_matmul(spec.fp8_matmul, device, cc)
     except Fp8MatmulUnavailable as e:
         return fail("gpus.fp8_matmul", str(e) + (f" ({lowest['name']})" if lowest else ""), e.fix,
-                    cc=list(_cc(lowest)) if lowest else None)
-    return ok("gpus.fp8_matmul", f"--fp8-matmul {spec.fp8_matmul.value} -> {way.value} ({why})", fp8_matmul=way.value)
+                    cc=list(cc) if cc else None)
+    hint = scaled_mm_hint(device, cc, bool(spec.compile)) if way is Fp8Matmul.DEQUANT else None
+    return ok("gpus.fp8_matmul", f"--fp8-matmul {way.value}: {why}" + (f"; {hint}" if hint else ""),
+              fp8_matmul=way.value)
 
 
 def check_count(ctx):

@@ -33,13 +33,13 @@ def is_fp8_weight(name: str) -> bool:
 class Fp8Matmul(str, Enum):
     """How an fp8 Linear computes (``--fp8-matmul``; ``patches.fp8_linear``)."""
 
-    AUTO = "auto"  # the rule of :func:`choose_fp8_matmul`
     DEQUANT = "dequant"  # the weight dequantized per call to the run's dtype, then upstream's F.linear
     SCALED_MM = "scaled-mm"  # torch._scaled_mm: fp8 x fp8, activations quantized per token (cc >= 8.9)
 
 
 #: torch._scaled_mm's fp8 tensor-core path: Ada (8.9) and Hopper (9.0) or newer
 SCALED_MM_MIN_CC = (8, 9)
+_MIN_CC_S = f"{SCALED_MM_MIN_CC[0]}.{SCALED_MM_MIN_CC[1]}"
 
 
 class Fp8MatmulUnavailable(ValueError):
@@ -50,37 +50,39 @@ class Fp8MatmulUnavailable(ValueError):
         self.fix = fix
 
 
-def choose_fp8_matmul(requested, device_type: str, capability: Optional[Sequence[int]],
-                      compiled: bool = False) -> tuple[Fp8Matmul, str]:
-    """``(matmul, reason)`` for a run whose fp8 Linears run on ``device_type`` (``cuda``/``cpu``)
-    with the lowest compute capability ``capability`` among its GPUs (None: unknown or no GPU),
-    its DiT blocks compiled or not (``--compile``).
+#: the fix when scaled-mm cannot run
+DEQUANT_FIX = ("use --fp8-matmul dequant (the default): the fp8 weights are dequantized per call and multiplied "
+               "in the run's dtype")
 
-    ``auto`` takes ``scaled-mm`` where it was measured faster: compiled, on CUDA with cc >= 8.9
-    (H100, real size: 0.93x the compiled dequant step, as Inductor fuses the activations'
-    quantizing; docs/gpu.md); ``dequant`` everywhere else (eager on the H100 scaled-mm was 1.03x
-    dequant's step; the CPU has no fp8 arithmetic). An explicit ``scaled-mm`` needs cc >= 8.9 on
-    CUDA (on the CPU torch runs it without fp8 hardware: for tests) and raises
-    :class:`Fp8MatmulUnavailable` otherwise."""
+
+def choose_fp8_matmul(requested, device_type: str, capability: Optional[Sequence[int]]) -> tuple[Fp8Matmul, str]:
+    """``(matmul, reason)`` for a run whose fp8 Linears run on ``device_type`` (``cuda``/``cpu``)
+    with compute capability ``capability`` (the lowest among the GPUs in use; None: unknown).
+
+    Never chosen for the user: ``scaled-mm`` also rounds the activations to fp8, so it changes the
+    frames more than the fp8 weights do (as ``--mode auto`` never picks fp8). It is faster only
+    compiled (one H100 at real size: 0.93x the compiled dequant step, 1.03x eager; docs/gpu.md),
+    which the doctor says. Asked for, it needs cc >= 8.9 on CUDA (on the CPU torch runs it
+    without fp8 hardware: for tests); otherwise :class:`Fp8MatmulUnavailable`."""
     req = Fp8Matmul(requested)
     if req is Fp8Matmul.DEQUANT:
-        return req, "requested explicitly"
-    cc = tuple(int(v) for v in capability) if capability and device_type == "cuda" else None
-    fp8_hardware = cc is not None and cc >= SCALED_MM_MIN_CC
-    if req is Fp8Matmul.AUTO:
-        if compiled and fp8_hardware:
-            return Fp8Matmul.SCALED_MM, (f"auto: compiled blocks on cc {cc[0]}.{cc[1]} >= 8.9, fp8 x fp8 with "
-                                         "per-token activation scales (measured faster than dequant there)")
-        where = ("eager" if device_type == "cuda" and fp8_hardware else
-                 f"cc {cc[0]}.{cc[1]} < 8.9" if cc is not None else "no fp8 matrix hardware")
-        return Fp8Matmul.DEQUANT, f"auto ({where}): the weights dequantized per call, activations keep their dtype"
+        return req, "the weights dequantized per call, the activations keep their dtype"
     if device_type != "cuda":
-        return req, "requested explicitly; torch's CPU kernel, no fp8 hardware: for tests"
-    if not fp8_hardware:
+        return req, "torch's CPU kernel, no fp8 hardware: for tests"
+    cc = tuple(int(v) for v in capability) if capability else None
+    if cc is None or cc < SCALED_MM_MIN_CC:
         have = "an unknown compute capability" if cc is None else f"compute capability {cc[0]}.{cc[1]}"
         raise Fp8MatmulUnavailable(
-            f"--fp8-matmul scaled-mm needs a GPU of compute capability >= 8.9 (Ada, Hopper or newer) for "
-            f"fp8 matrix products; this GPU has {have}",
-            "drop --fp8-matmul (auto) or use --fp8-matmul dequant: the fp8 weights are dequantized per call "
-            "and multiplied in bf16")
-    return req, f"requested explicitly; cc {cc[0]}.{cc[1]} >= 8.9"
+            f"--fp8-matmul scaled-mm needs a GPU of compute capability >= {_MIN_CC_S} (Ada, Hopper or newer) "
+            f"for fp8 matrix products; this GPU has {have}", DEQUANT_FIX)
+    return req, f"fp8 x fp8 with per-token activation scales; cc {cc[0]}.{cc[1]} >= {_MIN_CC_S}"
+
+
+def scaled_mm_hint(device_type: str, capability: Optional[Sequence[int]], compiled: bool) -> Optional[str]:
+    """What the doctor adds for a dequant run that scaled-mm would make faster (compiled, cc >= 8.9),
+    or None."""
+    cc = tuple(int(v) for v in capability) if capability else None
+    if device_type != "cuda" or not compiled or cc is None or cc < SCALED_MM_MIN_CC:
+        return None
+    return ("--fp8-matmul scaled-mm would be faster here: compiled on an H100 at real size it took 0.93x the "
+            "dequant step (docs/gpu.md); it also rounds the activations to fp8")

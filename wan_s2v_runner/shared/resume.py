@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from wan_s2v_runner.shared.quant import Fp8Matmul
+
 CLIPS_DIR = "clips"
 STATE_JSON = "state.json"
 STATE_PT = "state.pt"
@@ -47,7 +49,7 @@ def spec_digest(spec) -> str:
     data = json.loads(spec.model_dump_json(include=set(FRAME_FIELDS)))
     if data.get("dit_quant") == "none":  # the default: digests made before --dit-quant existed still match
         data.pop("dit_quant")
-    if data.get("fp8_matmul") == "auto":  # likewise for --fp8-matmul's default
+    if data.get("fp8_matmul") == Fp8Matmul.DEQUANT.value:  # likewise: what every fp8 run did before the flag
         data.pop("fp8_matmul")
     data["image_sha256"] = sha256_file(spec.image)
     data["audio_sha256"] = sha256_file(spec.speech)  # --tts-text: the speech it made (kept for a resume)

@@ -177,11 +177,10 @@ class GroupSpec(BaseModel):
                                    "about half the DiT's bf16 bytes; how it multiplies: --fp8-matmul; precision: "
                                    "docs/loading.md")
     fp8_matmul: Annotated[Fp8Matmul, Flag(_MO)] = Field(
-        Fp8Matmul.AUTO, description="with --dit-quant fp8: dequant multiplies the dequantized weights in the run's "
-                                    "dtype; scaled-mm multiplies in fp8 with torch._scaled_mm, the activations "
-                                    "quantized per token (a GPU of compute capability >= 8.9); auto: scaled-mm "
-                                    "with --compile on such a GPU, where it measured faster, else dequant "
-                                    "(docs/gpu.md)")
+        Fp8Matmul.DEQUANT, description="with --dit-quant fp8: dequant multiplies the dequantized weights in the "
+                                       "run's dtype; scaled-mm multiplies in fp8 with torch._scaled_mm, the "
+                                       "activations quantized per token (compute capability >= 8.9; faster with "
+                                       "--compile, and it rounds the activations too: docs/loading.md)")
     wan_repo: Annotated[Optional[AbsPath], Flag(_MO, env="WAN_REPO", metavar="DIR",
                                                 default_text="installed `wan`")] = Field(
         None, description="use this Wan2.2 checkout (repo root) instead of the installed wan package")
@@ -281,7 +280,7 @@ class GroupSpec(BaseModel):
                                 "use --mode ulysses")):
                 if given:
                     raise ValueError(f"--dit-quant {self.dit_quant.value} cannot be combined with {why}; drop one")
-        if self.fp8_matmul is not Fp8Matmul.AUTO and self.dit_quant is not DitQuant.FP8:
+        if self.fp8_matmul is not Fp8Matmul.DEQUANT and self.dit_quant is not DitQuant.FP8:
             raise ValueError(f"--fp8-matmul {self.fp8_matmul.value} is how --dit-quant fp8's Linears multiply; "
                              "add --dit-quant fp8 or drop --fp8-matmul")
         if self.dit_file is not None and self.load is LoadStrategy.FULL:

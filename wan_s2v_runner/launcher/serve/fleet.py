@@ -32,6 +32,7 @@ from wan_s2v_runner.launcher.serve.dirs import ServerDirs
 from wan_s2v_runner.launcher.serve.store import rules
 from wan_s2v_runner.launcher.serve.store.protocol import Joined
 from wan_s2v_runner.shared import atomic
+from wan_s2v_runner.shared.quant import Fp8Matmul
 from wan_s2v_runner.shared.spec import GroupSpec
 
 #: the words for each part of an identity (a refusal names what differs)
@@ -53,7 +54,7 @@ def frame_settings(group: GroupSpec) -> dict[str, Any]:
     # added only when not the default: a pool recorded before these settings existed keeps its identity
     if group.dit_quant.value != "none":
         out["dit_quant"] = group.dit_quant.value
-    if group.fp8_matmul.value != "auto":
+    if group.fp8_matmul is not Fp8Matmul.DEQUANT:
         out["fp8_matmul"] = group.fp8_matmul.value
     if group.compile:
         out["compile"] = True
