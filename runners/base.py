@@ -40,8 +40,8 @@ class ModeRunner:
         parts = components.load(wan, config, str(spec.ckpt_dir), plan, device, device_id,
                                 strategy=spec.load, waves=spec.load_waves or 1, on_event=on_event,
                                 compiled=spec.compile, dit_file=spec.dit_file,
-                                dit_quant=spec.dit_quant,
-                                fp8_matmul=spec.fp8_matmul, loras=spec.lora, lora_allow_partial=spec.lora_allow_partial)
+                                dit_quant=spec.dit_quant, fp8_matmul=spec.fp8_matmul, loras=spec.lora,
+                                lora_allow_partial=spec.lora_allow_partial)
         if lay.use_sp:
             heads = "/".join(map(str, lay.head_split(parts.noise_model.num_heads)))
             applied["ulysses_sp"] = (f"{bound} names bound to the SP group; heads {heads} per rank; "

@@ -55,6 +55,12 @@ DEQUANT_FIX = ("use --fp8-matmul dequant (the default): the fp8 weights are dequ
                "in the run's dtype")
 
 
+def _fp8_capable(capability: Optional[Sequence[int]]) -> tuple[Optional[tuple[int, ...]], bool]:
+    """``(cc, whether it has fp8 matrix products)``: cc as ints, None when unknown."""
+    cc = tuple(int(v) for v in capability) if capability else None
+    return cc, cc is not None and cc >= SCALED_MM_MIN_CC
+
+
 def choose_fp8_matmul(requested, device_type: str, capability: Optional[Sequence[int]]) -> tuple[Fp8Matmul, str]:
     """``(matmul, reason)`` for a run whose fp8 Linears run on ``device_type`` (``cuda``/``cpu``)
     with compute capability ``capability`` (the lowest among the GPUs in use; None: unknown).
@@ -69,8 +75,8 @@ def choose_fp8_matmul(requested, device_type: str, capability: Optional[Sequence
         return req, "the weights dequantized per call, the activations keep their dtype"
     if device_type != "cuda":
         return req, "torch's CPU kernel, no fp8 hardware: for tests"
-    cc = tuple(int(v) for v in capability) if capability else None
-    if cc is None or cc < SCALED_MM_MIN_CC:
+    cc, capable = _fp8_capable(capability)
+    if not capable:
         have = "an unknown compute capability" if cc is None else f"compute capability {cc[0]}.{cc[1]}"
         raise Fp8MatmulUnavailable(
             f"--fp8-matmul scaled-mm needs a GPU of compute capability >= {_MIN_CC_S} (Ada, Hopper or newer) "
@@ -81,8 +87,7 @@ def choose_fp8_matmul(requested, device_type: str, capability: Optional[Sequence
 def scaled_mm_hint(device_type: str, capability: Optional[Sequence[int]], compiled: bool) -> Optional[str]:
     """What the doctor adds for a dequant run that scaled-mm would make faster (compiled, cc >= 8.9),
     or None."""
-    cc = tuple(int(v) for v in capability) if capability else None
-    if device_type != "cuda" or not compiled or cc is None or cc < SCALED_MM_MIN_CC:
+    if device_type != "cuda" or not compiled or not _fp8_capable(capability)[1]:
         return None
     return ("--fp8-matmul scaled-mm would be faster here: compiled on an H100 at real size it took 0.93x the "
             "dequant step (docs/gpu.md); it also rounds the activations to fp8")
