@@ -1,6 +1,12 @@
 # Sourced by the one-call GPU scripts (bench/gpu_session*.sh): installs the carried wheels (.whl/,
 # docs/gpu.md) into /tmp/site, writes the machine's versions to $OUT/env.txt and checks that the
-# engine and our own imports load (exit 3: the wheels, 4: the imports).
+# engine and our own imports load (exit 3: the wheels, 4: the imports). First, what every such script
+# starts with: set -u, unbuffered Python, $OUT (the device tool's folder, or ./gpu-out), and
+# left(): the seconds of BUDGET (set before sourcing) that remain, counted from here.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+T0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
   export PYTHONPATH=/tmp/site

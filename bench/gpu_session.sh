@@ -4,12 +4,8 @@
 # first clip's step, each bounded so the whole call ends inside BUDGET seconds (default 560).
 # The engine and what it imports that the GPU image lacks travel as wheels in .whl/ (docs/gpu.md says
 # which); results land in $OUT (the device tool's folder) or ./gpu-out.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-560}
-T0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-source bench/gpu_env.sh
+source bench/gpu_env.sh  # set -u, $OUT, T0 and left()
 step() {  # name, seconds to leave for what follows, gpu_step flags...
   local name=$1 keep=$2; shift 2
   echo "== $name ($(left) s left)"

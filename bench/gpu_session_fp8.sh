@@ -10,12 +10,8 @@
 #    doctor's memory plan against it.
 # Each part is bounded so the call ends inside BUDGET seconds (default 540). On an 80 GB card run
 # it twice: SKIP_RUN=1, then SKIP_STEP=1. Wheels in .whl/ as for bench/gpu_session.sh.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-540}; CKPT=${CKPT:-/tmp/s2v-random}
-T0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-source bench/gpu_env.sh
+source bench/gpu_env.sh  # set -u, $OUT, T0 and left()
 write_ckpt() { python3 -m wan_s2v_runner.demo.real_checkpoint "$CKPT" --device cuda > "$OUT/checkpoint.txt" 2>&1; echo "rc=$?" >> "$OUT/checkpoint.txt"; }
 # the writer holds ~32 GiB of the GPU while the bf16 step needs 48: side by side only on a card of
 # 120 GiB or more (an H200); on an 80 GB H100 the first try ran out of memory, so it waits there

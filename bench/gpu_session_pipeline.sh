@@ -5,12 +5,8 @@
 # (one clip, two steps; --skip-preflight: the image lacks imageio-ffmpeg, so it stops in save) with
 # the doctor's memory plan against it. Each part is bounded so the call
 # ends inside BUDGET seconds (default 530). Wheels in .whl/ as for bench/gpu_session.sh.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-530}; CKPT=${CKPT:-/tmp/s2v-random}
-T0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-source bench/gpu_env.sh
+source bench/gpu_env.sh  # set -u, $OUT, T0 and left()
 # the checkpoint, in the background (disk and host bound; its tensors are made on the GPU in bursts)
 ( python3 -m wan_s2v_runner.demo.real_checkpoint "$CKPT" --device cuda > "$OUT/checkpoint.txt" 2>&1; echo "rc=$?" >> "$OUT/checkpoint.txt" ) &
 CK=$!
