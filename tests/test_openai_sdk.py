@@ -49,7 +49,7 @@ def test_create_poll_download_list_and_delete(client, server, inputs):
     # time, newest first, every video once
     with open(inputs["image"], "rb") as image:
         other = client.videos.create(prompt="another", input_reference=image,
-                                     extra_body={"audio": str(inputs["audio"]), "steps": 1000})
+                                     extra_body={"audio": str(inputs["audio"]), "steps": 1000, "shift": 2})
     assert server.http.post(f"/v1/videos/{other.id}/cancel").status_code == 200
     assert client.videos.poll(other.id, poll_interval_ms=100).status == "cancelled"  # poll ends on it
     first = client.videos.list(limit=1)
@@ -84,7 +84,7 @@ def test_refusals_are_the_sdks_typed_errors(client, inputs):
 def test_deleting_a_running_video_cancels_it_and_removes_it_when_it_stops(client, server, inputs):
     with open(inputs["image"], "rb") as image:
         video = client.videos.create(prompt="deleted while it runs", input_reference=image,
-                                     extra_body={"audio": str(inputs["audio"]), "steps": 1000})
+                                     extra_body={"audio": str(inputs["audio"]), "steps": 1000, "shift": 2})
     wait_for(lambda: (server.video(video.id).get("step") or 0) >= 1, 120, "its first step", server.tail)
     before = httpx.get(f"{server.url}/health").json()
     assert client.videos.delete(video.id).deleted

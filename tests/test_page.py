@@ -185,7 +185,7 @@ def test_status_page_in_chromium(browser, server, inputs, tmp_path):
     shot(driver, "04-done")
 
     # a second job, cancelled from the page
-    submit(driver, inputs["image"], inputs["audio"], prompt="cancelled from the page", steps=1000)
+    submit(driver, inputs["image"], inputs["audio"], prompt="cancelled from the page", steps=1000, shift=2)
     second = newest_job(driver, earlier | {first})
     wait_for(lambda: job_state(driver, second)["status"] in ("queued", "in_progress"), 30, "the second job")
     driver.find_element(By.CSS_SELECTOR, f'[data-id="{second}"] button.cancel').click()

@@ -78,7 +78,7 @@ def test_jobs_in_a_row_equal_one_process(server, inputs, tiny_assets, engine_cpu
 def test_cancel_queued_and_running(server, inputs):
     paths = {"image": inputs["image"], "audio": inputs["audio"]}
     group_before = httpx.get(f"{server.url}/health").json()
-    long = server.submit(**paths, steps=1000, prompt="a long one").json()  # still denoising when cancelled
+    long = server.submit(**paths, steps=1000, shift=2, prompt="a long one").json()  # still denoising when cancelled
     queued = server.submit(**paths, prompt="never made").json()
     r = server.http.post(f"/v1/videos/{queued['id']}/cancel")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
@@ -334,7 +334,7 @@ def test_submit_and_jobs_clients(server, inputs, tmp_path):
 
     # long: still denoising when the cancel comes, however slow the clients start on a busy machine
     long = _client("submit", *at, "--token", TOKEN, "--image", str(inputs["image"]), "--audio", str(inputs["audio"]),
-                   "--server-paths", "--steps", "1000", "--prompt", "long", "--no-wait")
+                   "--server-paths", "--steps", "1000", "--shift", "2", "--prompt", "long", "--no-wait")
     assert long.returncode == 0, long.stderr
     long_id = long.stdout.strip()
     listed = _client("jobs", *at, "--token", TOKEN, "--json")

@@ -120,6 +120,8 @@ def test_numbers_are_finite_and_in_range(server, inputs):
         assert "finite" in r.json()["error"]["message"]
     r = server.submit(**paths, steps=5000)
     assert r.status_code == 422 and "less than or equal to 1000" in r.json()["error"]["message"]
+    r = server.submit(**paths, steps=40, shift=50)  # each in range, together a schedule upstream's UniPC fails on
+    assert r.status_code == 422 and "Fix: --steps 21 or fewer" in r.json()["error"]["message"], r.text
     deep = {**paths, "prompt": [[[[["deep"]]]]]}
     r = server.http.post("/v1/videos", json=deep)
     assert r.status_code == 400 and "nested deeper" in r.json()["error"]["message"]
@@ -190,7 +192,8 @@ def test_a_job_whose_input_is_gone_fails_alone_and_the_ranks_go_on(server, input
     from conftest import wait_for
 
     before = _httpx.get(f"{server.url}/health").json()
-    long = server.submit(image=inputs["image"], audio=inputs["audio"], steps=1000, prompt="holds the group").json()
+    long = server.submit(image=inputs["image"], audio=inputs["audio"], steps=1000, shift=2,
+                         prompt="holds the group").json()
     wait_for(lambda: (server.video(long["id"]).get("step") or 0) >= 1, 120, "the long job's first step", server.tail)
     vanishing = inputs["root"] / "vanishing.png"
     vanishing.write_bytes(inputs["image"].read_bytes())

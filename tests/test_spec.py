@@ -58,6 +58,7 @@ def test_seed_minus_one_is_chosen_once_by_the_launcher():
     (["--device", "cpu", "--attention", "fa2"], "--spec", "--attention sdpa"),
     (["--pg-timeout", "100"], "--spec", "must exceed the watchdog limits"),
     (["--steps", "0"], "--steps", "greater than 0"),
+    (["--steps", "40", "--shift", "50"], "--spec", "upstream's UniPC scheduler fails on that at its last step"),
     (["--load", "full", "--load-waves", "2"], "--spec", "--load-waves reads weights in turns under lean loading"),
 ])
 def test_invalid_spec_exits_2_with_cause_and_fix(argv, flag, words, tmp_path, capsys, monkeypatch):

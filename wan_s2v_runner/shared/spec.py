@@ -42,6 +42,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from wan_s2v_runner.shared import schedule
 from wan_s2v_runner.shared.layout import DitQuant, Layout, LoadStrategy, Mode
 from wan_s2v_runner.shared.node_agent import DEFAULT_WORKER
 from wan_s2v_runner.shared.quant import Fp8Matmul
@@ -414,6 +415,15 @@ class JobSpec(BaseModel):
         if self.tts_text is None and (self.tts_prompt_audio or self.tts_prompt_text):
             raise ValueError("--tts-prompt-audio/--tts-prompt-text are for --tts-text; add --tts-text TEXT "
                              "or drop them")
+        if self.solver == "unipc" and schedule.unipc_fails(self.steps, self.shift):
+            first = schedule.unipc_timesteps(self.steps, self.shift)[0]
+            raise ValueError(
+                f"the unipc solver with {self.steps} steps at shift {self.shift:g} starts on timestep {first} twice "
+                f"(the shift maps it {'to 0' if first == 0 else 'near 1000'}), and upstream's UniPC scheduler fails "
+                f"on that at its last step. Fix: {flag_name('steps')} "
+                f"{schedule.most_unipc_steps(self.shift, self.steps)} or fewer at this shift, a "
+                f"{'larger' if first == 0 else 'smaller'} {flag_name('shift')} (upstream uses 3-5), or "
+                f"{flag_name('solver')} dpm++")
         return self
 
     @property
