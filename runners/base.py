@@ -6,6 +6,7 @@ every mode."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 from wan_s2v_runner.shared.layout import MODES, Mode, ModeTraits
 from wan_s2v_runner.shared.spec import GroupSpec
@@ -28,8 +29,11 @@ class ModeRunner:
         sequence-parallel mode, and the engine parts the plan needs (DiT sharded/split as
         the layout says; T5, wav2vec2 and VAE only where they run). Returns (plan, parts,
         patches applied here)."""
+        import torch.distributed as dist
+
         from wan_s2v_runner.loading import components
         from wan_s2v_runner.rank.parallel import rank_plan
+        from wan_s2v_runner.shared.layout import dit_load_overlap
 
         lay = spec.layout
         plan = rank_plan(lay, device.type)
@@ -37,16 +41,20 @@ class ModeRunner:
         if lay.use_sp:
             from patches import ulysses_sp
             bound = len(ulysses_sp.apply(plan.sp_group))
+        overlap, why = dit_load_overlap(lay, device.type, spec.load)
+        load_group = None  # the DiT's load's own collectives, apart from the encoders' (every rank makes it)
+        if overlap and dist.is_initialized() and dist.get_world_size() > 1:
+            load_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.pg_timeout_s))
         parts = components.load(wan, config, str(spec.ckpt_dir), plan, device, device_id,
                                 strategy=spec.load, waves=spec.load_waves or 1, on_event=on_event,
                                 compiled=spec.compile, dit_file=spec.dit_file,
                                 dit_quant=spec.dit_quant, fp8_matmul=spec.fp8_matmul, loras=spec.lora,
-                                lora_allow_partial=spec.lora_allow_partial)
+                                lora_allow_partial=spec.lora_allow_partial, overlap=overlap, load_group=load_group)
+        applied["dit_load"] = why
         if lay.use_sp:
-            heads = "/".join(map(str, lay.head_split(parts.noise_model.num_heads)))
+            heads = "/".join(map(str, lay.head_split(parts.dit_attr("num_heads"))))
             applied["ulysses_sp"] = (f"{bound} names bound to the SP group; heads {heads} per rank; "
                                      "sequence padded to a multiple of the degree")
-        from patches import context_cache
-        blocks = context_cache.apply(parts.noise_model)  # done by components.load; idempotent
+        blocks = len(parts.dit_attr("blocks"))  # components.load caches them (patches.context_cache)
         applied["context_cache"] = f"text embedding and {blocks} blocks' cross-attention k/v once per context"
         return plan, parts, applied

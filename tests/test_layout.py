@@ -179,3 +179,20 @@ def test_vae_split_is_on_with_several_ranks_unless_switched_off_or_too_few_rows(
     # every rank loads the VAE when it is split; otherwise only rank 0 does
     assert RankPlan(two, rank=1).needs_vae
     assert not RankPlan(Layout.for_mode(Mode.ULYSSES, 2, vae_parallel=False), rank=1).needs_vae
+
+
+def test_the_plan_says_where_the_dit_loads_while_the_encoders_run():
+    """A replicated DiT read leanly on CPU ranks loads while the encoders run; an FSDP-sharded one,
+    one read with --load full, and (not yet measured) one on a GPU load first. The doctor's
+    memory plan line says which, from the same rule the ranks follow."""
+    from wan_s2v_runner.shared.layout import LoadStrategy, dit_load_overlap
+
+    for mode, device, load, overlap in ((Mode.ULYSSES, "cpu", "lean", True), (Mode.FSDP_FIXED, "cpu", "lean", False),
+                                        (Mode.HYBRID, "cpu", "lean", False), (Mode.ULYSSES, "cpu", "full", False),
+                                        (Mode.ULYSSES, "cuda", "lean", False)):
+        got, why = dit_load_overlap(Layout.for_mode(mode, 2, cfg_parallel=mode is Mode.ULYSSES), device,
+                                    LoadStrategy(load))
+        assert got is overlap and why.startswith("while the encoders run" if overlap else "before the encoders"), why
+        ctx = CheckContext.for_values({"nproc": 2, "mode": mode.value, "device": device, "load": load}, a100x8())
+        r = find(run_checks(ctx, ["memory"]), "memory.plan")
+        assert f"the DiT loads {why}" in r.finding and r.data["dit_load_overlap"] is overlap, r.finding

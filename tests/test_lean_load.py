@@ -106,3 +106,76 @@ def test_in_turns_without_a_process_group_is_one_call():
     calls = []
     lean_load.in_turns(3, lambda: calls.append(os.getpid()))
     assert calls == [os.getpid()]
+
+
+def _overlapped(engine_cpu, monkeypatch, read):
+    """The tiny DiT loading on its thread (``components.load(overlap=True)``, one rank), its weights
+    read by ``read(real_read, *args)`` (``lean_load.device_weights``); (parts, plan, request)."""
+    from wan_s2v_runner.loading import components
+    from wan_s2v_runner.rank.parallel import RankPlan
+    from wan_s2v_runner.rank.worker import request_for
+    from wan_s2v_runner.shared.layout import Layout, Mode
+
+    wan, cfg, spec = engine_cpu
+    real = lean_load.device_weights
+    monkeypatch.setattr(lean_load, "device_weights",  # the DiT's read (T5's is the main thread's)
+                        lambda *a, **k: read(real, *a, **k) if a[-1] == "dit" else real(*a, **k))
+    plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
+    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0, overlap=True)
+    return parts, plan, request_for(spec)
+
+
+def test_the_dit_loads_on_its_thread_while_the_encoders_run_and_the_frames_are_the_same(engine_cpu, monkeypatch):
+    """The DiT's read holds until the loop waits for it: every encoder ran while it was reading,
+    on another thread; the loop joins it before the first step, and the frames are one process's
+    with the DiT loaded first (the parity of 2-rank runs, whose loads overlap too, is test_parity's)."""
+    import threading
+
+    from conftest import one_process_frames
+
+    from wan_s2v_runner.rank.generation import Hooks, S2VGenerator
+    from wan_s2v_runner.shared.stages import Stage
+
+    joined, readers = threading.Event(), []
+
+    def read_until_joined(real, *a, **k):
+        readers.append(threading.current_thread().name)
+        assert joined.wait(120), "the loop never waited for the DiT"
+        return real(*a, **k)
+
+    parts, plan, req = _overlapped(engine_cpu, monkeypatch, read_until_joined)
+    load = parts.pending
+    assert parts.dit_loading and load.reading
+    with pytest.raises(RuntimeError, match="still loading on its thread"):
+        parts.noise_model  # noqa: B018 - a use before the join is a loud error, not a half-loaded model
+    seen = []
+
+    def stage(s, **data):
+        seen.append((Stage(s), load.reading))
+        if s is Stage.LOAD:  # the loop is about to wait for the DiT: let the read go on
+            joined.set()
+
+    frames = S2VGenerator(parts, plan, Hooks(stage=stage)).generate(req)
+    assert readers == ["wan-s2v-dit-load"]
+    encoders = [(s, reading) for s, reading in seen if s in (Stage.AUDIO_ENCODE, Stage.REF_ENCODE, Stage.TEXT_ENCODE)]
+    assert len(encoders) == 3 and all(reading for _, reading in encoders), seen
+    order = [s for s, _ in seen]
+    assert order.index(Stage.LOAD) > order.index(Stage.TEXT_ENCODE) and order.index(Stage.LOAD) < order.index(
+        Stage.DENOISE)
+    assert not parts.dit_loading and parts.load_report.strategy["dit_load"].startswith("while the encoders ran")
+    monkeypatch.undo()
+    assert torch.equal(frames, one_process_frames(engine_cpu))
+
+
+def test_a_dit_load_that_fails_on_its_thread_fails_the_job_at_the_join(engine_cpu, monkeypatch):
+    from wan_s2v_runner.rank.generation import Hooks, S2VGenerator
+    from wan_s2v_runner.shared.stages import Stage
+
+    def fails(real, *a, **k):
+        raise OSError(5, "Input/output error", "diffusion_pytorch_model.safetensors")
+
+    parts, plan, req = _overlapped(engine_cpu, monkeypatch, fails)
+    seen = []
+    with pytest.raises(OSError, match="Input/output error"):
+        S2VGenerator(parts, plan, Hooks(stage=lambda s, **d: seen.append(Stage(s)))).generate(req)
+    assert Stage.TEXT_ENCODE in seen and Stage.DENOISE not in seen  # raised where it was joined

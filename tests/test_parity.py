@@ -65,6 +65,7 @@ def _assert_fsdp_mode_equals_one_process(mode, extra, r, out, frames_pt, runs, t
     loaded, size = _loaded(runs), _tensor_bytes(tiny_assets.ckpt_dir)
     read = {rank: e["bytes_read"]["weights"] for rank, e in loaded.items()}
     assert loaded[1]["strategy"]["dit"] == "fsdp shards"
+    assert "dit_load" not in loaded[1]["strategy"]  # an FSDP-sharded DiT loads before the encoders
     assert loaded[1]["waves"] == (2 if "--load-waves" in extra else 1)
     assert_cpu_binding(manifest, pinned="--pin-cpus" in extra)
     if mode == "fsdp-fixed":  # DiT and T5 sharded
@@ -116,6 +117,8 @@ def test_demo_writes_mp4_with_audio_and_equals_one_process(tiny_assets, pose_ref
     assert manifest["mode"] == "ulysses" and manifest["layout"]["use_sp"] is True
     loaded = _loaded(tmp_path / "runs")  # one DiT per node: rank 0 reads it, rank 1 maps rank 0's copy
     assert loaded[0]["strategy"]["dit"] == loaded[1]["strategy"]["dit"] == "node-shared"
+    # ...read while the encoders ran (its thread's collectives on a process group of its own)
+    assert all(e["strategy"]["dit_load"].startswith("while the encoders ran") for e in loaded.values()), loaded
     # the encoders on both ranks at once: rank 1 (the text rank) loads T5 and encodes the prompts
     # while rank 0 encodes the speech; the frames above equal one process's all the same
     stages = {int(r): info["stage_seconds"] for r, info in manifest["ranks"].items()}

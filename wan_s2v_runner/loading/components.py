@@ -13,14 +13,23 @@ How the weights get there is the run's ``--load`` strategy: ``lean`` (default; m
 meta, FSDP shards read slice by slice, a replicated CPU DiT read once per node: see
 :mod:`wan_s2v_runner.loading.lean_load`) or ``full`` (upstream's constructors: every rank reads every file
 it needs whole). What a rank read is in :attr:`Components.load_report`.
+
+Where the plan says so (:func:`~wan_s2v_runner.shared.layout.dit_load_overlap`), the DiT's weights
+are read on a thread of their own (:class:`DitLoad`), with their collectives on a process group of
+their own, while the first job's encoders run on the main thread; :meth:`Components.ready` joins
+it, on every rank at the same point (before the first denoising step), and finishes the DiT as
+upstream does (``_configure_model``: its collectives on the main thread, after the join).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,14 +45,81 @@ from wan_s2v_runner.shared.stages import Stage
 log = logging.getLogger("wan_s2v.components")
 
 
+class DitLoad:
+    """The DiT's weights being read on a thread of their own (``read()`` fills ``model``, built on
+    meta); :meth:`join` waits for it, raises what it raised, and returns ``finish()``'s model."""
+
+    def __init__(self, model, read: Callable[[], None], finish: Callable[[], Any], device: torch.device):
+        self.model, self._finish, self._error = model, finish, None
+        self.started, self.read_s = time.perf_counter(), None
+
+        def run():
+            try:
+                if device.type == "cuda":  # a thread starts on device 0
+                    torch.cuda.set_device(device)
+                read()
+            except BaseException as e:  # noqa: BLE001 - raised on the main thread by join()
+                self._error = e
+            finally:
+                self.read_s = time.perf_counter() - self.started
+
+        self._thread = threading.Thread(target=run, name="wan-s2v-dit-load", daemon=True)
+        self._thread.start()
+
+    @property
+    def reading(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._finish()
+
+
 @dataclass
 class Components:
     shell: Any  # a WanS2V (made with __new__) holding the loaded parts and their settings
     load_report: lean_load.LoadReport = None
+    pending: Optional[DitLoad] = None  # the DiT still loading on its thread (joined by ready())
+    _when_ready: list = field(default_factory=list)
 
     @property
     def noise_model(self):
+        if self.pending is not None:
+            raise RuntimeError("the DiT is still loading on its thread: Components.ready() joins it first")
         return self.shell.noise_model
+
+    @property
+    def dit_loading(self) -> bool:
+        """Whether the DiT is still to be joined (:meth:`ready`)."""
+        return self.pending is not None
+
+    def dit_attr(self, name: str, default=None):
+        """An attribute of the DiT's config (``num_heads``, ``blocks``...), loaded or not."""
+        return getattr(self.pending.model if self.pending is not None else self.shell.noise_model, name, default)
+
+    def when_ready(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the DiT is loaded (now, if it is)."""
+        if self.pending is None:
+            fn()
+        else:
+            self._when_ready.append(fn)
+
+    def ready(self) -> None:
+        """Join the DiT's load, if it runs on its thread, and finish the DiT. Every rank calls it at
+        the same point of its work (it ends in upstream's barrier)."""
+        if self.pending is None:
+            return
+        load, waited = self.pending, time.perf_counter()
+        self.pending = None
+        self.shell.noise_model = load.join()
+        waited = time.perf_counter() - waited
+        self.load_report.strategy["dit_load"] = (f"while the encoders ran: read in {load.read_s:.2f} s, "
+                                                 f"then {waited:.2f} s waited for it")
+        for fn in self._when_ready:
+            fn()
+        self._when_ready.clear()
 
     @property
     def device(self) -> torch.device:
@@ -57,7 +133,8 @@ class Components:
 def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
          strategy: LoadStrategy = LoadStrategy.LEAN, waves: int = 1, on_event=None,
          compiled: bool = False, dit_file=None, dit_quant: DitQuant = DitQuant.NONE, loras=(),
-         lora_allow_partial: bool = False, fp8_matmul: Fp8Matmul = Fp8Matmul.DEQUANT) -> Components:
+         lora_allow_partial: bool = False, fp8_matmul: Fp8Matmul = Fp8Matmul.DEQUANT, overlap: bool = False,
+         load_group=None) -> Components:
     """The parts ``plan`` needs, loaded as ``WanS2V.__init__`` would load them (``strategy``
     ``full``) or leanly (``lean``: same modules, same values, less memory and reading).
     ``waves`` > 1 reads in turns of local ranks; ``on_event(stage, **data)`` enters a stage.
@@ -69,7 +146,9 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     held in float8_e4m3fn (``patches.fp8_linear``; lean loading only), and ``loras`` (LoraRef
     items) are merged into them as they are read, before quantizing (with full precision,
     ``patches.lora_merge`` merges them and these are not used); ``fp8_matmul`` how they multiply
-    (``--fp8-matmul``, checked on this rank's device by ``fp8_linear.resolve_matmul``)."""
+    (``--fp8-matmul``, checked on this rank's device by ``fp8_linear.resolve_matmul``). ``overlap``
+    (a replicated DiT, lean loading): the DiT is read on its own thread, its collectives on
+    ``load_group``, and joined by :meth:`Components.ready`."""
     s2v_mod = wan.speech2video
     lay = plan.layout
     self = s2v_mod.WanS2V.__new__(s2v_mod.WanS2V)
@@ -104,9 +183,11 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
         self.vae = s2v_mod.Wan2_1_VAE(vae_pth=os.path.join(ckpt_dir, config.vae_checkpoint), device=self.device)
     if (dit_file is not None or DitQuant(dit_quant) is not DitQuant.NONE) and not lean:
         raise ValueError("--dit-file and --dit-quant are read by lean loading only")
+    pending = None
     if lean:
-        self.noise_model = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, dit_file,
-                                     dit_quant, (loras, lora_allow_partial), fp8_matmul)
+        dit = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, dit_file,
+                        dit_quant, (loras, lora_allow_partial), fp8_matmul, overlap=overlap, group=load_group)
+        pending, self.noise_model = (dit, None) if isinstance(dit, DitLoad) else (None, dit)
     else:
         if not lay.dit_fsdp:
             noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype,
@@ -116,7 +197,8 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
         self.noise_model = self._configure_model(model=noise_model, use_sp=lay.use_sp, dit_fsdp=lay.dit_fsdp,
                                                  shard_fn=dit_shard_fn, convert_model_dtype=False)
         report.strategy["dit"] = "full"
-    context_cache.apply(self.noise_model)
+    if pending is None:
+        context_cache.apply(self.noise_model)
     self.audio_encoder = None
     if plan.needs_audio_encoder:
         self.audio_encoder = s2v_mod.AudioEncoder(model_id=os.path.join(ckpt_dir, WAV2VEC_DIR))
@@ -126,40 +208,59 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     self.drop_first_motion = config.drop_first_motion
     self.fps = config.sample_fps
     self.audio_sample_m = 0
-    log.info("rank %d loaded %s (%s read)", plan.rank, ", ".join(plan.describe()["loads"]),
-             lean_load.describe_bytes(report.counter.total) if lean else "whole files")
-    return Components(self, report)
+    log.info("rank %d loaded %s (%s read)%s", plan.rank, ", ".join(plan.describe()["loads"]),
+             lean_load.describe_bytes(report.counter.total) if lean else "whole files",
+             "; the DiT still loading on its thread" if pending else "")
+    return Components(self, report, pending)
 
 
 def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file=None, quant=DitQuant.NONE,
-              fp8_loras=((), False), fp8_matmul=Fp8Matmul.DEQUANT):
+              fp8_loras=((), False), fp8_matmul=Fp8Matmul.DEQUANT, overlap=False, group=None):
     """The DiT built on meta and filled as the layout needs (see ``lean_load``), from the
     checkpoint directory's DiT files or from ``dit_file``; with ``quant`` fp8, its target Linears
-    quantized as they are read (:mod:`wan_s2v_runner.loading.quantize`)."""
+    quantized as they are read (:mod:`wan_s2v_runner.loading.quantize`). ``overlap`` (a replicated
+    DiT): a :class:`DitLoad` reading it on its thread, its collectives on ``group``."""
     from patches import fp8_linear, lora_merge
     model = lean_load.empty_dit(s2v_mod.WanModel_S2V, ckpt_dir, self.param_dtype)
     fp8 = DitQuant(quant) is DitQuant.FP8
-    with open_dit(ckpt_dir, dit_file, counter=report.counter) as src:
-        if dit_file is not None:
-            report.strategy["dit_file"] = src.layout.describe()
-        if fp8:
-            src = Fp8Source(src, fp8_linear.convert(model), _fp8_deltas(src, *fp8_loras))
-            report.strategy["dit_quant"] = _describe_fp8(src)
-            matmul, why = fp8_linear.resolve_matmul(fp8_matmul, self.device)
-            fp8_linear.set_matmul(model, matmul)
-            report.strategy["fp8_matmul"] = f"{matmul.value} ({why})"
-        lean_load.check_same_keys(model, src, "DiT")
-        if not lay.dit_fsdp:
-            if self.device.type == "cpu":
-                lean_load.node_shared_weights(model, src, report, "dit")
-            else:
-                lean_load.in_turns(report.waves, lambda: lean_load.device_weights(model, src, self.device,
-                                                                                  report, "dit"))
+
+    @contextlib.contextmanager
+    def source():  # the DiT's weights as this rank reads them (fp8: quantized as they are read)
+        with open_dit(ckpt_dir, dit_file, counter=report.counter) as src:
+            if dit_file is not None:
+                report.strategy["dit_file"] = src.layout.describe()
             if fp8:
-                src.share_scales()
-                fp8_linear.set_scales(model, src.row_scales(), self.device)
-            return self._configure_model(model=model, use_sp=lay.use_sp, dit_fsdp=False, shard_fn=shard_fn,
-                                         convert_model_dtype=False)
+                src = Fp8Source(src, fp8_linear.convert(model), _fp8_deltas(src, *fp8_loras))
+                report.strategy["dit_quant"] = _describe_fp8(src)
+                matmul, why = fp8_linear.resolve_matmul(fp8_matmul, self.device)
+                fp8_linear.set_matmul(model, matmul)
+                report.strategy["fp8_matmul"] = f"{matmul.value} ({why})"
+            lean_load.check_same_keys(model, src, "DiT")
+            yield src
+
+    if not lay.dit_fsdp:
+        def read():
+            with source() as src:
+                if self.device.type == "cpu":
+                    lean_load.node_shared_weights(model, src, report, "dit", group=group)
+                else:
+                    lean_load.in_turns(report.waves, lambda: lean_load.device_weights(model, src, self.device,
+                                                                                      report, "dit"), group=group)
+                if fp8:
+                    src.share_scales(group)
+                    fp8_linear.set_scales(model, src.row_scales(), self.device)
+
+        def finish():  # upstream's: Ulysses rebinding, barrier (the main thread's collectives)
+            dit = self._configure_model(model=model, use_sp=lay.use_sp, dit_fsdp=False, shard_fn=shard_fn,
+                                        convert_model_dtype=False)
+            context_cache.apply(dit)
+            return dit
+
+        if overlap:
+            return DitLoad(model, read, finish, self.device)
+        read()
+        return finish()
+    with source() as src:
         model = self._configure_model(model=model, use_sp=lay.use_sp, dit_fsdp=True, shard_fn=shard_fn,
                                       convert_model_dtype=False)  # wraps on meta: shards allocated
         on_event(Stage.FINGERPRINT, what="WanModel_S2V")

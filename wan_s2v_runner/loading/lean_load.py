@@ -191,11 +191,12 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def node_shared_weights(model, source, report: LoadReport, what: str) -> str:
+def node_shared_weights(model, source, report: LoadReport, what: str, group=None) -> str:
     """Fill ``model``'s (meta) parameters on the CPU with one copy per node: local rank 0 reads
     the file into a memfd, the node's other ranks map it. A rank alone on its node reads into
     private memory (faster: anonymous pages fault in huge pages, shared memory in 4 KiB ones).
-    Returns the strategy used."""
+    ``group``: the process group of its collectives (a DiT loaded while the encoders run has one
+    of its own). Returns the strategy used."""
     import torch.distributed as dist
     if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= 1:  # alone on the node: nothing to share
         device_weights(model, source, torch.device("cpu"), report, what)
@@ -213,9 +214,9 @@ def node_shared_weights(model, source, report: LoadReport, what: str) -> str:
             for name, t in _views(writable, layout).items():
                 source.read_flat(name, 0, t.view(-1))
         del writable
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        infos: list = [None] * dist.get_world_size()
-        dist.all_gather_object(infos, (node, local_rank, os.getpid(), fd))
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        infos: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(infos, (node, local_rank, os.getpid(), fd), group=group)
         path = next((f"/proc/{pid}/fd/{f}" for n, lr, pid, f in infos if n == node and lr == 0), None)
     else:
         path = f"/proc/self/fd/{fd}"
@@ -229,8 +230,8 @@ def node_shared_weights(model, source, report: LoadReport, what: str) -> str:
         log.warning("%s: cannot map local rank 0's weights (%s); reading a private copy", what, e)
         device_weights(model, source, torch.device("cpu"), report, what)
         report.strategy[what] = "private (node sharing unavailable)"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()  # every local rank has mapped the file before its creator closes it
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)  # every local rank has mapped the file before its creator closes it
     if fd is not None:
         os.close(fd)  # the mappings keep the memory alive
     return report.strategy[what]
@@ -249,10 +250,10 @@ def device_weights(model, source, device: torch.device, report: LoadReport, what
 
 
 # --------------------------------------------------------------------------- waves
-def in_turns(waves: int, fn: Callable[[], None]) -> None:
+def in_turns(waves: int, fn: Callable[[], None], group=None) -> None:
     """Run ``fn`` on every rank, local ranks in ``waves`` turns (local rank r in turn
-    r % waves), with a barrier after each turn; one turn is a plain call. Every rank takes part
-    in every barrier, so the collectives stay matched."""
+    r % waves), with a barrier (on ``group``) after each turn; one turn is a plain call. Every
+    rank takes part in every barrier, so the collectives stay matched."""
     import torch.distributed as dist
     if waves <= 1 or not dist.is_initialized():
         fn()
@@ -261,7 +262,7 @@ def in_turns(waves: int, fn: Callable[[], None]) -> None:
     for turn in range(waves):
         if turn == mine:
             fn()
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def describe_bytes(n: int) -> str:

@@ -187,15 +187,15 @@ class Fp8Source(CheckpointSource):
         for n in self.as_is:  # a rank whose shard holds none of such a weight still needs its scales
             self._scale(n)
 
-    def share_scales(self) -> None:
+    def share_scales(self, group=None) -> None:
         """Every rank takes rank 0's scales (a replicated DiT: the ranks that map a node's shared
-        copy read nothing, so computed none)."""
+        copy read nothing, so computed none), over ``group`` (None: the default group)."""
         import torch.distributed as dist
         for n in self.as_is:
             self._scale(n)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
             box = [self.scales if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=group)
             self.scales = box[0]
 
     def row_scales(self) -> dict[str, torch.Tensor]:

@@ -4,7 +4,7 @@ rank group on the node (``serve --replicas``: the groups load at once, each with
 """
 from __future__ import annotations
 
-from wan_s2v_runner.shared.layout import DitQuant, LoadStrategy
+from wan_s2v_runner.shared.layout import DitQuant, LoadStrategy, dit_load_overlap
 
 from .core import fail, gib, human_count, ok, skip, warn
 from .memory import largest_fitting_size, model_sizes, plan_all, workload
@@ -22,13 +22,14 @@ def current_plan(ctx):
 def check_plan(ctx):
     sizes, wl = model_sizes(ctx), workload(ctx)
     p = current_plan(ctx)
+    overlap, why = dit_load_overlap(ctx.layout, "cuda" if ctx.on_cuda else "cpu", ctx.spec.load)
     gpu = f"GPU {gib(p.gpu_peak)}/rank, " if p.gpu_peak else ""
     assumed = f"; assumed {', '.join(wl.assumed)}" if wl.assumed else ""
     return ok("memory.plan", f"{ctx.mode.value} x{p.world_size}: {gpu}host {gib(p.host_peak)}/rank "
               f"(DiT {human_count(sizes.dit_params)} params, {gib(p.parts['dit_weights'])}{_quant(ctx)}; "
               f"T5 {human_count(sizes.t5_params)} params; "
-              f"{wl.width}x{wl.height}, {wl.tokens.max_len} tokens{assumed})",
-              "approximate: see docs/memory-plan.md", sizes_source=sizes.source)
+              f"{wl.width}x{wl.height}, {wl.tokens.max_len} tokens{assumed}); the DiT loads {why}",
+              "approximate: see docs/memory-plan.md", sizes_source=sizes.source, dit_load_overlap=overlap)
 
 
 def _quant(ctx) -> str:

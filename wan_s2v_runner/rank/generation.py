@@ -265,7 +265,7 @@ class S2VGenerator:
         tokens to length 0 and the plain path returns none, both before any value is used
         (model_s2v ``process_motion_frame_pack`` / ``process_motion``); the motioner path
         (``enable_motioner``) computes from them and multiplies by 0.0, so it keeps the encode."""
-        return getattr(self.parts.noise_model, "enable_motioner", True) is False
+        return self.parts.dit_attr("enable_motioner", True) is False
 
     def _encode_text(self, req: Request):
         s2v = self.s2v
@@ -474,6 +474,10 @@ class S2VGenerator:
             last = got["last"] if split_vae else (state.videos_last_frames.to(self.device) if self.plan.decodes
                                                   else None)
             state = ClipState(int(got["clip"].item()), got["motion"], last)
+        if self.parts.dit_loading:  # read on its thread while the encoders ran: joined here, on every rank
+            if self.parts.pending.reading:
+                self.hooks.stage(Stage.LOAD, what="WanModel_S2V")
+            self.parts.ready()
         clips = self.run_clips(req, enc, state)
         if not self.plan.decodes:
             return None

@@ -174,7 +174,8 @@ def release_memory(spec: GroupSpec, parts) -> None:
     from the footprint the first one did and peaks do not creep up."""
     from patches import context_cache
 
-    context_cache.clear(parts.noise_model)
+    if not parts.dit_loading:  # a job that ended before its first step left nothing in the DiT's cache
+        context_cache.clear(parts.noise_model)
     gc.collect()
     if spec.device == "cuda":
         torch.cuda.empty_cache()
@@ -479,7 +480,8 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
         plan, parts, more = runners.get(spec.mode).prepare(wan, cfg, spec, device, local_rank,
                                                            on_event=events.stage)
         events.emit("plan", **plan.describe(), patches=more)
-        events.emit("loaded", **parts.load_report.as_dict())
+        # its thread while the first job encodes (components.DitLoad): its report once it is loaded
+        parts.when_ready(lambda: events.emit("loaded", **parts.load_report.as_dict()))
 
         if dist.get_world_size() > 1:  # every rank starts generating together, so each stage's time
             dist.barrier()  # is its own work, not a wait for a slower rank's loading
@@ -507,6 +509,7 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
                 if group.served and rank == 0:
                     inbox.job_ended(run_dir, job.id)
             release_memory(spec, parts)
+        parts.ready()  # a group that made no frames still ends its DiT load (matched collectives)
         events.stage(Stage.DONE)
     except BaseException as e:
         # Record the failure before anything closes this rank's connections: peers then fail

@@ -239,3 +239,19 @@ class Layout(BaseModel):
 
     def to_json(self) -> dict:
         return {**self.model_dump(mode="json"), "ulysses_degree": self.ulysses_degree}
+
+
+def dit_load_overlap(layout: Layout, device: str, load: LoadStrategy) -> tuple[bool, str]:
+    """Whether every rank reads its DiT on a thread of its own while the first job's encoders run
+    (prompts, speech, reference: ``loading.components``), joined before the first denoising step;
+    and why, or why not. Said by the plan: the preflight's ``memory.plan`` line and each rank's
+    ``plan`` event (``run.json``)."""
+    if LoadStrategy(load) is not LoadStrategy.LEAN:
+        return False, "before the encoders: --load full builds it with upstream's constructors"
+    if layout.dit_fsdp:
+        return False, ("before the encoders: an FSDP-sharded DiT is wrapped and checked on the layout's "
+                       "process groups, which the encoders' broadcasts use too")
+    if device != "cpu":
+        return False, "before the encoders: the overlap is not yet measured on a GPU (docs/gpu.md, Next)"
+    return True, ("while the encoders run (a thread of its own, its collectives on a process group of "
+                  "its own; no more memory: the DiT was held while encoding before too)")
