@@ -97,11 +97,19 @@ def one(a, checkout: Path, side: str, layout: str, assets, work: Path, tag: str,
         return row
     step_t = first_event_t(runs[-1], "stage", "denoise")
     row["to_step_s"] = step_t - t0 if step_t else None
+    try:  # the DiT read while the encoders ran (rank 0's load report): how long, and how long waited for
+        overlap = json.loads((runs[-1] / "run.json").read_text())["ranks"]["0"]["load"].get("dit_overlap")
+    except (OSError, ValueError, KeyError):
+        overlap = None
+    if overlap:
+        row["dit_read_s"], row["dit_wait_s"] = overlap["read_s"], overlap["waited_s"]
     if preview:
         shown = first_event_t(runs[-1], "preview")
         row["preview_s"] = shown - t0 if shown else None
+    dit = (f", DiT read {row['dit_read_s']:.1f} s while encoding, {row['dit_wait_s']:.1f} s waited for"
+           if "dit_read_s" in row else "")
     print(f"   {side} {layout}{' preview' if preview else ''}: to step {row.get('to_step_s') or 0:.1f} s, "
-          f"wall {wall:.1f} s, CPU {cpu:.1f} s", file=sys.stderr, flush=True)
+          f"wall {wall:.1f} s, CPU {cpu:.1f} s{dit}", file=sys.stderr, flush=True)
     return row
 
 
@@ -117,7 +125,8 @@ def render(rows: list[dict], sides: list[str], layouts: list[str], markdown: boo
     def ratio(x, y):
         return None if x is None or not y else x / y
 
-    head = ["side", "layout", "to step s", "to step x base", "wall s", "wall x 1 rank", "CPU s", "CPU x 1 rank"]
+    head = ["side", "layout", "to step s", "to step x base", "wall s", "wall x 1 rank", "CPU s", "CPU x 1 rank",
+            "DiT read / waited s"]
     body = []
     for side in sides:
         ones = [r for r in rows if r["side"] == side and r["layout"] == "1" and not r["preview"]]
@@ -126,9 +135,11 @@ def render(rows: list[dict], sides: list[str], layouts: list[str], markdown: boo
             mine = [r for r in rows if r["side"] == side and r["layout"] == layout and not r["preview"]]
             base = [r for r in rows if r["side"] == sides[0] and r["layout"] == layout and not r["preview"]]
             step, wall, cpu = median(mine, "to_step_s"), median(mine, "wall_s"), median(mine, "cpu_s")
+            read, waited = median(mine, "dit_read_s"), median(mine, "dit_wait_s")
             body.append([side, layout, cell(step), cell(ratio(step, median(base, "to_step_s")), "{:.2f}x"),
                          cell(wall), cell(ratio(wall, wall1), "{:.2f}x") if layout != "1" else "",
-                         cell(cpu), cell(ratio(cpu, cpu1), "{:.2f}x") if layout != "1" else ""])
+                         cell(cpu), cell(ratio(cpu, cpu1), "{:.2f}x") if layout != "1" else "",
+                         f"{read:.1f} / {waited:.1f}" if read is not None else "-"])
     previews = [r for r in rows if r["preview"]]
     if previews:
         for side in sides:
@@ -136,7 +147,7 @@ def render(rows: list[dict], sides: list[str], layouts: list[str], markdown: boo
             shown, wall = median(mine, "preview_s"), median(mine, "wall_s")
             body.append([side, f"{PREVIEW_LAYOUT} --preview, {mine[0]['preview']} clips" if mine else "",
                          f"first video {cell(shown)}", f"{cell(ratio(shown, wall), '{:.2f}')} of wall",
-                         cell(wall), "", cell(median(mine, "cpu_s")), ""])
+                         cell(wall), "", cell(median(mine, "cpu_s")), "", ""])
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in body]

@@ -163,6 +163,7 @@ def test_the_dit_loads_on_its_thread_while_the_encoders_run_and_the_frames_are_t
     assert order.index(Stage.LOAD) > order.index(Stage.TEXT_ENCODE) and order.index(Stage.LOAD) < order.index(
         Stage.DENOISE)
     assert not parts.dit_loading and parts.load_report.strategy["dit_load"].startswith("while the encoders ran")
+    assert set(parts.load_report.as_dict()["dit_overlap"]) == {"read_s", "waited_s"}
     monkeypatch.undo()
     assert torch.equal(frames, one_process_frames(engine_cpu))
 

@@ -117,6 +117,7 @@ class Components:
         waited = time.perf_counter() - waited
         self.load_report.strategy["dit_load"] = (f"while the encoders ran: read in {load.read_s:.2f} s, "
                                                  f"then {waited:.2f} s waited for it")
+        self.load_report.dit_overlap = {"read_s": round(load.read_s, 3), "waited_s": round(waited, 3)}
         for fn in self._when_ready:
             fn()
         self._when_ready.clear()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -46,10 +46,15 @@ class LoadReport:
     counter: ReadCounter = field(default_factory=ReadCounter)
     strategy: dict[str, str] = field(default_factory=dict)
     waves: int = 1
+    #: a DiT read while the encoders ran: {"read_s": its read, "waited_s": the loop's wait for it}
+    dit_overlap: Optional[dict[str, float]] = None
 
     def as_dict(self) -> dict:
-        return {"strategy": dict(self.strategy), "bytes_read": dict(self.counter.by_purpose),
-                "bytes_read_total": self.counter.total, "waves": self.waves}
+        out = {"strategy": dict(self.strategy), "bytes_read": dict(self.counter.by_purpose),
+               "bytes_read_total": self.counter.total, "waves": self.waves}
+        if self.dit_overlap is not None:
+            out["dit_overlap"] = dict(self.dit_overlap)
+        return out
 
 
 # --------------------------------------------------------------------------- empty models
