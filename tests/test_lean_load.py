@@ -163,7 +163,7 @@ def test_the_dit_loads_on_its_thread_while_the_encoders_run_and_the_frames_are_t
     assert order.index(Stage.LOAD) > order.index(Stage.TEXT_ENCODE) and order.index(Stage.LOAD) < order.index(
         Stage.DENOISE)
     assert not parts.dit_loading and parts.load_report.strategy["dit_load"].startswith("while the encoders ran")
-    assert set(parts.load_report.as_dict()["dit_overlap"]) == {"read_s", "waited_s"}
+    assert set(parts.load_report.as_dict()["dit_overlap"]) == {"read_s", "waited_s", "finish_s"}
     monkeypatch.undo()
     assert torch.equal(frames, one_process_frames(engine_cpu))
 
@@ -180,3 +180,26 @@ def test_a_dit_load_that_fails_on_its_thread_fails_the_job_at_the_join(engine_cp
     with pytest.raises(OSError, match="Input/output error"):
         S2VGenerator(parts, plan, Hooks(stage=lambda s, **d: seen.append(Stage(s)))).generate(req)
     assert Stage.TEXT_ENCODE in seen and Stage.DENOISE not in seen  # raised where it was joined
+
+
+def test_a_group_that_ends_before_using_its_dit_waits_for_the_read_without_finishing_it(engine_cpu, monkeypatch,
+                                                                                         caplog):
+    """A served group stopped before its first job: ``abandon`` waits for the thread (its collectives
+    end on every rank) and neither finishes the DiT nor raises the read's error (logged); a read
+    that ended well is reported all the same."""
+    def fails(real, *a, **k):
+        raise OSError(5, "Input/output error")
+
+    parts, _, _ = _overlapped(engine_cpu, monkeypatch, fails)
+    load = parts.pending
+    with caplog.at_level("WARNING", logger="wan_s2v.components"):
+        parts.abandon()
+    assert not load.reading and not parts.dit_loading and "dit_overlap" not in parts.load_report.as_dict()
+    assert "the DiT's load, never used, failed: OSError" in caplog.text
+
+    reported = []
+    monkeypatch.undo()  # the real read again
+    parts, _, _ = _overlapped(engine_cpu, monkeypatch, lambda real, *a, **k: real(*a, **k))
+    parts.when_ready(lambda: reported.append(parts.load_report.as_dict()))
+    parts.abandon()
+    assert reported[0]["strategy"]["dit_load"].endswith("on its thread, never used") and reported[0]["bytes_read"]

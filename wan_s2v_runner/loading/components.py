@@ -70,10 +70,14 @@ class DitLoad:
     def reading(self) -> bool:
         return self._thread.is_alive()
 
-    def join(self):
+    def wait(self) -> None:
+        """Wait for the read to end; raise what it raised."""
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+    def join(self):
+        self.wait()
         return self._finish()
 
 
@@ -111,14 +115,32 @@ class Components:
         the same point of its work (it ends in upstream's barrier)."""
         if self.pending is None:
             return
-        load, waited = self.pending, time.perf_counter()
+        load, t0 = self.pending, time.perf_counter()
         self.pending = None
-        self.shell.noise_model = load.join()
-        waited = time.perf_counter() - waited
+        load.wait()
+        waited = time.perf_counter() - t0
+        self.shell.noise_model = load.join()  # finish: upstream's configure (its barrier), a LoRA merge
         self.load_report.strategy["dit_load"] = (f"while the encoders ran: read in {load.read_s:.2f} s, "
                                                  f"then {waited:.2f} s waited for it")
-        self.load_report.dit_overlap = {"read_s": round(load.read_s, 3), "waited_s": round(waited, 3)}
+        self.load_report.dit_overlap = {"read_s": round(load.read_s, 3), "waited_s": round(waited, 3),
+                                        "finish_s": round(time.perf_counter() - t0 - waited, 3)}
         for fn in self._when_ready:
+            fn()
+        self._when_ready.clear()
+
+    def abandon(self) -> None:
+        """A group that ends without using the DiT: wait for its read (every rank's thread ends its
+        collectives), without finishing it. An error of the read is logged: the group is ending."""
+        if self.pending is None:
+            return
+        load, self.pending = self.pending, None
+        try:
+            load.wait()
+        except Exception as e:  # noqa: BLE001 - nothing will use this DiT
+            log.warning("the DiT's load, never used, failed: %s: %s", type(e).__name__, e)
+            return
+        self.load_report.strategy["dit_load"] = f"read in {load.read_s:.2f} s on its thread, never used"
+        for fn in self._when_ready:  # what it read is reported all the same
             fn()
         self._when_ready.clear()
 
@@ -185,6 +207,10 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     if (dit_file is not None or DitQuant(dit_quant) is not DitQuant.NONE) and not lean:
         raise ValueError("--dit-file and --dit-quant are read by lean loading only")
     pending = None
+    import torch.distributed as dist
+    if overlap and load_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("a DiT loaded on its thread needs a process group of its own (load_group): its "
+                         "collectives would race the encoders'")
     if lean:
         dit = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, dit_file,
                         dit_quant, (loras, lora_allow_partial), fp8_matmul, overlap=overlap, group=load_group)
@@ -209,9 +235,9 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     self.drop_first_motion = config.drop_first_motion
     self.fps = config.sample_fps
     self.audio_sample_m = 0
-    log.info("rank %d loaded %s (%s read)%s", plan.rank, ", ".join(plan.describe()["loads"]),
+    log.info("rank %d loaded %s (%s read%s)", plan.rank, ", ".join(plan.describe()["loads"]),
              lean_load.describe_bytes(report.counter.total) if lean else "whole files",
-             "; the DiT still loading on its thread" if pending else "")
+             " so far: the DiT goes on loading on its thread" if pending else "")
     return Components(self, report, pending)
 
 

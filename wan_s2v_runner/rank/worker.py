@@ -273,6 +273,8 @@ class RankGroup:
             message = self._from_rank0(message)
             if message:
                 return message
+            if self.parts.dit_loading:  # no job waits (every rank heard so): the DiT is finished now, so
+                self.parts.ready()  # the first job does not wait for it and a load error is the group's
             if time.time() - said >= WAITING_EVERY_S:
                 said = time.time()
                 self.events.emit("waiting")
@@ -509,7 +511,7 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
                 if group.served and rank == 0:
                     inbox.job_ended(run_dir, job.id)
             release_memory(spec, parts)
-        parts.ready()  # a group that made no frames still ends its DiT load (matched collectives)
+        parts.abandon()  # a group that never used its DiT still waits for its read (matched collectives)
         events.stage(Stage.DONE)
     except BaseException as e:
         # Record the failure before anything closes this rank's connections: peers then fail
