@@ -47,10 +47,11 @@ log = logging.getLogger("wan_s2v.components")
 
 class DitLoad:
     """The DiT's weights being read on a thread of their own (``read()`` fills ``model``, built on
-    meta); :meth:`join` waits for it, raises what it raised, and returns ``finish()``'s model."""
+    meta); :meth:`wait` waits for it and raises what it raised; ``finish()`` (the main thread's,
+    after the wait) returns the DiT ready to run."""
 
     def __init__(self, model, read: Callable[[], None], finish: Callable[[], Any], device: torch.device):
-        self.model, self._finish, self._error = model, finish, None
+        self.model, self.finish, self._error = model, finish, None
         self.started, self.read_s = time.perf_counter(), None
 
         def run():
@@ -75,10 +76,6 @@ class DitLoad:
         self._thread.join()
         if self._error is not None:
             raise self._error
-
-    def join(self):
-        self.wait()
-        return self._finish()
 
 
 @dataclass
@@ -119,14 +116,12 @@ class Components:
         self.pending = None
         load.wait()
         waited = time.perf_counter() - t0
-        self.shell.noise_model = load.join()  # finish: upstream's configure (its barrier), a LoRA merge
+        self.shell.noise_model = load.finish()  # upstream's configure (its barrier), a LoRA merge
         self.load_report.strategy["dit_load"] = (f"while the encoders ran: read in {load.read_s:.2f} s, "
                                                  f"then {waited:.2f} s waited for it")
         self.load_report.dit_overlap = {"read_s": round(load.read_s, 3), "waited_s": round(waited, 3),
                                         "finish_s": round(time.perf_counter() - t0 - waited, 3)}
-        for fn in self._when_ready:
-            fn()
-        self._when_ready.clear()
+        self._loaded()
 
     def abandon(self) -> None:
         """A group that ends without using the DiT: wait for its read (every rank's thread ends its
@@ -140,7 +135,10 @@ class Components:
             log.warning("the DiT's load, never used, failed: %s: %s", type(e).__name__, e)
             return
         self.load_report.strategy["dit_load"] = f"read in {load.read_s:.2f} s on its thread, never used"
-        for fn in self._when_ready:  # what it read is reported all the same
+        self._loaded()  # what it read is reported all the same
+
+    def _loaded(self) -> None:
+        for fn in self._when_ready:
             fn()
         self._when_ready.clear()
 
@@ -206,11 +204,11 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
         self.vae = s2v_mod.Wan2_1_VAE(vae_pth=os.path.join(ckpt_dir, config.vae_checkpoint), device=self.device)
     if (dit_file is not None or DitQuant(dit_quant) is not DitQuant.NONE) and not lean:
         raise ValueError("--dit-file and --dit-quant are read by lean loading only")
-    pending = None
     import torch.distributed as dist
     if overlap and load_group is None and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("a DiT loaded on its thread needs a process group of its own (load_group): its "
                          "collectives would race the encoders'")
+    pending = None
     if lean:
         dit = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, dit_file,
                         dit_quant, (loras, lora_allow_partial), fp8_matmul, overlap=overlap, group=load_group)
