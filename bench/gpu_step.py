@@ -211,7 +211,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--size", default="1024*704", help="WIDTH*HEIGHT, multiples of 64 (default 1024*704)")
     ap.add_argument("--infer-frames", type=int, default=80)
     ap.add_argument("--first-clip", action="store_true", help="clip 1: motion tokens dropped (shorter sequence)")
-    ap.add_argument("--attention", default="auto", choices=["auto", "fa3", "fa2", "sdpa"])
+    ap.add_argument("--attention", default="auto", choices=["auto", "fa4", "fa3", "fa2", "sdpa"])
+    ap.add_argument("--attention-also", choices=["fa4", "fa3", "fa2", "sdpa"],
+                    help="after the eager step, time it again with this backend on the same model and inputs (and "
+                         "one pass's distance from the first backend's); a --compile then runs with this one")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--compile", nargs="?", const="blocks", choices=["blocks", "model"],
@@ -315,6 +318,30 @@ def main(argv=None) -> dict:
             a.json.write_text(json.dumps(out, indent=2) + "\n")
 
     dump()
+    if a.attention_also:
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+            ref = torch.stack(list(model(x, t=t, **cond))).float()
+        other, why = attention.resolve_backend(a.attention_also, device.type)
+        attention.apply(wan, other)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        o_first, o_step, o_pass = run_steps(model, x, t, cond, uncond, device, dtype, a.warmup, a.repeat)
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+            d = (torch.stack(list(model(x, t=t, **cond))).float() - ref).abs()
+        o_tflops = per_step / o_step / 1e12
+        out["attention_also"] = {"backend": other, "reason": why, "first_step_s": round(o_first, 3),
+                                 "step_s": round(o_step, 3), "pass_s": round(o_pass, 3), "tflops": round(o_tflops, 1),
+                                 "mfu": round(o_tflops / peak, 4) if peak else None,
+                                 "vs_first_backend": round(o_step / step_s, 3),
+                                 "pass_vs_first_backend_max_abs": float(d.max()),
+                                 "pass_vs_first_backend_mean_abs": float(d.mean()),
+                                 "output_mean_magnitude": float(ref.abs().mean())}
+        if device.type == "cuda":
+            out["attention_also"]["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        del ref, d
+        print(f"eager with {other}: {o_step:.3f} s/step ({out['attention_also']['vs_first_backend']}x {backend}; "
+              f"first step {o_first:.1f} s)", flush=True)
+        dump()
     if a.linear_times:
         out["linear_ms"] = linear_times(device, dtype, flops.length, dims)
         print(f"one Linear, ms: {out['linear_ms']}", flush=True)
@@ -359,6 +386,13 @@ def render(r: dict) -> str:
     mfu = lambda v: f"{100 * v:.1f}%" if v is not None else "-"  # noqa: E731
     mem = f"{r.get('peak_allocated_gib', '-')} ({r['weights_gib']})"
     lines.append(f"| eager | {r['step_s']} | {r['pass_s']} | {r['tflops']} | {mfu(r['mfu'])} | {mem} |")
+    if "attention_also" in r:
+        o = r["attention_also"]
+        lines.append(f"| eager, attention {o['backend']} ({o['vs_first_backend']}x; one pass vs "
+                     f"{r['attention']['backend']}: max {o['pass_vs_first_backend_max_abs']:.3g}, mean "
+                     f"{o['pass_vs_first_backend_mean_abs']:.3g} of {o['output_mean_magnitude']:.3g}) | "
+                     f"{o['step_s']} | {o['pass_s']} | {o['tflops']} | {mfu(o['mfu'])} | "
+                     f"{o.get('peak_allocated_gib', '-')} |")
     if "fp8" in r:
         f = r["fp8"]
         for way, m in f["matmul"].items():
@@ -368,7 +402,8 @@ def render(r: dict) -> str:
                          f"{m.get('peak_allocated_gib', '-')} ({f['weights_gib']}) |")
     if "compiled" in r:
         c = r["compiled"]
-        what = "torch.compile" + (f" (fp8, {list(r['fp8']['matmul'])[-1]})" if "fp8" in r else "")
+        what = "torch.compile" + (f" (fp8, {list(r['fp8']['matmul'])[-1]})" if "fp8" in r else "") + (
+            f", attention {r['attention_also']['backend']}" if "attention_also" in r else "")
         lines.append(f"| {what}, {c['scope']} (first step {c['first_step_s']} s; {c['unique_graphs']} graphs, "
                      f"{c['graph_breaks']} breaks) | {c['step_s']} | {c['pass_s']} | "
                      f"{c['tflops']} | {mfu(c['mfu'])} | - |")

@@ -1,4 +1,4 @@
-"""Patch: choose the attention kernel (FA3 / FA2 / PyTorch SDPA) and route every Wan caller to it.
+"""Patch: choose the attention kernel (FA4 / FA3 / FA2 / PyTorch SDPA) and route every Wan caller to it.
 
 Upstream (``wan/modules/attention.py``, byte-identical in wan22==2.2.11 and Wan2.2 HEAD):
   * ``flash_attention(q, k, v, q_lens, k_lens, ...)`` asserts ``q.device.type == 'cuda'``, then uses
@@ -27,16 +27,21 @@ Upstream (``wan/modules/attention.py``, byte-identical in wan22==2.2.11 and Wan2
     ``apply``), so anything calling it gets the same, correctly masked backend.
 
 Change:
-  * ``resolve_backend(requested, device_type)`` picks fa3 > fa2 > sdpa for ``auto`` on CUDA after a
-    real import *and* a tiny kernel call (catches ABI mismatch, wrong GPU arch), always sdpa on
-    CPU; an explicit fa3/fa2 that cannot work raises a one-line RuntimeError with the fix. The
+  * ``resolve_backend(requested, device_type)`` picks fa3 > fa4 (only where it measured faster)
+    > fa2 > sdpa for ``auto`` on CUDA after a real import *and* a tiny kernel call (catches ABI
+    mismatch, wrong GPU arch), always sdpa on CPU; an explicit fa4/fa3/fa2 that cannot work raises
+    a one-line RuntimeError with the fix. The
     measurement and the rule live in ``wan_s2v_runner.shared.attention_backends``
     (``measure_availability`` + ``choose_backend``), which the doctor applies to recorded facts,
     so its prediction and the run's choice cannot drift apart; ``guard_flash_attn_imports`` is
     there too and re-exported here.
   * ``sdpa_attention`` reproduces flash-attn varlen semantics with
     ``torch.nn.functional.scaled_dot_product_attention`` (see its docstring); ``fa3_attention``
-    fixes the tuple/Tensor return; ``fa2_attention`` is upstream's own code with ``version=2``.
+    fixes the tuple/Tensor return; ``fa2_attention`` is upstream's own code with ``version=2``;
+    ``fa4_attention`` (not in upstream) calls FlashAttention-4's CuTe-DSL kernels
+    (``flash_attn.cute``: ``flash_attn_func``, or ``flash_attn_varlen_func`` for ragged lengths,
+    keyword arguments only) through the custom op ``wan_s2v::fa4``, so a compiler sees one opaque
+    call and never traces into the DSL (``--compile`` keeps one graph per block).
   * ``apply(wan, backend)`` rebinds ``flash_attention`` (and ``attention``) in every imported
     ``wan.*`` module that still holds upstream's function (or one of ours), and checks the S2V
     modules are among them.
@@ -45,6 +50,8 @@ Proof (tests/test_attention.py, CPU): ``sdpa_attention`` matches a naive float64
 per-head reference (ragged k_lens/q_lens, causal with Lq != Lk, windows, GQA, scales, fully
 masked rows) in fp32 and fp64; after ``apply`` the S2V modules hold ``sdpa_attention`` and
 ``wan.modules.model.WanSelfAttention`` runs on CPU, where upstream's function asserts.
+``fa4_attention``'s packing, window and return handling run on CPU against a stand-in with FA4's
+interface (``tests/data/fa4_standin``); the kernels themselves only on a GPU (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -58,7 +65,9 @@ import torch.nn.functional as F
 
 from wan_s2v_runner.shared.attention_backends import (  # noqa: F401  (loading/engine.py calls the guard from here)
     BACKENDS,
+    REQUESTS,
     BackendUnavailable,
+    auto_candidates,
     choose_backend,
     cuda_capability,
     guard_flash_attn_imports,
@@ -85,13 +94,17 @@ _ORIG_ATTN_ATTR = "_wan_s2v_original_attention"
 def resolve_backend(requested: str = "auto", device_type: str = "cuda") -> tuple[str, str]:
     """Return (backend, reason) for this process: ``choose_backend`` on a live measurement.
 
-    auto: CUDA -> fa3 if usable, else fa2 if usable, else sdpa; any other device -> sdpa.
-    fa3/fa2 explicitly: BackendUnavailable (a RuntimeError: cause + fix) if not usable. sdpa:
-    always allowed, and flash-attn is then not even imported."""
-    flash = device_type == "cuda" and (requested or "auto").lower() != "sdpa"
-    return choose_backend(requested, device_type, measure_availability(device_type) if flash else {},
-                          cuda_capability() if flash else None, torch_version=torch.__version__,
-                          cuda_version=torch.version.cuda)
+    auto: CUDA -> fa3 if usable, else fa4 where it measured faster (``FA4_FASTER_ON``), else fa2
+    if usable, else sdpa; any other device -> sdpa. fa4/fa3/fa2 explicitly: BackendUnavailable (a
+    RuntimeError: cause + fix) if not usable. sdpa: always allowed, and flash-attn is then not
+    even imported; only the backends the request can pick are measured (FA4's measurement
+    compiles its kernel)."""
+    req = (requested or "auto").lower()
+    flash = device_type == "cuda" and req != "sdpa"
+    cc = cuda_capability() if flash else None
+    wanted = (auto_candidates(cc) if req == "auto" else (req,)) if req in REQUESTS else ()
+    return choose_backend(requested, device_type, measure_availability(device_type, wanted) if flash else {},
+                          cc, torch_version=torch.__version__, cuda_version=torch.version.cuda)
 
 
 # --------------------------------------------------------------------------- SDPA backend
@@ -227,6 +240,41 @@ def _pack(x, lens):
     return x[keep], lens
 
 
+def _half_inputs(q, k, v, dtype, q_scale, q_lens=None, k_lens=None, pack: bool = True):
+    """q, k, v as the flash-attn kernels take them: half precision (fp32 cast to ``dtype``, as
+    upstream casts), q and k in v's dtype, q scaled; with ``pack``, packed like upstream
+    (:func:`_pack`). Returns (q, k, v, q lens, k lens); the lens are None without ``pack``."""
+    half_dtypes = (torch.float16, torch.bfloat16)
+
+    def half(x):
+        return x if x.dtype in half_dtypes else x.to(dtype)
+
+    ql = kl = None
+    if pack:
+        q, ql = _pack(q, q_lens)
+        k, kl = _pack(k, k_lens)
+        v, _ = _pack(v, k_lens)
+    q, k, v = half(q), half(k), half(v)
+    q, k = q.to(v.dtype), k.to(v.dtype)
+    if q_scale is not None:
+        q = q * q_scale
+    return q, k, v, ql, kl
+
+
+def _cu_seqlens(lens: torch.Tensor) -> torch.Tensor:
+    return torch.cat([lens.new_zeros([1]), lens]).cumsum(0, dtype=torch.int32)
+
+
+def _unpack(x, b: int, lq: int, ql, q_lens):
+    """Packed output rows -> [B, Lq, ...]: ``unflatten`` when every query was kept, else scattered
+    back with zeros in the padding (upstream's ``unflatten`` is wrong unless all q_lens == Lq)."""
+    if q_lens is None:
+        return x.unflatten(0, (b, lq))
+    full = x.new_zeros((b, lq) + tuple(x.shape[1:]))
+    full[torch.arange(lq, device=x.device)[None, :] < ql[:, None]] = x
+    return full
+
+
 def fa3_attention(q, k, v, q_lens=None, k_lens=None, dropout_p=0., softmax_scale=None,
                   q_scale=None, causal=False, window_size=(-1, -1), deterministic=False,
                   dtype=torch.bfloat16, version=None):
@@ -236,47 +284,80 @@ def fa3_attention(q, k, v, q_lens=None, k_lens=None, dropout_p=0., softmax_scale
     (upstream silently dropped it). FA3 has no dropout: dropout_p > 0 raises."""
     import flash_attn_interface  # optional GPU dependency, imported lazily
 
-    half_dtypes = (torch.float16, torch.bfloat16)
-    assert dtype in half_dtypes
+    assert dtype in (torch.float16, torch.bfloat16)
     assert q.device.type == "cuda" and q.size(-1) <= 256
     if dropout_p:
         raise ValueError("FA3 has no dropout; use --attention fa2 or sdpa")
     b, lq, lk, out_dtype = q.size(0), q.size(1), k.size(1), q.dtype
-
-    def half(x):
-        return x if x.dtype in half_dtypes else x.to(dtype)
-
-    qp, ql = _pack(q, q_lens)
-    kp, kl = _pack(k, k_lens)
-    vp, _ = _pack(v, k_lens)
-    qp, kp, vp = half(qp), half(kp), half(vp)
-    qp, kp = qp.to(vp.dtype), kp.to(vp.dtype)
-    if q_scale is not None:
-        qp = qp * q_scale
+    qp, kp, vp, ql, kl = _half_inputs(q, k, v, dtype, q_scale, q_lens, k_lens)
     extra = {}
     if tuple(window_size) != (-1, -1):
         extra["window_size"] = tuple(window_size)
-    zero = ql.new_zeros([1])
     x = flash_attn_interface.flash_attn_varlen_func(
-        q=qp, k=kp, v=vp,
-        cu_seqlens_q=torch.cat([zero, ql]).cumsum(0, dtype=torch.int32),
-        cu_seqlens_k=torch.cat([zero, kl]).cumsum(0, dtype=torch.int32),
+        q=qp, k=kp, v=vp, cu_seqlens_q=_cu_seqlens(ql), cu_seqlens_k=_cu_seqlens(kl),
         max_seqlen_q=lq, max_seqlen_k=lk, softmax_scale=softmax_scale, causal=causal,
         deterministic=deterministic, **extra)
     if isinstance(x, (tuple, list)):  # older FA3: (out, softmax_lse); newer: out
         x = x[0]
-    if q_lens is None:
-        x = x.unflatten(0, (b, lq))
+    return _unpack(x, b, lq, ql, q_lens).type(out_dtype)
+
+
+def _fa4_module():
+    import flash_attn.cute as fa4  # optional GPU dependency (flash-attn-4), imported lazily
+
+    return fa4
+
+
+@torch.library.custom_op("wan_s2v::fa4", mutates_args=())
+def fa4_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+           cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+           softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int) -> torch.Tensor:
+    """One FlashAttention-4 forward. Dense ([B, L, N, C]) without ``cu_seqlens_q``, else packed
+    ([total, N, C], varlen). A window side < 0 is unbounded (FA4 spells it None). Returns the
+    output alone (FA4 returns ``(out, lse)``)."""
+    fa4 = _fa4_module()
+    kw = dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal,
+              window_size=(window_left if window_left >= 0 else None, window_right if window_right >= 0 else None))
+    if cu_seqlens_q is None:
+        out = fa4.flash_attn_func(**kw)
     else:
-        full = x.new_zeros((b, lq) + tuple(x.shape[1:]))
-        full[torch.arange(lq, device=x.device)[None, :] < ql[:, None]] = x
-        x = full
-    return x.type(out_dtype)
+        out = fa4.flash_attn_varlen_func(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **kw)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out.contiguous()
 
 
-for _name, _fn in (("sdpa", sdpa_attention), ("fa2", fa2_attention), ("fa3", fa3_attention)):
+@fa4_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+      window_right):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def fa4_attention(q, k, v, q_lens=None, k_lens=None, dropout_p=0., softmax_scale=None,
+                  q_scale=None, causal=False, window_size=(-1, -1), deterministic=False,
+                  dtype=torch.bfloat16, version=None):
+    """FlashAttention-4 (``flash_attn.cute``; SM90/SM100). Upstream's contract, as ``fa3_attention``
+    keeps it: q/k/v in half precision (fp32 inputs cast to ``dtype``, as upstream casts for its
+    kernels), the output in q's dtype; ``q_lens``/``k_lens`` ragged -> packed varlen, padded output
+    rows zero; none (or all full) -> the dense kernel, no packing copy. FA4 has no dropout:
+    dropout_p > 0 raises. ``deterministic`` concerns the backward only (inference: unused)."""
+    assert dtype in (torch.float16, torch.bfloat16)
+    if dropout_p:
+        raise ValueError("FA4 has no dropout; use --attention fa2 or sdpa")
+    b, lq, lk, out_dtype = q.size(0), q.size(1), k.size(1), q.dtype
+    left, right = (int(w) for w in window_size)
+    ragged = _lens(q_lens, lq, b, q.device) is not None or _lens(k_lens, lk, b, q.device) is not None
+    qh, kh, vh, ql, kl = _half_inputs(q, k, v, dtype, q_scale, q_lens, k_lens, pack=ragged)
+    if not ragged:
+        return fa4_op(qh, kh, vh, None, None, lq, lk, softmax_scale, causal, left, right).type(out_dtype)
+    x = fa4_op(qh, kh, vh, _cu_seqlens(ql), _cu_seqlens(kl), lq, lk, softmax_scale, causal, left, right)
+    return _unpack(x, b, lq, ql, q_lens).type(out_dtype)
+
+
+for _name, _fn in (("sdpa", sdpa_attention), ("fa2", fa2_attention), ("fa3", fa3_attention),
+                   ("fa4", fa4_attention)):
     setattr(_fn, _MARK, _name)
-IMPLEMENTATIONS = {"fa3": fa3_attention, "fa2": fa2_attention, "sdpa": sdpa_attention}
+IMPLEMENTATIONS = {"fa4": fa4_attention, "fa3": fa3_attention, "fa2": fa2_attention, "sdpa": sdpa_attention}
 
 
 def _make_attention(impl: Callable, backend: str) -> Callable:

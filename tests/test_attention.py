@@ -241,9 +241,9 @@ def test_live_choice_is_choose_backend_on_the_live_measurement():
     cc = (torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
     for device in ("cpu", "cuda"):
         avail = measure_availability(device)
-        assert set(avail) == {"fa3", "fa2"}
+        assert set(avail) == {"fa3", "fa4", "fa2"}
         assert all({"installed", "usable", "reason", "import_error"} <= set(r) for r in avail.values())
-        for req in ("auto", "sdpa", "fa2", "fa3"):
+        for req in ("auto", "sdpa", "fa2", "fa3", "fa4"):
             try:
                 want = choose_backend(req, device, avail, cc, torch_version=torch.__version__,
                                       cuda_version=torch.version.cuda)
@@ -384,3 +384,103 @@ def test_fast_paths_mask_shapes(monkeypatch):
     sdpa_attention(q, k, v, k_lens=torch.tensor([9, 4]))
     sdpa_attention(q, k, v, k_lens=torch.tensor([9, 4]), causal=True)
     assert seen == [None, None, None, (2, 1, 1, 9), (2, 1, 7, 9)]
+
+
+# ---------------------------------------------------------------- FlashAttention-4 (flash_attn.cute)
+FA4_STANDIN = Path(__file__).parent / "data" / "fa4_standin"
+
+
+@pytest.fixture
+def fa4(monkeypatch):
+    """The tests' stand-in for flash-attn-4 on the path (``flash_attn.cute`` under a namespace
+    ``flash_attn``, as the real wheel installs it); its call log cleared."""
+    import wan_s2v_runner.shared.attention_backends as ab
+
+    monkeypatch.syspath_prepend(str(FA4_STANDIN))
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    ab._measure.cache_clear()
+    import flash_attn.cute as mod
+
+    mod.CALLS.clear()
+    yield mod
+    for name in ("flash_attn", "flash_attn.cute"):
+        sys.modules.pop(name, None)
+    ab._measure.cache_clear()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fa4_attention_keeps_upstreams_contract(case, fa4):
+    """fa4_attention through the custom op: the same values as the float64 reference on the
+    bf16-rounded inputs (its kernels take half precision, as upstream casts for FA), padded rows
+    zero, the output in q's dtype; dense inputs use flash_attn_func, ragged ones the varlen entry
+    point; FA4 is called with keyword arguments only (the stand-in refuses positional ones)."""
+    spec = CASES[case]
+    q, k, v = rand(**spec.get("shape", {}))
+    kw = spec.get("kw", {})
+    out = pa.fa4_attention(q, k, v, **kw)
+    ref = ref_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **kw)
+    assert out.dtype == torch.float32 and out.shape == ref.shape and not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+    lens = {n: kw.get(n) for n in ("q_lens", "k_lens")}
+    ragged = any(t is not None and bool((torch.as_tensor(t).clamp(max=L) != L).any())
+                 for t, L in ((lens["q_lens"], q.shape[1]), (lens["k_lens"], k.shape[1])))
+    assert [c[0] for c in fa4.CALLS] == ["flash_attn_varlen_func" if ragged else "flash_attn_func"]
+
+
+def test_fa4_is_one_opaque_op_under_compile(fa4):
+    """A compiled caller sees FA4 as one custom op (wan_s2v::fa4): no graph break, same values."""
+    from torch._dynamo.utils import counters
+
+    q, k, v = rand(Lq=9, Lk=9)
+    counters.clear()
+
+    def f(q, k, v):
+        return pa.fa4_attention(q * 1.0, k, v).sum(-1)
+
+    got = torch.compile(f, fullgraph=True, dynamic=False, backend="eager")(q, k, v)
+    torch.testing.assert_close(got, f(q, k, v))
+    assert int(sum(counters["graph_break"].values())) == 0
+
+
+def test_fa4_refuses_dropout(fa4):
+    q, k, v = rand()
+    with pytest.raises(ValueError, match="FA4 has no dropout"):
+        pa.fa4_attention(q, k, v, dropout_p=0.1)
+
+
+def test_fa4_measured_like_the_others(fa4):
+    """Installed but no GPU: measured as present and not usable, with the reason; the namespace
+    ``flash_attn`` it leaves is not taken for FlashAttention-2."""
+    got = measure_availability("cuda")
+    assert got["fa4"]["installed"] and got["fa4"]["usable"] is False
+    assert got["fa4"]["reason"] in ("torch.cuda.is_available() is False", "flash-attn kernels are CUDA-only (no GPU)")
+    assert got["fa2"]["installed"] is None and "only a namespace" in got["fa2"]["reason"]
+    assert measure_availability("cpu", ("fa4",))["fa4"]["reason"] == "flash-attn kernels are CUDA-only (no GPU)"
+
+
+def test_fa4_rule():
+    """Explicit fa4 runs on SM90/SM100 only; auto takes it only where it measured faster than SDPA
+    (FA4_FASTER_ON), after FA3."""
+    from wan_s2v_runner.shared.attention_backends import FA4_FASTER_ON, auto_candidates
+
+    usable = {b: {"installed": "x", "usable": True, "reason": f"{b} runs"} for b in ("fa4",)}
+    assert choose_backend("fa4", "cuda", usable, (9, 0)) == ("fa4", "fa4 runs")
+    assert choose_backend("fa4", "cuda", usable, (10, 0)) == ("fa4", "fa4 runs")
+    with pytest.raises(BackendUnavailable, match=r"needs compute capability 9.0 or 10.0 or 10.3 .*the GPU has 8.9"):
+        choose_backend("fa4", "cuda", usable, (8, 9))
+    with pytest.raises(BackendUnavailable, match=r"needs a CUDA device"):
+        choose_backend("fa4", "cpu", usable, None)
+    with pytest.raises(BackendUnavailable, match=r"flash-attn 4 .* not usable: availability not measured.*"
+                                                 r"pip install flash-attn-4"):
+        choose_backend("fa4", "cuda", {}, (9, 0))
+    for cc in FA4_FASTER_ON:  # where it measured faster: auto takes it (FA3 first, where usable)
+        assert choose_backend("auto", "cuda", usable, cc)[0] == "fa4"
+    slower = [cc for cc in ((9, 0), (10, 0)) if cc not in FA4_FASTER_ON]
+    for cc in slower:  # not measured faster: auto keeps SDPA even with FA4 usable
+        assert "fa4" not in auto_candidates(cc)
+        assert choose_backend("auto", "cuda", usable, cc)[0] == "sdpa"
+    both = {**usable, "fa3": {"installed": "x", "usable": True, "reason": "fa3 runs"}}
+    assert choose_backend("auto", "cuda", both, (9, 0), fa4_faster_on=((9, 0),)) == ("fa3", "fa3 runs")
+    assert choose_backend("auto", "cuda", usable, (9, 0), fa4_faster_on=((9, 0),)) == ("fa4", "fa4 runs")
+    assert choose_backend("auto", "cuda", usable, (10, 0), fa4_faster_on=((9, 0),))[0] == "sdpa"

@@ -63,6 +63,45 @@ def test_our_loop_equals_upstream_generate(engine_cpu, tiny_assets, solver, star
     assert stages.count("pose_encode") == (2 if pose else 0)
 
 
+@pytest.mark.slow
+def test_a_groups_jobs_reuse_their_text_encodings(engine_cpu, tiny_assets):
+    """A rank group keeps the T5 encoding of each text it has seen (rank.encoders.TextContexts): a
+    second job with the same prompt runs T5 not at all, a new prompt only for itself (the default
+    negative prompt is kept), and every job's frames are the ones a fresh group makes."""
+    from wan_s2v_runner.loading import components
+    from wan_s2v_runner.rank.encoders import TextContexts
+    from wan_s2v_runner.rank.generation import Hooks, S2VGenerator
+    from wan_s2v_runner.rank.parallel import RankPlan
+    from wan_s2v_runner.rank.worker import request_for
+
+    wan, cfg, spec = engine_cpu
+    plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
+    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0)
+    t5, encoded = parts.shell.text_encoder, []
+
+    class Counting:  # T5 as the loop calls it, counting the texts it encodes
+        model = t5.model
+
+        def __call__(self, texts, device):
+            encoded.extend(texts)
+            return t5(texts, device)
+
+    parts.shell.text_encoder = Counting()
+    texts, seen = TextContexts(), []
+    hooks = Hooks(stage=lambda s, **k: seen.append(k["texts_encoded"]) if str(s) == "text_encode" else None)
+
+    def job(prompt, memo):
+        return S2VGenerator(parts, plan, hooks, memo).generate(request_for(spec.model_copy(update={"prompt": prompt})))
+
+    first = job("a person talking", texts)
+    again = job("a person talking", texts)
+    other = job("a person singing", texts)
+    assert seen == [2, 0, 1] and len(encoded) == 3 and encoded[2] == "a person singing"
+    assert texts.hits == 3 and texts.misses == 3
+    assert torch.equal(first, again)
+    assert torch.equal(other, job("a person singing", TextContexts()))  # a fresh group's memo
+
+
 def _recording(stages):
     from wan_s2v_runner.rank.generation import Hooks
     return Hooks(stage=lambda s, **k: stages.append(str(s)))

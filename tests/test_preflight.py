@@ -769,3 +769,38 @@ def test_compile_on_this_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     r = result(ctx_for(live(), device="cpu", compile=True), "engine", "engine.compile")
     assert_finding(r, Status.OK, "C++ compiler", str(tmp_path / "inductor"))
+
+
+def test_the_plan_puts_wav2vec2_on_the_gpu_where_memory_allows():
+    """memory.gpu says where the encoding rank's wav2vec2 runs: on the GPU when what the plan
+    leaves free at the encode (the GPU's free memory less the encode phase and the runtime) holds
+    its weights and activations with the margin, else upstream's CPU; the rank applies the same
+    rule (shared.encoder_placement) to its own free memory then."""
+    from wan_s2v_runner.preflight.checks_memory import audio_encoder_plan
+    from wan_s2v_runner.preflight.memory import GPU_RUNTIME, workload
+    from wan_s2v_runner.shared import encoder_placement as ep
+
+    ctx = ctx_for(facts("h100_1x"), dit_quant="fp8")
+    r = result(ctx, "memory", "memory.gpu")
+    assert r.status is Status.OK and r.data["audio_encoder"] == "cuda"
+    assert "wav2vec2 on the GPU for the audio encode" in r.finding
+    p = plan_all(ctx)["ulysses"]
+    need = ep.encode_bytes(model_sizes(ctx).wav2vec_params, workload(ctx).audio_seconds)
+    held = p.gpu_phases["encode"] + GPU_RUNTIME
+    assert audio_encoder_plan(ctx, p, held + need + ep.MARGIN)[0] is ep.AudioEncoderDevice.GPU
+    where, why = audio_encoder_plan(ctx, p, held + need + ep.MARGIN - 1)
+    assert where is ep.AudioEncoderDevice.CPU and why.startswith("on the CPU, as upstream: its encode needs")
+    assert ctx_for(facts("cpu_only"), device="cpu") and ep.choose("cpu", 10**12, 1)[0] is ep.AudioEncoderDevice.CPU
+
+
+def test_wav2vec2_encode_bytes():
+    """The estimate grows with the speech: weights, 25 hidden states x3, one layer's scores."""
+    from wan_s2v_runner.shared import encoder_placement as ep
+
+    w = 317_000_000
+    five, minute = ep.encode_bytes(w, 5.0), ep.encode_bytes(w, 60.0)
+    assert w * 4 < five < w * 4 + 2**28 < minute
+    frames = 60 * ep.FRAMES_PER_S + 1
+    assert minute == w * 4 + 3 * 25 * frames * 1024 * 4 + 16 * frames * frames * 4
+    # a ten-minute speech's scores alone pass 50 GiB: on a 48 GB card it stays on the CPU
+    assert ep.choose("cuda", 48 * 2**30, ep.encode_bytes(w, 600.0))[0] is ep.AudioEncoderDevice.CPU

@@ -1,15 +1,23 @@
 """Groups ``gpus`` and ``attention``: GPU count vs ranks, kernels for the GPU's architecture,
 bf16 support, busy GPUs, how ``--dit-quant fp8``'s Linears multiply (``--fp8-matmul``: the run's
 own rule, ``shared.quant.choose_fp8_matmul``, on the lowest compute capability in use);
-flash-attn 2/3 health (ABI mismatch with the missing symbol, FA3's return type), the compute
-capability a requested backend needs, and what ``--attention auto`` picks
-(the same order as ``patches.attention.resolve_backend``: fa3 > fa2 > sdpa).
+flash-attn 2/3/4 health (ABI mismatch with the missing symbol, FA3's return type, FA4's kernel
+compiled for this GPU), the compute capability a requested backend needs, and what
+``--attention auto`` picks (the same rule as ``patches.attention.resolve_backend``: fa3 > fa4
+where it measured faster > fa2 > sdpa).
 """
 from __future__ import annotations
 
 import re
 
-from wan_s2v_runner.shared.attention_backends import FA2_MIN_CC, FA3_CC, BackendUnavailable, choose_backend
+from wan_s2v_runner.shared.attention_backends import (
+    FA2_MIN_CC,
+    FA3_CC,
+    FA4_CC,
+    FA4_FASTER_ON,
+    BackendUnavailable,
+    choose_backend,
+)
 from wan_s2v_runner.shared.layout import DitQuant
 from wan_s2v_runner.shared.quant import Fp8Matmul, Fp8MatmulUnavailable, choose_fp8_matmul, scaled_mm_hint
 
@@ -196,6 +204,28 @@ def check_fa3(ctx):
               "for a bare Tensor), patches.attention handles both", returns=ret)
 
 
+def check_fa4(ctx):
+    a = ctx.facts.attention.get("fa4") or {}
+    wanted = ctx.spec.attention == "fa4"
+    if not ctx.on_cuda:
+        return skip("attention.fa4", "--device cpu")
+    faster = ", ".join(f"cc {c[0]}.{c[1]}" for c in FA4_FASTER_ON) or "no GPU yet"
+    if not a.get("installed"):
+        if wanted:
+            return fail("attention.fa4", "--attention fa4 but flash-attn-4 (flash_attn.cute) is not installed",
+                        "pip install flash-attn-4 'nvidia-cutlass-dsl[cu13]' (SM90/SM100), or --attention auto/sdpa")
+        return ok("attention.fa4", f"flash-attn-4 not installed (optional; auto takes it where it measured "
+                  f"faster than SDPA: {faster})")
+    if not a.get("usable"):
+        mk = fail if wanted else warn
+        why = a.get("reason") or a.get("import_error")
+        return mk("attention.fa4", f"flash-attn-4 {a['installed']} present but not usable: {why}",
+                  "pip install flash-attn-4 with the nvidia-cutlass-dsl build for this CUDA (the [cu13] extra "
+                  "for a CUDA 13 torch) on an SM90/SM100 GPU, or --attention auto/sdpa")
+    return ok("attention.fa4", f"flash-attn-4 {a['installed']} compiles and runs on this GPU (auto takes it "
+              f"where it measured faster than SDPA: {faster})")
+
+
 def check_capability(ctx):
     gpus = ctx.local_gpus
     if not ctx.on_cuda or not gpus:
@@ -208,10 +238,14 @@ def check_capability(ctx):
     if ctx.spec.attention == "fa3" and cc != FA3_CC:
         return fail("attention.capability", f"--attention fa3 needs a Hopper GPU (cc 9.0); "
                     f"{lowest['name']} is {_cc_s(lowest)}", "use --attention fa2 (Ampere+) or sdpa", cc=list(cc))
+    if ctx.spec.attention == "fa4" and cc not in FA4_CC:
+        return fail("attention.capability", f"--attention fa4 needs an SM90 or SM100 GPU (cc 9.0, 10.0, 10.3); "
+                    f"{lowest['name']} is {_cc_s(lowest)}", "use --attention auto or sdpa", cc=list(cc))
     if cc < FA2_MIN_CC:
         return ok("attention.capability", f"cc {_cc_s(lowest)} < 8.0: no flash-attn, SDPA will be used",
                   cc=list(cc))
-    return ok("attention.capability", f"cc {_cc_s(lowest)} supports FA2" + (" and FA3" if cc == FA3_CC else ""),
+    also = [n for n, yes in (("FA3", cc == FA3_CC), ("FA4", cc in FA4_CC)) if yes]
+    return ok("attention.capability", f"cc {_cc_s(lowest)} supports FA2" + "".join(f" and {n}" for n in also),
               cc=list(cc))
 
 

@@ -4,10 +4,11 @@ rank group on the node (``serve --replicas``: the groups load at once, each with
 """
 from __future__ import annotations
 
+from wan_s2v_runner.shared import encoder_placement
 from wan_s2v_runner.shared.layout import DitQuant, LoadStrategy, dit_load_overlap
 
 from .core import fail, gib, human_count, ok, skip, warn
-from .memory import largest_fitting_size, model_sizes, plan_all, workload
+from .memory import GPU_RUNTIME, largest_fitting_size, model_sizes, plan_all, workload
 
 GPU_WARN = 0.9  # estimate above 90% of free memory -> warning (the estimate is approximate)
 HOST_WARN = 0.85
@@ -50,6 +51,16 @@ def _fp8_fits(ctx, free: int) -> str:
     return ""
 
 
+def audio_encoder_plan(ctx, plan, free: int) -> tuple[encoder_placement.AudioEncoderDevice, str]:
+    """Where the encoding rank's wav2vec2 will run (the rank's own rule, on what the plan says is
+    free when it encodes: the GPU's free memory less the plan's encode phase, T5 or the VAE's
+    workspace included, though wav2vec2 runs before them and goes back to the CPU after)."""
+    sizes, wl = model_sizes(ctx), workload(ctx)
+    need = encoder_placement.encode_bytes(sizes.wav2vec_params, wl.audio_seconds)
+    held = plan.gpu_phases.get("encode", 0) + GPU_RUNTIME
+    return encoder_placement.choose("cuda", max(0, free - held), need)
+
+
 def check_gpu(ctx):
     if not ctx.on_cuda:
         return skip("memory.gpu", "--device cpu")
@@ -64,6 +75,7 @@ def check_gpu(ctx):
     detail = (
         f"est. {gib(need)} per rank (peak in {phase}) vs {gib(free)} free on GPU {worst['index']} ({worst['name']})"
     )
+    w2v, w2v_why = audio_encoder_plan(ctx, p, free)
     size = largest_fitting_size(ctx, ctx.mode, int(GPU_WARN * free))
     smaller = f"--size {size}" if size else "a smaller --size"
     if need > free:
@@ -73,9 +85,10 @@ def check_gpu(ctx):
                                   need=need, free=free)
     if need > GPU_WARN * free:
         alt = "" if ctx.mode.value == "hybrid" else "--mode hybrid or "
-        return warn("memory.gpu", f"tight: {detail}", "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; "
-                    f"if it runs out of memory use {alt}{smaller}", need=need, free=free)
-    return ok("memory.gpu", detail, need=need, free=free)
+        return warn("memory.gpu", f"tight: {detail}; wav2vec2 {w2v_why}", "set "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; "
+                    f"if it runs out of memory use {alt}{smaller}", need=need, free=free, audio_encoder=w2v.value)
+    return ok("memory.gpu", f"{detail}; wav2vec2 {w2v_why}", need=need, free=free, audio_encoder=w2v.value)
 
 
 def _fail_or_warn(ctx):

@@ -278,7 +278,7 @@ def _nvml(gpus: list[dict]) -> tuple[dict, Optional[list]]:
 
 
 def _attention(gpus: list[dict], cuda: bool) -> dict:
-    """flash-attn 3/2 availability records (measured like the run measures them) and what
+    """flash-attn 3/4/2 availability records (measured like the run measures them) and what
     ``--attention auto`` picks on the lowest-capability visible GPU."""
     device = "cuda" if cuda else "cpu"
     out: dict[str, Any] = measure_availability(device)

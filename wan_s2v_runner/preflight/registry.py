@@ -54,6 +54,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.COMMUNICATION, checks_comm.check_slurm),
     (G.ATTENTION, checks_gpu.check_fa2),
     (G.ATTENTION, checks_gpu.check_fa3),
+    (G.ATTENTION, checks_gpu.check_fa4),
     (G.ATTENTION, checks_gpu.check_capability),
     (G.ATTENTION, checks_gpu.check_backend),
     (G.ENGINE, checks_engine.check_located),

@@ -29,7 +29,11 @@ What differs is *where* work runs (:class:`~wan_s2v_runner.rank.parallel.RankPla
   motion frames (``drop_first_motion``, the S2V-14B default, without ``--start-from-ref``) and the
   DiT is one whose dropped motion tokens are never read (frame-pack or plain: ``_dropped_motion_unread``);
   its latents' shape is kept with zeros (upstream decodes that clip after the reference latents);
-* the audio encode runs under ``no_grad``.
+* the audio encode runs under ``no_grad``; on CUDA, wav2vec2 runs on the GPU for it where memory
+  allows, back on the CPU after (upstream: always the CPU; :mod:`~wan_s2v_runner.rank.encoders`);
+* a text the group has encoded before (a served group's next job; the default negative prompt) is
+  not encoded again: its stored T5 encoding is used (:class:`~wan_s2v_runner.rank.encoders.TextContexts`),
+  and T5 is not moved to the GPU when neither text is new.
 Progress (stages and steps) is reported from here.
 """
 from __future__ import annotations
@@ -45,6 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from wan_s2v_runner.rank.encoders import TextContexts, audio_encoder_on, placement
 from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.generation")
@@ -142,8 +147,10 @@ class S2VGenerator:
     """Runs the S2V loop on one rank of a plan. ``parts`` is the engine component holder
     (:class:`~wan_s2v_runner.loading.components.Components`), ``plan`` this rank's place."""
 
-    def __init__(self, parts, plan, hooks: Optional[Hooks] = None):
+    def __init__(self, parts, plan, hooks: Optional[Hooks] = None, texts: Optional[TextContexts] = None):
+        """``texts``: the group's memo of T5 encodings (kept across its jobs); None: a fresh one."""
         self.parts, self.plan, self.hooks = parts, plan, hooks or Hooks()
+        self.texts = texts if texts is not None else TextContexts()
         self.s2v = parts.shell  # a WanS2V whose helper methods we call (upstream code)
         self.device = parts.device
         self.param_dtype = parts.param_dtype
@@ -156,7 +163,7 @@ class S2VGenerator:
         # Collective work goes first, in the same order on every rank; none of these encodes draws
         # random numbers, so the order does not change a bit. FSDP-sharded T5: every rank runs it.
         if plan.all_encode_text:
-            h.stage(Stage.TEXT_ENCODE)
+            h.stage(Stage.TEXT_ENCODE, **self._text_news(req))
             context, context_null = self._encode_text(req)
         size = None
         if plan.encodes or plan.layout.vae_parallel:  # reads the image header only
@@ -168,12 +175,13 @@ class S2VGenerator:
             ref_latents, motion_latents, drop_first_motion, last_frames = self._encode_reference(req, size, True)
         texts: dict = {}
         if plan.encodes_text and not plan.encodes:  # the text rank, while rank 0 encodes the speech
-            h.stage(Stage.TEXT_ENCODE)
+            h.stage(Stage.TEXT_ENCODE, **self._text_news(req))
             context, context_null = self._encode_text(req)
             texts = {"context": context, "context_null": context_null}
         if plan.encodes:
-            h.stage(Stage.AUDIO_ENCODE)
-            with torch.no_grad():
+            where, why = placement(s2v.audio_encoder, self.device, req.audio_path)
+            h.stage(Stage.AUDIO_ENCODE, wav2vec2=where.value, wav2vec2_why=why)
+            with torch.no_grad(), audio_encoder_on(s2v.audio_encoder, where, self.device):
                 audio_emb, nr = s2v.encode_audio(req.audio_path, infer_frames=req.infer_frames)
             if not split_vae:
                 h.stage(Stage.REF_ENCODE)
@@ -182,7 +190,7 @@ class S2VGenerator:
             mine.update(audio_emb=audio_emb, meta=torch.tensor([size[0], size[1], nr, int(drop_first_motion)],
                                                                dtype=torch.int64))
             if plan.encodes_text:  # one rank: it encodes everything
-                h.stage(Stage.TEXT_ENCODE)
+                h.stage(Stage.TEXT_ENCODE, **self._text_news(req))
                 context, context_null = self._encode_text(req)
         if plan.layout.world_size > 1:
             if not plan.encodes:
@@ -267,21 +275,32 @@ class S2VGenerator:
         (``enable_motioner``) computes from them and multiplies by 0.0, so it keeps the encode."""
         return self.parts.dit_attr("enable_motioner", True) is False
 
+    def _texts(self, req: Request) -> tuple[str, str]:
+        return req.prompt, req.n_prompt or self.s2v.sample_neg_prompt
+
+    def _text_news(self, req: Request) -> dict:
+        """The text-encode stage's data: how many of the two texts T5 encodes (0: both reused)."""
+        return {"texts_encoded": sum(t not in self.texts for t in dict.fromkeys(self._texts(req)))}
+
     def _encode_text(self, req: Request):
+        """Upstream's prompt and negative-prompt encodes (speech2video L522-532), each text taken
+        from the group's memo when it was encoded before; T5 moves to the GPU only for a new one."""
         s2v = self.s2v
-        n_prompt = req.n_prompt or s2v.sample_neg_prompt
+        prompt, n_prompt = self._texts(req)
         with torch.no_grad():
             if not s2v.t5_cpu:
-                s2v.text_encoder.model.to(self.device)
-                context = s2v.text_encoder([req.prompt], self.device)
-                context_null = s2v.text_encoder([n_prompt], self.device)
-                if req.offload_model:
+                new = [t for t in (prompt, n_prompt) if t not in self.texts]
+                if new:
+                    s2v.text_encoder.model.to(self.device)
+                context = self.texts.get(prompt, lambda t: s2v.text_encoder([t], self.device))
+                context_null = self.texts.get(n_prompt, lambda t: s2v.text_encoder([t], self.device))
+                if new and req.offload_model:
                     s2v.text_encoder.model.cpu()
             else:
-                context = s2v.text_encoder([req.prompt], torch.device('cpu'))
-                context_null = s2v.text_encoder([n_prompt], torch.device('cpu'))
-                context = [t.to(self.device) for t in context]
-                context_null = [t.to(self.device) for t in context_null]
+                def on_cpu(t):
+                    return [c.to(self.device) for c in s2v.text_encoder([t], torch.device('cpu'))]
+                context = self.texts.get(prompt, on_cpu)
+                context_null = self.texts.get(n_prompt, on_cpu)
         return context, context_null
 
     def initial_state(self, enc: Encoded) -> ClipState:

@@ -205,11 +205,15 @@ class RankGroup:
     """This rank's part of a rank group: the engine parts it loaded once, and the jobs it makes
     with them, one after another (``wan-s2v run``: one job; ``wan-s2v batch``: many). Nothing of
     a job outlives it but the loaded weights: each job gets its own request, generator seeds,
-    clip state, hooks and clip checkpoints."""
+    clip state, hooks and clip checkpoints; and the T5 encodings of the texts the group has seen
+    (a text's encoding is the same for every job: ``rank.encoders.TextContexts``)."""
 
     def __init__(self, spec: GroupSpec, run_dir: Path, events: "RankEvents", rank: int, cfg, plan, parts):
+        from wan_s2v_runner.rank.encoders import TextContexts
+
         self.spec, self.run_dir, self.events, self.rank = spec, run_dir, events, rank  # the group's
         self.cfg, self.plan, self.parts = cfg, plan, parts
+        self.texts = TextContexts()
         self.served = False  # jobs come from the server's inbox (set by jobs())
         self.count: Optional[int] = None  # how many jobs a listed group has (set by jobs())
         self.compiler = None  # --compile: patches.compile_blocks.Compiled (set by run_rank)
@@ -407,8 +411,8 @@ class RankGroup:
         from wan_s2v_runner.shared.atomic import NotCommitted
 
         events, plan = self.events, self.plan
-        video = S2VGenerator(self.parts, plan, hooks).generate(request_for(spec), resuming=bool(spec.resume_from),
-                                                               resume=resume_state)
+        video = S2VGenerator(self.parts, plan, hooks, self.texts).generate(
+            request_for(spec), resuming=bool(spec.resume_from), resume=resume_state)
         if self.rank != 0:
             events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
             return

@@ -226,8 +226,9 @@ class GroupSpec(BaseModel):
         None, ge=1, le=65535, description="rendezvous port")
     device: Annotated[Literal["cuda", "cpu"], Flag(_LA)] = Field(
         "cuda", description="cuda (nccl) or cpu (gloo, fp32)")
-    attention: Annotated[Literal["auto", "fa3", "fa2", "sdpa"], Flag(_LA)] = Field(
-        "auto", description="attention backend; the choice is logged and recorded")
+    attention: Annotated[Literal["auto", "fa4", "fa3", "fa2", "sdpa"], Flag(_LA)] = Field(
+        "auto", description="attention backend (fa4: flash-attn-4's CuTe kernels, SM90/SM100); the choice "
+                            "is logged and recorded")
     compile: Annotated[bool, Flag(_LA, env="WAN_S2V_COMPILE")] = Field(
         False, description="compile each DiT block with torch.compile (inductor; one compiled block serves all, "
                            "once per size, cached under ~/.cache/wan-s2v/inductor; every mode): results within "
@@ -261,7 +262,7 @@ class GroupSpec(BaseModel):
     def _group_rules(self) -> "GroupSpec":
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
-        if self.device == "cpu" and self.attention in ("fa2", "fa3"):
+        if self.device == "cpu" and self.attention in ("fa2", "fa3", "fa4"):
             raise ValueError(f"--attention {self.attention} needs CUDA; use --attention sdpa (or auto) "
                              "with --device cpu")
         limits = [x for x in (self.watchdog_load_s, self.watchdog_step_s) if x > 0]

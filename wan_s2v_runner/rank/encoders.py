@@ -1,0 +1,106 @@
+"""The encoders' work a rank group does for each job, made cheaper across jobs and on the GPU.
+
+* :class:`TextContexts`: the T5 encodings of the prompts a group has seen, kept for the group's
+  life (a server's group makes many jobs with the same negative prompt, often the same prompt).
+  Upstream encodes both for every ``generate`` call, and on one GPU it first moves T5 (11.4 GB) to
+  the GPU and back (8.6 s a job at the real size, docs/gpu.md). A text seen before is given its
+  stored encoding: the same T5 on the same tokens gave it, so a job's contexts are the ones it
+  would have computed (exact). Every rank that encodes text (the text rank; all ranks with an
+  FSDP-sharded T5) keeps the same memo, so they agree on whether T5 runs.
+* :func:`audio_encoder_on`: wav2vec2 on the GPU for the audio encode where memory allows
+  (:mod:`wan_s2v_runner.shared.encoder_placement`'s rule), back on the CPU after.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from wan_s2v_runner.shared import encoder_placement
+from wan_s2v_runner.shared.encoder_placement import AudioEncoderDevice
+
+log = logging.getLogger("wan_s2v.encoders")
+
+#: texts remembered per group: a prompt and the negative prompt of a few jobs (a few MB each)
+KEEP_TEXTS = 8
+
+
+class TextContexts:
+    """T5 encodings by text, newest last, at most :data:`KEEP_TEXTS` (for one rank group's life)."""
+
+    def __init__(self, keep: int = KEEP_TEXTS):
+        self.keep = keep
+        self._held: OrderedDict[str, list] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __contains__(self, text: str) -> bool:
+        return text in self._held
+
+    def get(self, text: str, encode: Callable[[str], list]) -> list:
+        """The stored encoding of ``text``, or ``encode(text)`` stored."""
+        if text in self._held:
+            self.hits += 1
+            self._held.move_to_end(text)
+            return self._held[text]
+        self.misses += 1
+        value = encode(text)
+        self._held[text] = value
+        while len(self._held) > self.keep:
+            self._held.popitem(last=False)
+        return value
+
+
+def audio_seconds(path: str) -> Optional[float]:
+    """The speech's length in seconds from its header (None when it cannot be read)."""
+    try:
+        import soundfile
+        return float(soundfile.info(path).duration)
+    except Exception:  # noqa: BLE001 - a format soundfile does not read: librosa's reader
+        try:
+            import librosa
+            return float(librosa.get_duration(path=path))
+        except Exception:  # noqa: BLE001 - unknown: the rule keeps the CPU
+            return None
+
+
+def _free_bytes(device: torch.device) -> int:
+    """What an allocation on ``device`` can get now: the driver's free memory plus the caching
+    allocator's reserve that holds no tensor."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def _params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def placement(encoder, device: torch.device, audio_path: str) -> tuple[AudioEncoderDevice, str]:
+    """(where, why) wav2vec2 runs this audio encode, by the shared rule on this moment's memory."""
+    if device.type != "cuda":
+        return encoder_placement.choose(device.type, None, 0)
+    seconds = audio_seconds(audio_path)
+    if seconds is None:
+        return AudioEncoderDevice.CPU, "on the CPU, as upstream (the speech's length could not be read)"
+    cfg = encoder.model.config
+    need = encoder_placement.encode_bytes(_params(encoder.model), seconds, cfg.hidden_size,
+                                          cfg.num_attention_heads, cfg.num_hidden_layers)
+    return encoder_placement.choose("cuda", _free_bytes(device), need)
+
+
+@contextlib.contextmanager
+def audio_encoder_on(encoder, where: AudioEncoderDevice, device: torch.device) -> Iterator[None]:
+    """Run the body with wav2vec2 where ``where`` says: on the GPU it is moved there (fp32, cuDNN's
+    TF32 off, as the CPU computes) and back to the CPU after, whatever the body raised."""
+    if where is not AudioEncoderDevice.GPU:
+        yield
+        return
+    encoder.model.to(device)
+    try:
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=False, allow_tf32=False):
+            yield
+    finally:
+        encoder.model.to("cpu")

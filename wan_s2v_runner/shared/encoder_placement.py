@@ -1,0 +1,59 @@
+"""Where wav2vec2 encodes a job's speech: the one rule the memory plan and the encoding rank share.
+
+Upstream (``WanS2V.__init__``: ``AudioEncoder(device='cpu')``) runs wav2vec2 on the CPU in fp32 on
+every rank. At the real size that is the slowest input stage of a short job (15.0 s for 5 s of
+speech on an H200's host, ``docs/gpu.md``), while the GPU does it in a fraction of a second. So on
+CUDA the encoding rank moves wav2vec2 to its GPU for the audio encode, and back to the CPU right
+after (before T5 or the DiT need the room), **where memory allows**: the GPU's free memory at that
+moment (the caching allocator's unused reserve counted) must hold wav2vec2's fp32 weights and the
+encode's activations for this speech's length, with :data:`MARGIN` to spare. Otherwise it stays
+upstream's: the CPU. The features are the same computation in fp32 (cuDNN's TF32 is turned off
+for it); the bound against the CPU's is measured on a GPU and stated in docs/gpu.md.
+
+:func:`encode_bytes` is the estimate, :func:`choose` the rule. The plan (``preflight``) applies it
+to the GPU's free memory less what the rank holds when it encodes (the DiT, the VAE, the runtime);
+the rank (``rank.encoders``) to what ``torch.cuda.mem_get_info`` says then. Imports nothing heavy.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Optional
+
+GiB = 2**30
+#: what must stay free beside the encode (the allocator's rounding, cuDNN's workspace)
+MARGIN = 1 * GiB
+#: wav2vec2 emits 50 feature frames a second of 16 kHz speech
+FRAMES_PER_S = 50
+#: wav2vec2-large-xlsr-53's shape (the checkpoint's config.json says; these when it cannot be read)
+HIDDEN, HEADS, LAYERS = 1024, 16, 24
+
+
+class AudioEncoderDevice(str, Enum):
+    """Where wav2vec2 runs for a job's audio encode."""
+
+    CPU = "cpu"  # upstream's placement
+    GPU = "cuda"  # the encoding rank's GPU, for the encode only
+
+
+def encode_bytes(params: int, seconds: float, hidden: int = HIDDEN, heads: int = HEADS,
+                 layers: int = LAYERS) -> int:
+    """GPU bytes wav2vec2's encode of ``seconds`` of speech needs: its fp32 weights, every layer's
+    hidden states (all are kept: the DiT reads 25 of them) three times over (the states, their
+    concatenation, the interpolation to the video's rate), and one layer's attention scores in
+    full (the eager form's; SDPA's kernels need less)."""
+    frames = int(max(0.0, seconds) * FRAMES_PER_S) + 1
+    return int(params * 4 + 3 * (layers + 1) * frames * hidden * 4 + heads * frames * frames * 4)
+
+
+def choose(device_type: str, free: Optional[int], need: int) -> tuple[AudioEncoderDevice, str]:
+    """(where, why) for one audio encode: the GPU when ``device_type`` is cuda and ``free`` bytes
+    hold ``need`` with :data:`MARGIN` to spare; else upstream's CPU."""
+    if device_type != "cuda":
+        return AudioEncoderDevice.CPU, "on the CPU, as upstream (the run is on the CPU)"
+    if free is None:
+        return AudioEncoderDevice.CPU, "on the CPU, as upstream (the GPU's free memory is unknown)"
+    if need + MARGIN <= free:
+        return AudioEncoderDevice.GPU, (f"on the GPU for the audio encode ({need / GiB:.1f} GiB of "
+                                        f"{free / GiB:.1f} GiB free), back on the CPU after")
+    return AudioEncoderDevice.CPU, (f"on the CPU, as upstream: its encode needs {need / GiB:.1f} GiB "
+                                    f"(+{MARGIN / GiB:.0f} GiB margin), the GPU has {free / GiB:.1f} GiB free")
