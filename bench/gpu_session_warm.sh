@@ -80,4 +80,4 @@ timeout -k 10 $(( $(left) - 10 )) python3 bench/gpu_serve.py --ckpt "$CKPT" --ou
   --load-timeout 240 --job-timeout 240 -- --device cuda --nproc 1 --compile --dit-quant fp8 --no-offload-model \
   --skip-preflight 2>&1 | tail -12
 cp /tmp/gs/serve.log "$OUT/" 2>/dev/null
-pkill -f wan_s2v_runner; echo "total $(( $(date +%s) - T0 )) s"
+pkill -f "wan_s2v_runner serve"; echo "total $(( $(date +%s) - T0 )) s"

@@ -72,6 +72,7 @@ from wan_s2v_runner.shared.attention_backends import (  # noqa: F401  (loading/e
     cuda_capability,
     guard_flash_attn_imports,
     measure_availability,
+    runs_here,
 )
 
 log = logging.getLogger(__name__)
@@ -97,14 +98,19 @@ def resolve_backend(requested: str = "auto", device_type: str = "cuda") -> tuple
     auto: CUDA -> fa3 if usable, else fa4 where it measured faster (``FA4_FASTER_ON``), else fa2
     if usable, else sdpa; any other device -> sdpa. fa4/fa3/fa2 explicitly: BackendUnavailable (a
     RuntimeError: cause + fix) if not usable. sdpa: always allowed, and flash-attn is then not
-    even imported; only the backends the request can pick are measured (FA4's measurement
-    compiles its kernel)."""
+    even imported; the backends the request can pick are measured in order until one runs
+    (FA4's measurement compiles its kernel: not paid where FA3 wins)."""
     req = (requested or "auto").lower()
     flash = device_type == "cuda" and req != "sdpa"
     cc = cuda_capability() if flash else None
-    wanted = (auto_candidates(cc) if req == "auto" else (req,)) if req in REQUESTS else ()
-    return choose_backend(requested, device_type, measure_availability(device_type, wanted) if flash else {},
-                          cc, torch_version=torch.__version__, cuda_version=torch.version.cuda)
+    avail: dict = {}
+    if flash and req in REQUESTS:
+        for cand in (auto_candidates(cc) if req == "auto" else (req,)):  # in order; the first that runs wins
+            avail.update(measure_availability(device_type, (cand,)))
+            if runs_here(cand, avail[cand], cc)[0]:
+                break
+    return choose_backend(requested, device_type, avail, cc, torch_version=torch.__version__,
+                          cuda_version=torch.version.cuda)
 
 
 # --------------------------------------------------------------------------- SDPA backend

@@ -8,8 +8,9 @@ this process's environment here, in test code:
   generated; ``#JOB`` only in that 1-based job of the rank group, or, when JOB is a word, only in
   jobs whose prompt contains it (served jobs have random ids, and a restarted group counts from 1
   again). ACTION: ``raise`` (RuntimeError), ``exit`` (os._exit 3), ``hang`` (sleep forever, still
-  heart-beating), ``enospc`` (OSError ENOSPC: the disk full at that point's write). Checked at
-  every stage change of the given rank.
+  heart-beating), ``enospc`` (OSError ENOSPC: the disk full at that point's write), ``wait`` (hold
+  there, still heart-beating, until the file ``WAN_S2V_TEST_RELEASE`` names exists: a test keeps a
+  job in hand until the moment it needs it to run). Checked at every stage change of the given rank.
 * ``WAN_S2V_TEST_CKPT_FOR_RANK=RANK:DIR``: that rank reads another checkpoint directory (a node
   whose files differ).
 * ``WAN_S2V_TEST_PERTURB_WEIGHTS_RANK=RANK``: that rank's weights change a little just before
@@ -30,6 +31,7 @@ from wan_s2v_runner.shared.stages import Stage
 FAULT_ENV = "WAN_S2V_TEST_FAULT"
 CKPT_ENV = "WAN_S2V_TEST_CKPT_FOR_RANK"
 PERTURB_ENV = "WAN_S2V_TEST_PERTURB_WEIGHTS_RANK"
+RELEASE_ENV = "WAN_S2V_TEST_RELEASE"
 #: the spec's environment layer for ``--rank-worker``
 RANK_WORKER_ENV = "WAN_S2V_RANK_WORKER"
 MODULE = "tests.fault_worker"
@@ -53,7 +55,7 @@ def parse(value: Optional[str]) -> Optional[tuple[int, Stage, str, Optional[int]
     rank, stage, action = value.split(":")
     stage, _, job = stage.partition("#")
     stage, _, clip = stage.partition("@")
-    if action not in ("raise", "exit", "hang", "enospc"):
+    if action not in ("raise", "exit", "hang", "enospc", "wait"):
         raise ValueError(f"{FAULT_ENV}: unknown action {action!r}")
     found = Stage.lookup(stage)
     if found is None:
@@ -83,6 +85,11 @@ def maybe_fire(rank: int, stage: Stage, faults: list, clip: Optional[int] = None
             os._exit(3)
         if action == "enospc":
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected on rank {rank} in stage {stage})")
+        if action == "wait":
+            release = os.environ[RELEASE_ENV]
+            while not os.path.exists(release):
+                time.sleep(0.05)
+            continue
         while True:  # hang
             time.sleep(3600)
 

@@ -392,20 +392,25 @@ FA4_STANDIN = Path(__file__).parent / "data" / "fa4_standin"
 
 @pytest.fixture
 def fa4(monkeypatch):
-    """The tests' stand-in for flash-attn-4 on the path (``flash_attn.cute`` under a namespace
-    ``flash_attn``, as the real wheel installs it); its call log cleared."""
+    """The tests' stand-in for flash-attn-4 as ``flash_attn.cute`` under a namespace ``flash_attn``
+    (as the real wheel installs it; set in sys.modules, so a flash-attn 2 installed on the machine
+    does not shadow it); its call log cleared."""
+    import importlib
+    import types
+
     import wan_s2v_runner.shared.attention_backends as ab
 
-    monkeypatch.syspath_prepend(str(FA4_STANDIN))
-    for name in ("flash_attn", "flash_attn.cute"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    ns = types.ModuleType("flash_attn")
+    ns.__path__ = [str(FA4_STANDIN / "flash_attn")]  # a namespace package: no __file__
+    ns.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
+    ns.__spec__.submodule_search_locations = ns.__path__
+    monkeypatch.setitem(sys.modules, "flash_attn", ns)
+    monkeypatch.delitem(sys.modules, "flash_attn.cute", raising=False)
     ab._measure.cache_clear()
-    import flash_attn.cute as mod
-
+    mod = importlib.import_module("flash_attn.cute")
     mod.CALLS.clear()
     yield mod
-    for name in ("flash_attn", "flash_attn.cute"):
-        sys.modules.pop(name, None)
+    sys.modules.pop("flash_attn.cute", None)
     ab._measure.cache_clear()
 
 
@@ -429,18 +434,27 @@ def test_fa4_attention_keeps_upstreams_contract(case, fa4):
 
 
 def test_fa4_is_one_opaque_op_under_compile(fa4):
-    """A compiled caller sees FA4 as one custom op (wan_s2v::fa4): no graph break, same values."""
+    """A compiled caller sees FA4 as one custom op (wan_s2v::fa4): in the graph, none of the
+    kernel's own work traced into it, no graph break, the same values."""
     from torch._dynamo.utils import counters
 
     q, k, v = rand(Lq=9, Lk=9)
     counters.clear()
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
 
     def f(q, k, v):
         return pa.fa4_attention(q * 1.0, k, v).sum(-1)
 
-    got = torch.compile(f, fullgraph=True, dynamic=False, backend="eager")(q, k, v)
+    got = torch.compile(f, fullgraph=True, dynamic=False, backend=record)(q, k, v)
     torch.testing.assert_close(got, f(q, k, v))
-    assert int(sum(counters["graph_break"].values())) == 0
+    assert int(sum(counters["graph_break"].values())) == 0 and len(graphs) == 1
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.wan_s2v.fa4.default in targets or torch.ops.wan_s2v.fa4 in targets, targets
+    assert not any("einsum" in str(t) or "logsumexp" in str(t) for t in targets)  # the stand-in's own work
 
 
 def test_fa4_refuses_dropout(fa4):
@@ -484,3 +498,17 @@ def test_fa4_rule():
     assert choose_backend("auto", "cuda", both, (9, 0), fa4_faster_on=((9, 0),)) == ("fa3", "fa3 runs")
     assert choose_backend("auto", "cuda", usable, (9, 0), fa4_faster_on=((9, 0),)) == ("fa4", "fa4 runs")
     assert choose_backend("auto", "cuda", usable, (10, 0), fa4_faster_on=((9, 0),))[0] == "sdpa"
+
+
+def test_a_broken_flash_attn_2_blocks_fa4_and_says_so(fa4, monkeypatch):
+    """flash-attn 2 and 4 share one ``flash_attn`` package: when the guard parked a broken FA2,
+    FA4 is reported blocked by it (with the cause), not "not installed"."""
+    import wan_s2v_runner.shared.attention_backends as ab
+
+    monkeypatch.setattr(ab, "_IMPORT_FAILURES", {"flash_attn": (
+        "ImportError: x.so: undefined symbol: _Zfoo", "ABI mismatch: its CUDA extension was built for another "
+        "torch (undefined symbol _Zfoo)")})
+    ab._measure.cache_clear()
+    got = measure_availability("cuda", ("fa4",))["fa4"]
+    assert got["usable"] is False and got["reason"].startswith("blocked by the broken flash-attn 2")
+    assert "_Zfoo" in got["reason"] and got["import_error"].startswith("ImportError")

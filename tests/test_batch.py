@@ -32,8 +32,10 @@ def _write_jobs(path, lines: list[dict]) -> None:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
-#: ulysses at 2 ranks takes jobs in a row in tests/test_serve.py (the same RankGroup loop); here hybrid + CFG
-LAYOUT = ["--nproc", "2", "--mode", "hybrid", "--cfg-parallel"]
+#: ulysses at 2 ranks takes jobs in a row in tests/test_serve.py (the same RankGroup loop); here fsdp-fixed +
+#: CFG: T5 is FSDP-sharded, so every rank encodes the texts together and all must agree, job after job, on
+#: which texts the group's memo holds (rank/encoders.py: the default negative prompt is encoded once)
+LAYOUT = ["--nproc", "2", "--mode", "fsdp-fixed", "--cfg-parallel"]
 
 
 @pytest.mark.slow
@@ -64,6 +66,11 @@ def test_jobs_in_a_row_equal_one_process(tiny_assets, pose_reference_frames, oth
         assert record["stage_seconds"]["denoise"] > 0
     summary = r.stdout[r.stdout.index("line  id"):]
     assert [row.split()[2] for row in summary.splitlines()[1:]] == ["done", "done", "refused", "done"], summary
+    # T5 ran for each new prompt only, on both ranks alike: the negative prompt was kept from job 1
+    for events in (next((tmp_path / "runs").iterdir()) / "events").glob("rank*.jsonl"):
+        texts = [e["texts_encoded"] for e in map(json.loads, events.read_text().splitlines())
+                 if e.get("kind") == "stage" and e.get("stage") == "text_encode"]
+        assert texts == [2, 1, 1], (events.name, texts)
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from conftest import cli_env, run_cli, wait_for
+from fault_worker import fault_env
 from serving import TINY_DEFAULTS, expected_mp4, rank0_events, shared_server
 
 from wan_s2v_runner.shared import exit_codes, media
@@ -51,12 +52,12 @@ def snapshot(root: Path) -> dict[str, tuple[int, int, str]]:
     return out
 
 
-def _two_servers(tmp_path, tiny_assets, url, *more):
+def _two_servers(tmp_path, tiny_assets, url, *more, env: dict | None = None):
     shared = tmp_path / "shared dir"
     shared.mkdir()
     with ThreadPoolExecutor(2) as pool:
         made = {n: pool.submit(shared_server, tmp_path / f"{n} dir" / "server", tiny_assets.ckpt_dir, url, shared,
-                               LEASE_S, *more) for n in "ab"}
+                               LEASE_S, *more, env=env) for n in "ab"}
         return {n: f.result() for n, f in made.items()}, shared
 
 
@@ -153,14 +154,18 @@ def test_a_server_frozen_past_its_lease_writes_nothing_once_it_lost_the_job(clus
 @pytest.mark.slow(seconds=120)
 def test_a_database_restart_and_outage_lose_nothing_and_make_nothing_twice(cluster, tiny_assets, tmp_path):
     url = cluster.database()
-    servers, shared = _two_servers(tmp_path, tiny_assets, url)
+    # every job holds at its first clip's denoising until the outage begins (a test fault): the
+    # groups have their jobs in hand when the database goes, however fast this machine is
+    release = tmp_path / "outage began"
+    servers, shared = _two_servers(tmp_path, tiny_assets, url,
+                                   env=fault_env("0:denoise@1:wait", WAN_S2V_TEST_RELEASE=str(release)))
     files = _files(tiny_assets)
     keys: dict[str, str] = {}
 
     def submit(i: int, s) -> str:
         """Submit job ``i`` until it is accepted: retried after a 503, its Idempotency-Key the same.
-        60 steps a clip (~6 s of denoising, ~12 s a job on this CPU): a group's second job spans the
-        outage (with 12, both groups could finish before it began)."""
+        60 steps a clip (~6 s of denoising on this CPU), started when the outage begins: the groups
+        denoise while the database is away."""
         key = keys.setdefault(str(i), f"job-{i}-{uuid.uuid4().hex}")
         while True:
             r = s.http.post("/v1/videos", files=files, headers={"Idempotency-Key": key},
@@ -179,6 +184,7 @@ def test_a_database_restart_and_outage_lose_nothing_and_make_nothing_twice(clust
         assert submit(4, servers["b"]) == ids[-1]  # the same request again: the same job, not a second
         cluster.halt()
         t_down = time.time()
+        release.touch()
         try:
             a = servers["a"]
             wait_for(lambda: a.http.get("/health").json()["status"] == "degraded", 10, "the outage seen", a.tail)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -40,18 +40,29 @@ class TextContexts:
     def __contains__(self, text: str) -> bool:
         return text in self._held
 
-    def get(self, text: str, encode: Callable[[str], list]) -> list:
-        """The stored encoding of ``text``, or ``encode(text)`` stored."""
-        if text in self._held:
-            self.hits += 1
-            self._held.move_to_end(text)
-            return self._held[text]
-        self.misses += 1
-        value = encode(text)
-        self._held[text] = value
-        while len(self._held) > self.keep:
-            self._held.popitem(last=False)
-        return value
+    def new(self, texts: Sequence[str]) -> list[str]:
+        """Which of ``texts`` (each once) T5 must encode."""
+        return [t for t in dict.fromkeys(texts) if t not in self._held]
+
+    def get_all(self, texts: Sequence[str], encode: Callable[[str], list]) -> list[list]:
+        """The encodings of ``texts``, in order: the stored ones, and ``encode(text)`` for each new
+        one (stored). The held ones among them are marked used first, so storing a new one never
+        evicts another of the same call: T5 runs exactly for :meth:`new` of them."""
+        for t in texts:
+            if t in self._held:
+                self._held.move_to_end(t)
+        out = []
+        for t in texts:
+            if t in self._held:
+                self.hits += 1
+                self._held.move_to_end(t)
+            else:
+                self.misses += 1
+                self._held[t] = encode(t)
+                while len(self._held) > max(self.keep, len(set(texts))):
+                    self._held.popitem(last=False)
+            out.append(self._held[t])
+        return out
 
 
 def audio_seconds(path: str) -> Optional[float]:
@@ -94,13 +105,31 @@ def placement(encoder, device: torch.device, audio_path: str) -> tuple[AudioEnco
 @contextlib.contextmanager
 def audio_encoder_on(encoder, where: AudioEncoderDevice, device: torch.device) -> Iterator[None]:
     """Run the body with wav2vec2 where ``where`` says: on the GPU it is moved there (fp32, cuDNN's
-    TF32 off, as the CPU computes) and back to the CPU after, whatever the body raised."""
+    TF32 off, as the CPU computes) and back to the CPU after, whatever the body raised (upstream's
+    ``extract_audio_feat`` sends its input to the model's device: a model left half on the GPU
+    would fail every later job of a served group)."""
     if where is not AudioEncoderDevice.GPU:
         yield
         return
-    encoder.model.to(device)
     try:
+        encoder.model.to(device)
         with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=False, allow_tf32=False):
             yield
     finally:
         encoder.model.to("cpu")
+
+
+def encode_audio(s2v, where: AudioEncoderDevice, device: torch.device, audio_path: str, infer_frames: int):
+    """Upstream's ``s2v.encode_audio`` (under ``no_grad``) with wav2vec2 where ``where`` says; when
+    the GPU runs out of memory after all (another process took it since the rule looked), once more
+    on the CPU, as upstream runs it. Returns what ``encode_audio`` returns."""
+    try:
+        with torch.no_grad(), audio_encoder_on(s2v.audio_encoder, where, device):
+            return s2v.encode_audio(audio_path, infer_frames=infer_frames)
+    except torch.OutOfMemoryError:
+        if where is not AudioEncoderDevice.GPU:
+            raise
+        log.warning("wav2vec2 ran out of GPU memory; encoding the speech on the CPU, as upstream")
+        torch.cuda.empty_cache()
+    with torch.no_grad():
+        return s2v.encode_audio(audio_path, infer_frames=infer_frames)

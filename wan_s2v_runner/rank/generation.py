@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from wan_s2v_runner.rank.encoders import TextContexts, audio_encoder_on, placement
+from wan_s2v_runner.rank.encoders import TextContexts, encode_audio, placement
 from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.generation")
@@ -181,8 +181,7 @@ class S2VGenerator:
         if plan.encodes:
             where, why = placement(s2v.audio_encoder, self.device, req.audio_path)
             h.stage(Stage.AUDIO_ENCODE, wav2vec2=where.value, wav2vec2_why=why)
-            with torch.no_grad(), audio_encoder_on(s2v.audio_encoder, where, self.device):
-                audio_emb, nr = s2v.encode_audio(req.audio_path, infer_frames=req.infer_frames)
+            audio_emb, nr = encode_audio(s2v, where, self.device, req.audio_path, req.infer_frames)
             if not split_vae:
                 h.stage(Stage.REF_ENCODE)
                 ref_latents, motion_latents, drop_first_motion, last_frames = self._encode_reference(req, size, False)
@@ -280,27 +279,25 @@ class S2VGenerator:
 
     def _text_news(self, req: Request) -> dict:
         """The text-encode stage's data: how many of the two texts T5 encodes (0: both reused)."""
-        return {"texts_encoded": sum(t not in self.texts for t in dict.fromkeys(self._texts(req)))}
+        return {"texts_encoded": len(self.texts.new(self._texts(req)))}
 
     def _encode_text(self, req: Request):
         """Upstream's prompt and negative-prompt encodes (speech2video L522-532), each text taken
         from the group's memo when it was encoded before; T5 moves to the GPU only for a new one."""
         s2v = self.s2v
-        prompt, n_prompt = self._texts(req)
+        texts = self._texts(req)
         with torch.no_grad():
             if not s2v.t5_cpu:
-                new = [t for t in (prompt, n_prompt) if t not in self.texts]
+                new = self.texts.new(texts)
                 if new:
                     s2v.text_encoder.model.to(self.device)
-                context = self.texts.get(prompt, lambda t: s2v.text_encoder([t], self.device))
-                context_null = self.texts.get(n_prompt, lambda t: s2v.text_encoder([t], self.device))
+                context, context_null = self.texts.get_all(texts, lambda t: s2v.text_encoder([t], self.device))
                 if new and req.offload_model:
                     s2v.text_encoder.model.cpu()
             else:
                 def on_cpu(t):
                     return [c.to(self.device) for c in s2v.text_encoder([t], torch.device('cpu'))]
-                context = self.texts.get(prompt, on_cpu)
-                context_null = self.texts.get(n_prompt, on_cpu)
+                context, context_null = self.texts.get_all(texts, on_cpu)
         return context, context_null
 
     def initial_state(self, enc: Encoded) -> ClipState:

@@ -197,6 +197,12 @@ def _measure(backend: str, device_type: str) -> tuple[tuple[str, Any], ...]:
         info["installed"] = md.version(FA_DISTS[backend])
     except md.PackageNotFoundError:
         pass
+    if backend == "fa4" and FA_MODULES["fa2"] in _IMPORT_FAILURES:  # one flash_attn package for both
+        info["installed"] = info["installed"] or "unknown"
+        info["import_error"] = _IMPORT_FAILURES[FA_MODULES["fa2"]][0]
+        info["reason"] = ("blocked by the broken flash-attn 2 in the same flash_attn package ("
+                          f"{_IMPORT_FAILURES[FA_MODULES['fa2']][1]}): rebuild or uninstall flash-attn")
+        return tuple(info.items())
     if name in _IMPORT_FAILURES:  # parked by the guard: find_spec would now say "absent"
         info["installed"] = info["installed"] or "unknown"
         info["import_error"], info["reason"] = _IMPORT_FAILURES[name]
@@ -262,8 +268,9 @@ def _cc_s(cc: Sequence[int]) -> str:
     return f"{cc[0]}.{cc[1]}"
 
 
-def _runs_here(backend: str, info: Mapping[str, Any],
-               capability: Optional[tuple[int, int]]) -> tuple[bool, str]:
+def runs_here(backend: str, info: Mapping[str, Any],
+              capability: Optional[tuple[int, int]]) -> tuple[bool, str]:
+    """(whether ``backend`` with this availability record runs on a GPU of ``capability``, why)."""
     if not info.get("usable"):
         return False, info.get("reason") or info.get("import_error") or "availability not measured"
     if capability is not None:
@@ -313,7 +320,7 @@ def choose_backend(requested: Optional[str], device_type: str,
     cc = (int(capability[0]), int(capability[1])) if capability is not None else None
     fails = []
     for cand in (auto_candidates(cc, fa4_faster_on) if req == "auto" else (req,)):
-        ok, why = _runs_here(cand, availability.get(cand) or {}, cc)
+        ok, why = runs_here(cand, availability.get(cand) or {}, cc)
         if ok:
             return cand, why
         if req == cand:

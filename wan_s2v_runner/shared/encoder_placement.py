@@ -11,7 +11,8 @@ upstream's: the CPU. The features are the same computation in fp32 (cuDNN's TF32
 for it); the bound against the CPU's is measured on a GPU and stated in docs/gpu.md.
 
 :func:`encode_bytes` is the estimate, :func:`choose` the rule. The plan (``preflight``) applies it
-to the GPU's free memory less what the rank holds when it encodes (the DiT, the VAE, the runtime);
+to the GPU's free memory less its whole encode phase and the runtime (the DiT, the VAE and T5 or
+the VAE's workspace: more than the rank holds when wav2vec2 runs, which is before T5 moves in);
 the rank (``rank.encoders``) to what ``torch.cuda.mem_get_info`` says then. Imports nothing heavy.
 """
 from __future__ import annotations
