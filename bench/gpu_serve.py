@@ -1,7 +1,7 @@
 """A warm server's whole video (issue #60, part 3): ``wan-s2v serve`` on a checkpoint, jobs submitted one
 after another over HTTP, each job's wall against the sum of its stages.
 
-The server is started once (``python -m wan_s2v_runner serve``, loopback, a token), its rank group
+The server is started once (``bench_loop.served``: ``wan-s2v serve`` on loopback, with a token), its rank group
 loads, then ``--jobs`` jobs of the same request are submitted one at a time (the next after the
 last ends), so the second and later ones run on a warm group: weights loaded, blocks compiled, the
 prompt's T5 encoding kept. What it prints (and writes with ``--json``): per job its status, wall
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_loop import served  # noqa: E402
 
 TOKEN = "bench"
 TERMINAL = ("completed", "failed", "cancelled")
@@ -81,53 +82,39 @@ def main(argv=None) -> dict:
     server_dir.mkdir(parents=True, exist_ok=True)
     (server_dir / "server.json").unlink(missing_ok=True)
     log = a.out / "serve.log"
-    cmd = [sys.executable, "-m", "wan_s2v_runner", "serve", "--ckpt-dir", str(a.ckpt), "--server-dir", str(server_dir),
-           "--port", "0", "--token", TOKEN, "--allow-dir", str(inputs), "--size", a.size,
-           "--infer-frames", str(a.infer_frames), *extra]
-    out: dict = {"command": cmd, "request": {}, "jobs": []}
+    flags = ["--ckpt-dir", str(a.ckpt), "--token", TOKEN, "--allow-dir", str(inputs), "--size", a.size,
+             "--infer-frames", str(a.infer_frames), *extra]
+    out: dict = {"flags": flags, "request": {}, "jobs": []}
     t0 = time.time()
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, cwd=a.out, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                    p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
-        try:
-            url = wait_for("server.json", lambda: (server_dir / "server.json").is_file() and json.loads(
-                (server_dir / "server.json").read_text())["url"], 120, proc, log)
-            http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
-            wait_for("the group to load", lambda: http.get("/health").json().get("group") == "idle",
-                     a.load_timeout, proc, log)
-            out["ready_s"] = round(time.time() - t0, 1)
-            print(f"server ready (group loaded) after {out['ready_s']} s", flush=True)
-            request = {"prompt": a.prompt, "image": str(image), "audio": str(speech), "steps": a.steps,
-                       "guide_scale": a.guide_scale, "shift": a.shift, "solver": a.solver, "seed": 42}
-            out["request"] = request
-            for i in range(a.jobs):
-                t_submit = time.time()
-                r = http.post("/v1/videos", json=request)
-                if r.status_code != 200:
-                    raise SystemExit(f"job {i + 1} refused ({r.status_code}): {r.text}")
-                vid = r.json()["id"]
-                v = wait_for(f"job {i + 1}", lambda vid=vid: (x := http.get(f"/v1/videos/{vid}").json())["status"]
-                             in TERMINAL and x, a.job_timeout, proc, log)
-                stages = v.get("stage_seconds") or {}
-                row = {"job": i + 1, "id": vid, "status": v["status"], "error": v.get("error"),
-                       "wall_s": v.get("wall_s"), "client_s": round(time.time() - t_submit, 1),
-                       "stages_sum_s": round(sum(stages.values()), 1), "stage_seconds": stages,
-                       "size": v.get("size"), "seconds": v.get("seconds")}
-                out["jobs"].append(row)
-                print(f"job {row['job']}: {row['status']}, wall {row['wall_s']} s (client {row['client_s']} s), "
-                      f"stages {row['stages_sum_s']} s: " + ", ".join(f"{k} {s:.1f}" for k, s in stages.items()),
-                      flush=True)
-                if a.json:
-                    a.json.write_text(json.dumps(out, indent=2) + "\n")
-            out["server"] = http.get("/v1/server").json()
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+    with served(flags, server_dir, log, cwd=a.out, start_s=120) as (proc, url):
+        http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+        wait_for("the group to load", lambda: http.get("/health").json().get("group") == "idle",
+                 a.load_timeout, proc, log)
+        out["ready_s"] = round(time.time() - t0, 1)
+        print(f"server ready (group loaded) after {out['ready_s']} s", flush=True)
+        request = {"prompt": a.prompt, "image": str(image), "audio": str(speech), "steps": a.steps,
+                   "guide_scale": a.guide_scale, "shift": a.shift, "solver": a.solver, "seed": 42}
+        out["request"] = request
+        for i in range(a.jobs):
+            t_submit = time.time()
+            r = http.post("/v1/videos", json=request)
+            if r.status_code != 200:
+                raise SystemExit(f"job {i + 1} refused ({r.status_code}): {r.text}")
+            vid = r.json()["id"]
+            v = wait_for(f"job {i + 1}", lambda vid=vid: (x := http.get(f"/v1/videos/{vid}").json())["status"]
+                         in TERMINAL and x, a.job_timeout, proc, log)
+            stages = v.get("stage_seconds") or {}
+            row = {"job": i + 1, "id": vid, "status": v["status"], "error": v.get("error"),
+                   "wall_s": v.get("wall_s"), "client_s": round(time.time() - t_submit, 1),
+                   "stages_sum_s": round(sum(stages.values()), 1), "stage_seconds": stages,
+                   "size": v.get("size"), "seconds": v.get("seconds")}
+            out["jobs"].append(row)
+            print(f"job {row['job']}: {row['status']}, wall {row['wall_s']} s (client {row['client_s']} s), "
+                  f"stages {row['stages_sum_s']} s: " + ", ".join(f"{k} {s:.1f}" for k, s in stages.items()),
+                  flush=True)
+            if a.json:
+                a.json.write_text(json.dumps(out, indent=2) + "\n")
+        out["server"] = http.get("/v1/server").json()
     out["total_s"] = round(time.time() - t0, 1)
     if a.json:
         a.json.write_text(json.dumps(out, indent=2) + "\n")

@@ -55,7 +55,6 @@ class TextContexts:
         for t in texts:
             if t in self._held:
                 self.hits += 1
-                self._held.move_to_end(t)
             else:
                 self.misses += 1
                 self._held[t] = encode(t)

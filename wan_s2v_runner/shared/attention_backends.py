@@ -144,38 +144,37 @@ class _NamespaceOnly(ModuleNotFoundError):
     no ``flash_attn/__init__.py``, so the name imports but holds no FlashAttention-2."""
 
 
-def _smoke_fa4(fn: Callable) -> str:
-    """One small FA4 call at S2V's head size (128, bf16) on the current CUDA device: compiles the
-    kernel for this GPU (the CuTe DSL, a few seconds, once per process and configuration) and
-    proves it runs. Keyword arguments only (FA4's interface grows between releases)."""
+def _smoke(backend: str, fn: Callable) -> str:
+    """One tiny call on the current CUDA device: proves the kernel exists for this GPU (FA4's first
+    call also compiles it: the CuTe DSL, a few seconds, once per process and configuration).
+    fa3/fa2: varlen, head size 64, positional q, k, v as upstream calls them; fa4: dense, S2V's
+    head size 128, keyword arguments only (FA4's interface grows between releases). Returns what
+    the function returned: "tuple" (FA4 always: ``(out, lse)``) or "tensor"."""
     import torch
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    x = torch.zeros(1, 128, 1, 128, device=dev, dtype=torch.bfloat16)
-    out = fn(q=x, k=x, v=x, causal=False)
-    out = out[0] if isinstance(out, (tuple, list)) else out  # (out, lse)
-    if tuple(out.shape) != (1, 128, 1, 128):
-        raise RuntimeError(f"unexpected output shape {tuple(out.shape)}")
-    torch.cuda.synchronize(dev)
-    return "tuple"
-
-
-def _smoke(fn: Callable) -> str:
-    """One tiny varlen call on the current CUDA device: proves the kernel exists for this GPU.
-    Returns what the function returned: "tuple" or "tensor"."""
-    import torch
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    x = torch.zeros(4, 1, 64, device=dev, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=dev)
-    out = fn(x, x, x, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2, max_seqlen_k=2)
+    if backend == "fa4":
+        x = torch.zeros(1, 128, 1, 128, device=dev, dtype=torch.bfloat16)
+        out = fn(q=x, k=x, v=x, causal=False)
+    else:
+        x = torch.zeros(4, 1, 64, device=dev, dtype=torch.bfloat16)
+        cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=dev)
+        out = fn(x, x, x, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2, max_seqlen_k=2)
     returns = "tuple" if isinstance(out, (tuple, list)) else "tensor"
     if returns == "tuple":
         out = out[0]
-    if tuple(out.shape) != (4, 1, 64):
+    if tuple(out.shape) != tuple(x.shape):
         raise RuntimeError(f"unexpected output shape {tuple(out.shape)}")
     torch.cuda.synchronize(dev)
     return returns
+
+
+def _parked_package(name: str) -> Optional[str]:
+    """The module the guard parked that ``name`` is or lies in (``flash_attn`` for
+    ``flash_attn.cute``), or None."""
+    parts = name.split(".")
+    return next((m for m in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if m in _IMPORT_FAILURES),
+                None)
 
 
 def _findable(name: str) -> bool:
@@ -197,15 +196,17 @@ def _measure(backend: str, device_type: str) -> tuple[tuple[str, Any], ...]:
         info["installed"] = md.version(FA_DISTS[backend])
     except md.PackageNotFoundError:
         pass
-    if backend == "fa4" and FA_MODULES["fa2"] in _IMPORT_FAILURES:  # one flash_attn package for both
-        info["installed"] = info["installed"] or "unknown"
-        info["import_error"] = _IMPORT_FAILURES[FA_MODULES["fa2"]][0]
-        info["reason"] = ("blocked by the broken flash-attn 2 in the same flash_attn package ("
-                          f"{_IMPORT_FAILURES[FA_MODULES['fa2']][1]}): rebuild or uninstall flash-attn")
-        return tuple(info.items())
-    if name in _IMPORT_FAILURES:  # parked by the guard: find_spec would now say "absent"
+    parked = _parked_package(name)
+    if parked == name:  # parked by the guard: find_spec would now say "absent"
         info["installed"] = info["installed"] or "unknown"
         info["import_error"], info["reason"] = _IMPORT_FAILURES[name]
+        return tuple(info.items())
+    if parked:  # inside a package the guard parked (FA4's flash_attn.cute in a broken FA2's flash_attn)
+        owner = next(b for b, m in FA_MODULES.items() if m == parked)
+        info["installed"] = info["installed"] or "unknown"
+        info["import_error"] = _IMPORT_FAILURES[parked][0]
+        info["reason"] = (f"blocked by the broken {FA_NAMES[owner]} in the same package "
+                          f"({_IMPORT_FAILURES[parked][1]}): rebuild or uninstall {FA_DISTS[owner]}")
         return tuple(info.items())
     if sys.modules.get(name) is None and not _findable(name):
         info["reason"] = "not installed"
@@ -230,7 +231,7 @@ def _measure(backend: str, device_type: str) -> tuple[tuple[str, Any], ...]:
         info["reason"] = "torch.cuda.is_available() is False"
         return tuple(info.items())
     try:
-        returns = _smoke_fa4(fn) if backend == "fa4" else _smoke(fn)
+        returns = _smoke(backend, fn)
     except Exception as e:  # noqa: BLE001 - any failure is the finding
         info["reason"] = f"kernel call failed on this GPU: {describe_import_error(e)}"
         return tuple(info.items())
