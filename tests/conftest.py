@@ -165,26 +165,53 @@ def inductor_cache(tmp_path_factory) -> dict:
     run still compiles (dynamo traces its blocks, the ``compile`` stage is timed); what a later
     run stops paying is the C++ build of the kernels an earlier one built, as a user's second run
     does (the runner's cache is per user and node: wan_s2v_runner/shared/inductor.py)."""
-    base = tmp_path_factory.getbasetemp()
-    d = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "inductor-cache"
+    d = session_root(tmp_path_factory) / "inductor-cache"
     d.mkdir(exist_ok=True)
     return {"TORCHINDUCTOR_CACHE_DIR": str(d)}
 
 
+def session_root(tmp_path_factory) -> Path:
+    """The directory every xdist worker of this test run shares (the base of their temp dirs)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def once_per_run(tmp_path_factory, name: str, make):
+    """``make()``'s result (anything ``torch.save`` keeps), made once per test run however many
+    xdist workers ask: the first makes it under a file lock and saves it, the others wait on the
+    lock and load it (what a session fixture is per worker, shared across workers)."""
+    import fcntl
+
+    root = session_root(tmp_path_factory)
+    path = root / f"once-{name}.pt"
+    with open(root / f"once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            tmp = path.with_suffix(".partial")
+            torch.save(make(), tmp)
+            os.replace(tmp, path)
+    return torch.load(path, weights_only=False)
+
+
 @pytest.fixture(scope="session")
-def reference_frames(tiny_assets):
+def reference_frames(tiny_assets, tmp_path_factory):
     """One process's frames for the shared tiny spec (TINY_FLAGS), computed in this process by the
-    loop a ``--nproc 1`` run's worker runs: what every parallel layout must equal."""
-    with cpu_engine(tiny_assets) as engine:
-        return one_process_frames(engine)
+    loop a ``--nproc 1`` run's worker runs: what every parallel layout must equal (once per test
+    run: :func:`once_per_run`)."""
+    def make():
+        with cpu_engine(tiny_assets) as engine:
+            return one_process_frames(engine)
+    return once_per_run(tmp_path_factory, "reference_frames", make)
 
 
 @pytest.fixture(scope="session")
-def pose_reference_frames(tiny_assets):
+def pose_reference_frames(tiny_assets, tmp_path_factory):
     """One process's frames for the shared tiny spec with the demo's pose video (``--pose-video``;
     15 of the 16 pose frames of 2 clips, the last padded): what the layouts run with it must equal."""
-    with cpu_engine(tiny_assets) as engine:
-        return one_process_frames(engine, pose_video=tiny_assets.pose_video)
+    def make():
+        with cpu_engine(tiny_assets) as engine:
+            return one_process_frames(engine, pose_video=tiny_assets.pose_video)
+    return once_per_run(tmp_path_factory, "pose_reference_frames", make)
 
 
 @dataclass
@@ -244,10 +271,11 @@ def hybrid_run(tiny_assets, tmp_path_factory) -> SharedRun:
     return SharedRun(d, r, output, d / "out.pt", other, CliResult(second.returncode, out, err))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster():
-    """A throwaway PostgreSQL cluster (tests/pg_cluster.py) for a module's tests; skipped, with
-    the reason, only where none can run."""
+    """A throwaway PostgreSQL cluster (tests/pg_cluster.py), one per xdist worker, each test its
+    own database (``cluster.database()``); skipped, with the reason, only where none can run. A
+    test that restarts or stops it (test_fleet's outage) leaves it running again."""
     import pg_cluster
 
     c = pg_cluster.start()
@@ -275,12 +303,12 @@ def inputs(tiny_assets, tmp_path_factory):
 def server(tiny_assets, inputs, tmp_path_factory):
     """One ``wan-s2v serve`` (2 ranks, ulysses, a token, ``inputs`` allowed) for the session: the
     serve, page and client tests take it in turn, the way a server lives."""
-    from serving import NO_SPACE, POISON, SERVER_FLAGS, TOKEN, ServerProcess
+    from serving import HELD, NO_SPACE, POISON, SERVER_FLAGS, TOKEN, ServerProcess
 
     d = tmp_path_factory.mktemp("serve") / "server dir"
     flags = [*SERVER_FLAGS, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--token", TOKEN,
              "--allow-dir", str(inputs["root"]), "--max-queue", "6", "--max-upload-mb", "1"]
-    s = ServerProcess(d, flags, env=fault_env(f"{POISON},{NO_SPACE}"))
+    s = ServerProcess(d, flags, env=fault_env(f"{POISON},{NO_SPACE},{HELD}"))
     yield s
     assert s.stop() == [] and "serve: stopping the rank group" in s.text()  # SIGTERM leaves nothing running
 
@@ -291,21 +319,52 @@ def server(tiny_assets, inputs, tmp_path_factory):
 SHARED_GROUPS = ("server", "hybrid_run")
 
 
+def _module_bound(item) -> bool:
+    """Whether the test uses a fixture made once per module (or class): its module's tests then
+    run on one worker, so that fixture is made once."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return True
+    return any(defs and defs[-1].scope in ("module", "class", "package") for defs in info.name2fixturedefs.values())
+
+
 def _group(item) -> str:
+    """The xdist group of a test: its marker's; a session fixture's of :data:`SHARED_GROUPS`;
+    a slow test that shares no module fixture is a group of its own (the two workers share a
+    file's long tests between them); any other test its module's."""
     marker = item.get_closest_marker("xdist_group")
     if marker is not None:
         return str(marker.args[0])
     shared = next((name for name in SHARED_GROUPS if name in getattr(item, "fixturenames", ())), None)
-    return shared or item.module.__name__
+    if shared:
+        return shared
+    if item.get_closest_marker("slow") is not None and not _module_bound(item):
+        return item.nodeid
+    return item.module.__name__
 
 
 #: what a slow test is taken to cost when it does not say (``@pytest.mark.slow(seconds=N)``)
 SLOW_S = 10
+#: each test's seconds as last measured (``tools/suite_table --write-durations``); a test not in it
+#: is taken at its marker's word
+DURATIONS = Path(__file__).with_name("durations.json")
 
 
-def _seconds(item) -> float:
-    """A test's expected seconds, for ordering the groups: 0 unless slow; a slow test's own
-    ``seconds`` (one that takes far longer than most), else :data:`SLOW_S`."""
+def _recorded() -> dict:
+    try:
+        import json
+
+        return json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _seconds(item, recorded: dict) -> float:
+    """A test's expected seconds, for ordering the groups: as measured last (``recorded``), else 0
+    unless slow; a slow test's own ``seconds`` (one that takes far longer than most), else
+    :data:`SLOW_S`."""
+    if item.nodeid in recorded:
+        return recorded[item.nodeid]
     marker = item.get_closest_marker("slow")
     return 0 if marker is None else marker.kwargs.get("seconds", SLOW_S)
 
@@ -323,7 +382,8 @@ def pytest_collection_modifyitems(config, items):
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(name))
         groups.setdefault(name, []).append(item)
-    weight = {name: sum(_seconds(i) for i in group) for name, group in groups.items()}
+    recorded = _recorded()
+    weight = {name: sum(_seconds(i, recorded) for i in group) for name, group in groups.items()}
     order = sorted(groups, key=lambda name: -weight[name])  # stable: ties keep the collection order
     items[:] = [item for name in order for item in groups[name]]
 

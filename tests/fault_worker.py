@@ -9,8 +9,10 @@ this process's environment here, in test code:
   jobs whose prompt contains it (served jobs have random ids, and a restarted group counts from 1
   again). ACTION: ``raise`` (RuntimeError), ``exit`` (os._exit 3), ``hang`` (sleep forever, still
   heart-beating), ``enospc`` (OSError ENOSPC: the disk full at that point's write), ``wait`` (hold
-  there, still heart-beating, until the file ``WAN_S2V_TEST_RELEASE`` names exists: a test keeps a
-  job in hand until the moment it needs it to run). Checked at every stage change of the given rank.
+  there, still heart-beating, until the file ``WAN_S2V_TEST_RELEASE`` names exists, or, in a
+  served group, until the server cancels a job: a test keeps a job in hand until the moment it
+  needs it to run, or running until it cancels it, however fast the machine; the step after a
+  cancel stops the job as it would have). Checked at every stage change of the given rank.
 * ``WAN_S2V_TEST_CKPT_FOR_RANK=RANK:DIR``: that rank reads another checkpoint directory (a node
   whose files differ).
 * ``WAN_S2V_TEST_PERTURB_WEIGHTS_RANK=RANK``: that rank's weights change a little just before
@@ -44,6 +46,22 @@ def fault_env(fault: str = "", **more: str) -> dict:
 
 class InjectedFault(RuntimeError):
     pass
+
+
+#: this rank's run directory (:func:`rank_main`): where a served group's inbox is
+_run_dir: list = [None]
+
+
+def _released() -> bool:
+    """A ``wait`` ends: ``WAN_S2V_TEST_RELEASE``'s file exists, or the server cancelled a job
+    (a cancel file in the group's inbox)."""
+    from wan_s2v_runner.shared import inbox
+
+    release = os.environ.get(RELEASE_ENV)
+    if release and os.path.exists(release):
+        return True
+    box = inbox.inbox_of(_run_dir[0]) if _run_dir[0] else None
+    return bool(box and box.is_dir() and any(box.glob("cancel-*")))
 
 
 def parse(value: Optional[str]) -> Optional[tuple[int, Stage, str, Optional[int], Optional[int | str]]]:
@@ -86,8 +104,7 @@ def maybe_fire(rank: int, stage: Stage, faults: list, clip: Optional[int] = None
         if action == "enospc":
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected on rank {rank} in stage {stage})")
         if action == "wait":
-            release = os.environ[RELEASE_ENV]
-            while not os.path.exists(release):
+            while not _released():
                 time.sleep(0.05)
             continue
         while True:  # hang
@@ -142,6 +159,9 @@ def _perturb_before_fingerprint() -> None:
 
 
 def rank_main(spec_path: str, body=None) -> int:
+    from pathlib import Path
+
+    _run_dir[0] = Path(spec_path).parent
     _perturb_before_fingerprint()
     return worker.main([spec_path], body=body, events_cls=FaultyEvents, spec_for_rank=spec_for_rank)
 

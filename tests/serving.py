@@ -26,6 +26,9 @@ SERVER_FLAGS = [*TINY_DEFAULTS, "--nproc", "2"]
 POISON = "1:denoise#poison:exit"
 #: a job whose mp4 cannot be written: the disk full at rank 0's mux (test-only fault, on the prompt)
 NO_SPACE = "0:mux#nospace:enospc"
+#: a job held at its second clip until the server cancels it (on the prompt): in progress, with its
+#: first clip's video so far, for as long as the test needs, however fast the machine
+HELD = "0:denoise@2#held:wait"
 
 
 class ServerProcess:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from patches.fp8_linear import E4M3_MAX, Fp8Weight, quantized_name
-from tests.conftest import TINY_FLAGS, asset_flags, cpu_engine, one_process_frames, run_cli
+from tests.conftest import TINY_FLAGS, asset_flags, cpu_engine, once_per_run, one_process_frames, run_cli
 from tests.test_dit_file import COMFY, dir_tensors, fp8_file
 from wan_s2v_runner.loading import ckpt_read
 from wan_s2v_runner.loading.quantize import Fp8Source
@@ -176,15 +176,25 @@ def test_an_fp8_file_is_used_as_it_is(ckpt, tmp_path):
             assert torch.equal(scales[n], file_scale.reshape(1, 1).expand(shape[0], 1)), n
 
 
+@pytest.fixture(scope="session")
+def fp8_one_clip(tiny_assets, tmp_path_factory):
+    """One process's frames for the tiny spec's first clip with the fp8 DiT, once per test run
+    (conftest.once_per_run): what the fp8 layouts, compiled or not, are held to."""
+    def make():
+        with cpu_engine(tiny_assets) as engine:
+            return one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1)
+    return once_per_run(tmp_path_factory, "fp8_one_clip", make)
+
+
 @pytest.mark.slow(seconds=40)
-def test_fp8_frames_are_near_full_precision(tiny_assets):
+def test_fp8_frames_are_near_full_precision(tiny_assets, fp8_one_clip):
     """In this process: the fp8 DiT's frames are within the stated bound of full precision, and
     not equal to them (the fp8 weights are used); the model holds its Linears in fp8."""
     from wan_s2v_runner.loading import components
     from wan_s2v_runner.rank.parallel import RankPlan
     from wan_s2v_runner.shared.layout import Layout, Mode
     with cpu_engine(tiny_assets) as engine:
-        fp8 = one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1)
+        fp8 = fp8_one_clip
         full = one_process_frames(engine, num_clips=1)
         wan, cfg, spec = engine
         parts = components.load(wan, cfg, str(spec.ckpt_dir), RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0),
@@ -198,13 +208,13 @@ def test_fp8_frames_are_near_full_precision(tiny_assets):
 
 
 @pytest.mark.slow(seconds=200)
-def test_every_layout_with_fp8_equals_one_rank(tiny_assets, tmp_path):
+def test_every_layout_with_fp8_equals_one_rank(tiny_assets, fp8_one_clip, tmp_path):
     """Real ranks, fp8 DiT: fsdp-fixed (the fp8 weights are FSDP units of their own, scales
     agreed by all-reduce), ulysses with CFG-parallel (the node's shared copy; rank 0's scales)
     and hybrid (reading in two waves; ``--fp8-matmul scaled-mm``: FSDP gathers the fp8 weights and
     each rank quantizes its own tokens), each at 2 ranks, equal one process with fp8 exactly."""
     with cpu_engine(tiny_assets) as engine:
-        want = one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1)
+        want = fp8_one_clip
         want_mm = one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1, fp8_matmul="scaled-mm")
     for name, flags in (("fsdp", ["--mode", "fsdp-fixed"]), ("ulysses_cfg", ["--mode", "ulysses", "--cfg-parallel"]),
                         ("hybrid", ["--mode", "hybrid", "--load-waves", "2", "--fp8-matmul", "scaled-mm"])):
@@ -350,12 +360,11 @@ def test_a_compiled_fp8_block_is_one_graph_within_the_bound_of_eager(matmul):
 
 
 @pytest.mark.slow(seconds=150)
-def test_compiled_fp8_ranks_are_within_the_bound_of_eager(tiny_assets, inductor_cache, tmp_path):
+def test_compiled_fp8_ranks_are_within_the_bound_of_eager(tiny_assets, inductor_cache, fp8_one_clip, tmp_path):
     """Real ranks: ulysses with CFG-parallel at 2 ranks, --compile --dit-quant fp8, within
     test_compile's frames bound of one process's eager fp8 frames."""
     from tests.test_compile import FRAMES_BOUND
-    with cpu_engine(tiny_assets) as engine:
-        want = one_process_frames(engine, dit_quant=DitQuant.FP8, num_clips=1)
+    want = fp8_one_clip
     d = tmp_path / "run"
     d.mkdir()
     r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--num-clips", "1", "--nproc", "2", "--cfg-parallel",

@@ -2,7 +2,8 @@
 tiny checkpoint): ``wan-s2v submit --preview`` saves it as it goes; while the job runs the video
 object says how many clips are playable and ``GET .../content?variant=partial`` serves it (and
 ``variant=thumbnail`` the first frame) before the job ends; cancelled, the job keeps it and says
-so. Every copy is the file rank 0 announced (its ``preview`` event's sha256)."""
+so. Every copy is the file rank 0 announced (its ``preview`` event's sha256). The job is held at its
+second clip until it is cancelled (the server's ``HELD`` test fault, on its prompt)."""
 from __future__ import annotations
 
 import json
@@ -33,12 +34,12 @@ def test_the_video_so_far_while_it_runs_and_after_a_cancel(server, inputs, tmp_p
     env = {**cli_env(), "WAN_S2V_TOKEN": TOKEN}
     client = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "submit", "--url", server.url, "--preview",
                                "--server-paths", "--image", str(inputs["image"]), "--audio", str(inputs["audio"]),
-                               "--infer-frames", "4", "--num-clips", "3", "--steps", "150", "--seed", "3",
-                               "--prompt", "watched as it is made", "--output", str(dest)],
+                               "--infer-frames", "4", "--num-clips", "3", "--steps", "2", "--seed", "3",
+                               "--prompt", "watched as it is made (held)", "--output", str(dest)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               stdin=subprocess.DEVNULL)
     try:
-        vid = wait_for(lambda: next((v["id"] for v in server.videos() if v["prompt"] == "watched as it is made"),
+        vid = wait_for(lambda: next((v["id"] for v in server.videos() if v["prompt"] == "watched as it is made (held)"),
                                     None), 60, "the submitted job")
         v = wait_for(lambda: (v := server.video(vid))["status"] != "queued" and (v.get("preview_clips") or
                                                                               v["status"] != "in_progress") and v,

@@ -7,10 +7,11 @@ reason, only where it cannot run), a fresh database per test.
   claim whose answer was lost found again, the database's clock, the schema migrated from its
   first version.
 - Two real servers (one real rank each, the tiny checkpoint) on loopback: a 3-clip job's server is
-  killed -9 (with its ranks) after its first clip; the other server takes the job when the lease
-  runs out and finishes it from its clip checkpoint, with the bytes of an uninterrupted run, once;
-  both answer for it; the killed server started again on the same database loses nothing. Then
-  50 submissions from 10 clients spread over both: every accepted one completes exactly once.
+  killed -9 (with its ranks) while the job is held at its second clip (a test fault); the other
+  server takes the job when the lease runs out and finishes it from its clip checkpoint, with the
+  bytes of an uninterrupted run, once; both answer for it; the killed server started again on the
+  same database loses nothing. Then 50 submissions from 10 clients spread over both: every
+  accepted one completes exactly once.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import wait_for
+from fault_worker import fault_env
 from serving import expected_mp4, rank0_events, shared_server
 
 from wan_s2v_runner.launcher.serve.store.protocol import Beat, Held, JobStatus
@@ -100,9 +102,9 @@ def test_the_shared_store_leases_clocks_and_schema(cluster):
         s.close()
 
 
-def _shared_server(name, tmp_path, tiny_assets, url):
+def _shared_server(name, tmp_path, tiny_assets, url, env=None):
     (tmp_path / "shared dir").mkdir(exist_ok=True)  # the fleet's mount: never made by a server
-    return shared_server(tmp_path / name, tiny_assets.ckpt_dir, url, tmp_path / "shared dir", LEASE_S)
+    return shared_server(tmp_path / name, tiny_assets.ckpt_dir, url, tmp_path / "shared dir", LEASE_S, env=env)
 
 
 def _job_done_events(server_dir) -> list[str]:
@@ -116,13 +118,17 @@ def test_two_servers_share_one_queue_and_a_lost_server_loses_nothing(cluster, ti
     url = cluster.database()
     (tmp_path / "a dir").mkdir()
     (tmp_path / "b dir").mkdir()
+    # the job holds at its second clip until the test releases it (a test fault): still running
+    # when its server is killed, however fast this machine; the other server's resumed run goes on
+    release = tmp_path / "server lost"
+    env = fault_env("0:denoise@2:wait", WAN_S2V_TEST_RELEASE=str(release))
     with ThreadPoolExecutor(2) as pool:  # both start at once
-        started = {n: pool.submit(_shared_server, f"{n} dir/server", tmp_path, tiny_assets, url) for n in "ab"}
+        started = {n: pool.submit(_shared_server, f"{n} dir/server", tmp_path, tiny_assets, url, env) for n in "ab"}
         servers = {n: f.result() for n, f in started.items()}
     files = {"image": ("face.png", tiny_assets.image.read_bytes(), "image/png"),
              "audio": ("voice.wav", tiny_assets.audio.read_bytes(), "audio/wav")}
     try:
-        job = {"seed": "8", "infer_frames": "4", "num_clips": "3", "steps": "16"}
+        job = {"seed": "8", "infer_frames": "4", "num_clips": "3", "steps": "2"}
         vid = servers["b"].http.post("/v1/videos", files=files, data=job).json()["id"]
         # its first clip made (its checkpoint written), on whichever server took it
         wait_for(lambda: (v := servers["a"].video(vid))["status"] == "in_progress" and (v["clip"] or 0) >= 2
@@ -134,12 +140,13 @@ def test_two_servers_share_one_queue_and_a_lost_server_loses_nothing(cluster, ti
         for pid in group_processes(group):
             os.kill(pid, signal.SIGKILL)
         t_lost = time.time()
+        release.touch()
         done = kept.wait(vid, "completed", "failed", timeout=180)
         assert done["status"] == "completed", done
         assert done["attempts"] == 2 and done["resumed_at_clip"] >= 2, done
         assert time.time() - t_lost < 120
         want = expected_mp4(engine_cpu, tiny_assets.audio, tmp_path / "want.mp4", seed=8, infer_frames=4,
-                            num_clips=3, steps=16)
+                            num_clips=3, steps=2)
         got = kept.http.get(f"/v1/videos/{vid}/content")
         (tmp_path / "got.mp4").write_bytes(got.content)
         assert media.sha256_file(tmp_path / "got.mp4") == want  # the uninterrupted run's bytes

@@ -290,7 +290,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    from wan_s2v_runner.shared.prompt_exit import exit_now
+
+    exit_now(main())
 
 
 if __name__ == "__main__":

@@ -149,4 +149,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from wan_s2v_runner.shared.prompt_exit import exit_now
+
+    exit_now(main())

@@ -1,0 +1,61 @@
+"""What each test costs: wall seconds, CPU seconds (this process and the children it waited for)
+and the launches of the CLI it made, one JSON line per test phase in ``--profile-out`` (each
+pytest-xdist worker appends to the same file). Opt in with ``-p tests.suite_profile``;
+``tools/suite_table`` turns the file into docs/testing.md's per-file table.
+
+A launch is one ``python -m wan_s2v_runner run|batch|serve|demo`` process a test started (each
+starts one rank group; a server's restarts and replicas are not counted apart). A session
+fixture's cost lands on the first test that uses it (its setup) and, for the processes it
+waits for at the end, on the last (its teardown).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import time
+
+import pytest
+
+VERBS = {"run", "batch", "serve", "demo"}
+_launches = [0]
+_real_init = subprocess.Popen.__init__
+
+
+def _counting_init(self, args, *a, **kw):
+    argv = [str(x) for x in args] if isinstance(args, (list, tuple)) else str(args).split()
+    if "wan_s2v_runner" in argv:
+        i = argv.index("wan_s2v_runner")
+        if i + 1 < len(argv) and argv[i + 1] in VERBS:
+            _launches[0] += 1
+    _real_init(self, args, *a, **kw)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--profile-out", default=None, help="append each test's wall, CPU and launches here")
+
+
+def pytest_configure(config):
+    if config.getoption("--profile-out"):
+        subprocess.Popen.__init__ = _counting_init
+
+
+def _cpu() -> float:
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    out = item.config.getoption("--profile-out")
+    if not out:
+        yield
+        return
+    t0, c0, n0 = time.monotonic(), _cpu(), _launches[0]
+    yield
+    row = {"nodeid": item.nodeid, "file": item.location[0], "wall": round(time.monotonic() - t0, 3),
+           "cpu": round(_cpu() - c0, 3), "launches": _launches[0] - n0,
+           "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
+    with open(out, "a") as f:
+        f.write(json.dumps(row) + "\n")
