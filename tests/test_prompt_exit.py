@@ -29,3 +29,12 @@ def test_exit_now_runs_atexit_flushes_and_keeps_the_code(tmp_path):
         assert p.stdout.startswith("unflushed") and "to stderr" in p.stderr, (mode, p.stdout, p.stderr)
         assert mark.read_text() == "atexit ran", mode
         assert ("thread finished" in p.stdout) == (mode == "thread"), (mode, p.stdout)
+
+
+def test_exit_now_takes_codes_as_sys_exit_does(tmp_path):
+    """None is 0 (a main that returns nothing succeeded); a text is printed and exits 1."""
+    for code, rc in (("None", 0), ("0", 0), ("'stopped'", 1)):
+        p = subprocess.run([sys.executable, "-c", f"from wan_s2v_runner.shared.prompt_exit import exit_now; "
+                            f"exit_now({code})"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert p.returncode == rc, (code, p.stderr)
+    assert "stopped" in p.stderr

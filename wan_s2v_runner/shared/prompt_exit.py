@@ -14,12 +14,14 @@ import atexit
 import os
 import sys
 import threading
+from typing import Optional
 
 
-def exit_now(code: int) -> None:
-    """Exit with ``code`` now: the atexit functions run and the standard streams are flushed, the
-    modules are not torn down. Falls back to ``sys.exit(code)`` while other threads run."""
-    if threading.active_count() > 1:
+def exit_now(code: Optional[int]) -> None:
+    """Exit with ``code`` now (as ``sys.exit`` takes it: None is 0): the atexit functions run and
+    the standard streams are flushed, the modules are not torn down. Falls back to
+    ``sys.exit(code)`` while other threads run, or for a code that is not a number."""
+    if threading.active_count() > 1 or not isinstance(code, (int, type(None))):
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -27,4 +29,4 @@ def exit_now(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):  # closed, or its reader went away
             pass
-    os._exit(code if isinstance(code, int) else 1)
+    os._exit(code or 0)
