@@ -32,8 +32,6 @@ import re
 from types import ModuleType
 from typing import Any, Optional
 
-import torch
-
 #: umt5_xxl(...) sizes upstream, under the names read_t5_dims returns.
 UPSTREAM_T5 = dict(vocab_size=256384, dim=4096, dim_attn=4096, dim_ffn=10240, num_heads=64,
                    num_layers=24, num_buckets=32, shared_pos=False)
@@ -50,7 +48,10 @@ class CheckpointLayoutError(ValueError):
 
 
 def _load_shapes(path) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes of a plain state-dict file, without reading the tensor data."""
+    """Tensor shapes of a plain state-dict file, without reading the tensor data. (torch is imported
+    here, not at the top: the launcher's checks use this module's shape rules without torch.)"""
+    import torch
+
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file not found: {path}")

@@ -176,3 +176,43 @@ def test_the_launcher_starts_without_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_refused_run_starts_no_process_and_imports_no_torch(tmp_path):
+    """On a machine where no CUDA can be present (this CPU-only build), ``wan-s2v run``'s checks
+    come before its agent: a run preflight refuses starts no other process (every Python
+    interpreter started under the test's ``sitecustomize`` logs its command line, and whether it
+    imported torch, as it exits), and the launcher reads the machine and the checkpoint without
+    importing torch."""
+    from wan_s2v_runner.preflight.probe import probes_gpus
+
+    assert not probes_gpus()  # the CPU-only build this suite runs on
+    log, hook = tmp_path / "starts.log", tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import atexit, sys\n"
+        "def _log():\n"
+        "    cmd = open('/proc/self/cmdline', 'rb').read().replace(b'\\0', b' ').decode().strip()\n"
+        f"    with open({str(log)!r}, 'a') as f:\n"
+        "        f.write(f\"{'torch' in sys.modules} {cmd}\\n\")\n"
+        "atexit.register(_log)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": f"{hook}:{ROOT}"}
+    # the hook sees a child's start too (control: one interpreter starting another logs two lines)
+    subprocess.run([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', 'pass'])"],
+                   env=env, check=True, timeout=60)
+    assert len(log.read_text().splitlines()) == 2, log.read_text()
+    log.unlink()
+
+    from wan_s2v_runner.demo.assets import ensure_demo_assets
+    assets = ensure_demo_assets(tmp_path / "assets")
+    r = subprocess.run([sys.executable, "-m", "wan_s2v_runner", "run", "--device", "cpu", "--size", "64*64",
+                        "--ckpt-dir", str(assets.ckpt_dir), "--image", str(tmp_path / "no-such.png"),
+                        "--audio", str(assets.audio), "--prompt", "a person talking", "--nproc", "2",
+                        "--output", str(tmp_path / "out.mp4"), "--runs-root", str(tmp_path / "runs")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 3, r.stdout + r.stderr  # exit_codes.PREFLIGHT
+    assert "--image" in r.stdout + r.stderr
+    starts = log.read_text().splitlines()
+    assert len(starts) == 1 and "wan_s2v_runner run" in starts[0], starts
+    assert starts[0].startswith("False "), starts  # the launcher never imported torch
+    assert not (tmp_path / "runs").exists()  # nothing made, nothing to clean up

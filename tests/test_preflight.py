@@ -12,6 +12,8 @@ import random
 import shutil
 import socket
 import struct
+import subprocess
+import sys
 import wave
 from dataclasses import replace
 from pathlib import Path
@@ -805,3 +807,60 @@ def test_wav2vec2_encode_bytes():
     assert minute == w * 4 + 3 * 25 * frames * 1024 * 4 + 16 * frames * frames * 4
     # a ten-minute speech's scores alone pass 50 GiB: on a 48 GB card it stays on the CPU
     assert ep.choose("cuda", 48 * 2**30, ep.encode_bytes(w, 600.0))[0] is ep.AudioEncoderDevice.CPU
+
+
+def test_a_cpu_build_is_probed_from_its_files_as_importing_it_would():
+    """probe.collect() in a fresh interpreter on this CPU-only build reads torch's build from its
+    files without importing torch; its facts are those of the import path but for the two it
+    cannot know (torch.distributed and gloo: None, which the checks take as not checked)."""
+    from wan_s2v_runner.preflight import probe
+
+    code = ("import json, sys\nfrom wan_s2v_runner.preflight import probe\n"
+            "f = probe.collect()\nprint(json.dumps([f['torch'], 'torch' in sys.modules, f['gpus']]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    files, imported, gpus = json.loads(out.stdout)
+    assert not imported and gpus == []
+    assert files.pop("source") == "files"
+    errors: list = []
+    via_import = probe._torch_facts_imported({"probe_errors": errors})
+    assert via_import.pop("source") == "import" and not errors
+    assert via_import["distributed"] is True and via_import["gloo_available"] is True
+    assert files == {**via_import, "distributed": None, "gloo_available": None}
+    unknown = {**files, "distributed": None, "gloo_available": None}
+    f = MachineFacts({**live().raw, "torch": unknown})
+    assert_finding(result(ctx_for(f, device="cpu", nproc=2), "communication", "comm.backend"), Status.OK, "gloo")
+    f = MachineFacts({**live().raw, "torch": {**unknown, "distributed": True, "gloo_available": False}})
+    assert_finding(result(ctx_for(f, device="cpu", nproc=2), "communication", "comm.backend"), Status.FAIL, "gloo")
+
+
+def test_pth_shapes_are_read_without_torch_as_torch_reads_them(tiny, tmp_path):
+    """read_pth_shapes reads a state dict's record with its own narrow unpickler (no torch): the
+    tiny T5 and VAE, and a file of every storage type a checkpoint holds, give what torch.load
+    gives; what that unpickler does not know (torch's legacy format, a saved Parameter) is read
+    by torch.load as before, with the same result or refusal."""
+    import torch
+
+    from wan_s2v_runner.loading import ckpt_tables
+
+    def by_torch(p):
+        sd = torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+        return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()}
+
+    dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool, torch.complex64)
+    mixed = tmp_path / "mixed.pth"
+    torch.save({f"t{i}": torch.zeros(2, i + 1, 3, dtype=d) for i, d in enumerate(dtypes)} | {"view": torch.ones(6)[2:]},
+               mixed)
+    for p in (tiny["ckpt"] / "models_t5_umt5-xxl-enc-bf16.pth", tiny["ckpt"] / "Wan2.1_VAE.pth", mixed):
+        fast = ckpt_tables._pth_record_shapes(str(p))
+        assert fast is not None and fast == by_torch(p) == ckpt_tables.read_pth_shapes(p), p.name
+    legacy, param = tmp_path / "legacy.pth", tmp_path / "param.pth"
+    torch.save({"w": torch.zeros(3, 2)}, legacy, _use_new_zipfile_serialization=False)
+    torch.save({"w": torch.nn.Parameter(torch.zeros(4, 5))}, param)
+    assert ckpt_tables._pth_record_shapes(str(param)) is None  # torch reads it
+    assert ckpt_tables.read_pth_shapes(param) == {"w": ((4, 5), "float32")}
+    assert ckpt_tables._pth_record_shapes(str(legacy)) is None
+    with pytest.raises(ckpt_tables.CheckpointFileError, match="mmap"):  # torch's finding, as before
+        ckpt_tables.read_pth_shapes(legacy)

@@ -85,11 +85,17 @@ def cmd_run(args, defaults: Optional[dict] = None, extra_env=None) -> int:
 
 
 def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
+    """Preflight, then the run. Where the machine's probe measures GPUs (a child process importing
+    torch, touching CUDA, calling flash-attn: seconds), the run's agent is spawned first and
+    imports torch and the engine meanwhile (:func:`launch.prepare`), and a refusal ends it before
+    any rank; elsewhere the checks take a fraction of a second without torch, so they come first
+    and a refused run starts no process at all."""
     from wan_s2v_runner.launcher import launch
     from wan_s2v_runner.launcher.console import Display
+    from wan_s2v_runner.preflight.probe import probes_gpus
 
-    prepared = launch.prepare(spec, extra_env)  # the ranks' imports overlap the checks
-    settled = prepared.spec  # what the ranks will read: the spec as written, and what the checks change
+    prepared = launch.prepare(spec, extra_env) if not args.skip_preflight and probes_gpus() else None
+    settled = prepared.spec if prepared else spec  # what the ranks will read, with what the checks change
     try:
         if args.skip_preflight:
             from wan_s2v_runner.preflight import groups_for
@@ -99,13 +105,15 @@ def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
             from wan_s2v_runner import preflight
             report = preflight.gate_report(spec, json_mode=args.json)
             if report.refused:
-                prepared.abandon()
+                if prepared:
+                    prepared.abandon()
                 return exit_codes.PREFLIGHT
             waves = report.data_of("memory.host").get("waves")
             if spec.load_waves is None and waves and waves > 1:  # the memory plan's safety net
                 settled = settled.model_copy(update={"load_waves": waves})
     except BaseException:
-        prepared.abandon()
+        if prepared:
+            prepared.abandon()
         raise
     return launch.run(settled, observers=[Display.auto(json_mode=args.json)], extra_env=extra_env,
                       prepared=prepared)

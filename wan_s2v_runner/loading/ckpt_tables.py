@@ -4,17 +4,25 @@
   ``{name: {"dtype", "shape", "data_offsets": [start, end]}, "__metadata__": {...}}``, then the
   data. A complete file is exactly ``8 + N + max(end)`` bytes and every tensor's
   ``end - start == numel * itemsize``; the safetensors library refuses anything else.
-* ``.pth`` (T5, VAE): ``torch.load(mmap=True, weights_only=True)`` maps the zip and unpickles
-  only the small record of tensor metadata (milliseconds for the 11 GB T5 file).
+* ``.pth`` (T5, VAE, wav2vec2's ``.bin``): torch's zip format, whose ``data.pkl`` is the small
+  pickled record of each tensor's storage type, size and stride (the data are other members).
+  :func:`read_pth_shapes` unpickles that record alone with an unpickler that knows only the names
+  a plain state dict uses (:class:`_RecordUnpickler`), so the launcher's checks need not import
+  torch (a second of CPU in every ``wan-s2v run``); anything else it meets (another format, a
+  global it does not know) is read as before, by ``torch.load(mmap=True, weights_only=True)``.
 
 The file names of a Wan2.2-S2V-14B checkpoint directory are in :mod:`wan_s2v_runner.shared.ckpt_layout`.
 """
 from __future__ import annotations
 
+import collections
+import io
 import json
 import math
 import os
+import pickle
 import struct
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -125,11 +133,79 @@ def dit_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
     return out
 
 
+#: torch's storage classes as a state dict's record names them -> the dtype's name
+_STORAGE_DTYPES = {"FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+                   "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+                   "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+                   "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128"}
+
+
+class _Unknown(Exception):
+    """The record holds something :class:`_RecordUnpickler` does not read: torch reads the file."""
+
+
+@dataclass(frozen=True)
+class _Storage:
+    dtype: str
+
+
+@dataclass(frozen=True)
+class _TensorRecord:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _rebuild_tensor_v2(storage, offset, size, stride, *rest):
+    if not isinstance(storage, _Storage):
+        raise _Unknown("a tensor without a storage record")
+    return _TensorRecord(tuple(int(n) for n in size), storage.dtype)
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    """Unpickles a state dict's ``data.pkl`` into :class:`_TensorRecord` values, building nothing
+    but dicts, tuples and these records: the only globals it resolves are the ordered dict and
+    torch's tensor rebuild and storage names (as ``weights_only=True`` allows, a narrower set)."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_tensor_v2
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise _Unknown(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        if isinstance(pid, tuple) and len(pid) >= 2 and pid[0] == "storage" and isinstance(pid[1], str):
+            return _Storage(pid[1])
+        raise _Unknown(f"persistent id {pid!r:.60}")
+
+
+def _pth_record_shapes(path: str) -> Optional[dict[str, tuple[tuple[int, ...], str]]]:
+    """:func:`read_pth_shapes` without torch, or None where torch must read the file."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(pkl) != 1:
+                return None
+            sd = _RecordUnpickler(io.BytesIO(z.read(pkl[0]))).load()
+    except Exception:  # noqa: BLE001 - not this format, or not only plain tensors: torch reads it
+        return None
+    if not isinstance(sd, dict):
+        return None
+    return {k: (v.shape, v.dtype) for k, v in sd.items() if isinstance(v, _TensorRecord)}
+
+
 def read_pth_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype) of a plain state-dict ``.pth``, via mmap (no tensor data read)."""
+    """name -> (shape, dtype) of a plain state-dict ``.pth``: its record read without torch
+    (:func:`_pth_record_shapes`), or via ``torch.load(mmap=True, weights_only=True)`` (no tensor
+    data read either way)."""
+    path = os.fspath(path)
+    fast = _pth_record_shapes(path)
+    if fast is not None:
+        return fast
     import torch
 
-    path = os.fspath(path)
     try:
         sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure is the finding

@@ -33,7 +33,7 @@ def check_backend(ctx):
     t = ctx.facts.torch
     if ctx.layout.world_size == 1:
         return ok("comm.backend", "one rank: no collectives")
-    if not t.get("distributed", True):
+    if t.get("distributed") is False:  # None: a CPU build read from its files, not imported
         return fail("comm.backend", "torch.distributed is not available in this torch build",
                     "install an official torch wheel")
     if ctx.on_cuda:
@@ -41,9 +41,10 @@ def check_backend(ctx):
             return fail("comm.backend", f"{ctx.layout.world_size} CUDA ranks need NCCL; torch "
                         f"{t.get('version')} has none", "install a CUDA torch wheel (it bundles NCCL)")
         return ok("comm.backend", f"nccl {t['nccl']} (torch {t.get('version')})", nccl=t["nccl"])
-    if not t.get("gloo_available", True):
+    if t.get("gloo_available") is False:
         return fail("comm.backend", "gloo is not available in this torch build", "install an official torch wheel")
-    return ok("comm.backend", f"gloo ({ctx.layout.world_size} CPU ranks)")
+    unread = "" if t.get("gloo_available") else "; the ranks check this torch build has it"
+    return ok("comm.backend", f"gloo ({ctx.layout.world_size} CPU ranks{unread})")
 
 
 def _traffic(layout) -> str:

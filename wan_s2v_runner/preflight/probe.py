@@ -288,14 +288,43 @@ def _attention(gpus: list[dict], cuda: bool) -> dict:
     return out
 
 
-def collect() -> dict:
-    """Probe this process's machine. Imports torch; touches CUDA only if it is available."""
-    facts: dict[str, Any] = {
-        "schema": SCHEMA, "live": True, "label": f"this machine ({socket.gethostname()})",
-        "recorded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "hostname": socket.gethostname(), "os": f"{platform.system()} {platform.release()}",
-        "arch": platform.machine(), "python": platform.python_version(), "probe_errors": [],
-    }
+def torch_build() -> Optional[dict]:
+    """torch's build as its installed ``torch/version.py`` states it (``__version__``, ``cuda``,
+    ``hip``, ``xpu``), read without importing torch (that costs a second of CPU and runs torch's
+    native start-up); None when torch is not installed or the file does not read."""
+    try:
+        spec = importlib.util.find_spec("torch")  # finds the package, runs none of it
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "version.py"
+    try:
+        loaded = importlib.util.spec_from_file_location("_wan_s2v_torch_version", path)
+        module = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(module)  # assignments and ``from typing import Optional``
+    except Exception:  # noqa: BLE001 - an unreadable build falls back to importing torch
+        return None
+    return {k: getattr(module, k, None) for k in ("__version__", "cuda", "hip", "xpu")}
+
+
+def _cpu_only(build: Optional[dict]) -> bool:
+    """A build that can use no GPU whatever the machine holds (no CUDA, ROCm or XPU)."""
+    return build is not None and not any(build.get(k) for k in ("cuda", "hip", "xpu"))
+
+
+def _torch_facts_from_build(build: dict) -> dict:
+    """The ``torch`` facts of a CPU-only build without importing it: what importing would report
+    (no GPU, no NCCL, no cuDNN), except whether torch.distributed and gloo were built in, which
+    only the import tells: None ("not checked here"; official wheels have both, and a rank reports
+    a build without them when it starts its process group)."""
+    return {"version": build["__version__"], "cuda": None, "hip": build.get("hip"), "cudnn": None, "nccl": None,
+            "cuda_available": False, "device_count": 0, "arch_list": [], "distributed": None,
+            "nccl_available": False, "gloo_available": None, "source": "files"}
+
+
+def _torch_facts_imported(facts: dict) -> dict:
+    """The ``torch`` facts from torch itself (imported; CUDA touched only if it is available)."""
     import torch
     import torch.distributed as dist
 
@@ -307,16 +336,24 @@ def collect() -> dict:
         "cuda_available": cuda, "device_count": torch.cuda.device_count() if cuda else 0,
         "arch_list": [], "distributed": dist.is_available(),
         "nccl_available": bool(dist.is_available() and dist.is_nccl_available()),
-        "gloo_available": bool(dist.is_available() and dist.is_gloo_available()),
+        "gloo_available": bool(dist.is_available() and dist.is_gloo_available()), "source": "import",
     }
     try:
         t["cudnn"] = torch.backends.cudnn.version() if cuda_build else None
         t["arch_list"] = torch.cuda.get_arch_list() if cuda_build else []
     except Exception as e:  # noqa: BLE001
         facts["probe_errors"].append(f"torch build info: {e}")
-    facts["torch"] = t
+    return t
+
+
+def _gpus(count: int, errors: list[str]) -> tuple[list[dict], dict, Optional[list]]:
+    """(each visible CUDA GPU's record, the driver's record, the NVML link matrix or None)."""
+    if not count:
+        return [], {"nvml": False}, None
+    import torch
+
     gpus: list[dict] = []
-    for i in range(t["device_count"]):
+    for i in range(count):
         p = torch.cuda.get_device_properties(i)
         g = {"index": i, "name": p.name, "capability": [p.major, p.minor],
              "total_mib": int(p.total_memory // MiB), "free_mib": None,
@@ -325,19 +362,36 @@ def collect() -> dict:
         if bus is not None:
             g["pci_bus_id"] = f"{dom or 0:08x}:{bus:02x}:{dev or 0:02x}.0"
         gpus.append(g)
-    drv, links = _nvml(gpus) if gpus else ({"nvml": False}, None)
+    drv, links = _nvml(gpus)
     for g in gpus:
         if g.get("free_mib") is None:
             try:
                 free, total = torch.cuda.mem_get_info(g["index"])
                 g["free_mib"], g["total_mib"], g["free_source"] = int(free // MiB), int(total // MiB), "cuda"
             except Exception as e:  # noqa: BLE001
-                facts["probe_errors"].append(f"free memory of GPU {g['index']}: {e}")
+                errors.append(f"free memory of GPU {g['index']}: {e}")
+    return gpus, drv, links
+
+
+def collect() -> dict:
+    """Probe this process's machine. Imports torch only where its build could use a GPU (a CPU-only
+    build is read from its files: :func:`torch_build`, unless torch is imported already); touches
+    CUDA only if it is available."""
+    facts: dict[str, Any] = {
+        "schema": SCHEMA, "live": True, "label": f"this machine ({socket.gethostname()})",
+        "recorded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(), "os": f"{platform.system()} {platform.release()}",
+        "arch": platform.machine(), "python": platform.python_version(), "probe_errors": [],
+    }
+    build = None if "torch" in sys.modules else torch_build()
+    t = _torch_facts_from_build(build) if _cpu_only(build) else _torch_facts_imported(facts)
+    cuda = t["cuda_available"]
+    facts["torch"] = t
+    gpus, drv, links = _gpus(t["device_count"], facts["probe_errors"])
     facts["driver"] = drv
     facts["gpus"] = gpus
     n = len(gpus)
-    facts["p2p"] = [[i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)]
-                    for i in range(n)] if n else []
+    facts["p2p"] = _peer_access(n)
     facts["links"] = links if links is not None else ([["X" if i == j else "?" for j in range(n)]
                                                        for i in range(n)] if n else [])
     facts["host"] = _host()
@@ -359,12 +413,29 @@ def collect() -> dict:
     return facts
 
 
+def _peer_access(n: int) -> list[list[bool]]:
+    if not n:
+        return []
+    import torch
+
+    return [[i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)] for i in range(n)]
+
+
 def _cuda_may_be_present() -> bool:
     if "torch" in sys.modules:
         t = sys.modules["torch"]
         if not t.version.cuda:
             return False
+    elif _cpu_only(torch_build()):
+        return False
     return any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg"))
+
+
+def probes_gpus() -> bool:
+    """Whether :func:`probe_machine` will measure GPUs here (in a child process: seconds of torch,
+    CUDA and flash-attn calls); False where no CUDA can be present (a CPU-only torch build, or no
+    NVIDIA device), where the probe takes a fraction of a second and imports no torch."""
+    return _cuda_may_be_present()
 
 
 _CACHE: Optional[MachineFacts] = None
