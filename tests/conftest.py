@@ -160,13 +160,20 @@ def run_frames(assets, d: Path, flags: list[str], *extra: str) -> tuple["torch.T
 
 @pytest.fixture(scope="session")
 def inductor_cache(tmp_path_factory) -> dict:
-    """The environment of one inductor cache for the session's compiling runs, shared by both
-    xdist workers: ``{"TORCHINDUCTOR_CACHE_DIR": DIR}`` (no spaces: preflight refuses them). Each
-    run still compiles (dynamo traces its blocks, the ``compile`` stage is timed); what a later
-    run stops paying is the C++ build of the kernels an earlier one built, as a user's second run
-    does (the runner's cache is per user and node: wan_s2v_runner/shared/inductor.py)."""
-    d = session_root(tmp_path_factory) / "inductor-cache"
-    d.mkdir(exist_ok=True)
+    """The environment of one inductor cache for the compiling runs, shared by both xdist workers
+    and kept from one test run to the next: ``{"TORCHINDUCTOR_CACHE_DIR": DIR}``, DIR =
+    ``$XDG_CACHE_HOME`` (``~/.cache``) ``/wan-s2v/tests/inductor`` (apart from the user's own
+    ``--compile`` cache). Each run still compiles (dynamo traces its blocks, the ``compile`` stage is
+    timed); what a later run stops paying is the C++ build of kernels built before, as a user's
+    second run does (the runner's cache is per user and node: wan_s2v_runner/shared/inductor.py).
+    Inductor keys each kernel by its graph, its configuration and torch's version, so a change to
+    the code compiles anew; no test's verdict depends on what the cache holds. A path with spaces
+    (which preflight refuses) falls back to this test run's temporary directory."""
+    from wan_s2v_runner.shared.inductor import cpp_build_refuses
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "wan-s2v" / "tests" / "inductor"
+    d = base if cpp_build_refuses(base) is None else session_root(tmp_path_factory) / "inductor-cache"
+    d.mkdir(parents=True, exist_ok=True)
     return {"TORCHINDUCTOR_CACHE_DIR": str(d)}
 
 
@@ -235,13 +242,14 @@ def hybrid_run(tiny_assets, tmp_path_factory) -> SharedRun:
     """One 2-rank ``hybrid`` run of the shared tiny spec (``--load-waves 2``, the demo's pose video,
     an output name with a space and a quote), spawned once per session for the tests that read it: parity (frames, lean
     loading: tests/test_parity.py) and supervision (run.json, console, rendezvous ports:
-    tests/test_supervision.py). A second 2-rank run (one clip, one step) starts at the same moment;
-    neither names a --master-port, so each rendezvous binds a port the OS picks."""
+    tests/test_supervision.py). A second 2-rank run starts at the same moment (neither names a
+    --master-port, so each rendezvous binds a port the OS picks): the shared tiny spec in
+    ``ulysses`` with ``--preview``, whose videos so far tests/test_preview.py reads."""
     d, other = tmp_path_factory.mktemp("hybrid"), tmp_path_factory.mktemp("hybrid_other")
     common = [*TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "2", "--watchdog-load", "90"]
     env = cli_env()
-    second = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "run", *common, "--num-clips", "1",
-                               "--steps", "1", "--output", str(other / "out" / "video.mp4"),
+    second = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "run", *common, "--preview",
+                               "--output", str(other / "out" / "o.mp4"), "--frames-out", str(other / "f.pt"),
                                "--runs-root", str(other / "runs")], cwd=other, env=env, text=True,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
