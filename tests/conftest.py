@@ -212,6 +212,20 @@ def reference_frames(tiny_assets, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def held_job_mp4(tiny_assets, tmp_path_factory) -> str:
+    """sha256 of the mp4 one process makes for ``serving.HELD_JOB`` (the 3-clip job the shared
+    queue's killed server and the fleet's frozen one hold at clip 2): what the server that
+    finishes it must have made, computed once per test run (:func:`once_per_run`)."""
+    from serving import HELD_JOB, expected_mp4
+
+    def make():
+        d = tmp_path_factory.mktemp("held-job")
+        with cpu_engine(tiny_assets) as engine:
+            return expected_mp4(engine, tiny_assets.audio, d / "want.mp4", **{k: int(v) for k, v in HELD_JOB.items()})
+    return once_per_run(tmp_path_factory, "held_job_mp4", make)
+
+
+@pytest.fixture(scope="session")
 def pose_reference_frames(tiny_assets, tmp_path_factory):
     """One process's frames for the shared tiny spec with the demo's pose video (``--pose-video``;
     15 of the 16 pose frames of 2 clips, the last padded): what the layouts run with it must equal."""

@@ -127,6 +127,10 @@ def rank0_events(server_dir: Path, kind: str) -> list[dict]:
             for e in map(json.loads, log.read_text().splitlines()) if e["kind"] == kind]
 
 
+#: the 3-clip job held at clip 2 by the shared queue's and the fleet's tests (a form's fields)
+HELD_JOB = {"seed": "8", "infer_frames": "4", "num_clips": "3", "steps": "2"}
+
+
 def expected_mp4(engine_cpu, audio: Path, dest: Path, **updates) -> str:
     """sha256 of the mp4 one process makes for the tiny spec with ``updates``."""
     frames = one_process_frames(engine_cpu, **updates)

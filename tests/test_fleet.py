@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_env, run_cli, wait_for
 from fault_worker import fault_env
-from serving import TINY_DEFAULTS, expected_mp4, rank0_events, shared_server
+from serving import HELD_JOB, TINY_DEFAULTS, rank0_events, shared_server
 
 from wan_s2v_runner.shared import exit_codes, media
 
@@ -98,7 +98,7 @@ def freeze(pid: int) -> list[int]:
 
 
 @pytest.mark.slow(seconds=100)
-def test_a_server_frozen_past_its_lease_writes_nothing_once_it_lost_the_job(cluster, tiny_assets, engine_cpu,
+def test_a_server_frozen_past_its_lease_writes_nothing_once_it_lost_the_job(cluster, tiny_assets, held_job_mp4,
                                                                             tmp_path):
     url = cluster.database()
     # the job holds at its second clip until the test releases it (a test fault): in hand when its
@@ -108,7 +108,7 @@ def test_a_server_frozen_past_its_lease_writes_nothing_once_it_lost_the_job(clus
                                    env=fault_env("0:denoise@2:wait", WAN_S2V_TEST_RELEASE=str(release)))
     frozen = []
     try:
-        job = {"seed": "8", "infer_frames": "4", "num_clips": "3", "steps": "2"}
+        job = HELD_JOB
         vid = servers["b"].http.post("/v1/videos", files=_files(tiny_assets), data=job).json()["id"]
         # its first clip made (its checkpoint written), on whichever server took it
         wait_for(lambda: (v := servers["a"].video(vid))["status"] == "in_progress" and (v["clip"] or 0) >= 2
@@ -142,8 +142,7 @@ def test_a_server_frozen_past_its_lease_writes_nothing_once_it_lost_the_job(clus
         assert [e["id"] for e in rank0_events(paused.dir, "job_lost")] == [vid]
         made = [e["id"] for s in servers.values() for e in rank0_events(s.dir, "job_done")]
         assert made == [vid]  # made once
-        want = expected_mp4(engine_cpu, tiny_assets.audio, tmp_path / "want.mp4", seed=8, infer_frames=4, num_clips=3,
-                            steps=2)
+        want = held_job_mp4
         assert media.sha256_file(shared / "videos" / f"{vid}.mp4") == want == done["sha256"]
         assert paused.http.get("/health").json()["restarts"] == 0
     finally:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import wait_for
 from fault_worker import fault_env
-from serving import expected_mp4, rank0_events, shared_server
+from serving import HELD_JOB, rank0_events, shared_server
 
 from wan_s2v_runner.launcher.serve.store.protocol import Beat, Held, JobStatus
 from wan_s2v_runner.shared import media
@@ -112,7 +112,7 @@ def _job_done_events(server_dir) -> list[str]:
 
 
 @pytest.mark.slow(seconds=90)
-def test_two_servers_share_one_queue_and_a_lost_server_loses_nothing(cluster, tiny_assets, engine_cpu, tmp_path):
+def test_two_servers_share_one_queue_and_a_lost_server_loses_nothing(cluster, tiny_assets, held_job_mp4, tmp_path):
     from wan_s2v_runner.launcher.serve.leftovers import group_processes
 
     url = cluster.database()
@@ -128,7 +128,7 @@ def test_two_servers_share_one_queue_and_a_lost_server_loses_nothing(cluster, ti
     files = {"image": ("face.png", tiny_assets.image.read_bytes(), "image/png"),
              "audio": ("voice.wav", tiny_assets.audio.read_bytes(), "audio/wav")}
     try:
-        job = {"seed": "8", "infer_frames": "4", "num_clips": "3", "steps": "2"}
+        job = HELD_JOB
         vid = servers["b"].http.post("/v1/videos", files=files, data=job).json()["id"]
         # its first clip made (its checkpoint written), on whichever server took it
         wait_for(lambda: (v := servers["a"].video(vid))["status"] == "in_progress" and (v["clip"] or 0) >= 2
@@ -145,8 +145,7 @@ def test_two_servers_share_one_queue_and_a_lost_server_loses_nothing(cluster, ti
         assert done["status"] == "completed", done
         assert done["attempts"] == 2 and done["resumed_at_clip"] >= 2, done
         assert time.time() - t_lost < 120
-        want = expected_mp4(engine_cpu, tiny_assets.audio, tmp_path / "want.mp4", seed=8, infer_frames=4,
-                            num_clips=3, steps=2)
+        want = held_job_mp4
         got = kept.http.get(f"/v1/videos/{vid}/content")
         (tmp_path / "got.mp4").write_bytes(got.content)
         assert media.sha256_file(tmp_path / "got.mp4") == want  # the uninterrupted run's bytes
