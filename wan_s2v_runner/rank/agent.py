@@ -18,8 +18,8 @@ spending 3-8 s importing them (each rank of a node did, at once, on the same cor
   each rank runs (default: :mod:`wan_s2v_runner.rank.worker`); the tests point it at their own
   worker modules.
 * ``--wait``: preload, then wait for a line ``go`` on stdin before the rendezvous (end of input:
-  exit without starting a rank). ``wan-s2v run`` starts the agent this way before its preflight,
-  so the imports overlap the checks.
+  exit without starting a rank). ``wan-s2v run`` starts the agent this way before its preflight
+  where the preflight measures GPUs (seconds), so the imports overlap the checks.
 
 A forked rank's command line is this agent's: it names this module and the run's ``spec.json``,
 which is how the launcher finds the run's processes in ``/proc``.
