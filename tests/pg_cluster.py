@@ -9,13 +9,14 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
+
+from ports import named_port
 
 
 def _bin_dir() -> Optional[Path]:
@@ -25,11 +26,6 @@ def _bin_dir() -> Optional[Path]:
     dirs = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda d: int(Path(d).parent.name))
     return Path(dirs[-1]) if dirs and (Path(dirs[-1]) / "pg_ctl").is_file() else None
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -103,7 +99,7 @@ def start() -> Union[Cluster, str]:
     if user is not None:
         for p in (root, data):
             os.chown(p, user.pw_uid, user.pw_gid)
-    cluster = Cluster(bin_dir, data, _free_port(), user)
+    cluster = Cluster(bin_dir, data, named_port(), user)
     init = cluster._run("initdb", "-D", str(data), "-U", "wan", "--auth=trust", "-E", "UTF8", "--no-locale")
     if init.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,9 @@ import time
 import pytest
 import torch
 from conftest import STUB_RANKS, TINY_FLAGS, asset_flags, cli_env, run_cli
+from ports import named_port
 
 from wan_s2v_runner.shared import exit_codes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_node(d, args: list[str], **env_vars: str) -> subprocess.Popen:
@@ -44,7 +38,7 @@ def _start_node(d, args: list[str], **env_vars: str) -> subprocess.Popen:
 def test_two_nodes_on_loopback_equal_one_process(tiny_assets, reference_frames, tmp_path):
     """Configured only by the cluster's variables (the same layout by flags: test_serve's
     two-node server, --nnodes/--node-rank/--master-addr/--master-port)."""
-    port = _free_port()
+    port = named_port()
 
     def start(node: int) -> subprocess.Popen:
         d = tmp_path / f"node{node}"
@@ -74,7 +68,7 @@ def test_two_nodes_on_loopback_equal_one_process(tiny_assets, reference_frames, 
 @pytest.mark.slow
 def test_a_node_that_never_joins_is_named(tiny_assets, tmp_path):
     r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "1", "--nnodes", "2",
-                 "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                 "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(named_port()),
                  "--watchdog-load", "8", "--output", str(tmp_path / "o.mp4"),
                  "--runs-root", str(tmp_path / "runs")], cwd=tmp_path, timeout=120)
     assert r.returncode == exit_codes.HUNG, r.output
@@ -91,7 +85,7 @@ def test_a_node_that_dies_mid_run_is_named(tiny_assets, tmp_path):
     with --watchdog-step 20; its stack analysis is unit-tested in tests/test_verdicts.py.)"""
     from wan_s2v_runner.launcher import proctree
 
-    port = _free_port()
+    port = named_port()
 
     def start(node: int) -> subprocess.Popen:
         d = tmp_path / f"node{node}"

@@ -236,9 +236,9 @@ def test_two_nodes_serve(tiny_assets, inputs, engine_cpu, tmp_path):
     """Node 0 serves (API, queue, rank 0); node 1 runs the same command with --node-rank 1 and
     only computes. Jobs made by the 2-node group equal one process's. (Also the suite's check of
     a layout over nodes set by flags: test_multinode sets it by the cluster's variables.)"""
-    from test_multinode import _free_port
+    from ports import named_port
 
-    port = str(_free_port())
+    port = str(named_port())
     common = [*TINY_DEFAULTS, "--nproc", "1", "--nnodes", "2", "--master-addr", "127.0.0.1",
               "--master-port", port, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--allow-dir", str(inputs["root"])]
     env = cli_env()
