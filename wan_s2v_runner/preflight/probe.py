@@ -12,6 +12,11 @@ are in :mod:`.facts`; this module only collects. flash-attn availability is meas
 :func:`wan_s2v_runner.shared.attention_backends.measure_availability`, the same function the attention
 patch uses at run time.
 
+A CPU-only torch build (no CUDA, ROCm or XPU in its ``torch/version.py``) is read from its files,
+not imported (``torch.source`` says which): the launcher's checks then import no torch and take a
+fraction of a second, which is why ``wan-s2v run`` checks before it spawns a node agent there
+(:func:`probes_gpus`); whether such a build has torch.distributed and gloo is then ``None``.
+
 Where CUDA may be present the probe runs in a child process (``python -m
 wan_s2v_runner.preflight.probe``): measuring free memory and smoke-testing flash-attn create CUDA
 contexts, which must not stay alive in the launcher for the whole run.
