@@ -1,10 +1,10 @@
-"""Where the checks measure GPUs (:func:`wan_s2v_runner.preflight.probe.probes_gpus`: CUDA may be
-present), ``wan-s2v run`` spawns its agent before them, so the agent's imports overlap the probe's
-seconds (``launch.prepare``: an agent waiting for ``go``). This CPU machine takes the other branch
-(the checks first: tests/test_imports.py), so this file takes the GPU machine's with that one rule
-patched, the launcher in the test's process and the agent and its rank real: a refusal ends the
-waiting agent before any rank and leaves nothing; an accepted run's agent, told to go, makes one
-process's frames."""
+"""Where the checks take seconds (:func:`wan_s2v_runner.preflight.probe.probes_quickly` is False:
+GPUs to measure, or a CUDA build to import), ``wan-s2v run`` spawns its agent before them, so the
+agent's imports overlap the probe's seconds (``launch.prepare``: an agent waiting for ``go``).
+This CPU machine takes the other branch (the checks first: tests/test_imports.py), so this file
+takes the GPU machine's with that one rule patched, the launcher in the test's process and the
+agent and its rank real: a refusal ends the waiting agent before any rank and leaves nothing; an
+accepted run's agent, told to go, makes one process's frames."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,7 +37,7 @@ def test_where_the_checks_measure_gpus_the_agent_imports_during_them(tiny_assets
     from wan_s2v_runner.launcher import cli
     from wan_s2v_runner.preflight import probe
 
-    monkeypatch.setattr(probe, "probes_gpus", lambda: True)
+    monkeypatch.setattr(probe, "probes_quickly", lambda: False)
     during = []
     checks = preflight.gate_report
 

@@ -85,16 +85,16 @@ def cmd_run(args, defaults: Optional[dict] = None, extra_env=None) -> int:
 
 
 def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
-    """Preflight, then the run. Where the machine's probe measures GPUs (a child process importing
-    torch, touching CUDA, calling flash-attn: seconds), the run's agent is spawned first and
-    imports torch and the engine meanwhile (:func:`launch.prepare`), and a refusal ends it before
-    any rank; elsewhere the checks take a fraction of a second without torch, so they come first
-    and a refused run starts no process at all."""
+    """Preflight, then the run. Where the machine's probe takes seconds (it measures GPUs, or imports
+    a CUDA/ROCm torch: :func:`~wan_s2v_runner.preflight.probe.probes_quickly`), the run's agent is
+    spawned first and imports torch and the engine meanwhile (:func:`launch.prepare`), and a
+    refusal ends it before any rank; elsewhere the checks take a fraction of a second without
+    torch, so they come first and a refused run starts no process at all."""
     from wan_s2v_runner.launcher import launch
     from wan_s2v_runner.launcher.console import Display
-    from wan_s2v_runner.preflight.probe import probes_gpus
+    from wan_s2v_runner.preflight.probe import probes_quickly
 
-    prepared = launch.prepare(spec, extra_env) if not args.skip_preflight and probes_gpus() else None
+    prepared = launch.prepare(spec, extra_env) if not args.skip_preflight and not probes_quickly() else None
     settled = prepared.spec if prepared else spec  # what the ranks will read, with what the checks change
     try:
         if args.skip_preflight:

@@ -147,6 +147,8 @@ class _Unknown(Exception):
 @dataclass(frozen=True)
 class _Storage:
     dtype: str
+    key: str
+    numel: int
 
 
 @dataclass(frozen=True)
@@ -156,9 +158,15 @@ class _TensorRecord:
 
 
 def _rebuild_tensor_v2(storage, offset, size, stride, *rest):
-    if not isinstance(storage, _Storage):
-        raise _Unknown("a tensor without a storage record")
-    return _TensorRecord(tuple(int(n) for n in size), storage.dtype)
+    """A tensor's record, after the bounds torch.load checks: sizes not negative, the last element
+    inside its storage."""
+    if not isinstance(storage, _Storage) or not all(isinstance(n, int) and n >= 0 for n in (offset, *size)):
+        raise _Unknown("not a plain tensor record")
+    if len(size) != len(stride):
+        raise _Unknown("size and stride differ in length")
+    if all(size) and offset + sum((n - 1) * st for n, st in zip(size, stride)) >= storage.numel:
+        raise _Unknown("a tensor past its storage")
+    return _TensorRecord(tuple(size), storage.dtype)
 
 
 class _RecordUnpickler(pickle.Unpickler):
@@ -166,34 +174,52 @@ class _RecordUnpickler(pickle.Unpickler):
     but dicts, tuples and these records: the only globals it resolves are the ordered dict and
     torch's tensor rebuild and storage names (as ``weights_only=True`` allows, a narrower set)."""
 
+    def __init__(self, file):
+        super().__init__(file)
+        self.storages: dict[str, _Storage] = {}
+
     def find_class(self, module, name):
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_tensor_v2
+            return lambda *args: _rebuild_tensor_v2(*args)  # a fresh callable: BUILD cannot touch ours
         if module == "torch" and name in _STORAGE_DTYPES:
             return _STORAGE_DTYPES[name]
         raise _Unknown(f"{module}.{name}")
 
     def persistent_load(self, pid):
-        if isinstance(pid, tuple) and len(pid) >= 2 and pid[0] == "storage" and isinstance(pid[1], str):
-            return _Storage(pid[1])
+        if (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], str)
+                and isinstance(pid[2], str) and isinstance(pid[4], int)):
+            self.storages[pid[2]] = _Storage(pid[1], pid[2], pid[4])
+            return self.storages[pid[2]]
         raise _Unknown(f"persistent id {pid!r:.60}")
 
 
+#: bytes per element of each dtype a record names
+_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+             "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+
+
 def _pth_record_shapes(path: str) -> Optional[dict[str, tuple[tuple[int, ...], str]]]:
-    """:func:`read_pth_shapes` without torch, or None where torch must read the file."""
+    """:func:`read_pth_shapes` without torch, or None where torch must read the file (another
+    format, a name the unpickler does not know, a storage whose data member is missing or short:
+    torch then reads it, and refuses what it refuses, with its own finding)."""
     try:
         with zipfile.ZipFile(path) as z:
             pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(pkl) != 1:
                 return None
-            sd = _RecordUnpickler(io.BytesIO(z.read(pkl[0]))).load()
+            unpickler = _RecordUnpickler(io.BytesIO(z.read(pkl[0])))
+            sd = unpickler.load()
+            if type(sd) not in (dict, collections.OrderedDict):
+                return None
+            prefix = pkl[0].rsplit("/", 1)[0]
+            for st in unpickler.storages.values():
+                if z.getinfo(f"{prefix}/data/{st.key}").file_size < st.numel * _ITEMSIZE[st.dtype]:
+                    return None
+            return {k: (v.shape, v.dtype) for k, v in dict.items(sd) if type(v) is _TensorRecord}
     except Exception:  # noqa: BLE001 - not this format, or not only plain tensors: torch reads it
         return None
-    if not isinstance(sd, dict):
-        return None
-    return {k: (v.shape, v.dtype) for k, v in sd.items() if isinstance(v, _TensorRecord)}
 
 
 def read_pth_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:

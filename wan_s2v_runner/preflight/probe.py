@@ -15,7 +15,7 @@ patch uses at run time.
 A CPU-only torch build (no CUDA, ROCm or XPU in its ``torch/version.py``) is read from its files,
 not imported (``torch.source`` says which): the launcher's checks then import no torch and take a
 fraction of a second, which is why ``wan-s2v run`` checks before it spawns a node agent there
-(:func:`probes_gpus`); whether such a build has torch.distributed and gloo is then ``None``.
+(:func:`probes_quickly`); whether such a build has torch.distributed and gloo is then ``None``.
 
 Where CUDA may be present the probe runs in a child process (``python -m
 wan_s2v_runner.preflight.probe``): measuring free memory and smoke-testing flash-attn create CUDA
@@ -439,8 +439,16 @@ def _cuda_may_be_present() -> bool:
 def probes_gpus() -> bool:
     """Whether :func:`probe_machine` will measure GPUs here (in a child process: seconds of torch,
     CUDA and flash-attn calls); False where no CUDA can be present (a CPU-only torch build, or no
-    NVIDIA device), where the probe takes a fraction of a second and imports no torch."""
+    NVIDIA device)."""
     return _cuda_may_be_present()
+
+
+def probes_quickly() -> bool:
+    """Whether :func:`probe_machine` takes a fraction of a second here: it measures no GPU and
+    imports no torch (a CPU-only build read from its files, or torch imported already). Elsewhere
+    (a GPU to measure, or a CUDA/ROCm build on a host without one: importing it takes seconds)
+    ``wan-s2v run`` spawns its agent before the checks, so the agent's imports overlap them."""
+    return not probes_gpus() and ("torch" in sys.modules or _cpu_only(torch_build()))
 
 
 _CACHE: Optional[MachineFacts] = None

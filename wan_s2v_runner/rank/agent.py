@@ -19,7 +19,8 @@ spending 3-8 s importing them (each rank of a node did, at once, on the same cor
   worker modules.
 * ``--wait``: preload, then wait for a line ``go`` on stdin before the rendezvous (end of input:
   exit without starting a rank). ``wan-s2v run`` starts the agent this way before its preflight
-  where the preflight measures GPUs (seconds), so the imports overlap the checks.
+  where the preflight takes seconds (GPUs to measure, a CUDA torch to import), so the imports
+  overlap the checks.
 
 A forked rank's command line is this agent's: it names this module and the run's ``spec.json``,
 which is how the launcher finds the run's processes in ``/proc``.
