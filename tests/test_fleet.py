@@ -42,13 +42,17 @@ def _files(assets) -> dict:
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int, str]]:
-    """Every file under ``root``: (size, mtime in ns, sha256)."""
+    """Every file under ``root``: (size, mtime in ns, sha256); a file removed while it is read (a
+    server clearing a job's work directory) is left out."""
     out = {}
     for path in sorted(root.rglob("*")):
-        if path.is_file():
-            st = path.stat()
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            out[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns, digest)
+        try:
+            if path.is_file():
+                st = path.stat()
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                out[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns, digest)
+        except FileNotFoundError:
+            continue
     return out
 
 
@@ -123,8 +127,8 @@ def test_a_server_frozen_past_its_lease_writes_nothing_once_it_lost_the_job(clus
         # the status read above can see first): the directory as it leaves it
         def left_as_finished():
             files = snapshot(shared)
-            return None if any(p.startswith(f"uploads/{vid}") for p in files) else files
-        finished = wait_for(left_as_finished, 30, "the finished job's uploads removed", other.tail)
+            return None if any(p.startswith(f"uploads/{vid}") or ".work" in p for p in files) else files
+        finished = wait_for(left_as_finished, 30, "the finished job's uploads and work removed", other.tail)
         assert f"videos/{vid}.mp4" in finished and not any(".work" in p for p in finished)
         # woken, the ranks first (a VM's processes do not wake in step): they go on with the job for
         # seconds before their server can learn it lost the job
