@@ -169,9 +169,10 @@ def inductor_cache(tmp_path_factory) -> dict:
     Inductor keys each kernel by its graph, its configuration and torch's version, so a change to
     the code compiles anew; no test's verdict depends on what the cache holds. A path with spaces
     (which preflight refuses) falls back to this test run's temporary directory."""
-    from wan_s2v_runner.shared.inductor import cpp_build_refuses
+    from wan_s2v_runner.shared.inductor import cache_dir, cpp_build_refuses
 
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "wan-s2v" / "tests" / "inductor"
+    user_cache = cache_dir({k: v for k, v in os.environ.items() if k == "XDG_CACHE_HOME"})  # .../wan-s2v/inductor
+    base = user_cache.parent / "tests" / "inductor"
     d = base if cpp_build_refuses(base) is None else session_root(tmp_path_factory) / "inductor-cache"
     d.mkdir(parents=True, exist_ok=True)
     return {"TORCHINDUCTOR_CACHE_DIR": str(d)}

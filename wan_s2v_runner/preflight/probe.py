@@ -24,6 +24,7 @@ contexts, which must not stay alive in the launcher for the whole run.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import importlib.metadata as md
 import importlib.util
 import json
@@ -293,10 +294,12 @@ def _attention(gpus: list[dict], cuda: bool) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def torch_build() -> Optional[dict]:
     """torch's build as its installed ``torch/version.py`` states it (``__version__``, ``cuda``,
     ``hip``, ``xpu``), read without importing torch (that costs a second of CPU and runs torch's
-    native start-up); None when torch is not installed or the file does not read."""
+    native start-up); None when torch is not installed or the file does not read. Read once per
+    process (the launch order, the GPU question and the facts all ask)."""
     try:
         spec = importlib.util.find_spec("torch")  # finds the package, runs none of it
     except (ImportError, ValueError):
