@@ -265,6 +265,17 @@ def test_image_whose_size_fit_is_zero(tiny, tmp_path):
     assert_finding(r, Status.FAIL, "image 3x300 at area 4096", "gives 0x128, which crashes in Resize")
 
 
+def test_frames_wider_than_the_dits_rotary_table_are_refused(tiny, tmp_path):
+    """A 30000x120 image at an area that keeps its size: over 20000 px a row, beyond the 1024 patches
+    (16384 px) the DiT's rope_precompute can place (an IndexError in the ranks otherwise)."""
+    from PIL import Image
+    p = tmp_path / "banner.png"
+    Image.new("RGB", (30000, 120), (120, 100, 90)).save(p)
+    r = result(tiny_ctx(tiny, image=p, max_area=30000 * 120), "inputs", "inputs.size")
+    assert_finding(r, Status.FAIL, "rotary position table holds 1024 patches (16384 px) a side",
+                   "at most 16384 px a side")
+
+
 def test_image_that_does_not_decode(tiny, tmp_path):
     p = tmp_path / "face.png"
     p.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 50)

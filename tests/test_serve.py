@@ -33,7 +33,7 @@ from wan_s2v_runner.shared.spec import GroupSpec, read_spec
 
 @pytest.mark.slow
 def test_jobs_in_a_row_equal_one_process(server, inputs, tiny_assets, engine_cpu, tmp_path):
-    """Two jobs: uploads (with a pose video), then paths on the server."""
+    """Three jobs: uploads (with a pose video), then paths on the server, then one with step caching."""
     with open(inputs["image"], "rb") as image, open(inputs["audio"], "rb") as audio, \
             open(tiny_assets.pose_video, "rb") as pose:
         first = server.submit(files={"input_reference": ("me.png", image, "image/png"),
@@ -43,6 +43,8 @@ def test_jobs_in_a_row_equal_one_process(server, inputs, tiny_assets, engine_cpu
     second = server.submit(image=inputs["image"], audio=inputs["audio"], size="128x128", seed=7,
                            prompt="someone else", solver="dpm++")
     assert second.status_code == 200, second.text
+    cached = server.submit(image=inputs["image"], audio=inputs["audio"], seed=42, steps=8, cache="easycache")
+    assert cached.status_code == 200, cached.text
     a, b = first.json(), second.json()
     assert a["status"] == "queued" and a["object"] == "video" and a["id"] != b["id"]
     assert a["id"].startswith("video_") and len(a["id"]) == 30  # random, not a counter
@@ -59,15 +61,20 @@ def test_jobs_in_a_row_equal_one_process(server, inputs, tiny_assets, engine_cpu
     assert all(v["steps"] == 2 and v["clips"] == 2 for v in seen if v["step"])
 
     done_a = server.wait(a["id"], "completed")
+    server.wait(cached.json()["id"], "completed")
     assert set(done_a["stage_seconds"]) >= {"audio_encode", "denoise", "decode", "mux"}
     want = {a["id"]: expected_mp4(engine_cpu, inputs["audio"], tmp_path / "a.mp4", pose_video=tiny_assets.pose_video),
             b["id"]: expected_mp4(engine_cpu, inputs["audio"], tmp_path / "b.mp4", seed=7, max_area=128 * 128,
-                                  prompt="someone else", solver="dpm++")}
+                                  prompt="someone else", solver="dpm++"),
+            cached.json()["id"]: expected_mp4(engine_cpu, inputs["audio"], tmp_path / "c.mp4", steps=8,
+                                              cache="easycache:0.05")}
     for vid, sha in want.items():
         r = server.http.get(f"/v1/videos/{vid}/content")
         assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
         (tmp_path / "got.mp4").write_bytes(r.content)
         assert media.sha256_file(tmp_path / "got.mp4") == sha == server.video(vid)["sha256"]
+    # the cached job reused steps (its decisions are one process's: its mp4 is), and says how many
+    assert server.video(cached.json()["id"])["steps_reused"] > 0 and server.video(a["id"])["steps_reused"] is None
     # the group started from its group spec alone: no placeholder inputs, and its spec.json holds no job
     assert not (server.dir / ".group").exists()
     run_dir = Path(json.loads((server.dir / "group.json").read_text())["run_dir"])

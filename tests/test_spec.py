@@ -58,6 +58,8 @@ def test_seed_minus_one_is_chosen_once_by_the_launcher():
     (["--device", "cpu", "--attention", "fa2"], "--spec", "--attention sdpa"),
     (["--pg-timeout", "100"], "--spec", "must exceed the watchdog limits"),
     (["--steps", "0"], "--steps", "greater than 0"),
+    (["--infer-frames", "4100"], "--infer-frames", "less than or equal to 4096"),  # the DiT's rotary table
+    (["--cache", "easycache:x"], "--cache", "not a number from 0 to 10"),
     (["--steps", "40", "--shift", "50"], "--spec", "upstream's UniPC scheduler fails on that at its last step"),
     (["--load", "full", "--load-waves", "2"], "--spec", "--load-waves reads weights in turns under lean loading"),
 ])

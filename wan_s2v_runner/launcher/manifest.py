@@ -8,7 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from wan_s2v_runner.loading import lora
-from wan_s2v_runner.shared import engine_source, exit_codes
+from wan_s2v_runner.shared import cache_policy, engine_source, exit_codes
 from wan_s2v_runner.shared.events import EventReader, stage_durations
 from wan_s2v_runner.shared.spec import RunSpec
 
@@ -123,6 +123,9 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
         "output": output,
         "loras": lora.describe(spec.lora, spec.ckpt_dir, spec.dit_file) if spec.lora else [],
         "resume": _resume_info(spec) if job else None,
+        # --cache: per clip this run generated, the steps computed and reused (rank 0's; every rank takes the same)
+        "step_cache": (cache_policy.summary(job.cache, r0.step_cache) if job and r0 and job.cache != "off"
+                       else None),
         "engine": engine_info(spec),
         "versions": package_versions(),
         "platform": {"machine": platform.machine(), "system": platform.system(), "argv": sys.argv},

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from .core import fail, ok, skip, warn
-from .geometry import FPS, clips_for_audio, generation_size, output_frames
+from .geometry import FPS, PATCH, ROPE_POSITIONS, VAE_STRIDE, clips_for_audio, generation_size, output_frames
 
 W2V_MIN_SAMPLES = 400  # wav2vec2's conv feature encoder has a 400-sample (25 ms @ 16 kHz) receptive field
 MAX_UPSCALE = 2.0
@@ -100,6 +100,12 @@ def check_size(ctx):
         return fail("inputs.size", f"image {w}x{h} at area {ctx.spec.max_area}: the engine's size fit "
                     f"(get_size_less_than_area) gives {gw}x{gh}, which crashes in Resize",
                     "use a larger --size, or an image with a less extreme aspect ratio",
+                    gen_width=gw, gen_height=gh)
+    side = ROPE_POSITIONS * VAE_STRIDE[1] * PATCH[1]  # px a side the DiT's rotary table can place
+    if max(gw, gh) > side:
+        return fail("inputs.size", f"image {w}x{h} at area {ctx.spec.max_area} gives {gw}x{gh} frames: the DiT's "
+                    f"rotary position table holds {ROPE_POSITIONS} patches ({side} px) a side",
+                    f"use a smaller --size, or an image with a less extreme aspect ratio (at most {side} px a side)",
                     gen_width=gw, gen_height=gh)
     up = min(gw, gh) / max(1, min(w, h))  # Resize(min(H, W)) scales the short side
     if up > MAX_UPSCALE:

@@ -25,6 +25,7 @@ from . import (
     checks_memory,
     checks_parallel,
     checks_python,
+    checks_sampling,
     checks_submodels,
     checks_tts,
 )
@@ -79,6 +80,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.INPUTS, checks_inputs.check_audio),
     (G.INPUTS, checks_tts.check_tts),
     (G.INPUTS, checks_inputs.check_pose_video),
+    (G.INPUTS, checks_sampling.check_passes),
     (G.MEMORY, checks_memory.check_plan),
     (G.MEMORY, checks_memory.check_gpu),
     (G.MEMORY, checks_memory.check_host),

@@ -34,6 +34,9 @@ What differs is *where* work runs (:class:`~wan_s2v_runner.rank.parallel.RankPla
 * a text the group has encoded before (a served group's next job; the default negative prompt) is
   not encoded again: its stored T5 encoding is used (:class:`~wan_s2v_runner.rank.encoders.TextContexts`),
   and T5 is not moved to the GPU when neither text is new.
+With ``--cache`` (not upstream's: :mod:`~wan_s2v_runner.rank.step_cache`) a step predicted to change
+little reuses the last computed step's noise prediction instead of running the DiT; every rank takes
+the same decision (rank 0's measure, broadcast), and ``--cache off`` leaves the loop as it was.
 Progress (stages and steps) is reported from here.
 """
 from __future__ import annotations
@@ -50,6 +53,8 @@ import torch
 import torch.distributed as dist
 
 from wan_s2v_runner.rank.encoders import TextContexts, encode_audio, placement
+from wan_s2v_runner.rank.step_cache import StepCache
+from wan_s2v_runner.shared import cache_policy
 from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.generation")
@@ -74,6 +79,7 @@ class Request:
     offload_model: bool
     init_first_frame: bool
     pose_video: Optional[str] = None
+    cache: str = "off"  # --cache (wan_s2v_runner.shared.cache_policy); not upstream's: ours to skip DiT passes
 
 
 @dataclass
@@ -115,6 +121,8 @@ class Hooks:
     #: decoding rank only: (clip index, its frames on the CPU, number of clips), as soon as the
     #: clip is decoded, before its motion re-encode (the video so far: nothing waits for it)
     frames_done: Optional[Callable[[int, torch.Tensor, int], None]] = None
+    #: every rank, with --cache: a clip's steps computed and reused (:meth:`StepCache.record`), at its end
+    cache_done: Optional[Callable[[dict], None]] = None
 
 
 # --------------------------------------------------------------------------- broadcast helpers
@@ -154,6 +162,8 @@ class S2VGenerator:
         self.s2v = parts.shell  # a WanS2V whose helper methods we call (upstream code)
         self.device = parts.device
         self.param_dtype = parts.param_dtype
+        #: with --cache: per clip generated, the steps computed and reused (:meth:`StepCache.record`)
+        self.cache_records: list[dict] = []
 
     # ----- inputs, once -----
     def encode(self, req: Request) -> Encoded:
@@ -370,6 +380,7 @@ class S2VGenerator:
             last = torch.cat([last[:, :, overlap_frames_num:], image[:, :, -overlap_frames_num:]], dim=2)
             return last.to(dtype=motion_latents.dtype, device=motion_latents.device)
 
+        setting = cache_policy.parse(req.cache)
         out = [] if plan.decodes else None
         autocast = torch.amp.autocast(self.device.type, dtype=self.param_dtype, enabled=self.device.type == "cuda")
         with autocast, torch.no_grad():
@@ -399,13 +410,25 @@ class S2VGenerator:
                     self.parts.noise_model.to(self.device)
                     self._empty_cache()
                 h.stage(Stage.DENOISE, clip=r + 1, clips=enc.num_repeat, steps=len(timesteps))
+                cache = StepCache.for_clip(setting, len(timesteps), self.device)
                 for i, t in enumerate(timesteps):
                     timestep = torch.stack([t]).to(self.device)
-                    noise_pred = self._denoise_pred(latents[0:1], timestep, arg_c, arg_null, req.guide_scale)
+                    predicted = cache.reuse(i, latents[0]) if cache is not None else None
+                    if predicted is not None:  # --cache: this step reuses the last computed one (no DiT pass)
+                        noise_pred = [predicted]
+                    else:
+                        noise_pred = self._denoise_pred(latents[0:1], timestep, arg_c, arg_null, req.guide_scale)
+                        if cache is not None:
+                            cache.computed(i, latents[0], noise_pred[0])
                     temp_x0 = sample_scheduler.step(noise_pred[0].unsqueeze(0), t, latents[0].unsqueeze(0),
                                                     return_dict=False, generator=seed_g)[0]
                     latents[0] = temp_x0.squeeze(0)
-                    h.step(clip=r + 1, clips=enc.num_repeat, step=i + 1, steps=len(timesteps))
+                    h.step(clip=r + 1, clips=enc.num_repeat, step=i + 1, steps=len(timesteps),
+                           **(self._cache_counters(cache, predicted is not None) if cache is not None else {}))
+                if cache is not None:
+                    self.cache_records.append(cache.record(r + 1))
+                    if h.cache_done is not None:
+                        h.cache_done(self.cache_records[-1])
                 if req.offload_model:
                     self.parts.noise_model.cpu()
                     self._empty_cache(sync=True)
@@ -446,6 +469,12 @@ class S2VGenerator:
         if dist.is_initialized():
             dist.barrier()
         return out
+
+    def _cache_counters(self, cache: StepCache, reused: bool) -> dict:
+        """A step's progress data under ``--cache``: whether it reused a computed step, and how
+        many of this job's steps so far did (every clip's)."""
+        return {"reused": reused,
+                "reused_steps": len(cache.reused_steps) + sum(len(c["reused"]) for c in self.cache_records)}
 
     def _pose_condition(self, req: Request, enc: Encoded, split_vae: bool):
         """The pose video's per-clip condition (:mod:`~wan_s2v_runner.rank.pose`), encoded by this

@@ -37,7 +37,7 @@ from wan_s2v_runner.loading import engine
 from wan_s2v_runner.rank.cpu_binding import cpu_binding
 from wan_s2v_runner.rank.lease import ALWAYS, JobLost, LeaseGate
 from wan_s2v_runner.rank.memory_peaks import StagePeaks
-from wan_s2v_runner.shared import atomic, inbox
+from wan_s2v_runner.shared import atomic, cache_policy, inbox
 from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventWriter
 from wan_s2v_runner.shared.jobs import Job, read_jobs
 from wan_s2v_runner.shared.spec import GroupSpec, RunSpec, read_spec
@@ -152,7 +152,7 @@ def request_for(spec: RunSpec):
                    shift=spec.shift, sample_solver=spec.solver, sampling_steps=spec.steps,
                    guide_scale=spec.guide_scale, n_prompt=spec.negative_prompt, seed=spec.seed,
                    offload_model=spec.offload, init_first_frame=spec.start_from_ref,
-                   pose_video=str(spec.pose_video) if spec.pose_video else None)
+                   pose_video=str(spec.pose_video) if spec.pose_video else None, cache=spec.cache)
 
 
 def memory_figures(peaks: StagePeaks, heartbeat: bool = False) -> dict:
@@ -374,7 +374,8 @@ class RankGroup:
         if self.compiler is not None:
             self.compiler.around = compiling
 
-        hooks = Hooks(stage=stage, step=self._step_or_cancel(job, gate))
+        hooks = Hooks(stage=stage, step=self._step_or_cancel(job, gate),
+                      cache_done=lambda record: events.emit("step_cache", **record))
         resume_state, identity, preview = None, None, None
         if plan.decodes:  # clip checkpoints: a crash loses at most the clip in progress
             identity = resume.identity(spec)
@@ -411,8 +412,8 @@ class RankGroup:
         from wan_s2v_runner.shared.atomic import NotCommitted
 
         events, plan = self.events, self.plan
-        video = S2VGenerator(self.parts, plan, hooks, self.texts).generate(
-            request_for(spec), resuming=bool(spec.resume_from), resume=resume_state)
+        generator = S2VGenerator(self.parts, plan, hooks, self.texts)
+        video = generator.generate(request_for(spec), resuming=bool(spec.resume_from), resume=resume_state)
         if self.rank != 0:
             events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
             return
@@ -441,6 +442,8 @@ class RankGroup:
                       "wall_s": round(ended - started, 3), "stage_seconds": clock.seconds(ended),
                       "resumed_at_clip": resume_state[0].clip + 1 if resume_state else None,
                       "frames": list(video.shape), "fps": self.cfg.sample_fps, "identity": identity,
+                      "step_cache": (cache_policy.summary(spec.cache, generator.cache_records)
+                                     if generator.cache_records else None),
                       **memory_figures(events.peaks),
                       "output": {"path": str(spec.output), "sha256": media.sha256_file(spec.output)},
                       "spec": json.loads(spec.model_dump_json())}

@@ -145,12 +145,15 @@ class RankState:
     error: Optional[dict[str, Any]] = None
     job_failed: Optional[dict[str, Any]] = None  # the last job whose own error the group outlived
     loaded: Optional[dict[str, Any]] = None  # what the rank's loading read, and how (``loaded`` event)
+    step_cache: list[dict[str, Any]] = field(default_factory=list)  # --cache: per clip, steps computed/reused
     stage_peaks: dict[Union[Stage, str], dict[str, float]] = field(default_factory=dict)  # MiB, largest per stage
 
 
 def denoise_position(p: dict) -> str:
-    """'clip j/M, step i/N' from a progress record or RankState.progress ('?' for unknowns)."""
-    return f"clip {p.get('clip')}/{p.get('clips') or '?'}, step {p.get('step') or 0}/{p.get('steps') or '?'}"
+    """'clip j/M, step i/N' from a progress record or RankState.progress ('?' for unknowns), and
+    with ``--cache`` how many of the job's steps so far reused a computed one."""
+    reused = f" ({p['reused_steps']} reused: --cache)" if p.get("reused_steps") else ""
+    return f"clip {p.get('clip')}/{p.get('clips') or '?'}, step {p.get('step') or 0}/{p.get('steps') or '?'}{reused}"
 
 
 def steps_done(p: dict) -> Optional[int]:
@@ -255,6 +258,8 @@ class EventReader:
             st.job_failed = ev
         elif kind == "loaded":
             st.loaded = {k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")}
+        elif kind == "step_cache":  # --cache: a clip's steps computed and reused
+            st.step_cache.append({k: ev.get(k) for k in ("clip", "computed", "reused")})
         elif kind == "error":
             if st.error is None:  # keep the first (a later one is teardown noise)
                 st.error = ev

@@ -31,7 +31,8 @@ STATE_PT = "state.pt"
 FORMAT = 1
 #: spec fields that decide the frames (layout, supervision and output fields do not)
 FRAME_FIELDS = ("prompt", "negative_prompt", "max_area", "infer_frames", "num_clips", "steps", "shift",
-                "guide_scale", "solver", "seed", "start_from_ref", "device", "lora", "dit_quant", "fp8_matmul")
+                "guide_scale", "solver", "seed", "start_from_ref", "device", "lora", "dit_quant", "fp8_matmul",
+                "cache")
 
 
 class ResumeError(ValueError):
@@ -51,6 +52,8 @@ def spec_digest(spec) -> str:
         data.pop("dit_quant")
     if data.get("fp8_matmul") == Fp8Matmul.DEQUANT.value:  # likewise: what every fp8 run did before the flag
         data.pop("fp8_matmul")
+    if data.get("cache") == "off":  # likewise: every run before --cache computed every step
+        data.pop("cache")
     data["image_sha256"] = sha256_file(spec.image)
     data["audio_sha256"] = sha256_file(spec.speech)  # --tts-text: the speech it made (kept for a resume)
     if spec.pose_video:

@@ -38,11 +38,12 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
 
-from wan_s2v_runner.shared import schedule
+from wan_s2v_runner.shared import cache_policy, schedule
 from wan_s2v_runner.shared.layout import DitQuant, Layout, LoadStrategy, Mode
 from wan_s2v_runner.shared.node_agent import DEFAULT_WORKER
 from wan_s2v_runner.shared.quant import Fp8Matmul
@@ -61,6 +62,10 @@ MAX_SEED = 2**63 - 1
 #: the most sampling steps a job may ask (upstream samples 40; a number far beyond is a mistake,
 #: or a job that would hold a served group for days)
 MAX_STEPS = 1000
+#: frames a clip may have: a clip of F frames spans (F + 76) // 4 - 19 latent frames, and the DiT's
+#: rotary table holds 1024 positions (upstream's rope_params(1024, ...)); a longer clip fails in the
+#: DiT's rope_precompute (IndexError), found by the server's fuzz test
+MAX_INFER_FRAMES = 4096
 #: the largest noise schedule shift and guidance scale (upstream: 3-5)
 MAX_SCALE = 100.0
 
@@ -374,7 +379,7 @@ class JobSpec(BaseModel):
         DEFAULT_MAX_AREA, gt=0,
         description="target area, WIDTH*HEIGHT or pixels; the image's aspect ratio is kept")
     infer_frames: Annotated[int, Flag(_SA, metavar="N")] = Field(
-        80, gt=0, description="frames per clip (multiple of 4)")
+        80, gt=0, le=MAX_INFER_FRAMES, description="frames per clip (multiple of 4)")
     num_clips: Annotated[Optional[int], Flag(_SA, metavar="N", default_text="from audio")] = Field(
         None, gt=0, description="clips to generate (default: enough to cover the audio)")
     steps: Annotated[int, Flag(_SA, aliases=("--sample-steps",), metavar="N")] = Field(
@@ -388,6 +393,12 @@ class JobSpec(BaseModel):
         -1, ge=-1, le=MAX_SEED, description="-1 = random, chosen once by the launcher and recorded in run.json")
     start_from_ref: Annotated[bool, Flag(_SA)] = Field(
         False, description="use the reference image as the first frame")
+    cache: Annotated[str, Flag(_SA, metavar="POLICY[:THRESHOLD]", env="WAN_S2V_CACHE")] = Field(
+        "off", description="step caching: off, or easycache[:THRESHOLD] (threshold "
+                           f"{cache_policy.DEFAULT_THRESHOLD:g} when left out): a step whose DiT output is "
+                           "predicted to change by less than THRESHOLD (relative, summed over the steps reused in "
+                           "a row) reuses the last computed step's instead of running the DiT; the first steps "
+                           "and the last are always computed; 0 computes every step (docs/generation.md)")
     # ----- outputs
     output: Annotated[AbsPath, Flag(_OU, aliases=("--save-file",), metavar="PATH")] = Field(
         Path("outputs/s2v.mp4"), validate_default=True,
@@ -401,6 +412,11 @@ class JobSpec(BaseModel):
     resume_from: Annotated[Optional[AbsPath], Flag(_OU, metavar="RUN_DIR")] = Field(
         None, description="continue that run directory's run from its last complete clip "
                           "(set by `wan-s2v resume RUN_DIR`)")
+
+    @field_validator("cache")
+    @classmethod
+    def _cache_setting(cls, v: str) -> str:
+        return cache_policy.canonical(v)
 
     @model_validator(mode="after")
     def _job_rules(self) -> "JobSpec":

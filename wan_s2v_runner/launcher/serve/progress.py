@@ -36,6 +36,7 @@ class Progress:
     marks: list[tuple[str, float]] = field(default_factory=list)
     denoise_t0: Optional[float] = None
     preview_clips: Optional[int] = None  # clips in the video so far (videos/ID.partial.mp4)
+    steps_reused: Optional[int] = None  # --cache: the job's steps so far that reused a computed one
 
     def on_event(self, ev: dict[str, Any]) -> None:
         kind, t = ev.get("kind"), float(ev["t"])
@@ -51,6 +52,7 @@ class Progress:
         elif kind == "progress":
             self.clip, self.clips = ev.get("clip"), ev.get("clips")
             self.step, self.steps = ev.get("step"), ev.get("steps")
+            self.steps_reused = ev.get("reused_steps", self.steps_reused)
             p = {"clip": self.clip, "clips": self.clips, "step": self.step, "steps": self.steps}
             self.eta_s = eta_s(p, self.denoise_t0, t)
 
@@ -69,4 +71,5 @@ class Progress:
     def as_dict(self, now: float) -> dict[str, Any]:
         return {"stage": self.stage or None, "clip": self.clip, "clips": self.clips, "step": self.step,
                 "steps": self.steps, "eta_s": round(self.eta_s, 1) if self.eta_s is not None else None,
-                "stage_seconds": self.stage_seconds(now), "preview_clips": self.preview_clips}
+                "stage_seconds": self.stage_seconds(now), "preview_clips": self.preview_clips,
+                "steps_reused": self.steps_reused}

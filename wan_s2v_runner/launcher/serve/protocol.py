@@ -60,6 +60,9 @@ class VideoObject(BaseModel):
     resumed_at_clip: Optional[int] = None
     preview_clips: Optional[int] = Field(None, description="clips in the video so far, while it runs and after it "
                                                            "was cancelled or failed (GET .../content?variant=partial)")
+    steps_reused: Optional[int] = Field(None, description="with a cache policy (the cache field): the denoising "
+                                                          "steps so far, over the job's clips, that reused a computed "
+                                                          "step instead of running the DiT")
     attempts: int = Field(0, description="rank groups handed this job (a resumed job: more than one)")
     failures: int = Field(0, description="rank groups that failed under this job")
     cancel_requested: bool = False

@@ -136,6 +136,7 @@ def video_object(server: Server, row: JobRow, position: Any = ASK) -> VideoObjec
         obj["preview_clips"] = record.get("preview_clips")
     if row.status is JobStatus.COMPLETED:
         obj["frames"] = record.get("frames")
+        obj["steps_reused"] = (record.get("step_cache") or {}).get("steps_reused")
         obj["sha256"] = (record.get("output") or {}).get("sha256")
     obj["seconds"], obj["size"] = _length_and_size(spec, record if row.status is JobStatus.COMPLETED else {})
     return VideoObject(**obj)
@@ -163,7 +164,7 @@ FIELD_LABELS = {
     "negative_prompt": "Negative prompt", "max_area": "Size (area in pixels)", "infer_frames": "Frames per clip",
     "num_clips": "Clips", "steps": "Sampling steps", "shift": "Noise schedule shift",
     "guide_scale": "Guidance scale", "solver": "Sampler", "seed": "Seed",
-    "start_from_ref": "Start from the reference image",
+    "start_from_ref": "Start from the reference image", "cache": "Step caching",
 }
 
 

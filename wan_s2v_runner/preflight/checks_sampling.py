@@ -1,0 +1,37 @@
+"""Group ``inputs``, the sampling: how many DiT passes a clip costs. ``steps`` steps run two
+passes each (conditional and unconditional, combined as ``u + g * (c - u)``), or one where the
+guidance scale is 1 or less (upstream skips the unconditional pass then, and so do we: the
+few-step recipe's CFG 1 halves the passes). With ``--cache`` (:mod:`wan_s2v_runner.shared.cache_policy`)
+the warm-up and the last step are always computed and the others as the run decides, so the
+doctor gives the range: what is computed at least, and at most (every step)."""
+from __future__ import annotations
+
+from wan_s2v_runner.shared import cache_policy
+
+from .core import ok, skip
+
+ID = "inputs.passes"
+
+
+def passes(steps: int, guide_scale: float, cache: str = "off") -> dict:
+    """A clip's DiT passes: per step, at most (every step computed) and at least (a cache policy
+    computes its warm-up and the last step; off: every step)."""
+    per_step = 2 if guide_scale > 1 else 1
+    setting = cache_policy.parse(cache)
+    fewest = cache_policy.always_computed(steps) if setting.on and setting.threshold > 0 else steps
+    return {"per_step": per_step, "most": steps * per_step, "fewest": fewest * per_step,
+            "steps_always_computed": fewest}
+
+
+def check_passes(ctx):
+    spec = ctx.spec
+    if spec.steps is None or spec.guide_scale is None:
+        return skip(ID, "no sampling settings given")
+    p = passes(spec.steps, spec.guide_scale, spec.cache)
+    branches = ("conditional + unconditional" if p["per_step"] == 2 else
+                f"guide scale {spec.guide_scale:g}: the unconditional pass is skipped")
+    finding = f"{spec.steps} steps x {p['per_step']} ({branches}): {p['most']} DiT passes a clip"
+    if p["fewest"] < p["most"]:
+        finding += (f"; --cache {spec.cache} computes at least {p['fewest']} of them (the warm-up and the last "
+                    "step) and reuses others while the predicted change stays under its threshold")
+    return ok(ID, finding, **p)
