@@ -106,8 +106,63 @@ def test_the_cache_is_part_of_a_jobs_identity(tiny_assets):
     assert resume.spec_digest(spec.model_copy(update={"cache": "easycache:0.05"})) != off
     assert resume.spec_digest(spec.model_copy(update={"cache": "easycache:0.1"})) not in (
         off, resume.spec_digest(spec.model_copy(update={"cache": "easycache:0.05"})))
-    # an Idempotency-Key sent again with another cache setting is another request (409)
-    assert request_hash({"prompt": "p", "cache": "easycache"}) != request_hash({"prompt": "p"})
+    # the default's spelling is the same job; off digests as a spec from before --cache did
+    spelled = RunSpec(**{**spec.model_dump(include=set(RunSpec.model_fields)), "cache": "EasyCache"})
+    assert resume.spec_digest(spelled) == resume.spec_digest(spec.model_copy(update={"cache": "easycache:0.05"}))
+    assert "cache" not in json.loads(spec.model_dump_json(include=set(resume.FRAME_FIELDS) - {"cache"}))
+    # an Idempotency-Key sent again with another cache setting is another request (409): the hash
+    # covers the field (the same request with it left out or changed hashes otherwise)
+    same = {"prompt": "p", "cache": "easycache:0.05"}
+    assert request_hash(same) == request_hash(dict(same)) != request_hash({**same, "cache": "easycache:0.1"})
+
+
+def test_a_bad_setting_is_refused_wherever_it_comes_from(tiny_assets, tmp_path, capsys):
+    """The flag, a batch line, the environment and the doctor's draft all check it (one line, the
+    fix); a bad environment value is ignored as every other one is, and the doctor does not crash."""
+    from wan_s2v_runner.launcher import cli
+    from wan_s2v_runner.shared.spec import RunSpec, env_values
+
+    assert env_values({"WAN_S2V_CACHE": "teacache"}) == {}
+    assert env_values({"WAN_S2V_CACHE": "EasyCache"}) == {"cache": "easycache:0.05"}
+    draft = RunSpec.draft({"cache": "teacache", "steps": 40})
+    assert draft.error is not None and "cache policy 'teacache'" in str(draft.error)
+    code = cli.main(["doctor", "--ckpt-dir", str(tiny_assets.ckpt_dir), "--device", "cpu", "--cache", "teacache",
+                     "--json"])
+    out = capsys.readouterr()
+    assert code != 0 and "Traceback" not in out.err
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(json.dumps({"cache": "easycache:-1"}) + "\n")
+    code = cli.main(["batch", str(jobs), *TINY_FLAGS, *asset_flags(tiny_assets), "--output-dir", str(tmp_path / "o"),
+                     "--runs-root", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == exit_codes.PREFLIGHT and "not a number from 0 to 10" in err, err  # the line's own check
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_decision_rules():
+    """Without a process group: warm-up and last step computed; a step is reused only with a rate
+    measured on two computed steps; no reuse from a zero output, an unchanged input or a NaN."""
+    from wan_s2v_runner.rank.step_cache import StepCache
+    from wan_s2v_runner.shared.cache_policy import parse
+
+    def run(outputs, threshold="easycache:5", steps=8):
+        cache = StepCache.for_clip(parse(threshold), steps, torch.device("cpu"))
+        x = torch.ones(4)
+        for i in range(steps):
+            if cache.reuse(i, x) is None:
+                cache.computed(i, x, outputs(i, x))
+            x = x * 0.9
+        return cache.record(1)
+
+    assert run(lambda i, x: 2 * x) == {"clip": 1, "computed": [1, 2, 8], "reused": [3, 4, 5, 6, 7]}
+    assert run(lambda i, x: 0 * x)["reused"] == []  # mean|v| 0: no relative change to predict
+    assert run(lambda i, x: torch.full_like(x, float("nan")))["reused"] == []
+    assert run(lambda i, x: 2 * x, threshold="easycache:0")["computed"] == list(range(1, 9))
+    const = StepCache.for_clip(parse("easycache:5"), 8, torch.device("cpu"))
+    for i in range(8):  # the input never changes: no rate can be measured, every step is computed
+        assert const.reuse(i, torch.ones(4)) is None
+        const.computed(i, torch.ones(4), torch.ones(4))
+    assert const.record(1)["reused"] == []
 
 
 # --------------------------------------------------------------------------- one process

@@ -27,7 +27,10 @@ def check_passes(ctx):
     spec = ctx.spec
     if spec.steps is None or spec.guide_scale is None:
         return skip(ID, "no sampling settings given")
-    p = passes(spec.steps, spec.guide_scale, spec.cache)
+    try:
+        p = passes(spec.steps, spec.guide_scale, spec.cache)
+    except ValueError as e:  # a draft's cache setting that does not parse (inputs.flags says why)
+        return skip(ID, f"no valid --cache setting ({str(e).split('. Fix:')[0]})")
     branches = ("conditional + unconditional" if p["per_step"] == 2 else
                 f"guide scale {spec.guide_scale:g}: the unconditional pass is skipped")
     finding = f"{spec.steps} steps x {p['per_step']} ({branches}): {p['most']} DiT passes a clip"

@@ -429,6 +429,7 @@ class S2VGenerator:
                     self.cache_records.append(cache.record(r + 1))
                     if h.cache_done is not None:
                         h.cache_done(self.cache_records[-1])
+                    del cache  # its latent copies, before the decode
                 if req.offload_model:
                     self.parts.noise_model.cpu()
                     self._empty_cache(sync=True)

@@ -37,6 +37,11 @@ def mean_abs(t: torch.Tensor) -> float:
     return float(t.detach().double().abs().mean().item())
 
 
+def measuring_rank() -> bool:
+    """Whether this rank's measure is the one the group uses (rank 0, or a process alone)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def rank0_value(value: float, device: torch.device) -> float:
     """``value`` as rank 0 has it, on every rank of the group (one float64 broadcast); alone: itself."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -51,10 +56,14 @@ class StepCache:
     """One clip's decisions (made afresh for every clip: each has its own noise and schedule).
 
     ``agree(measure)`` gives every rank rank 0's measure (:func:`rank0_value` in a group); a
-    negative measure means "compute"."""
+    negative measure means "compute". ``measures``: this rank computes the measure (rank 0; the
+    others only keep what a reused step's prediction needs). At threshold 0 nothing can be reused:
+    no measure, no broadcast, no copies; the steps are only recorded."""
 
-    def __init__(self, setting: CacheSetting, steps: int, agree: Callable[[float], float]):
+    def __init__(self, setting: CacheSetting, steps: int, agree: Callable[[float], float], measures: bool = True):
         self.threshold, self.steps, self.agree = setting.threshold, steps, agree
+        self.active = setting.threshold > 0  # every rank has the same setting: all skip the broadcast alike
+        self.measures = measures
         self.warmup = warmup_steps(steps)
         self.prev_x: Optional[torch.Tensor] = None  # the previous step's input (computed or reused)
         self.last_x: Optional[torch.Tensor] = None  # the last computed step's input and output
@@ -69,11 +78,12 @@ class StepCache:
         """The clip's cache, or None when the setting is off."""
         if not setting.on:
             return None
-        return cls(setting, steps, lambda m: rank0_value(m, device))
+        return cls(setting, steps, lambda m: rank0_value(m, device), measures=measuring_rank())
 
     def _measure(self, i: int, x: torch.Tensor) -> float:
         """The predicted relative change of step ``i``'s output (accumulated), or -1: compute."""
-        if not (self.warmup <= i < self.steps - 1) or self.k is None or self.prev_x is None:
+        if (not self.measures or not (self.warmup <= i < self.steps - 1) or self.k is None
+                or self.prev_x is None):
             return -1.0
         scale = mean_abs(self.last_v)
         if scale == 0.0:
@@ -84,8 +94,11 @@ class StepCache:
     def reuse(self, i: int, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Step ``i`` (0-based) with input ``x``: its prediction from the last computed step, or
         None (compute it, then call :meth:`computed`). Every rank calls it at every step."""
+        if not self.active:
+            return None
         measure = self.agree(self._measure(i, x))
-        self.prev_x = x.clone()
+        if self.measures:
+            self.prev_x = x.clone()
         if 0.0 <= measure < self.threshold:
             self.accumulated = measure
             self.reused_steps.append(i + 1)
@@ -95,11 +108,13 @@ class StepCache:
 
     def computed(self, i: int, x: torch.Tensor, v: torch.Tensor) -> None:
         """Step ``i`` ran the DiT on ``x`` and predicted ``v`` (the CFG-combined noise prediction)."""
-        if self.last_v is not None:
+        self.computed_steps.append(i + 1)
+        if not self.active:
+            return
+        if self.measures and self.last_v is not None:
             dx = mean_abs(x - self.last_x)
             self.k = mean_abs(v - self.last_v) / dx if dx > 0 else None
         self.last_x, self.last_v = x.clone(), v.clone()
-        self.computed_steps.append(i + 1)
 
     def record(self, clip: int) -> dict:
         """What this clip did: its 1-based clip number, the steps computed and reused."""

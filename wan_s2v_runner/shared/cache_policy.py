@@ -12,7 +12,8 @@ threshold, and which steps it always computes. What a rank does with it is
   Threshold 0 computes every step (the frames equal ``off``'s bit for bit).
 
 The canonical text (``off``, ``easycache:0.05``) is what a spec holds, so ``easycache`` and
-``easycache:0.05`` are the same job (resume digest, the server's request identity).
+``easycache:0.05`` are the same job to a resume (its digest) and in run.json. (The server's
+``Idempotency-Key`` compares requests as sent: the two spellings are two requests there.)
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from enum import Enum
 
 #: EasyCache's own default for Wan's image-to-video models (its Wan2.2 script: --thresh 0.05)
 DEFAULT_THRESHOLD = 0.05
-#: the largest threshold taken (a relative change; at 10 every step after the warm-up is reused)
+#: the largest threshold taken (a relative change; at 10, in practice, every step between the
+#: warm-up and the last is reused)
 MAX_THRESHOLD = 10.0
 #: EasyCache's warm-up (its ret_steps 7 of Wan's 40 steps), as a share of the steps
 WARMUP_SHARE = 7 / 40

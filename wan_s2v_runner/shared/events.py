@@ -233,6 +233,9 @@ class EventReader:
             st.last_progress_t = t
             st.transitions.append((st.stage, t))
             if "clip" in ev and st.stage == Stage.DENOISE:  # a new clip: its step counter starts again
+                if ev["clip"] == 1:  # a job's first clip: a job before it (--cache) reused nothing of this one
+                    st.progress.pop("reused", None)
+                    st.progress.pop("reused_steps", None)
                 st.progress.update(clip=ev["clip"], clips=ev.get("clips"), step=0)
                 if ev.get("steps"):
                     st.progress["steps"] = ev["steps"]

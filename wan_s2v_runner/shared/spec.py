@@ -38,7 +38,6 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
-    field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
@@ -393,7 +392,8 @@ class JobSpec(BaseModel):
         -1, ge=-1, le=MAX_SEED, description="-1 = random, chosen once by the launcher and recorded in run.json")
     start_from_ref: Annotated[bool, Flag(_SA)] = Field(
         False, description="use the reference image as the first frame")
-    cache: Annotated[str, Flag(_SA, metavar="POLICY[:THRESHOLD]", env="WAN_S2V_CACHE")] = Field(
+    cache: Annotated[str, AfterValidator(cache_policy.canonical),  # in the type: drafts and env values check it too
+                     Flag(_SA, metavar="POLICY[:THRESHOLD]", env="WAN_S2V_CACHE")] = Field(
         "off", description="step caching: off, or easycache[:THRESHOLD] (threshold "
                            f"{cache_policy.DEFAULT_THRESHOLD:g} when left out): a step whose DiT output is "
                            "predicted to change by less than THRESHOLD (relative, summed over the steps reused in "
@@ -412,11 +412,6 @@ class JobSpec(BaseModel):
     resume_from: Annotated[Optional[AbsPath], Flag(_OU, metavar="RUN_DIR")] = Field(
         None, description="continue that run directory's run from its last complete clip "
                           "(set by `wan-s2v resume RUN_DIR`)")
-
-    @field_validator("cache")
-    @classmethod
-    def _cache_setting(cls, v: str) -> str:
-        return cache_policy.canonical(v)
 
     @model_validator(mode="after")
     def _job_rules(self) -> "JobSpec":

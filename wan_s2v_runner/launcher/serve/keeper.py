@@ -409,7 +409,12 @@ class Keeper(threading.Thread):
             self.held.lost.discard(holding.job_id)
             self.held.released(holding)
             return
-        kept = {"preview_clips": done.preview_clips} if done is not None and done.preview_clips else None
+        kept: dict = {}  # what it did before it ended: the video so far, the steps it reused (--cache)
+        if done is not None and done.preview_clips:
+            kept["preview_clips"] = done.preview_clips
+        if done is not None and done.steps_reused:
+            kept["step_cache"] = {"steps_reused": done.steps_reused}
+        kept = kept or None
         if kind == "job_cancelled":  # what it made so far stays (the published ID.partial.mp4)
             self._record(holding, "cancelled",
                          lambda: self._end(holding, JobStatus.CANCELLED, error="cancelled", record=kept))

@@ -61,8 +61,9 @@ class VideoObject(BaseModel):
     preview_clips: Optional[int] = Field(None, description="clips in the video so far, while it runs and after it "
                                                            "was cancelled or failed (GET .../content?variant=partial)")
     steps_reused: Optional[int] = Field(None, description="with a cache policy (the cache field): the denoising "
-                                                          "steps so far, over the job's clips, that reused a computed "
-                                                          "step instead of running the DiT")
+                                                          "steps that reused a computed step instead of running the "
+                                                          "DiT, over the clips this attempt made (a resumed job: "
+                                                          "the clips after the resume)")
     attempts: int = Field(0, description="rank groups handed this job (a resumed job: more than one)")
     failures: int = Field(0, description="rank groups that failed under this job")
     cancel_requested: bool = False

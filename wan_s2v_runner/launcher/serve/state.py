@@ -134,6 +134,7 @@ def video_object(server: Server, row: JobRow, position: Any = ASK) -> VideoObjec
         obj.update(live)
     elif row.status in (JobStatus.CANCELLED, JobStatus.FAILED):  # what it made before it ended
         obj["preview_clips"] = record.get("preview_clips")
+        obj["steps_reused"] = (record.get("step_cache") or {}).get("steps_reused")
     if row.status is JobStatus.COMPLETED:
         obj["frames"] = record.get("frames")
         obj["steps_reused"] = (record.get("step_cache") or {}).get("steps_reused")
