@@ -326,12 +326,12 @@ def inputs(tiny_assets, tmp_path_factory):
 def server(tiny_assets, inputs, tmp_path_factory):
     """One ``wan-s2v serve`` (2 ranks, ulysses, a token, ``inputs`` allowed) for the session: the
     serve, page and client tests take it in turn, the way a server lives."""
-    from serving import HELD, NO_SPACE, POISON, SERVER_FLAGS, TOKEN, ServerProcess
+    from serving import BOOM, HELD, NO_SPACE, POISON, SERVER_FLAGS, TOKEN, ServerProcess
 
     d = tmp_path_factory.mktemp("serve") / "server dir"
     flags = [*SERVER_FLAGS, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--token", TOKEN,
              "--allow-dir", str(inputs["root"]), "--max-queue", "6", "--max-upload-mb", "1"]
-    s = ServerProcess(d, flags, env=fault_env(f"{POISON},{NO_SPACE},{HELD}"))
+    s = ServerProcess(d, flags, env=fault_env(f"{POISON},{NO_SPACE},{HELD},{BOOM}"))
     yield s
     assert s.stop() == [] and "serve: stopping the rank group" in s.text()  # SIGTERM leaves nothing running
 

@@ -24,6 +24,9 @@ TINY_DEFAULTS = ["--device", "cpu", "--size", "64*64", "--infer-frames", "8", "-
 SERVER_FLAGS = [*TINY_DEFAULTS, "--nproc", "2"]
 #: a job that kills rank 1 at its first denoising step (test-only fault, matched on the prompt)
 POISON = "1:denoise#poison:exit"
+#: a job that raises on both ranks as its denoising starts: a Python error at the same point on
+#: every rank (test-only fault, on the prompt): the job's alone, the group goes on
+BOOM = "0:denoise#boom:raise,1:denoise#boom:raise"
 #: a job whose mp4 cannot be written: the disk full at rank 0's mux (test-only fault, on the prompt)
 NO_SPACE = "0:mux#nospace:enospc"
 #: a job held at its second clip until the server cancels it (on the prompt): in progress, with its

@@ -193,6 +193,22 @@ def test_a_job_that_kills_the_ranks_twice_is_failed(server, inputs):
     assert httpx.get(f"{server.url}/health").json()["restarts"] == restarts + 2
 
 
+@pytest.mark.slow
+def test_a_job_that_raises_on_every_rank_fails_alone(server, inputs):
+    """Both ranks raise at the same point of a served job (a Python error, not a crash): the job
+    fails with it, once, and the next job is made by the same rank group (no restart, no reload)."""
+    paths = {"image": inputs["image"], "audio": inputs["audio"]}
+    before = httpx.get(f"{server.url}/health").json()
+    boom = server.submit(**paths, prompt="boom").json()
+    nxt = server.submit(**paths, prompt="the next one", steps=1, infer_frames=4, num_clips=1).json()
+    failed = server.wait(boom["id"], "failed", timeout=120)
+    assert failed["attempts"] == 1 and failed["failures"] == 0, failed
+    assert "InjectedFault in stage denoise" in failed["error"]["message"], failed
+    assert server.wait(nxt["id"], "completed", timeout=120)["attempts"] == 1
+    after = httpx.get(f"{server.url}/health").json()
+    assert (after["restarts"], after["groups"]) == (before["restarts"], before["groups"]), (before, after)
+
+
 def _ppid(pid: int) -> int:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

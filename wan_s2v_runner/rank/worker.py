@@ -34,6 +34,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from wan_s2v_runner.loading import engine
+from wan_s2v_runner.rank import job_errors
 from wan_s2v_runner.rank.cpu_binding import cpu_binding
 from wan_s2v_runner.rank.lease import ALWAYS, JobLost, LeaseGate
 from wan_s2v_runner.rank.memory_peaks import StagePeaks
@@ -217,6 +218,18 @@ class RankGroup:
         self.served = False  # jobs come from the server's inbox (set by jobs())
         self.count: Optional[int] = None  # how many jobs a listed group has (set by jobs())
         self.compiler = None  # --compile: patches.compile_blocks.Compiled (set by run_rank)
+        self.control = None  # a served group's control channel (rank.job_errors; set by jobs())
+
+    def job_error_is_the_jobs(self, e: BaseException) -> bool:
+        """A served job raised ``e`` here: whether it is the job's alone (every rank raised at the
+        same point: :func:`~wan_s2v_runner.rank.job_errors.in_step`); False outside a served group."""
+        if not self.served or job_errors.the_groups(e):
+            return False
+        p = self.events.progress
+        point = (str(self.events.current_stage.value), p.get("clip"), p.get("step"))
+        logging.getLogger("wan_s2v").error("job error in stage %s: %s: %s", point[0], type(e).__name__, e,
+                                           exc_info=e)
+        return job_errors.in_step(point, self.control)
 
     def _from_rank0(self, value):
         """Rank 0's ``value``, on every rank (on several nodes only node 0's counts)."""
@@ -247,6 +260,7 @@ class RankGroup:
             yield from (Job.model_validate_json(text) for text in first["jobs"])
             return
         self.served = True
+        self.control = job_errors.control_group()  # every rank, here: where a job's error is asked about
         while True:
             message = self._wait_for_job()
             if message.get("stop"):
@@ -514,6 +528,10 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
                 events.emit("job_lost", id=job.id, job=index + 1)
             except JobFailed as e:  # the job's own error where no peer waits: the group takes the next
                 group.fail_job(job, index, str(e))
+            except Exception as e:
+                if not group.job_error_is_the_jobs(e):  # the group's: the rank ends, the server restarts it
+                    raise
+                group.fail_job(job, index, f"{type(e).__name__} in stage {events.current_stage.value}: {e}")
             finally:
                 if group.served and rank == 0:
                     inbox.job_ended(run_dir, job.id)
