@@ -378,6 +378,44 @@ def test_rank_killed_with_sigkill_mid_denoise(tiny_assets, tmp_path):
         procs.kill_all()
 
 
+@pytest.mark.slow(seconds=35)
+def test_an_agent_frozen_mid_run_does_not_keep_the_run(tiny_assets, tmp_path):
+    """The node agent stopped (SIGSTOP) while its ranks denoise: the ranks finish and rank 0 writes
+    the video; the run then ends at most AGENT_EXIT_GRACE_S (+ the stop) after its last rank did,
+    with the ranks' verdict (exit 0) and a note; the agent and every rank are gone."""
+    from wan_s2v_runner.launcher.supervisor import AGENT_EXIT_GRACE_S
+
+    procs = RunProcs()
+    p = _popen(_args(tiny_assets, tmp_path, "--steps", "6"), cwd=tmp_path)
+    agent = None
+    try:
+        procs.add([p.pid])
+        pid, _ = _wait_in_denoise(lambda: _maybe_run_dir(tmp_path), rank=1, min_step=1)
+        procs.add(descendants(p.pid))
+        agent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the rank's parent
+        assert agent in descendants(p.pid) and agent != p.pid
+        os.kill(agent, signal.SIGSTOP)
+        rc = p.wait(timeout=AGENT_EXIT_GRACE_S + 120)
+        out, run_dir = _output(tmp_path), _run_dir(tmp_path)
+        m = _manifest(run_dir)
+        assert rc == exit_codes.OK, out
+        assert f"note: every rank ended, but the node agent (pid {agent}, stopped" in out, out
+        assert "had not exited" in m["exit"]["details"][0] and m["output"]["frames"], m["exit"]
+        last_end = max(e["t"] for r in (0, 1) for e in _events(run_dir, r) if e["kind"] == "end")
+        assert _ended(m) - last_end < AGENT_EXIT_GRACE_S + EXIT_WITHIN_S, (_ended(m) - last_end)
+        procs.add_from_run_dir(run_dir)
+        assert not procs.alive(), f"processes of the run survived: {procs.alive()}"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        procs.kill_all()
+        if agent is not None:
+            try:
+                os.kill(agent, signal.SIGKILL)
+            except OSError:
+                pass
+
+
 @pytest.mark.slow
 def test_sigint_to_launcher_stops_every_process(tiny_assets, tmp_path):
     procs = RunProcs()

@@ -308,6 +308,9 @@ class Display:
             self._print(f"node {spec.node_rank} done in {manifest['wall_s']:.1f}s: its ranks finished; node 0 "
                         f"writes {what}; manifest {run_dir / 'run.json'}")
             return
+        if outcome.code == 0:
+            for line in outcome.details or []:  # what the launcher had to do after the ranks were done
+                self._err(f"note: {line}")
         if outcome.code == 0 and not (manifest.get("output") or {}).get("path"):  # a group of jobs (batch, serve)
             self._print(f"done in {manifest['wall_s']:.1f}s: the rank group ended; manifest {run_dir / 'run.json'}")
             return

@@ -46,6 +46,10 @@ FAILURE_GRACE_S = 3.0
 DEATH_SETTLE_S = 0.3
 #: how often the supervisor walks /proc for the run's processes (exits are seen at once anyway)
 TREE_WALK_S = 1.0
+#: one node: once every rank ended cleanly, the node agent gets this long to exit (it takes about a
+#: second); a frozen agent (SIGSTOP, a debugger) is then stopped with what is left of the run, and
+#: the run ends with the ranks' verdict. Several nodes: torch elastic's own exit barrier bounds it
+AGENT_EXIT_GRACE_S = 15.0
 
 
 def not_started_note(spec: GroupSpec) -> str:
@@ -161,6 +165,8 @@ class Supervisor:
                                    hint="Something outside the run killed torchrun (the OOM killer? a job "
                                         "scheduler? `kill`?): check `dmesg` and the scheduler's logs.")
                 return self._failure(rc)
+            if self._ended_but_the_agent(now):
+                return self._agent_left_behind(now)
             if first_failure_t is None and self.failures_seen(now):
                 first_failure_t = now
             if first_failure_t is not None and now - first_failure_t > FAILURE_GRACE_S:
@@ -172,6 +178,27 @@ class Supervisor:
             if stuck:
                 return self._hang(stuck, now)
             time.sleep(poll_s)
+
+    def _ended_but_the_agent(self, now: float) -> bool:
+        """One node: every rank ended cleanly :data:`AGENT_EXIT_GRACE_S` ago or more, and the node
+        agent is still there (it has never been that slow: it is frozen, and its ranks may wait on
+        it, e.g. for the rendezvous store it holds, as they exit)."""
+        if self.spec.nnodes != 1 or self.processes.proc is None or self.processes.proc.poll() is not None:
+            return False
+        ends = [self.reader.ranks[r].end for r in self.expected if r in self.reader.ranks]
+        if len(ends) < len(self.expected) or not all(ends) or any(self.reader.ranks[r].error for r in self.expected):
+            return False
+        return now - max(float(e["t"]) for e in ends) >= AGENT_EXIT_GRACE_S
+
+    def _agent_left_behind(self, now: float) -> Outcome:
+        """The run ended with its ranks; the agent that did not follow is stopped with whatever is
+        left (SIGTERM, then SIGKILL: a stopped process dies of it too), and the run says so."""
+        pid, state = self.processes.proc.pid, proc_state(self.processes.proc.pid)
+        self.processes.stop(grace_s=2.0)
+        self.reader.poll()
+        said = (f"every rank ended, but the node agent (pid {pid}, {state or 'state unknown'}) had not exited "
+                f"{AGENT_EXIT_GRACE_S:g} s later; it and what was left of the run were stopped")
+        return Outcome(torchrun_rc=self.processes.proc.poll(), details=[said])
 
     def _hang(self, stuck: Stuck, now: float) -> Outcome:
         """Read what is left of the stuck ranks (the processes of ranks that never reported,
