@@ -124,7 +124,7 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
         "loras": lora.describe(spec.lora, spec.ckpt_dir, spec.dit_file) if spec.lora else [],
         "resume": _resume_info(spec) if job else None,
         # --cache: per clip this run generated, the steps computed and reused (rank 0's; every rank takes the same)
-        "step_cache": (cache_policy.summary(job.cache, r0.step_cache) if job and r0 and job.cache != "off"
+        "step_cache": (cache_policy.summary(job.cache, r0.step_cache) if job and r0 and cache_policy.parse(job.cache).on
                        else None),
         "engine": engine_info(spec),
         "versions": package_versions(),

@@ -133,11 +133,19 @@ def dit_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
     return out
 
 
-#: torch's storage classes as a state dict's record names them -> the dtype's name
-_STORAGE_DTYPES = {"FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
-                   "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-                   "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-                   "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128"}
+@dataclass(frozen=True)
+class _DType:
+    name: str
+    itemsize: int  # bytes per element
+
+
+#: torch's storage classes as a state dict's record names them -> the dtype
+_STORAGE_DTYPES = {"FloatStorage": _DType("float32", 4), "DoubleStorage": _DType("float64", 8),
+                   "HalfStorage": _DType("float16", 2), "BFloat16Storage": _DType("bfloat16", 2),
+                   "LongStorage": _DType("int64", 8), "IntStorage": _DType("int32", 4),
+                   "ShortStorage": _DType("int16", 2), "CharStorage": _DType("int8", 1),
+                   "ByteStorage": _DType("uint8", 1), "BoolStorage": _DType("bool", 1),
+                   "ComplexFloatStorage": _DType("complex64", 8), "ComplexDoubleStorage": _DType("complex128", 16)}
 
 
 class _Unknown(Exception):
@@ -146,7 +154,7 @@ class _Unknown(Exception):
 
 @dataclass(frozen=True)
 class _Storage:
-    dtype: str
+    dtype: _DType
     key: str
     numel: int
 
@@ -166,7 +174,7 @@ def _rebuild_tensor_v2(storage, offset, size, stride, *rest):
         raise _Unknown("size and stride differ in length")
     if all(size) and offset + sum((n - 1) * st for n, st in zip(size, stride)) >= storage.numel:
         raise _Unknown("a tensor past its storage")
-    return _TensorRecord(tuple(size), storage.dtype)
+    return _TensorRecord(tuple(size), storage.dtype.name)
 
 
 class _RecordUnpickler(pickle.Unpickler):
@@ -188,16 +196,11 @@ class _RecordUnpickler(pickle.Unpickler):
         raise _Unknown(f"{module}.{name}")
 
     def persistent_load(self, pid):
-        if (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], str)
+        if (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _DType)
                 and isinstance(pid[2], str) and isinstance(pid[4], int)):
             self.storages[pid[2]] = _Storage(pid[1], pid[2], pid[4])
             return self.storages[pid[2]]
         raise _Unknown(f"persistent id {pid!r:.60}")
-
-
-#: bytes per element of each dtype a record names
-_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-             "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
 
 
 def _pth_record_shapes(path: str) -> Optional[dict[str, tuple[tuple[int, ...], str]]]:
@@ -215,7 +218,7 @@ def _pth_record_shapes(path: str) -> Optional[dict[str, tuple[tuple[int, ...], s
                 return None
             prefix = pkl[0].rsplit("/", 1)[0]
             for st in unpickler.storages.values():
-                if z.getinfo(f"{prefix}/data/{st.key}").file_size < st.numel * _ITEMSIZE[st.dtype]:
+                if z.getinfo(f"{prefix}/data/{st.key}").file_size < st.numel * st.dtype.itemsize:
                     return None
             return {k: (v.shape, v.dtype) for k, v in dict.items(sd) if type(v) is _TensorRecord}
     except Exception:  # noqa: BLE001 - not this format, or not only plain tensors: torch reads it

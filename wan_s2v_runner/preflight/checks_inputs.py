@@ -12,8 +12,10 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from wan_s2v_runner.shared.spec import ROPE_POSITIONS
+
 from .core import fail, ok, skip, warn
-from .geometry import FPS, PATCH, ROPE_POSITIONS, VAE_STRIDE, clips_for_audio, generation_size, output_frames
+from .geometry import FPS, PATCH, VAE_STRIDE, clips_for_audio, generation_size, output_frames
 
 W2V_MIN_SAMPLES = 400  # wav2vec2's conv feature encoder has a 400-sample (25 ms @ 16 kHz) receptive field
 MAX_UPSCALE = 2.0

@@ -18,7 +18,7 @@ def passes(steps: int, guide_scale: float, cache: str = "off") -> dict:
     computes its warm-up and the last step; off: every step)."""
     per_step = 2 if guide_scale > 1 else 1
     setting = cache_policy.parse(cache)
-    fewest = cache_policy.always_computed(steps) if setting.on and setting.threshold > 0 else steps
+    fewest = cache_policy.always_computed(steps) if setting.reuses else steps
     return {"per_step": per_step, "most": steps * per_step, "fewest": fewest * per_step,
             "steps_always_computed": fewest}
 

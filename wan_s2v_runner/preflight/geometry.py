@@ -28,9 +28,6 @@ MOTION_FRAMES = 73  # config.transformer.motion_frames
 VAE_STRIDE = (4, 8, 8)
 PATCH = (1, 2, 2)
 FPS = 16
-#: positions per axis of the DiT's 3D rotary table (upstream's ``rope_params(1024, ...)``): a frame
-#: wider or taller than ROPE_POSITIONS patches (16384 px) fails in ``rope_precompute`` (IndexError)
-ROPE_POSITIONS = 1024
 FRAMEPACK_BUCKETS = (1, 2, 16)  # latent frames at 1x, 2x, 4x (WanModel_S2V passes [1, 2, 16])
 REAL_NUM_HEADS = 40
 

@@ -62,7 +62,7 @@ class StepCache:
 
     def __init__(self, setting: CacheSetting, steps: int, agree: Callable[[float], float], measures: bool = True):
         self.threshold, self.steps, self.agree = setting.threshold, steps, agree
-        self.active = setting.threshold > 0  # every rank has the same setting: all skip the broadcast alike
+        self.active = setting.reuses  # every rank has the same setting: all skip the broadcast alike
         self.measures = measures
         self.warmup = warmup_steps(steps)
         self.prev_x: Optional[torch.Tensor] = None  # the previous step's input (computed or reused)

@@ -45,6 +45,11 @@ class CacheSetting:
         return self.policy is not CachePolicy.OFF
 
     @property
+    def reuses(self) -> bool:
+        """Whether a step can be reused at all (threshold 0 computes every step)."""
+        return self.on and self.threshold > 0
+
+    @property
     def text(self) -> str:
         return self.policy.value if not self.on else f"{self.policy.value}:{self.threshold!r}"
 

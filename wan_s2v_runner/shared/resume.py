@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from wan_s2v_runner.shared import cache_policy
 from wan_s2v_runner.shared.quant import Fp8Matmul
 
 CLIPS_DIR = "clips"
@@ -52,7 +53,7 @@ def spec_digest(spec) -> str:
         data.pop("dit_quant")
     if data.get("fp8_matmul") == Fp8Matmul.DEQUANT.value:  # likewise: what every fp8 run did before the flag
         data.pop("fp8_matmul")
-    if data.get("cache") == "off":  # likewise: every run before --cache computed every step
+    if data.get("cache") == cache_policy.OFF.text:  # likewise: every run before --cache computed every step
         data.pop("cache")
     data["image_sha256"] = sha256_file(spec.image)
     data["audio_sha256"] = sha256_file(spec.speech)  # --tts-text: the speech it made (kept for a resume)

@@ -61,10 +61,13 @@ MAX_SEED = 2**63 - 1
 #: the most sampling steps a job may ask (upstream samples 40; a number far beyond is a mistake,
 #: or a job that would hold a served group for days)
 MAX_STEPS = 1000
-#: frames a clip may have: a clip of F frames spans (F + 76) // 4 - 19 latent frames, and the DiT's
-#: rotary table holds 1024 positions (upstream's rope_params(1024, ...)); a longer clip fails in the
-#: DiT's rope_precompute (IndexError), found by the server's fuzz test
-MAX_INFER_FRAMES = 4096
+#: positions per axis of the DiT's 3D rotary table (upstream's ``rope_params(1024, ...)``): a clip
+#: with more latent frames, or a frame with more patches a side (16384 px: preflight's inputs.size),
+#: fails in the DiT's ``rope_precompute`` (IndexError, found by the server's fuzz test)
+ROPE_POSITIONS = 1024
+#: frames a clip may have: a clip of F frames spans (F + 3 + 73) // 4 - (73 + 3) // 4 latent frames
+#: (73 motion frames, the VAE's stride 4 in time), at most ROPE_POSITIONS: 4096
+MAX_INFER_FRAMES = 4 * (ROPE_POSITIONS + (73 + 3) // 4) - (73 + 3)
 #: the largest noise schedule shift and guidance scale (upstream: 3-5)
 MAX_SCALE = 100.0
 

@@ -134,10 +134,10 @@ def video_object(server: Server, row: JobRow, position: Any = ASK) -> VideoObjec
         obj.update(live)
     elif row.status in (JobStatus.CANCELLED, JobStatus.FAILED):  # what it made before it ended
         obj["preview_clips"] = record.get("preview_clips")
+    if row.status in (JobStatus.COMPLETED, JobStatus.CANCELLED, JobStatus.FAILED):  # --cache: its record's
         obj["steps_reused"] = (record.get("step_cache") or {}).get("steps_reused")
     if row.status is JobStatus.COMPLETED:
         obj["frames"] = record.get("frames")
-        obj["steps_reused"] = (record.get("step_cache") or {}).get("steps_reused")
         obj["sha256"] = (record.get("output") or {}).get("sha256")
     obj["seconds"], obj["size"] = _length_and_size(spec, record if row.status is JobStatus.COMPLETED else {})
     return VideoObject(**obj)
