@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from patches import context_cache
-from wan_s2v_runner.loading import lean_load
+from wan_s2v_runner.loading import block_stream, lean_load
 from wan_s2v_runner.loading.ckpt_read import PthFile, open_dit
 from wan_s2v_runner.loading.quantize import Fp8Source
 from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
@@ -155,7 +155,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
          strategy: LoadStrategy = LoadStrategy.LEAN, waves: int = 1, on_event=None,
          compiled: bool = False, dit_file=None, dit_quant: DitQuant = DitQuant.NONE, loras=(),
          lora_allow_partial: bool = False, fp8_matmul: Fp8Matmul = Fp8Matmul.DEQUANT, overlap: bool = False,
-         load_group=None) -> Components:
+         load_group=None, resident_blocks: Optional[int] = None) -> Components:
     """The parts ``plan`` needs, loaded as ``WanS2V.__init__`` would load them (``strategy``
     ``full``) or leanly (``lean``: same modules, same values, less memory and reading).
     ``waves`` > 1 reads in turns of local ranks; ``on_event(stage, **data)`` enters a stage.
@@ -169,7 +169,10 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     ``patches.lora_merge`` merges them and these are not used); ``fp8_matmul`` how they multiply
     (``--fp8-matmul``, checked on this rank's device by ``fp8_linear.resolve_matmul``). ``overlap``
     (a replicated DiT, lean loading): the DiT is read on its own thread, its collectives on
-    ``load_group``, and joined by :meth:`Components.ready`."""
+    ``load_group``, and joined by :meth:`Components.ready`. ``resident_blocks`` (a replicated DiT,
+    lean loading; None: not streamed): the DiT is read into host memory and streamed block by block
+    (``--dit-offload blocks``: :mod:`wan_s2v_runner.loading.block_stream`), its first
+    ``resident_blocks`` blocks kept on the device."""
     s2v_mod = wan.speech2video
     lay = plan.layout
     self = s2v_mod.WanS2V.__new__(s2v_mod.WanS2V)
@@ -204,6 +207,8 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
         self.vae = s2v_mod.Wan2_1_VAE(vae_pth=os.path.join(ckpt_dir, config.vae_checkpoint), device=self.device)
     if (dit_file is not None or DitQuant(dit_quant) is not DitQuant.NONE) and not lean:
         raise ValueError("--dit-file and --dit-quant are read by lean loading only")
+    if resident_blocks is not None and (not lean or lay.dit_fsdp):
+        raise ValueError("a streamed DiT (--dit-offload blocks) is a replicated DiT read by lean loading")
     import torch.distributed as dist
     if overlap and load_group is None and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("a DiT loaded on its thread needs a process group of its own (load_group): its "
@@ -211,7 +216,8 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     pending = None
     if lean:
         dit = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, dit_file,
-                        dit_quant, (loras, lora_allow_partial), fp8_matmul, overlap=overlap, group=load_group)
+                        dit_quant, (loras, lora_allow_partial), fp8_matmul, overlap=overlap, group=load_group,
+                        resident=resident_blocks)
         pending, self.noise_model = (dit, None) if isinstance(dit, DitLoad) else (None, dit)
     else:
         if not lay.dit_fsdp:
@@ -240,11 +246,13 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
 
 
 def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file=None, quant=DitQuant.NONE,
-              fp8_loras=((), False), fp8_matmul=Fp8Matmul.DEQUANT, overlap=False, group=None):
+              fp8_loras=((), False), fp8_matmul=Fp8Matmul.DEQUANT, overlap=False, group=None, resident=None):
     """The DiT built on meta and filled as the layout needs (see ``lean_load``), from the
     checkpoint directory's DiT files or from ``dit_file``; with ``quant`` fp8, its target Linears
     quantized as they are read (:mod:`wan_s2v_runner.loading.quantize`). ``overlap`` (a replicated
-    DiT): a :class:`DitLoad` reading it on its thread, its collectives on ``group``."""
+    DiT): a :class:`DitLoad` reading it on its thread, its collectives on ``group``. ``resident``
+    (not None): read into host memory (one buffer, or the node's shared copy) and streamed, the
+    first ``resident`` blocks on the device (:mod:`wan_s2v_runner.loading.block_stream`)."""
     from patches import fp8_linear, lora_merge
     model = lean_load.empty_dit(s2v_mod.WanModel_S2V, ckpt_dir, self.param_dtype)
     fp8 = DitQuant(quant) is DitQuant.FP8
@@ -266,8 +274,8 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file
     if not lay.dit_fsdp:
         def read():
             with source() as src:
-                if self.device.type == "cpu":
-                    lean_load.node_shared_weights(model, src, report, "dit", group=group)
+                if self.device.type == "cpu" or resident is not None:
+                    lean_load.node_shared_weights(model, src, report, "dit", group=group, packed=resident is not None)
                 else:
                     lean_load.in_turns(report.waves, lambda: lean_load.device_weights(model, src, self.device,
                                                                                       report, "dit"), group=group)
@@ -276,8 +284,15 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file
                     fp8_linear.set_scales(model, src.row_scales(), self.device)
 
         def finish():  # upstream's: Ulysses rebinding, barrier (the main thread's collectives)
+            if resident is not None:  # upstream's configure leaves it in host memory: streamed below
+                self.init_on_cpu = True
             dit = self._configure_model(model=model, use_sp=lay.use_sp, dit_fsdp=False, shard_fn=shard_fn,
                                         convert_model_dtype=False)
+            if resident is not None:  # after a LoRA merge: the bytes streamed are the merged ones
+                streamer = block_stream.attach(dit, self.device, resident,
+                                               read_only=report.strategy.get("dit") == "node-shared")
+                report.strategy["dit_stream"] = streamer.describe()
+                self.init_on_cpu = False
             context_cache.apply(dit)
             return dit
 

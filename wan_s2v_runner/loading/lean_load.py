@@ -196,14 +196,24 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def node_shared_weights(model, source, report: LoadReport, what: str, group=None) -> str:
+def node_shared_weights(model, source, report: LoadReport, what: str, group=None, packed: bool = False) -> str:
     """Fill ``model``'s (meta) parameters on the CPU with one copy per node: local rank 0 reads
     the file into a memfd, the node's other ranks map it. A rank alone on its node reads into
-    private memory (faster: anonymous pages fault in huge pages, shared memory in 4 KiB ones).
+    private memory (faster: anonymous pages fault in huge pages, shared memory in 4 KiB ones),
+    tensor by tensor, or with ``packed`` into one buffer (a streamed DiT: one storage to pin).
     ``group``: the process group of its collectives (a DiT loaded while the encoders run has one
     of its own). Returns the strategy used."""
     import torch.distributed as dist
     if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= 1:  # alone on the node: nothing to share
+        if packed:
+            layout, total = _layout(model)
+            views = _views(torch.empty(total, dtype=torch.uint8).untyped_storage(), layout)
+            with torch.no_grad():
+                for name, t in views.items():
+                    source.read_flat(name, 0, t.view(-1))
+            model.load_state_dict(views, strict=True, assign=True)
+            report.strategy[what] = "private (one buffer)"
+            return report.strategy[what]
         device_weights(model, source, torch.device("cpu"), report, what)
         return report.strategy[what]
     layout, total = _layout(model)

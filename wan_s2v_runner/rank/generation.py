@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from wan_s2v_runner.loading import block_stream
 from wan_s2v_runner.rank.encoders import TextContexts, encode_audio, placement
 from wan_s2v_runner.rank.step_cache import StepCache
 from wan_s2v_runner.shared import cache_policy
@@ -406,7 +407,8 @@ class S2VGenerator:
                          "audio_input": audio_input, "motion_frames": [s2v.motion_frames, lat_motion_frames],
                          "drop_motion_frames": drop}
                 arg_null = {**arg_c, 'context': enc.context_null[0:1], "audio_input": 0.0 * audio_input}
-                if req.offload_model or s2v.init_on_cpu:
+                streamed = block_stream.streamer_of(self.parts.noise_model) is not None  # never moved whole
+                if (req.offload_model or s2v.init_on_cpu) and not streamed:
                     self.parts.noise_model.to(self.device)
                     self._empty_cache()
                 h.stage(Stage.DENOISE, clip=r + 1, clips=enc.num_repeat, steps=len(timesteps))
@@ -430,7 +432,7 @@ class S2VGenerator:
                     if h.cache_done is not None:
                         h.cache_done(self.cache_records[-1])
                     del cache  # its latent copies, before the decode
-                if req.offload_model:
+                if req.offload_model and not streamed:
                     self.parts.noise_model.cpu()
                     self._empty_cache(sync=True)
                 latents = torch.stack(latents)

@@ -47,6 +47,13 @@ class DitQuant(str, Enum):
     FP8 = "fp8"  # float8_e4m3fn, one scale per output row, dequantized per call
 
 
+class DitOffload(str, Enum):
+    """Where the DiT's blocks live between uses (``--dit-offload``; ``loading.block_stream``)."""
+
+    NONE = "none"  # on the rank's device, as upstream
+    BLOCKS = "blocks"  # in host memory, each block copied to the device just before it runs
+
+
 class MeshAxis(str, Enum):
     """The device mesh's dimensions, outermost first (:attr:`Layout.mesh_shape`'s order): the
     names the mesh is built with and its process groups are looked up by."""

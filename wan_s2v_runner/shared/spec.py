@@ -43,7 +43,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from wan_s2v_runner.shared import cache_policy, schedule
-from wan_s2v_runner.shared.layout import DitQuant, Layout, LoadStrategy, Mode
+from wan_s2v_runner.shared.layout import DitOffload, DitQuant, Layout, LoadStrategy, Mode
 from wan_s2v_runner.shared.node_agent import DEFAULT_WORKER
 from wan_s2v_runner.shared.quant import Fp8Matmul
 
@@ -205,6 +205,13 @@ class GroupSpec(BaseModel):
         False, description="run even when some LoRA keys name no module of this DiT (they are skipped)")
     offload_model: Annotated[Optional[bool], Flag(_MO, default_text="only with 1 GPU")] = Field(
         None, description="offload the DiT to CPU between uses")
+    dit_offload: Annotated[DitOffload, Flag(_MO, env="WAN_S2V_DIT_OFFLOAD")] = Field(
+        DitOffload.NONE, description="blocks: keep the DiT's blocks in pinned host memory and copy each to the GPU "
+                                     "while the one before computes: the 14B on a 16-32 GB card, the same frames "
+                                     "(ulysses mode; docs/loading.md)")
+    resident_blocks: Annotated[Optional[int], Flag(_MO, metavar="N", default_text="from the memory plan")] = Field(
+        None, ge=0, description="with --dit-offload blocks: how many of the DiT's blocks stay on the GPU (the "
+                                "rest stream)")
     # ----- parallel layout
     mode: Annotated[Mode, Flag(_LA, extra_choices=("auto",))] = Field(
         Mode.ULYSSES, description="parallel mode (auto: the doctor's recommendation)")
@@ -292,6 +299,17 @@ class GroupSpec(BaseModel):
         if self.fp8_matmul is not Fp8Matmul.DEQUANT and self.dit_quant is not DitQuant.FP8:
             raise ValueError(f"--fp8-matmul {self.fp8_matmul.value} is how --dit-quant fp8's Linears multiply; "
                              "add --dit-quant fp8 or drop --fp8-matmul")
+        if self.dit_offload is DitOffload.BLOCKS:
+            for given, why in ((self.layout.dit_fsdp, f"--mode {self.mode.value}: each rank already holds 1/N "
+                                "of the DiT and gathers every block when it runs (FSDP's own streaming, over "
+                                "the network); stream a replicated DiT with --mode ulysses (any degree)"),
+                               (self.load is LoadStrategy.FULL, "--load full (lean loading reads the blocks into "
+                                "host memory)")):
+                if given:
+                    raise ValueError(f"--dit-offload blocks cannot be combined with {why}")
+        elif self.resident_blocks is not None:
+            raise ValueError("--resident-blocks says how many blocks stay on the GPU while the rest stream; "
+                             "add --dit-offload blocks or drop it")
         if self.dit_file is not None and self.load is LoadStrategy.FULL:
             raise ValueError("--dit-file is read by lean loading (--load full is upstream's own reading of "
                              "CKPT_DIR); drop --load full")

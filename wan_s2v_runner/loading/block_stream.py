@@ -1,0 +1,286 @@
+"""The DiT streamed block by block (``--dit-offload blocks``): its blocks live in host memory and
+each is copied to the GPU just before it runs, so a 24 GB card holds the 14B's step (issue #57).
+
+Upstream places the whole DiT on the rank's device (``WanS2V.__init__``/``_configure_model``:
+``model.to(device)``), 30.4 GiB in bf16. Peers that run the 14B on 16-32 GB cards stream its
+blocks instead (Kijai's block swap, Wan2GP, LightX2V's async block offload, diffusers'
+``apply_group_offloading``). Here:
+
+* A **unit** is one DiT block with the audio-injection layers that run right after it
+  (``audio_injector.injector[j]``, its AdaIN or pre-norm layers, where block i injects):
+  everything one block's turn in ``WanModel_S2V.forward`` reads. The first ``resident`` units and
+  everything outside the units (embeddings, head, norms, the DiT's audio encoder, the frame
+  packer, every buffer: RoPE table, fp8 scales) stay on the device.
+* A streamed unit's parameters keep their host tensors (the dtype they were loaded in: bf16, or
+  fp8 bytes, half the traffic). Two device **slots**, each as large as the largest unit, take
+  turns: before block i runs (a forward pre-hook, outside any compiled graph) its unit is bound to
+  its slot (each parameter's ``.data`` a view of the slot) and the next streamed unit, in the
+  order the blocks run (after the last, the first again: the next pass), is copied into the other
+  slot on a side stream while block i computes. A copy waits for the compute stream to have
+  finished with its slot (an event); block i waits for its own copy (an event). A unit whose slot
+  was not overwritten since is not copied again (two streamed units: copied once).
+* Evicted parameters point back at their host tensors: whoever reads them outside the loop gets
+  their values.
+* On the CPU the slots are CPU tensors and the copies are real copies (what the tests run); on
+  CUDA the host memory is pinned (``cudaHostRegister`` over each host storage, once: one packed
+  buffer per rank, or the node-shared copy every local rank maps) so the copies are asynchronous
+  DMA; where pinning fails (the locked-memory limit) the copies are pageable and a warning says so.
+
+Why not diffusers' ``apply_group_offloading``: it pins a private copy of every group in each
+process (no node-shared copy), keeps nothing resident (no partial residency a 32 GB card wants),
+and with ``onload_device`` the CPU its hooks move nothing, so the CPU tests would not run the
+mechanism; its hooks also re-place parameters on every call, where a slot that still holds its
+unit is reused here.
+
+The values computed are the same: a parameter's bytes are copied, never converted, so streamed
+frames equal resident frames bit for bit (tests/test_block_stream.py, every layout).
+
+May import: nothing of the project (torch only).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+log = logging.getLogger("wan_s2v.block_stream")
+
+#: byte alignment of a parameter inside a slot
+_ALIGN = 256
+#: ``cudaHostRegisterReadOnly``: the driver pins the pages without asking to write them (a
+#: copy-on-write mapping of the node-shared weights stays shared)
+_REGISTER_READ_ONLY = 0x08
+
+
+@dataclass
+class Unit:
+    """One streamed unit: a block and the audio-injection layers that run after it."""
+    index: int  # the block's index
+    params: list[nn.Parameter]
+    host: list[torch.Tensor] = field(default_factory=list)  # each parameter's host tensor
+    offsets: list[int] = field(default_factory=list)  # each parameter's byte offset in a slot
+    nbytes: int = 0
+
+
+def unit_modules(model) -> list[list[nn.Module]]:
+    """The modules of each block's turn, in the order the blocks run: block i, then (where it
+    injects audio) the injection layers ``after_transformer_block(i)`` calls."""
+    injector = getattr(model, "audio_injector", None)
+    injected = dict(getattr(injector, "injected_block_id", {}) or {})
+    units = []
+    for i, block in enumerate(model.blocks):
+        mods = [block]
+        if i in injected:
+            j = injected[i]
+            for name in ("injector", "injector_adain_layers", "injector_pre_norm_feat", "injector_pre_norm_vec"):
+                layers = getattr(injector, name, None)
+                if layers is not None and j < len(layers):
+                    mods.append(layers[j])
+        units.append(mods)
+    return units
+
+
+def unit_bytes(model) -> list[int]:
+    """Each unit's parameter bytes (in the order the blocks run)."""
+    return [sum(p.numel() * p.element_size() for m in mods for p in m.parameters()) for mods in unit_modules(model)]
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last error after a refused registration (best effort): a later kernel launch
+    check would otherwise report it as its own."""
+    import ctypes
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except OSError:
+            continue
+
+
+def _pin(tensors: list[torch.Tensor], read_only: bool) -> tuple[int, list[str], list[int]]:
+    """Pin the storages under ``tensors`` (each distinct storage once; ``read_only``: a
+    copy-on-write mapping of the node's shared copy, pinned without asking to write it, else the
+    pinning would give each rank a private copy). Returns (bytes pinned, the failures'
+    descriptions, the pointers registered here)."""
+    cudart = torch.cuda.cudart()
+    seen, pinned, failed, registered = set(), 0, [], []
+    for t in tensors:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in seen or st.nbytes() == 0:
+            continue
+        seen.add(ptr)
+        if t.is_pinned():
+            pinned += st.nbytes()
+            continue
+        err = cudart.cudaHostRegister(ptr, st.nbytes(), _REGISTER_READ_ONLY if read_only else 0)
+        if int(err) != 0:
+            _clear_cuda_error()
+            failed.append(f"{st.nbytes() / 2**30:.1f} GiB: cudaError {int(err)}")
+            continue
+        registered.append(ptr)
+        pinned += st.nbytes()
+    return pinned, failed, registered
+
+
+class BlockStreamer:
+    """Streams ``model``'s units after the first ``resident`` through two slots on ``device``
+    (see the module docstring). Build it with :func:`attach`."""
+
+    def __init__(self, model, device: torch.device, resident: int, pin: bool = True, read_only: bool = False):
+        self.device = torch.device(device)
+        mods = unit_modules(model)
+        self.resident = max(0, min(int(resident), len(mods)))
+        streamed_ids: set[int] = set()
+        self.units: list[Unit] = []
+        for i, ms in enumerate(mods):
+            if i < self.resident:
+                continue
+            params = [p for m in ms for p in m.parameters()]
+            self.units.append(Unit(i, params))
+            streamed_ids.update(id(p) for p in params)
+        with torch.no_grad():
+            # everything else (parameters outside the streamed units, every buffer) to the device
+            for p in model.parameters():
+                if id(p) not in streamed_ids:
+                    p.data = p.data.to(self.device)
+            for m in model.modules():
+                for name, b in list(m._buffers.items()):
+                    if b is not None:
+                        m._buffers[name] = b.to(self.device)
+            for u in self.units:
+                off = 0
+                for p in u.params:
+                    off = -(-off // _ALIGN) * _ALIGN
+                    u.offsets.append(off)
+                    off += p.numel() * p.element_size()
+                u.nbytes = off
+            # parameters on the device (a model built there): into one packed host buffer (one
+            # storage to pin; torch's pinned allocator would round each tensor up to a power of two)
+            away = [(u, i) for u in self.units for i, p in enumerate(u.params) if p.device.type != "cpu"]
+            packed = torch.empty(sum(u.nbytes for u in {id(u): u for u, _ in away}.values()),
+                                 dtype=torch.uint8) if away else None
+            cursor = 0
+            for u in self.units:
+                on_host = [p.data for p in u.params]
+                if any(p.device.type != "cpu" for p in u.params):
+                    for i, p in enumerate(u.params):
+                        n = p.numel() * p.element_size()
+                        view = packed[cursor + u.offsets[i]:cursor + u.offsets[i] + n].view(p.dtype).view(p.shape)
+                        view.copy_(p.data)
+                        on_host[i] = view
+                    cursor += u.nbytes
+                for p, host in zip(u.params, on_host):
+                    u.host.append(host)
+                    p.data = host
+        self.slot_bytes = max((u.nbytes for u in self.units), default=0)
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                      for _ in range(2 if len(self.units) > 1 else len(self.units))]
+        self.slot_unit: list[Optional[int]] = [None] * len(self.slots)  # which unit (position) each holds
+        self.current: Optional[int] = None  # the slot of the unit computing now
+        self.host_bytes = sum(u.nbytes for u in self.units)
+        self.copies = 0  # units copied so far
+        self.bytes_copied = 0
+        self.pinned_bytes, self.pin_failures, self._registered = 0, [], []
+        cuda = self.device.type == "cuda"
+        if cuda and pin and self.units:
+            self.pinned_bytes, self.pin_failures, self._registered = _pin([t for u in self.units for t in u.host],
+                                                                           read_only)
+            if self.pin_failures:
+                log.warning("the streamed DiT's host memory could not all be pinned (%s): its copies are pageable "
+                            "(slower, not overlapped). Fix: raise the locked-memory limit (ulimit -l unlimited, "
+                            "or memlock in /etc/security/limits.conf)", "; ".join(self.pin_failures))
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.ready = [torch.cuda.Event() if cuda else None for _ in self.slots]
+        self._order = {u.index: k for k, u in enumerate(self.units)}
+        self._hooks = [model.blocks[u.index].register_forward_pre_hook(self._before(k))
+                       for k, u in enumerate(self.units)]
+
+    # ----- what the plan and the report read
+    def describe(self) -> dict:
+        return {"resident_blocks": self.resident, "streamed_blocks": len(self.units),
+                "slot_bytes": self.slot_bytes, "slots": len(self.slots), "host_bytes": self.host_bytes,
+                "pinned_bytes": self.pinned_bytes, "pageable": bool(self.pin_failures) or (
+                    self.device.type == "cuda" and self.pinned_bytes < self.host_bytes)}
+
+    # ----- the mechanism
+    def _views(self, k: int, s: int) -> list[torch.Tensor]:
+        u, slot = self.units[k], self.slots[s]
+        return [slot[off:off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                for p, off in zip(u.params, u.offsets)]
+
+    def _evict(self, s: int) -> None:
+        k = self.slot_unit[s]
+        if k is not None:
+            for p, host in zip(self.units[k].params, self.units[k].host):
+                p.data = host
+            self.slot_unit[s] = None
+
+    def _load(self, k: int, s: int) -> None:
+        """Copy unit ``k`` into slot ``s`` (asynchronously on CUDA) and bind its parameters there."""
+        self._evict(s)
+        views = self._views(k, s)
+        u = self.units[k]
+        if self.copy_stream is not None:
+            # the slot's previous unit: every kernel that reads it is queued on the compute stream by now
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                for v, host in zip(views, u.host):
+                    v.copy_(host, non_blocking=True)
+                self.ready[s].record(self.copy_stream)
+        else:
+            for v, host in zip(views, u.host):
+                v.copy_(host)
+        for p, v in zip(u.params, views):
+            p.data = v
+        self.slot_unit[s] = k
+        self.copies += 1
+        self.bytes_copied += u.nbytes
+
+    def _before(self, k: int):
+        def hook(module, args):
+            with torch.no_grad():
+                s = next((i for i, held in enumerate(self.slot_unit) if held == k), None)
+                if s is None:  # not prefetched (the first pass, or out of order): now
+                    s = 0 if self.current is None or len(self.slots) == 1 else 1 - self.current
+                    self._load(k, s)
+                if self.copy_stream is not None:
+                    torch.cuda.current_stream(self.device).wait_event(self.ready[s])
+                self.current = s
+                nxt = (k + 1) % len(self.units)
+                if len(self.slots) > 1 and nxt != k and self.slot_unit[1 - s] != nxt:
+                    self._load(nxt, 1 - s)
+            return None
+        return hook
+
+    def detach(self) -> None:
+        """Remove the hooks and point every streamed parameter at its host tensor (tests)."""
+        for h in self._hooks:
+            h.remove()
+        for s in range(len(self.slots)):
+            self._evict(s)
+        self._hooks = []
+        if self._registered:
+            torch.cuda.synchronize(self.device)
+            for ptr in self._registered:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            self._registered = []
+
+
+def attach(model, device, resident: int, pin: bool = True, read_only: bool = False) -> BlockStreamer:
+    """Stream ``model`` (its parameters anywhere, on the host or the device) on ``device``, keeping
+    its first ``resident`` units there; ``read_only``: its host memory is a copy-on-write mapping
+    shared by the node's ranks (pinned read-only, or not at all)."""
+    streamer = BlockStreamer(model, device, resident, pin, read_only)
+    model._wan_s2v_streamer = streamer
+    log.info("DiT streamed: %d of %d blocks from host memory (%.2f GiB) through 2 slots of %.2f GiB; %d resident",
+             len(streamer.units), len(streamer.units) + streamer.resident, streamer.host_bytes / 2**30,
+             streamer.slot_bytes / 2**30, streamer.resident)
+    return streamer
+
+
+def streamer_of(model) -> Optional[BlockStreamer]:
+    return getattr(model, "_wan_s2v_streamer", None)
