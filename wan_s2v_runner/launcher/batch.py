@@ -100,14 +100,15 @@ def plan_lines(path: Path, base: dict[str, Any], group: GroupSpec, output_dir: P
     return lines
 
 
-def preflight_lines(lines: list[Line], json_mode: bool) -> Optional[int]:
+def preflight_lines(lines: list[Line], json_mode: bool) -> dict:
     """Preflight every queued job (the machine probed once); refuse the ones that fail. Returns
-    the load waves the memory plan chose for the group, if any."""
+    what the memory plan fills in for the group (:meth:`GateReport.settled`): the most load waves
+    and the fewest resident blocks any job's plan asks for (one group runs them all)."""
     from wan_s2v_runner.preflight import GateReport, check_run, machine_facts
     from wan_s2v_runner.preflight.render import print_gate
 
     facts = machine_facts()
-    waves = None
+    settled: dict = {}
     shown = False
     for line in lines:
         if line.state is not JobState.QUEUED:
@@ -120,8 +121,9 @@ def preflight_lines(lines: list[Line], json_mode: bool) -> Optional[int]:
         if not shown:  # the group's checks once, for the first job
             print_gate(report, json_mode)
             shown = True
-            waves = report.data_of("memory.host").get("waves")
-    return waves
+        for key, value in report.settled(line.spec).items():
+            settled[key] = (max if key == "load_waves" else min)(settled.get(key, value), value)
+    return settled
 
 
 def summary(lines: list[Line], records: dict[str, dict]) -> str:
@@ -152,7 +154,7 @@ def run_batch(path: Path, base: dict[str, Any], group: GroupSpec, output_dir: Pa
     for line in lines:
         if line.state is JobState.QUEUED:
             mark_done_before(line)
-    waves = None if skip_preflight else preflight_lines(lines, json_mode)
+    settled = {} if skip_preflight else preflight_lines(lines, json_mode)
     jobs: list[Job] = []
     for line in lines:
         if line.state is not JobState.QUEUED:
@@ -172,8 +174,7 @@ def run_batch(path: Path, base: dict[str, Any], group: GroupSpec, output_dir: Pa
             print(f"batch: line {line.number} ({line.id}) resumes at clip {line.resume_at}", file=sys.stderr)
     code = exit_codes.OK
     if jobs:
-        if group.load_waves is None and waves and waves > 1:
-            group = group.model_copy(update={"load_waves": waves})
+        group = group.model_copy(update={k: v for k, v in settled.items() if getattr(group, k) is None})
         code = launch.run(group, observers=[Display.auto(json_mode=json_mode)], extra_env=extra_env, jobs=jobs)
         if not group.writes_output:  # another node: node 0's rank 0 makes node 0's list and writes it all
             return code

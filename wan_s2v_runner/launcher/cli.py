@@ -38,12 +38,9 @@ def make_spec(args, defaults: Optional[dict] = None) -> RunSpec:
     if mode_auto:
         from wan_s2v_runner.preflight import recommend_mode
         rec = recommend_mode(spec)
-        update = {"mode": rec.mode}
-        if "cfg_parallel" not in values:  # the plan's CFG split, unless --[no-]cfg-parallel was given
-            update["cfg_parallel"] = rec.cfg_parallel
-        spec = RunSpec(**{**values, **update})  # validated again: the layout changed
-        print(f"--mode auto: {rec.mode.value}{' --cfg-parallel' if spec.cfg_parallel else ''} ({rec.text})",
-              file=sys.stderr)
+        # the plan's CFG split and streaming, unless --[no-]cfg-parallel / --dit-offload was given
+        spec = RunSpec(**{**values, **rec.updates(values)})  # validated again: the layout changed
+        print(f"--mode auto: {rec.flags(spec.cfg_parallel)} ({rec.text})", file=sys.stderr)
     return spec
 
 
@@ -61,12 +58,8 @@ def make_group(values: dict[str, Any]) -> GroupSpec:
         from wan_s2v_runner.preflight import group_context, recommend_mode
 
         rec = recommend_mode(group_context(group, values))
-        update = {"mode": rec.mode}
-        if "cfg_parallel" not in values:  # the plan's CFG split, unless --[no-]cfg-parallel was given
-            update["cfg_parallel"] = rec.cfg_parallel
-        group = GroupSpec(**{**group_values(values), **update})
-        print(f"--mode auto: {rec.mode.value}{' --cfg-parallel' if group.cfg_parallel else ''} ({rec.text})",
-              file=sys.stderr)
+        group = GroupSpec(**{**group_values(values), **rec.updates(values)})
+        print(f"--mode auto: {rec.flags(group.cfg_parallel)} ({rec.text})", file=sys.stderr)
     return group
 
 
@@ -108,9 +101,7 @@ def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
                 if prepared:
                     prepared.abandon()
                 return exit_codes.PREFLIGHT
-            waves = report.data_of("memory.host").get("waves")
-            if spec.load_waves is None and waves and waves > 1:  # the memory plan's safety net
-                settled = settled.model_copy(update={"load_waves": waves})
+            settled = settled.model_copy(update=report.settled(spec))  # waves, resident blocks
     except BaseException:
         if prepared:
             prepared.abandon()
@@ -207,15 +198,34 @@ def cmd_demo(args) -> int:
     return cmd_run(args, defaults)
 
 
+def recorded_machine(path: Path):
+    """``doctor --machine``'s facts, or a ValueError naming the cause and the fix."""
+    from wan_s2v_runner.preflight.facts import SCHEMA, MachineFacts
+    try:
+        facts = MachineFacts.load(path)
+    except OSError as e:
+        raise ValueError(f"--machine {path}: cannot read it ({e.strerror or e}). Fix: pass a facts JSON "
+                         "(tests/data/machines/ has recorded ones)") from None
+    except ValueError as e:
+        raise ValueError(f"--machine {path}: not JSON ({e}). Fix: pass a facts JSON "
+                         "(python -m wan_s2v_runner.preflight.probe writes one)") from None
+    if not isinstance(facts.raw, dict) or facts.raw.get("schema") != SCHEMA:
+        raise ValueError(f"--machine {path}: not a machine-facts document of schema {SCHEMA}. Fix: pass a facts "
+                         "JSON (python -m wan_s2v_runner.preflight.probe writes one; tests/data/machines/ has "
+                         "recorded ones)")
+    return facts
+
+
 def cmd_doctor(args) -> int:
     from wan_s2v_runner.preflight import doctor
     from wan_s2v_runner.preflight.render import render_doctor
 
     try:
         values = spec_values(args)
+        facts = recorded_machine(args.machine) if args.machine else None
     except (ValueError, OSError) as e:
         return _usage_error(e)
-    report = doctor(values, queue_depth=args.queue_depth)
+    report = doctor(values, facts=facts, queue_depth=args.queue_depth)
     if args.json:
         print(json.dumps(report.to_json(), indent=2, default=str))
     else:

@@ -244,6 +244,16 @@ COMMAND_OPTIONS = (
         default="default",
     ),
     CommandOption(
+        "--machine",
+        "plan for a recorded machine instead of this one: a facts JSON (the probe's schema: `python -m "
+        "wan_s2v_runner.preflight.probe` writes this machine's; tests/data/machines/ holds recorded ones), so "
+        "you can ask whether a card fits before renting or buying it",
+        (Command.DOCTOR,),
+        kind=OptionKind.PATH,
+        default_text="this machine",
+        metavar="FACTS.json",
+    ),
+    CommandOption(
         "--queue-depth",
         "the jobs a server is expected to hold at once: the split table (--replicas) reports each split's mean "
         "latency at this depth",

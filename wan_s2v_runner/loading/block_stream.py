@@ -24,7 +24,8 @@ blocks instead (Kijai's block swap, Wan2GP, LightX2V's async block offload, diff
 * On the CPU the slots are CPU tensors and the copies are real copies (what the tests run); on
   CUDA the host memory is pinned (``cudaHostRegister`` over each host storage, once: one packed
   buffer per rank, or the node-shared copy every local rank maps) so the copies are asynchronous
-  DMA; where pinning fails (the locked-memory limit) the copies are pageable and a warning says so.
+  DMA; where pinning fails (the host is short of memory; WSL2 pins at most about half the RAM) the
+  copies are pageable (slower, not overlapped) and a warning says so.
 
 Why not diffusers' ``apply_group_offloading``: it pins a private copy of every group in each
 process (no node-shared copy), keeps nothing resident (no partial residency a 32 GB card wants),
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -130,7 +131,8 @@ class BlockStreamer:
     """Streams ``model``'s units after the first ``resident`` through two slots on ``device``
     (see the module docstring). Build it with :func:`attach`."""
 
-    def __init__(self, model, device: torch.device, resident: int, pin: bool = True, read_only: bool = False):
+    def __init__(self, model, device: torch.device, resident: int, pinner: Optional[Callable] = None,
+                 read_only: bool = False):
         self.device = torch.device(device)
         mods = unit_modules(model)
         self.resident = max(0, min(int(resident), len(mods)))
@@ -186,13 +188,15 @@ class BlockStreamer:
         self.bytes_copied = 0
         self.pinned_bytes, self.pin_failures, self._registered = 0, [], []
         cuda = self.device.type == "cuda"
-        if cuda and pin and self.units:
-            self.pinned_bytes, self.pin_failures, self._registered = _pin([t for u in self.units for t in u.host],
-                                                                           read_only)
+        self._pinner = pinner if pinner is not None else (_pin if cuda else None)
+        if self._pinner is not None and self.units:
+            self.pinned_bytes, self.pin_failures, self._registered = self._pinner(
+                [t for u in self.units for t in u.host], read_only)
             if self.pin_failures:
                 log.warning("the streamed DiT's host memory could not all be pinned (%s): its copies are pageable "
-                            "(slower, not overlapped). Fix: raise the locked-memory limit (ulimit -l unlimited, "
-                            "or memlock in /etc/security/limits.conf)", "; ".join(self.pin_failures))
+                            "(slower: the copy engine cannot overlap them with the compute). Fix: free host memory "
+                            "(pinned pages are never swapped; on WSL2 the driver pins at most about half the RAM) "
+                            "or use --dit-quant fp8 (half the bytes)", "; ".join(self.pin_failures))
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.ready = [torch.cuda.Event() if cuda else None for _ in self.slots]
         self._order = {u.index: k for k, u in enumerate(self.units)}
@@ -203,8 +207,8 @@ class BlockStreamer:
     def describe(self) -> dict:
         return {"resident_blocks": self.resident, "streamed_blocks": len(self.units),
                 "slot_bytes": self.slot_bytes, "slots": len(self.slots), "host_bytes": self.host_bytes,
-                "pinned_bytes": self.pinned_bytes, "pageable": bool(self.pin_failures) or (
-                    self.device.type == "cuda" and self.pinned_bytes < self.host_bytes)}
+                "pinned_bytes": self.pinned_bytes,
+                "pageable": self._pinner is not None and self.pinned_bytes < self.host_bytes}
 
     # ----- the mechanism
     def _views(self, k: int, s: int) -> list[torch.Tensor]:
@@ -263,18 +267,20 @@ class BlockStreamer:
         for s in range(len(self.slots)):
             self._evict(s)
         self._hooks = []
-        if self._registered:
+        if self._registered and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             for ptr in self._registered:
                 torch.cuda.cudart().cudaHostUnregister(ptr)
-            self._registered = []
+        self._registered = []
 
 
-def attach(model, device, resident: int, pin: bool = True, read_only: bool = False) -> BlockStreamer:
+def attach(model, device, resident: int, pinner: Optional[Callable] = None, read_only: bool = False) -> BlockStreamer:
     """Stream ``model`` (its parameters anywhere, on the host or the device) on ``device``, keeping
     its first ``resident`` units there; ``read_only``: its host memory is a copy-on-write mapping
-    shared by the node's ranks (pinned read-only, or not at all)."""
-    streamer = BlockStreamer(model, device, resident, pin, read_only)
+    shared by the node's ranks (pinned read-only, or not at all). ``pinner(host tensors, read_only)
+    -> (bytes pinned, failures, registered pointers)``: how the host memory is pinned (default: CUDA's
+    registration on a CUDA device, nothing on the CPU)."""
+    streamer = BlockStreamer(model, device, resident, pinner, read_only)
     model._wan_s2v_streamer = streamer
     log.info("DiT streamed: %d of %d blocks from host memory (%.2f GiB) through 2 slots of %.2f GiB; %d resident",
              len(streamer.units), len(streamer.units) + streamer.resident, streamer.host_bytes / 2**30,

@@ -5,7 +5,7 @@ rank group on the node (``serve --replicas``: the groups load at once, each with
 from __future__ import annotations
 
 from wan_s2v_runner.shared import encoder_placement
-from wan_s2v_runner.shared.layout import DitQuant, LoadStrategy, dit_load_overlap
+from wan_s2v_runner.shared.layout import DitOffload, DitQuant, LoadStrategy, Mode, dit_load_overlap
 
 from .core import fail, gib, human_count, ok, skip, warn
 from .memory import GPU_RUNTIME, largest_fitting_size, model_sizes, plan_all, workload
@@ -78,17 +78,63 @@ def check_gpu(ctx):
     w2v, w2v_why = audio_encoder_plan(ctx, p, free)
     size = largest_fitting_size(ctx, ctx.mode, int(GPU_WARN * free))
     smaller = f"--size {size}" if size else "a smaller --size"
+    streamed = {}
+    if p.stream is not None:
+        timing = stream_timing(ctx, p, worst)
+        detail += (f"; the DiT streamed: {p.stream['resident_blocks']} of {len(model_sizes(ctx).dit_units)} blocks "
+                   f"resident, 2 slots of {gib(p.stream['slot_bytes'])}, {gib(p.stream['pinned_bytes'])} pinned on the "
+                   f"host; {timing.describe()}")
+        streamed = {"resident_blocks": p.stream["resident_blocks"], "copy_s": round(timing.copy_s, 3),
+                    "compute_s": None if timing.compute_s is None else round(timing.compute_s, 2)}
     if need > free:
-        better = _better_mode(ctx, free) or _fp8_fits(ctx, free)
+        better = _better_mode(ctx, free) or _stream_fits(ctx, free) or _fp8_fits(ctx, free)
         return _fail_or_warn(ctx)("memory.gpu", f"does not fit: {detail}",
                                   better or f"use more GPUs (hybrid shards the DiT) or {smaller}",
-                                  need=need, free=free)
+                                  need=need, free=free, **streamed)
     if need > GPU_WARN * free:
-        alt = "" if ctx.mode.value == "hybrid" else "--mode hybrid or "
+        alt = "" if ctx.mode.value == "hybrid" or p.stream is not None else "--mode hybrid or "
+        if p.stream is not None and DitQuant(ctx.spec.dit_quant) is DitQuant.NONE:
+            alt = "--dit-quant fp8 or "
         return warn("memory.gpu", f"tight: {detail}; wav2vec2 {w2v_why}", "set "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; "
-                    f"if it runs out of memory use {alt}{smaller}", need=need, free=free, audio_encoder=w2v.value)
-    return ok("memory.gpu", f"{detail}; wav2vec2 {w2v_why}", need=need, free=free, audio_encoder=w2v.value)
+                    f"if it runs out of memory use {alt}{smaller}", need=need, free=free, audio_encoder=w2v.value,
+                    **streamed)
+    if streamed and streamed["compute_s"] is not None and streamed["copy_s"] > streamed["compute_s"]:
+        return warn("memory.gpu", f"{detail}; wav2vec2 {w2v_why}", "nothing to do (it runs, slower than resident); "
+                    "a larger --size or a faster slot hides the copies, --resident-blocks keeps more on the GPU",
+                    need=need, free=free, audio_encoder=w2v.value, **streamed)
+    return ok("memory.gpu", f"{detail}; wav2vec2 {w2v_why}", need=need, free=free, audio_encoder=w2v.value,
+              **streamed)
+
+
+def stream_timing(ctx, plan, gpu: dict):
+    """The streamed DiT's copies against its compute per pass on ``gpu`` (:mod:`.streaming`)."""
+    from .dit_flops import DitDims
+    from .streaming import timing
+    sizes, wl = model_sizes(ctx), workload(ctx)
+    units = sizes.dit_units
+    inject = sum(1 for u in units if u > min(units)) if units else 12
+    dims = DitDims(dim=sizes.dim or 5120, ffn_dim=sizes.ffn_dim or 13824, num_heads=sizes.num_heads or 40,
+                   num_layers=sizes.num_layers or 40, audio_layers=inject)
+    layout = ctx.layout_for(ctx.mode)
+    return timing(gpu, plan.stream["bytes_per_pass"], dims, wl.tokens, layout.sp_degree if layout.use_sp else 1)
+
+
+def _stream_fits(ctx, free: int) -> str:
+    """``--dit-offload blocks`` (ulysses mode) when the streamed DiT fits where the resident one does
+    not (the same frames: the fix to name first)."""
+    if ctx.spec.dit_offload is DitOffload.BLOCKS and not ctx.layout.dit_fsdp:
+        return ""
+    if LoadStrategy(ctx.spec.load) is LoadStrategy.FULL:
+        return ""
+    trial = ctx.with_settings(dit_offload=DitOffload.BLOCKS, resident_blocks=None)
+    need = plan_all(trial)[Mode.ULYSSES.value].gpu_peak
+    if need and need <= free:
+        mode = "" if ctx.mode is Mode.ULYSSES else "--mode ulysses "
+        tight = ", tight" if need > GPU_WARN * free else ""
+        return (f"add {mode}--dit-offload blocks (the DiT's blocks stream from host memory: est. {gib(need)} per "
+                f"rank{tight}, the same frames; docs/loading.md)")
+    return ""
 
 
 def _fail_or_warn(ctx):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from wan_s2v_runner.shared import exit_codes
+from wan_s2v_runner.shared.layout import DitOffload, Mode
 
 from .context import CheckContext, ModeSource
 from .core import CheckGroup, CheckResult, Status, counts
@@ -51,6 +52,18 @@ class GateReport:
     def data_of(self, check_id: str) -> dict:
         """The measured values of check ``check_id`` ({} if it did not run)."""
         return next((r.data for r in self.results if r.id == check_id), {})
+
+    def settled(self, group) -> dict:
+        """What the plan fills in that ``group`` (a GroupSpec) leaves to it: ``load_waves`` when the
+        node cannot load its ranks at once, ``resident_blocks`` for a streamed DiT."""
+        out = {}
+        waves = self.data_of("memory.host").get("waves")
+        if group.load_waves is None and waves and waves > 1:  # the memory plan's safety net
+            out["load_waves"] = waves
+        resident = self.data_of("memory.gpu").get("resident_blocks")
+        if group.dit_offload.value == "blocks" and group.resident_blocks is None and resident is not None:
+            out["resident_blocks"] = resident
+        return out
 
     def to_json(self) -> dict:
         shown = self.with_status(Status.FAIL) + self.with_status(Status.WARN)
@@ -181,9 +194,15 @@ def diagnose(ctx: CheckContext, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> Docto
     rec = recommend(ctx)
     if ctx.mode_source is ModeSource.DEFAULT:
         ctx.with_mode(rec.mode, ModeSource.RECOMMENDED)
+        if rec.dit_offload is DitOffload.BLOCKS:  # only a streamed DiT fits: checked as it would run
+            ctx.spec = ctx.spec.model_copy(update={"dit_offload": rec.dit_offload})
+            ctx.notes.append("--dit-offload blocks recommended (only a streamed DiT fits)")
     groups = groups_for(ctx.mode)
     results = run_checks(ctx, groups)
-    return DoctorReport(ctx=ctx, recommendation=rec, results=results, groups=groups, plans=plan_all(ctx),
+    plans = plan_all(ctx)
+    if ctx.spec.dit_offload is DitOffload.NONE and ctx.on_cuda:  # the streamed row beside the resident ones
+        plans["ulysses, streamed"] = plan_all(ctx.with_settings(dit_offload=DitOffload.BLOCKS))[Mode.ULYSSES.value]
+    return DoctorReport(ctx=ctx, recommendation=rec, results=results, groups=groups, plans=plans,
                         sizes=model_sizes(ctx), workload=workload(ctx),
                         parallel_plans=plan_table(ctx.mode, **plan_inputs(ctx)),
                         splits=splits_for(ctx.mode, ctx.layout.world_size, queue_depth=queue_depth,

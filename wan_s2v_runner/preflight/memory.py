@@ -17,7 +17,7 @@ from typing import Optional
 from wan_s2v_runner.loading import ckpt_tables as cr
 from wan_s2v_runner.loading.dit_file import dit_shapes
 from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
-from wan_s2v_runner.shared.layout import DitQuant, Layout, LoadStrategy, Mode
+from wan_s2v_runner.shared.layout import DitOffload, DitQuant, Layout, LoadStrategy, Mode
 from wan_s2v_runner.shared.quant import SCALE_BYTES, is_fp8_weight
 
 from .dit_flops import TEXT_LEN
@@ -57,6 +57,23 @@ class ModelSizes:
     num_layers: int
     dit_fp8_params: int = 0  # the weights --dit-quant fp8 holds in float8_e4m3fn (shared.quant)
     dit_fp8_rows: int = 0  # their output rows (one float32 scale each)
+    #: each streamed unit's parameters (a block and the audio-injection layers after it, in the
+    #: order the blocks run: loading.block_stream), and how many of them are fp8 weights
+    dit_units: tuple[int, ...] = ()
+    dit_units_fp8: tuple[int, ...] = ()
+
+    def unit_bytes(self, pb: int, fp8: bool) -> list[int]:
+        """Each unit's bytes as it is held (fp8: its fp8 weights at one byte, the rest at ``pb``)."""
+        fp8s = self.dit_units_fp8 if fp8 and self.dit_units_fp8 else (0,) * len(self.dit_units)
+        return [(n - f) * pb + f for n, f in zip(self.dit_units, fp8s)]
+
+
+#: the 14B's audio-injection layers (``WAN_CONFIGS['s2v-14B'].transformer.audio_inject_layers``)
+REFERENCE_INJECT_LAYERS = (0, 4, 8, 12, 16, 20, 24, 27, 30, 33, 36, 39)
+_BLOCK = 351_400_000  # one 14B block's parameters
+_BLOCK_FP8 = 8 * 5120**2 + 2 * 5120 * 13824
+_INJECT = 4 * (5120**2 + 5120) + 5120 * 2 * 5120 + 2 * 5120  # q, k, v, o + the AdaIN's Linear
+_INJECT_FP8 = 4 * 5120**2
 
 
 #: Wan2.2-S2V-14B (engine-facts): DiT 16.3B = 40 blocks x 351.4M + 2.24B root; T5 umt5-xxl
@@ -68,7 +85,32 @@ REFERENCE = ModelSizes(source="reference Wan2.2-S2V-14B sizes (no readable check
                        num_heads=40, num_layers=40,
                        # 40 blocks x (8 x 5120^2 + 2 x 5120 x 13824) + 12 audio layers x 4 x 5120^2
                        dit_fp8_params=40 * (8 * 5120**2 + 2 * 5120 * 13824) + 12 * 4 * 5120**2,
-                       dit_fp8_rows=40 * (8 * 5120 + 13824 + 5120) + 12 * 4 * 5120)
+                       dit_fp8_rows=40 * (8 * 5120 + 13824 + 5120) + 12 * 4 * 5120,
+                       dit_units=tuple(_BLOCK + (_INJECT if i in REFERENCE_INJECT_LAYERS else 0) for i in range(40)),
+                       dit_units_fp8=tuple(_BLOCK_FP8 + (_INJECT_FP8 if i in REFERENCE_INJECT_LAYERS else 0)
+                                           for i in range(40)))
+
+_INJECT_RE = re.compile(r"audio_injector\.(?:injector|injector_adain_layers|injector_pre_norm_feat|"
+                        r"injector_pre_norm_vec)\.(\d+)\.")
+
+
+def _units(names_params: dict[str, int], fp8: set[str], inject_layers) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(parameters, fp8 weights) of each streamed unit: block i and the injection layers of the
+    j-th entry of ``inject_layers`` where that entry is i (``loading.block_stream.unit_modules``)."""
+    at = {j: int(b) for j, b in enumerate(inject_layers or ())}
+    per: dict[int, list[int]] = {}
+    for name, n in names_params.items():
+        m = re.match(r"blocks\.(\d+)\.", name)
+        i = int(m.group(1)) if m else None
+        if i is None:
+            m = _INJECT_RE.match(name)
+            i = at.get(int(m.group(1))) if m else None
+        if i is not None:
+            row = per.setdefault(i, [0, 0])
+            row[0] += n
+            row[1] += n if name in fp8 else 0
+    order = sorted(per)
+    return tuple(per[i][0] for i in order), tuple(per[i][1] for i in order)
 
 
 def _blocks(names_params: dict[str, int], prefix=r"blocks\.(\d+)\.") -> tuple[int, int]:
@@ -103,6 +145,7 @@ def sizes_from_checkpoint(ckpt: Path, cache: Optional[dict] = None, dit_file: Op
         w2v = (cr.read_safetensors_header(st).params if st.is_file()
                else cr.pth_params(cr.read_pth_shapes(ckpt / W2V_WEIGHTS_BIN)))
     root, block = _blocks(dit)
+    units, units_fp8 = _units(dit, set(fp8), cfg.get("audio_inject_layers"))
     t5_root, t5_block = _blocks({k: math.prod(s) for k, (s, _) in t5.items()})
     return ModelSizes(
         source=f"checkpoint {ckpt}", dit_params=sum(dit.values()), dit_root_params=root,
@@ -110,7 +153,7 @@ def sizes_from_checkpoint(ckpt: Path, cache: Optional[dict] = None, dit_file: Op
         vae_params=cr.pth_params(vae), wav2vec_params=int(w2v), dim=int(cfg.get("dim", 0)),
         ffn_dim=int(cfg.get("ffn_dim", 0)), num_heads=int(cfg.get("num_heads", 0)),
         num_layers=int(cfg.get("num_layers", 0)), dit_fp8_params=sum(math.prod(s) for s in fp8.values()),
-        dit_fp8_rows=sum(s[0] for s in fp8.values()))
+        dit_fp8_rows=sum(s[0] for s in fp8.values()), dit_units=units, dit_units_fp8=units_fp8)
 
 
 def model_sizes(ctx) -> ModelSizes:
@@ -175,6 +218,9 @@ class ModePlan:
     nproc: int = 1
     host_rank0: int = 0  # rank 0 (node-shared weights not included)
     host_text_extra: int = 0  # what the text rank (the last: it encodes the prompts) holds beyond host_others
+    #: the streamed DiT (``--dit-offload blocks``): resident_blocks, streamed_blocks, slot_bytes,
+    #: pinned_bytes (host, per node), bytes_per_pass (copied); None when the DiT is resident
+    stream: Optional[dict] = None
 
     def node_total(self, waves: int = 1) -> int:
         """Host RAM the node needs when its ranks read their weights in ``waves`` turns."""
@@ -216,12 +262,30 @@ def _text_kv(layers: int, dim: int, pb: int, contexts: int) -> int:
     return contexts * 2 * layers * TEXT_LEN * dim * pb
 
 
+def stream_terms(sizes: ModelSizes, pb: int, fp8: bool, resident: int) -> dict:
+    """What streaming the DiT's units after the first ``resident`` costs: the device bytes it
+    saves (the streamed units') and adds (two slots of the largest streamed unit, one when only
+    one streams), and the bytes copied per pass."""
+    units = sizes.unit_bytes(pb, fp8)
+    resident = max(0, min(resident, len(units)))
+    streamed = units[resident:]
+    slots = min(2, len(streamed))
+    slot = max(streamed, default=0)
+    return {"resident_blocks": resident, "streamed_blocks": len(streamed), "slot_bytes": slot,
+            "streamed_bytes": sum(streamed), "device_bytes": slots * slot,
+            "bytes_per_pass": sum(streamed) if len(streamed) > 2 else 0}
+
+
 def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, device: str,
-              offload: bool, load: LoadStrategy = LoadStrategy.LEAN, quant: DitQuant = DitQuant.NONE) -> ModePlan:
+              offload: bool, load: LoadStrategy = LoadStrategy.LEAN, quant: DitQuant = DitQuant.NONE,
+              stream: Optional[int] = None) -> ModePlan:
     """The plan of one layout: what it shards, splits or keeps on the CPU decides every term;
     the host figures also follow the loading strategy (``load``) and the DiT's weights ``quant``
     (fp8: its big Linears at one byte a weight plus a float32 scale a row, each dequantized when
-    called: an fp32 copy and the param-dtype copy F.linear takes of the largest one in flight)."""
+    called: an fp32 copy and the param-dtype copy F.linear takes of the largest one in flight).
+    ``stream`` (not None; a replicated DiT): ``--dit-offload blocks`` with that many blocks
+    resident: the device holds the rest of the DiT plus two slots, the host the whole DiT (read
+    once per node, pinned), and T5 goes back to the CPU after encoding (offload)."""
     on_cuda = device == "cuda"
     pb = 2 if on_cuda else 4  # param_dtype/t5_dtype: bf16 on CUDA, fp32 on CPU (worker.engine_config)
     ws = max(1, layout.world_size)
@@ -248,6 +312,10 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
              "dit_activations": act, "vae_workspace": vae_dec + dec_out, "text_kv_memo": text_kv,
              "video_frames_rank0": video}
 
+    streaming = None
+    if stream is not None and not dit_fsdp and on_cuda:
+        streaming = stream_terms(sizes, pb, fp8, stream)
+        offload = True  # T5 leaves the GPU after encoding; the DiT is never moved whole
     if dit_fsdp:
         dit_res = -(-w_dit // ws)
         root, block = sizes.dit_root_params, sizes.dit_block_max
@@ -258,6 +326,9 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         dit_gathered = (root + 2 * block) * pb if ws > 1 else 0
     else:
         dit_res, dit_gathered = w_dit, 0
+    if streaming is not None:
+        dit_res = w_dit - streaming["streamed_bytes"] + streaming["device_bytes"]
+        parts["dit_streamed_host"] = streaming["streamed_bytes"]
     if t5_cpu:
         t5_gpu, t5_gather = 0, 0
     elif t5_fsdp:
@@ -270,7 +341,9 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         # the reference is encoded before the prompt: the VAE's workspace and T5 come one after the other
         phases["encode"] = dit_res + w_vae + max(t5_gpu + t5_gather, vae_ws)
         phases["denoise"] = dit_res + dit_gathered + t5_denoise + w_vae + act + text_kv
-        phases["decode"] = (0 if offload else dit_res + t5_denoise) + w_vae + vae_dec + dec_out + text_kv
+        # offload parks a resident DiT on the CPU for the decode; a streamed one keeps its device part
+        parked = 0 if streaming is None else dit_res
+        phases["decode"] = (parked if offload else dit_res + t5_denoise) + w_vae + vae_dec + dec_out + text_kv
         gpu_peak = max(phases.values()) + GPU_RUNTIME
     else:
         gpu_peak = None
@@ -278,17 +351,24 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     base = HOST_BASE_CUDA if on_cuda else HOST_BASE_CPU
     if load is LoadStrategy.LEAN:
         host0, others, shared, transient, text_extra = _lean_host(
-            layout, on_cuda=on_cuda, offload=offload, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
+            layout, on_cuda=on_cuda, offload=offload and streaming is None, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
             w2v_phase=w2v_phase, dit_res=dit_res, dit_gathered=dit_gathered, act=act + text_kv,
             vae_band=vae_dec, vae_out=dec_out,
             staging=(largest_linear * (6 if fp8 else pb)) if on_cuda  # fp8: read in fp32, quantized, staged
             else LEAN_CHUNK + (largest_linear * 4 if fp8 else 0))
+        if streaming is not None:  # the whole DiT in host memory: the node's one copy, or rank 0's own
+            if nproc > 1:
+                shared += w_dit
+            else:
+                host0 += w_dit
+            streaming["pinned_bytes"] = w_dit
         host0, others = host0 + base, others + base
         name = layout.mode.value if layout.mode else "custom"
         # the text rank (the last) holds T5 on top of what any other rank holds
         node = host0 + (nproc - 1) * others + (text_extra if nproc > 1 else 0) + shared + video
         return ModePlan(name, ws, gpu_peak, phases, int(max(host0, others + text_extra) + shared), int(node), parts,
-                        load, int(others), int(shared), int(transient), nproc, int(host0), int(text_extra))
+                        load, int(others), int(shared), int(transient), nproc, int(host0), int(text_extra),
+                        streaming)
     if on_cuda:
         t5_build = sizes.t5_params * 4 + (0 if pb == 2 else sizes.t5_params * 2)  # fp32 init (+ file)
         t5_resident = w_t5 if not t5_fsdp else 0
@@ -342,11 +422,52 @@ def _lean_host(layout: Layout, *, on_cuda, offload, w_dit, w_t5, w_vae, w2v_phas
 
 
 def plan_all(ctx) -> dict[str, ModePlan]:
-    """The plan of every mode at this context's world size (keys: mode values)."""
+    """The plan of every mode at this context's world size (keys: mode values); with
+    ``--dit-offload blocks``, the modes that replicate the DiT stream it (``--resident-blocks``,
+    else as many resident as :func:`resident_blocks` finds room for)."""
     sizes, wl = model_sizes(ctx), workload(ctx)
-    return {m.value: plan_mode(ctx.layout_for(m), sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device,
-                               offload=ctx.offload, load=ctx.spec.load, quant=ctx.spec.dit_quant)
-            for m in Mode}
+    out = {}
+    for m in Mode:
+        stream = None
+        if ctx.spec.dit_offload is DitOffload.BLOCKS and not ctx.layout_for(m).dit_fsdp:
+            stream = ctx.spec.resident_blocks
+            if stream is None:
+                stream = resident_blocks(ctx.layout_for(m), sizes, wl, ctx, free_gpu_bytes(ctx))
+        out[m.value] = plan_mode(ctx.layout_for(m), sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device,
+                                 offload=ctx.offload, load=ctx.spec.load, quant=ctx.spec.dit_quant, stream=stream)
+    return out
+
+
+#: what of the GPU's free memory a plan may fill (the estimate is approximate; a streamed step
+#: whose blocks fill the last gigabytes waits on the allocator: docs/gpu.md, the streamed DiT)
+GPU_FILL = 0.9
+
+
+def free_gpu_bytes(ctx) -> int:
+    """The least free memory of the GPUs the node's ranks use (total where free is unknown; 0 on none)."""
+    gpus = [g for g in ctx.local_gpus if g.get("free_mib") is not None] or ctx.facts.gpus
+    return min((g.get("free_mib") or g.get("total_mib") or 0 for g in gpus), default=0) * 2**20
+
+
+def resident_blocks(layout: Layout, sizes: ModelSizes, wl: Workload, ctx, free: int) -> int:
+    """How many DiT blocks a streamed run keeps on the GPU: the most whose plan stays within
+    :data:`GPU_FILL` of ``free`` (0 when even every block streamed does not, or free is unknown)."""
+    if not free or not sizes.dit_units:
+        return 0
+
+    def peak(r: int) -> int:
+        return plan_mode(layout, sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device, offload=ctx.offload,
+                         load=ctx.spec.load, quant=ctx.spec.dit_quant, stream=r).gpu_peak or 0
+    lo, hi = 0, len(sizes.dit_units)
+    if peak(0) > GPU_FILL * free:
+        return 0
+    while lo < hi:  # the peak grows with every resident block (the slots shrink by at most one unit)
+        mid = (lo + hi + 1) // 2
+        if peak(mid) <= GPU_FILL * free:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 #: standard S2V areas, largest first (WIDTH*HEIGHT as the CLI takes them)

@@ -125,7 +125,18 @@ def _host() -> dict:
             "mem_available_mib": mib(mi.get("MemAvailable")),
             "cgroup_limit_mib": mib(limit), "cgroup_usage_mib": mib(usage),
             "shm_total_mib": mib(shm_total), "shm_free_mib": mib(shm_free),
-            "container": _in_container()}
+            "container": _in_container(), "memlock_limit_mib": _memlock_mib()}
+
+
+def _memlock_mib() -> Optional[int]:
+    """RLIMIT_MEMLOCK's soft limit (None: unlimited or unknown). CUDA's pinning (cudaHostRegister,
+    pinned allocations) is not charged to it; what pins memory with mlock is."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    except (ImportError, ValueError, OSError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else int(soft // MiB)
 
 
 def _versions() -> tuple[dict, dict]:
@@ -248,6 +259,11 @@ def _nvml(gpus: list[dict]) -> tuple[dict, Optional[list]]:
                 mem = pynvml.nvmlDeviceGetMemoryInfo(h)
                 g["free_mib"], g["total_mib"] = int(mem.free // MiB), int(mem.total // MiB)
                 g["free_source"] = "nvml"
+            except Exception:  # noqa: BLE001
+                pass
+            try:  # the link the streamed DiT's copies take (the most this device and slot negotiate)
+                g["pcie_gen"] = int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h))
+                g["pcie_width"] = int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(h))
             except Exception:  # noqa: BLE001
                 pass
     links = None

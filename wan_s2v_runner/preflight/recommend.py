@@ -8,8 +8,11 @@ Rules, in order (each reason names the fact that decided):
 3. the full model fits on each GPU (memory plan vs free memory) -> ``ulysses`` (fastest: only
    activations move, the sequence is split); on PCIe without P2P the reason says that the
    all-to-all crosses host memory, since FSDP modes would move the weights over the same link;
-4. otherwise -> ``hybrid`` (DiT sharded, T5 on CPU: the lowest GPU memory per rank), with a
-   warning when even that does not fit.
+4. otherwise, where ``hybrid`` (DiT sharded, T5 on CPU) fits -> ``hybrid``;
+5. otherwise, where the DiT streamed from host memory fits (``--dit-offload blocks``: ulysses,
+   the same frames, the copies hidden behind the compute; :mod:`wan_s2v_runner.loading.block_stream`)
+   -> ``ulysses`` with streaming, said so; never when a resident layout fits;
+6. otherwise -> ``hybrid``, with a warning that nothing fits.
 
 Then the plan for that mode at this world size (:mod:`wan_s2v_runner.preflight.plans`): the fastest split
 of the ranks into CFG branches x Ulysses degree, explained (heads per rank, padding, whether CFG
@@ -20,14 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from wan_s2v_runner.shared.layout import Mode, valid_sp_degrees
+from wan_s2v_runner.shared.layout import DitOffload, Mode, valid_sp_degrees
 from wan_s2v_runner.shared.spec import RunSpec
 
 from .context import CheckContext
 from .core import gib
 from .facts import MachineFacts
 from .geometry import REAL_NUM_HEADS
-from .memory import REFERENCE, largest_fitting_size, model_sizes, plan_all, plan_mode, workload
+from .memory import REFERENCE, free_gpu_bytes, largest_fitting_size, model_sizes, plan_all, plan_mode, workload
 from .plans import Plan, candidates, plans_for
 
 GPU_FIT = 0.9
@@ -38,6 +41,7 @@ class Recommendation:
     mode: Mode
     reason: str
     plan: Optional[Plan] = None  # the fastest split of the ranks for that mode
+    dit_offload: DitOffload = DitOffload.NONE  # blocks: only a streamed DiT fits (rule 5)
 
     @property
     def cfg_parallel(self) -> bool:
@@ -52,7 +56,23 @@ class Recommendation:
 
     def to_json(self) -> dict:
         return {"mode": self.mode.value, "reason": self.reason, "cfg_parallel": self.cfg_parallel,
-                "plan": self.plan.to_json() if self.plan else None, "text": self.text}
+                "dit_offload": self.dit_offload.value, "plan": self.plan.to_json() if self.plan else None,
+                "text": self.text}
+
+    def updates(self, given: dict) -> dict:
+        """The spec fields ``--mode auto`` sets: the mode, and the plan's CFG split and streaming
+        unless ``given`` (the user's values) names them."""
+        out: dict = {"mode": self.mode}
+        if "cfg_parallel" not in given:
+            out["cfg_parallel"] = self.cfg_parallel
+        if "dit_offload" not in given and self.dit_offload is DitOffload.BLOCKS:
+            out["dit_offload"] = self.dit_offload
+        return out
+
+    def flags(self, cfg_parallel: bool) -> str:
+        """What auto chose, as flags (``--mode auto: ulysses --dit-offload blocks``)."""
+        return (f"{self.mode.value}{' --cfg-parallel' if cfg_parallel else ''}"
+                f"{' --dit-offload blocks' if self.dit_offload is DitOffload.BLOCKS else ''}")
 
 
 def _ensure_image_size(ctx: CheckContext) -> None:
@@ -92,18 +112,18 @@ def recommend(ctx: CheckContext) -> Recommendation:
     sizes, wl = model_sizes(ctx), workload(ctx)
     plans = plans_for(rec.mode, ctx.layout.world_size, **plan_inputs(ctx))
     free = _free_gpu_bytes(ctx)
+    streams = rec.dit_offload is DitOffload.BLOCKS or ctx.spec.dit_offload is DitOffload.BLOCKS
     if free and ctx.spec.device != "cpu":
         def fits(p: Plan) -> bool:
             peak = plan_mode(p.layout, sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device,
-                             offload=ctx.offload, quant=ctx.spec.dit_quant).gpu_peak
+                             offload=ctx.offload, quant=ctx.spec.dit_quant,
+                             stream=0 if streams and not p.layout.dit_fsdp else None).gpu_peak
             return not peak or peak <= free
         plans = [p for p in plans if fits(p)] or plans
-    return Recommendation(rec.mode, rec.reason, plans[0])
+    return Recommendation(rec.mode, rec.reason, plans[0], rec.dit_offload)
 
 
-def _free_gpu_bytes(ctx) -> int:
-    gpus = [g for g in ctx.local_gpus if g.get("free_mib") is not None] or ctx.facts.gpus
-    return min((g.get("free_mib") or g.get("total_mib") or 0 for g in gpus), default=0) * 2**20
+_free_gpu_bytes = free_gpu_bytes
 
 
 def heads_of(ctx, sizes) -> int:
@@ -145,7 +165,9 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
         return Recommendation(Mode.ULYSSES, f"{why}: ulysses on {ws} CPU rank{'s' if ws > 1 else ''} with "
                               f"gloo — a demo for the tiny checkpoint, not for real generation{tail}")
 
+    asked = ctx.spec.dit_offload is DitOffload.BLOCKS  # --dit-offload blocks given: ulysses' plan streams
     plans = plan_all(ctx)
+    streamed = plan_all(ctx.with_settings(dit_offload=DitOffload.BLOCKS, resident_blocks=None))[Mode.ULYSSES.value]
     gpus = [g for g in ctx.local_gpus if g.get("free_mib") is not None] or f.gpus
     free = _free_gpu_bytes(ctx)
     name = gpus[0].get("name", "GPU")
@@ -159,6 +181,18 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
         p = plans[m.value].gpu_peak
         return gib(p) + (" — tight" if p and GPU_FIT * free < p <= free else "")
 
+    def stream_rec(why: str) -> Optional[Recommendation]:
+        """Rule 5: ulysses with the DiT streamed, where it fits and nothing resident did."""
+        if not (streamed.gpu_peak and streamed.gpu_peak <= free
+                and (avail is None or streamed.host_node_total <= avail)):
+            return None
+        s = streamed.stream or {}
+        return Recommendation(Mode.ULYSSES, f"{pre}{why}; with the DiT's blocks streamed from host memory it "
+                              f"fits (--dit-offload blocks: est. {gib(streamed.gpu_peak)} per rank, "
+                              f"{s.get('resident_blocks', 0)} blocks resident, {gib(s.get('pinned_bytes', 0))} "
+                              "pinned on the host; the same frames): ulysses", dit_offload=DitOffload.BLOCKS)
+
+    held = " with its blocks streamed from host memory (--dit-offload blocks)" if asked else ""
     fast, link = _link_summary(ctx)
     if ctx.spec.nproc > f.gpu_count:
         pre = f"--nproc {ctx.spec.nproc} > {f.gpu_count} visible GPUs (fix that first); "
@@ -172,28 +206,38 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
                               f"sequence (memory relief, no speed-up){fit}{alt}")
     if ws == 1:
         if fits(Mode.ULYSSES):
-            return Recommendation(Mode.ULYSSES, f"{pre}1 GPU ({name}, {gib(free)} free) holds the whole model "
-                                  f"(est. {est(Mode.ULYSSES)} peak with offload): ulysses on one rank")
+            return Recommendation(Mode.ULYSSES, f"{pre}1 GPU ({name}, {gib(free)} free) holds the whole model"
+                                  f"{held} (est. {est(Mode.ULYSSES)} peak with offload): ulysses on one rank",
+                                  dit_offload=ctx.spec.dit_offload)
         if fits(Mode.HYBRID):
             return Recommendation(Mode.HYBRID, f"{pre}1 GPU with {gib(free)} free: the full model with T5 "
                                   f"on the GPU needs est. {est(Mode.ULYSSES)}; hybrid keeps T5 on the CPU "
                                   f"(est. {est(Mode.HYBRID)}). Better: 2+ GPUs with hybrid")
+        rec = stream_rec(f"1 GPU ({name}, {gib(free)} free) cannot hold the resident model (est. "
+                         f"{est(Mode.HYBRID)} even with T5 on the CPU)")
+        if rec is not None:
+            return rec
         return Recommendation(Mode.HYBRID, f"{pre}1 GPU with {gib(free)} free cannot hold the "
                               f"{sizes.dit_params / 1e9:.3g}B-param DiT (est. {est(Mode.HYBRID)} even with "
                               f"T5 on CPU): use 2 or more GPUs with hybrid")
     if fits(Mode.ULYSSES):
         if fast:
-            return Recommendation(Mode.ULYSSES, f"{pre}{ws} GPUs ({name}) with {link} each hold the full model "
-                                  f"(est. {est(Mode.ULYSSES)} of {gib(free)} free per rank): ulysses is "
-                                  "fastest (sequence split, no weight traffic)")
-        return Recommendation(Mode.ULYSSES, f"{pre}{ws} GPUs ({name}) each hold the full model (est. "
+            return Recommendation(Mode.ULYSSES, f"{pre}{ws} GPUs ({name}) with {link} each hold the full model"
+                                  f"{held} (est. {est(Mode.ULYSSES)} of {gib(free)} free per rank): ulysses is "
+                                  "fastest (sequence split, no weight traffic)", dit_offload=ctx.spec.dit_offload)
+        return Recommendation(Mode.ULYSSES, f"{pre}{ws} GPUs ({name}) each hold the full model{held} (est. "
                               f"{est(Mode.ULYSSES)} of {gib(free)} free) but {link}: scaling will be sub-linear; "
-                              "still ulysses, as FSDP modes would move the weights over the same link")
+                              "still ulysses, as FSDP modes would move the weights over the same link",
+                              dit_offload=ctx.spec.dit_offload)
     if fits(Mode.HYBRID):
         pcie = "" if fast else f"; {link}, so expect sub-linear scaling"
         return Recommendation(Mode.HYBRID, f"{pre}the full model does not fit per GPU (est. {est(Mode.ULYSSES)} "
                               f"> {gib(free)} free on {name}): hybrid shards the DiT over {ws} ranks and keeps "
                               f"T5 on the CPU (est. {est(Mode.HYBRID)}/rank){pcie}")
+    rec = stream_rec(f"the resident model fits on none of the {ws} GPUs ({name}, {gib(free)} free; hybrid needs "
+                     f"est. {est(Mode.HYBRID)}/rank)" + ("" if fast else f"; {link}"))
+    if rec is not None:
+        return rec
     more = valid_sp_degrees(heads, lengths, [2 * ws])  # hybrid shards the DiT over more ranks
     size = largest_fitting_size(ctx, Mode.HYBRID, free)
     return Recommendation(Mode.HYBRID, f"{pre}nothing fits in {gib(free)} free per GPU ({name}): even hybrid "

@@ -101,7 +101,8 @@ def render_doctor(report: DoctorReport, console=None) -> None:
         mt.add_column(col)
     free = min((g.get("free_mib") or 0 for g in ctx.local_gpus), default=0) * 2**20
     for name, p in report.plans.items():
-        mark = " *" if name == ctx.mode.value else ""
+        mark = (" (streamed)" if p.stream is not None and "streamed" not in name else "") + (
+            " *" if name == ctx.mode.value else "")
         gpu = gib(p.gpu_peak) if p.gpu_peak else "-"
         if p.gpu_peak and free:
             gpu = f"[{'green' if p.gpu_peak <= 0.9 * free else 'red'}]{gpu}[/]"

@@ -75,9 +75,7 @@ def serve(settings: ServerSettings, group: GroupSpec, base: dict[str, Any], extr
                                              json_mode=settings.json_output, node_groups=len(replicas))
         if report.refused:
             return exit_codes.PREFLIGHT
-        waves = report.data_of("memory.host").get("waves")
-        if group.load_waves is None and waves and waves > 1:
-            replicas = [replace(r, spec=r.spec.model_copy(update={"load_waves": waves})) for r in replicas]
+        replicas = [replace(r, spec=r.spec.model_copy(update=report.settled(group))) for r in replicas]
     if not group.writes_output:
         return _compute_only(replicas[0].spec, extra_env)
     return _serve_node0(settings, replicas, base, extra_env)
