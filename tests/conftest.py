@@ -324,13 +324,15 @@ def inputs(tiny_assets, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(tiny_assets, inputs, tmp_path_factory):
-    """One ``wan-s2v serve`` (2 ranks, ulysses, a token, ``inputs`` allowed) for the session: the
-    serve, page and client tests take it in turn, the way a server lives."""
+    """One ``wan-s2v serve`` (2 ranks, ulysses, the DiT streamed block by block from the node's
+    shared host copy, a token, ``inputs`` allowed) for the session: the serve, page and client
+    tests take it in turn, the way a server lives. Its jobs' videos are compared with one resident
+    process's: a served group streams for every job and makes the same frames."""
     from serving import BOOM, HELD, NO_SPACE, POISON, SERVER_FLAGS, TOKEN, ServerProcess
 
     d = tmp_path_factory.mktemp("serve") / "server dir"
     flags = [*SERVER_FLAGS, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--token", TOKEN,
-             "--allow-dir", str(inputs["root"]), "--max-queue", "6", "--max-upload-mb", "1"]
+             "--allow-dir", str(inputs["root"]), "--max-queue", "6", "--max-upload-mb", "1", "--dit-offload", "blocks"]
     s = ServerProcess(d, flags, env=fault_env(f"{POISON},{NO_SPACE},{HELD},{BOOM}"))
     yield s
     assert s.stop() == [] and "serve: stopping the rank group" in s.text()  # SIGTERM leaves nothing running

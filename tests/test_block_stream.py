@@ -7,11 +7,13 @@ and one streamed unit; the slots rotate (a pass copies each streamed unit once w
 stream, none again when two or fewer do); with fp8 and a LoRA (merged before streaming); compiled
 (streamed weights neither recompile nor break the graph); over real ranks, Ulysses x CFG-parallel
 at 4 ranks streaming from the node's one shared copy equals one process; and the setting's
-refusals. A 5-block tiny DiT, so that more units stream than there are slots.
+refusals; resume (a failed resident run resumed streamed) and a pose video. A 5-block tiny DiT, so that
+more units stream than there are slots.
 """
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -127,6 +129,7 @@ def test_compiled_blocks_stream_without_recompiling(five, inductor_cache, monkey
             want, _ = generate(engine, num_clips=1)
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             seen = set(compiled.seen)
+            assert seen and graphs > 0  # the resident run compiled the block
             got, parts = generate(engine, num_clips=1, **streamed(1))
             assert torch.equal(got, want)
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
@@ -135,24 +138,47 @@ def test_compiled_blocks_stream_without_recompiling(five, inductor_cache, monkey
             compile_blocks.restore(wan)
 
 
+def _run(five, d, *flags, env=None):
+    d.mkdir()
+    return run_cli(["run", *TINY_FLAGS, "--ckpt-dir", str(five.ckpt_dir), "--image", str(five.image), "--audio",
+                    str(five.audio), *flags, "--output", str(d / "o.mp4"), "--frames-out", str(d / "f.pt"),
+                    "--runs-root", str(d / "runs")], cwd=d, env=env)
+
+
 @pytest.mark.slow(seconds=60)
 def test_ulysses_and_cfg_parallel_ranks_stream_from_the_nodes_copy(five, resident_frames, tmp_path):
     """Real ranks over gloo: ulysses at 4 ranks with CFG-parallel (SP degree 2 per branch), every
     block streamed from the node's one shared host copy (local rank 0 reads it, the others map
-    it), equals one resident process."""
-    d = tmp_path / "run"
-    d.mkdir()
-    r = run_cli(["run", *TINY_FLAGS, "--ckpt-dir", str(five.ckpt_dir), "--image", str(five.image), "--audio",
-                 str(five.audio), "--nproc", "4", "--cfg-parallel", "--dit-offload", "blocks",
-                 "--output", str(d / "o.mp4"), "--frames-out", str(d / "f.pt"), "--runs-root", str(d / "runs")],
-                cwd=d)
-    assert r.returncode == 0, r.output
-    assert torch.equal(torch.load(d / "f.pt"), resident_frames)
+    it), equals one resident process. And a resident 2-rank run that failed in clip 2, resumed at
+    one rank streamed, equals it too (streaming is a group setting: a resume may change it)."""
+    from fault_worker import fault_env
+    from wan_s2v_runner.shared import exit_codes
+    with ThreadPoolExecutor(2) as pool:  # the two groups at once: one's start-up overlaps the other's compute
+        sp_cfg = pool.submit(_run, five, tmp_path / "sp_cfg", "--nproc", "4", "--cfg-parallel", "--dit-offload",
+                             "blocks")
+        failed = pool.submit(_run, five, tmp_path / "failed", "--nproc", "2", env=fault_env("1:denoise@2:raise"))
+        sp_cfg, failed = sp_cfg.result(), failed.result()
+    assert sp_cfg.returncode == 0, sp_cfg.output
+    assert torch.equal(torch.load(tmp_path / "sp_cfg" / "f.pt"), resident_frames)
     for rank in range(4):
-        events = (next((d / "runs").glob("*")) / "events" / f"rank{rank}.jsonl").read_text().splitlines()
-        loaded = next(json.loads(e) for e in events if '"loaded"' in e)
+        events = (next((tmp_path / "sp_cfg" / "runs").glob("*")) / "events" / f"rank{rank}.jsonl").read_text()
+        loaded = next(json.loads(e) for e in events.splitlines() if '"loaded"' in e)
         assert loaded["strategy"]["dit"] == "node-shared", rank
         assert loaded["strategy"]["dit_stream"]["streamed_blocks"] == BLOCKS, rank
+
+    assert failed.returncode == exit_codes.RANK_FAILED, failed.output
+    run_dir = next((tmp_path / "failed" / "runs").iterdir())
+    r = run_cli(["resume", str(run_dir), "--nproc", "1", "--dit-offload", "blocks", "--json"], cwd=tmp_path / "failed")
+    assert r.returncode == 0, r.output
+    assert json.loads(r.stdout)["resume"]["at_clip"] == 2
+    assert torch.equal(torch.load(tmp_path / "failed" / "f.pt"), resident_frames)
+
+
+def test_a_pose_video_streams_the_same(tiny_assets, pose_reference_frames):
+    """--pose-video with every block streamed equals the resident one-process frames."""
+    with cpu_engine(tiny_assets) as engine:
+        frames, _ = generate(engine, pose_video=tiny_assets.pose_video, **streamed(0))
+    assert torch.equal(frames, pose_reference_frames)
 
 
 def test_the_setting_refuses_what_it_cannot_stream(five, monkeypatch):

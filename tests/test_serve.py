@@ -33,7 +33,8 @@ from wan_s2v_runner.shared.spec import GroupSpec, read_spec
 
 @pytest.mark.slow
 def test_jobs_in_a_row_equal_one_process(server, inputs, tiny_assets, engine_cpu, tmp_path):
-    """Three jobs: uploads (with a pose video), then paths on the server, then one with step caching."""
+    """Three jobs: uploads (with a pose video), then paths on the server, then one with step caching;
+    the group streams its DiT block by block (``--dit-offload blocks``) for each of them."""
     with open(inputs["image"], "rb") as image, open(inputs["audio"], "rb") as audio, \
             open(tiny_assets.pose_video, "rb") as pose:
         first = server.submit(files={"input_reference": ("me.png", image, "image/png"),
@@ -79,6 +80,11 @@ def test_jobs_in_a_row_equal_one_process(server, inputs, tiny_assets, engine_cpu
     assert not (server.dir / ".group").exists()
     run_dir = Path(json.loads((server.dir / "group.json").read_text())["run_dir"])
     assert type(read_spec(run_dir / "spec.json")) is GroupSpec
+    # each rank streamed its DiT from the node's one host copy, for every job (the same mp4s above)
+    for rank in (0, 1):
+        loaded = next(json.loads(e) for e in (run_dir / "events" / f"rank{rank}.jsonl").read_text().splitlines()
+                      if '"loaded"' in e)
+        assert loaded["strategy"]["dit"] == "node-shared" and loaded["strategy"]["dit_stream"]["streamed_blocks"] == 2
 
 
 @pytest.mark.slow
