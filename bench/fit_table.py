@@ -31,30 +31,33 @@ def main() -> None:
     print("| machine | size | DiT | resident: best layout, GPU/rank | streamed (ulysses): GPU/rank, blocks "
           "resident | free GPU | host RAM (streamed) | copies vs compute per pass |")
     print("|---|---|---|---|---|---|---|---|")
+    def ctx(facts, size, quant, **extra):
+        c = CheckContext.for_values({"max_area": size, "dit_quant": quant, **extra}, facts)
+        c.cache["sizes"] = sizes
+        return c
+
     for name in MACHINES:
         facts = MachineFacts.load(ROOT / "tests" / "data" / "machines" / f"{name}.json")
         for size, quant in CASES:
-            def ctx(**extra):
-                c = CheckContext.for_values({"max_area": size, "dit_quant": quant, **extra}, facts)
-                c.cache["sizes"] = sizes
-                return c
-            base = ctx()
+            base = ctx(facts, size, quant)
             free = free_gpu_bytes(base)
-            resident = {m: p for m, p in plan_all(base).items()}
+            resident = plan_all(base)
             best = min(resident, key=lambda m: resident[m].gpu_peak)
             rp = resident[best]
-            sctx = ctx(dit_offload="blocks", mode="ulysses")
+            sctx = ctx(facts, size, quant, dit_offload="blocks", mode="ulysses")
             sp = plan_all(sctx)[Mode.ULYSSES.value]
             t = stream_timing(sctx, sp, facts.gpus[0])
-            fits = lambda p: "fits" if p.gpu_peak <= free else "**does not fit**"  # noqa: E731
             ram = facts.host.get("mem_available_mib", 0) * 2**20
             host = f"{gib(sp.host_node_total)} of {gib(ram)}"
             pace = (f"{t.copy_s:.2f} s vs ~{t.compute_s:.0f} s" if t.compute_s else f"{t.copy_s:.2f} s vs ?")
             label = facts.label.split(" (")[0].split(",")[0]
             print(f"| {label} | {size.replace('*', 'x')} | {'bf16' if quant == 'none' else 'fp8'} | "
-                  f"{best} {gib(rp.gpu_peak)}: {fits(rp)} | {gib(sp.gpu_peak)}, {sp.stream['resident_blocks']}: "
-                  f"{fits(sp)} | {gib(free)} | {host} | {pace} |")
+                  f"{best} {gib(rp.gpu_peak)}: {_fits(rp, free)} | {gib(sp.gpu_peak)}, "
+                  f"{sp.stream['resident_blocks']}: {_fits(sp, free)} | {gib(free)} | {host} | {pace} |")
 
+
+def _fits(plan, free: int) -> str:
+    return "fits" if plan.gpu_peak <= free else "**does not fit**"
 
 if __name__ == "__main__":
     main()

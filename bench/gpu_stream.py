@@ -54,7 +54,6 @@ def h2d_gbps(device) -> float:
     src = torch.empty(2**30, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(2**30, dtype=torch.uint8, device=device)
     times = [timed(lambda: dst.copy_(src, non_blocking=True), device) for _ in range(3)]
-    del src, dst
     return round(2**30 / statistics.median(times) / 1e9, 2)
 
 
@@ -89,7 +88,6 @@ def one_case(wan, a, quant: str, size: str, cap_gib: float, device, dtype) -> di
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         s = block_stream.streamer_of(model)
-        copied0 = s.bytes_copied if s else 0
         try:
             for _ in range(warmup):
                 timed(step, device)
@@ -102,7 +100,6 @@ def one_case(wan, a, quant: str, size: str, cap_gib: float, device, dtype) -> di
         if cuda:
             row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
             row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
-        del copied0
         print(f"  {quant} {size} {name}: {row}", flush=True)
         return row
 
@@ -146,7 +143,6 @@ def one_case(wan, a, quant: str, size: str, cap_gib: float, device, dtype) -> di
     block_stream.streamer_of(model).detach()
     if cuda:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
-    del model, x, t, cond, uncond, step
     sync(device)
     if cuda:
         torch.cuda.empty_cache()
@@ -188,20 +184,23 @@ def main(argv=None) -> dict:
     return res
 
 
+def _cell(row: dict) -> str:
+    peak = row.get("peak_allocated_gib", "-")
+    return f"{row['step_s']} ({peak})" if "step_s" in row else f"OOM ({peak})"
+
+
 def render(r: dict) -> str:
-    lines = [f"{r['device']} (torch {r['torch']}, attention {r['attention']}); pinned H2D {r['h2d_gbps_pinned_1gib']} GB/s",
-             "", "| DiT, size, cap | resident s/step (peak GiB) | streamed s/step (peak GiB) | x resident | "
+    lines = [f"{r['device']} (torch {r['torch']}, attention {r['attention']}); "
+             f"pinned H2D {r['h2d_gbps_pinned_1gib']} GB/s", "",
+             "| DiT, size, cap | resident s/step (peak GiB) | streamed s/step (peak GiB) | x resident | "
              "GiB copied/step | some resident |", "|---|---|---|---|---|---|"]
     for c in r["cases"]:
         res, st, some = c["resident"], c["streamed"], c.get("streamed_some_resident", {})
-        fmt = lambda row: (f"{row['step_s']} ({row.get('peak_allocated_gib', '-')})" if "step_s" in row  # noqa: E731
-                           else f"OOM ({row.get('peak_allocated_gib', '-')})")
-        lines.append(f"| {c['dit']} {c['size']} {c['cap_gib']} GiB | {fmt(res)} | {fmt(st)} | {st.get('vs_resident', '-')} | "
-                     f"{st.get('gib_copied_per_step', '-')} | "
-                     + (f"{some.get('resident_blocks')} blocks: {fmt(some)}, {some.get('vs_resident', '-')}x" if some else "-")
-                     + " |")
+        some_cell = (f"{some.get('resident_blocks')} blocks: {_cell(some)}, {some.get('vs_resident', '-')}x"
+                     if some else "-")
+        lines.append(f"| {c['dit']} {c['size']} {c['cap_gib']} GiB | {_cell(res)} | {_cell(st)} | "
+                     f"{st.get('vs_resident', '-')} | {st.get('gib_copied_per_step', '-')} | {some_cell} |")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()

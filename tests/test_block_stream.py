@@ -82,7 +82,8 @@ def test_streamed_frames_equal_resident_frames(five, resident_frames):
             assert (s.resident, len(s.units), s.copies) == (resident, BLOCKS - resident, copies), resident
             assert len(s.slots) == min(2, BLOCKS - resident)
             report = parts.load_report.strategy
-            assert report["dit"] == "private (one buffer)" and report["dit_stream"]["streamed_blocks"] == BLOCKS - resident
+            assert report["dit"] == "private (one buffer)"
+            assert report["dit_stream"]["streamed_blocks"] == BLOCKS - resident
             held = {k for k in s.slot_unit if k is not None}
             for k, u in enumerate(s.units):
                 slot_ptrs = {t.untyped_storage().data_ptr() for t in s.slots}
@@ -119,6 +120,7 @@ def test_compiled_blocks_stream_without_recompiling(five, inductor_cache, monkey
     parameters are bound to (no recompile: one graph for the blocks as resident, none added by
     streaming), and the frames equal the compiled resident run's exactly."""
     import torch._dynamo
+
     from patches import compile_blocks
     for k, v in inductor_cache.items():
         monkeypatch.setenv(k, v)
@@ -152,6 +154,7 @@ def test_ulysses_and_cfg_parallel_ranks_stream_from_the_nodes_copy(five, residen
     it), equals one resident process. And a resident 2-rank run that failed in clip 2, resumed at
     one rank streamed, equals it too (streaming is a group setting: a resume may change it)."""
     from fault_worker import fault_env
+
     from wan_s2v_runner.shared import exit_codes
     with ThreadPoolExecutor(2) as pool:  # the two groups at once: one's start-up overlaps the other's compute
         sp_cfg = pool.submit(_run, five, tmp_path / "sp_cfg", "--nproc", "4", "--cfg-parallel", "--dit-offload",

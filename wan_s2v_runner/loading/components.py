@@ -39,6 +39,7 @@ from wan_s2v_runner.loading.ckpt_read import PthFile, open_dit
 from wan_s2v_runner.loading.quantize import Fp8Source
 from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
 from wan_s2v_runner.shared.layout import DitQuant, LoadStrategy
+from wan_s2v_runner.shared.procfs import trim_heap
 from wan_s2v_runner.shared.quant import Fp8Matmul
 from wan_s2v_runner.shared.stages import Stage
 
@@ -117,6 +118,7 @@ class Components:
         load.wait()
         waited = time.perf_counter() - t0
         self.shell.noise_model = load.finish()  # upstream's configure (its barrier), a LoRA merge
+        trim_heap()  # what the reader thread freed (its staging, fp8's float32 copies) stays in its arena
         self.load_report.strategy["dit_load"] = (f"while the encoders ran: read in {load.read_s:.2f} s, "
                                                  f"then {waited:.2f} s waited for it")
         self.load_report.dit_overlap = {"read_s": round(load.read_s, 3), "waited_s": round(waited, 3),

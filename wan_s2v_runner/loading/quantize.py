@@ -223,8 +223,14 @@ def quantize_tensor(w: torch.Tensor, name: str = "weight", scratch: bool = False
     ``scratch``: ``w`` is a float32 buffer the caller gives up (quantized in it, no copy)."""
     rows = w.shape[0]
     flat = (w if scratch and w.dtype == torch.float32 else w.to(torch.float32, copy=True)).reshape(-1)
-    scale = _scales(flat.view(rows, -1).abs().amax(dim=1), name)
+    scale = _scales(row_amax(flat.view(rows, -1)), name)
     return _quantize(flat, 0, row_length(w.shape), scale).view(w.shape), scale.reshape(rows, 1)
+
+
+def row_amax(w2d: torch.Tensor) -> torch.Tensor:
+    """``w2d.abs().amax(dim=1)`` without the tensor-sized ``abs`` copy: max(max, -min) per row,
+    the same values (NaN propagates through both), 1/rows of the memory."""
+    return torch.maximum(w2d.amax(dim=1), w2d.amin(dim=1).neg())
 
 
 def _scales(amax: torch.Tensor, name: str) -> torch.Tensor:

@@ -87,7 +87,9 @@ def check_gpu(ctx):
         streamed = {"resident_blocks": p.stream["resident_blocks"], "copy_s": round(timing.copy_s, 3),
                     "compute_s": None if timing.compute_s is None else round(timing.compute_s, 2)}
     if need > free:
-        better = _better_mode(ctx, free) or _stream_fits(ctx, free) or _fp8_fits(ctx, free)
+        # the same frames first (another mode, the streamed DiT), then fp8 (frames change slightly)
+        fixes = (_stream_fits(ctx, free), _fp8_fits(ctx, free))
+        better = _better_mode(ctx, free) or "; or ".join(f for f in fixes if f)
         return _fail_or_warn(ctx)("memory.gpu", f"does not fit: {detail}",
                                   better or f"use more GPUs (hybrid shards the DiT) or {smaller}",
                                   need=need, free=free, **streamed)

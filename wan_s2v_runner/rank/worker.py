@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import errno
 import faulthandler
 import gc
@@ -41,6 +40,7 @@ from wan_s2v_runner.rank.memory_peaks import StagePeaks
 from wan_s2v_runner.shared import atomic, cache_policy, inbox
 from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventWriter
 from wan_s2v_runner.shared.jobs import Job, read_jobs
+from wan_s2v_runner.shared.procfs import trim_heap
 from wan_s2v_runner.shared.spec import GroupSpec, RunSpec, read_spec
 from wan_s2v_runner.shared.stages import Stage
 
@@ -180,10 +180,7 @@ def release_memory(spec: GroupSpec, parts) -> None:
     gc.collect()
     if spec.device == "cuda":
         torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    trim_heap()
 
 
 class StageClock:
