@@ -159,3 +159,23 @@ def test_pages_that_cannot_be_pinned_stream_pageable_with_a_warning(tiny_assets,
     assert s.describe()["pageable"] and s.describe()["pinned_bytes"] == 0
     assert "could not all be pinned (1.0 GiB: cudaError 2): its copies are pageable" in caplog.text
     s.detach()
+
+
+def test_the_pinned_copy_is_checked_against_the_ram():
+    """memory.pinned: the streamed DiT's host copy against the RAM; on WSL2 (whose driver pins at
+    most about half the RAM) a bf16 DiT on a 64 GB machine warns, fp8 does not."""
+    import copy
+    r = next(x for x in run_checks(ctx_on("rtx4090_1x", dit_offload="blocks"), ["memory"]) if x.id == "memory.pinned")
+    assert r.status is Status.OK and "30.4 GiB of the DiT pinned by the rank" in r.finding
+    raw = copy.deepcopy(MachineFacts.load(f"{MACHINES}/rtx4090_1x.json").raw)
+    raw["os"] = "Linux 5.15.167.4-microsoft-standard-WSL2"
+    for quant, status in (("none", Status.WARN), ("fp8", Status.OK)):
+        values = {"mode": "ulysses", "dit_offload": "blocks", "dit_quant": quant}
+        ctx = CheckContext.for_values(values, MachineFacts(raw))
+        ctx.cache["sizes"] = SIZES
+        r = next(x for x in run_checks(ctx, ["memory"]) if x.id == "memory.pinned")
+        assert r.status is status, (quant, r.finding)
+        if status is Status.WARN:
+            assert "WSL2's driver pins at most about half the RAM" in r.finding and "--dit-quant fp8" in r.fix
+    skipped = next(x for x in run_checks(ctx_on("rtx4090_1x"), ["memory"]) if x.id == "memory.pinned")
+    assert skipped.status is Status.SKIP

@@ -199,3 +199,34 @@ def check_host(ctx):
         return warn("memory.host", f"tight: {detail}", "close other programs; expect swapping risk",
                     need=need, avail=avail, waves=waves)
     return ok("memory.host", detail, need=need, avail=avail, waves=waves)
+
+
+#: the share of the RAM a streamed DiT may pin on WSL2: its GPU driver pins at most about half the
+#: RAM (its lock pool), less what else pins (torch's own pinned buffers, other programs)
+WSL_PIN_SHARE = 0.45
+
+
+def check_pinned(ctx):
+    """A streamed DiT pins its host copy (``cudaHostRegister``): the pages are never swapped, so
+    the host plan must fit the RAM (``memory.host`` counts them), and WSL2's driver pins at most
+    about half the RAM; beyond, the rank copies from pageable memory (slower, not overlapped).
+    CUDA's pinning is not charged to ``ulimit -l``, which is reported all the same."""
+    if ctx.spec.dit_offload is not DitOffload.BLOCKS:
+        return skip("memory.pinned", "the DiT is not streamed")
+    if not ctx.on_cuda:
+        return skip("memory.pinned", "--device cpu: nothing to pin")
+    p = ctx.cache.get("plans", {}).get(ctx.mode.value) or current_plan(ctx)
+    if p.stream is None:
+        return skip("memory.pinned", f"{ctx.mode.value} mode does not stream the DiT")
+    pinned = p.stream["pinned_bytes"]
+    total = (ctx.facts.host.get("mem_total_mib") or 0) * 2**20
+    limit = ctx.facts.host.get("memlock_limit_mib")
+    memlock = "unlimited" if limit is None else f"{limit} MiB (not charged by CUDA's pinning)"
+    where = "once for the node's ranks" if ctx.spec.nproc > 1 else "by the rank"
+    detail = f"{gib(pinned)} of the DiT pinned {where}, of {gib(total) if total else '?'} RAM; ulimit -l {memlock}"
+    wsl = "microsoft" in str(ctx.facts.raw.get("os", "")).lower()
+    if wsl and total and pinned > WSL_PIN_SHARE * total:
+        return warn("memory.pinned", f"{detail}: WSL2's driver pins at most about half the RAM, so the copies "
+                    "will be pageable (slower, not overlapped)", "add --dit-quant fp8 (half the bytes to pin), "
+                    "or give WSL2 more memory (.wslconfig memory=)", pinned=pinned, total=total)
+    return ok("memory.pinned", detail, pinned=pinned, total=total)

@@ -84,6 +84,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.MEMORY, checks_memory.check_plan),
     (G.MEMORY, checks_memory.check_gpu),
     (G.MEMORY, checks_memory.check_host),
+    (G.MEMORY, checks_memory.check_pinned),
     (G.OUTPUT, checks_inputs.check_output_dir),
     (G.OUTPUT, checks_inputs.check_disk),
     (G.OUTPUT, checks_inputs.check_runs_root),
