@@ -100,7 +100,8 @@ def test_fp8_and_a_lora_stream_as_they_are_held(five, tmp_path):
     """fp8 with a LoRA (merged into the weights as they are read and quantized): the streamed
     units carry the fp8 bytes (half the traffic of bf16, a quarter of fp32 here), the scales stay
     on the device, and the frames equal the resident fp8 + LoRA run's. Full precision with the
-    LoRA (merged by ``patches.lora_merge`` into the host copy before anything streams): equal too."""
+    LoRA (merged by ``patches.lora_merge`` into the host copy before anything streams), and fp8
+    multiplied with ``--fp8-matmul scaled-mm``: equal too."""
     from tests.test_fp8 import comfy_lora
     from wan_s2v_runner.loading.block_stream import streamer_of
     from wan_s2v_runner.shared.spec import LoraRef
@@ -113,6 +114,10 @@ def test_fp8_and_a_lora_stream_as_they_are_held(five, tmp_path):
         dtypes = {p.dtype for u in s.units for p in u.params}
         assert torch.float8_e4m3fn in dtypes
         assert s.copies == (BLOCKS - 1) * passes(1) + 1
+        # --fp8-matmul scaled-mm (fp8 x fp8, torch's CPU kernel here) reads the same streamed weights
+        want, _ = generate(engine, dit_quant=DitQuant.FP8, fp8_matmul="scaled-mm", num_clips=1)
+        got, _ = generate(engine, dit_quant=DitQuant.FP8, fp8_matmul="scaled-mm", num_clips=1, **streamed(2))
+        assert torch.equal(got, want)
         from patches import lora_merge
         plain, _ = generate(engine, num_clips=1)
         lora_merge.apply(engine[0], lora)  # what apply_for_run does for a full-precision run with a LoRA
