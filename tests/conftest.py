@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from fault_worker import fault_env  # noqa: E402
 
-#: the spec's environment layer of ``--strict-observers``
+#: the spec's environment layer of ``strict_observers``
 STRICT_ENV = "WAN_S2V_STRICT_OBSERVERS"
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The tests' rank worker (``--rank-worker tests.fault_worker``): the product's
+"""The tests' rank worker (``WAN_S2V_RANK_WORKER=tests.fault_worker``): the product's
 (:func:`wan_s2v_runner.rank.worker.main`) with the faults the supervision tests inject, read from
 this process's environment here, in test code:
 
@@ -34,7 +34,7 @@ FAULT_ENV = "WAN_S2V_TEST_FAULT"
 CKPT_ENV = "WAN_S2V_TEST_CKPT_FOR_RANK"
 PERTURB_ENV = "WAN_S2V_TEST_PERTURB_WEIGHTS_RANK"
 RELEASE_ENV = "WAN_S2V_TEST_RELEASE"
-#: the spec's environment layer for ``--rank-worker``
+#: the spec's environment layer for ``$WAN_S2V_RANK_WORKER``
 RANK_WORKER_ENV = "WAN_S2V_RANK_WORKER"
 MODULE = "tests.fault_worker"
 

@@ -1,6 +1,6 @@
 """A rank without the engine, for the tests whose subject is the launcher and its supervisor.
 
-``--rank-worker tests.stub_rank`` (:func:`rank_main`) makes every rank the real worker (its
+``WAN_S2V_RANK_WORKER=tests.stub_rank`` (:func:`rank_main`) makes every rank the real worker (its
 ``@record`` entry point, ``hello``/``end`` events, stack dumps, CPU binding) with the tests' fault
 injection (``WAN_S2V_TEST_FAULT`` at every stage: tests/fault_worker.py) running
 :func:`run_rank` below instead of the engine: it joins the real gloo process group, walks the
@@ -79,7 +79,7 @@ def run_rank(spec, run_dir: Path, events) -> int:
     return 0
 
 
-#: the spec's environment layer naming this worker (``--rank-worker``), for a command's environment
+#: the spec's environment layer naming this worker (``$WAN_S2V_RANK_WORKER``), for a command's environment
 ENV = {"WAN_S2V_RANK_WORKER": "tests.stub_rank"}
 
 

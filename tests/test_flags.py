@@ -27,6 +27,9 @@ def _option_dests(parser) -> dict[str, str]:
 def test_every_field_is_a_flag_and_every_flag_a_field_or_command_option():
     opts = _option_dests(_run_parser())
     for name in RunSpec.model_fields:
+        if not flag_of(name).cli:  # the environment's or TOML's alone
+            assert flag_name(name) not in opts
+            continue
         assert opts[flag_name(name)] == name
         for alias in flag_of(name).aliases:
             assert opts[alias] == name
@@ -89,4 +92,26 @@ def test_readme_flags_table_is_generated_from_the_fields():
     assert flags.replace_readme_block(text) == text, \
         "README flags table is stale: run `python -m wan_s2v_runner.launcher.flags --write README.md`"
     for name in RunSpec.model_fields:
-        assert f"`{flag_name(name)}" in text
+        if flag_of(name).cli:
+            assert f"`{flag_name(name)}" in text
+        else:  # set by the environment or TOML only: neither in the table nor in --help
+            assert f"`{flag_name(name)}" not in text and flag_name(name) not in run_help()
+
+
+def run_help() -> str:
+    """``wan-s2v run --help``."""
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["run"].format_help()
+
+
+def test_settings_without_a_flag_are_set_by_the_environment(monkeypatch):
+    """The tests' switches (the rank worker, strict observers) have no flag: $WAN_S2V_RANK_WORKER and
+    $WAN_S2V_STRICT_OBSERVERS set them, and a bad value names the variable to fix."""
+    vals = env_values({"WAN_S2V_RANK_WORKER": "tests.stub_rank", "WAN_S2V_STRICT_OBSERVERS": "1"})
+    spec = RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p", **vals)
+    assert (spec.rank_worker, spec.strict_observers) == ("tests.stub_rank", True)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["run", "--rank-worker", "x"])
+    with pytest.raises(ValidationError) as e:
+        RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p", rank_worker="not a module!")
+    assert spec_mod.format_validation_error(e.value).startswith("error: $WAN_S2V_RANK_WORKER: ")

@@ -394,6 +394,8 @@ def add_spec_flags(parser: argparse.ArgumentParser, command: Command) -> None:
     groups = {g: parser.add_argument_group(g.value) for g in FlagGroup}
     for name in CLIENT_FIELDS.get(command, RunSpec.model_fields):
         f = flag_of(name)
+        if not f.cli:  # set by the environment or TOML only
+            continue
         groups[f.group].add_argument(flag_name(name), *f.aliases,
                                      **argparse_kwargs(name, show_default=command not in CLIENT_FIELDS))
     g = parser.add_argument_group("command")
@@ -444,7 +446,7 @@ def flags_table() -> str:
         rows.append(f"| **{group.value}** | | |")
         for name in RunSpec.model_fields:
             f = flag_of(name)
-            if f.group is not group:
+            if f.group is not group or not f.cli:
                 continue
             default = default_of(name) + (f" (`${f.env}`)" if f.env else "")
             rows.append(f"| {_cell_flag(name)} | {default} | {RunSpec.model_fields[name].description} |")

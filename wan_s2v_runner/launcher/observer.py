@@ -9,7 +9,7 @@ watches, or JSON for machines) is one observer; a server's keeper
 An observer's error never stops supervision (the ranks keep running and are still stopped,
 reported and cleaned up as they would be), and it is never swallowed: :class:`Observers` logs
 it with its traceback on the ``wan_s2v.observer`` logger and keeps it in :attr:`Observers.errors`.
-With ``strict`` (the group's ``--strict-observers``, or ``WAN_S2V_STRICT_OBSERVERS=1``: the test
+With ``strict`` (the group's ``strict_observers``, set by ``WAN_S2V_STRICT_OBSERVERS=1``: the test
 suite sets it for every process it starts) the supervisor raises :class:`ObserverError` at its
 next poll instead, so a test fails on it.
 """
@@ -45,7 +45,7 @@ class RunObserver(Protocol):
 
 
 class ObserverError(RuntimeError):
-    """An observer failed in a strict run (``--strict-observers``)."""
+    """An observer failed in a strict run (``$WAN_S2V_STRICT_OBSERVERS``)."""
 
 
 class Observers:

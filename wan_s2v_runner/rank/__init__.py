@@ -1,6 +1,6 @@
 """Rank side: the code a node's ranks run. :mod:`.agent` is the node's parent process (torch
 elastic's agent, as torchrun runs it): it imports torch and the engine once, then forks the ranks;
-each runs :mod:`.worker`'s ``rank_main(SPEC_JSON)`` (or that of the module ``--rank-worker``
+each runs :mod:`.worker`'s ``rank_main(SPEC_JSON)`` (or that of the module ``$WAN_S2V_RANK_WORKER``
 names); it joins the process group, loads the parts
 its plan needs (:mod:`.parallel` says who does what on the (cfg, sp) mesh), runs our S2V loop
 (:mod:`.generation`) and, on rank 0, writes the mp4; a job's own error (its inputs unreadable

@@ -14,7 +14,7 @@ spending 3-8 s importing them (each rank of a node did, at once, on the same cor
   patched (:mod:`patches.t5_import_device`), torch elastic asks NVML rather than the CUDA runtime
   whether GPUs exist (``PYTORCH_NVML_BASED_CUDA_CHECK``), and if CUDA was initialised anyway the
   ranks are spawned fresh instead (``start_method``: a forked child could not use CUDA).
-* The spec's ``rank_worker`` (``--rank-worker MODULE``) is the module whose ``rank_main(spec_path)``
+* The spec's ``rank_worker`` (``$WAN_S2V_RANK_WORKER``) is the module whose ``rank_main(spec_path)``
   each rank runs (default: :mod:`wan_s2v_runner.rank.worker`); the tests point it at their own
   worker modules.
 * ``--wait``: preload, then wait for a line ``go`` on stdin before the rendezvous (end of input:

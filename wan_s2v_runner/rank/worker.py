@@ -90,7 +90,7 @@ def input_problem(spec) -> Optional[str]:
 
 class RankEvents(EventWriter):
     """EventWriter that also reports this rank's memory: peaks per stage (``stage_peak`` records,
-    :mod:`.memory_peaks`) and in heartbeats. A worker module of one's own (``--rank-worker``) may
+    :mod:`.memory_peaks`) and in heartbeats. A worker module of one's own (``$WAN_S2V_RANK_WORKER``) may
     subclass it and pass it to :func:`main` (the tests' fault injection acts at its stage changes)."""
 
     def __init__(self, run_dir: Path, rank: int, peaks: StagePeaks):

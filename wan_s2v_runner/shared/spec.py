@@ -102,6 +102,9 @@ class Flag:
     cli_type: Optional[Callable[[str], Any]] = None  # argparse type when it differs from the field's
     extra_choices: tuple[str, ...] = ()  # CLI-only choices resolved before the spec (e.g. mode auto)
     repeatable: bool = False  # the flag may be given several times (a list field)
+    #: False: no command-line flag and no row in --help or the README (a setting for those who
+    #: build on the runner, e.g. the tests' rank worker): the environment and TOML set it
+    cli: bool = True
 
 
 def size_pair(value: str) -> tuple[int, int]:
@@ -264,10 +267,10 @@ class GroupSpec(BaseModel):
         600.0, ge=0, description="hang limit per step, decode, save, s (0 = off)")
     runs_root: Annotated[AbsPath, Flag(_SU, metavar="DIR")] = Field(
         Path("runs"), validate_default=True, description="where run directories go")
-    strict_observers: Annotated[bool, Flag(_SU, env="WAN_S2V_STRICT_OBSERVERS")] = Field(
+    strict_observers: Annotated[bool, Flag(_SU, env="WAN_S2V_STRICT_OBSERVERS", cli=False)] = Field(
         False, description="an observer's error (the console's, a server's keeper's) fails the run instead of being "
                            "logged (the test suite sets it)")
-    rank_worker: Annotated[str, Flag(_SU, env="WAN_S2V_RANK_WORKER", metavar="MODULE")] = Field(
+    rank_worker: Annotated[str, Flag(_SU, env="WAN_S2V_RANK_WORKER", metavar="MODULE", cli=False)] = Field(
         DEFAULT_WORKER, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
         description="module whose rank_main(spec_path) each rank runs (a custom rank body; the tests' "
                     "fault-injecting and engine-free workers)")
@@ -660,6 +663,8 @@ def format_validation_error(e: ValidationError) -> str:
     for err in e.errors():
         field = str(err["loc"][0]) if err["loc"] else ""
         flag = flag_name(field) if field in RunSpec.model_fields else ("--" + field.replace("_", "-") if field else "")
+        if field in RunSpec.model_fields and not flag_of(field).cli:  # no flag: what sets it
+            flag = f"${flag_of(field).env}" if flag_of(field).env else f"{field} (--config)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
             lines.append(f"error: {flag} is required. Fix: pass {flag} (or set {field} in --config).")
