@@ -236,7 +236,7 @@ def test_the_feed_sends_each_follower_only_its_changes():
 def test_a_follower_past_the_limit_is_refused():
     import asyncio
 
-    from wan_s2v_runner.launcher.serve.requests import Refused
+    from wan_s2v_runner.launcher.serve.submissions import Refused
 
     feed = Feed(server=None, max_followers=1)
     feed._read = lambda watched: Read(server=_server(), window=[], videos={})

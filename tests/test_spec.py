@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wan_s2v_runner.launcher import cli, torchrun
+from wan_s2v_runner.launcher import cli, spawn
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.spec import GroupSpec, Mode, RunSpec
 
@@ -44,11 +44,11 @@ def test_cluster_env_defaults_below_flags(monkeypatch):
 def test_seed_minus_one_is_chosen_once_by_the_launcher():
     spec = RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p", output="o.mp4", nproc=2)
     assert spec.seed == -1
-    a, b = torchrun.finalize_spec(spec), torchrun.finalize_spec(spec)
+    a, b = spawn.finalize_spec(spec), spawn.finalize_spec(spec)
     assert a.seed >= 0 and b.seed >= 0 and a.seed != b.seed  # random per run...
     assert RunSpec.model_validate_json(a.to_json()).seed == a.seed  # ...and recorded for every rank
     assert a.master_port is None  # single node: the OS picks it at rendezvous (c10d on localhost:0)
-    fixed = torchrun.finalize_spec(spec.model_copy(update={"seed": 5}))
+    fixed = spawn.finalize_spec(spec.model_copy(update={"seed": 5}))
     assert fixed.seed == 5
 
 
@@ -90,12 +90,12 @@ def test_layout_per_mode():
 
 
 def test_the_agent_gets_an_argument_list(tmp_path):
-    spec = torchrun.finalize_spec(RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p",
+    spec = spawn.finalize_spec(RunSpec(ckpt_dir="c", image="i", audio="a", prompt="p",
                                         output=tmp_path / "it's a \"file\".mp4", nproc=2))
-    argv = torchrun.agent_argv(tmp_path / "run dir")
+    argv = spawn.agent_argv(tmp_path / "run dir")
     assert argv[1:3] == ["-m", "wan_s2v_runner.rank.agent"] and spec.nproc == 2
     assert argv[-1] == str(tmp_path / "run dir" / "spec.json")  # one element, spaces and all
-    assert torchrun.agent_argv(tmp_path / "run dir", wait=True)[3] == "--wait"
+    assert spawn.agent_argv(tmp_path / "run dir", wait=True)[3] == "--wait"
 
 
 def test_a_slurm_step_supplies_the_nodes_and_explicit_variables_win():
@@ -168,7 +168,7 @@ def test_spec_json_reads_as_a_group_or_as_a_run(tmp_path):
     assert read_spec(tmp_path / "run.json") == spec
     got = read_spec(tmp_path / "group.json")
     assert type(got) is GroupSpec and got == spec.group
-    assert torchrun.finalize_spec(got) == got  # a group has no seed to resolve
+    assert spawn.finalize_spec(got) == got  # a group has no seed to resolve
 
 
 def test_resume_of_a_group_run_directory_says_how_to_resume_it(tmp_path, capsys):

@@ -95,7 +95,7 @@ def test_the_doctor_counts_the_passes_a_clip_costs():
 
 
 def test_the_cache_is_part_of_a_jobs_identity(tiny_assets):
-    from wan_s2v_runner.launcher.serve.requests import request_hash
+    from wan_s2v_runner.launcher.serve.submissions import request_hash
     from wan_s2v_runner.shared import resume
     from wan_s2v_runner.shared.jobs import SUBMIT_FIELDS
     from wan_s2v_runner.shared.spec import RunSpec

@@ -511,7 +511,7 @@ def test_rendezvous_lets_the_os_pick_the_port_on_one_node(tmp_path):
     """No port is picked before the agent binds it: one node without --master-port gets the c10d
     rendezvous on localhost:0 (torchrun --standalone); a given port or several nodes keep the
     static rendezvous on --master-addr:--master-port (29500 by default with several nodes)."""
-    from wan_s2v_runner.launcher.torchrun import finalize_spec
+    from wan_s2v_runner.launcher.spawn import finalize_spec
     from wan_s2v_runner.rank.agent import rendezvous
 
     def rdzv(**kw):
@@ -620,7 +620,7 @@ def test_plain_display_coalesces_stage_lines(capsys):
 
 
 def test_cpu_ranks_get_the_heap_reusing_malloc_settings_unless_the_user_set_them(tmp_path, monkeypatch):
-    from wan_s2v_runner.launcher.torchrun import CPU_MALLOC_ENV, worker_env
+    from wan_s2v_runner.launcher.spawn import CPU_MALLOC_ENV, worker_env
 
     spec = _supervisor(tmp_path).spec
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)

@@ -4,11 +4,11 @@ The package is cut by who runs the code. Each folder's ``__init__`` says what li
 on its ``May import:`` line, which other folders its modules may import (lazy imports inside
 functions count too); ``tests/test_imports.py`` reads those lines and holds the tree to them.
 
-* ``launcher/`` -- the user's process: the command line, spawning torchrun, supervision, the
+* ``launcher/`` -- the user's process: the command line, spawning the node agent, supervision, the
   console, failure and hang verdicts, the run manifest.
 * ``preflight/`` -- the launcher's checks before anything is spawned, and ``wan-s2v doctor``.
 * ``demo/`` -- the tiny random-weight checkpoint and synthetic inputs of the demo and the tests.
-* ``rank/`` -- one rank under torchrun: the worker, the generation loop, the rank's parallel plan.
+* ``rank/`` -- one rank under the node agent: the worker, the generation loop, the rank's parallel plan.
 * ``loading/`` -- the engine and its weights: importing ``wan``, reading checkpoint files, lean
   loading, LoRA merging, the parts a rank loads.
 * ``vae_split/`` -- the engine's VAE split over ranks by rows of pixels (exact).

@@ -8,7 +8,7 @@ every command's; ``--image``/``--audio`` are uploaded, or sent as server paths w
 name, then rename). ``jobs`` lists the
 server's jobs, shows the ones named, or cancels them (``--cancel``). ``--json`` prints the video
 object(s) instead. The server comes from ``--url`` / ``$WAN_S2V_URL``, the token from
-``--token-file``, ``--token`` or ``$WAN_S2V_TOKEN`` (:mod:`.serve.token`).
+``--token-file``, ``--token`` or ``$WAN_S2V_TOKEN`` (:mod:`.serve.bearer`).
 
 ``submit`` sends its job with an ``Idempotency-Key`` of its own and, while the server cannot
 take it (no answer, or 503: its queue's database away, its shared directory failing), sends the
@@ -36,8 +36,8 @@ import httpx
 
 from wan_s2v_runner.launcher.console import PROGRESS_EVERY_S, fmt_seconds
 from wan_s2v_runner.launcher.flags import flag_values
+from wan_s2v_runner.launcher.serve.bearer import TokenError, token_of
 from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
-from wan_s2v_runner.launcher.serve.token import TokenError, token_of
 from wan_s2v_runner.shared import atomic, exit_codes
 from wan_s2v_runner.shared.jobs import INPUT_FIELDS
 

@@ -27,8 +27,8 @@ from wan_s2v_runner.launcher.diagnose import parse_torchrun_exits
 from wan_s2v_runner.launcher.observer import Observers, RunObserver
 from wan_s2v_runner.launcher.processes import EarlyAgent
 from wan_s2v_runner.launcher.proctree import cpu_s
+from wan_s2v_runner.launcher.spawn import finalize_spec, make_run_dir
 from wan_s2v_runner.launcher.supervisor import Outcome, Supervisor
-from wan_s2v_runner.launcher.torchrun import finalize_spec, make_run_dir
 from wan_s2v_runner.shared import atomic, exit_codes, inbox
 from wan_s2v_runner.shared.jobs import Job, write_jobs
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec

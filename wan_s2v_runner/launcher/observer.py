@@ -1,7 +1,7 @@
 """Who watches a run: the observer protocol :func:`~.launch.run` reports to.
 
 A run's launcher tells each observer when the run starts (its group spec and run directory),
-each line torchrun prints, what the ranks reported after every poll of their events, and how the
+each line the node agent prints, what the ranks reported after every poll of their events, and how the
 run ended (its outcome and ``run.json``). The console (:class:`~.console.Display`: what a person
 watches, or JSON for machines) is one observer; a server's keeper
 (:class:`~.serve.keeper.KeeperObserver`: its scheduler) is another. Neither knows of the other.
@@ -32,10 +32,10 @@ class RunObserver(Protocol):
     """What :func:`~.launch.run` tells whoever watches a run."""
 
     def started(self, spec: GroupSpec, run_dir: Path) -> None:
-        """The run directory is made and ``spec.json`` written; torchrun is about to start."""
+        """The run directory is made and ``spec.json`` written; the node agent is about to start."""
 
     def log_line(self, line: str) -> None:
-        """A line torchrun (or a rank) printed (called from the output pump's thread)."""
+        """A line the node agent (or a rank) printed (called from the output pump's thread)."""
 
     def update(self, reader: EventReader, new_events: list[dict], elapsed: float) -> None:
         """After each poll of the ranks' event files: every rank's state and the new events."""

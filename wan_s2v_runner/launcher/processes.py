@@ -28,7 +28,7 @@ from wan_s2v_runner.launcher.proctree import (
     pids_with_cmdline,
     ppid_map,
 )
-from wan_s2v_runner.launcher.torchrun import agent_argv, worker_env
+from wan_s2v_runner.launcher.spawn import agent_argv, worker_env
 from wan_s2v_runner.shared import atomic
 from wan_s2v_runner.shared.events import EventReader, RankState
 from wan_s2v_runner.shared.node_agent import AGENT_MODULE

@@ -32,7 +32,7 @@ from wan_s2v_runner.launcher.diagnose import (
 from wan_s2v_runner.launcher.observer import Observers
 from wan_s2v_runner.launcher.processes import RunProcesses
 from wan_s2v_runner.launcher.proctree import proc_state, worker_rank
-from wan_s2v_runner.launcher.torchrun import expected_ranks
+from wan_s2v_runner.launcher.spawn import expected_ranks
 from wan_s2v_runner.launcher.watchdog import Stuck, WatchdogLimits, describe_hang, stalled
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.events import EventReader

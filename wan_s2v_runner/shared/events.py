@@ -21,7 +21,7 @@ Every record is one line ``{"t": unix time, "rank": global rank, "kind": ..., "s
 
 Only ``stage`` and ``progress`` count as progress for the hang watchdog; heartbeats do not.
 The launcher tails these files with :class:`EventReader`; nothing else is shared. Besides events,
-ranks write plain log lines (:data:`RANK_LOG_FORMAT`), which torchrun keeps in the per-rank log
+ranks write plain log lines (:data:`RANK_LOG_FORMAT`), which the node agent keeps in the per-rank log
 files and the launcher relays to the display. The reader
 turns stage names into :class:`Stage` members and keeps a name it does not know as a plain
 string (an event file from another version never stops the launcher).

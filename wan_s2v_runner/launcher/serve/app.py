@@ -11,7 +11,7 @@ POST needs no CORS preflight). curl, ``wan-s2v submit``, the OpenAI SDK and the 
 
 Cut as vLLM's entrypoints are: thin routes (:mod:`.routes`), typed protocol models
 (:mod:`.protocol`), the views they return (:mod:`.state`), and the HTTP launcher apart
-(:mod:`.http`: socket, uvicorn, signals).
+(:mod:`.listener`: socket, uvicorn, signals).
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ from starlette.routing import compile_path
 
 from wan_s2v_runner.launcher.serve.feed import Feed
 from wan_s2v_runner.launcher.serve.protocol import ErrorDetail, ErrorResponse
-from wan_s2v_runner.launcher.serve.requests import Refused, scrub
 from wan_s2v_runner.launcher.serve.routes import api, public
 from wan_s2v_runner.launcher.serve.state import Server
 from wan_s2v_runner.launcher.serve.store.protocol import QueueUnavailable, StoreRefused
+from wan_s2v_runner.launcher.serve.submissions import Refused, scrub
 
 #: seconds a client is asked to wait before it tries again while the queue is unavailable
 RETRY_AFTER_S = 5

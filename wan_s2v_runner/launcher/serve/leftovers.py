@@ -29,12 +29,12 @@ def group_file(root: Path, index: int) -> Path:
 
 
 def group_processes(run_dir: str) -> set[int]:
-    """torchrun and the workers of the rank group in ``run_dir`` (their command lines name its spec)."""
+    """The node agent and the workers of the rank group in ``run_dir`` (their command lines name its spec)."""
     return pids_with_cmdline(AGENT_MODULE.encode(), str(Path(run_dir) / "spec.json").encode())
 
 
 def wait_for_leftovers(group_file: Path, grace_s: float = 5.0) -> list[int]:
-    """What a killed server's group left running: torchrun and its workers normally stop with
+    """What a killed server's group left running: the node agent and its workers normally stop with
     the server (torchrun gets SIGTERM when it dies, and stops its workers), but a torchrun whose
     output pipe broke with the server can hang in its shutdown. Wait ``grace_s``, then SIGKILL
     whatever of the group is left. Returns the pids found."""

@@ -5,7 +5,7 @@ The shapes follow OpenAI's video API as vLLM-Omni and FastVideo serve it: a vide
 list (``object: "list"``, ``data``) and an error body (``{"error": {"message", "type", "param",
 "code"}}``), plus what ours adds (the stage, clip and step, the ETA, seconds per stage, the
 place in the queue) and the server's own state (``/health``, ``/v1/server``). Requests are
-:mod:`.requests`' (a job's fields: :data:`~.requests.VideoJobFields`).
+:mod:`.submissions`' (a job's fields: :data:`~.submissions.VideoJobFields`).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The HTTP routes, thin: each reads the :class:`~.state.Server` from the app, asks the queue,
-the keeper or :mod:`.requests`, and returns a typed model (:mod:`.protocol`).
+the keeper or :mod:`.submissions`, and returns a typed model (:mod:`.protocol`).
 
 - ``POST /v1/videos`` (multipart form, or JSON with paths): a job -> its video object, ``queued``;
-  refused with 4xx and an :class:`~.protocol.ErrorResponse` (:mod:`.requests` says why);
+  refused with 4xx and an :class:`~.protocol.ErrorResponse` (:mod:`.submissions` says why);
 - ``GET /v1/videos``: every job (a :class:`~.protocol.VideoList`);
 - ``GET /v1/videos/{id}``: the video object: ``status``, ``progress`` (percent), and ours:
   ``stage``, ``clip``/``clips``, ``step``/``steps``, ``eta_s``, ``stage_seconds``,
@@ -55,7 +55,11 @@ from wan_s2v_runner.launcher.serve.protocol import (
     VideoList,
     VideoObject,
 )
-from wan_s2v_runner.launcher.serve.requests import (
+from wan_s2v_runner.launcher.serve.retention import space_refusal
+from wan_s2v_runner.launcher.serve.state import Server, health, job_fields, server_state, video_object, video_objects
+from wan_s2v_runner.launcher.serve.store.protocol import IdempotencyConflict, JobRow, JobStatus, QueueFull
+from wan_s2v_runner.launcher.serve.store.rules import PAGE_MAX
+from wan_s2v_runner.launcher.serve.submissions import (
     INPUT_NAMES,
     Refused,
     Upload,
@@ -66,10 +70,6 @@ from wan_s2v_runner.launcher.serve.requests import (
     request_hash,
     storage_refusal,
 )
-from wan_s2v_runner.launcher.serve.retention import space_refusal
-from wan_s2v_runner.launcher.serve.state import Server, health, job_fields, server_state, video_object, video_objects
-from wan_s2v_runner.launcher.serve.store.protocol import IdempotencyConflict, JobRow, JobStatus, QueueFull
-from wan_s2v_runner.launcher.serve.store.rules import PAGE_MAX
 
 log = logging.getLogger("wan_s2v.serve")
 
@@ -352,7 +352,7 @@ def _form_field(prop: dict[str, Any]) -> dict[str, Any]:
         "size": {"type": "string", "description": "= max_area, as WIDTHxHEIGHT (the image's aspect is kept)"},
         "model": {"type": "string", "description": "accepted and ignored (the server runs one model)"}}}}}}})
 async def create(request: Request, server: ServerDep) -> VideoObject:
-    """Queue a job (the form's or JSON's fields, checked: :mod:`.requests`). A request sent again
+    """Queue a job (the form's or JSON's fields, checked: :mod:`.submissions`). A request sent again
     with the same ``Idempotency-Key`` gives the job the first one made."""
     key = idempotency_key(request.headers.get("idempotency-key"))
     why = server.watch.not_ready()  # the queue down or the shared directory failing: said before any upload

@@ -63,7 +63,7 @@ class ServerSettings(BaseModel):
         line) when they do not go together (see :meth:`refusal`)."""
         from pydantic import ValidationError
 
-        from wan_s2v_runner.launcher.serve.token import TokenError, token_of
+        from wan_s2v_runner.launcher.serve.bearer import TokenError, token_of
 
         try:
             token = token_of(args)

@@ -27,10 +27,10 @@ from wan_s2v_runner.launcher.serve.protocol import (
     VideoError,
     VideoObject,
 )
-from wan_s2v_runner.launcher.serve.requests import Policy, VideoJobFields, input_names, scrub
 from wan_s2v_runner.launcher.serve.retention import Retention
 from wan_s2v_runner.launcher.serve.settings import ServerSettings
 from wan_s2v_runner.launcher.serve.store.protocol import JobRow, JobStatus, JobStore
+from wan_s2v_runner.launcher.serve.submissions import Policy, VideoJobFields, input_names, scrub
 from wan_s2v_runner.launcher.serve.watch import Watch
 from wan_s2v_runner.shared.events import steps_done
 from wan_s2v_runner.shared.media import FIRST_CLIP_DROPS, FPS
@@ -67,7 +67,7 @@ class Server:
 
     @property
     def roots(self) -> tuple[Path, ...]:
-        """The server's own paths, never named in an error body (:func:`~.requests.scrub`)."""
+        """The server's own paths, never named in an error body (:func:`~.submissions.scrub`)."""
         spec = self.keepers[0].group_spec
         return (self.dirs.root, self.dirs.shared_root, *self.policy.allow_dirs, spec.ckpt_dir, spec.runs_root)
 

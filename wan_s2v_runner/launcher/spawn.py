@@ -4,9 +4,9 @@
 wan_s2v_runner.rank.agent`` with the run's ``spec.json``, from which the agent (torch elastic's,
 as torchrun runs it; see :mod:`wan_s2v_runner.rank.agent`) takes this node's share of the world,
 the rendezvous and the rank body; per-rank logs and torch elastic error files go under ``logs/``.
-The launcher still calls the agent "torchrun" (``torchrun.log``, ``torchrun_pid``): it is the same
-agent. :func:`finalize_spec` resolves what the launcher decides once (seed, multi-node port)
-before the spec is written.
+The run's files keep torchrun's name for it (``torchrun.log``, run.json's ``torchrun_pid``):
+formats that users' tools read, left as they are. :func:`finalize_spec` resolves what the
+launcher decides once (seed, multi-node port) before the spec is written.
 """
 from __future__ import annotations
 

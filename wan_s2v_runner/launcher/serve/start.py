@@ -170,13 +170,13 @@ def _serve_node0(settings: ServerSettings, replicas: list, base: dict, extra_env
     from wan_s2v_runner.launcher.job_book import job_defaults
     from wan_s2v_runner.launcher.serve.dirs import ServerDirs
     from wan_s2v_runner.launcher.serve.fleet import shared_dir_problem
-    from wan_s2v_runner.launcher.serve.http import run_server
     from wan_s2v_runner.launcher.serve.keeper import Keeper
+    from wan_s2v_runner.launcher.serve.listener import run_server
     from wan_s2v_runner.launcher.serve.metrics import ServerMetrics
-    from wan_s2v_runner.launcher.serve.requests import Policy
     from wan_s2v_runner.launcher.serve.retention import Retention
     from wan_s2v_runner.launcher.serve.state import Server
     from wan_s2v_runner.launcher.serve.store.protocol import QueueUnavailable
+    from wan_s2v_runner.launcher.serve.submissions import Policy
     from wan_s2v_runner.launcher.serve.watch import Watch
     from wan_s2v_runner.preflight import machine_facts
 

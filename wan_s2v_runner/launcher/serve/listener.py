@@ -58,7 +58,7 @@ def run_server(server: Server) -> int:
               f"{', '.join(recovered)}", flush=True)
     # uvicorn handles SIGINT/SIGTERM while it runs and, once it has shut down, restores the
     # handlers it found and raises the signal again: with the default SIGTERM handler that would
-    # end this process before the rank group is stopped (a torchrun left behind). So the handlers
+    # end this process before the rank group is stopped (a node agent left behind). So the handlers
     # it finds are ours: stop the start-up before uvicorn runs, nothing after it.
     uvicorn_running = threading.Event()
 
