@@ -163,7 +163,7 @@ def cmd_batch(args, extra_env=None) -> int:
 def cmd_serve(args, extra_env=None) -> int:
     """The resident rank group behind the HTTP API (:mod:`wan_s2v_runner.launcher.serve`); on a
     node other than 0: only its ranks, relaunched whenever node 0 relaunches the group."""
-    from wan_s2v_runner.launcher.serve import setup
+    from wan_s2v_runner.launcher.serve import start
     from wan_s2v_runner.launcher.serve.settings import ServerSettings, SettingsError
 
     try:
@@ -173,11 +173,11 @@ def cmd_serve(args, extra_env=None) -> int:
         return exit_codes.USAGE
     try:
         settings.server_dir.mkdir(parents=True, exist_ok=True)
-        base = spec_values(args, setup.group_defaults(settings.server_dir))
+        base = spec_values(args, start.group_defaults(settings.server_dir))
         group = make_group(base)
     except (ValidationError, ValueError, OSError) as e:
         return _usage_error(e)
-    return setup.serve(settings, group, base, extra_env)
+    return start.serve(settings, group, base, extra_env)
 
 
 def default_cache_dir() -> Path:

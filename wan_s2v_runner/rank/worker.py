@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from enum import Enum
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -60,8 +61,14 @@ class JobFailed(Exception):
     fails with this cause; the same ranks take the next job."""
 
 
-#: how rank 0's verdict on a job before its ranks start it reads (:meth:`RankGroup.start_job`)
-FAILED, LOST = "failed", "lost"
+class JobEnd(str, Enum):
+    """Rank 0's word to every rank that a job ends before it is done, and how (broadcast; None: go on):
+    before its ranks start it (:meth:`RankGroup.start_job`, FAILED with its cause, or LOST) or at a
+    denoising step of a served job (:meth:`RankGroup._step_or_cancel`, LOST or CANCELLED)."""
+
+    FAILED = "failed"  # its inputs or its speech: the job's own error, the group goes on
+    LOST = "lost"  # its server lost it to another holder: nothing more of it is written here
+    CANCELLED = "cancelled"  # its server cancelled it
 
 
 def input_problem(spec) -> Optional[str]:
@@ -313,29 +320,29 @@ class RankGroup:
                 stop = None
                 if self.rank == 0:  # lost first: a lost job's cancel is its server's way of saying so too
                     if gate.verdict() is inbox.Verdict.LOST:
-                        stop = LOST
+                        stop = JobEnd.LOST
                     elif inbox.cancelled(self.run_dir, job.id):
-                        stop = "cancel"
+                        stop = JobEnd.CANCELLED
                 stop = self._from_rank0(stop)
-                if stop == "cancel":
+                if stop is JobEnd.CANCELLED:
                     raise JobCancelled(job.id)
-                if stop == LOST:
+                if stop is JobEnd.LOST:
                     raise JobLost(job.id)
         return step
 
-    def start_job(self, job: Job, clock: "StageClock") -> Optional[tuple[str, str]]:
+    def start_job(self, job: Job, clock: "StageClock") -> Optional[tuple[JobEnd, str]]:
         """Before any rank starts the job, rank 0 reads its inputs, waits until its server is sure
         it holds the job (a served job), and speaks a ``--tts-text`` job's speech into the job's
-        folder; every rank hears the verdict: None (go), or (``failed``, the cause) / (``lost``,
-        ""): the job ends here, before any collective of its own."""
-        verdict: Optional[tuple[str, str]] = None
+        folder; every rank hears the verdict: None (go), or (:attr:`JobEnd.FAILED`, the cause) /
+        (:attr:`JobEnd.LOST`, ""): the job ends here, before any collective of its own."""
+        verdict: Optional[tuple[JobEnd, str]] = None
         if self.rank == 0:
             spec, gate = job.run_spec(self.spec), self.gate(job)
             problem = input_problem(spec)
             if problem is not None:
-                verdict = (FAILED, problem)
+                verdict = (JobEnd.FAILED, problem)
             elif not gate.wait():
-                verdict = (LOST, "")
+                verdict = (JobEnd.LOST, "")
             elif spec.tts_text and self.plan.encodes:  # the speech first: it is the audio everything reads
                 from wan_s2v_runner.rank.tts import make_speech
                 from wan_s2v_runner.shared.atomic import NotCommitted
@@ -345,9 +352,9 @@ class RankGroup:
                 try:
                     make_speech(spec, resuming=bool(spec.resume_from), commit_if=gate.wait)
                 except NotCommitted:
-                    verdict = (LOST, "")
+                    verdict = (JobEnd.LOST, "")
                 except Exception as e:  # its own inputs or the TTS model: this job's error, the group goes on
-                    verdict = (FAILED, f"text to speech failed: {type(e).__name__}: {e}")
+                    verdict = (JobEnd.FAILED, f"text to speech failed: {type(e).__name__}: {e}")
         return self._from_rank0(verdict)
 
     def fail_job(self, job: Job, index: int, cause: str) -> None:
@@ -514,7 +521,7 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
             started, clock = time.time(), StageClock()
             try:
                 verdict = group.start_job(job, clock)
-                if verdict is not None and verdict[0] == LOST:
+                if verdict is not None and verdict[0] is JobEnd.LOST:
                     raise JobLost(job.id)
                 if verdict is not None:
                     raise JobFailed(verdict[1])
