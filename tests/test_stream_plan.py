@@ -91,6 +91,17 @@ def test_the_streamed_plan_adds_two_slots_and_moves_the_dit_to_the_host():
     assert big.gpu_peak <= 0.9 * plan_free(ctx_on("rtx5090_1x"))
     given = plan_all(ctx_on("rtx5090_1x", dit_offload="blocks", resident_blocks=3))["ulysses"]
     assert given.stream["resident_blocks"] == 3
+    # the most resident blocks that fit, though the peak is not monotonic in them (two streamed
+    # units take two slots of the larger: more than keeping one of them)
+    from wan_s2v_runner.preflight.memory import GPU_FILL, plan_mode, workload
+    c = ctx_on("rtx5090_1x", dit_offload="blocks")
+    fill = GPU_FILL * plan_free(c)
+
+    def peak(r):
+        return plan_mode(c.layout, SIZES, workload(c), nproc=1, device="cuda", offload=True, stream=r).gpu_peak
+    chosen = big.stream["resident_blocks"]
+    assert peak(chosen) <= fill and all(peak(r) > fill for r in range(chosen + 1, 41))
+    assert peak(39) < peak(38)  # why the search scans from the top
 
 
 def test_auto_streams_only_when_nothing_resident_fits():
@@ -110,6 +121,11 @@ def test_auto_streams_only_when_nothing_resident_fits():
     r = rec("rtx3090_2x_nop2p")
     assert (r.mode, r.dit_offload) == (Mode.ULYSSES, DitOffload.BLOCKS) and "without P2P" in r.reason
     assert rec("rtx4060ti16_1x", max_area="832*480").dit_offload is DitOffload.BLOCKS
+    # never when the user set --dit-offload (here: none), nor under --load full (it cannot stream):
+    # the answer is what it was before streaming (nothing fits: hybrid, said so)
+    for values in ({"dit_offload": "none"}, {"load": "full"}):
+        r = rec("rtx4090_1x", dit_quant="fp8", **values)
+        assert (r.mode, r.dit_offload) == (Mode.HYBRID, DitOffload.NONE), values
 
 
 def test_the_gate_fills_in_the_resident_blocks():
@@ -179,3 +195,13 @@ def test_the_pinned_copy_is_checked_against_the_ram():
             assert "WSL2's driver pins at most about half the RAM" in r.finding and "--dit-quant fp8" in r.fix
     skipped = next(x for x in run_checks(ctx_on("rtx4090_1x"), ["memory"]) if x.id == "memory.pinned")
     assert skipped.status is Status.SKIP
+
+
+def test_a_streamed_run_always_takes_t5_off_the_gpu():
+    """With --dit-offload blocks T5 goes back to the CPU after encoding whatever the ranks (the plan
+    counts it so: 2x 24 GB fit only that way), and the DiT is never moved whole."""
+    from wan_s2v_runner.shared.spec import RunSpec
+    base = dict(ckpt_dir="c", image="i", audio="a", prompt="p", device="cuda")
+    assert not RunSpec(**base, nproc=2).offload
+    assert RunSpec(**base, nproc=2, dit_offload="blocks").offload
+    assert RunSpec(**base, nproc=1, offload_model=False, dit_offload="blocks").offload

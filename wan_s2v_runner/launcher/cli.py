@@ -37,7 +37,7 @@ def make_spec(args, defaults: Optional[dict] = None) -> RunSpec:
     spec = RunSpec(**values)
     if mode_auto:
         from wan_s2v_runner.preflight import recommend_mode
-        rec = recommend_mode(spec)
+        rec = recommend_mode(spec, dit_offload_given="dit_offload" in values)
         # the plan's CFG split and streaming, unless --[no-]cfg-parallel / --dit-offload was given
         spec = RunSpec(**{**values, **rec.updates(values)})  # validated again: the layout changed
         print(f"--mode auto: {rec.flags(spec.cfg_parallel)} ({rec.text})", file=sys.stderr)

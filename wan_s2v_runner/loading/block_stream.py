@@ -262,6 +262,8 @@ class BlockStreamer:
 
     def detach(self) -> None:
         """Remove the hooks and point every streamed parameter at its host tensor (tests)."""
+        if self.copy_stream is not None:  # a prefetch may be in flight: the slots are not free before it ends
+            self.copy_stream.synchronize()
         for h in self._hooks:
             h.remove()
         for s in range(len(self.slots)):
@@ -282,9 +284,9 @@ def attach(model, device, resident: int, pinner: Optional[Callable] = None, read
     registration on a CUDA device, nothing on the CPU)."""
     streamer = BlockStreamer(model, device, resident, pinner, read_only)
     model._wan_s2v_streamer = streamer
-    log.info("DiT streamed: %d of %d blocks from host memory (%.2f GiB) through 2 slots of %.2f GiB; %d resident",
+    log.info("DiT streamed: %d of %d blocks from host memory (%.2f GiB) through %d slot(s) of %.2f GiB; %d resident",
              len(streamer.units), len(streamer.units) + streamer.resident, streamer.host_bytes / 2**30,
-             streamer.slot_bytes / 2**30, streamer.resident)
+             len(streamer.slots), streamer.slot_bytes / 2**30, streamer.resident)
     return streamer
 
 

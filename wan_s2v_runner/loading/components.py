@@ -286,6 +286,7 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file
                     fp8_linear.set_scales(model, src.row_scales(), self.device)
 
         def finish():  # upstream's: Ulysses rebinding, barrier (the main thread's collectives)
+            placed = self.init_on_cpu
             if resident is not None:  # upstream's configure leaves it in host memory: streamed below
                 self.init_on_cpu = True
             dit = self._configure_model(model=model, use_sp=lay.use_sp, dit_fsdp=False, shard_fn=shard_fn,
@@ -294,7 +295,7 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file
                 streamer = block_stream.attach(dit, self.device, resident,
                                                read_only=report.strategy.get("dit") == "node-shared")
                 report.strategy["dit_stream"] = streamer.describe()
-                self.init_on_cpu = False
+                self.init_on_cpu = placed  # the loop never moves a streamed DiT whole (generation.py)
             context_cache.apply(dit)
             return dit
 

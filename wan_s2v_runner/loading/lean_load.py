@@ -205,16 +205,7 @@ def node_shared_weights(model, source, report: LoadReport, what: str, group=None
     of its own). Returns the strategy used."""
     import torch.distributed as dist
     if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= 1:  # alone on the node: nothing to share
-        if packed:
-            layout, total = _layout(model)
-            views = _views(torch.empty(total, dtype=torch.uint8).untyped_storage(), layout)
-            with torch.no_grad():
-                for name, t in views.items():
-                    source.read_flat(name, 0, t.view(-1))
-            model.load_state_dict(views, strict=True, assign=True)
-            report.strategy[what] = "private (one buffer)"
-            return report.strategy[what]
-        device_weights(model, source, torch.device("cpu"), report, what)
+        private_weights(model, source, report, what, packed)
         return report.strategy[what]
     layout, total = _layout(model)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -243,13 +234,28 @@ def node_shared_weights(model, source, report: LoadReport, what: str, group=None
         report.strategy[what] = "node-shared"
     except (OSError, RuntimeError) as e:  # e.g. /proc/PID/fd not readable: a private copy
         log.warning("%s: cannot map local rank 0's weights (%s); reading a private copy", what, e)
-        device_weights(model, source, torch.device("cpu"), report, what)
+        private_weights(model, source, report, what, packed)
         report.strategy[what] = "private (node sharing unavailable)"
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.barrier(group=group)  # every local rank has mapped the file before its creator closes it
     if fd is not None:
         os.close(fd)  # the mappings keep the memory alive
     return report.strategy[what]
+
+
+def private_weights(model, source, report: LoadReport, what: str, packed: bool) -> None:
+    """Fill ``model``'s (meta) parameters with this rank's own copy on the CPU: tensor by tensor,
+    or with ``packed`` into one buffer (a streamed DiT: one storage to pin)."""
+    if not packed:
+        device_weights(model, source, torch.device("cpu"), report, what)
+        return
+    layout, total = _layout(model)
+    views = _views(torch.empty(total, dtype=torch.uint8).untyped_storage(), layout)
+    with torch.no_grad():
+        for name, t in views.items():
+            source.read_flat(name, 0, t.view(-1))
+    model.load_state_dict(views, strict=True, assign=True)
+    report.strategy[what] = "private (one buffer)"
 
 
 def device_weights(model, source, device: torch.device, report: LoadReport, what: str) -> None:

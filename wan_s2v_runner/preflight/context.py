@@ -44,6 +44,9 @@ class CheckContext:
     #: rank groups of this spec side by side on the node (``serve --replicas``): they share its host
     #: RAM, and group i holds the node's GPUs i*nproc .. (i+1)*nproc-1
     node_groups: int = 1
+    #: the user set ``--dit-offload`` (flag, TOML or environment): ``--mode auto`` and the doctor
+    #: keep their choice rather than turning streaming on
+    dit_offload_given: bool = False
 
     # ----- derived: asked of the spec and its layout, never re-derived here -----
     @property
@@ -80,7 +83,7 @@ class CheckContext:
         return CheckContext(facts=self.facts, spec=_updated(self.spec, **update), complete=self.complete,
                             mode_source=self.mode_source, missing=list(self.missing),
                             spec_error=self.spec_error, notes=list(self.notes), cache=dict(self.cache),
-                            node_groups=self.node_groups)
+                            node_groups=self.node_groups, dit_offload_given=self.dit_offload_given)
 
     # ----- construction -----
     @classmethod
@@ -112,7 +115,8 @@ class CheckContext:
         return cls(facts=facts, spec=draft.spec, complete=draft.complete,
                    mode_source=ModeSource.FLAG if mode_given else ModeSource.DEFAULT,
                    missing=draft.missing, notes=notes,
-                   spec_error=format_validation_error(draft.error) if draft.error else None)
+                   spec_error=format_validation_error(draft.error) if draft.error else None,
+                   dit_offload_given="dit_offload" in vals)
 
 
 def _updated(spec: RunSpec, **update: Any) -> RunSpec:

@@ -86,6 +86,9 @@ class DoctorReport:
     parallel_plans: list[Plan]  # the fastest split of 1..16 GPUs for the checked mode
     splits: list[Split] = field(default_factory=list)  # the node's GPUs as 1..N groups (serve --replicas)
     queue_depth: int = DEFAULT_QUEUE_DEPTH
+    #: ulysses with the DiT streamed (--dit-offload blocks), beside the resident plans (None: the
+    #: checked spec streams already, or no GPU)
+    streamed: Optional[ModePlan] = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -136,6 +139,7 @@ class DoctorReport:
                     "assumed": wl.assumed,
                 },
                 "modes": {m: p.to_json() for m, p in self.plans.items()},
+                "ulysses_streamed": self.streamed.to_json() if self.streamed is not None else None,
             },
             "parallel_plans": {
                 "mode": ctx.mode.value,
@@ -194,15 +198,16 @@ def diagnose(ctx: CheckContext, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> Docto
     rec = recommend(ctx)
     if ctx.mode_source is ModeSource.DEFAULT:
         ctx.with_mode(rec.mode, ModeSource.RECOMMENDED)
-        if rec.dit_offload is DitOffload.BLOCKS:  # only a streamed DiT fits: checked as it would run
+        if rec.dit_offload is DitOffload.BLOCKS and not ctx.dit_offload_given:  # only a streamed DiT fits
             ctx.spec = ctx.spec.model_copy(update={"dit_offload": rec.dit_offload})
             ctx.notes.append("--dit-offload blocks recommended (only a streamed DiT fits)")
     groups = groups_for(ctx.mode)
     results = run_checks(ctx, groups)
-    plans = plan_all(ctx)
+    streamed = None
     if ctx.spec.dit_offload is DitOffload.NONE and ctx.on_cuda:  # the streamed row beside the resident ones
-        plans["ulysses, streamed"] = plan_all(ctx.with_settings(dit_offload=DitOffload.BLOCKS))[Mode.ULYSSES.value]
-    return DoctorReport(ctx=ctx, recommendation=rec, results=results, groups=groups, plans=plans,
+        streamed = plan_all(ctx.with_settings(dit_offload=DitOffload.BLOCKS))[Mode.ULYSSES.value]
+    return DoctorReport(ctx=ctx, recommendation=rec, results=results, groups=groups, plans=plan_all(ctx),
+                        streamed=streamed,
                         sizes=model_sizes(ctx), workload=workload(ctx),
                         parallel_plans=plan_table(ctx.mode, **plan_inputs(ctx)),
                         splits=splits_for(ctx.mode, ctx.layout.world_size, queue_depth=queue_depth,

@@ -458,16 +458,9 @@ def resident_blocks(layout: Layout, sizes: ModelSizes, wl: Workload, ctx, free: 
     def peak(r: int) -> int:
         return plan_mode(layout, sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device, offload=ctx.offload,
                          load=ctx.spec.load, quant=ctx.spec.dit_quant, stream=r).gpu_peak or 0
-    lo, hi = 0, len(sizes.dit_units)
-    if peak(0) > GPU_FILL * free:
-        return 0
-    while lo < hi:  # the peak grows with every resident block (the slots shrink by at most one unit)
-        mid = (lo + hi + 1) // 2
-        if peak(mid) <= GPU_FILL * free:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    # the most that fit, tried from all down: the peak is not monotonic in R (two streamed units
+    # take two slots of the larger one, more than keeping one of them resident)
+    return next((r for r in range(len(sizes.dit_units), -1, -1) if peak(r) <= GPU_FILL * free), 0)
 
 
 #: standard S2V areas, largest first (WIDTH*HEIGHT as the CLI takes them)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from wan_s2v_runner.shared.layout import DitOffload, Mode, valid_sp_degrees
+from wan_s2v_runner.shared.layout import DitOffload, LoadStrategy, Mode, valid_sp_degrees
 from wan_s2v_runner.shared.spec import RunSpec
 
 from .context import CheckContext
@@ -182,7 +182,10 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
         return gib(p) + (" — tight" if p and GPU_FIT * free < p <= free else "")
 
     def stream_rec(why: str) -> Optional[Recommendation]:
-        """Rule 5: ulysses with the DiT streamed, where it fits and nothing resident did."""
+        """Rule 5: ulysses with the DiT streamed, where it fits and nothing resident did (not when the
+        user set --dit-offload, nor under --load full, which cannot stream)."""
+        if ctx.dit_offload_given or LoadStrategy(ctx.spec.load) is LoadStrategy.FULL or streamed.stream is None:
+            return None
         if not (streamed.gpu_peak and streamed.gpu_peak <= free
                 and (avail is None or streamed.host_node_total <= avail)):
             return None
@@ -247,14 +250,16 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
 
 
 def recommend_mode(spec_or_ctx: Union[RunSpec, CheckContext, None] = None,
-                   facts: Optional[MachineFacts] = None) -> Recommendation:
-    """Recommend a mode for a RunSpec or CheckContext (live facts unless ``facts`` is given)."""
+                   facts: Optional[MachineFacts] = None, dit_offload_given: bool = False) -> Recommendation:
+    """Recommend a mode for a RunSpec or CheckContext (live facts unless ``facts`` is given;
+    ``dit_offload_given``: a RunSpec whose --dit-offload the user set)."""
     if isinstance(spec_or_ctx, CheckContext):
         ctx = spec_or_ctx
         if facts is not None:
             ctx.facts = facts
     elif isinstance(spec_or_ctx, RunSpec):
         ctx = CheckContext.for_spec(spec_or_ctx, facts)
+        ctx.dit_offload_given = dit_offload_given
     else:
         ctx = CheckContext.for_values({}, facts)
     return recommend(ctx)

@@ -100,7 +100,10 @@ def render_doctor(report: DoctorReport, console=None) -> None:
     for col in ("mode", "ranks", "GPU/rank", "host/rank", node, "GPU free (min)"):
         mt.add_column(col)
     free = min((g.get("free_mib") or 0 for g in ctx.local_gpus), default=0) * 2**20
-    for name, p in report.plans.items():
+    rows = dict(report.plans)
+    if report.streamed is not None:
+        rows["ulysses, streamed"] = report.streamed
+    for name, p in rows.items():
         mark = (" (streamed)" if p.stream is not None and "streamed" not in name else "") + (
             " *" if name == ctx.mode.value else "")
         gpu = gib(p.gpu_peak) if p.gpu_peak else "-"

@@ -207,7 +207,7 @@ class GroupSpec(BaseModel):
     lora_allow_partial: Annotated[bool, Flag(_MO)] = Field(
         False, description="run even when some LoRA keys name no module of this DiT (they are skipped)")
     offload_model: Annotated[Optional[bool], Flag(_MO, default_text="only with 1 GPU")] = Field(
-        None, description="offload the DiT to CPU between uses")
+        None, description="offload the DiT to CPU between uses (with --dit-offload blocks: always T5, never the DiT)")
     dit_offload: Annotated[DitOffload, Flag(_MO, env="WAN_S2V_DIT_OFFLOAD")] = Field(
         DitOffload.NONE, description="blocks: keep the DiT's blocks in pinned host memory and copy each to the GPU "
                                      "while the one before computes: the 14B on a 16-32 GB card, the same frames "
@@ -361,6 +361,8 @@ class GroupSpec(BaseModel):
     def offload(self) -> bool:
         if self.device == "cpu":
             return False  # nothing to offload to; the engine's offload path calls torch.cuda.synchronize
+        if self.dit_offload is DitOffload.BLOCKS:  # T5 leaves the GPU after encoding; the DiT is never moved whole
+            return True
         return self.offload_model if self.offload_model is not None else self.world_size == 1
 
     @property
