@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from wan_s2v_runner.shared.layout import MODES, DitOffload, Mode, ModeTraits
+from wan_s2v_runner.shared.layout import MODES, Mode, ModeTraits
 from wan_s2v_runner.shared.spec import GroupSpec
 
 
@@ -46,11 +46,7 @@ class ModeRunner:
         if overlap and dist.is_initialized() and dist.get_world_size() > 1:
             load_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.pg_timeout_s))
         parts = components.load(wan, config, str(spec.ckpt_dir), plan, device, device_id,
-                                strategy=spec.load, waves=spec.load_waves or 1, on_event=on_event,
-                                compiled=spec.compile, dit_file=spec.dit_file,
-                                dit_quant=spec.dit_quant, fp8_matmul=spec.fp8_matmul, loras=spec.lora,
-                                lora_allow_partial=spec.lora_allow_partial, overlap=overlap, load_group=load_group,
-                                resident_blocks=resident_blocks(spec, device))
+                                components.LoadSettings.of(spec, overlap), on_event=on_event, load_group=load_group)
         applied["dit_load"] = why
         if lay.use_sp:
             heads = "/".join(map(str, lay.head_split(parts.dit_attr("num_heads"))))
@@ -60,11 +56,3 @@ class ModeRunner:
         applied["context_cache"] = f"text embedding and {blocks} blocks' cross-attention k/v once per context"
         return plan, parts, applied
 
-
-def resident_blocks(spec: GroupSpec, device) -> "int | None":
-    """How many DiT blocks stay on the device with ``--dit-offload blocks`` (None: not streamed):
-    ``--resident-blocks``, which the launcher fills from the memory plan; without it (no plan:
-    ``--skip-preflight``, or the CPU) none, every block streams."""
-    if spec.dit_offload is not DitOffload.BLOCKS:
-        return None
-    return spec.resident_blocks if spec.resident_blocks is not None else 0

@@ -142,9 +142,8 @@ def one_process_frames(engine_cpu, **updates) -> "torch.Tensor":
     wan, cfg, spec = engine_cpu
     spec = spec.model_copy(update=updates)
     plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
-    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0, dit_file=spec.dit_file,
-                            dit_quant=spec.dit_quant, fp8_matmul=spec.fp8_matmul, loras=spec.lora,
-                            lora_allow_partial=spec.lora_allow_partial)
+    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0,
+                            components.LoadSettings.of(spec))
     return S2VGenerator(parts, plan).generate(request_for(spec))
 
 

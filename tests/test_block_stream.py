@@ -35,8 +35,7 @@ def five(tiny_assets, tmp_path_factory):
 
 def generate(engine, **updates):
     """(frames, parts) of our loop at one process for the tiny spec with ``updates``, loaded as a
-    ``--nproc 1`` rank loads it (``runners.base``: the resident count from the spec)."""
-    from runners.base import resident_blocks
+    ``--nproc 1`` rank loads it (``LoadSettings.of``: the resident count from the spec)."""
     from wan_s2v_runner.loading import components
     from wan_s2v_runner.rank.generation import S2VGenerator
     from wan_s2v_runner.rank.parallel import RankPlan
@@ -47,9 +46,7 @@ def generate(engine, **updates):
     spec = spec.model_copy(update=updates)
     cpu = torch.device("cpu")
     plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
-    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, cpu, 0, dit_quant=spec.dit_quant,
-                            fp8_matmul=spec.fp8_matmul, loras=spec.lora, lora_allow_partial=spec.lora_allow_partial,
-                            resident_blocks=resident_blocks(spec, cpu))
+    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, cpu, 0, components.LoadSettings.of(spec))
     return S2VGenerator(parts, plan).generate(request_for(spec)), parts
 
 

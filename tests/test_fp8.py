@@ -198,7 +198,7 @@ def test_fp8_frames_are_near_full_precision(tiny_assets, fp8_one_clip):
         full = one_process_frames(engine, num_clips=1)
         wan, cfg, spec = engine
         parts = components.load(wan, cfg, str(spec.ckpt_dir), RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0),
-                                torch.device("cpu"), 0, dit_quant=DitQuant.FP8)
+                                torch.device("cpu"), 0, components.LoadSettings(dit_quant=DitQuant.FP8))
     d = (fp8 - full).abs()
     assert 0 < d.max() <= FP8_FRAMES_BOUND[0] and d.mean() <= FP8_FRAMES_BOUND[1], (d.max(), d.mean())
     held = [m for m in parts.noise_model.modules() if isinstance(m, Fp8Weight)]

@@ -109,8 +109,8 @@ def test_in_turns_without_a_process_group_is_one_call():
 
 
 def _overlapped(engine_cpu, monkeypatch, read):
-    """The tiny DiT loading on its thread (``components.load(overlap=True)``, one rank), its weights
-    read by ``read(real_read, *args)`` (``lean_load.device_weights``); (parts, plan, request)."""
+    """The tiny DiT loading on its thread (``components.load`` with ``LoadSettings(overlap=True)``,
+    one rank), its weights read by ``read(real_read, *args)`` (``lean_load.device_weights``); (parts, plan, request)."""
     from wan_s2v_runner.loading import components
     from wan_s2v_runner.rank.parallel import RankPlan
     from wan_s2v_runner.rank.worker import request_for
@@ -121,7 +121,8 @@ def _overlapped(engine_cpu, monkeypatch, read):
     monkeypatch.setattr(lean_load, "device_weights",  # the DiT's read (T5's is the main thread's)
                         lambda *a, **k: read(real, *a, **k) if a[-1] == "dit" else real(*a, **k))
     plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
-    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0, overlap=True)
+    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0,
+                            components.LoadSettings(overlap=True))
     return parts, plan, request_for(spec)
 
 

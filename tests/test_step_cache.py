@@ -43,8 +43,8 @@ def one_process(engine_cpu, **updates) -> tuple[torch.Tensor, list[dict]]:
     wan, cfg, spec = engine_cpu
     spec = spec.model_copy(update=updates)
     plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
-    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0, dit_quant=spec.dit_quant,
-                            fp8_matmul=spec.fp8_matmul)
+    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0,
+                            components.LoadSettings(dit_quant=spec.dit_quant, fp8_matmul=spec.fp8_matmul))
     generator = S2VGenerator(parts, plan)
     return generator.generate(request_for(spec)), generator.cache_records
 

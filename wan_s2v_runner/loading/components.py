@@ -38,7 +38,7 @@ from wan_s2v_runner.loading import block_stream, lean_load
 from wan_s2v_runner.loading.ckpt_read import PthFile, open_dit
 from wan_s2v_runner.loading.quantize import Fp8Source
 from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
-from wan_s2v_runner.shared.layout import DitQuant, LoadStrategy
+from wan_s2v_runner.shared.layout import DitOffload, DitQuant, LoadStrategy
 from wan_s2v_runner.shared.procfs import trim_heap
 from wan_s2v_runner.shared.quant import Fp8Matmul
 from wan_s2v_runner.shared.stages import Stage
@@ -153,28 +153,59 @@ class Components:
         return self.shell.param_dtype
 
 
+@dataclass(frozen=True)
+class LoadSettings:
+    """How a rank loads its parts: the rank group's loading settings in one object
+    (:meth:`of` reads them from a spec; the defaults load as upstream would, leanly).
+
+    * ``strategy``: ``lean`` (models built on meta, same modules and values, less memory and
+      reading) or ``full`` (upstream's constructors); ``waves`` > 1 reads in turns of local ranks.
+    * ``compiled``: the DiT's blocks will be compiled (``--compile``): an FSDP-sharded DiT is
+      wrapped with ``use_orig_params=True`` (upstream's own LoRA setting,
+      ``shard_model(use_lora=True)``), the FSDP form torch.compile can trace; the values are the
+      same flat shards either way.
+    * ``dit_file``: the DiT's weights come from this single file (``--dit-file``; lean loading
+      only), its config and everything else from the checkpoint directory.
+    * ``dit_quant`` fp8: the DiT's big Linears are held in float8_e4m3fn (``patches.fp8_linear``;
+      lean loading only), and ``loras`` (LoraRef items) are merged into them as they are read,
+      before quantizing (with full precision, ``patches.lora_merge`` merges them and these are not
+      used); ``fp8_matmul`` how they multiply (``--fp8-matmul``, checked on this rank's device by
+      ``fp8_linear.resolve_matmul``).
+    * ``overlap`` (a replicated DiT, lean loading): the DiT is read on its own thread, its
+      collectives on the load's own process group, and joined by :meth:`Components.ready`.
+    * ``resident_blocks`` (a replicated DiT, lean loading; None: not streamed): the DiT is read
+      into host memory and streamed block by block (``--dit-offload blocks``:
+      :mod:`wan_s2v_runner.loading.block_stream`), its first ``resident_blocks`` blocks kept on
+      the device.
+    """
+    strategy: LoadStrategy = LoadStrategy.LEAN
+    waves: int = 1
+    compiled: bool = False
+    dit_file: Optional[Any] = None
+    dit_quant: DitQuant = DitQuant.NONE
+    fp8_matmul: Fp8Matmul = Fp8Matmul.DEQUANT
+    loras: tuple = ()
+    lora_allow_partial: bool = False
+    overlap: bool = False
+    resident_blocks: Optional[int] = None
+
+    @classmethod
+    def of(cls, spec, overlap: bool = False) -> "LoadSettings":
+        """A group spec's (or a run spec's) loading settings. A streamed DiT keeps
+        ``--resident-blocks`` on the device (the launcher fills it from the memory plan; without a
+        plan, ``--skip-preflight`` or the CPU, every block streams)."""
+        streamed = spec.dit_offload is DitOffload.BLOCKS
+        return cls(strategy=LoadStrategy(spec.load), waves=spec.load_waves or 1, compiled=spec.compile,
+                   dit_file=spec.dit_file, dit_quant=DitQuant(spec.dit_quant), fp8_matmul=Fp8Matmul(spec.fp8_matmul),
+                   loras=tuple(spec.lora), lora_allow_partial=spec.lora_allow_partial, overlap=overlap,
+                   resident_blocks=(spec.resident_blocks or 0) if streamed else None)
+
+
 def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
-         strategy: LoadStrategy = LoadStrategy.LEAN, waves: int = 1, on_event=None,
-         compiled: bool = False, dit_file=None, dit_quant: DitQuant = DitQuant.NONE, loras=(),
-         lora_allow_partial: bool = False, fp8_matmul: Fp8Matmul = Fp8Matmul.DEQUANT, overlap: bool = False,
-         load_group=None, resident_blocks: Optional[int] = None) -> Components:
-    """The parts ``plan`` needs, loaded as ``WanS2V.__init__`` would load them (``strategy``
-    ``full``) or leanly (``lean``: same modules, same values, less memory and reading).
-    ``waves`` > 1 reads in turns of local ranks; ``on_event(stage, **data)`` enters a stage.
-    ``compiled``: the DiT's blocks will be compiled (``--compile``): an FSDP-sharded DiT is wrapped
-    with ``use_orig_params=True`` (upstream's own LoRA setting, ``shard_model(use_lora=True)``),
-    the FSDP form torch.compile can trace; the values are the same flat shards either way.
-    ``dit_file``: the DiT's weights come from this single file (``--dit-file``; lean loading only),
-    its config and everything else from ``ckpt_dir``. ``dit_quant`` fp8: the DiT's big Linears are
-    held in float8_e4m3fn (``patches.fp8_linear``; lean loading only), and ``loras`` (LoraRef
-    items) are merged into them as they are read, before quantizing (with full precision,
-    ``patches.lora_merge`` merges them and these are not used); ``fp8_matmul`` how they multiply
-    (``--fp8-matmul``, checked on this rank's device by ``fp8_linear.resolve_matmul``). ``overlap``
-    (a replicated DiT, lean loading): the DiT is read on its own thread, its collectives on
-    ``load_group``, and joined by :meth:`Components.ready`. ``resident_blocks`` (a replicated DiT,
-    lean loading; None: not streamed): the DiT is read into host memory and streamed block by block
-    (``--dit-offload blocks``: :mod:`wan_s2v_runner.loading.block_stream`), its first
-    ``resident_blocks`` blocks kept on the device."""
+         how: LoadSettings = LoadSettings(), on_event=None, load_group=None) -> Components:
+    """The parts ``plan`` needs, loaded as ``WanS2V.__init__`` would load them, as ``how`` says
+    (:class:`LoadSettings`). ``on_event(stage, **data)`` enters a stage; ``load_group``: the
+    process group of a DiT read on its own thread (``how.overlap``)."""
     s2v_mod = wan.speech2video
     lay = plan.layout
     self = s2v_mod.WanS2V.__new__(s2v_mod.WanS2V)
@@ -189,10 +220,10 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
         self.init_on_cpu = False
     # looked up at call time: patches.fsdp_no_sync rebinds shard_model in wan.speech2video
     shard_fn = partial(_shard, s2v_mod, device_id=device_id)
-    dit_shard_fn = partial(shard_fn, use_lora=True) if compiled else shard_fn
+    dit_shard_fn = partial(shard_fn, use_lora=True) if how.compiled else shard_fn
 
-    lean = strategy is LoadStrategy.LEAN
-    report = lean_load.LoadReport(waves=waves)
+    lean = how.strategy is LoadStrategy.LEAN
+    report = lean_load.LoadReport(waves=how.waves)
     on_event = on_event or (lambda *a, **k: None)
 
     self.text_encoder = None
@@ -207,19 +238,17 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     self.vae = None
     if plan.needs_vae:
         self.vae = s2v_mod.Wan2_1_VAE(vae_pth=os.path.join(ckpt_dir, config.vae_checkpoint), device=self.device)
-    if (dit_file is not None or DitQuant(dit_quant) is not DitQuant.NONE) and not lean:
+    if (how.dit_file is not None or how.dit_quant is not DitQuant.NONE) and not lean:
         raise ValueError("--dit-file and --dit-quant are read by lean loading only")
-    if resident_blocks is not None and (not lean or lay.dit_fsdp):
+    if how.resident_blocks is not None and (not lean or lay.dit_fsdp):
         raise ValueError("a streamed DiT (--dit-offload blocks) is a replicated DiT read by lean loading")
     import torch.distributed as dist
-    if overlap and load_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+    if how.overlap and load_group is None and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("a DiT loaded on its thread needs a process group of its own (load_group): its "
                          "collectives would race the encoders'")
     pending = None
     if lean:
-        dit = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, dit_file,
-                        dit_quant, (loras, lora_allow_partial), fp8_matmul, overlap=overlap, group=load_group,
-                        resident=resident_blocks)
+        dit = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, how, group=load_group)
         pending, self.noise_model = (dit, None) if isinstance(dit, DitLoad) else (None, dit)
     else:
         if not lay.dit_fsdp:
@@ -247,15 +276,16 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     return Components(self, report, pending)
 
 
-def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, dit_file=None, quant=DitQuant.NONE,
-              fp8_loras=((), False), fp8_matmul=Fp8Matmul.DEQUANT, overlap=False, group=None, resident=None):
+def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: LoadSettings, group=None):
     """The DiT built on meta and filled as the layout needs (see ``lean_load``), from the
-    checkpoint directory's DiT files or from ``dit_file``; with ``quant`` fp8, its target Linears
-    quantized as they are read (:mod:`wan_s2v_runner.loading.quantize`). ``overlap`` (a replicated
-    DiT): a :class:`DitLoad` reading it on its thread, its collectives on ``group``. ``resident``
-    (not None): read into host memory (one buffer, or the node's shared copy) and streamed, the
-    first ``resident`` blocks on the device (:mod:`wan_s2v_runner.loading.block_stream`)."""
+    checkpoint directory's DiT files or from ``how.dit_file``; with fp8, its target Linears
+    quantized as they are read (:mod:`wan_s2v_runner.loading.quantize`). ``how.overlap`` (a
+    replicated DiT): a :class:`DitLoad` reading it on its thread, its collectives on ``group``.
+    ``how.resident_blocks`` (not None): read into host memory (one buffer, or the node's shared
+    copy) and streamed, its first blocks on the device (:mod:`wan_s2v_runner.loading.block_stream`)."""
     from patches import fp8_linear, lora_merge
+    dit_file, quant, fp8_matmul = how.dit_file, how.dit_quant, how.fp8_matmul
+    fp8_loras, overlap, resident = (how.loras, how.lora_allow_partial), how.overlap, how.resident_blocks
     model = lean_load.empty_dit(s2v_mod.WanModel_S2V, ckpt_dir, self.param_dtype)
     fp8 = DitQuant(quant) is DitQuant.FP8
 
