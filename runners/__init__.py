@@ -1,6 +1,8 @@
 """One module per parallel mode; ``get(mode)`` returns its :class:`~runners.base.ModeRunner`.
 
-May import: shared, rank, loading, patches (folders of wan_s2v_runner, and patches/).
+A rank's plan is the rank's own (``rank.parallel``), given to :meth:`~runners.base.ModeRunner.prepare`.
+
+May import: shared, loading, patches (folders of wan_s2v_runner, and patches/).
 """
 from wan_s2v_runner.shared.layout import Mode
 

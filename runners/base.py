@@ -1,7 +1,7 @@
 """What every mode runner provides: its mode, what that mode does to the engine (from
-:data:`wan_s2v_runner.shared.layout.MODES`), how a rank prepares for it (:meth:`ModeRunner.prepare`:
-the (cfg, sp) plan, Ulysses on the SP group for any degree (``patches.ulysses_sp``), the engine parts this
-rank loads). Spawning a run is the launcher's (``wan_s2v_runner.launcher.launch.run``), the same for
+:data:`wan_s2v_runner.shared.layout.MODES`), how a rank prepares for it (:meth:`ModeRunner.prepare`, given
+the rank's (cfg, sp) plan: Ulysses on the SP group for any degree (``patches.ulysses_sp``), the engine
+parts this rank loads). Spawning a run is the launcher's (``wan_s2v_runner.launcher.launch.run``), the same for
 every mode."""
 from __future__ import annotations
 
@@ -24,19 +24,18 @@ class ModeRunner:
     def summary(self) -> str:
         return self.traits.summary
 
-    def prepare(self, wan, config, spec: GroupSpec, device, device_id: int, on_event=None):
-        """On one rank: this rank's plan, Ulysses bound to its SP group (any degree) in a
-        sequence-parallel mode, and the engine parts the plan needs (DiT sharded/split as
-        the layout says; T5, wav2vec2 and VAE only where they run). Returns (plan, parts,
-        patches applied here)."""
+    def prepare(self, wan, config, spec: GroupSpec, plan, device, device_id: int, on_event=None):
+        """On one rank with its ``plan`` (``rank.parallel.rank_plan``: the rank's place on the
+        layout's mesh, made by the rank): Ulysses bound to its SP group (any degree) in a
+        sequence-parallel mode, and the engine parts the plan needs (DiT sharded/split as the
+        layout says; T5, wav2vec2 and VAE only where they run). Returns (parts, patches applied
+        here)."""
         import torch.distributed as dist
 
         from wan_s2v_runner.loading import components
-        from wan_s2v_runner.rank.parallel import rank_plan
         from wan_s2v_runner.shared.layout import dit_load_overlap
 
         lay = spec.layout
-        plan = rank_plan(lay, device.type)
         applied = {}
         if lay.use_sp:
             from patches import ulysses_sp
@@ -54,5 +53,5 @@ class ModeRunner:
                                      "sequence padded to a multiple of the degree")
         blocks = len(parts.dit_attr("blocks"))  # components.load caches them (patches.context_cache)
         applied["context_cache"] = f"text embedding and {blocks} blocks' cross-attention k/v once per context"
-        return plan, parts, applied
+        return parts, applied
 

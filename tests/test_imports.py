@@ -141,6 +141,7 @@ def test_folders_import_only_what_their_docstring_allows():
     allowed = allowed_imports()
     assert allowed["shared"] == set()
     assert "launcher" not in allowed["rank"] and "rank" not in allowed["launcher"]
+    assert "rank" not in allowed["runners"]  # a mode's runner is given the rank's plan: no arrow back up
     assert set(allowed) >= {"launcher", "rank", "loading", "vae_split", "shared", "demo", "preflight",
                             "runners", "patches"}
     bad = violations(import_graph(), allowed)

@@ -477,6 +477,7 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
 
     import runners
     from patches import apply_for_run
+    from wan_s2v_runner.rank.parallel import rank_plan
 
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -504,7 +505,8 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
 
         events.stage(Stage.LOAD)
         device = torch.device("cpu") if spec.device == "cpu" else torch.device("cuda", local_rank)
-        plan, parts, more = runners.get(spec.mode).prepare(wan, cfg, spec, device, local_rank,
+        plan = rank_plan(spec.layout, device.type)
+        parts, more = runners.get(spec.mode).prepare(wan, cfg, spec, plan, device, local_rank,
                                                            on_event=events.stage)
         events.emit("plan", **plan.describe(), patches=more)
         # its thread while the first job encodes (components.DitLoad): its report once it is loaded
