@@ -232,7 +232,7 @@ def test_a_compile_cache_path_inductor_cannot_use_is_refused_before_any_rank(tin
 
 def test_compile_is_a_group_setting_from_flags_toml_and_environment(tmp_path):
     from wan_s2v_runner.launcher import flags
-    from wan_s2v_runner.shared.spec import env_values, load_toml
+    from wan_s2v_runner.shared.config import env_values, load_toml
     toml = tmp_path / "run.toml"
     toml.write_text("compile = true\n")
     assert load_toml(toml) == {"compile": True}

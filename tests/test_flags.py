@@ -9,8 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from wan_s2v_runner.launcher import cli, flags
-from wan_s2v_runner.shared import spec as spec_mod
-from wan_s2v_runner.shared.spec import RunSpec, env_values, flag_name, flag_of, load_toml
+from wan_s2v_runner.shared import config as spec_mod
+from wan_s2v_runner.shared.config import env_values, load_toml
+from wan_s2v_runner.shared.spec import RunSpec, flag_name, flag_of
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

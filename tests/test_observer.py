@@ -11,7 +11,7 @@ import pytest
 from wan_s2v_runner.launcher.console import Display
 from wan_s2v_runner.launcher.observer import ObserverError, Observers, RunObserver
 from wan_s2v_runner.launcher.serve.keeper import KeeperObserver
-from wan_s2v_runner.shared.spec import env_values
+from wan_s2v_runner.shared.config import env_values
 
 STRICT_ENV = "WAN_S2V_STRICT_OBSERVERS"
 

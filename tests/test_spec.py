@@ -102,8 +102,8 @@ def test_a_slurm_step_supplies_the_nodes_and_explicit_variables_win():
     """srun --nodes 2 --ntasks-per-node 1: node count, this node's index (its host in the step's
     node list) and the rendezvous host (the first node); MASTER_ADDR/WORLD_SIZE/RANK and flags
     override; an salloc shell (no step variables) is one node."""
+    from wan_s2v_runner.shared.config import env_values
     from wan_s2v_runner.shared.slurm import expand_hostlist
-    from wan_s2v_runner.shared.spec import env_values
 
     assert expand_hostlist("gpu[01-03,07],login") == ["gpu01", "gpu02", "gpu03", "gpu07", "login"]
     assert expand_hostlist("r[1-2]-n[8-9]") == ["r1-n8", "r1-n9", "r2-n8", "r2-n9"]

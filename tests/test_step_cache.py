@@ -57,7 +57,7 @@ def cached_reference(engine_cpu, tmp_path_factory):
 
 # --------------------------------------------------------------------------- the setting
 def test_the_setting_and_its_refusals(tmp_path):
-    from wan_s2v_runner.shared.spec import env_values, load_toml
+    from wan_s2v_runner.shared.config import env_values, load_toml
 
     assert cache_policy.canonical("off") == "off"
     assert cache_policy.canonical("EasyCache") == cache_policy.canonical("easycache:0.05") == "easycache:0.05"
@@ -120,12 +120,12 @@ def test_a_bad_setting_is_refused_wherever_it_comes_from(tiny_assets, tmp_path, 
     """The flag, a batch line, the environment and the doctor's draft all check it (one line, the
     fix); a bad environment value is ignored as every other one is, and the doctor does not crash."""
     from wan_s2v_runner.launcher import cli
-    from wan_s2v_runner.shared.spec import RunSpec, env_values
+    from wan_s2v_runner.shared.config import draft, env_values
 
     assert env_values({"WAN_S2V_CACHE": "teacache"}) == {}
     assert env_values({"WAN_S2V_CACHE": "EasyCache"}) == {"cache": "easycache:0.05"}
-    draft = RunSpec.draft({"cache": "teacache", "steps": 40})
-    assert draft.error is not None and "cache policy 'teacache'" in str(draft.error)
+    lenient = draft({"cache": "teacache", "steps": 40})
+    assert lenient.error is not None and "cache policy 'teacache'" in str(lenient.error)
     code = cli.main(["doctor", "--ckpt-dir", str(tiny_assets.ckpt_dir), "--device", "cpu", "--cache", "teacache",
                      "--json"])
     out = capsys.readouterr()

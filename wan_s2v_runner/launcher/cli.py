@@ -21,7 +21,8 @@ from pydantic import ValidationError
 
 from wan_s2v_runner.launcher.flags import Command, add_spec_flags, base_values, flag_values
 from wan_s2v_runner.shared import exit_codes
-from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec, flag_name, format_validation_error, merge_values
+from wan_s2v_runner.shared.config import format_validation_error, merge_values
+from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec, flag_name
 
 
 def spec_values(args: argparse.Namespace, defaults: Optional[dict] = None) -> dict[str, Any]:

@@ -22,8 +22,9 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from wan_s2v_runner.shared.config import format_validation_error, key_aliases
 from wan_s2v_runner.shared.jobs import GROUP_FIELDS, INPUT_FIELDS, JOB_FIELDS
-from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec, flag_name, format_validation_error, key_aliases
+from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec, flag_name
 
 #: a job's clip checkpoints and kept seed: OUTPUT_DIR/.work/ID/
 WORK_DIR = ".work"

@@ -5,7 +5,7 @@ doctor works on) + the machine's facts + what checks measured for each other.
 ``doctor`` may have no checkpoint, inputs or prompt, so :meth:`for_values` takes the partial
 values (environment, config file, flags), assumes what the machine suggests for ``--device`` and
 ``--nproc`` when they are not given (recorded in ``notes``), and builds the view with
-:meth:`RunSpec.draft` — the same fields, defaults and validators as a run, not a second list.
+:func:`wan_s2v_runner.shared.config.draft` — the same fields, defaults and validators as a run, not a second list.
 Checks read settings from ``ctx.spec`` (missing inputs read ``None``: such checks return
 *skip*) and every parallel fact (world size, degrees) from ``ctx.layout``. ``cache`` holds
 what one check measured for another (parameter counts, image size, audio duration).
@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
+from wan_s2v_runner.shared.config import draft, format_validation_error
 from wan_s2v_runner.shared.layout import Layout, Mode
-from wan_s2v_runner.shared.spec import RunSpec, format_validation_error
+from wan_s2v_runner.shared.spec import RunSpec
 
 from .facts import MachineFacts
 
@@ -34,7 +35,7 @@ class ModeSource(str, Enum):
 @dataclass
 class CheckContext:
     facts: MachineFacts
-    spec: RunSpec  # validated when ``complete``; else RunSpec.draft's lenient view
+    spec: RunSpec  # validated when ``complete``; else config.draft's lenient view
     complete: bool = True
     mode_source: ModeSource = ModeSource.SPEC
     missing: list[str] = field(default_factory=list)  # required inputs not given (doctor)
@@ -111,11 +112,11 @@ class CheckContext:
             on_cuda = vals["device"] == "cuda"
             vals["nproc"] = max(1, facts.gpu_count) if on_cuda else 1
             notes.append(f"--nproc {vals['nproc']} assumed (all visible GPUs)" if on_cuda else "--nproc 1 assumed")
-        draft = RunSpec.draft(vals)
-        return cls(facts=facts, spec=draft.spec, complete=draft.complete,
+        lenient = draft(vals)
+        return cls(facts=facts, spec=lenient.spec, complete=lenient.complete,
                    mode_source=ModeSource.FLAG if mode_given else ModeSource.DEFAULT,
-                   missing=draft.missing, notes=notes,
-                   spec_error=format_validation_error(draft.error) if draft.error else None,
+                   missing=lenient.missing, notes=notes,
+                   spec_error=format_validation_error(lenient.error) if lenient.error else None,
                    dit_offload_given="dit_offload" in vals)
 
 

@@ -6,7 +6,7 @@ host ``SLURMD_NODENAME`` in ``SLURM_STEP_NODELIST``, else ``SLURM_NODEID``) and 
 host (the step's first node). Only a job step counts: an ``salloc`` shell or a batch script has
 the job's variables but is not on every node, so a plain ``wan-s2v run`` there stays a one-node
 run. The values sit under explicit ``MASTER_ADDR``/``WORLD_SIZE``/``RANK`` (a cluster that sets
-those means them) and under flags (``spec.env_values``). Pure: reads a mapping, imports nothing
+those means them) and under flags (``config.env_values``). Pure: reads a mapping, imports nothing
 from the project.
 """
 from __future__ import annotations

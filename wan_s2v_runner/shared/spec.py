@@ -13,8 +13,10 @@ asks it (``group.world_size``, ``group.layout``, ``job.speech``). Each field car
 command-line surface as :class:`Flag` metadata (flag name, aliases, help section, environment
 default, how its default reads in help); each help section (:class:`FlagGroup`) belongs to one
 of the two models. The argparse flags (:mod:`wan_s2v_runner.launcher.flags`), the TOML keys,
-the README flags table and the doctor's lenient view (:meth:`RunSpec.draft`) are generated from
-these fields, flat, as one list. Adding a setting is one field in the section it belongs to.
+the README flags table and the doctor's lenient view are generated from these fields, flat, as
+one list. Adding a setting is one field in the section it belongs to. How values arrive (flags,
+TOML, the environment, a Slurm step), the doctor's lenient view and the one-line errors are
+parsing, not settings: :mod:`wan_s2v_runner.shared.config`.
 
 The launcher builds the spec once (defaults < environment < TOML file < flags), resolves
 ``seed=-1`` to a concrete seed, writes the group's spec (a run's: the whole :class:`RunSpec`) to
@@ -28,7 +30,7 @@ import random
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional
 
 from pydantic import (
     AfterValidator,
@@ -36,24 +38,16 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    TypeAdapter,
-    ValidationError,
     model_validator,
 )
-from pydantic.fields import FieldInfo
 
 from wan_s2v_runner.shared import cache_policy, schedule
 from wan_s2v_runner.shared.layout import DitOffload, DitQuant, Layout, LoadStrategy, Mode
 from wan_s2v_runner.shared.node_agent import DEFAULT_WORKER
 from wan_s2v_runner.shared.quant import Fp8Matmul
 
-try:  # Python 3.11+
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
 __all__ = ["GroupSpec", "JobSpec", "RunSpec", "LoraRef", "Mode", "Layout", "Flag", "FlagGroup", "parse_size",
-           "load_toml", "read_spec", "DEFAULT_MAX_AREA", "MAX_SEED"]
+           "read_spec", "flag_of", "flag_name", "DEFAULT_MAX_AREA", "MAX_SEED"]
 
 #: Upstream S2V default area (width*height); the engine fits the reference image inside it.
 DEFAULT_MAX_AREA = 1024 * 704
@@ -510,40 +504,6 @@ class RunSpec(GroupSpec, JobSpec):
     def required_fields(cls) -> list[str]:
         return [k for k, f in cls.model_fields.items() if f.is_required()]
 
-    @classmethod
-    def draft(cls, values: dict[str, Any]) -> "SpecDraft":
-        """A lenient view of partial values, built from this model (no second list of fields).
-
-        Each given value is validated on its own (its type, constraints and path rule); a value
-        that fails keeps the field's default, a missing required field reads ``None``. The
-        whole-spec rules are checked with placeholders for the missing inputs, so ``error``
-        says why the given values could not make a valid spec even once the inputs are there.
-        """
-        given = {k: v for k, v in values.items() if v is not None}
-        missing = [k for k in cls.required_fields() if given.get(k) in (None, "")]
-        if given.get("audio") in (None, "") and not given.get("tts_text"):
-            missing.append("audio")  # the speech: --audio, or --tts-text
-        fields: dict[str, Any] = {}
-        for name, info in cls.model_fields.items():
-            if name in given:
-                try:
-                    fields[name] = field_adapter(name).validate_python(given[name])
-                    continue
-                except ValidationError:
-                    pass
-            fields[name] = (None if info.is_required()
-                            else field_adapter(name).validate_python(info.get_default(call_default_factory=True)))
-        error: Optional[ValidationError] = None
-        complete: Optional[RunSpec] = None
-        placeholders = {k: _PLACEHOLDERS.get(k, "placeholder") for k in missing}
-        try:
-            full = cls(**{**given, **placeholders})
-            complete = None if missing else full
-        except ValidationError as e:
-            error = e
-        return SpecDraft(spec=complete or cls.model_construct(**fields), complete=complete is not None,
-                         missing=missing, error=error)
-
 
 def read_spec(path: Path) -> GroupSpec:
     """A run directory's ``spec.json``: a :class:`RunSpec` (a run with its one job; every run
@@ -551,31 +511,6 @@ def read_spec(path: Path) -> GroupSpec:
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     has_job = any(k in data for k in JobSpec.model_fields)
     return (RunSpec if has_job else GroupSpec).model_validate(data)
-
-
-_PLACEHOLDERS: dict[str, Any] = {"ckpt_dir": Path("/nonexistent"), "image": Path("/nonexistent.png"),
-                                 "audio": Path("/nonexistent.wav"), "prompt": "placeholder"}
-
-
-@dataclass(frozen=True)
-class SpecDraft:
-    """What :meth:`RunSpec.draft` gives: the (possibly unvalidated) view and what it lacks."""
-
-    spec: RunSpec  # validated when complete; else RunSpec.model_construct of the valid values
-    complete: bool
-    missing: list[str]
-    error: Optional[ValidationError]
-
-
-_ADAPTERS: dict[str, TypeAdapter] = {}
-
-
-def field_adapter(name: str) -> TypeAdapter:
-    """Validator of one spec field alone (type, constraints, path/area rules)."""
-    if name not in _ADAPTERS:
-        info: FieldInfo = RunSpec.model_fields[name]
-        _ADAPTERS[name] = TypeAdapter(Annotated.__class_getitem__((info.annotation, *info.metadata)))
-    return _ADAPTERS[name]
 
 
 def flag_of(name: str) -> Flag:
@@ -586,93 +521,3 @@ def flag_of(name: str) -> Flag:
 def flag_name(name: str) -> str:
     """'pg_timeout_s' -> '--pg-timeout' (the flag users type for a field)."""
     return flag_of(name).name or "--" + name.replace("_", "-")
-
-
-def key_aliases() -> dict[str, str]:
-    """Every accepted TOML/flag key spelling (dashes as underscores) -> field name."""
-    out: dict[str, str] = {}
-    for name in RunSpec.model_fields:
-        for spelling in (flag_name(name), *flag_of(name).aliases):
-            out[spelling.lstrip("-").replace("-", "_")] = name
-        out[name] = name
-    return out
-
-
-def load_toml(path: Path) -> dict[str, Any]:
-    """Read a run.toml (table ``[run]`` or top level). Keys are field names or flag names
-    (``size``, ``sample_steps``, ``pg_timeout``...); '-' may be used for '_'."""
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
-    table = data.get("run", data)
-    names = key_aliases()
-    out: dict[str, Any] = {}
-    for k, v in table.items():
-        key = k.replace("-", "_")
-        out[names.get(key, key)] = v  # an unknown key stays and the spec rejects it by name
-    return out
-
-
-def env_values(env) -> dict[str, Any]:
-    """Field values from the environment variables the fields declare (``Flag.env``), e.g. the
-    PyTorchJob-style MASTER_ADDR/MASTER_PORT/WORLD_SIZE (= nodes)/RANK (= node), over the node
-    layout of a Slurm ``srun`` step (:mod:`wan_s2v_runner.shared.slurm`). A value that does not
-    validate for its field is ignored (other tools set these variables too)."""
-    from wan_s2v_runner.shared.slurm import step_values
-
-    out: dict[str, Any] = dict(step_values(env))
-    for name in RunSpec.model_fields:
-        var = flag_of(name).env
-        raw = (env.get(var) or "").strip() if var else ""
-        if raw:
-            try:
-                out[name] = field_adapter(name).validate_python(raw)
-            except ValidationError:
-                continue
-    return out
-
-
-def merge_values(*layers: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """Later layers win; ``None`` means "not given" and never overrides."""
-    out: dict[str, Any] = {}
-    for layer in layers:
-        out.update({k: v for k, v in (layer or {}).items() if v is not None})
-    return out
-
-
-def default_of(name: str) -> Union[str, Any]:
-    """The default as a person reads it (README, help)."""
-    f = flag_of(name)
-    if f.default_text is not None:
-        return f.default_text
-    info = RunSpec.model_fields[name]
-    if info.is_required():
-        return "required"
-    d = info.default
-    if isinstance(d, Enum):
-        return d.value
-    if isinstance(d, bool):
-        return "on" if d else "off"
-    if d is None:
-        return "none"
-    if isinstance(d, float) and d.is_integer():
-        return str(int(d))
-    return str(d)
-
-
-def format_validation_error(e: ValidationError) -> str:
-    """One line per problem: the flag, the cause, and a fix."""
-    lines = []
-    for err in e.errors():
-        field = str(err["loc"][0]) if err["loc"] else ""
-        flag = flag_name(field) if field in RunSpec.model_fields else ("--" + field.replace("_", "-") if field else "")
-        if field in RunSpec.model_fields and not flag_of(field).cli:  # no flag: what sets it
-            flag = f"${flag_of(field).env}" if flag_of(field).env else f"{field} (--config)"
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "missing":
-            lines.append(f"error: {flag} is required. Fix: pass {flag} (or set {field} in --config).")
-        elif err["type"] == "extra_forbidden":
-            lines.append(f"error: unknown setting {field!r}. Fix: remove it from --config "
-                         "(see the flags table in the README).")
-        else:
-            lines.append(f"error: {flag or 'spec'}: {msg}. Fix: correct {flag or 'the flags'}.")
-    return "\n".join(lines)
