@@ -15,7 +15,7 @@ What it prints (and writes with ``--json``):
   matmul and convolution of the pass, ``2 m k n``; the text embedding and cross-attention
   keys/values counted unless ``--text-cached``) and with ``--count-flops`` also by
   ``torch.utils.flop_counter`` over a real pass; achieved TFLOP/s and MFU against the GPU's dense
-  bf16 peak (``--peak-tflops``, else the table below by device name);
+  bf16 peak (``--peak-tflops``, else by device name: ``preflight/streaming.py``'s table);
 * the attention backend the runner picks (``--attention auto``: FA3, FA2, then SDPA) and, for
   SDPA, which kernel ran (the CUDA kernel names of one attention call at the real shape, from
   ``torch.profiler``);
@@ -41,11 +41,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-#: dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device-name substring, first match wins
-PEAK_BF16_TFLOPS = (("H200", 989.4), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.4),
-                    ("GH200", 989.4), ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0),
-                    ("L40", 181.0), ("A10G", 70.0), ("L4", 121.0))
 
 #: DiT sizes per preset: the real config, or a small one of the same structure
 PRESETS = {
@@ -93,12 +88,10 @@ def sdpa_kernel_kind(names: list[str]) -> str:
 
 
 def peak_tflops(name: str, override: float | None) -> float | None:
-    if override:
-        return override
-    for needle, peak in PEAK_BF16_TFLOPS:
-        if needle in name:
-            return peak
-    return None
+    """``--peak-tflops``, else the GPU's dense bf16 peak by name (the doctor's table:
+    :data:`wan_s2v_runner.preflight.streaming.DENSE_BF16_TFLOPS`)."""
+    from wan_s2v_runner.preflight.streaming import gpu_tflops
+    return override or gpu_tflops(name)
 
 
 def run_steps(model, x, t, cond, uncond, device, dtype, warmup: int, repeat: int):

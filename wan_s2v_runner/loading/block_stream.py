@@ -56,7 +56,7 @@ _ALIGN = 256
 _REGISTER_READ_ONLY = 0x08
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (its fields hold tensors)
 class Unit:
     """One streamed unit: a block and the audio-injection layers that run after it."""
     index: int  # the block's index
@@ -64,6 +64,12 @@ class Unit:
     host: list[torch.Tensor] = field(default_factory=list)  # each parameter's host tensor
     offsets: list[int] = field(default_factory=list)  # each parameter's byte offset in a slot
     nbytes: int = 0
+
+
+def _unit_views(buffer: torch.Tensor, u: Unit) -> list[torch.Tensor]:
+    """``u``'s parameters as views of a byte ``buffer`` laid out as a slot (``u.offsets``)."""
+    return [buffer[off:off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            for p, off in zip(u.params, u.offsets)]
 
 
 def unit_modules(model) -> list[list[nn.Module]]:
@@ -160,23 +166,20 @@ class BlockStreamer:
                     u.offsets.append(off)
                     off += p.numel() * p.element_size()
                 u.nbytes = off
-            # parameters on the device (a model built there): into one packed host buffer (one
-            # storage to pin; torch's pinned allocator would round each tensor up to a power of two)
-            away = [(u, i) for u in self.units for i, p in enumerate(u.params) if p.device.type != "cpu"]
-            packed = torch.empty(sum(u.nbytes for u in {id(u): u for u, _ in away}.values()),
-                                 dtype=torch.uint8) if away else None
+            # units with parameters on the device (a model built there): into one packed host buffer
+            # (one storage to pin; torch's pinned allocator would round each tensor up to a power of two)
+            away = [u for u in self.units if any(p.device.type != "cpu" for p in u.params)]
+            packed = torch.empty(sum(u.nbytes for u in away), dtype=torch.uint8)
             cursor = 0
             for u in self.units:
-                on_host = [p.data for p in u.params]
-                if any(p.device.type != "cpu" for p in u.params):
-                    for i, p in enumerate(u.params):
-                        n = p.numel() * p.element_size()
-                        view = packed[cursor + u.offsets[i]:cursor + u.offsets[i] + n].view(p.dtype).view(p.shape)
-                        view.copy_(p.data)
-                        on_host[i] = view
+                if u in away:
+                    u.host = _unit_views(packed[cursor:cursor + u.nbytes], u)
+                    for p, host in zip(u.params, u.host):
+                        host.copy_(p.data)
                     cursor += u.nbytes
-                for p, host in zip(u.params, on_host):
-                    u.host.append(host)
+                else:
+                    u.host = [p.data for p in u.params]
+                for p, host in zip(u.params, u.host):
                     p.data = host
         self.slot_bytes = max((u.nbytes for u in self.units), default=0)
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
@@ -199,7 +202,6 @@ class BlockStreamer:
                             "or use --dit-quant fp8 (half the bytes)", "; ".join(self.pin_failures))
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.ready = [torch.cuda.Event() if cuda else None for _ in self.slots]
-        self._order = {u.index: k for k, u in enumerate(self.units)}
         self._hooks = [model.blocks[u.index].register_forward_pre_hook(self._before(k))
                        for k, u in enumerate(self.units)]
 
@@ -211,11 +213,6 @@ class BlockStreamer:
                 "pageable": self._pinner is not None and self.pinned_bytes < self.host_bytes}
 
     # ----- the mechanism
-    def _views(self, k: int, s: int) -> list[torch.Tensor]:
-        u, slot = self.units[k], self.slots[s]
-        return [slot[off:off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-                for p, off in zip(u.params, u.offsets)]
-
     def _evict(self, s: int) -> None:
         k = self.slot_unit[s]
         if k is not None:
@@ -226,8 +223,8 @@ class BlockStreamer:
     def _load(self, k: int, s: int) -> None:
         """Copy unit ``k`` into slot ``s`` (asynchronously on CUDA) and bind its parameters there."""
         self._evict(s)
-        views = self._views(k, s)
         u = self.units[k]
+        views = _unit_views(self.slots[s], u)
         if self.copy_stream is not None:
             # the slot's previous unit: every kernel that reads it is queued on the compute stream by now
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))

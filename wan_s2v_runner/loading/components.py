@@ -284,20 +284,18 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
     ``how.resident_blocks`` (not None): read into host memory (one buffer, or the node's shared
     copy) and streamed, its first blocks on the device (:mod:`wan_s2v_runner.loading.block_stream`)."""
     from patches import fp8_linear, lora_merge
-    dit_file, quant, fp8_matmul = how.dit_file, how.dit_quant, how.fp8_matmul
-    fp8_loras, overlap, resident = (how.loras, how.lora_allow_partial), how.overlap, how.resident_blocks
     model = lean_load.empty_dit(s2v_mod.WanModel_S2V, ckpt_dir, self.param_dtype)
-    fp8 = DitQuant(quant) is DitQuant.FP8
+    fp8, resident = how.dit_quant is DitQuant.FP8, how.resident_blocks
 
     @contextlib.contextmanager
     def source():  # the DiT's weights as this rank reads them (fp8: quantized as they are read)
-        with open_dit(ckpt_dir, dit_file, counter=report.counter) as src:
-            if dit_file is not None:
+        with open_dit(ckpt_dir, how.dit_file, counter=report.counter) as src:
+            if how.dit_file is not None:
                 report.strategy["dit_file"] = src.layout.describe()
             if fp8:
-                src = Fp8Source(src, fp8_linear.convert(model), _fp8_deltas(src, *fp8_loras))
+                src = Fp8Source(src, fp8_linear.convert(model), _fp8_deltas(src, how.loras, how.lora_allow_partial))
                 report.strategy["dit_quant"] = _describe_fp8(src)
-                matmul, why = fp8_linear.resolve_matmul(fp8_matmul, self.device)
+                matmul, why = fp8_linear.resolve_matmul(how.fp8_matmul, self.device)
                 fp8_linear.set_matmul(model, matmul)
                 report.strategy["fp8_matmul"] = f"{matmul.value} ({why})"
             lean_load.check_same_keys(model, src, "DiT")
@@ -329,7 +327,7 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
             context_cache.apply(dit)
             return dit
 
-        if overlap:
+        if how.overlap:
             return DitLoad(model, read, finish, self.device)
         read()
         return finish()

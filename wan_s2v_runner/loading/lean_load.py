@@ -188,6 +188,15 @@ def _views(storage, layout) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _read_into(storage, layout, source) -> dict[str, torch.Tensor]:
+    """Every tensor of ``layout`` read from ``source`` into its place in ``storage``: the views."""
+    views = _views(storage, layout)
+    with torch.no_grad():
+        for name, t in views.items():
+            source.read_flat(name, 0, t.view(-1))
+    return views
+
+
 def _contiguous_strides(shape) -> tuple[int, ...]:
     strides, acc = [], 1
     for s in reversed(shape):
@@ -215,11 +224,7 @@ def node_shared_weights(model, source, report: LoadReport, what: str, group=None
     if leader:
         fd = os.memfd_create(f"wan-s2v-{what}", 0)
         os.ftruncate(fd, total)
-        writable = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, total)
-        with torch.no_grad():
-            for name, t in _views(writable, layout).items():
-                source.read_flat(name, 0, t.view(-1))
-        del writable
+        _read_into(torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, total), layout, source)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         infos: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(infos, (node, local_rank, os.getpid(), fd), group=group)
@@ -250,10 +255,7 @@ def private_weights(model, source, report: LoadReport, what: str, packed: bool) 
         device_weights(model, source, torch.device("cpu"), report, what)
         return
     layout, total = _layout(model)
-    views = _views(torch.empty(total, dtype=torch.uint8).untyped_storage(), layout)
-    with torch.no_grad():
-        for name, t in views.items():
-            source.read_flat(name, 0, t.view(-1))
+    views = _read_into(torch.empty(total, dtype=torch.uint8).untyped_storage(), layout, source)
     model.load_state_dict(views, strict=True, assign=True)
     report.strategy[what] = "private (one buffer)"
 

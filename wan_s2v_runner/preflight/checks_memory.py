@@ -8,9 +8,8 @@ from wan_s2v_runner.shared import encoder_placement
 from wan_s2v_runner.shared.layout import DitOffload, DitQuant, LoadStrategy, Mode, dit_load_overlap
 
 from .core import fail, gib, human_count, ok, skip, warn
-from .memory import GPU_RUNTIME, largest_fitting_size, model_sizes, plan_all, workload
+from .memory import GPU_FILL, GPU_RUNTIME, largest_fitting_size, model_sizes, plan_all, streamed_plan, workload
 
-GPU_WARN = 0.9  # estimate above 90% of free memory -> warning (the estimate is approximate)
 HOST_WARN = 0.85
 
 
@@ -45,7 +44,7 @@ def _fp8_fits(ctx, free: int) -> str:
             or (spec.compile and ctx.layout.dit_fsdp):  # combinations fp8 refuses (shared/spec.py)
         return ""
     need = plan_all(ctx.with_settings(dit_quant=DitQuant.FP8.value))[ctx.mode.value].gpu_peak
-    if need and need <= GPU_WARN * free:
+    if need and need <= GPU_FILL * free:
         return (f"add --dit-quant fp8 (the DiT's Linears in fp8: est. {gib(need)} per rank; frames change "
                 "slightly, see docs/loading.md), or use more GPUs")
     return ""
@@ -76,14 +75,15 @@ def check_gpu(ctx):
         f"est. {gib(need)} per rank (peak in {phase}) vs {gib(free)} free on GPU {worst['index']} ({worst['name']})"
     )
     w2v, w2v_why = audio_encoder_plan(ctx, p, free)
-    size = largest_fitting_size(ctx, ctx.mode, int(GPU_WARN * free))
+    size = largest_fitting_size(ctx, ctx.mode, int(GPU_FILL * free))
     smaller = f"--size {size}" if size else "a smaller --size"
     streamed = {}
     if p.stream is not None:
         timing = stream_timing(ctx, p, worst)
-        detail += (f"; the DiT streamed: {p.stream['resident_blocks']} of {len(model_sizes(ctx).dit_units)} blocks "
-                   f"resident, 2 slots of {gib(p.stream['slot_bytes'])}, {gib(p.stream['pinned_bytes'])} pinned on the "
-                   f"host; {timing.describe()}")
+        st = p.stream
+        detail += (f"; the DiT streamed: {st['resident_blocks']} of {len(model_sizes(ctx).dit_units)} blocks "
+                   f"resident, {min(2, st['streamed_blocks'])} slot(s) of {gib(st['slot_bytes'])}, "
+                   f"{gib(st['pinned_bytes'])} pinned on the host; {timing.describe()}")
         streamed = {"resident_blocks": p.stream["resident_blocks"], "copy_s": round(timing.copy_s, 3),
                     "compute_s": None if timing.compute_s is None else round(timing.compute_s, 2)}
     if need > free:
@@ -93,7 +93,7 @@ def check_gpu(ctx):
         return _fail_or_warn(ctx)("memory.gpu", f"does not fit: {detail}",
                                   better or f"use more GPUs (hybrid shards the DiT) or {smaller}",
                                   need=need, free=free, **streamed)
-    if need > GPU_WARN * free:
+    if need > GPU_FILL * free:
         alt = "" if ctx.mode.value == "hybrid" or p.stream is not None else "--mode hybrid or "
         if p.stream is not None and DitQuant(ctx.spec.dit_quant) is DitQuant.NONE:
             alt = "--dit-quant fp8 or "
@@ -127,13 +127,11 @@ def _stream_fits(ctx, free: int) -> str:
     not (the same frames: the fix to name first)."""
     if ctx.spec.dit_offload is DitOffload.BLOCKS and not ctx.layout.dit_fsdp:
         return ""
-    if LoadStrategy(ctx.spec.load) is LoadStrategy.FULL:
-        return ""
-    trial = ctx.with_settings(dit_offload=DitOffload.BLOCKS, resident_blocks=None)
-    need = plan_all(trial)[Mode.ULYSSES.value].gpu_peak
+    plan = streamed_plan(ctx)
+    need = plan.gpu_peak if plan is not None else None
     if need and need <= free:
         mode = "" if ctx.mode is Mode.ULYSSES else "--mode ulysses "
-        tight = ", tight" if need > GPU_WARN * free else ""
+        tight = ", tight" if need > GPU_FILL * free else ""
         return (f"add {mode}--dit-offload blocks (the DiT's blocks stream from host memory: est. {gib(need)} per "
                 f"rank{tight}, the same frames; docs/loading.md)")
     return ""
@@ -150,7 +148,7 @@ def _assumed_warn(id, finding, fix, **data):
 
 def _better_mode(ctx, free) -> str:
     plans = ctx.cache.get("plans") or plan_all(ctx)
-    fits = [m for m, p in plans.items() if p.gpu_peak and p.gpu_peak <= GPU_WARN * free and m != ctx.mode.value]
+    fits = [m for m, p in plans.items() if p.gpu_peak and p.gpu_peak <= GPU_FILL * free and m != ctx.mode.value]
     if fits:
         best = min(fits, key=lambda m: plans[m].gpu_peak)
         return f"use --mode {best} (est. {gib(plans[best].gpu_peak)} per rank)"

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Optional
 
 from wan_s2v_runner.shared import exit_codes
-from wan_s2v_runner.shared.layout import DitOffload, Mode
+from wan_s2v_runner.shared.layout import DitOffload
 
 from .context import CheckContext, ModeSource
 from .core import CheckGroup, CheckResult, Status, counts
 from .facts import MachineFacts
-from .memory import ModelSizes, ModePlan, Workload, model_sizes, plan_all, workload
+from .memory import ModelSizes, ModePlan, Workload, model_sizes, plan_all, streamed_plan, workload
 from .plans import DEFAULT_QUEUE_DEPTH, Plan, Split, best_splits, plan_table, splits_for
 from .recommend import Recommendation, plan_inputs, recommend
 from .registry import groups_for, run_checks
@@ -61,7 +61,7 @@ class GateReport:
         if group.load_waves is None and waves and waves > 1:  # the memory plan's safety net
             out["load_waves"] = waves
         resident = self.data_of("memory.gpu").get("resident_blocks")
-        if group.dit_offload.value == "blocks" and group.resident_blocks is None and resident is not None:
+        if group.dit_offload is DitOffload.BLOCKS and group.resident_blocks is None and resident is not None:
             out["resident_blocks"] = resident
         return out
 
@@ -205,7 +205,7 @@ def diagnose(ctx: CheckContext, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> Docto
     results = run_checks(ctx, groups)
     streamed = None
     if ctx.spec.dit_offload is DitOffload.NONE and ctx.on_cuda:  # the streamed row beside the resident ones
-        streamed = plan_all(ctx.with_settings(dit_offload=DitOffload.BLOCKS))[Mode.ULYSSES.value]
+        streamed = streamed_plan(ctx)
     return DoctorReport(ctx=ctx, recommendation=rec, results=results, groups=groups, plans=plan_all(ctx),
                         streamed=streamed,
                         sizes=model_sizes(ctx), workload=workload(ctx),

@@ -438,8 +438,20 @@ def plan_all(ctx) -> dict[str, ModePlan]:
     return out
 
 
-#: what of the GPU's free memory a plan may fill (the estimate is approximate; a streamed step
-#: whose blocks fill the last gigabytes waits on the allocator: docs/gpu.md, the streamed DiT)
+def streamed_plan(ctx) -> Optional[ModePlan]:
+    """The ``ulysses`` plan of this context with the DiT streamed (``--dit-offload blocks``, as
+    many blocks resident as fit), whatever the context itself says: what the doctor shows beside
+    the resident plans and names when they do not fit. None under ``--load full`` (it cannot
+    stream)."""
+    if LoadStrategy(ctx.spec.load) is LoadStrategy.FULL:
+        return None
+    return plan_all(ctx.with_settings(dit_offload=DitOffload.BLOCKS, resident_blocks=None))[Mode.ULYSSES.value]
+
+
+#: what of the GPU's free memory a plan may fill before it is called tight (``memory.gpu`` warns
+#: above it, ``--mode auto`` says so, a streamed DiT keeps no more blocks resident): the estimate
+#: is approximate, and a streamed step whose blocks fill the last gigabytes waits on the allocator
+#: (docs/gpu.md, the streamed DiT)
 GPU_FILL = 0.9
 
 

@@ -23,17 +23,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from wan_s2v_runner.shared.layout import DitOffload, LoadStrategy, Mode, valid_sp_degrees
+from wan_s2v_runner.shared.layout import DitOffload, Mode, valid_sp_degrees
 from wan_s2v_runner.shared.spec import RunSpec
 
 from .context import CheckContext
 from .core import gib
 from .facts import MachineFacts
 from .geometry import REAL_NUM_HEADS
-from .memory import REFERENCE, free_gpu_bytes, largest_fitting_size, model_sizes, plan_all, plan_mode, workload
+from .memory import (
+    GPU_FILL,
+    REFERENCE,
+    free_gpu_bytes,
+    largest_fitting_size,
+    model_sizes,
+    plan_all,
+    plan_mode,
+    streamed_plan,
+    workload,
+)
 from .plans import Plan, candidates, plans_for
-
-GPU_FIT = 0.9
 
 
 @dataclass(frozen=True)
@@ -111,7 +119,7 @@ def recommend(ctx: CheckContext) -> Recommendation:
     rec = _recommend_mode(ctx)
     sizes, wl = model_sizes(ctx), workload(ctx)
     plans = plans_for(rec.mode, ctx.layout.world_size, **plan_inputs(ctx))
-    free = _free_gpu_bytes(ctx)
+    free = free_gpu_bytes(ctx)
     streams = rec.dit_offload is DitOffload.BLOCKS or ctx.spec.dit_offload is DitOffload.BLOCKS
     if free and ctx.spec.device != "cpu":
         def fits(p: Plan) -> bool:
@@ -123,7 +131,6 @@ def recommend(ctx: CheckContext) -> Recommendation:
     return Recommendation(rec.mode, rec.reason, plans[0], rec.dit_offload)
 
 
-_free_gpu_bytes = free_gpu_bytes
 
 
 def heads_of(ctx, sizes) -> int:
@@ -167,9 +174,8 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
 
     asked = ctx.spec.dit_offload is DitOffload.BLOCKS  # --dit-offload blocks given: ulysses' plan streams
     plans = plan_all(ctx)
-    streamed = plan_all(ctx.with_settings(dit_offload=DitOffload.BLOCKS, resident_blocks=None))[Mode.ULYSSES.value]
     gpus = [g for g in ctx.local_gpus if g.get("free_mib") is not None] or f.gpus
-    free = _free_gpu_bytes(ctx)
+    free = free_gpu_bytes(ctx)
     name = gpus[0].get("name", "GPU")
     avail = f.host_available_bytes()
 
@@ -179,14 +185,13 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
 
     def est(m: Mode) -> str:
         p = plans[m.value].gpu_peak
-        return gib(p) + (" — tight" if p and GPU_FIT * free < p <= free else "")
+        return gib(p) + (" — tight" if p and GPU_FILL * free < p <= free else "")
 
     def stream_rec(why: str) -> Optional[Recommendation]:
         """Rule 5: ulysses with the DiT streamed, where it fits and nothing resident did (not when the
         user set --dit-offload, nor under --load full, which cannot stream)."""
-        if ctx.dit_offload_given or LoadStrategy(ctx.spec.load) is LoadStrategy.FULL or streamed.stream is None:
-            return None
-        if not (streamed.gpu_peak and streamed.gpu_peak <= free
+        streamed = None if ctx.dit_offload_given else streamed_plan(ctx)
+        if streamed is None or streamed.stream is None or not (streamed.gpu_peak and streamed.gpu_peak <= free
                 and (avail is None or streamed.host_node_total <= avail)):
             return None
         s = streamed.stream or {}
