@@ -189,14 +189,18 @@ class LoadSettings:
     overlap: bool = False
     resident_blocks: Optional[int] = None
 
+    def __post_init__(self):  # a spelling ("fp8", "lean") is its enum, as the spec's fields are
+        for name, vocabulary in (("strategy", LoadStrategy), ("dit_quant", DitQuant), ("fp8_matmul", Fp8Matmul)):
+            object.__setattr__(self, name, vocabulary(getattr(self, name)))
+
     @classmethod
     def of(cls, spec, overlap: bool = False) -> "LoadSettings":
         """A group spec's (or a run spec's) loading settings. A streamed DiT keeps
         ``--resident-blocks`` on the device (the launcher fills it from the memory plan; without a
         plan, ``--skip-preflight`` or the CPU, every block streams)."""
         streamed = spec.dit_offload is DitOffload.BLOCKS
-        return cls(strategy=LoadStrategy(spec.load), waves=spec.load_waves or 1, compiled=spec.compile,
-                   dit_file=spec.dit_file, dit_quant=DitQuant(spec.dit_quant), fp8_matmul=Fp8Matmul(spec.fp8_matmul),
+        return cls(strategy=spec.load, waves=spec.load_waves or 1, compiled=spec.compile,
+                   dit_file=spec.dit_file, dit_quant=spec.dit_quant, fp8_matmul=spec.fp8_matmul,
                    loras=tuple(spec.lora), lora_allow_partial=spec.lora_allow_partial, overlap=overlap,
                    resident_blocks=(spec.resident_blocks or 0) if streamed else None)
 
