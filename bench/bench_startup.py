@@ -10,7 +10,8 @@ The earlier commit (``--base``, default ``HEAD``) runs from a git worktree made 
   ``denoise`` stage in the run's events), the serial part a user waits through;
 * **wall**: seconds from the command to its exit;
 * **CPU**: CPU-seconds of the command and everything it started (``RUSAGE_CHILDREN``: the
-  launcher, the agent, every rank);
+  launcher, the agent, every rank; with ``--warm``, the forked agent's and its ranks' too, which
+  the warm agent reaps);
 * with ``--preview-clips N``, one more run per side (``ulysses+cfg --preview --num-clips N``):
   seconds to the first playable video so far (rank 0's ``preview`` event) and its share of the wall.
 
@@ -22,6 +23,7 @@ and prints each cell's median.
     .venv/bin/python bench/bench_startup.py --base 7a4caef --repeat 2 --preview-clips 3 --markdown
     .venv/bin/python bench/bench_startup.py --layouts none --preview-clips 3   # the preview rows alone
     .venv/bin/python bench/bench_startup.py --preset tiny --steps 1     # smoke test
+    .venv/bin/python bench/bench_startup.py --warm --repeat 3 --markdown   # and with `wan-s2v warm`
 
 Nothing else should run meanwhile: each rank has one torch thread, and a 2-rank layout wants both
 cores of this machine (the footer records the load average).
@@ -47,6 +49,24 @@ from bench_loop import LAYOUTS, PRESETS, ensure_assets, run_argv  # noqa: E402
 
 DEFAULT_LAYOUTS = ("1", "ulysses", "ulysses+cfg")
 PREVIEW_LAYOUT = "ulysses+cfg"
+#: the launcher's warm agent setting (wan_s2v_runner/shared/warm_agent.py; an older base ignores it)
+WARM_ENV = "WAN_S2V_WARM_AGENT"
+
+
+def start_warm(work: Path) -> tuple[subprocess.Popen, Path]:
+    """``wan-s2v warm`` of this checkout on its own socket, once it listens."""
+    sock = work / "warm.sock"
+    env = {**os.environ, WARM_ENV: "off"}
+    proc = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "warm", "--socket", str(sock)], cwd=str(ROOT),
+                            env=env, stdin=subprocess.DEVNULL, stdout=open(work / "warm.log", "wb"),
+                            stderr=subprocess.STDOUT)
+    t0 = time.time()
+    while not sock.exists():
+        if proc.poll() is not None or time.time() - t0 > 300:
+            raise SystemExit(f"the warm agent did not start: {(work / 'warm.log').read_text(errors='replace')}")
+        time.sleep(0.1)
+    print(f"   warm agent ready in {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+    return proc, sock
 
 
 def worktree(rev: str, where: Path) -> Path:
@@ -73,22 +93,36 @@ def first_event_t(run_dir: Path, kind: str, stage: Optional[str] = None) -> Opti
     return None
 
 
-def one(a, checkout: Path, side: str, layout: str, assets, work: Path, tag: str, preview: int = 0) -> dict:
-    """One run of ``layout`` from ``checkout``; its timings."""
+def reaped_cpu_s(pid: Optional[int]) -> float:
+    """CPU-seconds of the children ``pid`` has reaped (``cutime + cstime``): a forked agent's and
+    its ranks' are the warm agent's children's, not this process's."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+
+
+def one(a, checkout: Path, side: str, layout: str, assets, work: Path, tag: str, preview: int = 0,
+        warm: Optional[Path] = None, warm_pid: Optional[int] = None) -> dict:
+    """One run of ``layout`` from ``checkout`` (its agent forked by the warm agent ``warm_pid`` at
+    ``warm``, else spawned); its timings."""
     run_args = argparse.Namespace(**{**vars(a), "num_clips": preview or a.num_clips})
     argv = run_argv(run_args, layout, *assets, work, tag)
     argv[0] = str(Path(sys.executable))
     if preview:
         argv.append("--preview")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")])),
+           WARM_ENV: str(warm) if warm else "off"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    warm_before = reaped_cpu_s(warm_pid)
     t0 = time.time()
     with open(work / f"{tag}.stdout.txt", "w") as fo, open(work / f"{tag}.stderr.txt", "w") as fe:
         rc = subprocess.run(argv, cwd=str(checkout), env=env, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
                             timeout=a.timeout).returncode
     wall = time.time() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    time.sleep(0.2 if warm_pid else 0)  # the warm agent reaps the run's agent once the launcher has its code
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime) + reaped_cpu_s(warm_pid) - warm_before
     runs = sorted((work / "runs" / tag).glob("*/"))
     row = {"side": side, "layout": layout, "preview": preview, "rc": rc, "wall_s": wall, "cpu_s": cpu}
     if rc != 0 or not runs:
@@ -171,6 +205,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--cache", type=Path, default=Path("~/.cache/wan-s2v/bench"))
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--warm", action="store_true", help="a third side: this checkout with a warm agent "
+                    "(wan-s2v warm, started once before the rounds; the other sides spawn their agents)")
     a = ap.parse_args(argv)
     a.size, a.skip_preflight = PRESETS[a.preset]["size"], False
     layouts = [x for x in a.layouts.split(",") if x and x != "none"]
@@ -185,20 +221,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         tmp_path = Path(tmp)
         base = worktree(a.base, tmp_path)
-        sides = [(f"base {a.base}", base), ("new", ROOT)]
+        warm_proc, sock = start_warm(tmp_path) if a.warm else (None, None)
+        sides = [(f"base {a.base}", base, "base", None), ("new", ROOT, "new", None)]
+        if a.warm:
+            sides.append(("new, warm agent", ROOT, "warm", sock))
         try:
             for k in range(a.repeat):
-                for side, checkout in sides:
+                for side, checkout, short, warm in sides:
                     for layout in layouts:
-                        tag = f"{'base' if checkout == base else 'new'}-{layout.replace('+', '-')}-{k}"
-                        rows.append(one(a, checkout, side, layout, assets, tmp_path, tag))
+                        tag = f"{short}-{layout.replace('+', '-')}-{k}"
+                        rows.append(one(a, checkout, side, layout, assets, tmp_path, tag, warm=warm,
+                                        warm_pid=warm_proc.pid if warm else None))
                     if a.preview_clips:
-                        tag = f"{'base' if checkout == base else 'new'}-preview-{k}"
-                        rows.append(one(a, checkout, side, PREVIEW_LAYOUT, assets, tmp_path, tag,
-                                        preview=a.preview_clips))
+                        rows.append(one(a, checkout, side, PREVIEW_LAYOUT, assets, tmp_path, f"{short}-preview-{k}",
+                                        preview=a.preview_clips, warm=warm,
+                                        warm_pid=warm_proc.pid if warm else None))
         finally:
+            if warm_proc is not None:
+                warm_proc.terminate()
+                warm_proc.wait()
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
-    print(render(rows, [s for s, _ in sides], layouts, a.markdown))
+    print(render(rows, [s[0] for s in sides], layouts, a.markdown))
     print(f"\npreset {a.preset}, {a.steps} steps, {a.num_clips} clip(s), {a.repeat} round(s), medians; "
           f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; "
           f"{os.cpu_count()} CPUs; command: bench/bench_startup.py {' '.join(argv or sys.argv[1:])}")

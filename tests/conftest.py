@@ -293,6 +293,49 @@ def hybrid_run(tiny_assets, tmp_path_factory) -> SharedRun:
     return SharedRun(d, r, output, d / "out.pt", other, CliResult(second.returncode, out, err))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_agent(request, tmp_path_factory):
+    """One node warm agent (``wan-s2v warm``) per xdist worker, named to every launch this worker
+    makes (``$WAN_S2V_WARM_AGENT``): each run forks its node agent from it instead of importing
+    torch and the engine anew (~4.4 CPU-s a launch), as a user's runs do on a node that keeps one.
+    A test of the spawned agent itself takes :func:`spawned_agent` (the demo in CI's ``.ci/run``
+    spawns too); tests/test_warm_agent.py starts its own."""
+    from wan_s2v_runner.shared import warm_agent as wire
+
+    if not any(item.get_closest_marker("slow") for item in request.session.items):
+        yield None  # no launch of the engine to come (make test-fast): not worth its imports
+        return
+    sock = tmp_path_factory.mktemp("warm") / "warm.sock"
+    log = open(sock.with_name("warm.log"), "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "wan_s2v_runner", "warm", "--socket", str(sock)],
+                            env=cli_env({wire.ENV: wire.OFF}), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: proc.poll() is not None or b"ready on" in sock.with_name("warm.log").read_bytes(), 120,
+                 "the warm agent", lambda: sock.with_name("warm.log").read_text(errors="replace"))
+        assert proc.poll() is None, sock.with_name("warm.log").read_text(errors="replace")
+        os.environ[wire.ENV] = str(sock)
+        yield sock
+    finally:
+        os.environ.pop(wire.ENV, None)
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture
+def spawned_agent(monkeypatch):
+    """This test's launches spawn their node agent (``$WAN_S2V_WARM_AGENT=off``): its subject is
+    the agent as a child of the launcher (its process tree, its signals)."""
+    from wan_s2v_runner.shared import warm_agent as wire
+
+    monkeypatch.setenv(wire.ENV, wire.OFF)
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """A throwaway PostgreSQL cluster (tests/pg_cluster.py), one per xdist worker, each test its

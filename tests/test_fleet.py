@@ -31,7 +31,9 @@ from conftest import cli_env, run_cli, wait_for
 from fault_worker import fault_env
 from serving import HELD_JOB, TINY_DEFAULTS, rank0_events, shared_server
 
+from wan_s2v_runner.launcher.proctree import pids_with_cmdline
 from wan_s2v_runner.shared import exit_codes, media
+from wan_s2v_runner.shared.node_agent import AGENT_MODULE
 
 LEASE_S = 3
 
@@ -65,8 +67,9 @@ def _two_servers(tmp_path, tiny_assets, url, *more, env: dict | None = None):
         return {n: f.result() for n, f in made.items()}, shared
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and every process under it."""
+def _tree(pid: int, server_dir: Path) -> list[int]:
+    """``pid`` and every process under it, and the processes of the rank groups under ``server_dir``
+    (their agent is the warm agent's child, not the server's)."""
     kids = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -75,7 +78,7 @@ def _tree(pid: int) -> list[int]:
             except (OSError, ValueError, IndexError):
                 continue
             kids.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
+    out, todo = [], [pid, *pids_with_cmdline(AGENT_MODULE.encode(), str(server_dir).encode())]
     while todo:
         p = todo.pop()
         out.append(p)
@@ -83,12 +86,13 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def freeze(pid: int) -> list[int]:
-    """SIGSTOP ``pid`` and everything under it, again until no process is new (one started while
-    the others were being stopped is stopped too); the frozen pids, ``pid`` first."""
+def freeze(pid: int, server_dir: Path) -> list[int]:
+    """SIGSTOP ``pid`` and everything under it and its rank groups' processes (:func:`_tree`), again
+    until no process is new (one started while the others were being stopped is stopped too); the
+    frozen pids, ``pid`` first."""
     frozen: list[int] = []
     for _ in range(10):
-        new = [p for p in _tree(pid) if p not in frozen]
+        new = [p for p in _tree(pid, server_dir) if p not in frozen]
         if not new:
             return frozen
         for p in reversed(new):  # children first
@@ -119,7 +123,7 @@ def test_a_server_frozen_past_its_lease_writes_nothing_once_it_lost_the_job(clus
                  and v, 120, "the job's second clip", servers["a"].tail)
         name = next(n for n, s in servers.items() if s.http.get("/health").json()["current"] == vid)
         paused, other = servers[name], servers["b" if name == "a" else "a"]
-        frozen = freeze(paused.proc.pid)  # the server, torchrun, the ranks and their encoders: a VM frozen
+        frozen = freeze(paused.proc.pid, paused.dir)  # the server, torchrun, the ranks and their encoders: a VM frozen
         release.touch()
         done = other.wait(vid, "completed", "failed", timeout=180)
         assert done["status"] == "completed" and done["attempts"] == 2 and done["resumed_at_clip"] >= 2, done

@@ -22,6 +22,7 @@ from conftest import STUB_RANKS, TINY_FLAGS, asset_flags, cli_env, run_cli
 from ports import named_port
 
 from wan_s2v_runner.shared import exit_codes
+from wan_s2v_runner.shared.node_agent import AGENT_MODULE
 
 
 def _start_node(d, args: list[str], **env_vars: str) -> subprocess.Popen:
@@ -102,7 +103,10 @@ def test_a_node_that_dies_mid_run_is_named(tiny_assets, tmp_path):
                 '"denoise"' in p.read_text() for p in (tmp_path / "node1" / "runs").glob("*/events/*.jsonl")):
             assert nodes[1].poll() is None and nodes[0].poll() is None, "a node ended before denoising"
             time.sleep(0.3)
-        victims = proctree.descendants([nodes[1].pid], proctree.ppid_map()) | {nodes[1].pid}
+        # the node's launcher and everything of its run: its agent (forked by the warm agent, not
+        # the launcher's child) and the agent's ranks
+        victims = proctree.descendants([nodes[1].pid], proctree.ppid_map()) | {nodes[1].pid} | \
+            proctree.pids_with_cmdline(AGENT_MODULE.encode(), str(tmp_path / "node1").encode())
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()

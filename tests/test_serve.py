@@ -278,7 +278,12 @@ def test_two_nodes_serve(tiny_assets, inputs, engine_cpu, tmp_path):
                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         node0 = ServerProcess(tmp_path / "node0", [*common, "--node-rank", "0", "--token", TOKEN])
         try:
+            # the job comes to a group that is up: its store holds --master-port (a job's checks
+            # once refused it for that: "--master-port N is already in use on this node")
+            wait_for(lambda: httpx.get(f"{node0.url}/health").json()["group"] == "idle", 120, "the group",
+                     node0.tail)
             job = node0.submit(image=inputs["image"], audio=inputs["audio"], seed=42).json()
+            assert "id" in job, job
             done = node0.wait(job["id"], "completed", timeout=180)
             want = expected_mp4(engine_cpu, inputs["audio"], tmp_path / "want.mp4")
             assert done["sha256"] == want

@@ -379,7 +379,7 @@ def test_rank_killed_with_sigkill_mid_denoise(tiny_assets, tmp_path):
 
 
 @pytest.mark.slow(seconds=35)
-def test_an_agent_frozen_mid_run_does_not_keep_the_run(tiny_assets, tmp_path):
+def test_an_agent_frozen_mid_run_does_not_keep_the_run(tiny_assets, tmp_path, spawned_agent):
     """The node agent stopped (SIGSTOP) while its ranks denoise: the ranks finish and rank 0 writes
     the video; the run then ends at most AGENT_EXIT_GRACE_S (+ the stop) after its last rank did,
     with the ranks' verdict (exit 0) and a note; the agent and every rank are gone."""
@@ -417,7 +417,7 @@ def test_an_agent_frozen_mid_run_does_not_keep_the_run(tiny_assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigint_to_launcher_stops_every_process(tiny_assets, tmp_path):
+def test_sigint_to_launcher_stops_every_process(tiny_assets, tmp_path, spawned_agent):
     procs = RunProcs()
     p = _popen(_args(tiny_assets, tmp_path, "--steps", "12"), cwd=tmp_path, env=STUB_RANKS)
     try:

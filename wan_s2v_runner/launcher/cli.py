@@ -1,4 +1,4 @@
-"""Command line: ``wan-s2v run|demo|doctor|resume|batch|serve|submit|jobs``
+"""Command line: ``wan-s2v run|demo|doctor|resume|batch|serve|submit|jobs|warm``
 (``run_s2v_multi_gpu.py`` is ``wan-s2v run``).
 
 Owns argv and what a person reads when it is wrong. The flags are generated from the run spec
@@ -199,6 +199,24 @@ def cmd_demo(args) -> int:
     return cmd_run(args, defaults)
 
 
+def cmd_warm(args) -> int:
+    """Become the node's warm agent (:mod:`wan_s2v_runner.rank.warm_agent`): this process, in the
+    environment every node agent gets, until stopped."""
+    from wan_s2v_runner.launcher.spawn import agent_env
+
+    try:
+        wan_repo = spec_values(args).get("wan_repo")
+    except (ValidationError, ValueError, OSError) as e:
+        return _usage_error(e)
+    argv = [sys.executable, "-m", "wan_s2v_runner.rank.warm_agent",
+            *(["--socket", str(Path(args.socket).expanduser().absolute())] if args.socket else []),
+            *(["--wan-repo", str(wan_repo)] if wan_repo else []),
+            *(["--idle-exit", str(args.idle_exit)] if args.idle_exit else [])]
+    sys.stdout.flush()
+    os.execve(sys.executable, argv, agent_env())
+    return exit_codes.OK  # not reached
+
+
 def recorded_machine(path: Path):
     """``doctor --machine``'s facts, or a ValueError naming the cause and the fix."""
     from wan_s2v_runner.preflight.facts import SCHEMA, MachineFacts
@@ -258,6 +276,11 @@ SUBCOMMANDS: dict[Command, tuple[str, str, Optional[dict[str, Any]]]] = {
     Command.SUBMIT: ("send a job to a server, follow it, download the mp4",
                      "Submit one video to a `wan-s2v serve` server (--url), follow its progress and download "
                      "the mp4 to --output (default ID.mp4). Flags not given take the server's defaults.", None),
+    Command.WARM: ("keep a node agent warm: later runs here start theirs ~5 s sooner",
+                   "Import torch and the engine once and keep them: every later run on this node (run, batch, "
+                   "serve, demo) forks its node agent from this process instead of starting one that imports "
+                   "them again. Runs find it by its socket ($WAN_S2V_WARM_AGENT; off: never). Stop it with "
+                   "Ctrl-C or SIGTERM.", None),
     Command.JOBS: ("list, show or cancel a server's jobs", "List a `wan-s2v serve` server's jobs, show the ones "
                    "named, or cancel them with --cancel.",
                    {"dest": "ids", "metavar": "ID", "nargs": "*", "help": "job ids (default: every job)"}),
@@ -302,6 +325,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return cmd_batch(args)
     if command is Command.SERVE:
         return cmd_serve(args)
+    if command is Command.WARM:
+        return cmd_warm(args)
     if command in (Command.SUBMIT, Command.JOBS):
         from wan_s2v_runner.launcher import client
         return client.cmd_submit(args) if command is Command.SUBMIT else client.cmd_jobs(args)

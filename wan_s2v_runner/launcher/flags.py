@@ -39,11 +39,13 @@ class Command(str, Enum):
     SERVE = "serve"
     SUBMIT = "submit"
     JOBS = "jobs"
+    WARM = "warm"
 
 
-#: the commands that are clients of a server: their spec flags are a job's own fields, or none
-CLIENT_FIELDS: dict[Command, tuple[str, ...]] = {Command.SUBMIT: (*INPUT_FIELDS, *SUBMIT_FIELDS, "output", "preview"),
-                                                 Command.JOBS: ()}
+#: the commands whose spec flags are a few fields or none: a server's clients (a job's own fields),
+#: and the warm agent (the engine it imports)
+FEW_FIELDS: dict[Command, tuple[str, ...]] = {Command.SUBMIT: (*INPUT_FIELDS, *SUBMIT_FIELDS, "output", "preview"),
+                                              Command.JOBS: (), Command.WARM: ("wan_repo",)}
 
 
 class OptionKind(str, Enum):
@@ -95,7 +97,8 @@ COMMAND_OPTIONS = (
         default_text="none",
         metavar="FILE",
     ),
-    CommandOption("--json", "print the result (run manifest / doctor report / video objects) as JSON", ALL),
+    CommandOption("--json", "print the result (run manifest / doctor report / video objects) as JSON",
+                  tuple(c for c in Command if c is not Command.WARM)),
     CommandOption(
         "--skip-preflight",
         "spawn without preflight checks (prints what it skips; not recommended)",
@@ -195,6 +198,22 @@ COMMAND_OPTIONS = (
         kind=OptionKind.PATHS,
         default_text="none",
         metavar="DIR",
+    ),
+    CommandOption(
+        "--socket",
+        "where the warm agent listens (runs find it by `$WAN_S2V_WARM_AGENT`)",
+        (Command.WARM,),
+        kind=OptionKind.PATH,
+        default_text="$XDG_RUNTIME_DIR/wan-s2v/warm-HOST.sock, else /tmp/wan-s2v-UID/warm-HOST.sock",
+        metavar="PATH",
+    ),
+    CommandOption(
+        "--idle-exit",
+        "exit after S seconds without a run",
+        (Command.WARM,),
+        kind=OptionKind.INT,
+        default_text="never",
+        metavar="S",
     ),
     CommandOption(
         "--queue",
@@ -384,12 +403,12 @@ def argparse_kwargs(name: str, show_default: bool = True) -> dict[str, Any]:
 def add_spec_flags(parser: argparse.ArgumentParser, command: Command) -> None:
     """Every RunSpec field as a flag, in help groups, then the command's own options."""
     groups = {g: parser.add_argument_group(g.value) for g in FlagGroup}
-    for name in CLIENT_FIELDS.get(command, RunSpec.model_fields):
+    for name in FEW_FIELDS.get(command, RunSpec.model_fields):
         f = flag_of(name)
         if not f.cli:  # set by the environment or TOML only
             continue
         groups[f.group].add_argument(flag_name(name), *f.aliases,
-                                     **argparse_kwargs(name, show_default=command not in CLIENT_FIELDS))
+                                     **argparse_kwargs(name, show_default=command not in FEW_FIELDS))
     g = parser.add_argument_group("command")
     for opt in COMMAND_OPTIONS:
         if command in opt.commands:

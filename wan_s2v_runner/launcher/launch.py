@@ -174,6 +174,7 @@ def run(spec: GroupSpec, *, observers: Optional[list[RunObserver]] = None, extra
         data = manifest.build(spec, run_dir, sup.reader, outcome, started, time.time(),
                               launcher={"pid": os.getpid(), "torchrun_pid": procs.proc.pid if procs.proc else None,
                                         "torchrun_exit_code": outcome.torchrun_rc,
+                                        "agent": procs.origin.to_json() if procs.origin else None,
                                         "host_peak_rss_mb_seen": {str(k): v for k, v in procs.host_hwm_mb.items()},
                                         "cpu_s": {"launcher": round((cpu_s(os.getpid()) or 0.0) - cpu_before, 3),
                                                   "torchrun": procs.torchrun_cpu_s},

@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from wan_s2v_runner.launcher.diagnose import has_frame
 from wan_s2v_runner.launcher.observer import Observers
@@ -29,6 +29,7 @@ from wan_s2v_runner.launcher.proctree import (
     ppid_map,
 )
 from wan_s2v_runner.launcher.spawn import agent_argv, worker_env
+from wan_s2v_runner.launcher.warm import AgentOrigin, ForkedAgent, engine_dir_of, fork_agent
 from wan_s2v_runner.shared import atomic
 from wan_s2v_runner.shared.events import EventReader, RankState
 from wan_s2v_runner.shared.node_agent import AGENT_MODULE
@@ -36,12 +37,17 @@ from wan_s2v_runner.shared.procfs import hwm_mb
 from wan_s2v_runner.shared.spec import GroupSpec
 
 
-def _spawn_agent(argv: list[str], spec: GroupSpec, extra_env: Optional[dict], stdin) -> subprocess.Popen:
-    """The node's agent in its own session (PR_SET_PDEATHSIG: it dies with the launcher), its
-    output on one pipe (the launcher's pump reads it)."""
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin,
-                            env=worker_env(spec, extra_env), start_new_session=True, cwd=os.getcwd(),
-                            preexec_fn=pdeathsig_preexec())
+def _spawn_agent(argv: list[str], spec: GroupSpec, extra_env: Optional[dict], stdin) \
+        -> tuple[Union[subprocess.Popen, ForkedAgent], AgentOrigin]:
+    """The node's agent in its own session (it dies with the launcher), its output on one pipe
+    (the launcher's pump reads it): forked by the node's warm agent where one listens and can
+    (:mod:`.warm`), else spawned (PR_SET_PDEATHSIG)."""
+    env = worker_env(spec, extra_env)
+    forked, origin = fork_agent(argv, env, os.getcwd(), stdin, engine_dir_of(spec.wan_repo))
+    if forked is not None:
+        return forked, origin
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin, env=env,
+                            start_new_session=True, cwd=os.getcwd(), preexec_fn=pdeathsig_preexec()), origin
 
 
 class EarlyAgent:
@@ -52,7 +58,7 @@ class EarlyAgent:
 
     def __init__(self, spec: GroupSpec, run_dir: Path, extra_env: Optional[dict] = None):
         self.argv = agent_argv(run_dir, wait=True)
-        self.proc = _spawn_agent(self.argv, spec, extra_env, stdin=subprocess.PIPE)
+        self.proc, self.origin = _spawn_agent(self.argv, spec, extra_env, stdin=subprocess.PIPE)
 
     def go(self) -> None:
         try:
@@ -82,7 +88,8 @@ class RunProcesses:
     def __init__(self, spec: GroupSpec, run_dir: Path, reader: EventReader, observers: Observers, extra_env=None):
         self.spec, self.run_dir, self.reader, self.observers = spec, run_dir, reader, observers
         self.log_path = run_dir / "torchrun.log"
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: Optional[Union[subprocess.Popen, ForkedAgent]] = None
+        self.origin: Optional[AgentOrigin] = None  # forked by the warm agent, or spawned (why)
         self.procs = ProcTable()
         self.extra_env = extra_env
         self.force = False  # stop with SIGKILL at once (a second signal, or the launcher failed)
@@ -99,7 +106,7 @@ class RunProcesses:
         argv = early.argv if early is not None else agent_argv(self.run_dir)
         atomic.write_text(self.run_dir / "command.json", json.dumps(argv, indent=1))
         t0 = time.time()
-        self.proc = early.proc if early is not None else \
+        self.proc, self.origin = (early.proc, early.origin) if early is not None else \
             _spawn_agent(argv, self.spec, self.extra_env, stdin=subprocess.DEVNULL)
         self._pump_thread = threading.Thread(target=self._pump, daemon=True, name="wan-s2v-pump")
         self._pump_thread.start()

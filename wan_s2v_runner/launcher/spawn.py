@@ -72,16 +72,24 @@ CPU_MALLOC_ENV = {
 }
 
 
-def worker_env(spec: GroupSpec, extra: Optional[dict] = None) -> dict:
+def agent_env() -> dict:
+    """This environment as every node agent gets it (a run's, :func:`worker_env`, and the warm
+    agent's, ``wan-s2v warm``): unbuffered output, this project first on PYTHONPATH, NCCL's errors
+    raised in the ranks."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    return env
+
+
+def worker_env(spec: GroupSpec, extra: Optional[dict] = None) -> dict:
+    env = agent_env()
     if spec.device == "cpu":
         env["OMP_NUM_THREADS"] = str(spec.threads)
         for k, v in CPU_MALLOC_ENV.items():
             env.setdefault(k, v)
     else:  # fragmentation is a common cause of OOM in long autoregressive runs; user value wins
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.update(extra or {})
     return env

@@ -191,6 +191,8 @@ def check_master_port(ctx):
         )
     if ctx.spec.node_rank != 0:
         return skip("comm.master_port", f"node {ctx.spec.node_rank}: the store runs on node 0")
+    if ctx.group_running:
+        return skip("comm.master_port", f"the running rank group's store holds port {port}")
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -48,6 +48,9 @@ class CheckContext:
     #: the user set ``--dit-offload`` (flag, TOML or environment): ``--mode auto`` and the doctor
     #: keep their choice rather than turning streaming on
     dit_offload_given: bool = False
+    #: the job runs on a rank group already up (a server's): what the group's start needed, its
+    #: rendezvous port, is the group's own now, not something in the job's way
+    group_running: bool = False
 
     # ----- derived: asked of the spec and its layout, never re-derived here -----
     @property

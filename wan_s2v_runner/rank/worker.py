@@ -614,7 +614,13 @@ def preload(spec: GroupSpec) -> None:
     """What the node's agent imports before it forks the ranks (:func:`wan_s2v_runner.rank.agent.preload`):
     the engine (``spec.wan_repo``'s, with its pre-import fixes) and the modules :func:`run_rank`
     imports to patch, load and generate. Touches no GPU."""
-    engine.import_wan(spec.wan_repo)
+    preload_modules(spec.wan_repo)
+
+
+def preload_modules(wan_repo) -> None:
+    """:func:`preload`'s imports for the engine at ``wan_repo`` (None: the installed one); a
+    node's warm agent (:mod:`wan_s2v_runner.rank.warm_agent`) makes them once for many runs."""
+    engine.import_wan(wan_repo)
     import patches  # noqa: F401
     import runners  # noqa: F401
     from wan_s2v_runner.rank import generation  # noqa: F401

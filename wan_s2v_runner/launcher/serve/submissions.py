@@ -341,7 +341,7 @@ def _build_job(fields, *, job_id, base, group, videos, uploads, policy, facts) -
         raise Refused(422, cause, _param_of(cause))
     from wan_s2v_runner.preflight import check_run
 
-    report = check_run(spec, facts)
+    report = check_run(spec, facts, group_running=True)
     if report.refused:
         cause = refusal(report)
         raise Refused(422, cause, _param_of(cause))
