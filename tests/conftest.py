@@ -456,15 +456,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ----- nothing left behind -----
-def leftovers(mark: str) -> dict[int, str]:
-    """Processes other than this one whose environment carries ``mark`` (pid -> command line)."""
+def leftovers(mark: str, root: Path) -> dict[int, str]:
+    """Processes other than this one whose environment carries ``mark``, or whose command line
+    names a path under the session's temporary ``root`` (pid -> command line): a warm agent and
+    what it forks carry no environment there (setproctitle takes that memory for the title)."""
     needle = f"{SESSION_ENV}={mark}".encode()
+    under = str(root).encode()
     found = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit() or int(d.name) == os.getpid():
             continue
         try:
-            if needle in (d / "environ").read_bytes().split(b"\0"):
+            if needle in (d / "environ").read_bytes().split(b"\0") or under in (d / "cmdline").read_bytes():
                 found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
         except OSError:
             continue
@@ -479,10 +482,11 @@ def pytest_sessionfinish(session, exitstatus):
     if hasattr(session.config, "workerinput"):
         return
     mark = os.environ[SESSION_ENV]
+    root = session.config._tmp_path_factory.getbasetemp()
     deadline = time.time() + 10.0  # the last fixtures' processes may still be exiting
-    while leftovers(mark) and time.time() < deadline:
+    while leftovers(mark, root) and time.time() < deadline:
         time.sleep(0.2)
-    left = leftovers(mark)
+    left = leftovers(mark, root)
     for pid in left:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)

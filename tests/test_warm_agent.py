@@ -65,6 +65,20 @@ def test_the_socket_is_per_user_and_host_and_off_is_off(tmp_path):
     assert wire.socket_path({wire.ENV: str(tmp_path / "s")}) == tmp_path / "s"
 
 
+def test_a_socket_directory_others_can_write_in_or_that_is_a_link_is_not_trusted(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    assert wire.socket_dir_problem(mine / "warm.sock") is None
+    assert wire.socket_dir_problem(tmp_path / "not yet" / "warm.sock") is None  # the warm agent makes it, 0700
+    mine.chmod(0o777)
+    assert "writable by other users (mode 777" in wire.socket_dir_problem(mine / "warm.sock")
+    mine.chmod(0o1777)  # sticky, as /tmp: no one replaces another's file there
+    assert wire.socket_dir_problem(mine / "warm.sock") is None
+    mine.chmod(0o700)
+    (tmp_path / "link").symlink_to(mine)
+    assert "is not a directory" in wire.socket_dir_problem(tmp_path / "link" / "warm.sock")
+
+
 # ----------------------------------------------------------------------------- real processes
 class Warm:
     """A ``wan-s2v warm`` on its own socket, importing the engine from a copy in ``root``."""

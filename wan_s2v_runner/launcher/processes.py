@@ -1,7 +1,8 @@
 """The processes of one run: the node's agent ("torchrun": torch elastic's agent,
-:mod:`wan_s2v_runner.rank.agent`; its own session, PR_SET_PDEATHSIG) and every worker it forks.
-:class:`RunProcesses` spawns the agent (or adopts an :class:`EarlyAgent`, spawned before the
-preflight) with its output pumped to ``torchrun.log`` and the
+:mod:`wan_s2v_runner.rank.agent`; its own session; it ends when the launcher dies) and every
+worker it forks. :class:`RunProcesses` starts the agent (forked by the node's warm agent where
+one listens, :mod:`.warm`, else spawned with PR_SET_PDEATHSIG), or adopts an :class:`EarlyAgent`
+started before the preflight, with its output pumped to ``torchrun.log`` and the
 observers, finds the run's processes (torchrun's descendants, the pids ranks report, command lines
 naming the run's ``spec.json``), notes each exit as it happens (:class:`~.proctree.ProcTable`),
 samples their memory and CPU, asks them for stack dumps, and stops them all. It decides nothing:
@@ -29,7 +30,7 @@ from wan_s2v_runner.launcher.proctree import (
     ppid_map,
 )
 from wan_s2v_runner.launcher.spawn import agent_argv, worker_env
-from wan_s2v_runner.launcher.warm import AgentOrigin, ForkedAgent, engine_dir_of, fork_agent
+from wan_s2v_runner.launcher.warm import AgentOrigin, ForkedAgent, fork_agent
 from wan_s2v_runner.shared import atomic
 from wan_s2v_runner.shared.events import EventReader, RankState
 from wan_s2v_runner.shared.node_agent import AGENT_MODULE
@@ -37,13 +38,13 @@ from wan_s2v_runner.shared.procfs import hwm_mb
 from wan_s2v_runner.shared.spec import GroupSpec
 
 
-def _spawn_agent(argv: list[str], spec: GroupSpec, extra_env: Optional[dict], stdin) \
+def _start_agent(argv: list[str], spec: GroupSpec, extra_env: Optional[dict], stdin) \
         -> tuple[Union[subprocess.Popen, ForkedAgent], AgentOrigin]:
     """The node's agent in its own session (it dies with the launcher), its output on one pipe
     (the launcher's pump reads it): forked by the node's warm agent where one listens and can
     (:mod:`.warm`), else spawned (PR_SET_PDEATHSIG)."""
     env = worker_env(spec, extra_env)
-    forked, origin = fork_agent(argv, env, os.getcwd(), stdin, engine_dir_of(spec.wan_repo))
+    forked, origin = fork_agent(argv, env, os.getcwd(), stdin, spec.wan_repo)
     if forked is not None:
         return forked, origin
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin, env=env,
@@ -58,7 +59,7 @@ class EarlyAgent:
 
     def __init__(self, spec: GroupSpec, run_dir: Path, extra_env: Optional[dict] = None):
         self.argv = agent_argv(run_dir, wait=True)
-        self.proc, self.origin = _spawn_agent(self.argv, spec, extra_env, stdin=subprocess.PIPE)
+        self.proc, self.origin = _start_agent(self.argv, spec, extra_env, stdin=subprocess.PIPE)
 
     def go(self) -> None:
         try:
@@ -107,7 +108,7 @@ class RunProcesses:
         atomic.write_text(self.run_dir / "command.json", json.dumps(argv, indent=1))
         t0 = time.time()
         self.proc, self.origin = (early.proc, early.origin) if early is not None else \
-            _spawn_agent(argv, self.spec, self.extra_env, stdin=subprocess.DEVNULL)
+            _start_agent(argv, self.spec, self.extra_env, stdin=subprocess.DEVNULL)
         self._pump_thread = threading.Thread(target=self._pump, daemon=True, name="wan-s2v-pump")
         self._pump_thread.start()
         if early is not None:
@@ -235,3 +236,5 @@ class RunProcesses:
         self.procs.close()
         if self.proc is not None and self.proc.stdout is not None:
             self.join_pump(timeout=2.0)
+        if isinstance(self.proc, ForkedAgent):  # its connection (an agent still alive then gets SIGTERM)
+            self.proc.close()

@@ -42,45 +42,46 @@ class AgentOrigin:
 class ForkedAgent:
     """A run's agent forked by the warm agent: what the launcher uses of :class:`subprocess.Popen`.
     Its exit code comes over the connection (the warm agent is its parent); the connection is
-    also how the warm agent knows the launcher is alive (it stops the agent when it closes)."""
+    also how the warm agent knows the launcher is alive (it stops the agent when it closes). Its
+    pidfd (sent with the answer) names it for signals and its end, whoever reaps it."""
 
-    def __init__(self, sock: socket.socket, pid: int, args: list[str], stdin, stdout):
-        self._sock, self.pid, self.args, self.stdin, self.stdout = sock, pid, args, stdin, stdout
+    def __init__(self, sock: socket.socket, pid: int, pidfd: Optional[int], args: list[str], stdin, stdout):
+        self._sock, self.pid, self._pidfd, self.args, self.stdin, self.stdout = sock, pid, pidfd, args, stdin, stdout
         self.returncode: Optional[int] = None
         self._orphaned = False  # the connection ended without the exit code
-        try:
-            self._pidfd: Optional[int] = os.pidfd_open(pid)
-        except OSError:  # ended (and reaped) already: the exit message says how
-            self._pidfd = None
+
+    @staticmethod
+    def _ready(fd: int, timeout: Optional[float]) -> bool:
+        p = select.poll()
+        p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        return bool(p.poll(None if timeout is None else max(0, int(timeout * 1000))))
 
     def _settle(self, timeout: Optional[float]) -> bool:
         """Read the exit message if it comes within ``timeout``; True once the code is known."""
         if self.returncode is not None:
             return True
         if not self._orphaned:
-            ready, _, _ = select.select([self._sock], [], [], timeout)
-            if not ready:
+            if not self._ready(self._sock.fileno(), timeout):
                 return False
             try:
-                message, _ = wire.receive(self._sock)
-            except (OSError, ValueError):
+                message, _ = wire.receive(self._sock, within_s=ANSWER_TIMEOUT_S)
+            except ValueError:
                 message = None
             if message is not None and isinstance(message.get("exit"), int):
                 self.returncode = message["exit"]
-                self._close()
+                self.close()
                 return True
             self._orphaned = True  # the warm agent ended first; its forks get SIGTERM then
             print(f"[wan-s2v] the warm agent ended before the run's agent (pid {self.pid}): its exit code is "
                   "unknown", file=sys.stderr, flush=True)
-        if self._pidfd is not None:  # the agent itself: its end, if not its code
-            ready, _, _ = select.select([self._pidfd], [], [], timeout)
-            if not ready:
-                return False
+        if self._pidfd is not None and not self._ready(self._pidfd, timeout):  # the agent's end, if not its code
+            return False
         self.returncode = 1
-        self._close()
+        self.close()
         return True
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Let go of the connection and the pidfd (the warm agent then stops a live agent)."""
         self._sock.close()
         if self._pidfd is not None:
             os.close(self._pidfd)
@@ -98,10 +99,13 @@ class ForkedAgent:
     def send_signal(self, sig: int) -> None:
         if self.poll() is not None:
             return
-        if self._pidfd is not None:
-            signal.pidfd_send_signal(self._pidfd, sig)
-        else:
-            os.kill(self.pid, sig)
+        try:  # as Popen: an agent that ended meanwhile is not an error
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            else:
+                os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -110,7 +114,18 @@ class ForkedAgent:
         self.send_signal(signal.SIGKILL)
 
 
-def fork_agent(argv: list[str], env: dict, cwd: str, stdin, engine_dir: Optional[Path]) \
+def umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def fork_agent(argv: list[str], env: dict, cwd: str, stdin, wan_repo: Optional[Path]) \
         -> tuple[Optional[ForkedAgent], AgentOrigin]:
     """The run's agent (``argv``, as it would be spawned) forked by the warm agent, or None and
     why not. ``stdin``: ``subprocess.PIPE`` or ``subprocess.DEVNULL``, as for Popen; ``env``: the
@@ -120,12 +135,18 @@ def fork_agent(argv: list[str], env: dict, cwd: str, stdin, engine_dir: Optional
         return None, AgentOrigin(False, why=f"${wire.ENV}={wire.OFF}")
     if not path.exists():
         return None, AgentOrigin(False, why=f"no warm agent listens on {path} (start one: wan-s2v warm)")
+    problem = wire.socket_dir_problem(path)
+    if problem:
+        return None, AgentOrigin(False, str(path), f"not trusting the warm agent's socket: {problem}")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(ANSWER_TIMEOUT_S)
     ours: list[int] = []
     theirs: list[int] = []
+    fds: list[int] = []
     try:
         sock.connect(str(path))
+        if wire.peer_uid(sock) != os.getuid():
+            raise ValueError("it runs as another user")
         out_r, out_w = os.pipe()
         ours.append(out_r)
         theirs.append(out_w)
@@ -135,35 +156,38 @@ def fork_agent(argv: list[str], env: dict, cwd: str, stdin, engine_dir: Optional
             theirs.insert(0, in_r)
         else:
             theirs.insert(0, os.open(os.devnull, os.O_RDONLY))
-        wire.send(sock, {"argv": argv, "env": env, "cwd": cwd, "executable": sys.executable,
-                         "engine": str(engine_dir) if engine_dir else None}, fds=tuple(theirs))
+        wire.send(sock, {"argv": argv, "env": env, "cwd": cwd, "interpreter": wire.interpreter(),
+                         "engine": str(engine_dir_of(wan_repo, env) or "") or None, "umask": umask(),
+                         "affinity": sorted(os.sched_getaffinity(0))}, fds=tuple(theirs))
         for fd in theirs:
             os.close(fd)
         theirs.clear()
-        answer, _ = wire.receive(sock)
+        answer, fds = wire.receive(sock, max_fds=1, within_s=ANSWER_TIMEOUT_S)
     except (OSError, ValueError) as e:
         for fd in ours + theirs:
             os.close(fd)
         sock.close()
         return None, AgentOrigin(False, str(path), f"the warm agent at {path} did not answer ({e})")
     if not answer or not isinstance(answer.get("pid"), int):
-        for fd in ours:
+        for fd in ours + fds:
             os.close(fd)
-        sock.close()
+        sock.close()  # a fork it made regardless ends when this closes
         why = (answer or {}).get("refused") or "it closed the connection"
         return None, AgentOrigin(False, str(path), f"the warm agent refused: {why}")
     sock.settimeout(None)
     stdout = os.fdopen(ours[0], "rb")
     stdin_file = os.fdopen(ours[1], "wb") if len(ours) > 1 else None
-    return ForkedAgent(sock, answer["pid"], argv, stdin_file, stdout), AgentOrigin(True, str(path))
+    pidfd = fds[0] if fds else None
+    return ForkedAgent(sock, answer["pid"], pidfd, argv, stdin_file, stdout), AgentOrigin(True, str(path))
 
 
-def engine_dir_of(wan_repo: Optional[Path]) -> Optional[Path]:
-    """Where the run's agent would import the engine from, or None where it cannot be found (the
-    agent is then spawned, and says why in its own words)."""
+def engine_dir_of(wan_repo: Optional[Path], env: dict) -> Optional[Path]:
+    """Where the run's agent would import the engine from (``--wan-repo``, else the run's
+    ``$WAN_REPO``, else the installed package), or None where it cannot be found (the agent is
+    then spawned, and says why in its own words)."""
     from wan_s2v_runner.shared.engine_source import EngineNotFound, locate
 
     try:
-        return locate(wan_repo).package_dir.resolve()
+        return locate(wan_repo or (Path(env["WAN_REPO"]) if env.get("WAN_REPO") else None)).package_dir.resolve()
     except EngineNotFound:
         return None

@@ -3,11 +3,13 @@
 It imports once what every run's node agent imports before its ranks fork (torch, torch elastic,
 the engine with our patches, the rank's modules: :func:`preload`), then listens on a Unix socket.
 For each run the launcher asks (:mod:`wan_s2v_runner.launcher.warm`) it forks that run's agent
-from itself: the child takes the run's output pipe, standard input, working directory and
-environment, names itself as a spawned agent would be named (its command line: the launcher finds
-a run's processes in ``/proc`` by it), and runs :func:`wan_s2v_runner.rank.agent.main` with the
-run's ``spec.json``. From there on it is the run's agent: its ranks fork from it, it exits with
-the run's code, and the launcher supervises it as it supervises a spawned one.
+from itself: the child takes the run's output pipe, standard input, working directory (first on
+its path, as ``python -m`` puts it), umask, CPU affinity and environment, takes a spawned agent's
+command line (the launcher finds a run's processes in ``/proc`` by it; setproctitle writes it
+where the environment was, so ``/proc/PID/environ`` reads empty), and runs
+:func:`wan_s2v_runner.rank.agent.main` with the run's ``spec.json``. From there on it is the
+run's agent: its ranks fork from it, it exits with the run's code, and the launcher supervises it
+as it supervises a spawned one.
 
 Why our own fork server rather than ``multiprocessing.forkserver``: the child here must become
 another program's process (the launcher's pipes and environment, a new session, its command
@@ -16,10 +18,12 @@ could not be what a spawn would be (:func:`refusal`); the forkserver hands out P
 to its own parent's pool.
 
 A request is refused (and the launcher spawns the agent instead) when the fork would differ from
-a spawned agent: another user, interpreter or engine; an import-time environment variable set
-otherwise (:func:`wan_s2v_runner.shared.warm_agent.env_conflict`); a PYTHONPATH entry holding a
-package imported here; a file of the imported code changed since (then it also exits: every later
-run would be refused for the same reason).
+a spawned agent: another user, interpreter (venv) or engine; an import-time environment variable
+set otherwise (:func:`wan_s2v_runner.shared.warm_agent.env_conflict`); a PYTHONPATH entry or
+working directory holding a package imported here; the launcher's resource limits or control
+group (a Slurm or Kubernetes job's) not the warm agent's; a file of the imported code changed
+since (then it also exits: every later run would be refused for the same reason). It reads one
+request at a time, each within 10 s (a launcher stopped mid-request holds the others that long).
 
 What stays with the warm agent: it forks only from its main thread with no other thread running,
 touches no GPU (the engine's CUDA-at-import spot patched, torch asked through NVML, as the agent
@@ -31,14 +35,17 @@ forked agents have ended (a second one: at once).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import fcntl
 import gc
 import os
 import select
 import signal
 import socket
-import struct
+import stat
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,40 +145,57 @@ def dormant_prefixes() -> tuple[str, ...]:
     return tuple(prefix for prefix, lib in wire.LIBRARY_PREFIXES.items() if lib not in maps)
 
 
-def peer_uid(sock: socket.socket) -> Optional[int]:
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except OSError:
-        return None
-    return struct.unpack("3i", creds)[1]
-
-
 # ----------------------------------------------------------------------------- the forked agent
 _libc = ctypes.CDLL(None, use_errno=True)
 #: mallopt parameters of glibc's MALLOC_*_ variables
 _MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2}
+#: what every process gets from the launcher as a spawn would inherit it, compared (refused
+#: where it differs) rather than set: a fork cannot raise a limit or leave its cgroup
+INHERITED = ("limits", "cgroup")
+
+
+def inherited(pid) -> dict[str, str]:
+    """A process's resource limits and control groups (``pid``: a number or ``self``)."""
+    out = {}
+    for name in INHERITED:
+        try:
+            out[name] = Path(f"/proc/{pid}/{name}").read_text()
+        except OSError:
+            out[name] = ""
+    return out
+
+
+def inherited_difference(mine: dict[str, str], theirs: dict[str, str]) -> Optional[str]:
+    for name in INHERITED:
+        if mine[name] != theirs[name]:
+            a, b = mine[name].splitlines(), theirs[name].splitlines()
+            line = next((y for x, y in zip(a, b) if x != y), None) or (b[len(a)] if len(b) > len(a) else "?")
+            what = "resource limits (ulimit)" if name == "limits" else "control group (a job's cgroup)"
+            return f"the launcher's {what} differ from the warm agent's: {' '.join(line.split())}"
+    return None
 
 
 def take_on(env: dict[str, str], started_with: dict[str, str]) -> None:
     """Set in this (forked) process what the run's environment would have set when a fresh
-    interpreter started: :data:`wan_s2v_runner.shared.warm_agent.TAKEN_ON`."""
+    interpreter started: :data:`wan_s2v_runner.shared.warm_agent.TAKEN_ON` (values checked by
+    :func:`~wan_s2v_runner.shared.warm_agent.taken_on_problem`)."""
     threads = env.get("OMP_NUM_THREADS")
     if threads and threads != started_with.get("OMP_NUM_THREADS"):
         import torch
-        try:
-            torch.set_num_threads(int(threads))
-        except ValueError:
-            pass
+        torch.set_num_threads(int(threads))
+        if not env.get("OPENBLAS_NUM_THREADS"):  # numpy's OpenBLAS reads it too, when it loads
+            try:
+                from threadpoolctl import threadpool_limits
+                threadpool_limits(int(threads), user_api="blas")
+            except ImportError:
+                pass
     for name, param in _MALLOPT.items():
         value = env.get(name)
         if value and value != started_with.get(name):
-            try:
-                _libc.mallopt(param, int(value))
-            except (ValueError, AttributeError):
-                pass
+            _libc.mallopt(param, int(value))
     ours = started_with.get("PYTHONPATH", "").split(os.pathsep)
     new = [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e and e not in ours and e not in sys.path]
-    sys.path[1:1] = new  # after the script's directory, as PYTHONPATH entries stand
+    sys.path[1:1] = new  # after the start directory, as PYTHONPATH entries stand
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.reconfigure(line_buffering=True, write_through=bool(env.get("PYTHONUNBUFFERED")))
@@ -179,20 +203,58 @@ def take_on(env: dict[str, str], started_with: dict[str, str]) -> None:
             pass
 
 
-def become_agent(request: dict, stdin_fd: int, out_fd: int, server_fds: list[int],
-                 started_with: dict[str, str], added: dict[str, str]) -> None:
+def _above_stdio(fd: int) -> int:
+    """``fd`` moved above 0-2 (where the warm agent started with its streams closed, a received
+    descriptor can be one of them)."""
+    if fd > 2:
+        return fd
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD, 3)
+    os.close(fd)
+    return moved
+
+
+def _leave(code: int) -> None:
+    """End the forked agent as its interpreter's exit would: other non-daemon threads joined,
+    the atexit functions run, the streams flushed; then ``os._exit`` (not the modules' teardown,
+    as :func:`~wan_s2v_runner.shared.prompt_exit.exit_now` does)."""
+    import atexit
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def become_agent(request: dict, stdin_fd: int, out_fd: int, server_socks: list[socket.socket],
+                 server_fds: list[int], warm_pid: int, started_with: dict[str, str], added: dict[str, str],
+                 start_entry: str) -> None:
     """In the child: the run's agent, then its exit. Never returns. Its environment is the run's,
     with what the warm agent's imports added to theirs (``added``: a spawned agent's imports would
-    have added it too)."""
+    have added it too). Signals arrive blocked (the warm agent blocks them around the fork)."""
     code = 1
     try:
         os.setsid()
         _libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG: end with the warm agent
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD, signal.SIGPIPE):
+        if os.getppid() != warm_pid:  # it died before the line above
+            os._exit(1)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as CPython sets them at start
+            signal.signal(sig, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        for sock in server_socks:
+            os.close(sock.detach())
         for fd in server_fds:
             os.close(fd)
+        stdin_fd, out_fd = _above_stdio(stdin_fd), _above_stdio(out_fd)
         os.dup2(stdin_fd, 0)
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
@@ -204,7 +266,13 @@ def become_agent(request: dict, stdin_fd: int, out_fd: int, server_fds: list[int
             sys.stdout = open(1, "w", closefd=False)
         if sys.stderr is None:
             sys.stderr = open(2, "w", closefd=False)
-        os.chdir(request["cwd"])
+        cwd = request["cwd"]
+        os.chdir(cwd)
+        if start_entry in sys.path:  # ``python -m``: the directory it started in, first on the path
+            sys.path[sys.path.index(start_entry)] = cwd
+        os.umask(int(request["umask"]))
+        if request.get("affinity"):
+            os.sched_setaffinity(0, request["affinity"])
         env = {**added, **{str(k): str(v) for k, v in request["env"].items()}}
         os.environ.clear()
         os.environ.update(env)
@@ -216,23 +284,28 @@ def become_agent(request: dict, stdin_fd: int, out_fd: int, server_fds: list[int
         if argv[-1].encode() not in Path("/proc/self/cmdline").read_bytes():
             print("[wan-s2v agent] could not take a spawned agent's command line: the launcher finds this "
                   "run's processes by their parents alone", file=sys.stderr, flush=True)
-        name_this_process("wan-s2v-agent")
         from wan_s2v_runner.rank import agent
 
         sys.argv = [agent.__file__, *argv[3:]]
-        print(f"[wan-s2v agent] forked from the warm agent (pid {os.getppid()}): torch and the engine were "
+        print(f"[wan-s2v agent] forked from the warm agent (pid {warm_pid}): torch and the engine were "
               "imported there", file=sys.stderr, flush=True)
         code = agent.main(argv[3:])
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:  # as an interpreter stopped by Ctrl-C ends: by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:  # noqa: BLE001 - the agent's own error, as a spawned one would print it
         import traceback
         traceback.print_exc()
         code = 1
     finally:
-        from wan_s2v_runner.shared.prompt_exit import exit_now
         try:
-            exit_now(code)
+            _leave(code)
         finally:
             os._exit(1)
 
@@ -250,50 +323,70 @@ class Client:
 
 
 class WarmAgent:
-    def __init__(self, path: Path, engine_dir: Path, started_with: dict[str, str], idle_exit_s: float = 0.0):
+    def __init__(self, path: Path, engine_dir: Path, started_with: dict[str, str], start_entry: str,
+                 idle_exit_s: float = 0.0):
         self.path, self.engine_dir, self.idle_exit_s = path, engine_dir, idle_exit_s
+        self.start_entry = start_entry  # sys.path[0] as it started: its working directory (-m)
         #: the environment this process started with; what its imports added to it since
         self.started_with = started_with
         self.added = {k: v for k, v in os.environ.items() if k not in started_with}
+        self.interpreter = wire.interpreter()
         self.files = code_files()
         self.tops = top_packages()
         self.clients: list[Client] = []
         self.listener: Optional[socket.socket] = None
+        self.owner = os.getpid()
         self.stopping = 0
         self.last_busy = time.monotonic()
 
     # -- requests
     def refusal(self, client: Client, request: dict) -> Optional[str]:
         """Why this request cannot be forked here (None: it can)."""
-        if peer_uid(client.sock) != os.getuid():
+        if self.stopping:
+            return "the warm agent is stopping"
+        if wire.peer_uid(client.sock) != os.getuid():
             return "another user's launcher"
         argv = request.get("argv")
         if not (isinstance(argv, list) and len(argv) >= 4 and argv[1:3] == ["-m", AGENT_MODULE]):
             return f"not a node agent's command ({argv!r:.80})"
-        if not isinstance(request.get("env"), dict) or not isinstance(request.get("cwd"), str):
-            return "a request without its environment or working directory"
-        if os.path.realpath(str(request.get("executable"))) != os.path.realpath(sys.executable):
-            return f"the run's Python is {request.get('executable')}, the warm agent's {sys.executable}"
+        if not isinstance(request.get("env"), dict) or not isinstance(request.get("cwd"), str) or \
+                not isinstance(request.get("umask"), int):
+            return "a request without its environment, working directory or umask"
+        theirs = request.get("interpreter") or {}
+        for key, mine in self.interpreter.items():
+            if theirs.get(key) != mine:
+                return f"the run's Python ({key} {theirs.get(key)}) is not the warm agent's ({mine})"
         engine = request.get("engine")
         if engine is None or Path(engine).resolve() != self.engine_dir:
             return f"the run's engine is {engine or 'not found'}, the warm agent imported {self.engine_dir}"
         conflict = wire.env_conflict(self.started_with, request["env"], os.environ, dormant_prefixes())
         if conflict:
             return conflict
-        shadow = shadowing(str(request["env"].get("PYTHONPATH", "")).split(os.pathsep), self.tops)
+        entries = [request["cwd"], *str(request["env"].get("PYTHONPATH", "")).split(os.pathsep)]
+        shadow = shadowing(entries, self.tops)
         if shadow:
             return shadow
+        pid = wire.peer_pid(client.sock)
+        different = inherited_difference(inherited("self"), inherited(pid)) if pid else "no launcher process"
+        if different:
+            return different
         changed = changed_file(self.files)
         if changed:
             self.stopping = max(self.stopping, 1)  # every later run would be refused too
             return f"{changed} changed since the warm agent started: start it again (it exits now)"
+        if threading.active_count() != 1:
+            return f"{threading.active_count()} threads run in the warm agent (it forks from one alone)"
         return None
 
     def handle_request(self, client: Client) -> None:
-        client.sock.settimeout(REQUEST_TIMEOUT_S)
         fds: list[int] = []
         try:
-            request, fds = wire.receive(client.sock, max_fds=2)
+            request, fds = wire.receive(client.sock, max_fds=2, within_s=REQUEST_TIMEOUT_S)
+        except ValueError as e:
+            say(f"a request failed: {e}")
+            self.drop(client)
+            return
+        try:
             if request is None:
                 self.drop(client)
                 return
@@ -301,49 +394,57 @@ class WarmAgent:
                 self.refusal(client, request)
             if why:
                 say(f"refused: {why}")
-                wire.send(client.sock, {"refused": why})
+                with contextlib.suppress(OSError):
+                    wire.send(client.sock, {"refused": why})
                 self.drop(client)
                 return
-            server_fds = [self.listener.fileno()] if self.listener else []
-            server_fds += [c.sock.fileno() for c in self.clients] + [c.pidfd for c in self.clients if c.pidfd]
-            pid = os.fork()
-            if pid == 0:
-                become_agent(request, fds[0], fds[1], server_fds, self.started_with, self.added)
-            client.pid, client.pidfd = pid, os.pidfd_open(pid)
-            client.sock.settimeout(None)
-            wire.send(client.sock, {"pid": pid})
-            say(f"forked the agent of {request['argv'][-1]} (pid {pid})")
-        except (OSError, ValueError) as e:
-            say(f"a request failed: {e}")
-            self.drop(client)
+            self.fork(client, request, fds)
         finally:
             for fd in fds:
                 os.close(fd)
 
+    def fork(self, client: Client, request: dict, fds: list[int]) -> None:
+        socks = [c.sock for c in self.clients] + ([self.listener] if self.listener else [])
+        pidfds = [c.pidfd for c in self.clients if c.pidfd is not None]
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+        try:
+            pid = os.fork()
+            if pid == 0:
+                become_agent(request, fds[0], fds[1], socks, pidfds, self.owner, self.started_with, self.added,
+                             self.start_entry)
+            client.pid, client.pidfd = pid, os.pidfd_open(pid)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        client.sock.settimeout(None)
+        try:
+            wire.send(client.sock, {"pid": pid}, fds=(client.pidfd,))
+        except OSError:  # the launcher went away meanwhile: its agent ends, as it would have
+            self.launcher_gone(client)
+            return
+        say(f"forked the agent of {request['argv'][-1]} (pid {pid})")
+
     def reap(self, client: Client) -> None:
         _, status = os.waitpid(client.pid, 0)
         code = os.waitstatus_to_exitcode(status)
-        try:
-            wire.send(client.sock, {"exit": code})
-        except OSError:
-            pass
+        if not client.gone:
+            with contextlib.suppress(OSError):
+                wire.send(client.sock, {"exit": code})
         say(f"agent {client.pid} ended ({code})")
         self.drop(client)
 
     def launcher_gone(self, client: Client) -> None:
-        """The launcher's end closed (or sent more): stop its agent, as PR_SET_PDEATHSIG would."""
-        try:
-            data = client.sock.recv(1, socket.MSG_PEEK)
-        except OSError:
-            data = b""
-        if data:  # nothing is expected after the request: drop it
-            client.sock.recv(4096)
-            return
+        """The launcher's end closed: stop its agent, as PR_SET_PDEATHSIG would. (Anything it
+        sends after its request is read and dropped.)"""
+        if not client.gone:
+            try:
+                data = client.sock.recv(4096)
+            except OSError:
+                data = b""
+            if data:
+                return
         client.gone = True
-        try:
-            os.kill(client.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(client.pidfd, signal.SIGTERM)
 
     def drop(self, client: Client) -> None:
         if client.pidfd is not None:
@@ -361,7 +462,14 @@ class WarmAgent:
 
     def listen(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if self.path.exists():
+        problem = wire.socket_dir_problem(self.path)
+        if problem:
+            raise SystemExit(f"{PREFIX} error: {problem}. Fix: remove it, or pass --socket PATH in a directory "
+                             "of your own (and set $WAN_S2V_WARM_AGENT=PATH for the runs)")
+        if self.path.exists() or self.path.is_symlink():
+            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                raise SystemExit(f"{PREFIX} error: {self.path} exists and is not a socket. Fix: remove it, or pass "
+                                 "--socket PATH")
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(str(self.path))
@@ -375,18 +483,19 @@ class WarmAgent:
         old = os.umask(0o177)
         try:
             self.listener.bind(str(self.path))
+        except OSError as e:
+            raise SystemExit(f"{PREFIX} error: cannot listen on {self.path}: {e.strerror or e}. Fix: pass "
+                             "--socket PATH") from None
         finally:
             os.umask(old)
         self.listener.listen(64)
 
     def stop_listening(self) -> None:
-        if self.listener is not None:
+        if self.listener is not None and os.getpid() == self.owner:
             self.listener.close()
             self.listener = None
-            try:
+            with contextlib.suppress(OSError):
                 self.path.unlink()
-            except OSError:
-                pass
 
     def serve(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -439,6 +548,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="exit after S seconds with no run (default: never)")
     a = p.parse_args(argv)
     started_with = dict(os.environ)
+    start_entry = sys.path[0] if sys.path else ""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (OSError, AttributeError):
+        print(f"{PREFIX} error: this kernel has no pidfd_open (Linux 5.3+): runs spawn their agents here",
+              file=sys.stderr)
+        return 1
     import setproctitle
 
     # claims the command line's memory (and the environment's after it) for the forks' titles now,
@@ -450,7 +566,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     engine_dir = preload(a.wan_repo)
     gc.collect()
     gc.freeze()  # what the forks share stays shared: no collection touches these objects' pages
-    server = WarmAgent(path, engine_dir, started_with, a.idle_exit)
+    server = WarmAgent(path, engine_dir, started_with, start_entry, a.idle_exit)
     server.listen()
     import torch
     say(f"ready on {path} (pid {os.getpid()}; torch {torch.__version__}, engine {engine_dir}; "

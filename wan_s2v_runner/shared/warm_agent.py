@@ -20,7 +20,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import struct
+import sys
+import time
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -32,7 +35,8 @@ OFF = "off"
 #: OpenMP and BLAS, glibc's malloc, CUDA, inductor's config, transformers, diffusers): the warm
 #: agent's values are the ones its forks have
 IMPORT_PREFIXES = ("PYTHON", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "MALLOC_", "GLIBC_",
-                   "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "TRITON_", "HF_", "TRANSFORMERS_", "DIFFUSERS_")
+                   "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "TRITON_", "HF_", "TRANSFORMERS_", "DIFFUSERS_",
+                   "LC_", "LANG", "TZ", "TMPDIR", "USE_TF", "USE_TORCH", "USE_JAX", "USE_FLAX")
 #: of those, the ones a forked agent sets for itself from the run's values
 #: (:func:`wan_s2v_runner.rank.warm_agent.take_on`): the CPU threads (``torch.set_num_threads``),
 #: glibc's malloc thresholds (``mallopt``), unbuffered output (its streams are made anew), and
@@ -74,6 +78,51 @@ def default_socket(env: Optional[Mapping[str, str]] = None) -> Path:
 LIBRARY_PREFIXES = {"KMP_": "libiomp"}
 
 
+def socket_dir_problem(path: Path) -> Optional[str]:
+    """Why the directory of a warm agent's socket cannot be trusted, or None: a real directory (no
+    symlink) where no other user can put their own file in place of the socket: this user's and
+    writable by no one else, or sticky (``/tmp``: only a file's owner may replace it). Both ends
+    also check who is at the other end of the socket (:func:`peer_uid`)."""
+    try:
+        st = os.lstat(path.parent)
+    except FileNotFoundError:
+        return None  # the warm agent makes it (0700)
+    except OSError as e:
+        return f"{path.parent}: {e.strerror or e}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path.parent} is not a directory"
+    sticky = bool(st.st_mode & stat.S_ISVTX)
+    if st.st_uid != os.getuid() and not sticky:
+        return f"{path.parent} belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022 and not sticky:
+        return f"{path.parent} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def interpreter() -> dict:
+    """What makes two processes the same Python: its executable as named (a venv's ``python`` is
+    a link to its base interpreter: the prefix tells venvs apart), prefixes and version."""
+    return {"executable": os.path.abspath(sys.executable), "prefix": sys.prefix, "exec_prefix": sys.exec_prefix,
+            "version": sys.version}
+
+
+def peer_uid(sock: socket.socket) -> Optional[int]:
+    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    return struct.unpack("3i", creds)[1]
+
+
+def peer_pid(sock: socket.socket) -> Optional[int]:
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    return struct.unpack("3i", creds)[0]
+
+
 def import_time(name: str, dormant: tuple[str, ...] = ()) -> bool:
     """Read when a process starts or imports a library (so fixed in the warm agent's forks);
     ``dormant``: prefixes of :data:`LIBRARY_PREFIXES` whose library the warm agent has not loaded."""
@@ -93,66 +142,97 @@ def env_conflict(warm: Mapping[str, str], run: Mapping[str, str], warm_now: Opti
     for name in sorted({*warm, *run}):
         if not import_time(name, dormant) or run.get(name) in (warm.get(name), warm_now.get(name, warm.get(name))):
             continue
-        if name in TAKEN_ON and name in run:
+        if name in TAKEN_ON and name in run and taken_on_problem(name, warm.get(name), run[name]) is None:
             continue
+        if name in TAKEN_ON and name in run:
+            return taken_on_problem(name, warm.get(name), run[name])
         def shown(v):
             return "unset" if v is None else repr(v if len(v) <= 60 else v[:57] + "...")
         return f"${name} is {shown(run.get(name))} for this run, {shown(warm.get(name))} in the warm agent"
     return None
 
 
+def taken_on_problem(name: str, warm: Optional[str], run: str) -> Optional[str]:
+    """Why a fork cannot set ``name`` to the run's value itself, or None."""
+    if name == "OMP_NUM_THREADS" and not run.strip().isdigit():
+        return f"$OMP_NUM_THREADS is {run!r} for this run: a fork sets a single number of threads"
+    if name.startswith("MALLOC_") and not run.strip().isdigit():
+        return f"${name} is {run!r} for this run: a fork sets a number"
+    if name == "PYTHONPATH":
+        missing = [e for e in (warm or "").split(os.pathsep) if e and e not in run.split(os.pathsep)]
+        if missing:
+            return f"$PYTHONPATH has {missing[0]} in the warm agent, not for this run (a fork cannot take it away)"
+    return None
+
+
 # ----------------------------------------------------------------------------- the wire
-# One request a connection: {"argv", "env", "cwd", "executable", "wan_repo"} with two file
-# descriptors (the agent's stdin, and its stdout, stderr joining it); the answers:
-# {"pid": N} (forked) or {"refused": WHY}, then, once the forked agent has ended, {"exit": CODE}
-# (as Popen's returncode: -N for a signal). The connection stays open while the agent lives: the
-# warm agent stops the agent (SIGTERM) when the launcher's end closes, as PR_SET_PDEATHSIG does.
+# One request a connection: {"argv", "env", "cwd", "interpreter", "engine", "umask", "affinity"}
+# with two file descriptors (the agent's stdin, and its stdout, stderr joining it); the answers:
+# {"pid": N} with the agent's pidfd (forked) or {"refused": WHY}, then, once the forked agent has
+# ended, {"exit": CODE} (as Popen's returncode: -N for a signal). The connection stays open while
+# the agent lives: the warm agent stops the agent (SIGTERM) when the launcher's end closes, as
+# PR_SET_PDEATHSIG does.
 
 def send(sock: socket.socket, message: dict, fds: tuple[int, ...] = ()) -> None:
     """One message: its length (4 bytes), its JSON; ``fds`` travel with it (SCM_RIGHTS)."""
     body = json.dumps(message).encode()
     data = struct.pack("!I", len(body)) + body
-    if fds:
-        socket.send_fds(sock, [data], list(fds))
-    else:
-        sock.sendall(data)
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else 0
+    if sent < len(data):
+        sock.sendall(data[sent:])
 
 
-def receive(sock: socket.socket, max_fds: int = 0) -> tuple[Optional[dict], list[int]]:
+def _recv(sock: socket.socket, n: int, deadline: Optional[float]) -> bytes:
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ValueError("the message did not come whole in time")
+        sock.settimeout(left)
+    try:
+        return sock.recv(n)
+    except socket.timeout:
+        raise ValueError("the message did not come whole in time") from None
+
+
+def receive(sock: socket.socket, max_fds: int = 0, within_s: Optional[float] = None) \
+        -> tuple[Optional[dict], list[int]]:
     """The next message and the descriptors that came with it; ``(None, [])`` at the end of the
-    connection. A malformed or oversized message raises ValueError."""
+    connection. A malformed or oversized message, or one not whole within ``within_s`` seconds,
+    raises ValueError (and the descriptors that came with it are closed)."""
+    deadline = None if within_s is None else time.monotonic() + within_s
     fds: list[int] = []
-    if max_fds:
-        head, fds, _, _ = socket.recv_fds(sock, 4, max_fds)
-    else:
-        head = sock.recv(4)
-    while head and len(head) < 4:
-        more = sock.recv(4 - len(head))
-        if not more:
-            break
-        head += more
-    if len(head) < 4:
-        for fd in fds:
-            os.close(fd)
-        if head:
+    try:
+        if max_fds:
+            if deadline is not None:
+                sock.settimeout(within_s)
+            head, fds, _, _ = socket.recv_fds(sock, 4, max_fds)
+        else:
+            head = _recv(sock, 4, deadline)
+        while head and len(head) < 4:
+            more = _recv(sock, 4 - len(head), deadline)
+            if not more:
+                break
+            head += more
+        if not head:
+            return None, []
+        if len(head) < 4:
             raise ValueError("the connection ended inside a message")
-        return None, []
-    (n,) = struct.unpack("!I", head)
-    if n > MAX_MESSAGE:
+        (n,) = struct.unpack("!I", head)
+        if n > MAX_MESSAGE:
+            raise ValueError(f"a message of {n} bytes (at most {MAX_MESSAGE})")
+        body = b""
+        while len(body) < n:
+            more = _recv(sock, n - len(body), deadline)
+            if not more:
+                raise ValueError("the connection ended inside a message")
+            body += more
+        message = json.loads(body)
+        if not isinstance(message, dict):
+            raise ValueError("a message that is not a JSON object")
+        return message, fds
+    except (ValueError, OSError, socket.timeout) as e:
         for fd in fds:
             os.close(fd)
-        raise ValueError(f"a message of {n} bytes (at most {MAX_MESSAGE})")
-    body = b""
-    while len(body) < n:
-        more = sock.recv(n - len(body))
-        if not more:
-            for fd in fds:
-                os.close(fd)
-            raise ValueError("the connection ended inside a message")
-        body += more
-    message = json.loads(body)
-    if not isinstance(message, dict):
-        for fd in fds:
-            os.close(fd)
-        raise ValueError("a message that is not a JSON object")
-    return message, fds
+        if isinstance(e, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise
+        raise ValueError(str(e) or type(e).__name__) from None
