@@ -50,6 +50,9 @@ fmt: $(STAMP)
 test: lint
 	tools/ensure_chromium
 	tools/ensure_postgresql
+	@# this checkout's bytecode, once (where $$PYTHONDONTWRITEBYTECODE is set, every process of the
+	@# suite would compile the modules it imports again)
+	$(BIN)/python -m compileall -q -j 0 wan_s2v_runner patches runners tests > /dev/null
 	$(BIN)/python -m pytest -q
 
 test-fast: lint

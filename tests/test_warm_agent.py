@@ -128,7 +128,7 @@ def _left(under: Path) -> set[int]:
     return pids_with_cmdline(AGENT_MODULE.encode(), str(under).encode())
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow(seconds=25)
 def test_runs_fork_their_agent_unless_a_fork_would_differ_and_changed_code_ends_the_warm_agent(
         warm, tiny_assets, reference_frames, tmp_path):
     # forked: its ranks (2, the real engine) make one process's frames, and run.json says so
@@ -140,28 +140,32 @@ def test_runs_fork_their_agent_unless_a_fork_would_differ_and_changed_code_ends_
                                                     "why_spawned": None}
     assert "forked the agent of" in warm.text() and "ended (0)" in warm.text()
 
-    # an import-time variable set otherwise, and another engine: spawned, with the reason
-    stub = {**STUB_RANKS, **warm.env()}
-    r = _run(tmp_path / "mkl", warm, env={**stub, "MKL_NUM_THREADS": "3"}, assets=tiny_assets)
-    assert r.returncode == exit_codes.OK, r.output
-    why = _launcher_agent(tmp_path / "mkl")
-    assert not why["forked_from_warm_agent"] and "$MKL_NUM_THREADS is '3' for this run" in why["why_spawned"], why
-    r = _run(tmp_path / "engine", warm, env=stub, assets=tiny_assets, wan_repo=False)
-    assert r.returncode == exit_codes.OK, r.output
-    why = _launcher_agent(tmp_path / "engine")["why_spawned"]
-    assert f"the warm agent imported {warm.repo.resolve() / 'wan'}" in why, why
+    # an import-time variable set otherwise, another engine, another user's socket directory: the
+    # launcher's own request over the socket is refused, with the reason (and the run spawns)
+    def ask(env: dict, wan_repo=warm.repo):
+        from wan_s2v_runner.launcher.spawn import agent_env
+        from wan_s2v_runner.launcher.warm import fork_agent
 
-    # the engine's code changed under it: refused (the run spawns) and the warm agent exits
+        argv = [sys.executable, "-m", AGENT_MODULE, str(tmp_path / "nowhere" / "spec.json")]
+        forked, origin = fork_agent(argv, {**agent_env(), **warm.env(), **env}, str(tmp_path), subprocess.DEVNULL,
+                                    wan_repo)
+        assert forked is None and not origin.forked, origin
+        return origin.why
+
+    assert "$MKL_NUM_THREADS is '3' for this run, unset in the warm agent" in ask({"MKL_NUM_THREADS": "3"})
+    assert f"the warm agent imported {warm.repo.resolve() / 'wan'}" in ask({}, wan_repo=None)
+    assert "refused: $OMP_NUM_THREADS is '2,1' for this run" in ask({"OMP_NUM_THREADS": "2,1"})
+
+    # the engine's code changed under it: refused (the run spawns, and makes its video) and the warm
+    # agent exits
     changed = warm.repo / "wan" / "speech2video.py"
     os.utime(changed, ns=(time.time_ns(), time.time_ns() + 10**9))
-    r = _run(tmp_path / "changed", warm, env=stub, assets=tiny_assets)
+    r = _run(tmp_path / "changed", warm, env={**STUB_RANKS, **warm.env()}, assets=tiny_assets)
     assert r.returncode == exit_codes.OK, r.output
     why = _launcher_agent(tmp_path / "changed")["why_spawned"]
     assert f"{changed} changed since the warm agent started" in why, why
     assert warm.proc.wait(timeout=30) == 0 and not warm.sock.exists(), warm.text()
-    r = _run(tmp_path / "after", warm, env=stub, assets=tiny_assets)
-    assert r.returncode == exit_codes.OK, r.output
-    assert "no warm agent listens" in _launcher_agent(tmp_path / "after")["why_spawned"]
+    assert "no warm agent listens" in ask({})
 
 
 def _start_held(d: Path, warm: Warm, assets) -> subprocess.Popen:
