@@ -145,7 +145,7 @@ def fork_agent(argv: list[str], env: dict, cwd: str, stdin, wan_repo: Optional[P
     fds: list[int] = []
     try:
         sock.connect(str(path))
-        if wire.peer_uid(sock) != os.getuid():
+        if wire.peer(sock)[1] != os.getuid():
             raise ValueError("it runs as another user")
         out_r, out_w = os.pipe()
         ours.append(out_r)

@@ -344,7 +344,7 @@ class WarmAgent:
         """Why this request cannot be forked here (None: it can)."""
         if self.stopping:
             return "the warm agent is stopping"
-        if wire.peer_uid(client.sock) != os.getuid():
+        if wire.peer(client.sock)[1] != os.getuid():
             return "another user's launcher"
         argv = request.get("argv")
         if not (isinstance(argv, list) and len(argv) >= 4 and argv[1:3] == ["-m", AGENT_MODULE]):
@@ -366,7 +366,7 @@ class WarmAgent:
         shadow = shadowing(entries, self.tops)
         if shadow:
             return shadow
-        pid = wire.peer_pid(client.sock)
+        pid = wire.peer(client.sock)[0]
         different = inherited_difference(inherited("self"), inherited(pid)) if pid else "no launcher process"
         if different:
             return different

@@ -82,7 +82,7 @@ def socket_dir_problem(path: Path) -> Optional[str]:
     """Why the directory of a warm agent's socket cannot be trusted, or None: a real directory (no
     symlink) where no other user can put their own file in place of the socket: this user's and
     writable by no one else, or sticky (``/tmp``: only a file's owner may replace it). Both ends
-    also check who is at the other end of the socket (:func:`peer_uid`)."""
+    also check who is at the other end of the socket (:func:`peer`)."""
     try:
         st = os.lstat(path.parent)
     except FileNotFoundError:
@@ -106,21 +106,15 @@ def interpreter() -> dict:
             "version": sys.version}
 
 
-def peer_uid(sock: socket.socket) -> Optional[int]:
-    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
+def peer(sock: socket.socket) -> tuple[Optional[int], Optional[int]]:
+    """The process id and user id at the other end of a Unix socket (SO_PEERCRED); Nones where
+    unreadable."""
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except OSError:
-        return None
-    return struct.unpack("3i", creds)[1]
-
-
-def peer_pid(sock: socket.socket) -> Optional[int]:
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except OSError:
-        return None
-    return struct.unpack("3i", creds)[0]
+        return None, None
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
 
 
 def import_time(name: str, dormant: tuple[str, ...] = ()) -> bool:
