@@ -310,6 +310,29 @@ def become_agent(request: dict, stdin_fd: int, out_fd: int, server_socks: list[s
             os._exit(1)
 
 
+def free_socket_path(path: Path) -> None:
+    """Make ``path``'s directory (0700) and make sure no warm agent listens there; a socket a dead
+    one left is removed. A cause and a fix (SystemExit) where it cannot be used."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    problem = wire.socket_dir_problem(path)
+    if problem:
+        raise SystemExit(f"{PREFIX} error: {problem}. Fix: remove it, or pass --socket PATH in a directory "
+                         "of your own (and set $WAN_S2V_WARM_AGENT=PATH for the runs)")
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise SystemExit(f"{PREFIX} error: {path} exists and is not a socket. Fix: remove it, or pass "
+                             "--socket PATH")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+            raise SystemExit(f"{PREFIX} error: a warm agent listens on {path} already. Fix: stop it, "
+                             "or pass --socket PATH (and set $WAN_S2V_WARM_AGENT=PATH for the runs)")
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)  # a warm agent that died left it
+        finally:
+            probe.close()
+
+
 # ----------------------------------------------------------------------------- the server
 @dataclass
 class Client:
@@ -461,24 +484,7 @@ class WarmAgent:
             raise KeyboardInterrupt
 
     def listen(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        problem = wire.socket_dir_problem(self.path)
-        if problem:
-            raise SystemExit(f"{PREFIX} error: {problem}. Fix: remove it, or pass --socket PATH in a directory "
-                             "of your own (and set $WAN_S2V_WARM_AGENT=PATH for the runs)")
-        if self.path.exists() or self.path.is_symlink():
-            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                raise SystemExit(f"{PREFIX} error: {self.path} exists and is not a socket. Fix: remove it, or pass "
-                                 "--socket PATH")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(str(self.path))
-                raise SystemExit(f"{PREFIX} error: a warm agent listens on {self.path} already. Fix: stop it, "
-                                 "or pass --socket PATH (and set $WAN_S2V_WARM_AGENT=PATH for the runs)")
-            except (ConnectionRefusedError, FileNotFoundError):
-                self.path.unlink(missing_ok=True)  # a warm agent that died left it
-            finally:
-                probe.close()
+        free_socket_path(self.path)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -563,6 +569,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = (a.socket or wire.default_socket()).absolute()
     name_this_process("wan-s2v-warm")
     t0 = time.monotonic()
+    free_socket_path(path)  # before the imports: a second warm agent says so at once
     engine_dir = preload(a.wan_repo)
     gc.collect()
     gc.freeze()  # what the forks share stays shared: no collection touches these objects' pages
