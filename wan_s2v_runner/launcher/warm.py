@@ -1,5 +1,5 @@
-"""The launcher's side of a node's warm agent (``wan-s2v warm``; :mod:`wan_s2v_runner.rank.warm_agent`):
-a run's agent forked from it instead of spawned, and ``wan-s2v warm`` itself.
+"""The launcher's side of a node's warm agent (``wan-s2v warm``, which ``cli.cmd_warm`` becomes:
+:mod:`wan_s2v_runner.rank.warm_agent`): a run's agent forked from it instead of spawned.
 
 :func:`fork_agent` asks the warm agent named by ``$WAN_S2V_WARM_AGENT`` (unset: the per-user,
 per-host default socket, when one listens) to fork the run's agent with the run's environment,
