@@ -51,6 +51,7 @@ from wan_s2v_runner.launcher.serve.store import rules
 from wan_s2v_runner.launcher.serve.store.protocol import JobRow, JobStatus, JobStore, QueueUnavailable
 from wan_s2v_runner.shared import atomic, inbox
 from wan_s2v_runner.shared.atomic import NotCommitted
+from wan_s2v_runner.shared.events import EventReader
 from wan_s2v_runner.shared.jobs import Job
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
 from wan_s2v_runner.shared.stages import Stage
@@ -271,6 +272,7 @@ class Keeper(threading.Thread):
                        extra_env=self.extra_env, served=True, halt=self._halt)
         except Exception as e:  # the launcher itself failed: say so, and try again
             self.last_error = f"{type(e).__name__}: {e}"
+        self._late_end()
         with self._lock:
             failed, self.held.running = self.held.running, None
             self.progress.clear()
@@ -289,6 +291,22 @@ class Keeper(threading.Thread):
             self._backoff = RESTART_BACKOFF_S[0]  # it did work: not a crash loop
         self._closing.wait(self._backoff)
         self._backoff = min(self._backoff * 2, RESTART_BACKOFF_S[1])
+
+    def _late_end(self) -> None:
+        """Rank 0's end of the running job that the group's supervision did not pass on: rank 0
+        finished the job (its mp4 written, then ``job_done``) while its group was being stopped
+        (the server's SIGTERM) or just before the group died. Recorded as it ended, rather than left
+        in the queue to be made again from its last clip (tests/test_serve_shared_queue.py: each
+        of 50 jobs made once while both servers restart)."""
+        with self._lock:
+            run_dir, holding = self.run_dir, self.held.running
+        if run_dir is None or holding is None:
+            return
+        for ev in EventReader(run_dir).poll():
+            if ev.get("rank") == 0 and ev.get("kind") in ENDS and ev.get("id") == holding.job_id:
+                log.info("job %s: its end (%s) came as its rank group stopped", holding.job_id, ev["kind"])
+                self._on_rank0(ev, ev["kind"])
+                return
 
     def _group_failed_under(self, holding: Holding, reason: str) -> None:
         """The group ended under the job: back to the queue (its clip checkpoints kept), or failed
