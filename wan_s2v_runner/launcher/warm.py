@@ -157,7 +157,7 @@ def fork_agent(argv: list[str], env: dict, cwd: str, stdin, wan_repo: Optional[P
         else:
             theirs.insert(0, os.open(os.devnull, os.O_RDONLY))
         wire.send(sock, {"argv": argv, "env": env, "cwd": cwd, "interpreter": wire.interpreter(),
-                         "engine": str(engine_dir_of(wan_repo, env) or "") or None, "umask": umask(),
+                         "engine": str(engine_dir_of(wan_repo) or "") or None, "umask": umask(),
                          "affinity": sorted(os.sched_getaffinity(0))}, fds=tuple(theirs))
         for fd in theirs:
             os.close(fd)
@@ -181,13 +181,13 @@ def fork_agent(argv: list[str], env: dict, cwd: str, stdin, wan_repo: Optional[P
     return ForkedAgent(sock, answer["pid"], pidfd, argv, stdin_file, stdout), AgentOrigin(True, str(path))
 
 
-def engine_dir_of(wan_repo: Optional[Path], env: dict) -> Optional[Path]:
-    """Where the run's agent would import the engine from (``--wan-repo``, else the run's
-    ``$WAN_REPO``, else the installed package), or None where it cannot be found (the agent is
-    then spawned, and says why in its own words)."""
+def engine_dir_of(wan_repo: Optional[Path]) -> Optional[Path]:
+    """Where the run's agent would import the engine from (the spec's ``wan_repo``, which
+    ``$WAN_REPO`` fills, else the installed package: :func:`~wan_s2v_runner.shared.engine_source.locate`),
+    or None where it cannot be found (the agent is then spawned, and says why in its own words)."""
     from wan_s2v_runner.shared.engine_source import EngineNotFound, locate
 
     try:
-        return locate(wan_repo or (Path(env["WAN_REPO"]) if env.get("WAN_REPO") else None)).package_dir.resolve()
+        return locate(wan_repo).package_dir.resolve()
     except EngineNotFound:
         return None

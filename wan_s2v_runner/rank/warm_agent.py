@@ -215,21 +215,14 @@ def _above_stdio(fd: int) -> int:
 
 def _leave(code: int) -> None:
     """End the forked agent as its interpreter's exit would: other non-daemon threads joined,
-    the atexit functions run, the streams flushed; then ``os._exit`` (not the modules' teardown,
-    as :func:`~wan_s2v_runner.shared.prompt_exit.exit_now` does)."""
-    import atexit
-    import threading
+    then :func:`~wan_s2v_runner.shared.prompt_exit.leave_now` (atexit, streams flushed, no
+    teardown of the modules)."""
+    from wan_s2v_runner.shared.prompt_exit import leave_now
 
     for t in threading.enumerate():
         if t is not threading.current_thread() and not t.daemon:
             t.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    leave_now(code)
 
 
 def become_agent(request: dict, stdin_fd: int, out_fd: int, server_socks: list[socket.socket],

@@ -23,10 +23,17 @@ def exit_now(code: Optional[int]) -> None:
     ``sys.exit(code)`` while other threads run, or for a code that is not a number."""
     if threading.active_count() > 1 or not isinstance(code, (int, type(None))):
         sys.exit(code)
+    leave_now(code or 0)
+
+
+def leave_now(code: int) -> None:
+    """:func:`exit_now`'s exit, whatever else runs: the atexit functions, the standard streams
+    flushed, ``os._exit(code)``. For a process that has joined the threads it waits for itself (an
+    agent forked by the warm agent: :mod:`wan_s2v_runner.rank.warm_agent`)."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # closed, or its reader went away
             pass
-    os._exit(code or 0)
+    os._exit(code)

@@ -136,14 +136,17 @@ def env_conflict(warm: Mapping[str, str], run: Mapping[str, str], warm_now: Opti
     for name in sorted({*warm, *run}):
         if not import_time(name, dormant) or run.get(name) in (warm.get(name), warm_now.get(name, warm.get(name))):
             continue
-        if name in TAKEN_ON and name in run and taken_on_problem(name, warm.get(name), run[name]) is None:
-            continue
         if name in TAKEN_ON and name in run:
-            return taken_on_problem(name, warm.get(name), run[name])
-        def shown(v):
-            return "unset" if v is None else repr(v if len(v) <= 60 else v[:57] + "...")
-        return f"${name} is {shown(run.get(name))} for this run, {shown(warm.get(name))} in the warm agent"
+            problem = taken_on_problem(name, warm.get(name), run[name])
+            if problem is None:
+                continue
+            return problem
+        return f"${name} is {_shown(run.get(name))} for this run, {_shown(warm.get(name))} in the warm agent"
     return None
+
+
+def _shown(value: Optional[str]) -> str:
+    return "unset" if value is None else repr(value if len(value) <= 60 else value[:57] + "...")
 
 
 def taken_on_problem(name: str, warm: Optional[str], run: str) -> Optional[str]:
