@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -51,6 +52,18 @@ def predicted(doctor: dict, mode: str) -> dict:
 #: the memory plan's GPU phases and the stages each covers (docs/memory-plan.md)
 PHASES = {"encode": ("audio_encode", "ref_encode", "text_encode"), "denoise": ("denoise",),
           "decode": ("decode", "motion_encode")}
+
+
+def first_step_t(run_dir: Path):
+    """The time of rank 0's first ``denoise`` stage event (seconds since the epoch), or None."""
+    try:
+        for line in (run_dir / "events" / "rank0.jsonl").read_text().splitlines():
+            e = json.loads(line)
+            if e.get("kind") == "stage" and e.get("stage") == "denoise":
+                return float(e["t"])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def measured(run_json: dict) -> dict:
@@ -107,10 +120,12 @@ def render(out: dict) -> str:
     lines += [f"| {k} | {v} | {peaks.get(k, {}).get('host_peak_rss_mb', '-')} | "
               f"{peaks.get(k, {}).get('gpu_peak_allocated_mb', '-')} |" for k, v in meas["stage_seconds"].items()]
     lines.append(f"| wall (run.json) | {meas['wall_s']} | | |")
+    lines.append(f"| from the command to the first denoising step | {meas.get('to_step_s')} | | |")
     load = meas.get("load") or {}
     if load:
         lines += ["", f"loading: strategy {load.get('strategy')}; read "
-                      + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in (load.get('bytes_read') or {}).items())]
+                      + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in (load.get('bytes_read') or {}).items()),
+                  f"the DiT read while encoding: {load.get('dit_overlap')}"]
     lines += [
         "",
         "predicted GPU phases (GiB): " + ", ".join(f"{k} {v / GiB:.1f}" for k, v in pred["gpu_phases"].items()),
@@ -140,6 +155,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-preflight", action="store_true",
                     help="pass --skip-preflight to `run` (not to doctor): a machine without imageio-ffmpeg then "
                          "runs every stage and stops in save")
+    ap.add_argument("--overlap-probe", action="store_true",
+                    help="read the DiT while the encoders run on a GPU too (bench/overlap_probe: the CPU's rule)")
     ap.add_argument("run_args", nargs="*", help="more flags for `wan-s2v doctor` and `run` (after --)")
     a = ap.parse_args(argv)
 
@@ -161,17 +178,21 @@ def main(argv=None) -> dict:
     common = ["--device", a.device, "--nproc", str(a.nproc), "--mode", a.mode, "--ckpt-dir", str(a.ckpt),
               "--image", str(image), "--audio", str(audio), "--size", a.size,
               *(["--num-clips", str(a.num_clips)] if a.num_clips else []), *a.run_args]
-    doc = subprocess.run(cli("doctor", *common, "--json"), capture_output=True, text=True)
+    env = None
+    if a.overlap_probe:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT / "bench" / "overlap_probe"), str(ROOT), os.environ.get("PYTHONPATH")]))}
+    doc = subprocess.run(cli("doctor", *common, "--json"), capture_output=True, text=True, env=env)
     if not doc.stdout.strip():
         raise SystemExit(f"wan-s2v doctor said nothing (exit {doc.returncode}): {doc.stderr[-2000:]}")
     out["predicted"] = predicted(json.loads(doc.stdout), a.mode)
     runs = a.out / "runs"
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     run = subprocess.run(cli("run", *common, "--prompt", "a person talking to the camera", "--steps", str(a.steps),
                              "--output", str(a.out / "out.mp4"), "--runs-root", str(runs),
                              "--frames-out", str(a.out / "frames.pt"),
                              *(["--skip-preflight"] if a.skip_preflight else [])),
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     out["run_wall_s"] = round(time.perf_counter() - t0, 1)
     out["run_exit"] = run.returncode
     (a.out / "run.log").write_text(run.stdout + "\n" + run.stderr)  # the run's own lines, kept for a failure
@@ -183,6 +204,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"no run.json under {runs} (exit {run.returncode})")
     out["run_json"] = str(newest)
     out["measured"] = measured(json.loads(newest.read_text()))
+    step = first_step_t(newest.parent)
+    out["measured"]["to_step_s"] = round(step - started, 1) if step else None
     out["comparison"] = compare(out["predicted"], out["measured"])
     print(render(out))
     if a.json:

@@ -183,7 +183,7 @@ def test_vae_split_is_on_with_several_ranks_unless_switched_off_or_too_few_rows(
 
 def test_the_plan_says_where_the_dit_loads_while_the_encoders_run():
     """A replicated DiT read leanly on CPU ranks loads while the encoders run; an FSDP-sharded one,
-    one read with --load full, and (not yet measured) one on a GPU load first. The doctor's
+    one read with --load full, and one on a GPU (measured there: docs/gpu.md) load first. The doctor's
     memory plan line says which, from the same rule the ranks follow."""
     from wan_s2v_runner.shared.layout import LoadStrategy, dit_load_overlap
 

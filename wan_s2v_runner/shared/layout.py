@@ -259,6 +259,7 @@ def dit_load_overlap(layout: Layout, device: str, load: LoadStrategy) -> tuple[b
         return False, ("before the encoders: an FSDP-sharded DiT is wrapped and checked on the layout's "
                        "process groups, which the encoders' broadcasts use too")
     if device != "cpu":
-        return False, "before the encoders: the overlap is not yet measured on a GPU (docs/gpu.md, Next)"
+        return False, ("before the encoders: on a GPU the encoders take ~5 s, so the overlap saved 3.2 of 47.7 s "
+                       "to the first step and reserved 0.9 GiB more (docs/gpu.md)")
     return True, ("while the encoders run (a thread of its own, its collectives on a process group of "
                   "its own; no more memory: the DiT was held while encoding before too)")
