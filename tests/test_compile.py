@@ -111,11 +111,17 @@ def test_each_block_is_one_graph_compiled_once_within_the_bound_of_eager(wan_sdp
         again = model(x, t=t, **cond)
         assert counters["stats"]["unique_graphs"] == 1  # the next step compiles nothing
         assert len(seen) == 1 and seen[0]["seconds"] > 0 and len(compiled.seen) == 1, seen
+        # AOTAutograd keeps the block (its autocast regions marked cacheable): answered, not bypassed
+        answered = seen[0]["cache"]
+        assert answered.keys() & {"autograd_cache_hit", "autograd_cache_miss"}, answered
+        assert "autograd_cache_bypass" not in answered, answered
         diff = max((a - b).abs().max().item() for a, b in zip(eager, first))
         assert 0 < diff <= FORWARD_BOUND or diff == 0, diff
         assert all(torch.equal(a, b) for a, b in zip(first, again))
         assert context_cache.stats(model)["kv_hits"] > 0  # the memo served the compiled blocks' keys
         assert compile_blocks.restore(wan_sdpa)
+        marked = torch._inductor.config.unsafe_marked_cacheable_functions
+        assert not set(compile_blocks.AUTOCAST_NODES) & set(marked), marked  # unmarked again
         back = model(x, t=t, **cond)
     assert all(torch.equal(a, b) for a, b in zip(eager, back)), "eager changed by applying the patch"
 
@@ -176,6 +182,12 @@ def test_compiled_layouts_agree_and_a_batch_compiles_each_size_once(tiny_assets,
         assert r.returncode == 0, r.output
         diffs[name] = (_frames(tmp_path, name) - one_frames).abs().max().item()
         assert diffs[name] <= LAYOUT_BOUND, (name, diffs[name])
+        if name == "cfg":  # whole sequences, as the one-process run compiled them: both caches answer from it
+            for rank in (0, 1):
+                events = (next((tmp_path / "runs-cfg").glob("*/events")) / f"rank{rank}.jsonl").read_text()
+                answers = [json.loads(line)["cache"] for line in events.splitlines() if '"kind": "compile"' in line]
+                assert answers and all(a.get("autograd_cache_hit") and not a.get("autograd_cache_miss")
+                                       for a in answers), (rank, answers)
     print(f"compiled vs eager frames: {eager_diff:.3g}; compiled, 2 ranks vs 1: "
           + ", ".join(f"{k} {v:.3g}" for k, v in diffs.items()))
 
