@@ -37,7 +37,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	@# $$PYTHONDONTWRITEBYTECODE is set, every process would compile it again): 8 s, against 22 s
 	@# for all of the venv's (compileall on 2 cores); the rest is written when first imported
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c "from wan_s2v_runner.rank.warm_agent import preload; \
-		preload(None); import wan_s2v_runner.launcher.cli, wan_s2v_runner.launcher.serve.start"
+		preload(None); import wan_s2v_runner.cli.main, wan_s2v_runner.serve.start"
 	touch $(STAMP)
 
 install: $(STAMP)

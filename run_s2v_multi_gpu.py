@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from wan_s2v_runner.launcher.cli import main  # noqa: E402
+from wan_s2v_runner.cli.main import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["run", *sys.argv[1:]]))

@@ -40,7 +40,7 @@ prep)
     python3 -c "import sys,torch,transformers,diffusers,triton;print(sys.version);print('torch',torch.__version__,'cuda',torch.version.cuda,'cudnn',torch.backends.cudnn.version(),'transformers',transformers.__version__,'diffusers',diffusers.__version__,'triton',triton.__version__)"
     /tmp/ffmpeg -version | head -1; df -h /tmp | tail -1; nproc; free -g | sed -n 2p; } > "$OUT/env.txt" 2>&1
   cat "$OUT/env.txt"
-  python3 -c "import sys; sys.path.insert(0,'.'); from wan_s2v_runner.loading.engine import import_wan; import_wan(); import fastapi, uvicorn, imageio_ffmpeg; from wan_s2v_runner.launcher.serve import app; print('engine and server import; ffmpeg', imageio_ffmpeg.get_ffmpeg_exe())" || exit 4
+  python3 -c "import sys; sys.path.insert(0,'.'); from wan_s2v_runner.loading.engine import import_wan; import_wan(); import fastapi, uvicorn, imageio_ffmpeg; from wan_s2v_runner.serve import app; print('engine and server import; ffmpeg', imageio_ffmpeg.get_ffmpeg_exe())" || exit 4
   setsid nohup bash -c "python3 -m wan_s2v_runner.demo.real_checkpoint $CKPT --device cuda > $K/checkpoint.txt 2>&1; echo rc=\$? >> $K/checkpoint.txt" > /dev/null 2>&1 < /dev/null &
   echo "prep done in $(( $(date +%s) - T0 )) s; the checkpoint is being written in the background"; exit 0 ;;
 carry)

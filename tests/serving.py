@@ -70,7 +70,7 @@ class ServerProcess:
     def videos(self) -> list[dict]:
         """Every video on the server, oldest first: GET /v1/videos page by page (its cursor), as
         ``wan-s2v jobs`` lists them."""
-        from wan_s2v_runner.launcher.client import list_all
+        from wan_s2v_runner.serve.client import list_all
 
         return list_all(self.http)
 
@@ -97,7 +97,7 @@ class ServerProcess:
     def stop(self) -> list[int]:
         """SIGTERM, as a service manager stops it; returns the pids of its rank group still
         running after it exited (none: it stops its group before it exits)."""
-        from wan_s2v_runner.launcher.serve.leftovers import group_processes
+        from wan_s2v_runner.serve.leftovers import group_processes
 
         group = self.group_dir()
         if self.proc.poll() is None:

@@ -2,7 +2,7 @@
 The end-to-end binding (a 2-rank run's ``run.json`` ``ranks.N.cpus``) is asserted in test_parity."""
 from __future__ import annotations
 
-from wan_s2v_runner.launcher import cli
+from wan_s2v_runner.cli import main as cli
 from wan_s2v_runner.rank.cpu_binding import cpu_binding
 
 

@@ -261,7 +261,7 @@ def test_dit_file_needs_lean_loading():
 def test_a_server_with_another_dit_file_is_another_identity(tiny, tmp_path):
     """The fleet's identity and the resume digest cover the DiT file: other weights there are
     other weights."""
-    from wan_s2v_runner.launcher.serve.fleet import identity_of
+    from wan_s2v_runner.serve.fleet import identity_of
     from wan_s2v_runner.shared.spec import GroupSpec
     t = dir_tensors(tiny["ckpt"])
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"

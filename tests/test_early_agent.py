@@ -34,7 +34,7 @@ def _agents(under: Path) -> list[int]:
 def test_where_the_checks_measure_gpus_the_agent_imports_during_them(tiny_assets, reference_frames, tmp_path,
                                                                      monkeypatch, spawned_agent):
     from wan_s2v_runner import preflight
-    from wan_s2v_runner.launcher import cli
+    from wan_s2v_runner.cli import main as cli
     from wan_s2v_runner.preflight import probe
 
     monkeypatch.setattr(probe, "probes_quickly", lambda: False)

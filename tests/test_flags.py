@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from wan_s2v_runner.launcher import cli, flags
+from wan_s2v_runner.cli import main as cli
+from wan_s2v_runner.launcher import flags
 from wan_s2v_runner.shared import config as spec_mod
 from wan_s2v_runner.shared.config import env_values, load_toml
 from wan_s2v_runner.shared.spec import RunSpec, flag_name, flag_of

@@ -337,7 +337,7 @@ def test_a_read_only_shared_directory_is_refused_and_one_that_goes_read_only_sto
 
 
 def test_the_identity_names_what_differs():
-    from wan_s2v_runner.launcher.serve.fleet import differences, digest_of
+    from wan_s2v_runner.serve.fleet import differences, digest_of
 
     a = {"weights": {"dit": "1", "t5": "2"}, "engine": "e", "settings": {"device": "cpu", "loras": []}}
     b = {"weights": {"dit": "9", "t5": "2"}, "engine": "e", "settings": {"device": "cpu", "loras": [["x", 1.0]]}}

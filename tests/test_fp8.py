@@ -432,7 +432,7 @@ def test_non_finite_weights_are_refused_and_file_scales_need_no_read(ckpt, tmp_p
 def test_a_pool_recorded_before_fp8_keeps_its_identity():
     """The fleet's frame-deciding settings name fp8 and compile only when set: the identity of a
     default group is what it was before these settings existed."""
-    from wan_s2v_runner.launcher.serve.fleet import frame_settings
+    from wan_s2v_runner.serve.fleet import frame_settings
     from wan_s2v_runner.shared.spec import GroupSpec
     plain = frame_settings(GroupSpec(ckpt_dir="/x", device="cpu"))
     assert "dit_quant" not in plain and "compile" not in plain

@@ -91,7 +91,7 @@ def area_of(mod: str) -> str:
 
 def allowed_imports() -> dict[str, set[str]]:
     """{folder: the folders it may import}, from each folder's ``May import:`` docstring line."""
-    out = {"wan_s2v_runner": {"launcher"}}  # ``python -m wan_s2v_runner`` is the command line
+    out = {"wan_s2v_runner": {"cli"}}  # ``python -m wan_s2v_runner`` is the command line
     folders = [ROOT / "runners", ROOT / "patches"] + sorted(
         d for d in (ROOT / "wan_s2v_runner").iterdir() if (d / "__init__.py").is_file())
     for d in folders:
@@ -116,7 +116,7 @@ def violations(graph: dict[str, set[str]], allowed: dict[str, set[str]]) -> list
 
 def test_graph_is_read_from_the_sources():
     g = import_graph()
-    assert "wan_s2v_runner.shared.spec" in g["wan_s2v_runner.launcher.cli"]  # sanity: edges are found
+    assert "wan_s2v_runner.shared.spec" in g["wan_s2v_runner.cli.main"]  # sanity: edges are found
     assert "wan_s2v_runner.preflight.checks_parallel" in g["wan_s2v_runner.preflight.registry"]
     assert "wan_s2v_runner.loading.engine" in g["wan_s2v_runner.rank.worker"]  # "from pkg import mod"
 
@@ -141,11 +141,26 @@ def test_folders_import_only_what_their_docstring_allows():
     allowed = allowed_imports()
     assert allowed["shared"] == set()
     assert "launcher" not in allowed["rank"] and "rank" not in allowed["launcher"]
+    assert "serve" not in allowed["launcher"]  # the server drives the launcher, never the other way
+    assert "rank" not in allowed["serve"]  # ... and reaches its ranks only through the launcher
     assert "rank" not in allowed["runners"]  # a mode's runner is given the rank's plan: no arrow back up
-    assert set(allowed) >= {"launcher", "rank", "loading", "vae_split", "shared", "demo", "preflight",
-                            "runners", "patches"}
+    assert set(allowed) >= {"cli", "launcher", "serve", "rank", "loading", "vae_split", "shared", "demo",
+                            "preflight", "runners", "patches"}
     bad = violations(import_graph(), allowed)
     assert not bad, "\n".join(bad)
+
+
+def test_the_server_reaches_its_rank_groups_only_through_the_group_door():
+    """Inside ``serve/``, only the door to a rank group (``serve/group.py``: ``GroupClient`` and its
+    one implementation) runs the launcher's launches or writes a group's inbox; the keeper and
+    everything else go through it."""
+    g = import_graph()
+    launches = sorted(m for m, deps in g.items() if area_of(m) == "serve" and "wan_s2v_runner.launcher.launch" in deps)
+    assert launches == ["wan_s2v_runner.serve.group"], launches
+    writes = re.compile(r"\binbox\.(post_job|cancel|write_lease|drop_lease|stop)\(")
+    writers = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "wan_s2v_runner" / "serve").rglob("*.py")
+                     if writes.search(f.read_text(encoding="utf-8")))
+    assert writers == ["wan_s2v_runner/serve/group.py"], writers
 
 
 def test_the_rule_catches_a_rank_module_importing_the_console():
@@ -167,7 +182,7 @@ def test_the_launcher_starts_without_torch():
     (nor the engine, nor the rank side): start-up stays fast, and preflight refuses before any
     heavy import."""
     code = ("import sys, contextlib, io\n"
-            "from wan_s2v_runner.launcher import cli\n"
+            "from wan_s2v_runner.cli import main as cli\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    try:\n        cli.main(['run', '--help'])\n"
             "    except SystemExit:\n        pass\n"

@@ -1,5 +1,5 @@
 """The keeper's bookkeeping on a real SQLite store, its rank group played by the test (rank 0's
-events handed to it as the supervisor hands them; the inbox a real folder): an end the store
+events handed to it as its group's news hands them; the group's door a real inbox folder): an end the store
 could not take is owed and recorded once it answers, with the record rank 0 wrote at the time
 (even when that file has gone meanwhile); an end whose files cannot be published fails the job
 with the cause and leaves the keeper taking the next; one event's trouble costs no other; a job
@@ -13,16 +13,17 @@ import time
 
 import pytest
 
-from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
+from wan_s2v_runner.serve.store.protocol import JobStatus
 from wan_s2v_runner.shared import inbox, media
 
 
 @pytest.fixture
 def kept(tmp_path, tiny_assets):
     """A keeper over a SQLite store, its group started (an inbox) and idle."""
-    from wan_s2v_runner.launcher.serve.dirs import ServerDirs
-    from wan_s2v_runner.launcher.serve.keeper import Keeper
-    from wan_s2v_runner.launcher.serve.store.sqlite import SqliteJobStore
+    from wan_s2v_runner.serve.dirs import ServerDirs
+    from wan_s2v_runner.serve.group import InboxDoor
+    from wan_s2v_runner.serve.keeper import Keeper
+    from wan_s2v_runner.serve.store.sqlite import SqliteJobStore
     from wan_s2v_runner.shared.spec import GroupSpec
 
     dirs = ServerDirs(tmp_path / "server")
@@ -30,6 +31,7 @@ def kept(tmp_path, tiny_assets):
     keeper = Keeper(GroupSpec(ckpt_dir=tiny_assets.ckpt_dir, device="cpu"), store, dirs)
     run_dir = tmp_path / "run"
     inbox.inbox_of(run_dir).mkdir(parents=True)
+    keeper.group = InboxDoor(run_dir)  # the test plays the ranks: the group's door is its inbox
     keeper.group_started(run_dir)
     keeper.spec = {"image": str(tiny_assets.image), "audio": str(tiny_assets.audio), "prompt": "kept", "seed": 3,
                    "output": str(dirs.videos / "x.mp4")}
@@ -119,7 +121,7 @@ def test_one_events_trouble_costs_no_other(kept, tiny_assets, monkeypatch):
 
 
 def test_a_job_taken_too_often_is_failed_not_run(kept):
-    from wan_s2v_runner.launcher.serve.store import rules
+    from wan_s2v_runner.serve.store import rules
 
     kept.queue.add("v1", kept.spec, 10)
     with kept.queue._tx() as db:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import TINY_FLAGS, asset_flags, run_cli
 
-from wan_s2v_runner.launcher import cli
+from wan_s2v_runner.cli import main as cli
 from wan_s2v_runner.loading.ckpt_tables import dit_shapes
 from wan_s2v_runner.loading.lora import LoraFormat, LoraSource, merge, plan
 from wan_s2v_runner.shared import exit_codes

@@ -10,7 +10,7 @@ import pytest
 
 from wan_s2v_runner.launcher.console import Display
 from wan_s2v_runner.launcher.observer import ObserverError, Observers, RunObserver
-from wan_s2v_runner.launcher.serve.keeper import KeeperObserver
+from wan_s2v_runner.serve.group import GroupFeed
 from wan_s2v_runner.shared.config import env_values
 
 STRICT_ENV = "WAN_S2V_STRICT_OBSERVERS"
@@ -47,9 +47,9 @@ class Seen:
         self.calls.append("finished")
 
 
-def test_the_console_and_the_keeper_are_observers():
+def test_the_console_and_a_served_groups_feed_are_observers():
     assert isinstance(Display(rich=False), RunObserver)
-    assert isinstance(KeeperObserver(keeper=None), RunObserver)
+    assert isinstance(GroupFeed(group=None), RunObserver)
     assert isinstance(Seen(), RunObserver)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from wan_s2v_runner.launcher import cli
+from wan_s2v_runner.cli import main as cli
 from wan_s2v_runner.preflight import CheckContext, Status, run_checks
 from wan_s2v_runner.preflight.core import find
 from wan_s2v_runner.preflight.probe import probe_machine

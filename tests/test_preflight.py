@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from wan_s2v_runner.launcher import cli
+from wan_s2v_runner.cli import main as cli
 from wan_s2v_runner.preflight import CheckContext, MachineFacts, Status, gate, recommend_mode, run_checks
 from wan_s2v_runner.preflight.core import find
 from wan_s2v_runner.preflight.geometry import generation_size, token_counts

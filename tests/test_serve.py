@@ -26,7 +26,7 @@ import pytest
 from conftest import cli_env, wait_for
 from serving import AUTH, TINY_DEFAULTS, TOKEN, ServerProcess, expected_mp4
 
-from wan_s2v_runner.launcher.serve.leftovers import group_processes
+from wan_s2v_runner.serve.leftovers import group_processes
 from wan_s2v_runner.shared import media
 from wan_s2v_runner.shared.spec import GroupSpec, read_spec
 
@@ -253,7 +253,7 @@ def test_kill_9_then_restart_resumes_exactly_once(server, inputs, engine_cpu, tm
 
 
 def test_binding_beyond_loopback_needs_auth():
-    from wan_s2v_runner.launcher.serve.settings import check_bind
+    from wan_s2v_runner.serve.settings import check_bind
 
     assert check_bind("127.0.0.1", None, False) is None and check_bind("::1", None, False) is None
     assert "--token" in check_bind("0.0.0.0", None, False)
@@ -390,7 +390,7 @@ def test_submit_and_jobs_clients(server, inputs, tmp_path):
 
 def test_the_api_documents_its_typed_responses():
     """/openapi.json (and /docs) show the video object, the list, the error and the server's state."""
-    from wan_s2v_runner.launcher.serve.app import create_app
+    from wan_s2v_runner.serve.app import create_app
 
     doc = create_app(server=None).openapi()
     schemas = doc["components"]["schemas"]

@@ -1,4 +1,4 @@
-"""The live feed (:mod:`wan_s2v_runner.launcher.serve.feed`) over real HTTP: a status page's
+"""The live feed (:mod:`wan_s2v_runner.serve.feed`) over real HTTP: a status page's
 stream sends a snapshot of the newest jobs and then only what changed; every stream shares one
 read of the queue per tick; a job follower ends when its job is deleted. The diff itself is
 checked on :class:`Feed` directly (no server: its read is the test's)."""
@@ -14,7 +14,7 @@ import pytest
 from conftest import STUB_RANKS, wait_for
 from serving import TINY_DEFAULTS, ServerProcess
 
-from wan_s2v_runner.launcher.serve.feed import WINDOW, Changes, Feed, Read
+from wan_s2v_runner.serve.feed import WINDOW, Changes, Feed, Read
 
 #: jobs in the queue before the tests: more than a page's window
 FILLED = WINDOW + 50
@@ -138,7 +138,7 @@ def test_a_burst_of_streams_past_the_limit_is_refused_before_any_starts(busy_ser
     snapshot), the other 6 get 429 with the JSON error body, before any byte of a stream."""
     import asyncio
 
-    from wan_s2v_runner.launcher.serve.feed import MAX_FOLLOWERS
+    from wan_s2v_runner.serve.feed import MAX_FOLLOWERS
 
     def followers() -> int:
         return busy_server.http.get("/v1/server").json()["followers"]
@@ -202,7 +202,7 @@ def _server(**more) -> dict:
 def test_the_feed_sends_each_follower_only_its_changes():
     import asyncio
 
-    from wan_s2v_runner.launcher.serve.feed import Follower
+    from wan_s2v_runner.serve.feed import Follower
 
     feed = Feed(server=None, window=2)
     page, job, other = Follower(), Follower("a"), Follower("z")
@@ -236,7 +236,7 @@ def test_the_feed_sends_each_follower_only_its_changes():
 def test_a_follower_past_the_limit_is_refused():
     import asyncio
 
-    from wan_s2v_runner.launcher.serve.submissions import Refused
+    from wan_s2v_runner.serve.submissions import Refused
 
     feed = Feed(server=None, max_followers=1)
     feed._read = lambda watched: Read(server=_server(), window=[], videos={})

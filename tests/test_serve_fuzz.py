@@ -28,7 +28,7 @@ from conftest import wait_for
 from fault_worker import fault_env
 from serving import TINY_DEFAULTS, ServerProcess
 
-from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
+from wan_s2v_runner.serve.store.protocol import JobStatus
 from wan_s2v_runner.shared import atomic
 
 #: each pass's budget (Schemathesis' --max-time; a pass each, as a phase runs only once the one

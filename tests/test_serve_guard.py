@@ -146,7 +146,7 @@ def test_the_token_from_a_file(server, tmp_path):
 
 
 def test_the_guard_rules():
-    from wan_s2v_runner.launcher.serve.app import BrowserGuard
+    from wan_s2v_runner.serve.app import BrowserGuard
 
     guard = BrowserGuard(app=None, allow_hosts=("S2V.lan",))
     ok = [{"host": "127.0.0.1:8000"}, {"host": "[::1]:8000"}, {"host": "localhost"}, {"host": "10.1.2.3:80"},
@@ -285,10 +285,10 @@ def test_a_full_disk_fails_the_job_alone_and_a_nearly_full_one_refuses_jobs(serv
 
 def test_retention_keeps_the_newest_and_the_young(tmp_path):
     """--keep-videos and --keep-hours on a real queue file and real files: the jobs due go whole."""
-    from wan_s2v_runner.launcher.serve.dirs import ServerDirs
-    from wan_s2v_runner.launcher.serve.retention import Retention, sweep
-    from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
-    from wan_s2v_runner.launcher.serve.store.sqlite import SqliteJobStore
+    from wan_s2v_runner.serve.dirs import ServerDirs
+    from wan_s2v_runner.serve.retention import Retention, sweep
+    from wan_s2v_runner.serve.store.protocol import JobStatus
+    from wan_s2v_runner.serve.store.sqlite import SqliteJobStore
 
     dirs = ServerDirs(tmp_path)
     queue = SqliteJobStore(dirs.queue)

@@ -105,7 +105,7 @@ def test_a_group_that_fails_restarts_alone(replicated):
 
 # ----- the split itself (no server) -----
 def test_the_split_gives_each_group_its_share():
-    from wan_s2v_runner.launcher.serve.replicas import ReplicaError, cpu_text, split
+    from wan_s2v_runner.serve.replicas import ReplicaError, cpu_text, split
     from wan_s2v_runner.shared.spec import GroupSpec
 
     gpu = GroupSpec(ckpt_dir="/ckpt", nproc=8, cfg_parallel=True, master_port=29600)

@@ -2,7 +2,7 @@
 real PostgreSQL: a throwaway cluster of Debian's package (tests/pg_cluster.py; skipped, with the
 reason, only where it cannot run), a fresh database per test.
 
-- What only the shared store does (:class:`~wan_s2v_runner.launcher.serve.store.postgres.PgJobStore`;
+- What only the shared store does (:class:`~wan_s2v_runner.serve.store.postgres.PgJobStore`;
   the contract both stores keep is tests/test_store_contract.py): leases renewed and reaped, a
   claim whose answer was lost found again, the database's clock, the schema migrated from its
   first version.
@@ -25,7 +25,7 @@ from conftest import wait_for
 from fault_worker import fault_env
 from serving import HELD_JOB, rank0_events, shared_server
 
-from wan_s2v_runner.launcher.serve.store.protocol import Beat, Held, JobStatus
+from wan_s2v_runner.serve.store.protocol import Beat, Held, JobStatus
 from wan_s2v_runner.shared import media
 
 LEASE_S = 3
@@ -38,8 +38,8 @@ def test_the_shared_store_leases_clocks_and_schema(cluster):
     schema migrated from its first version, and a wan-s2v older than the schema refused."""
     import psycopg
 
-    from wan_s2v_runner.launcher.serve.store import postgres
-    from wan_s2v_runner.launcher.serve.store.postgres import PgJobStore
+    from wan_s2v_runner.serve.store import postgres
+    from wan_s2v_runner.serve.store.postgres import PgJobStore
 
     url = cluster.database()
     with psycopg.connect(url, autocommit=True) as db:  # a queue made by the first schema, with a job in it
@@ -113,7 +113,7 @@ def _job_done_events(server_dir) -> list[str]:
 
 @pytest.mark.slow(seconds=90)
 def test_two_servers_share_one_queue_and_a_lost_server_loses_nothing(cluster, tiny_assets, held_job_mp4, tmp_path):
-    from wan_s2v_runner.launcher.serve.leftovers import group_processes
+    from wan_s2v_runner.serve.leftovers import group_processes
 
     url = cluster.database()
     (tmp_path / "a dir").mkdir()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from wan_s2v_runner.launcher import cli, spawn
+from wan_s2v_runner.cli import main as cli
+from wan_s2v_runner.launcher import spawn
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.spec import GroupSpec, Mode, RunSpec
 

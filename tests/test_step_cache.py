@@ -95,7 +95,7 @@ def test_the_doctor_counts_the_passes_a_clip_costs():
 
 
 def test_the_cache_is_part_of_a_jobs_identity(tiny_assets):
-    from wan_s2v_runner.launcher.serve.submissions import request_hash
+    from wan_s2v_runner.serve.submissions import request_hash
     from wan_s2v_runner.shared import resume
     from wan_s2v_runner.shared.jobs import SUBMIT_FIELDS
     from wan_s2v_runner.shared.spec import RunSpec
@@ -119,7 +119,7 @@ def test_the_cache_is_part_of_a_jobs_identity(tiny_assets):
 def test_a_bad_setting_is_refused_wherever_it_comes_from(tiny_assets, tmp_path, capsys):
     """The flag, a batch line, the environment and the doctor's draft all check it (one line, the
     fix); a bad environment value is ignored as every other one is, and the doctor does not crash."""
-    from wan_s2v_runner.launcher import cli
+    from wan_s2v_runner.cli import main as cli
     from wan_s2v_runner.shared.config import draft, env_values
 
     assert env_values({"WAN_S2V_CACHE": "teacache"}) == {}

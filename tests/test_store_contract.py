@@ -19,8 +19,8 @@ from typing import Callable
 
 import pytest
 
-from wan_s2v_runner.launcher.serve.store import rules
-from wan_s2v_runner.launcher.serve.store.protocol import (
+from wan_s2v_runner.serve.store import rules
+from wan_s2v_runner.serve.store.protocol import (
     Beat,
     Held,
     IdempotencyConflict,
@@ -43,7 +43,7 @@ def store(kind, tmp_path, request) -> Callable:
     """``store(owner="a", pool="default", lease_s=30)``: a store of ``kind`` on this test's database."""
     made = []
     if kind == "sqlite":
-        from wan_s2v_runner.launcher.serve.store.sqlite import SqliteJobStore
+        from wan_s2v_runner.serve.store.sqlite import SqliteJobStore
 
         def make(owner="a", pool="default", lease_s=30):
             s = SqliteJobStore(tmp_path / "jobs.sqlite", pool=pool)
@@ -52,7 +52,7 @@ def store(kind, tmp_path, request) -> Callable:
     else:
         cluster = request.getfixturevalue("cluster")
         url = cluster.database()
-        from wan_s2v_runner.launcher.serve.store.postgres import PgJobStore
+        from wan_s2v_runner.serve.store.postgres import PgJobStore
 
         def make(owner="a", pool="default", lease_s=30):
             s = PgJobStore(url, owner, lease_s, pool)

@@ -4,8 +4,12 @@ The package is cut by who runs the code. Each folder's ``__init__`` says what li
 on its ``May import:`` line, which other folders its modules may import (lazy imports inside
 functions count too); ``tests/test_imports.py`` reads those lines and holds the tree to them.
 
-* ``launcher/`` -- the user's process: the command line, spawning the node agent, supervision, the
-  console, failure and hang verdicts, the run manifest.
+* ``cli/`` -- the command line: flags, TOML and environment into a spec, handed to the launcher or
+  the server.
+* ``launcher/`` -- the user's process: spawning the node agent, supervision, the console, failure
+  and hang verdicts, the run manifest, ``wan-s2v batch``.
+* ``serve/`` -- ``wan-s2v serve``: the HTTP API, the queue, the keepers of its rank groups (through
+  the launcher), the fleet, the status page; its terminal client.
 * ``preflight/`` -- the launcher's checks before anything is spawned, and ``wan-s2v doctor``.
 * ``demo/`` -- the tiny random-weight checkpoint and synthetic inputs of the demo and the tests.
 * ``rank/`` -- one rank under the node agent: the worker, the generation loop, the rank's parallel plan.

@@ -3,8 +3,9 @@
 A run's launcher tells each observer when the run starts (its group spec and run directory),
 each line the node agent prints, what the ranks reported after every poll of their events, and how the
 run ended (its outcome and ``run.json``). The console (:class:`~.console.Display`: what a person
-watches, or JSON for machines) is one observer; a server's keeper
-(:class:`~.serve.keeper.KeeperObserver`: its scheduler) is another. Neither knows of the other.
+watches, or JSON for machines) is one observer; a served group's feed
+(``wan_s2v_runner.serve.group.GroupFeed``: it queues what it is told for the server's keeper, which
+acts on it on its own clock) is another. Neither knows of the other.
 
 An observer's error never stops supervision (the ranks keep running and are still stopped,
 reported and cleaned up as they would be), and it is never swallowed: :class:`Observers` logs

@@ -6,7 +6,7 @@ layout. Hardware facts come from one injectable probe (:mod:`.facts` schema, :mo
 collection; recorded machines in ``tests/data/machines/``). ``run`` calls :func:`gate_report`;
 ``wan-s2v doctor`` gets a :class:`DoctorReport` from :func:`doctor` and prints it with
 :mod:`.render`; ``--mode auto`` uses :func:`recommend_mode`. Nothing here parses argv: the CLI
-(:mod:`wan_s2v_runner.launcher.cli`) does. Checks and exit codes are listed in ``docs/preflight.md``;
+(:mod:`wan_s2v_runner.cli.main`) does. Checks and exit codes are listed in ``docs/preflight.md``;
 the memory formula in ``docs/memory-plan.md``; the plan table (which layout is fastest for N
 GPUs) is :mod:`.plans`. Preflight runs in the launcher's process, before any rank exists.
 

@@ -262,8 +262,8 @@ class GroupSpec(BaseModel):
     runs_root: Annotated[AbsPath, Flag(_SU, metavar="DIR")] = Field(
         Path("runs"), validate_default=True, description="where run directories go")
     strict_observers: Annotated[bool, Flag(_SU, env="WAN_S2V_STRICT_OBSERVERS", cli=False)] = Field(
-        False, description="an observer's error (the console's, a server's keeper's) fails the run instead of being "
-                           "logged (the test suite sets it)")
+        False, description="an observer's error (the console's, a served group's feed's) or a server's keeper's "
+                           "fails the run instead of being logged (the test suite sets it)")
     rank_worker: Annotated[str, Flag(_SU, env="WAN_S2V_RANK_WORKER", metavar="MODULE", cli=False)] = Field(
         DEFAULT_WORKER, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
         description="module whose rank_main(spec_path) each rank runs (a custom rank body; the tests' "

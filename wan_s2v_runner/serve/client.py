@@ -36,8 +36,8 @@ import httpx
 
 from wan_s2v_runner.launcher.console import PROGRESS_EVERY_S, fmt_seconds
 from wan_s2v_runner.launcher.flags import flag_values
-from wan_s2v_runner.launcher.serve.bearer import TokenError, token_of
-from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
+from wan_s2v_runner.serve.bearer import TokenError, token_of
+from wan_s2v_runner.serve.store.protocol import JobStatus
 from wan_s2v_runner.shared import atomic, exit_codes
 from wan_s2v_runner.shared.jobs import INPUT_FIELDS
 

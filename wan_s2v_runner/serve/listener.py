@@ -15,11 +15,11 @@ import socket
 import sys
 import threading
 
-from wan_s2v_runner.launcher.serve.app import create_app
-from wan_s2v_runner.launcher.serve.dirs import remove_partial_videos
-from wan_s2v_runner.launcher.serve.keeper import stop_keepers
-from wan_s2v_runner.launcher.serve.leftovers import group_file, group_files, wait_for_leftovers
-from wan_s2v_runner.launcher.serve.state import Server
+from wan_s2v_runner.serve.app import create_app
+from wan_s2v_runner.serve.dirs import remove_partial_videos
+from wan_s2v_runner.serve.keeper import stop_keepers
+from wan_s2v_runner.serve.leftovers import group_file, group_files, wait_for_leftovers
+from wan_s2v_runner.serve.state import Server
 from wan_s2v_runner.shared import atomic, exit_codes
 
 #: the file a started server writes in its directory: its URL and pid (clients and tests read it)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from wan_s2v_runner.launcher.job_book import WORK_DIR
-from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
+from wan_s2v_runner.serve.store.protocol import JobStatus
 from wan_s2v_runner.shared import atomic, media
 
 #: an attempt's own folder under the job's work folder

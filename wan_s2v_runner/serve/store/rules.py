@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Optional
 
-from wan_s2v_runner.launcher.serve.store.protocol import JobStatus, NotStorable
+from wan_s2v_runner.serve.store.protocol import JobStatus, NotStorable
 
 #: a job that took its rank group down this many times is failed, not retried again
 MAX_FAILURES = 2

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, Field
 
-from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
+from wan_s2v_runner.serve.store.protocol import JobStatus
 
 
 class ErrorDetail(BaseModel):

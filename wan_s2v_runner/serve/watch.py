@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from wan_s2v_runner.launcher.serve.store.protocol import JobStore, QueueUnavailable
+from wan_s2v_runner.serve.store.protocol import JobStore, QueueUnavailable
 
 log = logging.getLogger("wan_s2v.serve")
 

@@ -41,12 +41,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from wan_s2v_runner.launcher.serve import page
-from wan_s2v_runner.launcher.serve.dirs import keep_so_far
-from wan_s2v_runner.launcher.serve.feed import Feed, FeedFailed, Ticket, settled
-from wan_s2v_runner.launcher.serve.metrics import CONTENT_TYPE
-from wan_s2v_runner.launcher.serve.progress import GroupState
-from wan_s2v_runner.launcher.serve.protocol import (
+from wan_s2v_runner.serve import page
+from wan_s2v_runner.serve.dirs import keep_so_far
+from wan_s2v_runner.serve.feed import Feed, FeedFailed, Ticket, settled
+from wan_s2v_runner.serve.metrics import CONTENT_TYPE
+from wan_s2v_runner.serve.progress import GroupState
+from wan_s2v_runner.serve.protocol import (
     ErrorDetail,
     ErrorResponse,
     Health,
@@ -55,11 +55,11 @@ from wan_s2v_runner.launcher.serve.protocol import (
     VideoList,
     VideoObject,
 )
-from wan_s2v_runner.launcher.serve.retention import space_refusal
-from wan_s2v_runner.launcher.serve.state import Server, health, job_fields, server_state, video_object, video_objects
-from wan_s2v_runner.launcher.serve.store.protocol import IdempotencyConflict, JobRow, JobStatus, QueueFull
-from wan_s2v_runner.launcher.serve.store.rules import PAGE_MAX
-from wan_s2v_runner.launcher.serve.submissions import (
+from wan_s2v_runner.serve.retention import space_refusal
+from wan_s2v_runner.serve.state import Server, health, job_fields, server_state, video_object, video_objects
+from wan_s2v_runner.serve.store.protocol import IdempotencyConflict, JobRow, JobStatus, QueueFull
+from wan_s2v_runner.serve.store.rules import PAGE_MAX
+from wan_s2v_runner.serve.submissions import (
     INPUT_NAMES,
     Refused,
     Upload,
@@ -388,7 +388,7 @@ async def create(request: Request, server: ServerDep) -> VideoObject:
 
 def _store_job(server: Server, job_id: str, spec: dict, key: Optional[str], digest: Optional[str]) -> VideoObject:
     """The checked job into the queue (its uploads are in ``uploads/ID/`` already)."""
-    from wan_s2v_runner.launcher.serve.store.protocol import NotStorable, QueueUnavailable
+    from wan_s2v_runner.serve.store.protocol import NotStorable, QueueUnavailable
 
     try:
         added = server.queue.add(job_id, spec, server.settings.max_queue, idempotency_key=key, request_hash=digest)

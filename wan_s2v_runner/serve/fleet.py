@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from wan_s2v_runner.launcher.serve.dirs import ServerDirs
-from wan_s2v_runner.launcher.serve.store import rules
-from wan_s2v_runner.launcher.serve.store.protocol import Joined
+from wan_s2v_runner.serve.dirs import ServerDirs
+from wan_s2v_runner.serve.store import rules
+from wan_s2v_runner.serve.store.protocol import Joined
 from wan_s2v_runner.shared import atomic
 from wan_s2v_runner.shared.quant import Fp8Matmul
 from wan_s2v_runner.shared.spec import GroupSpec

@@ -12,7 +12,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from wan_s2v_runner.launcher.serve.store.protocol import DEFAULT_POOL
+from wan_s2v_runner.serve.store.protocol import DEFAULT_POOL
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 #: a pool's name: short, plain (it is shown, logged and compared)
@@ -63,7 +63,7 @@ class ServerSettings(BaseModel):
         line) when they do not go together (see :meth:`refusal`)."""
         from pydantic import ValidationError
 
-        from wan_s2v_runner.launcher.serve.bearer import TokenError, token_of
+        from wan_s2v_runner.serve.bearer import TokenError, token_of
 
         try:
             token = token_of(args)

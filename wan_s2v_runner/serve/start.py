@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from wan_s2v_runner.launcher.serve.settings import ServerSettings
+from wan_s2v_runner.serve.settings import ServerSettings
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.jobs import OUTPUT_FIELDS
 from wan_s2v_runner.shared.spec import GroupSpec
@@ -57,7 +57,7 @@ def serve(settings: ServerSettings, group: GroupSpec, base: dict[str, Any], extr
     except ValueError as e:  # replicas.ReplicaError: the cause and the fix
         return _error(str(e), exit_codes.USAGE)
     if group.writes_output:  # node 0 owns the directory: one server on it at a time
-        from wan_s2v_runner.launcher.serve import lock
+        from wan_s2v_runner.serve import lock
 
         try:
             _hold(lock.hold(root))
@@ -86,11 +86,11 @@ def open_store(settings: ServerSettings, dirs):
     :mod:`.store.postgres`; this server's leases named by its host and directory), else SQLite in
     the server directory."""
     if not settings.queue:
-        from wan_s2v_runner.launcher.serve.store.sqlite import SqliteJobStore
+        from wan_s2v_runner.serve.store.sqlite import SqliteJobStore
 
         return SqliteJobStore(dirs.queue, pool=settings.pool)
-    from wan_s2v_runner.launcher.serve.fleet import who_am_i
-    from wan_s2v_runner.launcher.serve.store.postgres import PgJobStore
+    from wan_s2v_runner.serve.fleet import who_am_i
+    from wan_s2v_runner.serve.store.postgres import PgJobStore
 
     store = PgJobStore(settings.queue, owner=who_am_i(dirs), lease_s=float(settings.lease_s), pool=settings.pool)
     print(f"serve: the queue is {store.describe()} (shared; pool {settings.pool!r}; leases {settings.lease_s} s); "
@@ -112,8 +112,8 @@ def join_fleet(settings: ServerSettings, group: GroupSpec, store, dirs) -> Fleet
     """Join the pool (its identity recorded by its first server, else compared) and settle the
     shared directory (marked by the fleet's first server, else checked). Returns where the server
     stands, or (the refusal, its exit code)."""
-    from wan_s2v_runner.launcher.serve import fleet
-    from wan_s2v_runner.launcher.serve.store.protocol import JobStatus
+    from wan_s2v_runner.serve import fleet
+    from wan_s2v_runner.serve.store.protocol import JobStatus
 
     t0 = time.time()
     identity = fleet.identity_of(group)
@@ -141,7 +141,7 @@ def _replicas(group: GroupSpec, n: int):
     """The server's rank groups (:func:`.replicas.split` over the GPUs or CPUs this process may use)."""
     import os
 
-    from wan_s2v_runner.launcher.serve import replicas
+    from wan_s2v_runner.serve import replicas
 
     if n == 1:
         return replicas.split(group, 1)
@@ -154,31 +154,26 @@ def _replicas(group: GroupSpec, n: int):
 
 def _compute_only(group: GroupSpec, extra_env: Optional[dict]) -> int:
     """Another node: its ranks join every group node 0 starts, until interrupted."""
-    from wan_s2v_runner.launcher import launch
-    from wan_s2v_runner.launcher.console import Display
+    from wan_s2v_runner.serve.group import compute_for_node0
 
     print(f"serve: node {group.node_rank} of {group.nnodes}: computing for the server on node 0 "
           f"({group.master_addr}:{group.master_port}); Ctrl-C to stop", flush=True)
-    while True:
-        code = launch.run(group, observers=[Display.auto()], extra_env=extra_env, served=True)
-        if code == exit_codes.INTERRUPTED:
-            return code
-        time.sleep(1.0)
+    return compute_for_node0(group, extra_env)
 
 
 def _serve_node0(settings: ServerSettings, replicas: list, base: dict, extra_env: Optional[dict]) -> int:
     from wan_s2v_runner.launcher.job_book import job_defaults
-    from wan_s2v_runner.launcher.serve.dirs import ServerDirs
-    from wan_s2v_runner.launcher.serve.fleet import shared_dir_problem
-    from wan_s2v_runner.launcher.serve.keeper import Keeper
-    from wan_s2v_runner.launcher.serve.listener import run_server
-    from wan_s2v_runner.launcher.serve.metrics import ServerMetrics
-    from wan_s2v_runner.launcher.serve.retention import Retention
-    from wan_s2v_runner.launcher.serve.state import Server
-    from wan_s2v_runner.launcher.serve.store.protocol import QueueUnavailable
-    from wan_s2v_runner.launcher.serve.submissions import Policy
-    from wan_s2v_runner.launcher.serve.watch import Watch
     from wan_s2v_runner.preflight import machine_facts
+    from wan_s2v_runner.serve.dirs import ServerDirs
+    from wan_s2v_runner.serve.fleet import shared_dir_problem
+    from wan_s2v_runner.serve.keeper import Keeper
+    from wan_s2v_runner.serve.listener import run_server
+    from wan_s2v_runner.serve.metrics import ServerMetrics
+    from wan_s2v_runner.serve.retention import Retention
+    from wan_s2v_runner.serve.state import Server
+    from wan_s2v_runner.serve.store.protocol import QueueUnavailable
+    from wan_s2v_runner.serve.submissions import Policy
+    from wan_s2v_runner.serve.watch import Watch
 
     dirs = ServerDirs(settings.server_dir, shared=settings.shared_dir)
     if dirs.shared is None:

@@ -26,12 +26,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
-from wan_s2v_runner.launcher.serve.feed import Feed
-from wan_s2v_runner.launcher.serve.protocol import ErrorDetail, ErrorResponse
-from wan_s2v_runner.launcher.serve.routes import api, public
-from wan_s2v_runner.launcher.serve.state import Server
-from wan_s2v_runner.launcher.serve.store.protocol import QueueUnavailable, StoreRefused
-from wan_s2v_runner.launcher.serve.submissions import Refused, scrub
+from wan_s2v_runner.serve.feed import Feed
+from wan_s2v_runner.serve.protocol import ErrorDetail, ErrorResponse
+from wan_s2v_runner.serve.routes import api, public
+from wan_s2v_runner.serve.state import Server
+from wan_s2v_runner.serve.store.protocol import QueueUnavailable, StoreRefused
+from wan_s2v_runner.serve.submissions import Refused, scrub
 
 #: seconds a client is asked to wait before it tries again while the queue is unavailable
 RETRY_AFTER_S = 5

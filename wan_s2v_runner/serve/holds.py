@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from wan_s2v_runner.launcher.serve.store.protocol import Beat, Held, QueueUnavailable
+from wan_s2v_runner.serve.store.protocol import Beat, Held, QueueUnavailable
 from wan_s2v_runner.shared.atomic import NotCommitted
 
 log = logging.getLogger("wan_s2v.keeper")

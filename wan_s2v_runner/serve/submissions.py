@@ -131,7 +131,7 @@ def input_names(spec: dict[str, Any]) -> dict[str, str]:
 def storable(fields: dict[str, Any]) -> None:
     """A field no store can hold (a NUL character, which PostgreSQL refuses; a lone surrogate, not
     UTF-8): refused (422) whatever the store."""
-    from wan_s2v_runner.launcher.serve.store.rules import unstorable
+    from wan_s2v_runner.serve.store.rules import unstorable
 
     for name, value in fields.items():
         why = unstorable(str(name)) or (unstorable(value) if isinstance(value, str) else None)

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from wan_s2v_runner.launcher.serve.store import rules
-from wan_s2v_runner.launcher.serve.store.protocol import (
+from wan_s2v_runner.serve.store import rules
+from wan_s2v_runner.serve.store.protocol import (
     DEFAULT_POOL,
     Added,
     Beat,

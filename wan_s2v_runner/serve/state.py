@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from wan_s2v_runner.launcher.serve.dirs import ServerDirs
-from wan_s2v_runner.launcher.serve.keeper import Keeper
-from wan_s2v_runner.launcher.serve.metrics import ServerMetrics
-from wan_s2v_runner.launcher.serve.progress import GroupState
-from wan_s2v_runner.launcher.serve.protocol import (
+from wan_s2v_runner.serve.dirs import ServerDirs
+from wan_s2v_runner.serve.keeper import Keeper
+from wan_s2v_runner.serve.metrics import ServerMetrics
+from wan_s2v_runner.serve.progress import GroupState
+from wan_s2v_runner.serve.protocol import (
     Health,
     JobField,
     LayoutInfo,
@@ -27,11 +27,11 @@ from wan_s2v_runner.launcher.serve.protocol import (
     VideoError,
     VideoObject,
 )
-from wan_s2v_runner.launcher.serve.retention import Retention
-from wan_s2v_runner.launcher.serve.settings import ServerSettings
-from wan_s2v_runner.launcher.serve.store.protocol import JobRow, JobStatus, JobStore
-from wan_s2v_runner.launcher.serve.submissions import Policy, VideoJobFields, input_names, scrub
-from wan_s2v_runner.launcher.serve.watch import Watch
+from wan_s2v_runner.serve.retention import Retention
+from wan_s2v_runner.serve.settings import ServerSettings
+from wan_s2v_runner.serve.store.protocol import JobRow, JobStatus, JobStore
+from wan_s2v_runner.serve.submissions import Policy, VideoJobFields, input_names, scrub
+from wan_s2v_runner.serve.watch import Watch
 from wan_s2v_runner.shared.events import steps_done
 from wan_s2v_runner.shared.media import FIRST_CLIP_DROPS, FPS
 from wan_s2v_runner.shared.spec import JobSpec, flag_name

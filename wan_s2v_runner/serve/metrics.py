@@ -34,7 +34,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from wan_s2v_runner.launcher.serve.store.protocol import JobStatus, JobStore, QueueUnavailable
+from wan_s2v_runner.serve.store.protocol import JobStatus, JobStore, QueueUnavailable
 
 #: job seconds: a tiny CPU job takes seconds, a 40-step 720p job on one GPU an hour
 JOB_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))

@@ -29,10 +29,10 @@ from typing import Any, AsyncIterator, Optional
 
 from starlette.concurrency import run_in_threadpool
 
-from wan_s2v_runner.launcher.serve.state import Server, server_state, video_objects
-from wan_s2v_runner.launcher.serve.store.protocol import JobStatus, QueueUnavailable
-from wan_s2v_runner.launcher.serve.store.rules import PAGE_MAX
-from wan_s2v_runner.launcher.serve.submissions import Refused
+from wan_s2v_runner.serve.state import Server, server_state, video_objects
+from wan_s2v_runner.serve.store.protocol import JobStatus, QueueUnavailable
+from wan_s2v_runner.serve.store.rules import PAGE_MAX
+from wan_s2v_runner.serve.submissions import Refused
 
 log = logging.getLogger("wan_s2v.serve")
 

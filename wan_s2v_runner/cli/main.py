@@ -162,10 +162,10 @@ def cmd_batch(args, extra_env=None) -> int:
 
 
 def cmd_serve(args, extra_env=None) -> int:
-    """The resident rank group behind the HTTP API (:mod:`wan_s2v_runner.launcher.serve`); on a
+    """The resident rank group behind the HTTP API (:mod:`wan_s2v_runner.serve`); on a
     node other than 0: only its ranks, relaunched whenever node 0 relaunches the group."""
-    from wan_s2v_runner.launcher.serve import start
-    from wan_s2v_runner.launcher.serve.settings import ServerSettings, SettingsError
+    from wan_s2v_runner.serve import start
+    from wan_s2v_runner.serve.settings import ServerSettings, SettingsError
 
     try:
         settings = ServerSettings.from_args(args)
@@ -328,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if command is Command.WARM:
         return cmd_warm(args)
     if command in (Command.SUBMIT, Command.JOBS):
-        from wan_s2v_runner.launcher import client
+        from wan_s2v_runner.serve import client
         return client.cmd_submit(args) if command is Command.SUBMIT else client.cmd_jobs(args)
     return cmd_doctor(args)
 

@@ -1,11 +1,11 @@
 """The keeper: the server's thread that owns one resident rank group and holds its jobs.
 
-It launches the group from its :class:`~wan_s2v_runner.shared.spec.GroupSpec` alone with
-:func:`wan_s2v_runner.launcher.launch.run` (``served``: the run directory gets an inbox, the
-ranks load once and wait in stage ``idle``), supervised exactly like a run (failure attribution,
-hang watchdog, ``run.json``). The keeper is one of the run's observers
-(:class:`KeeperObserver`, :mod:`~wan_s2v_runner.launcher.observer`), beside the console: the
-supervisor tells it after every poll of the ranks' events; there, on the keeper's own thread, it:
+It starts the group from its :class:`~wan_s2v_runner.shared.spec.GroupSpec` alone and reaches it
+only through a :class:`~.group.GroupClient` (:class:`~.group.LaunchedGroup`: the launcher on a
+thread of its own, ``served``: the ranks load once and wait in stage ``idle``, supervised exactly
+like a run: failure attribution, hang watchdog, ``run.json``). On its own clock (every
+:data:`TICK_S`, whatever the supervisor is doing) it reads the group's news (the ranks' events)
+and:
 
 - claims the next job of its pool when the group is idle and the server may take jobs (the
   claim gives the job a new attempt: this keeper's fencing token), prepares it in the attempt's
@@ -39,16 +39,16 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from wan_s2v_runner.launcher.console import Display
 from wan_s2v_runner.launcher.job_book import job_defaults, resume_point
-from wan_s2v_runner.launcher.serve.dirs import ServerDirs, publisher, remove_partial_videos
-from wan_s2v_runner.launcher.serve.holds import Holding, Holds
-from wan_s2v_runner.launcher.serve.leftovers import group_file
-from wan_s2v_runner.launcher.serve.progress import GroupState, Progress
-from wan_s2v_runner.launcher.serve.retention import SWEEP_EVERY_S, Retention
-from wan_s2v_runner.launcher.serve.retention import sweep as retention_sweep
-from wan_s2v_runner.launcher.serve.store import rules
-from wan_s2v_runner.launcher.serve.store.protocol import JobRow, JobStatus, JobStore, QueueUnavailable
+from wan_s2v_runner.serve.dirs import ServerDirs, publisher, remove_partial_videos
+from wan_s2v_runner.serve.group import GroupClient, LaunchedGroup
+from wan_s2v_runner.serve.holds import Holding, Holds
+from wan_s2v_runner.serve.leftovers import group_file
+from wan_s2v_runner.serve.progress import GroupState, Progress
+from wan_s2v_runner.serve.retention import SWEEP_EVERY_S, Retention
+from wan_s2v_runner.serve.retention import sweep as retention_sweep
+from wan_s2v_runner.serve.store import rules
+from wan_s2v_runner.serve.store.protocol import JobRow, JobStatus, JobStore, QueueUnavailable
 from wan_s2v_runner.shared import atomic, inbox
 from wan_s2v_runner.shared.atomic import NotCommitted
 from wan_s2v_runner.shared.events import EventReader
@@ -67,45 +67,24 @@ BEAT_S = 2.0
 CLAIM_EVERY_S = 0.5
 #: the end events of a job, as rank 0 reports them
 ENDS = ("job_done", "job_cancelled", "job_failed", "job_lost")
-
-
-class KeeperObserver:
-    """The keeper's side of a run's observers (:class:`~wan_s2v_runner.launcher.observer.RunObserver`):
-    what the supervisor tells, handed to the keeper on the supervisor's thread."""
-
-    def __init__(self, keeper: "Keeper"):
-        self.keeper = keeper
-
-    def started(self, spec: GroupSpec, run_dir: Path) -> None:
-        self.keeper.group_started(Path(run_dir))
-
-    def log_line(self, line: str) -> None:
-        pass  # the console observer prints the group's log
-
-    def update(self, reader, new_events: list[dict], elapsed: float) -> None:
-        try:
-            self.keeper.note_ranks(reader.ranks)
-            self.keeper.on_events(new_events)  # first: a failing beat must not cost the ranks' events
-            self.keeper.beat()
-            self.keeper.sweep(every_s=SWEEP_EVERY_S)
-        except Exception as e:  # shown in /health; raised on: the observers log it (and a test fails)
-            self.keeper.last_error = f"keeper: {type(e).__name__}: {e}"
-            raise
-
-    def finished(self, spec: GroupSpec, run_dir: Path, outcome, manifest: dict) -> None:
-        self.keeper.outcome = outcome
+#: the keeper's clock: how long it waits for news from its group before it beats and sweeps anyway
+TICK_S = 0.2
 
 
 class Keeper(threading.Thread):
     """Runs rank groups for the queue until :meth:`shutdown`. ``may_claim`` says why the server
     takes no job now (None: it may; the shared directory failing its check, say);
-    ``stamp``: what each published record is stamped with (the pool and fleet identity)."""
+    ``stamp``: what each published record is stamped with (the pool and fleet identity);
+    ``new_group``: how a group is made (:class:`~.group.LaunchedGroup`, the launcher's)."""
 
     def __init__(self, group_spec: GroupSpec, queue: JobStore, dirs: ServerDirs, extra_env: Optional[dict] = None,
                  on_completed: Optional[Callable[[dict], None]] = None, retention: Optional[Retention] = None,
                  index: int = 0, holds: str = "all of the node",
-                 may_claim: Callable[[], Optional[str]] = lambda: None, stamp: Optional[dict] = None):
+                 may_claim: Callable[[], Optional[str]] = lambda: None, stamp: Optional[dict] = None,
+                 new_group: Callable[..., GroupClient] = LaunchedGroup):
         super().__init__(name=f"wan-s2v-keeper-{index}", daemon=True)
+        self.new_group = new_group
+        self.group: Optional[GroupClient] = None  # the group it keeps now
         self.group_spec, self.queue, self.dirs, self.extra_env = group_spec, queue, dirs, extra_env
         self.index, self.holds = index, holds  # which of the server's groups (--replicas), and on what
         self.on_completed = on_completed  # called with a completed job's record (the metrics)
@@ -135,7 +114,6 @@ class Keeper(threading.Thread):
         self._answered_at: Optional[float] = None  # the last beat it answered
         self.completed = 0  # jobs this keeper's groups completed (a group that did work is no crash loop)
         self._closing = threading.Event()  # shutdown asked
-        self._halt = threading.Event()  # stop the ranks now
         self._lock = threading.Lock()
 
     @property
@@ -163,13 +141,9 @@ class Keeper(threading.Thread):
             live = p.steps_per_s(time.time()) if p else None
             return live if live is not None else self.last_steps_per_s
 
-    def note_ranks(self, ranks: dict) -> None:
-        """Each rank's stage and latest memory figures (the status page, /metrics)."""
-        snapshot = [{"rank": r, "stage": str(getattr(st.stage, "value", st.stage)), "host": st.host,
-                     "rss_mb": st.mem.get("rss_mb"), "host_peak_rss_mb": st.mem.get("host_peak_rss_mb"),
-                     "gpu_peak_allocated_mb": st.mem.get("gpu_peak_allocated_mb"),
-                     "gpu_peak_reserved_mb": st.mem.get("gpu_peak_reserved_mb")}
-                    for r, st in sorted(ranks.items())]
+    def note_ranks(self, snapshot: list[dict]) -> None:
+        """Each rank's stage and latest memory figures (the status page, /metrics;
+        :func:`~.group.ranks_snapshot`)."""
         with self._lock:
             self.ranks = snapshot
 
@@ -182,9 +156,9 @@ class Keeper(threading.Thread):
     def _tell_lease(self, holding: Holding, lost: bool = False) -> None:
         """Tell the ranks how long this keeper is sure it holds the running job (a shared queue
         only: one server's jobs have no lease, and no lease file)."""
-        if self.held.lease_s is not None and self.run_dir is not None:
+        if self.held.lease_s is not None and self.run_dir is not None and self.group is not None:
             until = self.held.sure_until.get(holding.job_id, 0.0)
-            inbox.write_lease(self.run_dir, holding.job_id, inbox.Lease(holding.attempt, until, lost))
+            self.group.renew(holding.job_id, inbox.Lease(holding.attempt, until, lost))
 
     def beat(self) -> None:
         """Every :attr:`beat_every_s`: renew the leases of what this keeper holds (the running
@@ -243,17 +217,15 @@ class Keeper(threading.Thread):
 
     def _send_cancel(self, job_id: str) -> None:
         if job_id == self.current and self.run_dir is not None and job_id not in self._cancel_sent:
-            inbox.cancel(self.run_dir, job_id)
+            self.group.cancel(job_id)
             self._cancel_sent.add(job_id)
 
     # ----- the thread -----
     def run(self) -> None:
-        from wan_s2v_runner.launcher import launch
-
         self._backoff = RESTART_BACKOFF_S[0]  # what a killed server's groups left: run_server stopped it
         while not self._closing.is_set():
             try:
-                self._one_group(launch)
+                self._one_group()
             except Exception as e:  # never a silent death: /health says it, the log has it, and the keeper goes on
                 log.exception("the keeper failed; it starts the rank group again")
                 self.last_error = f"keeper: {type(e).__name__}: {e}"
@@ -262,21 +234,35 @@ class Keeper(threading.Thread):
                 self._backoff = min(self._backoff * 2, RESTART_BACKOFF_S[1])
         self.state = GroupState.STOPPED
 
-    def _one_group(self, launch) -> None:
+    def _one_group(self) -> None:
         """One rank group's life, then what became of its job, then the back-off before the next."""
         self.state, self.outcome = GroupState.LOADING, None
         self.groups += 1
         served_before = self.completed
-        try:
-            launch.run(self.group_spec, observers=[Display(rich=False, show_logs=False), KeeperObserver(self)],
-                       extra_env=self.extra_env, served=True, halt=self._halt)
-        except Exception as e:  # the launcher itself failed: say so, and try again
-            self.last_error = f"{type(e).__name__}: {e}"
+        group = self.new_group(self.group_spec, self.extra_env, name=f"wan-s2v-group-{self.index}")
+        with self._lock:
+            self.group = group
+        group.start()
+        if self._closing.is_set():  # a shutdown asked before there was a group to tell
+            group.halt()
+        while True:
+            news = group.events(timeout=TICK_S)
+            if news.started is not None:
+                self.group_started(news.started)
+            if news.ranks is not None:
+                self.note_ranks(news.ranks)
+            if news.outcome is not None:
+                self.outcome = news.outcome
+            if news.error:  # the launcher itself failed: say so, and try again
+                self.last_error = news.error
+            self._tick(news.events, ended=news.ended)
+            if news.ended:
+                break
         self._late_end()
         with self._lock:
             failed, self.held.running = self.held.running, None
             self.progress.clear()
-            self.run_dir = None
+            self.run_dir, self.group = None, None
             self.ranks = []
         reason = (self.outcome.reason if self.outcome is not None and self.outcome.reason
                   else self.last_error or "the rank group ended")
@@ -291,6 +277,22 @@ class Keeper(threading.Thread):
             self._backoff = RESTART_BACKOFF_S[0]  # it did work: not a crash loop
         self._closing.wait(self._backoff)
         self._backoff = min(self._backoff * 2, RESTART_BACKOFF_S[1])
+
+    def _tick(self, events: list[dict], ended: bool) -> None:
+        """The keeper's clock: the ranks' new events first (a failing beat must not cost them), then
+        the lease beat and retention's sweep. An error is shown in /health and logged; under the
+        test suite's strict observers (``strict_observers``) it also stops the group, as an
+        observer's error stops a strict run."""
+        try:
+            self.on_events(events, may_post=not ended)
+            if not ended:
+                self.beat()
+                self.sweep(every_s=SWEEP_EVERY_S)
+        except Exception as e:
+            log.exception("the keeper could not follow its rank group")
+            self.last_error = f"keeper: {type(e).__name__}: {e}"
+            if self.group_spec.strict_observers and self.group is not None:
+                self.group.halt()
 
     def _late_end(self) -> None:
         """Rank 0's end of the running job that the group's supervision did not pass on: rank 0
@@ -361,20 +363,25 @@ class Keeper(threading.Thread):
         """Ask the group to stop (an idle one is told; a busy one is interrupted)."""
         self._closing.set()
         with self._lock:
-            run_dir, busy = self.run_dir, self.held.running is not None
+            group, run_dir, busy = self.group, self.run_dir, self.held.running is not None
+        if group is None:
+            return  # the loop halts the group it starts next
         if run_dir is not None and not busy:
-            inbox.stop(run_dir)
+            group.stop()
         else:
-            self._halt.set()
+            group.halt()
 
     def finish_shutdown(self, grace_s: float = 10.0) -> None:
         """Wait up to ``grace_s`` for the group to stop, then stop its ranks now."""
         self.join(grace_s)
         if self.is_alive():
-            self._halt.set()
+            with self._lock:
+                group = self.group
+            if group is not None:
+                group.halt()
             self.join(grace_s)
 
-    # ----- told by KeeperObserver, on this thread -----
+    # ----- the group's news, on this thread -----
     def group_started(self, run_dir: Path) -> None:
         with self._lock:
             self.run_dir = run_dir
@@ -382,7 +389,7 @@ class Keeper(threading.Thread):
         # for the next server, if this one is killed: what to look for among the processes
         atomic.write_text(group_file(self.dirs.root, self.index), json.dumps({"run_dir": str(run_dir)}))
 
-    def on_events(self, new_events: list[dict]) -> None:
+    def on_events(self, new_events: list[dict], may_post: bool = True) -> None:
         for ev in new_events:
             if ev.get("rank") == 0:
                 try:
@@ -390,7 +397,7 @@ class Keeper(threading.Thread):
                 except Exception as e:  # one event's trouble never costs the others (nor the next job)
                     log.exception("the keeper could not act on rank 0's %s event", ev.get("kind"))
                     self.last_error = f"keeper: {type(e).__name__}: {e}"
-        if self.state is GroupState.IDLE and self.held.running is None and not self._closing.is_set():
+        if may_post and self.state is GroupState.IDLE and self.held.running is None and not self._closing.is_set():
             self._post_next()
 
     def _on_rank0(self, ev: dict, kind: Optional[str]) -> None:
@@ -421,8 +428,8 @@ class Keeper(threading.Thread):
 
     def _ended(self, holding: Holding, kind: str, ev: dict, done: Optional[Progress]) -> None:
         """Rank 0 ended the job ``kind``: record it (what this holder may record)."""
-        if self.run_dir is not None:
-            inbox.drop_lease(self.run_dir, holding.job_id)
+        if self.run_dir is not None and self.group is not None:
+            self.group.release(holding.job_id)
         if holding.job_id in self.held.lost or kind == "job_lost":  # another holder has it: its end and files
             self.held.lost.discard(holding.job_id)
             self.held.released(holding)
@@ -574,7 +581,7 @@ class Keeper(threading.Thread):
                 self._seq += 1
                 self.held.running = holding  # the lease file names it: the ranks read it before they start
                 self._tell_lease(holding)
-                inbox.post_job(self.run_dir, self._seq, job.model_dump_json())
+                self.group.submit(self._seq, job.model_dump_json())
                 self.progress[row.id] = Progress(started=time.time())
         except Exception as e:  # not posted: back to the queue
             with self._lock:

@@ -38,8 +38,8 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
-from wan_s2v_runner.launcher.serve.store import rules
-from wan_s2v_runner.launcher.serve.store.protocol import (
+from wan_s2v_runner.serve.store import rules
+from wan_s2v_runner.serve.store.protocol import (
     DEFAULT_POOL,
     Added,
     Beat,
