@@ -27,7 +27,7 @@ def kept(tmp_path, tiny_assets):
     from wan_s2v_runner.shared.spec import GroupSpec
 
     dirs = ServerDirs(tmp_path / "server")
-    store = SqliteJobStore(dirs.queue)
+    store = SqliteJobStore(dirs.queue, busy_timeout_s=0.1)  # a write waits 0.1 s for another's lock
     keeper = Keeper(GroupSpec(ckpt_dir=tiny_assets.ckpt_dir, device="cpu"), store, dirs)
     run_dir = tmp_path / "run"
     inbox.inbox_of(run_dir).mkdir(parents=True)
@@ -59,8 +59,7 @@ def _made(keeper, job: dict, tiny_assets) -> None:
 
 
 def _lock(keeper):
-    """The queue file's write lock held by another connection (the store's waits cut short)."""
-    keeper.queue._db.execute("PRAGMA busy_timeout = 100")
+    """The queue file's write lock held by another connection (past the store's 0.1 s wait)."""
     other = sqlite3.connect(str(keeper.queue.path), isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")
     return other

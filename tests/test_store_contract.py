@@ -1,294 +1,108 @@
-"""One contract, every job store: the same tests run against one server's SQLite file and the
-PostgreSQL queue servers share (a throwaway cluster, tests/pg_cluster.py), as River runs one
-suite against each of its drivers. ``store`` makes a store of the kind under test over one
-database; two stores made by it are two servers (or two keepers) on the same queue.
-
-What both promise: submissions stored once (by id and by ``Idempotency-Key``), a string no store
-can hold refused alike; claims that never hand one job to two holders, in their pool's order;
-fencing (a holder whose attempt is stale changes nothing: no heartbeat, no end, no failure, and
-its ``publish`` is never run); ends that can be repeated; cancel, delete, the failure policy;
-the fleet's join; and an outage that raises :class:`QueueUnavailable`, never the driver's own
-error, and passes.
+"""The job stores' contract (``wan_s2v_runner/serve/store/contract.py``: every check, exported
+beside the drivers), run against each driver with a harness of its own, as River runs its driver
+tests: one server's SQLite file and the PostgreSQL queue servers share (a throwaway cluster,
+tests/pg_cluster.py). A harness knows its driver's database from outside (a file's lock, a
+cluster stopped, a lease run out by SQL on its own connection); the checks never reach into a store.
 """
 from __future__ import annotations
 
 import sqlite3
-import threading
 import time
-from typing import Callable
+from contextlib import contextmanager
 
 import pytest
 
-from wan_s2v_runner.serve.store import rules
-from wan_s2v_runner.serve.store.protocol import (
-    Beat,
-    Held,
-    IdempotencyConflict,
-    JobStatus,
-    NotStorable,
-    QueueFull,
-    QueueUnavailable,
-)
-
-KINDS = ("sqlite", "postgresql")
+from wan_s2v_runner.serve.store import contract
+from wan_s2v_runner.serve.store.protocol import DEFAULT_POOL, QueueUnavailable
 
 
-@pytest.fixture(params=KINDS)
-def kind(request):
-    return request.param
+class SqliteHarness:
+    """One server's file: two stores on it are two keepers of one server; a server started again
+    takes its running jobs back (``recover``); another process holding the file's write lock past
+    the store's wait is its outage (reads still answer: WAL)."""
 
+    def __init__(self, tmp_path):
+        self.path, self.made = tmp_path / "jobs.sqlite", []
 
-@pytest.fixture
-def store(kind, tmp_path, request) -> Callable:
-    """``store(owner="a", pool="default", lease_s=30)``: a store of ``kind`` on this test's database."""
-    made = []
-    if kind == "sqlite":
+    def store(self, owner="a", pool=DEFAULT_POOL, lease_s=30):
         from wan_s2v_runner.serve.store.sqlite import SqliteJobStore
 
-        def make(owner="a", pool="default", lease_s=30):
-            s = SqliteJobStore(tmp_path / "jobs.sqlite", pool=pool)
-            made.append(s)
-            return s
-    else:
-        cluster = request.getfixturevalue("cluster")
-        url = cluster.database()
-        from wan_s2v_runner.serve.store.postgres import PgJobStore
+        s = SqliteJobStore(self.path, pool=pool, busy_timeout_s=0.2)
+        self.made.append(s)
+        return s
 
-        def make(owner="a", pool="default", lease_s=30):
-            s = PgJobStore(url, owner, lease_s, pool)
-            made.append(s)
-            return s
-    yield make
-    for s in made:
-        s.close()
+    def lose(self, holder, other, job_id):
+        assert job_id in other.recover()
 
-
-def lose(kind, a, b, job_id):
-    """``a``'s hold on ``job_id`` ends as it does for real: the server starts again (SQLite: its
-    jobs back to the queue) or its lease runs out and another server reaps it (PostgreSQL)."""
-    if kind == "sqlite":
-        assert job_id in b.recover()
-    else:
-        with b._pool.connection() as conn:
-            conn.execute("UPDATE jobs SET lease_until = 0 WHERE id = %s", (job_id,))
-        assert job_id in b.reap().requeued
-
-
-def test_submissions_reads_and_the_queue_limit(store):
-    s = store()
-    for name in ("a", "b", "c"):
-        assert s.add(name, {"prompt": name}, max_queued=3).created
-    with pytest.raises(QueueFull):
-        s.add("d", {}, max_queued=3)
-    assert s.add("a", {"prompt": "a"}, max_queued=3).created is False  # a repeat after a lost answer
-    assert s.get("a").spec == {"prompt": "a"} and s.get("zz") is None
-    assert [r.id for r in s.all()] == ["a", "b", "c"]
-    rows, more = s.page(limit=2)
-    assert [r.id for r in rows] == ["c", "b"] and more
-    rows, more = s.page(after="b", limit=2)
-    assert [r.id for r in rows] == ["a"] and not more
-    assert [r.id for r in s.page(order="asc", limit=100)[0]] == ["a", "b", "c"]
-    with pytest.raises(KeyError):
-        s.page(after="nope")
-    assert s.positions(["a", "c", "zz"]) == {"a": 1, "c": 3}
-    assert s.known(["a", "zz", "c"]) == {"a", "c"} and s.known([]) == set()
-    assert s.counts() == {"queued": 3, "in_progress": 0, "completed": 0, "failed": 0, "cancelled": 0}
-    assert s.add("p1", {}, max_queued=1, pool="other").created  # the limit is each pool's
-    s.ping()
-
-
-def test_idempotent_submissions_and_what_no_store_holds(store):
-    s = store()
-    first = s.add("v1", {"prompt": "p"}, 10, idempotency_key="k-1", request_hash="h1")
-    again = s.add("v2", {"prompt": "p"}, 10, idempotency_key="k-1", request_hash="h1")  # the retry: another id
-    assert first.created and not again.created and again.row.id == "v1" and s.get("v2") is None
-    with pytest.raises(IdempotencyConflict):
-        s.add("v3", {"prompt": "other"}, 10, idempotency_key="k-1", request_hash="h2")
-    assert s.get("v1").idempotency_key == "k-1"
-    with pytest.raises(NotStorable):
-        s.add("v4", {"prompt": "a\x00b"}, 10)
-    with pytest.raises(NotStorable):
-        s.add("v5", {"lora": ["x\x00"]}, 10)
-    with pytest.raises(NotStorable):
-        s.add("v6", {"prompt": "\ud800"}, 10)  # a lone surrogate: not UTF-8
-    assert s.get("v4") is None and s.get("v5") is None and s.get("v6") is None
-    held = s.claim_next()  # what the server writes itself (an error from anywhere) is kept as every store can
-    assert s.finish(held.id, held.attempt, JobStatus.FAILED, error="rank 0: a\x00b \ud800")
-    assert s.get(held.id).error.startswith("rank 0: a")
-
-
-def test_claims_never_hand_one_job_to_two_holders(store):
-    a, b = store("a"), store("b")
-    for i in range(20):
-        a.add(f"j{i:02d}", {"n": i}, 100)
-    claimed: dict[str, list[str]] = {"a": [], "b": []}
-
-    def drain(s, name):
-        while (row := s.claim_next()) is not None:
-            claimed[name].append(row.id)
-
-    threads = [threading.Thread(target=drain, args=(s, n)) for s, n in ((a, "a"), (b, "b"))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(claimed["a"] + claimed["b"]) == [f"j{i:02d}" for i in range(20)]
-    assert all(a.get(j).attempt == 1 for j in claimed["a"] + claimed["b"])
-
-
-def test_pools_take_their_own_jobs_in_order(store):
-    d, lora = store("a"), store("b", pool="lora")
-    d.add("d1", {}, 10)
-    lora.add("l1", {}, 10)
-    d.add("d2", {}, 10)
-    d.add("l2", {}, 10, pool="lora")
-    assert d.positions(["d1", "d2", "l1", "l2"]) == {"d1": 1, "d2": 2, "l1": 1, "l2": 2}  # a place in its pool
-    assert [lora.claim_next().id, lora.claim_next().id, lora.claim_next()] == ["l1", "l2", None]
-    assert d.claim_next().id == "d1" and d.get("l1").pool == "lora" and d.get("d1").pool == "default"
-    assert d.counts(pool="lora")["in_progress"] == 2 and d.counts(pool="default")["queued"] == 1
-
-
-def test_fencing_a_stale_holder_changes_nothing(store, kind):
-    a, b = store("a", lease_s=30), store("b", lease_s=30)
-    a.add("j", {}, 10)
-    held = a.claim_next()
-    assert held.attempt == 1 and a.heartbeat({"j": Held(1, {"clip": 1})}).lost == frozenset()
-    lose(kind, a, b, "j")
-    taken = b.claim_next()
-    assert taken.id == "j" and taken.attempt == 2  # the token grew with the claim
-    published = []
-    # every write of the old holder carries attempt 1: refused, and its files never moved
-    assert a.heartbeat({"j": Held(1, None)}).lost == {"j"}
-    assert not a.finish("j", 1, JobStatus.COMPLETED, record={"x": 1}, publish=lambda: published.append("a"))
-    assert a.group_failed("j", 1, "rank 1 died") is JobStatus.IN_PROGRESS
-    row = b.get("j")
-    assert row.status is JobStatus.IN_PROGRESS and row.failures == 0 and published == []
-    # the holder's end: its files moved inside the transaction that checked its attempt
-    assert b.heartbeat({"j": Held(2, {"clip": 2})}) == Beat()
-    assert b.finish("j", 2, JobStatus.COMPLETED, record={"ok": 1}, publish=lambda: published.append("b"))
-    assert published == ["b"] and b.get("j").status is JobStatus.COMPLETED and b.get("j").record == {"ok": 1}
-    # the same end again (a retry after a lost answer) is the same answer, its files not moved twice
-    assert b.finish("j", 2, JobStatus.COMPLETED, record={"ok": 1}, publish=lambda: published.append("again"))
-    assert published == ["b"]
-    assert not b.finish("j", 2, JobStatus.FAILED)  # another end is not a repeat
-
-
-def test_a_publish_that_fails_records_nothing(store):
-    s = store()
-    s.add("j", {}, 10)
-    held = s.claim_next()
-
-    def broken():
-        raise OSError(28, "No space left on device")
-
-    with pytest.raises(OSError):
-        s.finish("j", held.attempt, JobStatus.COMPLETED, record={"x": 1}, publish=broken)
-    assert s.get("j").status is JobStatus.IN_PROGRESS and s.get("j").record is None
-    assert s.finish("j", held.attempt, JobStatus.FAILED, error="disk full")
-
-
-def test_cancel_delete_and_the_failure_policy(store, kind):
-    s = store()
-    for name in ("a", "b", "c", "d"):
-        s.add(name, {}, 10)
-    a = s.claim_next()
-    published = []
-    assert s.group_failed("a", a.attempt, "rank 1 died", publish=lambda: published.append(1)) is JobStatus.QUEUED
-    assert published == []  # back in the queue, first in line: nothing of it is published
-    a = s.claim_next()
-    assert a.id == "a" and a.attempt == 2
-    assert s.group_failed("a", a.attempt, "rank 1 died again", publish=lambda: published.append(2)) is JobStatus.FAILED
-    assert published == [2]  # failed for good: what it made so far published with the end
-    assert f"failed {rules.MAX_FAILURES} times" in s.get("a").error and s.get("a").failures == 2
-    assert s.cancel("c") is JobStatus.CANCELLED  # queued: dropped at once
-    b = s.claim_next()
-    assert b.id == "b" and s.cancel("b") is JobStatus.IN_PROGRESS and s.get("b").cancel_requested
-    assert s.heartbeat({"b": Held(b.attempt)}).cancel == {"b"}
-    assert s.cancel("nope") is None
-    assert s.delete("d") is JobStatus.QUEUED and s.get("d") is None  # not running: gone at once
-    assert s.delete("b") is JobStatus.IN_PROGRESS and s.get("b").deleting  # running: marked
-    assert "b" not in [r.id for r in s.all()] and s.delete("b") is None
-    assert s.finish("b", b.attempt, JobStatus.CANCELLED, error="cancelled")
-    s.remove("b")
-    assert s.get("b") is None
-    assert [job_id for job_id, _ in s.ended()] == ["a", "c"]
-
-
-def test_a_server_started_again_takes_its_jobs_back(store, kind):
-    s = store("a")
-    s.add("j", {}, 10)
-    s.add("k", {}, 10)
-    j = s.claim_next()
-    s.delete("k")
-    s.add("m", {}, 10)
-    m = s.claim_next()
-    assert m.id == "m" and s.delete("m") is JobStatus.IN_PROGRESS
-    again = store("a")  # the same server (its name) again
-    assert again.purge_deleting() == ["m"] and again.get("m") is None
-    assert again.recover() == ["j"] and again.get("j").status is JobStatus.QUEUED
-    taken = again.claim_next()
-    assert taken.id == "j" and taken.attempt == j.attempt + 1
-    assert not s.finish("j", j.attempt, JobStatus.COMPLETED)  # the old claim is fenced off
-
-
-def test_the_fleet_join(store):
-    a = store("a")
-    joined = a.join("d1", {"weights": {"dit": "x"}}, "host-a")
-    assert joined.created_fleet and joined.created_pool and not joined.marked and joined.matches("d1")
-    a.mark(joined.fleet_id)
-    b = store("b")
-    again = b.join("d1", {"weights": {"dit": "x"}}, "host-b")
-    assert not again.created_fleet and not again.created_pool and again.marked
-    assert again.fleet_id == joined.fleet_id and again.pool.joined_by == "host-a"
-    other = store("c").join("d2", {"weights": {"dit": "y"}}, "host-c")
-    assert not other.matches("d2") and other.pool.identity == {"weights": {"dit": "x"}}
-    lora = store("d", pool="lora").join("d2", {"weights": {"dit": "y"}}, "host-d")
-    assert lora.created_pool and lora.matches("d2") and lora.fleet_id == joined.fleet_id
-    assert a.pools() == {"default": "d1", "lora": "d2"}
-    c = store("c")
-    c.reset_pool("d3", {"weights": {"dit": "z"}}, "host-c")
-    assert c.join("d3", {}, "host-c").matches("d3")
-
-
-def test_a_job_claimed_by_a_joined_server_records_its_identity(store):
-    s = store()
-    s.join("digest-1", {}, "me")
-    s.add("j", {}, 10)
-    assert s.claim_next().identity == "digest-1"
-
-
-def test_an_outage_is_queue_unavailable_and_passes(store, kind, request):
-    s = store()
-    s.add("j", {}, 10)
-    if kind == "sqlite":  # another process holds the file's write lock past the store's wait
-        s._db.execute("PRAGMA busy_timeout = 200")
-        other = sqlite3.connect(str(s.path), isolation_level=None)
+    @contextmanager
+    def outage(self, s):
+        other = sqlite3.connect(str(self.path), isolation_level=None)
         other.execute("BEGIN EXCLUSIVE")
         try:
-            with pytest.raises(QueueUnavailable):
-                s.add("k", {}, 10)
-            with pytest.raises(QueueUnavailable):
-                s.claim_next()
+            yield (lambda: s.add("k", {}, 10), s.claim_next)
         finally:
             other.execute("ROLLBACK")
             other.close()
-    else:  # the database goes away, every connection cut, and comes back
-        cluster = request.getfixturevalue("cluster")
-        cluster.halt()
-        try:
-            t0 = time.time()
-            for op in (lambda: s.add("k", {}, 10), s.claim_next, s.counts, lambda: s.get("j")):
-                with pytest.raises(QueueUnavailable, match="does not answer"):
+
+
+class PostgresHarness:
+    """A queue servers share, in a database of its own on the throwaway cluster: a lease run out
+    (set so by SQL on the harness's own connection) is reaped by another server; the cluster
+    stopped at once, every connection cut, is its outage (every operation: 'does not answer',
+    within its timeouts)."""
+
+    def __init__(self, cluster):
+        self.cluster, self.url, self.made = cluster, cluster.database(), []
+
+    def store(self, owner="a", pool=DEFAULT_POOL, lease_s=30):
+        from wan_s2v_runner.serve.store.postgres import PgJobStore
+
+        s = PgJobStore(self.url, owner, lease_s, pool)
+        self.made.append(s)
+        return s
+
+    def lose(self, holder, other, job_id):
+        import psycopg
+
+        with psycopg.connect(self.url, autocommit=True) as db:
+            db.execute("UPDATE jobs SET lease_until = 0 WHERE id = %s", (job_id,))
+        assert job_id in other.reap().requeued
+
+    @contextmanager
+    def outage(self, s):
+        def unanswered(op):
+            def run():
+                t0 = time.time()
+                try:
                     op()
-            assert time.time() - t0 < 20
+                except QueueUnavailable as e:
+                    assert "does not answer" in str(e) and time.time() - t0 < 20, (str(e), time.time() - t0)
+                    raise
+            return run
+
+        self.cluster.halt()
+        try:
+            yield tuple(unanswered(op) for op in (lambda: s.add("k", {}, 10), s.claim_next, s.counts,
+                                                   lambda: s.get("j")))
         finally:
-            cluster.start()
-        t0 = time.time()
-        while True:  # back within seconds of the database: the pool replaces its lost connections
-            try:
-                s.ping()
-                break
-            except QueueUnavailable:
-                assert time.time() - t0 < 10, "the store did not come back within 10 s of its database"
-    s.add("k", {}, 10)  # answers again, on new connections
-    assert [r.id for r in s.all()] == ["j", "k"] and s.claim_next().id == "j"
+            self.cluster.start()
+
+
+@pytest.fixture(params=("sqlite", "postgresql"))
+def harness(request, tmp_path):
+    h = SqliteHarness(tmp_path) if request.param == "sqlite" else PostgresHarness(request.getfixturevalue("cluster"))
+    yield h
+    for s in h.made:
+        s.close()
+
+
+@pytest.mark.parametrize("check", contract.CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_the_contract(harness, check):
+    check(harness)
+
+
+def test_every_check_is_listed():
+    """The contract's checks, all of them run above (a check added to the module is run)."""
+    names = [c.__name__ for c in contract.CHECKS]
+    assert len(names) == 11 and names[0] == "check_submissions_reads_and_the_queue_limit", names
+    assert names[-1] == "check_an_outage_is_queue_unavailable_and_passes", names

@@ -79,13 +79,16 @@ class SqliteJobStore:
     shared = False  # one server's (its directory's lock says so): no leases
     lease_s = None
 
-    def __init__(self, path: Path, pool: str = DEFAULT_POOL):
+    def __init__(self, path: Path, pool: str = DEFAULT_POOL, *, busy_timeout_s: float = 30.0):
+        """``busy_timeout_s``: how long an operation waits for another process's hold on the
+        file before it raises :class:`QueueUnavailable`."""
         self.path, self.pool = Path(path), pool
         self.digest: Optional[str] = None  # the fleet identity this server joined with (join)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         try:
-            self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
+            self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
+                                       timeout=busy_timeout_s)
             self._db.row_factory = sqlite3.Row
             with self._lock:
                 self._db.execute("PRAGMA journal_mode=WAL")
