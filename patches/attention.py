@@ -63,6 +63,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from patches.patch import Patch, always
 from wan_s2v_runner.shared.attention_backends import (  # noqa: F401  (loading/engine.py calls the guard from here)
     BACKENDS,
     REQUESTS,
@@ -448,3 +449,13 @@ def restore(wan_module) -> list[str]:
     prefix, attn_mod = _attention_module(wan_module)
     return _rebind(prefix, attn_mod, getattr(attn_mod, _ORIG_FA_ATTR),
                    getattr(attn_mod, _ORIG_ATTN_ATTR))
+
+
+def _for_run(wan_module, ctx) -> str:
+    backend, reason = resolve_backend(ctx.spec.attention, "cpu" if ctx.on_cpu else "cuda")
+    mods = apply(wan_module, backend)
+    logging.getLogger("wan_s2v.patches").info("attention backend: %s (%s)", backend, reason)
+    return f"{backend} ({reason}); {len(mods)} modules"
+
+
+PATCH = Patch("attention", applies=always, apply=_for_run, restore=restore)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 
+from patches.patch import Patch, always
+
 log = logging.getLogger("wan_s2v.audio_load")
 
 #: the rate upstream asks for (wav2vec2's)
@@ -72,3 +74,11 @@ def restore(wan_module) -> bool:
         return False
     mod.librosa = mod.librosa._librosa
     return True
+
+
+def _for_run(wan_module, ctx) -> str:
+    apply(wan_module)
+    return "16 kHz mono speech read with libsndfile (librosa's first load skipped)"
+
+
+PATCH = Patch("audio_load", applies=always, apply=_for_run, restore=restore)

@@ -32,6 +32,8 @@ import re
 from types import ModuleType
 from typing import Any, Optional
 
+from patches.patch import Patch, always
+
 #: umt5_xxl(...) sizes upstream, under the names read_t5_dims returns.
 UPSTREAM_T5 = dict(vocab_size=256384, dim=4096, dim_attn=4096, dim_ffn=10240, num_heads=64,
                    num_layers=24, num_buckets=32, shared_pos=False)
@@ -202,3 +204,11 @@ def is_applied(wan_module: ModuleType) -> bool:
     t5 = wan_module.modules.t5
     return all(getattr(f, _MARK, False) for f in (
         t5.umt5_xxl, t5.T5EncoderModel.__init__, wan_module.modules.vae2_1._video_vae))
+
+
+def _for_run(wan_module, ctx) -> str:
+    apply(wan_module)
+    return "T5/VAE sizes read from the checkpoint files"
+
+
+PATCH = Patch("checkpoint_dims", applies=always, apply=_for_run)

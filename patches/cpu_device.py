@@ -19,6 +19,8 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
+from patches.patch import Patch
+
 
 def _cpu_device(*args, **kwargs):
     dev = torch.device(*args, **kwargs)
@@ -65,3 +67,11 @@ def apply(wan_module) -> bool:
         return False
     s2v.torch = TorchOnCPU()
     return True
+
+
+def _for_run(wan_module, ctx) -> str:
+    apply(wan_module)
+    return "speech2video CUDA calls mapped to CPU"
+
+
+PATCH = Patch("cpu_device", applies=lambda ctx: ctx.on_cpu, apply=_for_run)

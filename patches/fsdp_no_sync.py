@@ -34,6 +34,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from patches.patch import Patch
 from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.fsdp")
@@ -147,3 +148,12 @@ def apply(wan_module, param_dtype: torch.dtype, on_cpu: bool, on_event=None) -> 
     upstream = wan_module.distributed.fsdp.shard_model
     s2v.shard_model = make_shard_model(upstream, param_dtype, on_cpu, on_event)
     return True
+
+
+def _for_run(wan_module, ctx) -> str:
+    apply(wan_module, param_dtype=ctx.param_dtype, on_cpu=ctx.on_cpu, on_event=ctx.on_event)
+    return "sync_module_states=False + weight fingerprint"
+
+
+PATCH = Patch("fsdp_no_sync", applies=lambda ctx: ctx.spec.layout.dit_fsdp or ctx.spec.layout.t5_fsdp,
+              apply=_for_run)

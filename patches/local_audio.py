@@ -59,6 +59,8 @@ import functools
 import torch
 from einops import rearrange
 
+from patches.patch import Patch
+
 _MARK = "__wan_s2v_patched__"
 _ORIG = "__wan_s2v_original__"
 SEQ_LEN_ATTR = "_wan_s2v_seq_len"
@@ -201,3 +203,11 @@ def remove(wan_module) -> bool:
     for name in ("after_transformer_block", "inject_motion"):
         setattr(cls, name, getattr(getattr(cls, name), _ORIG))
     return True
+
+
+def _for_run(wan_module, ctx) -> str:
+    apply(wan_module)
+    return "audio injection on each rank's own tokens (no all-gather)"
+
+
+PATCH = Patch("local_audio", applies=lambda ctx: ctx.spec.layout.use_sp, apply=_for_run, restore=remove)

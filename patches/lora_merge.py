@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from patches.patch import Patch
 from wan_s2v_runner.loading.lora import LoraDeltas, LoraSource, merge
 
 log = logging.getLogger("wan_s2v.lora")
@@ -66,3 +67,18 @@ def restore(wan_module) -> bool:
         return False
     cls._configure_model = current.__wrapped_upstream__
     return True
+
+
+def _for_run(wan_module, ctx) -> str:
+    from wan_s2v_runner.shared.layout import DitQuant
+
+    spec = ctx.spec
+    refs = ", ".join(str(ref) for ref in spec.lora)
+    if DitQuant(spec.dit_quant) is not DitQuant.NONE:  # merged as the weights are quantized
+        return refs + ": merged before quantizing (wan_s2v_runner.loading.quantize)"
+    on_merged = (lambda records: ctx.on_event_data("lora", loras=records)) if ctx.on_event_data else None
+    apply(wan_module, spec.lora, allow_partial=spec.lora_allow_partial, on_merged=on_merged)
+    return refs
+
+
+PATCH = Patch("lora_merge", applies=lambda ctx: bool(ctx.spec.lora), apply=_for_run, restore=restore)

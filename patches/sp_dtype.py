@@ -14,6 +14,8 @@ import functools
 
 import torch
 
+from patches.patch import Patch, always
+
 
 def apply(wan_module, param_dtype: torch.dtype) -> bool:
     s2v = wan_module.speech2video
@@ -28,3 +30,11 @@ def apply(wan_module, param_dtype: torch.dtype) -> bool:
     sp_attn_forward_s2v.__wan_s2v_patched__ = True
     s2v.sp_attn_forward_s2v = sp_attn_forward_s2v
     return True
+
+
+def _for_run(wan_module, ctx) -> str:
+    apply(wan_module, ctx.param_dtype)
+    return str(ctx.param_dtype)
+
+
+PATCH = Patch("sp_dtype", applies=always, apply=_for_run)

@@ -143,3 +143,32 @@ def test_16k_mono_speech_is_read_as_librosa_reads_it_without_its_first_load(tmp_
         assert proxy.direct - before == direct, name
     assert np.array_equal(np.load(tmp_path / "direct.npy"), librosa.load(str(tmp_path / "mono16k.wav"), sr=16000)[0])
     assert proxy.load(str(tmp_path / "mono16k.wav"), sr=16000, offset=0.5)[0].shape == (8000,)  # other args: librosa's
+
+
+
+def test_the_registry_applies_what_each_run_needs_in_order(tiny_assets, tmp_path):
+    """Each post-import patch declares when a run needs it (``Patch.applies``); the registry lists
+    them in the order they apply. Which apply to a CPU run at one and two Ulysses ranks, an
+    FSDP one, a LoRA one, and a GPU run (read from the patches' own declarations)."""
+    from patches import REGISTRY_ORDER, registry
+    from patches.patch import Patch, PatchContext
+    from wan_s2v_runner.shared.spec import RunSpec
+
+    patches = registry()
+    assert [p.name for p in patches] == list(REGISTRY_ORDER) and all(isinstance(p, Patch) for p in patches)
+    lora = tmp_path / "x.safetensors"
+    lora.write_bytes(b"")
+
+    def needed(**fields) -> list[str]:
+        spec = RunSpec(ckpt_dir=tiny_assets.ckpt_dir, image=tiny_assets.image, audio=tiny_assets.audio,
+                       prompt="p", **fields)
+        return [p.name for p in patches if p.applies(PatchContext(spec, torch.float32))]
+
+    every = ["checkpoint_dims", "attention", "audio_load", "sp_dtype"]
+    assert needed(device="cpu") == [*every, "cpu_device"]
+    assert needed(device="cpu", nproc=2, mode="ulysses") == [*every, "local_audio", "cpu_device"]
+    assert needed(device="cpu", nproc=2, mode="fsdp-fixed") == [*every, "fsdp_no_sync", "cpu_device"]
+    assert needed(device="cpu", lora=[str(lora)]) == [*every, "lora_merge", "cpu_device"]
+    assert needed(device="cuda") == every
+    assert [p.name for p in patches if p.restore is not None] == ["attention", "audio_load", "local_audio",
+                                                                  "lora_merge"]

@@ -1,0 +1,41 @@
+"""What a post-import engine patch is, as the registry holds it (after torchtitan's model
+converters): each patch module declares one :class:`Patch` (``PATCH``): its name, when a run needs
+it (``applies``), how it applies and says what it did (``apply`` returns the line recorded in
+``run.json``'s ``patches``), and how it is undone (``restore``; None where a run's process applies
+it once and never goes back). :data:`patches.REGISTRY` lists them in the order they apply, and
+:func:`patches.apply_for_run` applies those a run needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class PatchContext:
+    """What a patch may read of the run: its spec (a ``RunSpec``), the DiT's parameter dtype, and
+    the rank's event callbacks (``on_event(stage)`` enters a stage; ``on_event_data(kind, **data)``
+    records an informational event)."""
+
+    spec: Any
+    param_dtype: Any
+    on_event: Optional[Callable] = None
+    on_event_data: Optional[Callable] = None
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.spec.device == "cpu"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One named change to the engine (see the module docstring)."""
+
+    name: str
+    applies: Callable[[PatchContext], bool]
+    apply: Callable[[Any, PatchContext], str]
+    restore: Optional[Callable[[Any], Any]] = None
+
+
+def always(ctx: PatchContext) -> bool:
+    """Every run needs it."""
+    return True
