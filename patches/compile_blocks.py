@@ -36,12 +36,14 @@ restarted server loads the compiled kernels instead of building them.
 A warm start is warm in AOTAutograd too: torch 2.13 keeps no AOTAutograd cache entry for a graph
 that calls a function outside its allow-list, and the autocast regions' enter and exit are outside
 it (each rank then traced the block's forward through AOTAutograd again at every start; the
-inductor kernels were cached). The region's device, dtype and switches are constants in the
-graph's code, which the cache key holds, so equal keys mean equal graphs: :func:`apply` marks the
-two functions cacheable (``torch._inductor.config.unsafe_marked_cacheable_functions``, keyed by
-torch's version) and :func:`restore` unmarks them. Each new specialization's ``compile`` event says
-what the caches answered (``cache``: ``autograd_cache_hit``, ``fxgraph_cache_miss``...); a warm
-tiny compiled start on the CPU: 2.2 s a rank against 2.9.
+inductor kernels were cached). The region's device, dtype and switches are constants in the graph's
+code, which the cache key holds, so equal keys mean equal graphs: :func:`apply` marks the two
+functions cacheable (``torch._inductor.config.unsafe_marked_cacheable_functions``, keyed by torch's
+version; torch 2.13 keeps config overrides per thread, so the mark holds on the thread that applied
+it, the rank's main thread, where the blocks compile) and :func:`restore` unmarks them. Each new
+specialization's ``compile`` event says what the caches answered (``cache``:
+``autograd_cache_hit``, ``fxgraph_cache_miss``...); a warm tiny compiled start on the CPU: 2.2 s a
+rank against 2.9.
 
 Bounds (fp32, CPU): the compiled block differs from eager by float rounding only (inductor fuses
 the norms and elementwise work); measured by ``tests/test_compile.py``, which asserts them.

@@ -2,8 +2,8 @@
 converters): each patch module declares one :class:`Patch` (``PATCH``): its name, when a run needs
 it (``applies``), how it applies and says what it did (``apply`` returns the line recorded in
 ``run.json``'s ``patches``), and how it is undone (``restore``; None where a run's process applies
-it once and never goes back). :data:`patches.REGISTRY` lists them in the order they apply, and
-:func:`patches.apply_for_run` applies those a run needs."""
+it once and never goes back). :func:`patches.registry` lists them in the order they apply
+(:data:`patches.REGISTRY_ORDER`), and :func:`patches.apply_for_run` applies those a run needs."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# the job stores' exported contract (a package module): its checks' asserts show their values
+pytest.register_assert_rewrite("wan_s2v_runner.serve.store.contract")
+
 import torch  # noqa: E402
 from fault_worker import fault_env  # noqa: E402
 

@@ -129,3 +129,69 @@ def test_a_job_taken_too_often_is_failed_not_run(kept):
     row = kept.queue.get("v1")
     assert row.status is JobStatus.FAILED and "taken 5 times without an end" in row.error
     assert kept.current is None and not list(inbox.inbox_of(kept.run_dir).glob("job-*.json"))
+
+
+class ScriptedGroup:
+    """A rank group played by the test through the group interface: its news scripted, its door a
+    real inbox folder (:class:`~wan_s2v_runner.serve.group.InboxDoor`)."""
+
+    def __init__(self, script):
+        from wan_s2v_runner.serve.group import InboxDoor
+
+        self.script, self.halted, self.door = list(script), False, InboxDoor(None)
+
+    def __getattr__(self, name):  # submit, cancel, renew, release, stop: the inbox's
+        return getattr(self.door, name)
+
+    @property
+    def run_dir(self):
+        return self.door.run_dir
+
+    def start(self):
+        pass
+
+    def halt(self):
+        self.halted = True
+
+    def events(self, timeout):
+        from wan_s2v_runner.serve.group import GroupNews
+
+        news = self.script.pop(0) if self.script else GroupNews(ended=True)
+        if news.started is not None:
+            self.door._run_dir = news.started
+        return news
+
+
+@pytest.mark.parametrize("ending", [False, True])
+def test_a_group_whose_launcher_reported_its_end_is_handed_no_job(tmp_path, tiny_assets, ending):
+    """Rank 0 idle at the supervisor's last poll of a group that is stopping (the launcher already
+    reported how it ended): the keeper claims nothing and posts nothing there; the job stays
+    queued, its attempts untouched. The same news without the end: the job is posted."""
+    from types import SimpleNamespace
+
+    from wan_s2v_runner.serve.dirs import ServerDirs
+    from wan_s2v_runner.serve.group import GroupNews
+    from wan_s2v_runner.serve.keeper import Keeper
+    from wan_s2v_runner.serve.store.sqlite import SqliteJobStore
+    from wan_s2v_runner.shared.spec import GroupSpec
+
+    dirs = ServerDirs(tmp_path / "server")
+    store = SqliteJobStore(dirs.queue)
+    store.add("v1", {"image": str(tiny_assets.image), "audio": str(tiny_assets.audio), "prompt": "p", "seed": 3,
+                     "output": str(dirs.videos / "v1.mp4")}, 10)
+    run_dir = tmp_path / "run"
+    inbox.inbox_of(run_dir).mkdir(parents=True)
+    idle = {"rank": 0, "kind": "stage", "stage": "idle", "t": time.time()}
+    last = GroupNews(events=[idle], ranks=[], outcome=SimpleNamespace(reason="stopped") if ending else None)
+    group = ScriptedGroup([GroupNews(started=run_dir), last, GroupNews(ended=True)])
+    keeper = Keeper(GroupSpec(ckpt_dir=tiny_assets.ckpt_dir, device="cpu"), store, dirs,
+                    new_group=lambda spec, env, name: group)
+    try:  # one group's life (then the keeper's back-off of 1 s)
+        keeper._one_group()
+        posted = list(inbox.inbox_of(run_dir).glob("job-*.json"))
+        if ending:
+            assert not posted and store.get("v1").status is JobStatus.QUEUED and store.get("v1").attempt == 0
+        else:
+            assert len(posted) == 1 and store.get("v1").attempt == 1
+    finally:
+        store.close()

@@ -145,7 +145,6 @@ def test_16k_mono_speech_is_read_as_librosa_reads_it_without_its_first_load(tmp_
     assert proxy.load(str(tmp_path / "mono16k.wav"), sr=16000, offset=0.5)[0].shape == (8000,)  # other args: librosa's
 
 
-
 def test_the_registry_applies_what_each_run_needs_in_order(tiny_assets, tmp_path):
     """Each post-import patch declares when a run needs it (``Patch.applies``); the registry lists
     them in the order they apply. Which apply to a CPU run at one and two Ulysses ranks, an

@@ -27,7 +27,7 @@ class SqliteHarness:
     def store(self, owner="a", pool=DEFAULT_POOL, lease_s=30):
         from wan_s2v_runner.serve.store.sqlite import SqliteJobStore
 
-        s = SqliteJobStore(self.path, pool=pool, busy_timeout_s=0.2)
+        s = SqliteJobStore(self.path, pool=pool, busy_timeout_s=2.0)  # its outage: a lock held longer
         self.made.append(s)
         return s
 
@@ -70,9 +70,10 @@ class PostgresHarness:
 
     @contextmanager
     def outage(self, s):
-        def unanswered(op):
+        t0 = time.time()
+
+        def unanswered(op):  # each refused with the cause, all four within 20 s of the database going
             def run():
-                t0 = time.time()
                 try:
                     op()
                 except QueueUnavailable as e:
@@ -81,6 +82,7 @@ class PostgresHarness:
             return run
 
         self.cluster.halt()
+        t0 = time.time()
         try:
             yield tuple(unanswered(op) for op in (lambda: s.add("k", {}, 10), s.claim_next, s.counts,
                                                    lambda: s.get("j")))

@@ -13,7 +13,8 @@ clone, and CI, pays this.
 **uv sees what pip would.** uv does not read pip's configuration, and what a machine's pip is
 configured with decides which torch it gets (a CPU build from a local folder, say, where PyPI's
 Linux wheel is the CUDA build). So pip's settings (``pip config list``: its files and ``PIP_*``
-variables) are passed to uv: ``index-url``, ``extra-index-url``, ``find-links``, ``constraint``,
+variables) are passed to uv, and nothing else (``--no-config``: no ``uv.toml`` of the machine's):
+``index-url``, ``extra-index-url``, ``find-links``, ``constraint`` (for build environments too),
 ``no-index`` and ``trusted-host`` as uv's options of the same meaning, ``cert`` as
 ``SSL_CERT_FILE``, ``no-cache-dir`` as ``UV_NO_CACHE``; and ``--index-strategy unsafe-best-match``,
 pip's rule (the best version across every index; uv's default stops at the first index that has
@@ -26,6 +27,7 @@ indexes), where ``$WAN_S2V_INSTALLER`` is ``pip``, or as above. Both install the
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -41,17 +43,23 @@ AS_OPTION = {"index-url": "--index-url", "extra-index-url": "--extra-index-url",
              "constraint": "--constraint", "trusted-host": "--allow-insecure-host"}
 #: pip settings without an effect on what is installed or from where
 NO_EFFECT = {"default-timeout", "timeout", "disable-pip-version-check", "progress-bar", "no-color", "quiet",
-             "verbose", "retries", "cache-dir", "root-user-action", "no-input", "use-feature"}
+             "verbose", "retries", "cache-dir", "root-user-action", "no-input", "use-feature", "config-file"}
 
 
-def pip_settings(python: str) -> dict[str, str]:
-    """pip's configuration, as ``pip config list`` prints it (``:env:`` variables over files)."""
-    out = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+def pip_settings(python: str) -> dict[str, str] | None:
+    """pip's configuration, as ``pip config list`` prints it (``:env:`` variables over files;
+    each value as pip prints it, a Python literal), or None when pip cannot say."""
+    out = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    if out.returncode:
+        return None
     by_section: dict[str, dict[str, str]] = {":env:": {}, "global": {}, "install": {}}
-    for line in out.splitlines():
-        m = re.fullmatch(r"(:env:|global|install)\.([\w-]+)='(.*)'", line.strip())
+    for line in out.stdout.splitlines():
+        m = re.fullmatch(r"(:env:|global|install)\.([\w-]+)=(.*)", line.strip())
         if m:
-            by_section[m.group(1)][m.group(2)] = m.group(3)
+            try:
+                by_section[m.group(1)][m.group(2)] = str(ast.literal_eval(m.group(3)))
+            except (ValueError, SyntaxError):
+                return None
     return {**by_section["global"], **by_section["install"], **by_section[":env:"]}  # pip's precedence
 
 
@@ -62,12 +70,14 @@ def _true(value: str) -> bool:
 
 def uv_command(python: str, uv: str, settings: dict[str, str]) -> tuple[list[str], dict[str, str]] | str:
     """uv's command line and environment for pip's ``settings``, or why uv would differ."""
-    argv = [uv, "pip", "install", "--python", python, "--index-strategy", "unsafe-best-match"]
+    argv = [uv, "pip", "install", "--no-config", "--python", python, "--index-strategy", "unsafe-best-match"]
     env = dict(os.environ)
     for key, value in settings.items():
         if key in AS_OPTION:
             for v in value.split():
                 argv += [AS_OPTION[key], v]
+                if key == "constraint":  # pip's constraints hold in its build environments too
+                    argv += ["--build-constraint", v]
         elif key == "cert":
             env["SSL_CERT_FILE"] = value
         elif key == "no-index":
@@ -91,7 +101,8 @@ def main(args: list[str]) -> int:
         if not uv.exists() and subprocess.run([python, "-m", "pip", "install", "-q", f"uv=={UV_VERSION}"]).returncode:
             why = f"uv {UV_VERSION} could not be installed into the venv"
         else:
-            got = uv_command(python, str(uv), pip_settings(python))
+            settings = pip_settings(python)
+            got = "pip could not list its configuration" if settings is None else uv_command(python, str(uv), settings)
             if isinstance(got, str):
                 why = got
             else:

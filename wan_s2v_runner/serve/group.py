@@ -161,9 +161,12 @@ class LaunchedGroup(InboxDoor):
         try:
             launch.run(self.spec, observers=[Display(rich=False, show_logs=False), GroupFeed(self)],
                        extra_env=self.extra_env, served=True, halt=self._halt)
-        except Exception as e:  # the launcher itself failed: the keeper says so and starts another
+        except BaseException as e:  # the launcher itself failed: the keeper says so and starts another
             error = f"{type(e).__name__}: {e}"
-        self._news.put(("ended", error))
+            if not isinstance(e, Exception):
+                raise
+        finally:  # the keeper hears the end, however the launcher left
+            self._news.put(("ended", error))
 
 
 def compute_for_node0(spec: GroupSpec, extra_env: Optional[dict] = None) -> int:

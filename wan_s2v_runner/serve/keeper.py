@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 
 from wan_s2v_runner.launcher.job_book import job_defaults, resume_point
 from wan_s2v_runner.serve.dirs import ServerDirs, publisher, remove_partial_videos
-from wan_s2v_runner.serve.group import GroupClient, LaunchedGroup
+from wan_s2v_runner.serve.group import GroupClient, GroupNews, LaunchedGroup
 from wan_s2v_runner.serve.holds import Holding, Holds
 from wan_s2v_runner.serve.leftovers import group_file
 from wan_s2v_runner.serve.progress import GroupState, Progress
@@ -69,6 +69,8 @@ CLAIM_EVERY_S = 0.5
 ENDS = ("job_done", "job_cancelled", "job_failed", "job_lost")
 #: the keeper's clock: how long it waits for news from its group before it beats and sweeps anyway
 TICK_S = 0.2
+#: how long a keeper that stops following its group (an error of its own) waits for the group to end
+GROUP_END_WAIT_S = 120.0
 
 
 class Keeper(threading.Thread):
@@ -114,6 +116,7 @@ class Keeper(threading.Thread):
         self._answered_at: Optional[float] = None  # the last beat it answered
         self.completed = 0  # jobs this keeper's groups completed (a group that did work is no crash loop)
         self._closing = threading.Event()  # shutdown asked
+        self._halted_for: Optional[str] = None  # the keeper's own error that stopped its group
         self._lock = threading.Lock()
 
     @property
@@ -236,7 +239,7 @@ class Keeper(threading.Thread):
 
     def _one_group(self) -> None:
         """One rank group's life, then what became of its job, then the back-off before the next."""
-        self.state, self.outcome = GroupState.LOADING, None
+        self.state, self.outcome, self._halted_for = GroupState.LOADING, None, None
         self.groups += 1
         served_before = self.completed
         group = self.new_group(self.group_spec, self.extra_env, name=f"wan-s2v-group-{self.index}")
@@ -245,27 +248,22 @@ class Keeper(threading.Thread):
         group.start()
         if self._closing.is_set():  # a shutdown asked before there was a group to tell
             group.halt()
-        while True:
-            news = group.events(timeout=TICK_S)
-            if news.started is not None:
-                self.group_started(news.started)
-            if news.ranks is not None:
-                self.note_ranks(news.ranks)
-            if news.outcome is not None:
-                self.outcome = news.outcome
-            if news.error:  # the launcher itself failed: say so, and try again
-                self.last_error = news.error
-            self._tick(news.events, ended=news.ended)
-            if news.ended:
-                break
+        try:
+            self._follow(group)
+        except BaseException:  # never a group left running by a keeper that stopped following it
+            group.halt()
+            deadline = time.time() + GROUP_END_WAIT_S
+            while not group.events(timeout=TICK_S).ended and time.time() < deadline:
+                pass
+            raise
         self._late_end()
         with self._lock:
             failed, self.held.running = self.held.running, None
             self.progress.clear()
             self.run_dir, self.group = None, None
             self.ranks = []
-        reason = (self.outcome.reason if self.outcome is not None and self.outcome.reason
-                  else self.last_error or "the rank group ended")
+        reason = (self._halted_for or (self.outcome.reason if self.outcome is not None and self.outcome.reason
+                                       else self.last_error) or "the rank group ended")
         if failed is not None and not self._closing.is_set():
             self._record(failed, "its rank group failed", lambda: self._group_failed_under(failed, reason))
         if self._closing.is_set():
@@ -278,20 +276,41 @@ class Keeper(threading.Thread):
         self._closing.wait(self._backoff)
         self._backoff = min(self._backoff * 2, RESTART_BACKOFF_S[1])
 
-    def _tick(self, events: list[dict], ended: bool) -> None:
-        """The keeper's clock: the ranks' new events first (a failing beat must not cost them), then
-        the lease beat and retention's sweep. An error is shown in /health and logged; under the
-        test suite's strict observers (``strict_observers``) it also stops the group, as an
-        observer's error stops a strict run."""
+    def _follow(self, group: GroupClient) -> None:
+        """The group's life on the keeper's clock, until the launcher returned. A job is posted
+        only at a tick that brought the supervisor's poll of a group still running (not once the
+        launcher reported how the group ended: it is stopping its ranks)."""
+        finishing = False
+        while True:
+            news = group.events(timeout=TICK_S)
+            if news.outcome is not None:
+                self.outcome, finishing = news.outcome, True
+            if news.error:  # the launcher itself failed: say so, and try again
+                self.last_error = news.error
+            self._tick(news, may_post=news.ranks is not None and not finishing and not news.ended)
+            if news.ended:
+                return
+
+    def _tick(self, news: GroupNews, may_post: bool) -> None:
+        """One tick of the keeper's clock: the group's start and its ranks' states and new events
+        first (a failing beat must not cost them), then the lease beat and retention's sweep. An
+        error is shown in /health and logged; under the test suite's strict observers
+        (``strict_observers``) it also stops the group, as an observer's error stops a strict run,
+        and is the reason the group ended."""
         try:
-            self.on_events(events, may_post=not ended)
-            if not ended:
+            if news.started is not None:
+                self.group_started(news.started)
+            if news.ranks is not None:
+                self.note_ranks(news.ranks)
+            self.on_events(news.events, may_post=may_post)
+            if not news.ended:
                 self.beat()
                 self.sweep(every_s=SWEEP_EVERY_S)
         except Exception as e:
             log.exception("the keeper could not follow its rank group")
             self.last_error = f"keeper: {type(e).__name__}: {e}"
-            if self.group_spec.strict_observers and self.group is not None:
+            if self.group_spec.strict_observers and self.group is not None and self._halted_for is None:
+                self._halted_for = self.last_error
                 self.group.halt()
 
     def _late_end(self) -> None:

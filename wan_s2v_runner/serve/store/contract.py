@@ -14,6 +14,9 @@ that raises :class:`~.protocol.QueueUnavailable`, never the driver's own error, 
     from wan_s2v_runner.serve.store import contract
     for check in contract.CHECKS:
         check(MyHarness(...))    # each on a fresh database
+
+Under pytest, register this module for assertion rewriting (``pytest.register_assert_rewrite``,
+as ``tests/conftest.py`` does) to see the values of a failed check.
 """
 from __future__ import annotations
 
