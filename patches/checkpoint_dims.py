@@ -206,9 +206,21 @@ def is_applied(wan_module: ModuleType) -> bool:
         t5.umt5_xxl, t5.T5EncoderModel.__init__, wan_module.modules.vae2_1._video_vae))
 
 
+def restore(wan_module: ModuleType) -> bool:
+    """Undo :func:`apply`: upstream's ``umt5_xxl``, ``T5EncoderModel.__init__`` and ``_video_vae``."""
+    t5, vae = wan_module.modules.t5, wan_module.modules.vae2_1
+    undone = False
+    for owner, name in ((t5, "umt5_xxl"), (t5.T5EncoderModel, "__init__"), (vae, "_video_vae")):
+        current = getattr(owner, name)
+        if getattr(current, _MARK, False):
+            setattr(owner, name, current.__wan_s2v_original__)
+            undone = True
+    return undone
+
+
 def _for_run(wan_module, ctx) -> str:
     apply(wan_module)
     return "T5/VAE sizes read from the checkpoint files"
 
 
-PATCH = Patch("checkpoint_dims", applies=always, apply=_for_run)
+PATCH = Patch("checkpoint_dims", applies=always, apply=_for_run, restore=restore)

@@ -69,9 +69,18 @@ def apply(wan_module) -> bool:
     return True
 
 
+def restore(wan_module) -> bool:
+    """Undo :func:`apply`: ``speech2video`` sees torch itself again."""
+    s2v = wan_module.speech2video
+    if not isinstance(s2v.__dict__.get("torch"), TorchOnCPU):
+        return False
+    s2v.torch = torch
+    return True
+
+
 def _for_run(wan_module, ctx) -> str:
     apply(wan_module)
     return "speech2video CUDA calls mapped to CPU"
 
 
-PATCH = Patch("cpu_device", applies=lambda ctx: ctx.on_cpu, apply=_for_run)
+PATCH = Patch("cpu_device", applies=lambda ctx: ctx.on_cpu, apply=_for_run, restore=restore)

@@ -146,7 +146,18 @@ def apply(wan_module, param_dtype: torch.dtype, on_cpu: bool, on_event=None) -> 
     if getattr(s2v.shard_model, "__wan_s2v_patched__", False):
         return False
     upstream = wan_module.distributed.fsdp.shard_model
-    s2v.shard_model = make_shard_model(upstream, param_dtype, on_cpu, on_event)
+    patched = make_shard_model(upstream, param_dtype, on_cpu, on_event)
+    patched.__wan_s2v_original__ = s2v.shard_model
+    s2v.shard_model = patched
+    return True
+
+
+def restore(wan_module) -> bool:
+    """Undo :func:`apply`: ``speech2video``'s own ``shard_model`` again."""
+    s2v = wan_module.speech2video
+    if not getattr(s2v.shard_model, "__wan_s2v_patched__", False):
+        return False
+    s2v.shard_model = s2v.shard_model.__wan_s2v_original__
     return True
 
 
@@ -156,4 +167,4 @@ def _for_run(wan_module, ctx) -> str:
 
 
 PATCH = Patch("fsdp_no_sync", applies=lambda ctx: ctx.spec.layout.dit_fsdp or ctx.spec.layout.t5_fsdp,
-              apply=_for_run)
+              apply=_for_run, restore=restore)

@@ -22,13 +22,24 @@ def apply(wan_module, param_dtype: torch.dtype) -> bool:
     if getattr(s2v.sp_attn_forward_s2v, "__wan_s2v_patched__", False):
         return False
     upstream = wan_module.modules.s2v.model_s2v.sp_attn_forward_s2v
+    before = s2v.sp_attn_forward_s2v
 
     @functools.wraps(upstream)
     def sp_attn_forward_s2v(self, x, seq_lens, grid_sizes, freqs, dtype=None):
         return upstream(self, x, seq_lens, grid_sizes, freqs, dtype=dtype or param_dtype)
 
     sp_attn_forward_s2v.__wan_s2v_patched__ = True
+    sp_attn_forward_s2v.__wan_s2v_original__ = before
     s2v.sp_attn_forward_s2v = sp_attn_forward_s2v
+    return True
+
+
+def restore(wan_module) -> bool:
+    """Undo :func:`apply`: ``speech2video``'s own ``sp_attn_forward_s2v`` again."""
+    s2v = wan_module.speech2video
+    if not getattr(s2v.sp_attn_forward_s2v, "__wan_s2v_patched__", False):
+        return False
+    s2v.sp_attn_forward_s2v = s2v.sp_attn_forward_s2v.__wan_s2v_original__
     return True
 
 
@@ -37,4 +48,4 @@ def _for_run(wan_module, ctx) -> str:
     return str(ctx.param_dtype)
 
 
-PATCH = Patch("sp_dtype", applies=always, apply=_for_run)
+PATCH = Patch("sp_dtype", applies=always, apply=_for_run, restore=restore)

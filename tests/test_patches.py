@@ -169,5 +169,52 @@ def test_the_registry_applies_what_each_run_needs_in_order(tiny_assets, tmp_path
     assert needed(device="cpu", nproc=2, mode="fsdp-fixed") == [*every, "fsdp_no_sync", "cpu_device"]
     assert needed(device="cpu", lora=[str(lora)]) == [*every, "lora_merge", "cpu_device"]
     assert needed(device="cuda") == every
-    assert [p.name for p in patches if p.restore is not None] == ["attention", "audio_load", "local_audio",
-                                                                  "lora_merge"]
+    assert all(p.restore is not None for p in patches)  # each can be undone (next test)
+
+
+_UNDONE = r"""
+import sys, torch
+from patches import apply_for_run, registry
+from wan_s2v_runner.loading.engine import import_wan
+from wan_s2v_runner.shared.spec import RunSpec
+
+ckpt, image, audio, lora = sys.argv[1:5]
+wan = import_wan()
+
+
+def engine():  # every name the engine's modules and their classes hold, by identity
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        if name == "wan" or name.startswith("wan."):
+            for k, v in list(vars(mod).items()):
+                out[(name, k)] = id(v)
+                if isinstance(v, type) and v.__module__ == name:
+                    out.update({(name, k, kk): id(vv) for kk, vv in vars(v).items()})
+    return out
+
+
+before = engine()
+for fields in ({"nproc": 2, "mode": "ulysses", "lora": [lora]}, {"nproc": 2, "mode": "fsdp-fixed"}):
+    spec = RunSpec(ckpt_dir=ckpt, image=image, audio=audio, prompt="p", device="cpu", **fields)
+    applied = apply_for_run(wan, spec, torch.float32)
+    after_apply = engine()
+    assert any(after_apply.get(k) != v for k, v in before.items()), "nothing applied?"
+    for patch in reversed(registry()):
+        patch.restore(wan)
+    after = engine()
+    changed = sorted(str(k) for k, v in before.items() if after.get(k) != v)
+    assert not changed, (sorted(applied), changed)
+print("undone")
+"""
+
+
+@pytest.mark.slow
+def test_every_patch_is_undone_to_the_engine_as_imported(tiny_assets, tmp_path):
+    """Applied for a 2-rank Ulysses run with a LoRA and for an FSDP one, then restored in reverse
+    order: every name of the engine's modules and classes is the object it was after import (a
+    fresh process: the suite's own has patched its engine)."""
+    lora = tmp_path / "x.safetensors"
+    lora.write_bytes(b"")
+    out = subprocess.run([sys.executable, "-c", _UNDONE, str(tiny_assets.ckpt_dir), str(tiny_assets.image),
+                          str(tiny_assets.audio), str(lora)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip().endswith("undone"), out.stderr[-3000:]
