@@ -9,10 +9,11 @@ given (:func:`wan_s2v_runner.loading.lora.merge`: fp32 accumulation on the weigh
 to the weight's dtype), then calls upstream's. Sharding, Ulysses and the FSDP weight fingerprint
 therefore see plain, merged weights: no mode needs a LoRA code path, and a LoRA costs nothing
 per step. With no LoRA in the spec the patch is not applied. Under lean loading an FSDP DiT
-arrives here still on the meta device (its shards are read after wrapping): the LoRAs are then
-checked against its shapes and left on the model shell as ``PENDING`` (a
-:class:`~wan_s2v_runner.loading.lora.LoraDeltas`), and ``lean_load.merge_deltas_into_shards`` adds each
-delta to the slices the rank holds once they are filled — element for element the same merge.
+arrives here still on the meta device (its shards are read after wrapping): the patch leaves it
+to the loader, which checked the LoRAs against its shapes before (a
+:class:`~wan_s2v_runner.loading.lora.LoraDeltas`, ``loading/components.py``) and adds each delta to
+the slices the rank holds once they are filled (``lean_load.merge_deltas_into_shards``) —
+element for element the same merge.
 Proof: tests/test_lora.py (merged DiT == peft's un-merged adapter on the same DiT; strength 0 ==
 no LoRA; the three formats give the same frames; fsdp-fixed and hybrid at 2 ranks == 1 process).
 """
@@ -22,12 +23,10 @@ import functools
 import logging
 
 from patches.patch import Patch
-from wan_s2v_runner.loading.lora import LoraDeltas, LoraSource, merge
+from wan_s2v_runner.loading.lora import LoraSource, merge
 
 log = logging.getLogger("wan_s2v.lora")
 _MARK = "_wan_s2v_lora_merge"
-#: attribute of the WanS2V shell holding LoRAs still to merge into FSDP shards (lean loading)
-PENDING = "_wan_s2v_pending_lora"
 
 
 def apply(wan_module, loras, allow_partial: bool = False, on_merged=None) -> bool:
@@ -41,12 +40,9 @@ def apply(wan_module, loras, allow_partial: bool = False, on_merged=None) -> boo
 
     @functools.wraps(current)
     def _configure_model(self, model, *args, **kwargs):
-        if any(p.is_meta for p in model.parameters()):
-            deltas = LoraDeltas(sources, {n: tuple(p.shape) for n, p in model.named_parameters()}, allow_partial)
-            setattr(self, PENDING, deltas)
-            records = deltas.records
-        else:
-            records = merge(model, sources, allow_partial=allow_partial)
+        if any(p.is_meta for p in model.parameters()):  # lean FSDP: the loader merges into the shards
+            return current(self, model, *args, **kwargs)
+        records = merge(model, sources, allow_partial=allow_partial)
         for r in records:
             log.info("LoRA %s (%s, strength %g): %d modules merged", r["path"], r["format"], r["strength"],
                      r["matched_modules"])

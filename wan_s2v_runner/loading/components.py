@@ -287,7 +287,7 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
     replicated DiT): a :class:`DitLoad` reading it on its thread, its collectives on ``group``.
     ``how.resident_blocks`` (not None): read into host memory (one buffer, or the node's shared
     copy) and streamed, its first blocks on the device (:mod:`wan_s2v_runner.loading.block_stream`)."""
-    from patches import fp8_linear, lora_merge
+    from patches import fp8_linear
     model = lean_load.empty_dit(s2v_mod.WanModel_S2V, ckpt_dir, self.param_dtype)
     fp8, resident = how.dit_quant is DitQuant.FP8, how.resident_blocks
 
@@ -297,7 +297,8 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
             if how.dit_file is not None:
                 report.strategy["dit_file"] = src.layout.describe()
             if fp8:
-                src = Fp8Source(src, fp8_linear.convert(model), _fp8_deltas(src, how.loras, how.lora_allow_partial))
+                shapes = {n: shape for n, (_, shape) in src.table().items()}
+                src = Fp8Source(src, fp8_linear.convert(model), _lora_deltas(shapes, how, "before quantizing"))
                 report.strategy["dit_quant"] = _describe_fp8(src)
                 matmul, why = fp8_linear.resolve_matmul(how.fp8_matmul, self.device)
                 fp8_linear.set_matmul(model, matmul)
@@ -335,6 +336,10 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
             return DitLoad(model, read, finish, self.device)
         read()
         return finish()
+    # the LoRAs (full precision: fp8 merged them as it read), checked against the DiT's shapes
+    # before it is wrapped, and added to the slices this rank holds once they are filled
+    deltas = None if fp8 else _lora_deltas({n: tuple(p.shape) for n, p in model.named_parameters()}, how,
+                                           "into this rank's FSDP shards")
     with source() as src:
         model = self._configure_model(model=model, use_sp=lay.use_sp, dit_fsdp=True, shard_fn=shard_fn,
                                       convert_model_dtype=False)  # wraps on meta: shards allocated
@@ -347,24 +352,22 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
         lean_load.in_turns(report.waves, lambda: lean_load.fill_fsdp_shards(model, src))
         if fp8:
             fp8_linear.set_scales(model, src.row_scales(), self.device)
-    deltas = getattr(self, lora_merge.PENDING, None)
     if deltas is not None:
         lean_load.merge_deltas_into_shards(model, deltas)
-        delattr(self, lora_merge.PENDING)
     report.strategy["dit"] = "fsdp shards"
     return model
 
 
-def _fp8_deltas(src, loras, allow_partial):
-    """The run's LoRAs against the DiT's full-precision names (None without any)."""
-    if not loras:
+def _lora_deltas(shapes: dict, how: LoadSettings, where: str):
+    """The run's LoRAs (``how.loras``) as fp32 deltas checked against the DiT's full-precision
+    ``shapes`` (its parameter names), merged by the caller ``where`` it says (None without any)."""
+    if not how.loras:
         return None
     from wan_s2v_runner.loading.lora import LoraDeltas, LoraSource
-    deltas = LoraDeltas([LoraSource(ref.path, ref.strength) for ref in loras],
-                        {n: shape for n, (_, shape) in src.table().items()}, allow_partial)
+    deltas = LoraDeltas([LoraSource(ref.path, ref.strength) for ref in how.loras], shapes, how.lora_allow_partial)
     for r in deltas.records:
-        log.info("LoRA %s (%s, strength %g): %d modules merged before quantizing", r["path"], r["format"],
-                 r["strength"], r["matched_modules"])
+        log.info("LoRA %s (%s, strength %g): %d modules merged %s", r["path"], r["format"],
+                 r["strength"], r["matched_modules"], where)
     return deltas
 
 
