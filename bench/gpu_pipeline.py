@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 MiB, GiB = 2**20, 2**30
 
@@ -52,18 +53,6 @@ def predicted(doctor: dict, mode: str) -> dict:
 #: the memory plan's GPU phases and the stages each covers (docs/memory-plan.md)
 PHASES = {"encode": ("audio_encode", "ref_encode", "text_encode"), "denoise": ("denoise",),
           "decode": ("decode", "motion_encode")}
-
-
-def first_step_t(run_dir: Path):
-    """The time of rank 0's first ``denoise`` stage event (seconds since the epoch), or None."""
-    try:
-        for line in (run_dir / "events" / "rank0.jsonl").read_text().splitlines():
-            e = json.loads(line)
-            if e.get("kind") == "stage" and e.get("stage") == "denoise":
-                return float(e["t"])
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def measured(run_json: dict) -> dict:
@@ -204,7 +193,9 @@ def main(argv=None) -> dict:
         raise SystemExit(f"no run.json under {runs} (exit {run.returncode})")
     out["run_json"] = str(newest)
     out["measured"] = measured(json.loads(newest.read_text()))
-    step = first_step_t(newest.parent)
+    from bench_startup import first_event_t
+
+    step = first_event_t(newest.parent, "stage", "denoise")
     out["measured"]["to_step_s"] = round(step - started, 1) if step else None
     out["comparison"] = compare(out["predicted"], out["measured"])
     print(render(out))

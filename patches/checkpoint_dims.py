@@ -32,7 +32,7 @@ import re
 from types import ModuleType
 from typing import Any, Optional
 
-from patches.patch import Patch, always
+from patches.patch import ORIGINAL, Patch, always, unbind
 
 #: umt5_xxl(...) sizes upstream, under the names read_t5_dims returns.
 UPSTREAM_T5 = dict(vocab_size=256384, dim=4096, dim_attn=4096, dim_ffn=10240, num_heads=64,
@@ -147,7 +147,7 @@ def apply(wan_module: ModuleType) -> None:
             return original_umt5_xxl(**kwargs)
 
         setattr(umt5_xxl, _MARK, True)
-        umt5_xxl.__wan_s2v_original__ = original_umt5_xxl
+        setattr(umt5_xxl, ORIGINAL, original_umt5_xxl)
         t5.umt5_xxl = umt5_xxl
 
     cls = t5.T5EncoderModel
@@ -166,7 +166,7 @@ def apply(wan_module: ModuleType) -> None:
                 _T5_PATH.reset(token)
 
         setattr(__init__, _MARK, True)
-        __init__.__wan_s2v_original__ = original_init
+        setattr(__init__, ORIGINAL, original_init)
         cls.__init__ = __init__
 
     if not getattr(vae._video_vae, _MARK, False):
@@ -185,7 +185,7 @@ def apply(wan_module: ModuleType) -> None:
                                       device=device, **kwargs)
 
         setattr(_video_vae, _MARK, True)
-        _video_vae.__wan_s2v_original__ = original_video_vae
+        setattr(_video_vae, ORIGINAL, original_video_vae)
         vae._video_vae = _video_vae
 
 
@@ -209,13 +209,9 @@ def is_applied(wan_module: ModuleType) -> bool:
 def restore(wan_module: ModuleType) -> bool:
     """Undo :func:`apply`: upstream's ``umt5_xxl``, ``T5EncoderModel.__init__`` and ``_video_vae``."""
     t5, vae = wan_module.modules.t5, wan_module.modules.vae2_1
-    undone = False
-    for owner, name in ((t5, "umt5_xxl"), (t5.T5EncoderModel, "__init__"), (vae, "_video_vae")):
-        current = getattr(owner, name)
-        if getattr(current, _MARK, False):
-            setattr(owner, name, current.__wan_s2v_original__)
-            undone = True
-    return undone
+    undone = [unbind(owner, name, _MARK) for owner, name in
+              ((t5, "umt5_xxl"), (t5.T5EncoderModel, "__init__"), (vae, "_video_vae"))]
+    return any(undone)
 
 
 def _for_run(wan_module, ctx) -> str:

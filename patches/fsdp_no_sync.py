@@ -34,7 +34,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from patches.patch import Patch
+from patches.patch import ORIGINAL, Patch, unbind
 from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.fsdp")
@@ -147,18 +147,14 @@ def apply(wan_module, param_dtype: torch.dtype, on_cpu: bool, on_event=None) -> 
         return False
     upstream = wan_module.distributed.fsdp.shard_model
     patched = make_shard_model(upstream, param_dtype, on_cpu, on_event)
-    patched.__wan_s2v_original__ = s2v.shard_model
+    setattr(patched, ORIGINAL, s2v.shard_model)
     s2v.shard_model = patched
     return True
 
 
 def restore(wan_module) -> bool:
     """Undo :func:`apply`: ``speech2video``'s own ``shard_model`` again."""
-    s2v = wan_module.speech2video
-    if not getattr(s2v.shard_model, "__wan_s2v_patched__", False):
-        return False
-    s2v.shard_model = s2v.shard_model.__wan_s2v_original__
-    return True
+    return unbind(wan_module.speech2video, "shard_model")
 
 
 def _for_run(wan_module, ctx) -> str:

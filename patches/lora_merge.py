@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from patches.patch import Patch
+from patches.patch import ORIGINAL, Patch, unbind
 from wan_s2v_runner.loading.lora import LoraSource, merge
 
 log = logging.getLogger("wan_s2v.lora")
@@ -51,18 +51,13 @@ def apply(wan_module, loras, allow_partial: bool = False, on_merged=None) -> boo
         return current(self, model, *args, **kwargs)
 
     setattr(_configure_model, _MARK, True)
-    _configure_model.__wrapped_upstream__ = current
+    setattr(_configure_model, ORIGINAL, current)
     cls._configure_model = _configure_model
     return True
 
 
 def restore(wan_module) -> bool:
-    cls = wan_module.speech2video.WanS2V
-    current = cls._configure_model
-    if not getattr(current, _MARK, False):
-        return False
-    cls._configure_model = current.__wrapped_upstream__
-    return True
+    return unbind(wan_module.speech2video.WanS2V, "_configure_model", _MARK)
 
 
 def _for_run(wan_module, ctx) -> str:

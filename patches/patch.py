@@ -39,3 +39,17 @@ class Patch:
 def always(ctx: PatchContext) -> bool:
     """Every run needs it."""
     return True
+
+
+#: where a patch's wrapper keeps what it replaced (what :func:`unbind` puts back)
+ORIGINAL = "__wan_s2v_original__"
+
+
+def unbind(owner: Any, name: str, mark: str = "__wan_s2v_patched__") -> bool:
+    """Undo a patch that rebound ``owner.name`` to a wrapper carrying ``mark``: put back what the
+    wrapper keeps as :data:`ORIGINAL`. False if ``owner.name`` is not such a wrapper."""
+    current = getattr(owner, name)
+    if not getattr(current, mark, False):
+        return False
+    setattr(owner, name, getattr(current, ORIGINAL))
+    return True

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from patches.patch import Patch, always
+from patches.patch import ORIGINAL, Patch, always, unbind
 
 
 def apply(wan_module, param_dtype: torch.dtype) -> bool:
@@ -29,18 +29,14 @@ def apply(wan_module, param_dtype: torch.dtype) -> bool:
         return upstream(self, x, seq_lens, grid_sizes, freqs, dtype=dtype or param_dtype)
 
     sp_attn_forward_s2v.__wan_s2v_patched__ = True
-    sp_attn_forward_s2v.__wan_s2v_original__ = before
+    setattr(sp_attn_forward_s2v, ORIGINAL, before)
     s2v.sp_attn_forward_s2v = sp_attn_forward_s2v
     return True
 
 
 def restore(wan_module) -> bool:
     """Undo :func:`apply`: ``speech2video``'s own ``sp_attn_forward_s2v`` again."""
-    s2v = wan_module.speech2video
-    if not getattr(s2v.sp_attn_forward_s2v, "__wan_s2v_patched__", False):
-        return False
-    s2v.sp_attn_forward_s2v = s2v.sp_attn_forward_s2v.__wan_s2v_original__
-    return True
+    return unbind(wan_module.speech2video, "sp_attn_forward_s2v")
 
 
 def _for_run(wan_module, ctx) -> str:

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from wan_s2v_runner.serve.group import InboxDoor
 from wan_s2v_runner.serve.store.protocol import JobStatus
 from wan_s2v_runner.shared import inbox, media
 
@@ -21,7 +22,6 @@ from wan_s2v_runner.shared import inbox, media
 def kept(tmp_path, tiny_assets):
     """A keeper over a SQLite store, its group started (an inbox) and idle."""
     from wan_s2v_runner.serve.dirs import ServerDirs
-    from wan_s2v_runner.serve.group import InboxDoor
     from wan_s2v_runner.serve.keeper import Keeper
     from wan_s2v_runner.serve.store.sqlite import SqliteJobStore
     from wan_s2v_runner.shared.spec import GroupSpec
@@ -131,21 +131,13 @@ def test_a_job_taken_too_often_is_failed_not_run(kept):
     assert kept.current is None and not list(inbox.inbox_of(kept.run_dir).glob("job-*.json"))
 
 
-class ScriptedGroup:
+class ScriptedGroup(InboxDoor):
     """A rank group played by the test through the group interface: its news scripted, its door a
-    real inbox folder (:class:`~wan_s2v_runner.serve.group.InboxDoor`)."""
+    real inbox folder (submit, cancel, renew, release, stop: :class:`InboxDoor`'s)."""
 
     def __init__(self, script):
-        from wan_s2v_runner.serve.group import InboxDoor
-
-        self.script, self.halted, self.door = list(script), False, InboxDoor(None)
-
-    def __getattr__(self, name):  # submit, cancel, renew, release, stop: the inbox's
-        return getattr(self.door, name)
-
-    @property
-    def run_dir(self):
-        return self.door.run_dir
+        super().__init__()
+        self.script, self.halted = list(script), False
 
     def start(self):
         pass
@@ -158,7 +150,7 @@ class ScriptedGroup:
 
         news = self.script.pop(0) if self.script else GroupNews(ended=True)
         if news.started is not None:
-            self.door._run_dir = news.started
+            self._run_dir = news.started
         return news
 
 

@@ -159,7 +159,7 @@ class Keeper(threading.Thread):
     def _tell_lease(self, holding: Holding, lost: bool = False) -> None:
         """Tell the ranks how long this keeper is sure it holds the running job (a shared queue
         only: one server's jobs have no lease, and no lease file)."""
-        if self.held.lease_s is not None and self.run_dir is not None and self.group is not None:
+        if self.held.lease_s is not None and self.run_dir is not None:
             until = self.held.sure_until.get(holding.job_id, 0.0)
             self.group.renew(holding.job_id, inbox.Lease(holding.attempt, until, lost))
 
@@ -447,7 +447,7 @@ class Keeper(threading.Thread):
 
     def _ended(self, holding: Holding, kind: str, ev: dict, done: Optional[Progress]) -> None:
         """Rank 0 ended the job ``kind``: record it (what this holder may record)."""
-        if self.run_dir is not None and self.group is not None:
+        if self.run_dir is not None:
             self.group.release(holding.job_id)
         if holding.job_id in self.held.lost or kind == "job_lost":  # another holder has it: its end and files
             self.held.lost.discard(holding.job_id)
