@@ -162,7 +162,7 @@ def test_a_group_whose_launcher_reported_its_end_is_handed_no_job(tmp_path, tiny
     from types import SimpleNamespace
 
     from wan_s2v_runner.serve.dirs import ServerDirs
-    from wan_s2v_runner.serve.group import GroupNews
+    from wan_s2v_runner.serve.group import GroupClient, GroupNews, LaunchedGroup
     from wan_s2v_runner.serve.keeper import Keeper
     from wan_s2v_runner.serve.store.sqlite import SqliteJobStore
     from wan_s2v_runner.shared.spec import GroupSpec
@@ -176,6 +176,9 @@ def test_a_group_whose_launcher_reported_its_end_is_handed_no_job(tmp_path, tiny
     idle = {"rank": 0, "kind": "stage", "stage": "idle", "t": time.time()}
     last = GroupNews(events=[idle], ranks=[], outcome=SimpleNamespace(reason="stopped") if ending else None)
     group = ScriptedGroup([GroupNews(started=run_dir), last, GroupNews(ended=True)])
+    # the test's group and the launcher's both speak the whole interface the keeper uses
+    assert isinstance(group, GroupClient) and isinstance(LaunchedGroup(GroupSpec(ckpt_dir=tiny_assets.ckpt_dir)),
+                                                         GroupClient)
     keeper = Keeper(GroupSpec(ckpt_dir=tiny_assets.ckpt_dir, device="cpu"), store, dirs,
                     new_group=lambda spec, env, name: group)
     try:  # one group's life (then the keeper's back-off of 1 s)
