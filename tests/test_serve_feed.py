@@ -5,6 +5,7 @@ checked on :class:`Feed` directly (no server: its read is the test's)."""
 from __future__ import annotations
 
 import json
+import socket
 import sqlite3
 import threading
 import time
@@ -51,11 +52,13 @@ class Stream:
         self.client = httpx.Client(base_url=url, timeout=60)
         self.thread = threading.Thread(target=self._read, args=(path,), daemon=True)
         self.stop = False
+        self.socket = None  # the stream's connection, once open
         self.thread.start()
 
     def _read(self, path: str) -> None:
         event = None
         with self.client.stream("GET", path) as r:
+            self.socket = r.extensions["network_stream"].get_extra_info("socket")
             for line in r.iter_lines():
                 if self.stop:
                     return
@@ -65,7 +68,11 @@ class Stream:
                     self.events.append((event, json.loads(line[5:])))
 
     def close(self) -> None:
+        """Hang up as a browser closing its tab does: the connection ends, so the server lets the
+        stream go now (a client's ``close`` leaves a stream in use open until the next ping)."""
         self.stop = True
+        if self.socket is not None:
+            self.socket.shutdown(socket.SHUT_RDWR)
         self.client.close()
 
     def after(self, n: int, what: str, pred) -> tuple[str, dict]:
