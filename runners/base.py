@@ -1,7 +1,7 @@
 """What every mode runner provides: its mode, what that mode does to the engine (from
 :data:`wan_s2v_runner.shared.layout.MODES`), how a rank prepares for it (:meth:`ModeRunner.prepare`, given
 the rank's (cfg, sp) plan: Ulysses on the SP group for any degree (``patches.ulysses_sp``), the engine
-parts this rank loads). Spawning a run is the launcher's (``wan_s2v_runner.launcher.launch.run``), the same for
+parts this rank loads). Spawning a run is the launcher's (``wan_s2v_runner.launcher.launch``), the same for
 every mode."""
 from __future__ import annotations
 

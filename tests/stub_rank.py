@@ -33,7 +33,7 @@ def run_rank(spec, run_dir: Path, events) -> int:
     import torch.distributed as dist
 
     from wan_s2v_runner.shared import inbox, media
-    from wan_s2v_runner.shared.spec import JobSpec
+    from wan_s2v_runner.shared.job_source import JobSource, read_source
     from wan_s2v_runner.shared.stages import Stage
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -44,7 +44,7 @@ def run_rank(spec, run_dir: Path, events) -> int:
         events.stage(Stage.LOAD)
         time.sleep(LOAD_S)
         dist.barrier()
-        if not isinstance(spec, JobSpec):  # a served group: idle until the server says stop
+        if read_source(run_dir) is JobSource.INBOX:  # a served group: idle until the server says stop
             events.stage(Stage.IDLE)
             said = time.time()
             while not inbox.stopping(run_dir):

@@ -163,6 +163,20 @@ def test_the_server_reaches_its_rank_groups_only_through_the_group_door():
     assert writers == ["wan_s2v_runner/serve/group.py"], writers
 
 
+def test_a_rank_takes_its_jobs_only_from_its_job_source():
+    """On the rank side, only the job sources (``rank/job_sources.py``) read the server's inbox or
+    the launcher's jobs list, and the lease (``rank/lease.py``) reads its lease files: the group's
+    loop asks its source, never the run directory's files, where its jobs come from."""
+    g = import_graph()
+    readers = sorted(m for m, deps in g.items() if area_of(m) == "rank"
+                     and deps & {"wan_s2v_runner.shared.inbox", "wan_s2v_runner.shared.jobs"}
+                     and m != "wan_s2v_runner.rank.worker")
+    assert readers == ["wan_s2v_runner.rank.job_sources", "wan_s2v_runner.rank.lease"], readers
+    worker = (ROOT / "wan_s2v_runner" / "rank" / "worker.py").read_text(encoding="utf-8")
+    assert "wan_s2v_runner.shared.inbox" not in g["wan_s2v_runner.rank.worker"]
+    assert not re.search(r"\bread_jobs\b|inbox_of", worker)
+
+
 def test_the_rule_catches_a_rank_module_importing_the_console():
     graph = {"wan_s2v_runner.rank.worker": {"wan_s2v_runner.launcher.console"},
              "wan_s2v_runner.launcher.console": set()}

@@ -2,6 +2,8 @@
 errors that name the flag and a fix, and the per-mode layout everything else asks."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from wan_s2v_runner.cli import main as cli
@@ -170,6 +172,37 @@ def test_spec_json_reads_as_a_group_or_as_a_run(tmp_path):
     got = read_spec(tmp_path / "group.json")
     assert type(got) is GroupSpec and got == spec.group
     assert spawn.finalize_spec(got) == got  # a group has no seed to resolve
+
+
+def test_spec_json_records_where_the_jobs_come_from_and_older_ones_are_read_as_before(tmp_path):
+    """The launcher's choice of job source is in spec.json beside the spec (the spec reads as
+    before); a spec.json from before the record has its source read from the files, as then."""
+    from wan_s2v_runner.shared import inbox
+    from wan_s2v_runner.shared.job_source import SPEC_KEY, JobSource, read_source, write_spec
+    from wan_s2v_runner.shared.jobs import JOBS_FILE
+    from wan_s2v_runner.shared.spec import read_spec
+
+    spec = RunSpec(ckpt_dir="ck", image="i.png", audio="a.wav", prompt="p", seed=3)
+    for source, written in ((JobSource.RUN, spec), (JobSource.LIST, spec.group), (JobSource.INBOX, spec.group)):
+        d = tmp_path / source.value
+        d.mkdir()
+        write_spec(d, written, source)
+        assert json.loads((d / "spec.json").read_text())[SPEC_KEY] == source.value
+        assert read_source(d) is source and read_spec(d / "spec.json") == written
+    (tmp_path / "run").joinpath(JOBS_FILE).write_text("")  # a file the source does not name changes nothing
+    assert read_source(tmp_path / "run") is JobSource.RUN
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "spec.json").write_text(spec.group.to_json())
+    (old / JOBS_FILE).write_text("")
+    assert read_source(old) is JobSource.LIST
+    inbox.inbox_of(old).mkdir()
+    assert read_source(old) is JobSource.INBOX
+    (old / "spec.json").write_text(spec.to_json())
+    (old / JOBS_FILE).unlink()
+    inbox.inbox_of(old).rmdir()
+    assert read_source(old) is JobSource.RUN
 
 
 def test_resume_of_a_group_run_directory_says_how_to_resume_it(tmp_path, capsys):

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from wan_s2v_runner.launcher.flags import Command, add_spec_flags, base_values, flag_values
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.config import format_validation_error, merge_values
-from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec, flag_name
+from wan_s2v_runner.shared.spec import GroupSpec, RunSpec, flag_name
 
 
 def spec_values(args: argparse.Namespace, defaults: Optional[dict] = None) -> dict[str, Any]:
@@ -114,16 +114,18 @@ def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
 def cmd_resume(args, extra_env=None) -> int:
     """Continue RUN_DIR's run from its last complete clip; layout flags may change, the inputs
     and frame settings may not (they decide the frames already written)."""
-    from wan_s2v_runner.shared import resume
+    from wan_s2v_runner.shared import job_source, resume
 
     run_dir = Path(args.run_dir).expanduser().absolute()
     try:
         original = json.loads((run_dir / "spec.json").read_text(encoding="utf-8"))
+        source = job_source.read_source(run_dir)
     except (OSError, ValueError) as e:
         print(f"error: {run_dir} is not a wan-s2v run directory ({e}). Fix: pass a directory under runs/.",
               file=sys.stderr)
         return exit_codes.USAGE
-    if not any(k in original for k in JobSpec.model_fields):  # a group's spec: a batch's or a server's
+    original.pop(job_source.SPEC_KEY, None)
+    if source is not job_source.JobSource.RUN:  # a group's: a batch's or a server's
         print(f"error: {run_dir} is a rank group of several jobs (wan-s2v batch or serve), not one run. Fix: run "
               "the same `wan-s2v batch` command again (it resumes its interrupted job), or restart the server",
               file=sys.stderr)

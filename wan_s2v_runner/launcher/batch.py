@@ -175,7 +175,7 @@ def run_batch(path: Path, base: dict[str, Any], group: GroupSpec, output_dir: Pa
     code = exit_codes.OK
     if jobs:
         group = group.model_copy(update={k: v for k, v in settled.items() if getattr(group, k) is None})
-        code = launch.run(group, observers=[Display.auto(json_mode=json_mode)], extra_env=extra_env, jobs=jobs)
+        code = launch.run_batch(group, jobs, observers=[Display.auto(json_mode=json_mode)], extra_env=extra_env)
         if not group.writes_output:  # another node: node 0's rank 0 makes node 0's list and writes it all
             return code
     records: dict[str, dict] = {}

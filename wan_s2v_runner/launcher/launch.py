@@ -1,13 +1,20 @@
 """The launcher: spawn a rank group's agent (torch elastic's, :mod:`wan_s2v_runner.rank.agent`) and supervise it.
 
-One call, :func:`run`, does it all: make the run directory (``<runs_root>/<time>-<mode>/``),
-write the group's ``spec.json`` once (and its jobs' ``jobs.jsonl``), spawn the agent (or, for
-``wan-s2v run``, tell the agent :func:`prepare` spawned before the preflight to go)
-(:mod:`.torchrun` builds the command), supervise it
+Three callers, one for each kind of group, of one core (:func:`_supervise`):
+
+- :func:`run`: ``wan-s2v run`` (and ``resume``), a group with its one job, the run's own spec; its
+  agent may have been spawned before the preflight (:func:`prepare`);
+- :func:`run_batch`: ``wan-s2v batch``, a group that makes the jobs listed in ``jobs.jsonl``;
+- :func:`run_served`: a server's group (``wan-s2v serve``), which makes whatever the server posts
+  to its inbox until it says stop, and which the server may halt from its own thread.
+
+Each makes the run directory (``<runs_root>/<time>-<mode>/``) and writes the group's ``spec.json``
+once, with where its jobs come from (:mod:`wan_s2v_runner.shared.job_source`: what every rank
+reads), then the core spawns the agent (:mod:`.spawn` builds the command), supervises it
 (:class:`~.supervisor.Supervisor`: live progress, the hang watchdog, fast stop of every rank
-when one fails or on Ctrl-C/SIGTERM, a failure report naming the *first* failing rank), remove
-what a killed rank left half-written, and write ``run.json``, the manifest. Returns an exit code
-from :mod:`wan_s2v_runner.shared.exit_codes`. See docs/supervision.md.
+when one fails or on Ctrl-C/SIGTERM, a failure report naming the *first* failing rank), removes
+what a killed rank left half-written, and writes ``run.json``, the manifest. Each returns an exit
+code from :mod:`wan_s2v_runner.shared.exit_codes`. See docs/supervision.md.
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from wan_s2v_runner.launcher import manifest
 from wan_s2v_runner.launcher.console import Display
@@ -29,7 +36,8 @@ from wan_s2v_runner.launcher.processes import EarlyAgent
 from wan_s2v_runner.launcher.proctree import cpu_s
 from wan_s2v_runner.launcher.spawn import finalize_spec, make_run_dir
 from wan_s2v_runner.launcher.supervisor import Outcome, Supervisor
-from wan_s2v_runner.shared import atomic, exit_codes, inbox
+from wan_s2v_runner.shared import atomic, exit_codes, inbox, job_source
+from wan_s2v_runner.shared.job_source import JobSource
 from wan_s2v_runner.shared.jobs import Job, write_jobs
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
 from wan_s2v_runner.shared.stages import Stage
@@ -43,7 +51,7 @@ def _output_stamp(path: Path) -> Optional[tuple]:
         return None
 
 
-def cleanup_partial_outputs(jobs: list[JobSpec], pids: list[int]) -> list[Path]:
+def cleanup_partial_outputs(jobs: Sequence[JobSpec], pids: list[int]) -> list[Path]:
     """Remove temporary files the ranks left next to the jobs' outputs (a rank killed while
     saving); every writer names them by :func:`atomic.temp_name`."""
     removed = []
@@ -98,13 +106,13 @@ class Prepared:
                 pass
 
 
-def _new_run(spec: GroupSpec, jobs: Optional[list[Job]], served: bool) -> tuple[GroupSpec, Path]:
+def _new_run(spec: GroupSpec, source: JobSource, jobs: Optional[list[Job]] = None) -> tuple[GroupSpec, Path]:
     spec = finalize_spec(spec)
     run_dir = make_run_dir(spec)
-    atomic.write_text(run_dir / "spec.json", spec.to_json())
-    if jobs:
-        write_jobs(run_dir, jobs)
-    if served:
+    job_source.write_spec(run_dir, spec, source)
+    if source is JobSource.LIST:
+        write_jobs(run_dir, jobs or [])
+    if source is JobSource.INBOX:
         inbox.inbox_of(run_dir).mkdir()
     return spec, run_dir
 
@@ -114,27 +122,47 @@ def prepare(spec: GroupSpec, extra_env: Optional[dict] = None) -> Prepared:
     rank needs (3-8 s) overlap the checks before it. Pass the result to :func:`run` (with the spec
     the checks settled on: :attr:`Prepared.spec`, updated) or :meth:`~Prepared.abandon` it."""
     made_root = not spec.runs_root.exists()
-    spec, run_dir = _new_run(spec, None, False)
+    spec, run_dir = _new_run(spec, JobSource.RUN)
     return Prepared(spec, run_dir, EarlyAgent(spec, run_dir, extra_env), made_root)
 
 
-def run(spec: GroupSpec, *, observers: Optional[list[RunObserver]] = None, extra_env: Optional[dict] = None,
-        jobs: Optional[list[Job]] = None, served: bool = False, halt: Optional[threading.Event] = None,
+def run(spec: RunSpec, *, observers: Optional[list[RunObserver]] = None, extra_env: Optional[dict] = None,
         prepared: Optional[Prepared] = None) -> int:
-    """Spawn and supervise one rank group of ``spec`` (a :class:`GroupSpec`) that makes, in turn,
-    each of ``jobs``, or, ``served``, whatever a server posts to the run directory's inbox
-    (:mod:`wan_s2v_runner.shared.inbox`) until it says stop; a :class:`RunSpec` alone (``wan-s2v
-    run``) is a group with its one job. ``observers`` (default: the console) are told how it goes
-    (:mod:`.observer`). ``halt`` set from another thread stops the ranks as a signal would.
-    ``prepared``: the run directory and waiting agent of :func:`prepare` (``spec``: its spec, as
-    the checks left it). Returns an exit code (see exit_codes)."""
+    """``wan-s2v run``: one rank group that makes the run's own job (``spec``). ``prepared``: the
+    run directory and waiting agent of :func:`prepare` (``spec``: its spec, as the checks left it).
+    ``observers`` (default: the console) are told how it goes (:mod:`.observer`)."""
     if prepared is None:
-        spec, run_dir = _new_run(spec, jobs, served)
+        spec, run_dir = _new_run(spec, JobSource.RUN)
     else:
         spec, run_dir = finalize_spec(spec), prepared.run_dir
         if spec != prepared.spec:  # the agent reads it once told to go
-            atomic.write_text(run_dir / "spec.json", spec.to_json())
-    own_job = spec if isinstance(spec, RunSpec) else None  # the run's own job (else the jobs', or served)
+            job_source.write_spec(run_dir, spec, JobSource.RUN)
+    return _supervise(spec, run_dir, observers, extra_env, outputs=[spec], own_job=spec,
+                      agent=prepared.agent if prepared is not None else None)
+
+
+def run_batch(group: GroupSpec, jobs: list[Job], *, observers: Optional[list[RunObserver]] = None,
+              extra_env: Optional[dict] = None) -> int:
+    """``wan-s2v batch``: one rank group of ``group`` that makes each of ``jobs`` in turn."""
+    spec, run_dir = _new_run(group, JobSource.LIST, jobs)
+    return _supervise(spec, run_dir, observers, extra_env, outputs=[job.spec for job in jobs])
+
+
+def run_served(group: GroupSpec, *, observers: Optional[list[RunObserver]] = None,
+               extra_env: Optional[dict] = None, halt: Optional[threading.Event] = None) -> int:
+    """A server's rank group of ``group``: it loads once and makes whatever the server posts to
+    its inbox (:mod:`wan_s2v_runner.shared.inbox`) until it says stop. ``halt`` set from another
+    thread stops the ranks as a signal would."""
+    spec, run_dir = _new_run(group, JobSource.INBOX)
+    return _supervise(spec, run_dir, observers, extra_env, halt=halt)
+
+
+def _supervise(spec: GroupSpec, run_dir: Path, observers: Optional[list[RunObserver]], extra_env: Optional[dict],
+               *, outputs: Sequence[JobSpec] = (), own_job: Optional[RunSpec] = None,
+               halt: Optional[threading.Event] = None, agent: Optional[EarlyAgent] = None) -> int:
+    """Spawn (or tell ``agent`` to go) and supervise the rank group of ``spec`` in ``run_dir``;
+    remove what a killed rank left of ``outputs``; for a run (``own_job``), an exit 0 that wrote
+    no video is a failure; write run.json. Returns an exit code (see exit_codes)."""
     watchers = Observers(observers if observers is not None else [Display.auto()], strict=spec.strict_observers)
     watchers.started(spec, run_dir)
     sup = Supervisor(spec, run_dir, watchers, extra_env, halt=halt)
@@ -149,7 +177,7 @@ def run(spec: GroupSpec, *, observers: Optional[list[RunObserver]] = None, extra
     cpu_before = cpu_s(os.getpid()) or 0.0
     try:
         try:
-            sup.start(prepared.agent if prepared is not None else None)
+            sup.start(agent)
             outcome = sup.supervise()
         except BaseException:
             sup.processes.force = True  # the launcher itself failed: leave nothing behind
@@ -159,7 +187,7 @@ def run(spec: GroupSpec, *, observers: Optional[list[RunObserver]] = None, extra
             sup.processes.close()
         procs = sup.processes
         rank_pids = [st.pid for st in sup.reader.ranks.values() if st.pid]
-        cleanup_partial_outputs([own_job] if own_job else [job.spec for job in jobs or ()], rank_pids)
+        cleanup_partial_outputs(list(outputs), rank_pids)
         _remove_empty_stacks(run_dir)
         sup.reader.poll()
         if outcome.code == exit_codes.OK and own_job and spec.writes_output and \

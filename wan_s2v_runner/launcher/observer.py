@@ -1,4 +1,4 @@
-"""Who watches a run: the observer protocol :func:`~.launch.run` reports to.
+"""Who watches a run: the observer protocol every launch (:mod:`.launch`) reports to.
 
 A run's launcher tells each observer when the run starts (its group spec and run directory),
 each line the node agent prints, what the ranks reported after every poll of their events, and how the
@@ -30,7 +30,7 @@ log = logging.getLogger("wan_s2v.observer")
 
 @runtime_checkable
 class RunObserver(Protocol):
-    """What :func:`~.launch.run` tells whoever watches a run."""
+    """What a launch (:mod:`.launch`) tells whoever watches a run."""
 
     def started(self, spec: GroupSpec, run_dir: Path) -> None:
         """The run directory is made and ``spec.json`` written; the node agent is about to start."""

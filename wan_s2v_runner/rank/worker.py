@@ -5,9 +5,10 @@ Reads the group's spec the launcher wrote (:func:`~wan_s2v_runner.shared.spec.re
 group spec, or a run's spec with its one job), joins the process group (gloo on CPU, nccl on
 CUDA, with an explicit timeout), imports the engine, applies the patches, builds the engine's
 ``WanS2V`` with the mode's settings once (from the group's settings alone), then makes the rank
-group's jobs (:class:`RankGroup`): the run's own job, the launcher's ``jobs.jsonl`` (``wan-s2v
-batch``), or, when the run directory has an ``inbox/`` (``wan-s2v serve``), whatever the server
-posts there until it says stop; each job runs as ``RunSpec.of(group, job.spec)``. Rank 0 writes
+group's jobs (:class:`RankGroup`) from the source its launcher chose and recorded in spec.json
+(:mod:`wan_s2v_runner.rank.job_sources`): the run's own job, the launcher's ``jobs.jsonl``
+(``wan-s2v batch``), or whatever a server posts to the inbox until it says stop (``wan-s2v
+serve``); each job runs as ``RunSpec.of(group, job.spec)``. Rank 0 writes
 each job's mp4 with audio. Stages and progress go to the run directory's event files; a failure
 is recorded by torch elastic's ``@record`` (per-rank error file) and as an ``error`` event naming
 the stage.
@@ -26,30 +27,27 @@ import signal
 import sys
 import time
 from datetime import timedelta
-from enum import Enum
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from wan_s2v_runner.loading import engine
-from wan_s2v_runner.rank import job_errors
+from wan_s2v_runner.rank import job_errors, job_sources
 from wan_s2v_runner.rank.cpu_binding import cpu_binding
-from wan_s2v_runner.rank.lease import ALWAYS, JobLost, LeaseGate
+from wan_s2v_runner.rank.job_sources import JobEnd
+from wan_s2v_runner.rank.lease import JobLost, LeaseGate
 from wan_s2v_runner.rank.memory_peaks import StagePeaks
-from wan_s2v_runner.shared import atomic, cache_policy, inbox
+from wan_s2v_runner.shared import atomic, cache_policy
 from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventWriter
-from wan_s2v_runner.shared.jobs import Job, read_jobs
+from wan_s2v_runner.shared.job_source import JobSource, read_source
+from wan_s2v_runner.shared.jobs import Job
 from wan_s2v_runner.shared.procfs import trim_heap
 from wan_s2v_runner.shared.spec import GroupSpec, RunSpec, read_spec
 from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.worker")
-
-#: an idle served rank says ``waiting`` this often (the hang watchdog's sign of life)
-WAITING_EVERY_S = 2.0
-
 
 class JobCancelled(Exception):
     """The server cancelled the job in progress; raised on every rank at the same step."""
@@ -59,16 +57,6 @@ class JobFailed(Exception):
     """A job's own error, where no peer can be waiting for this rank in a collective: its inputs
     or its speech before the ranks start it, or rank 0's writing after they finished it. The job
     fails with this cause; the same ranks take the next job."""
-
-
-class JobEnd(str, Enum):
-    """Rank 0's word to every rank that a job ends before it is done, and how (broadcast; None: go on):
-    before its ranks start it (:meth:`RankGroup.start_job`, FAILED with its cause, or LOST) or at a
-    denoising step of a served job (:meth:`RankGroup._step_or_cancel`, LOST or CANCELLED)."""
-
-    FAILED = "failed"  # its inputs or its speech: the job's own error, the group goes on
-    LOST = "lost"  # its server lost it to another holder: nothing more of it is written here
-    CANCELLED = "cancelled"  # its server cancelled it
 
 
 def input_problem(spec) -> Optional[str]:
@@ -213,121 +201,43 @@ class RankGroup:
     clip state, hooks and clip checkpoints; and the T5 encodings of the texts the group has seen
     (a text's encoding is the same for every job: ``rank.encoders.TextContexts``)."""
 
-    def __init__(self, spec: GroupSpec, run_dir: Path, events: "RankEvents", rank: int, cfg, plan, parts):
+    def __init__(self, spec: GroupSpec, run_dir: Path, events: "RankEvents", rank: int, cfg, plan, parts,
+                 source: JobSource):
         from wan_s2v_runner.rank.encoders import TextContexts
 
         self.spec, self.run_dir, self.events, self.rank = spec, run_dir, events, rank  # the group's
         self.cfg, self.plan, self.parts = cfg, plan, parts
         self.texts = TextContexts()
-        self.served = False  # jobs come from the server's inbox (set by jobs())
-        self.count: Optional[int] = None  # how many jobs a listed group has (set by jobs())
+        self.jobs = job_sources.for_group(source, spec, run_dir, rank, events, on_idle=self._idle)
         self.compiler = None  # --compile: patches.compile_blocks.Compiled (set by run_rank)
-        self.control = None  # a served group's control channel (rank.job_errors; set by jobs())
+
+    def _idle(self) -> None:
+        """No job waits (every rank heard so): a DiT still loading is finished now, so the first
+        job does not wait for it and a load error is the group's."""
+        if self.parts.dit_loading:
+            self.parts.ready()
 
     def job_error_is_the_jobs(self, e: BaseException) -> bool:
         """A served job raised ``e`` here: whether it is the job's alone (every rank raised at the
         same point: :func:`~wan_s2v_runner.rank.job_errors.in_step`); False outside a served group."""
-        if not self.served or job_errors.the_groups(e):
+        if not self.jobs.served or job_errors.the_groups(e):
             return False
         p = self.events.progress
         point = (str(self.events.current_stage.value), p.get("clip"), p.get("step"))
         logging.getLogger("wan_s2v").error("job error in stage %s: %s: %s", point[0], type(e).__name__, e,
                                            exc_info=e)
-        return job_errors.in_step(point, self.control)
-
-    def _from_rank0(self, value):
-        """Rank 0's ``value``, on every rank (on several nodes only node 0's counts)."""
-        import torch.distributed as dist
-
-        box = [value]
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def jobs(self) -> Iterator[Job]:
-        """The group's jobs, in order, on every rank: rank 0's list (the launcher's ``jobs.jsonl``,
-        or the run's own spec as one job), or, for a served group (an ``inbox/`` in the run
-        directory), each job the server posts until it says stop."""
-        first = None
-        if self.rank == 0:
-            if inbox.inbox_of(self.run_dir).is_dir():
-                first = {"serve": True}
-            else:
-                listed = read_jobs(self.run_dir)
-                if listed is None:  # a run: its spec carries its one job
-                    assert isinstance(self.spec, RunSpec), "a group without jobs.jsonl or inbox/ needs a run spec"
-                    listed = [Job(id="run", spec=self.spec.job, work_dir=self.run_dir)]
-                first = {"jobs": [job.model_dump_json() for job in listed]}
-        first = self._from_rank0(first)
-        if not first.get("serve"):
-            self.count = len(first["jobs"])
-            yield from (Job.model_validate_json(text) for text in first["jobs"])
-            return
-        self.served = True
-        self.control = job_errors.control_group()  # every rank, here: where a job's error is asked about
-        while True:
-            message = self._wait_for_job()
-            if message.get("stop"):
-                return
-            yield Job.model_validate_json(message["job"])
-
-    def _wait_for_job(self) -> dict:
-        """Idle until the server posts a job or says stop: rank 0 looks at the inbox every
-        :data:`~wan_s2v_runner.shared.inbox.IDLE_POLL_S` and tells every rank (``{}``: nothing
-        yet), so no rank waits in one collective long; every rank says ``waiting`` now and then
-        (the hang watchdog's sign of life for an idle group)."""
-        self.events.stage(Stage.IDLE)
-        said = time.time()
-        while True:
-            message: dict = {}
-            if self.rank == 0:
-                deadline = time.time() + inbox.IDLE_POLL_S
-                while not message:
-                    if inbox.stopping(self.run_dir):
-                        message = {"stop": True}
-                    else:
-                        posted = inbox.take_job(self.run_dir)
-                        if posted is not None:
-                            message = {"job": posted}
-                    if message or time.time() >= deadline:
-                        break
-                    time.sleep(0.05)
-            message = self._from_rank0(message)
-            if message:
-                return message
-            if self.parts.dit_loading:  # no job waits (every rank heard so): the DiT is finished now, so
-                self.parts.ready()  # the first job does not wait for it and a load error is the group's
-            if time.time() - said >= WAITING_EVERY_S:
-                said = time.time()
-                self.events.emit("waiting")
-
-    def gate(self, job: Job) -> LeaseGate:
-        """Rank 0's view of a served job's lease (:mod:`~wan_s2v_runner.rank.lease`): what it may
-        write into the shared directory; any other job, and any other rank, always may."""
-        if not self.served or self.rank != 0:
-            return ALWAYS
-        # a wait stays well below the process group's timeout: the other ranks wait in a collective
-        return LeaseGate(self.run_dir, job.id, say=lambda: self.events.emit("waiting"),
-                         limit_s=self.spec.pg_timeout_s / 2)
+        return job_errors.in_step(point, self.jobs.control)
 
     def _step_or_cancel(self, job: Job, gate: LeaseGate):
-        """The denoising step hook: report the step; in a served group, stop the job here when the
-        server cancelled it or lost it to another holder (rank 0 reads the inbox, every rank hears
-        it, every rank raises)."""
+        """The denoising step hook: report the step; stop the job here when its source says so (a
+        served job its server cancelled or lost to another holder: every rank raises)."""
         def step(**counters):
             self.events.step(**counters)
-            if self.served:
-                stop = None
-                if self.rank == 0:  # lost first: a lost job's cancel is its server's way of saying so too
-                    if gate.verdict() is inbox.Verdict.LOST:
-                        stop = JobEnd.LOST
-                    elif inbox.cancelled(self.run_dir, job.id):
-                        stop = JobEnd.CANCELLED
-                stop = self._from_rank0(stop)
-                if stop is JobEnd.CANCELLED:
-                    raise JobCancelled(job.id)
-                if stop is JobEnd.LOST:
-                    raise JobLost(job.id)
+            stop = self.jobs.at_step(job, gate)
+            if stop is JobEnd.CANCELLED:
+                raise JobCancelled(job.id)
+            if stop is JobEnd.LOST:
+                raise JobLost(job.id)
         return step
 
     def start_job(self, job: Job, clock: "StageClock") -> Optional[tuple[JobEnd, str]]:
@@ -337,7 +247,7 @@ class RankGroup:
         (:attr:`JobEnd.LOST`, ""): the job ends here, before any collective of its own."""
         verdict: Optional[tuple[JobEnd, str]] = None
         if self.rank == 0:
-            spec, gate = job.run_spec(self.spec), self.gate(job)
+            spec, gate = job.run_spec(self.spec), self.jobs.gate(job)
             problem = input_problem(spec)
             if problem is not None:
                 verdict = (JobEnd.FAILED, problem)
@@ -355,12 +265,12 @@ class RankGroup:
                     verdict = (JobEnd.LOST, "")
                 except Exception as e:  # its own inputs or the TTS model: this job's error, the group goes on
                     verdict = (JobEnd.FAILED, f"text to speech failed: {type(e).__name__}: {e}")
-        return self._from_rank0(verdict)
+        return job_sources.from_rank0(verdict)
 
     def fail_job(self, job: Job, index: int, cause: str) -> None:
         """The job failed with ``cause``: rank 0 records it (``status: failed``) and every rank says
         ``job_failed``; the group goes on."""
-        if self.rank == 0 and job.record is not None and self.gate(job).current():
+        if self.rank == 0 and job.record is not None and self.jobs.gate(job).current():
             record = {"id": job.id, "status": "failed", "error": cause, "finished": time.time()}
             atomic.write_text(job.record, json.dumps(record, indent=1), durable=True)
         self.events.emit("job_failed", id=job.id, job=index + 1, error=cause)
@@ -370,7 +280,7 @@ class RankGroup:
         from wan_s2v_runner.rank.generation import ClipState, Hooks
         from wan_s2v_runner.shared import resume
 
-        spec, events, plan, gate = job.run_spec(self.spec), self.events, self.plan, self.gate(job)
+        spec, events, plan, gate = job.run_spec(self.spec), self.events, self.plan, self.jobs.gate(job)
 
         last: dict = {}
 
@@ -514,12 +424,13 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
 
         if dist.get_world_size() > 1:  # every rank starts generating together, so each stage's time
             dist.barrier()  # is its own work, not a wait for a slower rank's loading
-        group = RankGroup(spec, run_dir, events, rank, cfg, plan, parts)
+        group = RankGroup(spec, run_dir, events, rank, cfg, plan, parts, read_source(run_dir))
         group.compiler = compiler
-        for index, job in enumerate(group.jobs()):
+        jobs = group.jobs
+        for index, job in enumerate(jobs):
             events.job, events.job_prompt = index + 1, job.spec.prompt
-            if group.count != 1 or job.record is not None:
-                events.emit("job", id=job.id, job=index + 1, jobs=group.count if not group.served else None)
+            if jobs.count != 1 or job.record is not None:
+                events.emit("job", id=job.id, job=index + 1, jobs=jobs.count)
             started, clock = time.time(), StageClock()
             try:
                 verdict = group.start_job(job, clock)
@@ -527,7 +438,7 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
                     raise JobLost(job.id)
                 if verdict is not None:
                     raise JobFailed(verdict[1])
-                group.run_job(job, index, None if group.served else group.count, clock, started)
+                group.run_job(job, index, jobs.count, clock, started)
             except JobCancelled:  # every rank stopped it at the same step; the group takes the next
                 events.emit("job_cancelled", id=job.id, job=index + 1)
             except JobLost:  # its server lost it to another holder: nothing more of it is written here
@@ -539,8 +450,7 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
                     raise
                 group.fail_job(job, index, f"{type(e).__name__} in stage {events.current_stage.value}: {e}")
             finally:
-                if group.served and rank == 0:
-                    inbox.job_ended(run_dir, job.id)
+                jobs.ended(job)
             release_memory(spec, parts)
         parts.abandon()  # a group that never used its DiT still waits for its read (matched collectives)
         events.stage(Stage.DONE)

@@ -4,7 +4,7 @@ reaches its engine only through ``EngineClient``.
 A keeper (:mod:`.keeper`) hands the group its jobs, cancels them, tells it how long a job's lease
 is sure, reads what the ranks report and stops the group, all through this interface, on its own
 clock. The one implementation, :class:`LaunchedGroup`, runs the launcher
-(:func:`wan_s2v_runner.launcher.launch.run`, ``served``: the ranks load once and wait for jobs in
+(:func:`wan_s2v_runner.launcher.launch.run_served`: the ranks load once and wait for jobs in
 their run directory's inbox, supervised exactly like a run) on a thread of its own; what the
 launcher's supervisor tells its observers is queued for the keeper (:class:`GroupNews`) instead of
 being acted on in the supervisor's call. Its door to the ranks is the inbox
@@ -159,8 +159,8 @@ class LaunchedGroup(InboxDoor):
 
         error = None
         try:
-            launch.run(self.spec, observers=[Display(rich=False, show_logs=False), GroupFeed(self)],
-                       extra_env=self.extra_env, served=True, halt=self._halt)
+            launch.run_served(self.spec, observers=[Display(rich=False, show_logs=False), GroupFeed(self)],
+                              extra_env=self.extra_env, halt=self._halt)
         except BaseException as e:  # the launcher itself failed: the keeper says so and starts another
             error = f"{type(e).__name__}: {e}"
             if not isinstance(e, Exception):
@@ -177,7 +177,7 @@ def compute_for_node0(spec: GroupSpec, extra_env: Optional[dict] = None) -> int:
     from wan_s2v_runner.launcher.console import Display
 
     while True:
-        code = launch.run(spec, observers=[Display.auto()], extra_env=extra_env, served=True)
+        code = launch.run_served(spec, observers=[Display.auto()], extra_env=extra_env)
         if code == exit_codes.INTERRUPTED:
             return code
         time.sleep(1.0)

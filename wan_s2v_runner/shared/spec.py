@@ -505,10 +505,16 @@ class RunSpec(GroupSpec, JobSpec):
         return [k for k, f in cls.model_fields.items() if f.is_required()]
 
 
+#: the key of ``spec.json`` beside the spec's fields that names where the group's jobs come from
+#: (:mod:`wan_s2v_runner.shared.job_source`)
+SPEC_KEY = "jobs_from"
+
+
 def read_spec(path: Path) -> GroupSpec:
     """A run directory's ``spec.json``: a :class:`RunSpec` (a run with its one job; every run
     directory before the split) or a :class:`GroupSpec` (a batch's or a server's group)."""
     data = json.loads(Path(path).read_text(encoding="utf-8"))
+    data.pop(SPEC_KEY, None)  # where the jobs come from, beside the spec: wan_s2v_runner.shared.job_source
     has_job = any(k in data for k in JobSpec.model_fields)
     return (RunSpec if has_job else GroupSpec).model_validate(data)
 
