@@ -9,7 +9,10 @@ those a run needs, returning what each did (recorded in the run manifest); with
 ``--compile`` the worker applies ``compile_blocks`` after them and keeps its object (the stage
 its compiles are timed in).
 
-May import: shared, loading (folders of wan_s2v_runner).
+What a patch needs of the loader (the LoRA merge) the rank gives it in its
+:class:`~patches.patch.PatchContext`: the loader imports patches, never the other way.
+
+May import: shared (a folder of wan_s2v_runner).
 """
 from __future__ import annotations
 
@@ -31,11 +34,12 @@ def registry() -> list:
     return [importlib.import_module(f"{__name__}.{name}").PATCH for name in REGISTRY_ORDER]
 
 
-def apply_for_run(wan, spec, param_dtype, on_event=None, on_event_data=None) -> dict:
+def apply_for_run(wan, spec, param_dtype, on_event=None, on_event_data=None, merge_loras=None) -> dict:
     """Apply the post-import patches a run needs, in the registry's order. Returns {patch name:
     what it did} (``run.json``'s ``patches``). ``on_event`` enters a stage; ``on_event_data(kind,
-    **data)`` records an informational event."""
+    **data)`` records an informational event; ``merge_loras``: the run's LoRAs merged into a loaded
+    DiT (``wan_s2v_runner.loading.lora.merger``; needed when the spec has LoRAs)."""
     from .patch import PatchContext
 
-    ctx = PatchContext(spec, param_dtype, on_event, on_event_data)
+    ctx = PatchContext(spec, param_dtype, on_event, on_event_data, merge_loras)
     return {p.name: p.apply(wan, ctx) for p in registry() if p.applies(ctx)}

@@ -12,14 +12,17 @@ from typing import Any, Callable, Optional
 
 @dataclass(frozen=True)
 class PatchContext:
-    """What a patch may read of the run: its spec (a ``RunSpec``), the DiT's parameter dtype, and
-    the rank's event callbacks (``on_event(stage)`` enters a stage; ``on_event_data(kind, **data)``
-    records an informational event)."""
+    """What a patch may read of the run: its spec (a ``RunSpec``), the DiT's parameter dtype, the
+    rank's event callbacks (``on_event(stage)`` enters a stage; ``on_event_data(kind, **data)``
+    records an informational event), and what the rank's loader gives the patches that need it
+    (``merge_loras``: the run's LoRAs merged into a loaded DiT, ``model -> records``:
+    ``wan_s2v_runner.loading.lora.merger``; patches import nothing of loading)."""
 
     spec: Any
     param_dtype: Any
     on_event: Optional[Callable] = None
     on_event_data: Optional[Callable] = None
+    merge_loras: Optional[Callable[[Any], list]] = None
 
     @property
     def on_cpu(self) -> bool:

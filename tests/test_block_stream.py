@@ -116,8 +116,9 @@ def test_fp8_and_a_lora_stream_as_they_are_held(five, tmp_path):
         got, _ = generate(engine, dit_quant=DitQuant.FP8, fp8_matmul="scaled-mm", num_clips=1, **streamed(2))
         assert torch.equal(got, want)
         from patches import lora_merge
+        from wan_s2v_runner.loading.lora import merger
         plain, _ = generate(engine, num_clips=1)
-        lora_merge.apply(engine[0], lora)  # what apply_for_run does for a full-precision run with a LoRA
+        lora_merge.apply(engine[0], merger(lora))  # what apply_for_run does for a full-precision run with a LoRA
         try:
             want, _ = generate(engine, lora=lora, num_clips=1)
             got, _ = generate(engine, lora=lora, num_clips=1, **streamed(0))

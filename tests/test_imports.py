@@ -144,6 +144,7 @@ def test_folders_import_only_what_their_docstring_allows():
     assert "serve" not in allowed["launcher"]  # the server drives the launcher, never the other way
     assert "rank" not in allowed["serve"]  # ... and reaches its ranks only through the launcher
     assert "rank" not in allowed["runners"]  # a mode's runner is given the rank's plan: no arrow back up
+    assert "loading" not in allowed["patches"]  # the loader uses patches; what a patch needs of it is given
     assert set(allowed) >= {"cli", "launcher", "serve", "rank", "loading", "vae_split", "shared", "demo",
                             "preflight", "runners", "patches"}
     bad = violations(import_graph(), allowed)

@@ -66,7 +66,7 @@ def _lock(keeper):
 
 
 def test_an_end_the_store_could_not_take_is_recorded_once_it_answers(kept, tiny_assets):
-    kept.queue.add("v1", kept.spec, 10)
+    kept.queue.job_insert("v1", kept.spec, 10)
     _idle(kept)
     job = _posted(kept)
     assert job["id"] == "v1" and kept.current == "v1"
@@ -83,28 +83,28 @@ def test_an_end_the_store_could_not_take_is_recorded_once_it_answers(kept, tiny_
     (kept.dirs.attempt("v1", 1) / "v1.json").unlink()  # gone meanwhile: the record read at the end is kept
     kept._beat_at = 0
     kept.beat()
-    row = kept.queue.get("v1")
+    row = kept.queue.job_get("v1")
     assert row.status is JobStatus.COMPLETED and row.record["status"] == "ok" and not kept.held.owed, row
     assert (kept.dirs.video("v1")).is_file() and json.loads(kept.dirs.record("v1").read_text())["attempt"] == 1
     assert not kept.dirs.work("v1").exists()  # nothing left to resume from
 
 
 def test_an_end_whose_files_cannot_be_published_fails_the_job_and_the_keeper_goes_on(kept, tiny_assets):
-    kept.queue.add("v1", kept.spec, 10)
-    kept.queue.add("v2", kept.spec, 10)
+    kept.queue.job_insert("v1", kept.spec, 10)
+    kept.queue.job_insert("v2", kept.spec, 10)
     _idle(kept)
     job = _posted(kept)
     _made(kept, job, tiny_assets)
     kept.dirs.video("v1").mkdir(parents=True)  # where the mp4 goes, a directory: the move fails (an OSError)
     kept.on_events([{"rank": 0, "kind": "job_done", "id": "v1", "t": time.time()},
                     {"rank": 0, "kind": "stage", "stage": "idle", "t": time.time()}])
-    row = kept.queue.get("v1")
+    row = kept.queue.job_get("v1")
     assert row.status is JobStatus.FAILED and "could not be recorded" in row.error and "Is a directory" in row.error
     assert kept.current == "v2" and _posted(kept)["id"] == "v2"  # the same events went on: the next job taken
 
 
 def test_one_events_trouble_costs_no_other(kept, tiny_assets, monkeypatch):
-    kept.queue.add("v1", kept.spec, 10)
+    kept.queue.job_insert("v1", kept.spec, 10)
     _idle(kept)
 
     def broken(*_a, **_k):
@@ -115,18 +115,18 @@ def test_one_events_trouble_costs_no_other(kept, tiny_assets, monkeypatch):
                     {"rank": 0, "kind": "stage", "stage": "denoise", "t": time.time()},
                     {"rank": 0, "kind": "stage", "stage": "idle", "t": time.time()}])
     assert "a bad event" in kept.last_error and kept.state.value == "idle"
-    row = kept.queue.get("v1")  # never left in progress with no one making it
+    row = kept.queue.job_get("v1")  # never left in progress with no one making it
     assert row.status is JobStatus.FAILED and "end could not be handled" in row.error, row
 
 
 def test_a_job_taken_too_often_is_failed_not_run(kept):
     from wan_s2v_runner.serve.store import rules
 
-    kept.queue.add("v1", kept.spec, 10)
+    kept.queue.job_insert("v1", kept.spec, 10)
     with kept.queue._tx() as db:
         db.execute("UPDATE jobs SET attempt = ? WHERE id = 'v1'", (rules.MAX_ATTEMPTS,))
     _idle(kept)
-    row = kept.queue.get("v1")
+    row = kept.queue.job_get("v1")
     assert row.status is JobStatus.FAILED and "taken 5 times without an end" in row.error
     assert kept.current is None and not list(inbox.inbox_of(kept.run_dir).glob("job-*.json"))
 
@@ -169,7 +169,7 @@ def test_a_group_whose_launcher_reported_its_end_is_handed_no_job(tmp_path, tiny
 
     dirs = ServerDirs(tmp_path / "server")
     store = SqliteJobStore(dirs.queue)
-    store.add("v1", {"image": str(tiny_assets.image), "audio": str(tiny_assets.audio), "prompt": "p", "seed": 3,
+    store.job_insert("v1", {"image": str(tiny_assets.image), "audio": str(tiny_assets.audio), "prompt": "p", "seed": 3,
                      "output": str(dirs.videos / "v1.mp4")}, 10)
     run_dir = tmp_path / "run"
     inbox.inbox_of(run_dir).mkdir(parents=True)
@@ -185,8 +185,8 @@ def test_a_group_whose_launcher_reported_its_end_is_handed_no_job(tmp_path, tiny
         keeper._one_group()
         posted = list(inbox.inbox_of(run_dir).glob("job-*.json"))
         if ending:
-            assert not posted and store.get("v1").status is JobStatus.QUEUED and store.get("v1").attempt == 0
+            assert not posted and store.job_get("v1").status is JobStatus.QUEUED and store.job_get("v1").attempt == 0
         else:
-            assert len(posted) == 1 and store.get("v1").attempt == 1
+            assert len(posted) == 1 and store.job_get("v1").attempt == 1
     finally:
         store.close()

@@ -176,6 +176,7 @@ _UNDONE = r"""
 import sys, torch
 from patches import apply_for_run, registry
 from wan_s2v_runner.loading.engine import import_wan
+from wan_s2v_runner.loading.lora import merger
 from wan_s2v_runner.shared.spec import RunSpec
 
 ckpt, image, audio, lora = sys.argv[1:5]
@@ -196,7 +197,7 @@ def engine():  # every name the engine's modules and their classes hold, by iden
 before = engine()
 for fields in ({"nproc": 2, "mode": "ulysses", "lora": [lora]}, {"nproc": 2, "mode": "fsdp-fixed"}):
     spec = RunSpec(ckpt_dir=ckpt, image=image, audio=audio, prompt="p", device="cpu", **fields)
-    applied = apply_for_run(wan, spec, torch.float32)
+    applied = apply_for_run(wan, spec, torch.float32, merge_loras=merger(spec.lora) if spec.lora else None)
     after_apply = engine()
     assert any(after_apply.get(k) != v for k, v in before.items()), "nothing applied?"
     for patch in reversed(registry()):

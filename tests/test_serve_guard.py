@@ -294,19 +294,19 @@ def test_retention_keeps_the_newest_and_the_young(tmp_path):
     queue = SqliteJobStore(dirs.queue)
     ids = [f"video_{i:024x}" for i in range(5)]
     for i, job_id in enumerate(ids):
-        queue.add(job_id, {"prompt": str(i)}, 100)
-        claimed = queue.claim_next()
+        queue.job_insert(job_id, {"prompt": str(i)}, 100)
+        claimed = queue.job_claim_next()
         assert claimed.id == job_id
-        queue.finish(job_id, claimed.attempt, JobStatus.COMPLETED if i % 2 == 0 else JobStatus.FAILED,
+        queue.job_finish(job_id, claimed.attempt, JobStatus.COMPLETED if i % 2 == 0 else JobStatus.FAILED,
                      record={"id": job_id})
         for path in (dirs.videos / f"{job_id}.mp4", dirs.videos / f"{job_id}.json", dirs.work(job_id) / "clips" / "a",
                      dirs.uploads / job_id / "image.png"):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(b"x")
-    queue.add("video_queued", {"prompt": "waits"}, 100)  # not ended: never swept
+    queue.job_insert("video_queued", {"prompt": "waits"}, 100)  # not ended: never swept
 
     def left() -> list[str]:
-        return [job_id for job_id in ids if queue.get(job_id) is not None]
+        return [job_id for job_id in ids if queue.job_get(job_id) is not None]
 
     assert sweep(Retention(), queue, dirs) == [] and left() == ids  # neither limit: keep all
     assert sweep(Retention(keep=3), queue, dirs) == ids[:2] and left() == ids[2:]
@@ -314,11 +314,11 @@ def test_retention_keeps_the_newest_and_the_young(tmp_path):
         assert not list(dirs.videos.glob(f"{job_id}*")) and not dirs.work(job_id).exists()
         assert not (dirs.uploads / job_id).exists()
     assert (dirs.videos / f"{ids[2]}.mp4").exists()
-    now = queue.get(ids[-1]).finished_at
+    now = queue.job_get(ids[-1]).finished_at
     assert Retention(max_age_s=3600).expires_at(now) == int(now + 3600)
     assert sweep(Retention(max_age_s=3600), queue, dirs, now=now + 1800) == []  # young
     assert sweep(Retention(max_age_s=3600), queue, dirs, now=now + 7200) == ids[2:] and left() == []
-    assert queue.get("video_queued").status is JobStatus.QUEUED
+    assert queue.job_get("video_queued").status is JobStatus.QUEUED
 
 
 @pytest.mark.slow

@@ -50,49 +50,49 @@ def test_the_shared_store_leases_clocks_and_schema(cluster):
         db.execute("INSERT INTO jobs (id, status, spec, created_at, runs) VALUES ('old', 'queued', '{}', 1, 1)")
     a, b = PgJobStore(url, "a", lease_s=1), PgJobStore(url, "b", lease_s=1)
     assert a.migrate() == b.migrate() == postgres.SCHEMA_VERSION  # made once, then only read
-    old = a.get("old")
+    old = a.job_get("old")
     assert old.attempt == 1 and old.pool == "default"  # the first schema's row, in the new one
-    assert a.claim_next().id == "old" and a.claim_next() is None
-    a.add("k1", {}, 10)
-    a.add("k2", {}, 10)
-    k1, k2 = a.claim_next(), b.claim_next()
+    assert a.job_claim_next().id == "old" and a.job_claim_next() is None
+    a.job_insert("k1", {}, 10)
+    a.job_insert("k2", {}, 10)
+    k1, k2 = a.job_claim_next(), b.job_claim_next()
     assert (k1.id, k2.id) == ("k1", "k2")
     for _ in range(3):  # b renews its own; a's (and "old"'s) run out
         time.sleep(0.5)
-        assert b.heartbeat({"k2": Held(k2.attempt, {"clip": 1})}) == Beat()
-    assert sorted(b.reap().requeued) == ["k1", "old"] and b.get("k2").status is JobStatus.IN_PROGRESS
-    assert a.get("k2").progress == {"clip": 1}  # what the other servers show
-    assert a.heartbeat({"k1": Held(k1.attempt)}).lost == {"k1"}  # reaped: lost even before another claim
+        assert b.lease_renew({"k2": Held(k2.attempt, {"clip": 1})}) == Beat()
+    assert sorted(b.lease_reap().requeued) == ["k1", "old"] and b.job_get("k2").status is JobStatus.IN_PROGRESS
+    assert a.job_get("k2").progress == {"clip": 1}  # what the other servers show
+    assert a.lease_renew({"k1": Held(k1.attempt)}).lost == {"k1"}  # reaped: lost even before another claim
     # a claim whose answer was lost is found again, not made twice
-    a.add("k3", {}, 10)
+    a.job_insert("k3", {}, 10)
     a._unsure_claim = "lost-answer"
     with psycopg.connect(url, autocommit=True) as db:
         db.execute("UPDATE jobs SET status = 'in_progress', owner = 'a', attempt = attempt + 1, "
                    "claim_id = 'lost-answer' WHERE id = 'k3'")
-    assert a.claim_next().id == "k3" and a._unsure_claim is None
+    assert a.job_claim_next().id == "k3" and a._unsure_claim is None
     with psycopg.connect(url, autocommit=True) as db:  # its lease renewed from now: it dated from the lost claim
         (left,) = db.execute(f"SELECT lease_until - {postgres._NOW} FROM jobs WHERE id = 'k3'").fetchone()
     assert 0 < left <= a.lease_s
     # each keeper of a server holds its jobs under its own name; the server takes all back at start
-    k0 = b.for_keeper(0)
-    held = k0.claim_next()
+    k0 = b.store_for_keeper(0)
+    held = k0.job_claim_next()
     assert held is not None and held.id in ("k1", "old")
     again = PgJobStore(url, "b", lease_s=30)
-    assert held.id in again.recover() and not k0.finish(held.id, held.attempt, JobStatus.COMPLETED)
+    assert held.id in again.job_recover() and not k0.job_finish(held.id, held.attempt, JobStatus.COMPLETED)
     # a job deleted while a server that died held it: the row goes with the lease
-    held = k0.claim_next()
-    assert a.delete(held.id) is JobStatus.IN_PROGRESS
+    held = k0.job_claim_next()
+    assert a.job_delete(held.id) is JobStatus.IN_PROGRESS
     with psycopg.connect(url, autocommit=True) as db:
         db.execute("UPDATE jobs SET lease_until = 0 WHERE id = %s", (held.id,))
-    assert held.id in again.reap().deleted and a.get(held.id) is None
+    assert held.id in again.lease_reap().deleted and a.job_get(held.id) is None
     # every time in the table is the database's clock: a server an hour out changes none of them
     with psycopg.connect(url, autocommit=True) as db:
         (db_now,) = db.execute(f"SELECT {postgres._NOW}").fetchone()
     with pytest.MonkeyPatch.context() as m:
         m.setattr(time, "time", lambda: float(db_now) + 3600)
-        a.add("t1", {}, 10)
-        assert a.cancel("t1") is JobStatus.CANCELLED
-    row = a.get("t1")
+        a.job_insert("t1", {}, 10)
+        assert a.job_cancel("t1") is JobStatus.CANCELLED
+    row = a.job_get("t1")
     assert abs(row.created_at - float(db_now)) < 60 and abs(row.finished_at - float(db_now)) < 60, row
     with psycopg.connect(url, autocommit=True) as db:
         db.execute("UPDATE wan_s2v_schema SET version = 99")

@@ -258,10 +258,11 @@ def lightx2v_lora(ckpt: Path, out: Path) -> Path:
 @pytest.mark.slow(seconds=30)
 def test_the_few_step_recipe_runs_in_every_mode(tiny_assets, engine_cpu, tmp_path):
     from patches import lora_merge
+    from wan_s2v_runner.loading.lora import merger
     from wan_s2v_runner.shared.spec import LoraRef
 
     lora = lightx2v_lora(tiny_assets.ckpt_dir, tmp_path / "lightx2v_t2v_4step_lora.safetensors")
-    lora_merge.apply(engine_cpu[0], [LoraRef(path=lora, strength=1.0)])  # as a --nproc 1 run's worker does
+    lora_merge.apply(engine_cpu[0], merger([LoraRef(path=lora, strength=1.0)]))  # as a --nproc 1 run's worker does
     try:
         want, _ = one_process(engine_cpu, steps=4, guide_scale=1.0, shift=8.0)
     finally:

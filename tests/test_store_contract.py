@@ -32,14 +32,14 @@ class SqliteHarness:
         return s
 
     def lose(self, holder, other, job_id):
-        assert job_id in other.recover()
+        assert job_id in other.job_recover()
 
     @contextmanager
     def outage(self, s):
         other = sqlite3.connect(str(self.path), isolation_level=None)
         other.execute("BEGIN EXCLUSIVE")
         try:
-            yield (lambda: s.add("k", {}, 10), s.claim_next)
+            yield (lambda: s.job_insert("k", {}, 10), s.job_claim_next)
         finally:
             other.execute("ROLLBACK")
             other.close()
@@ -66,7 +66,7 @@ class PostgresHarness:
 
         with psycopg.connect(self.url, autocommit=True) as db:
             db.execute("UPDATE jobs SET lease_until = 0 WHERE id = %s", (job_id,))
-        assert job_id in other.reap().requeued
+        assert job_id in other.lease_reap().requeued
 
     @contextmanager
     def outage(self, s):
@@ -84,8 +84,8 @@ class PostgresHarness:
         self.cluster.halt()
         t0 = time.time()
         try:
-            yield tuple(unanswered(op) for op in (lambda: s.add("k", {}, 10), s.claim_next, s.counts,
-                                                   lambda: s.get("j")))
+            yield tuple(unanswered(op) for op in (lambda: s.job_insert("k", {}, 10), s.job_claim_next, s.job_counts,
+                                                   lambda: s.job_get("j")))
         finally:
             self.cluster.start()
 

@@ -30,19 +30,32 @@ def spec_values(args: argparse.Namespace, defaults: Optional[dict] = None) -> di
     return merge_values(defaults, base_values(args), flag_values(args))
 
 
-def make_spec(args, defaults: Optional[dict] = None) -> RunSpec:
-    values = spec_values(args, defaults)
-    mode_auto = values.get("mode") == "auto"
-    if mode_auto:
+def settle(model, values: dict[str, Any], recommend):
+    """The spec of ``model`` (:class:`RunSpec` for a run, :class:`GroupSpec` for a batch's or a
+    server's group) from the command's ``values``; under ``--mode auto``, the doctor's choice:
+    ``recommend(spec, values)`` is asked once on the spec made without a mode, and the spec is made
+    again with its layout (validated again: the layout changed), said on stderr. The one place
+    ``--mode auto`` is resolved, for run, batch and serve (the plan's load waves and resident
+    blocks are settled by the preflight's gate: ``GateReport.settled``)."""
+    values = dict(values)
+    auto = values.get("mode") == "auto"
+    if auto:
         values.pop("mode")
-    spec = RunSpec(**values)
-    if mode_auto:
-        from wan_s2v_runner.preflight import recommend_mode
-        rec = recommend_mode(spec, dit_offload_given="dit_offload" in values)
+    spec = model(**values)
+    if auto:
+        rec = recommend(spec, values)
         # the plan's CFG split and streaming, unless --[no-]cfg-parallel / --dit-offload was given
-        spec = RunSpec(**{**values, **rec.updates(values)})  # validated again: the layout changed
+        spec = model(**{**values, **rec.updates(values)})
         print(f"--mode auto: {rec.flags(spec.cfg_parallel)} ({rec.text})", file=sys.stderr)
     return spec
+
+
+def make_spec(args, defaults: Optional[dict] = None) -> RunSpec:
+    def recommend(spec, values):
+        from wan_s2v_runner.preflight import recommend_mode
+        return recommend_mode(spec, dit_offload_given="dit_offload" in values)
+
+    return settle(RunSpec, spec_values(args, defaults), recommend)
 
 
 def make_group(values: dict[str, Any]) -> GroupSpec:
@@ -50,18 +63,11 @@ def make_group(values: dict[str, Any]) -> GroupSpec:
     the jobs' default size)."""
     from wan_s2v_runner.launcher.job_book import group_values
 
-    values = dict(values)
-    mode_auto = values.get("mode") == "auto"
-    if mode_auto:
-        values.pop("mode")
-    group = GroupSpec(**group_values(values))
-    if mode_auto:
+    def recommend(group, given):  # at the jobs' default size: every value of the command, the mode aside
         from wan_s2v_runner.preflight import group_context, recommend_mode
+        return recommend_mode(group_context(group, {k: v for k, v in values.items() if k != "mode"}))
 
-        rec = recommend_mode(group_context(group, values))
-        group = GroupSpec(**{**group_values(values), **rec.updates(values)})
-        print(f"--mode auto: {rec.flags(group.cfg_parallel)} ({rec.text})", file=sys.stderr)
-    return group
+    return settle(GroupSpec, group_values(values), recommend)
 
 
 def _usage_error(e: Exception) -> int:

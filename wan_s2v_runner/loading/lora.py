@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -257,6 +257,15 @@ class LoraDeltas:
                 d = (d.to(device) if device is not None else d) * strength
                 total = d if total is None else total + d
         return total
+
+
+def merger(refs: Iterable, allow_partial: bool = False) -> Callable[[Any], list[dict]]:
+    """How a run's LoRAs (``refs``: the spec's :class:`~wan_s2v_runner.shared.spec.LoraRef` items,
+    a path and a strength each) merge into a loaded DiT: ``model -> records`` (:func:`merge`). The
+    rank gives it to ``patches.lora_merge``, which calls it where upstream configures the DiT (the
+    patch reads no LoRA file itself: patches do not import loading)."""
+    sources = [LoraSource(Path(ref.path), ref.strength) for ref in refs]
+    return lambda model: merge(model, sources, allow_partial=allow_partial)
 
 
 def merge(model, loras: Iterable[LoraSource], allow_partial: bool = False) -> list[dict]:

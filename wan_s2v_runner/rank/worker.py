@@ -387,6 +387,7 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
 
     import runners
     from patches import apply_for_run
+    from wan_s2v_runner.loading import lora
     from wan_s2v_runner.rank.parallel import rank_plan
 
     rank = int(os.environ.get("RANK", 0))
@@ -404,7 +405,8 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
         events.stage(Stage.ENGINE_IMPORT, preloaded=engine.imported())  # by the agent, before the fork
         wan = engine.import_wan(spec.wan_repo)
         cfg = engine_config(wan, spec)
-        applied = apply_for_run(wan, spec, cfg.param_dtype, on_event=events.stage, on_event_data=events.emit)
+        applied = apply_for_run(wan, spec, cfg.param_dtype, on_event=events.stage, on_event_data=events.emit,
+                                merge_loras=lora.merger(spec.lora, spec.lora_allow_partial) if spec.lora else None)
         compiler = None
         if spec.compile:
             from patches import compile_blocks

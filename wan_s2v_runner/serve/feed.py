@@ -170,11 +170,11 @@ class Feed:
     # ----- the read (a worker thread) -----
     def _read(self, watched: set[str]) -> Read:
         queue = self.server.queue
-        rows = queue.all(limit=self.window_size)
+        rows = queue.job_list(limit=self.window_size)
         window = [r.id for r in rows]
-        extra = [row for vid in watched - set(window) if (row := queue.get(vid)) is not None and not row.deleting]
+        extra = [row for vid in watched - set(window) if (row := queue.job_get(vid)) is not None and not row.deleting]
         objects = video_objects(self.server, rows + extra)
-        state = server_state(self.server, counts=queue.counts()).model_dump(mode="json")
+        state = server_state(self.server, counts=queue.job_counts()).model_dump(mode="json")
         videos: dict[str, Optional[dict[str, Any]]] = dict.fromkeys(watched)
         videos.update({o.id: o.model_dump(mode="json") for o in objects})
         return Read(server=state, window=window, videos=videos)

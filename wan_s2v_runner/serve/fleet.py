@@ -7,7 +7,7 @@ the engine's S2V sources, and every group setting that changes the frames
 (:func:`frame_settings`). Not this runner's version: its generation loop equals the engine's to
 the bit (the parity contract), so upgrading every server of a fleet keeps its pools; each
 record says which version made it. The first server of a pool records it in the queue
-(:meth:`~.store.protocol.JobStore.join`); a server whose identity differs is refused with the
+(:meth:`~.store.protocol.JobStore.pool_join`); a server whose identity differs is refused with the
 difference named (exit code ``fleet-mismatch``), unless it names a pool of its own (``--pool``),
 whose jobs only its servers take. One server's own queue (SQLite) may take its pool over with new
 weights once no job of the pool waits or runs; a shared one never changes a pool's model.
@@ -177,5 +177,5 @@ def settle_marker(dirs: ServerDirs, joined: Joined, queue: str, store) -> Option
             return shared_dir_problem(dirs, joined.fleet_id, queue)
         if why is None:
             write_marker(dirs, joined.fleet_id, queue)
-            store.mark(joined.fleet_id)
+            store.fleet_mark(joined.fleet_id)
     return shared_dir_problem(dirs, joined.fleet_id, queue)

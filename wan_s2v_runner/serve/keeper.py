@@ -18,7 +18,7 @@ and:
   asked anywhere; a holder that learns it lost the job tells its ranks at once (they stop at the
   next step and write nothing more) and leaves the job's end and files to the new holder;
 - records ``job_done`` / ``job_cancelled`` / ``job_failed`` through the store's fenced
-  :meth:`~.store.protocol.JobStore.finish`, which moves the attempt's files into place
+  :meth:`~.store.protocol.JobStore.job_finish`, which moves the attempt's files into place
   (:func:`~.dirs.publisher`) in the same transaction.
 
 While the store is unavailable (a database restart, a failover) the group goes on with the job
@@ -179,7 +179,7 @@ class Keeper(threading.Thread):
             held = self.held.held(lambda job_id: self.progress[job_id].as_dict(now) if job_id in self.progress
                                   else None)
         try:
-            beat = self.queue.heartbeat(held)
+            beat = self.queue.lease_renew(held)
         except QueueUnavailable as e:  # the database away: the group goes on; the next beat tries again
             self.last_error, self._up_since = f"the queue is unavailable: {e}", None
             return
@@ -208,7 +208,7 @@ class Keeper(threading.Thread):
         if now - (self._up_since or now) < (self.queue.lease_s or 0):
             return
         try:
-            reaped = self.queue.reap()
+            reaped = self.queue.lease_reap()
         except Exception as e:  # the next beat tries again
             self.last_error = f"reap: {type(e).__name__}: {e}"
             return
@@ -336,16 +336,16 @@ class Keeper(threading.Thread):
         if holding.job_id in self.held.lost:
             self.held.lost.discard(holding.job_id)
             return
-        row = self.queue.get(holding.job_id)
+        row = self.queue.job_get(holding.job_id)
         if row is None or row.attempt != holding.attempt:
             return  # not ours any more
         if row.deleting:
-            if self.queue.finish(holding.job_id, holding.attempt, JobStatus.CANCELLED, error="deleted"):
+            if self.queue.job_finish(holding.job_id, holding.attempt, JobStatus.CANCELLED, error="deleted"):
                 self._after_end(holding.job_id)
             return
         publish = publisher(self.dirs, holding.job_id, holding.attempt, JobStatus.FAILED,
                             sure=lambda: self.held.sure(holding.job_id))
-        if self.queue.group_failed(holding.job_id, holding.attempt, reason, publish=publish) is JobStatus.FAILED:
+        if self.queue.job_attempt_failed(holding.job_id, holding.attempt, reason, publish=publish) is JobStatus.FAILED:
             self._after_end(holding.job_id)
 
     def _record(self, holding: Holding, what: str, write: Callable[[], Any], fallback: bool = True) -> None:
@@ -487,7 +487,7 @@ class Keeper(threading.Thread):
         ``ID.json``, published in the same transaction); whether it was this holder's to end."""
         publish = publisher(self.dirs, holding.job_id, holding.attempt, status, record=record_file,
                             sure=lambda: self.held.sure(holding.job_id))
-        if not self.queue.finish(holding.job_id, holding.attempt, status, error=error, record=record,
+        if not self.queue.job_finish(holding.job_id, holding.attempt, status, error=error, record=record,
                                  publish=publish):
             log.warning("job %s ended here, but this server no longer holds it: its end is not recorded",
                         holding.job_id)
@@ -498,7 +498,7 @@ class Keeper(threading.Thread):
     def _ended_bare(self, holding: Holding, error: str) -> None:
         """End the job as failed with ``error``, publishing nothing (what did not let it be recorded
         otherwise: the shared directory full when its files were moved, say)."""
-        if self.queue.finish(holding.job_id, holding.attempt, JobStatus.FAILED, error=error):
+        if self.queue.job_finish(holding.job_id, holding.attempt, JobStatus.FAILED, error=error):
             self._after_end(holding.job_id)
 
     def _after_end(self, job_id: str) -> None:
@@ -506,7 +506,7 @@ class Keeper(threading.Thread):
         folders and uploads go); deleted while it ran, it goes whole (video, record, row); then
         retention. Never raises: what it could not do now, the restart's purge and the sweeps do."""
         try:
-            row = self.queue.get(job_id)
+            row = self.queue.job_get(job_id)
         except Exception:  # the row is left to the reap or the restart's purge
             self.dirs.remove_job_files(job_id, video=False)
             return
@@ -514,7 +514,7 @@ class Keeper(threading.Thread):
         self.dirs.remove_job_files(job_id, video=deleting)
         if row is not None and row.deleting:
             try:
-                self.queue.remove(job_id)
+                self.queue.job_remove(job_id)
             except Exception:
                 pass
         self.sweep()
@@ -559,7 +559,7 @@ class Keeper(threading.Thread):
         while not self.held.owed:
             claimed_at = time.time()
             try:
-                row = self.queue.claim_next()
+                row = self.queue.job_claim_next()
             except Exception as e:  # QueueUnavailable: the next poll asks again
                 self.last_error = f"claim: {type(e).__name__}: {e}"
                 return
@@ -586,7 +586,7 @@ class Keeper(threading.Thread):
         except OSError as e:  # the shared directory for a moment: back to the queue (a failure counted)
             log.exception("job %s could not be prepared", row.id)
             why = f"the job could not be prepared: {type(e).__name__}: {e}"
-            self._record(holding, "not prepared", lambda: self.queue.group_failed(row.id, row.attempt, why))
+            self._record(holding, "not prepared", lambda: self.queue.job_attempt_failed(row.id, row.attempt, why))
             return False
         except Exception as e:  # the job itself: it fails (a claimed job never stays in progress without a group)
             traceback.print_exc()
@@ -607,13 +607,13 @@ class Keeper(threading.Thread):
                 self.held.running = None
             log.exception("job %s could not be posted to the ranks", row.id)
             why = f"the job could not be handed to the ranks: {type(e).__name__}: {e}"
-            self._record(holding, "not posted", lambda: self.queue.group_failed(row.id, row.attempt, why))
+            self._record(holding, "not posted", lambda: self.queue.job_attempt_failed(row.id, row.attempt, why))
             return False
         # a cancel that came after the claim but before the job was running here: the API's
         # cancel_running found another job current, so it is passed on here (a later one finds
         # this job current and passes itself)
         try:
-            again = self.queue.get(row.id)
+            again = self.queue.job_get(row.id)
         except Exception:
             return True  # the next beat passes a cancel on
         if again is not None and again.cancel_requested:
@@ -643,7 +643,7 @@ class Keeper(threading.Thread):
         return Job(id=row.id, spec=spec.job, work_dir=own, record=own / self.dirs.record(row.id).name)
 
     def _completed_before(self, holding: Holding, record: dict) -> None:
-        if self.queue.finish(holding.job_id, holding.attempt, JobStatus.COMPLETED, record=record):
+        if self.queue.job_finish(holding.job_id, holding.attempt, JobStatus.COMPLETED, record=record):
             self._after_end(holding.job_id)
 
 

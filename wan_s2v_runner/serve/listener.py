@@ -50,9 +50,9 @@ def run_server(server: Server) -> int:
         note.unlink(missing_ok=True)
     if not server.queue.shared:  # a shared directory's other servers are writing theirs
         remove_partial_videos(server.dirs.videos)
-    for job_id in server.queue.purge_deleting():  # deleted while they ran, before the server stopped
+    for job_id in server.queue.job_purge_deleting():  # deleted while they ran, before the server stopped
         server.dirs.remove_job_files(job_id, video=True)
-    recovered = server.queue.recover()
+    recovered = server.queue.job_recover()
     if recovered:
         print(f"serve: {len(recovered)} job(s) were in progress when the server stopped; they resume first: "
               f"{', '.join(recovered)}", flush=True)

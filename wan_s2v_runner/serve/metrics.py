@@ -56,7 +56,7 @@ class _StateCollector:
         counts = seen.counts or {}
         if seen.queue_error is None:  # up: now's counts (while it is down, the last the watch read)
             try:
-                counts = self.m.queue.counts()
+                counts = self.m.queue.job_counts()
             except QueueUnavailable:
                 pass
         jobs = GaugeMetricFamily("wan_s2v_jobs", "jobs on this server by status", labels=["status"])
@@ -112,7 +112,7 @@ class ServerMetrics:
         self.stage_seconds = Histogram("wan_s2v_stage_seconds", "a completed job's seconds in each stage",
                                        ["stage"], buckets=STAGE_BUCKETS, registry=self.registry)
         try:
-            rows = queue.all(limit=100_000)
+            rows = queue.job_list(limit=100_000)
         except QueueUnavailable:
             rows = []
         for row in rows:

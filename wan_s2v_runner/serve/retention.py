@@ -70,7 +70,7 @@ def sweep_orphans(queue, dirs, now: Optional[float] = None, min_age_s: float = O
                 continue
     if not folders:
         return []
-    gone = sorted(set(folders) - queue.known(list(folders)))
+    gone = sorted(set(folders) - queue.job_known(list(folders)))
     for job_id in gone:
         for folder in folders[job_id]:
             shutil.rmtree(folder, ignore_errors=True)
@@ -83,9 +83,9 @@ def sweep(retention: Retention, queue, dirs, now: Optional[float] = None) -> lis
     sweep_orphans(queue, dirs, now)
     if retention.keep is None and retention.max_age_s is None:
         return []
-    due = retention.due(queue.ended(), time.time() if now is None else now)
+    due = retention.due(queue.job_list_ended(), time.time() if now is None else now)
     for job_id in due:
-        if queue.delete(job_id) is not None:
+        if queue.job_delete(job_id) is not None:
             dirs.remove_job_files(job_id, video=True)
     return due
 

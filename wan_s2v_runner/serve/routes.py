@@ -111,7 +111,7 @@ def followed_job(video_id: str, request: Request) -> JobRow:
 
 
 def job_row(server: Server, video_id: str) -> JobRow:
-    row = server.queue.get(video_id)
+    row = server.queue.job_get(video_id)
     if row is None or row.deleting:  # deleted (a running one goes when its ranks stop it)
         raise Refused(404, f"no video {video_id!r} on this server. Fix: list them with GET /v1/videos", "video_id")
     return row
@@ -391,7 +391,8 @@ def _store_job(server: Server, job_id: str, spec: dict, key: Optional[str], dige
     from wan_s2v_runner.serve.store.protocol import NotStorable, QueueUnavailable
 
     try:
-        added = server.queue.add(job_id, spec, server.settings.max_queue, idempotency_key=key, request_hash=digest)
+        added = server.queue.job_insert(job_id, spec, server.settings.max_queue, idempotency_key=key,
+                                        request_hash=digest)
     except QueueUnavailable:
         raise  # it may have landed: its uploads stay (a retry with the key finds the job; else retention sweeps them)
     except BaseException as e:  # not queued: what it wrote (its uploads) goes
@@ -414,7 +415,7 @@ def list_videos(server: ServerDep, after: Optional[str] = None, limit: int = Que
                 order: Literal["asc", "desc"] = "desc") -> VideoList:
     """A page of videos, newest first unless ``order=asc``; the next page: ``after=`` its ``last_id``."""
     try:
-        rows, more = server.queue.page(after, limit, order)
+        rows, more = server.queue.job_page(after, limit, order)
     except KeyError:
         raise Refused(404, f"no video {after!r} to list after. Fix: pass a last_id this server gave", "after") from None
     data = video_objects(server, rows)
@@ -473,7 +474,7 @@ def cancel(video_id: str, server: ServerDep) -> VideoObject:
     row = job_row(server, video_id)
     if row.status in (JobStatus.COMPLETED, JobStatus.FAILED):
         raise Refused(409, f"video {video_id} is already {row.status.value}. Fix: nothing to cancel", "video_id")
-    status = server.queue.cancel(video_id)
+    status = server.queue.job_cancel(video_id)
     if status is JobStatus.IN_PROGRESS:
         server.cancel_running(video_id)
     elif row.status is JobStatus.QUEUED and status is JobStatus.CANCELLED:  # no rank group holds it now
@@ -487,7 +488,7 @@ def delete(video_id: str, server: ServerDep) -> VideoDeleted:
     """Delete the video, its files and its record, as OpenAI's API does; a running job is
     cancelled first (at its next step) and removed when it stops."""
     job_row(server, video_id)
-    status = server.queue.delete(video_id)
+    status = server.queue.job_delete(video_id)
     if status is JobStatus.IN_PROGRESS:
         server.cancel_running(video_id)
     elif status is not None:

@@ -93,8 +93,8 @@ def open_store(settings: ServerSettings, dirs):
     from wan_s2v_runner.serve.store.postgres import PgJobStore
 
     store = PgJobStore(settings.queue, owner=who_am_i(dirs), lease_s=float(settings.lease_s), pool=settings.pool)
-    print(f"serve: the queue is {store.describe()} (shared; pool {settings.pool!r}; leases {settings.lease_s} s); "
-          f"shared directory {dirs.shared}", flush=True)
+    print(f"serve: the queue is {store.store_describe()} (shared; pool {settings.pool!r}; "
+          f"leases {settings.lease_s} s); shared directory {dirs.shared}", flush=True)
     return store
 
 
@@ -118,19 +118,19 @@ def join_fleet(settings: ServerSettings, group: GroupSpec, store, dirs) -> Fleet
     t0 = time.time()
     identity = fleet.identity_of(group)
     digest = fleet.digest_of(identity)
-    joined = store.join(digest, identity, fleet.who_am_i(dirs))
+    joined = store.pool_join(digest, identity, fleet.who_am_i(dirs))
     print(f"serve: pool {settings.pool!r} of fleet {joined.fleet_id[:12]}: identity {digest[:12]} "
           f"({'recorded by this server' if joined.created_pool else 'checked'}; {time.time() - t0:.1f} s)", flush=True)
     if not joined.matches(digest):
-        counts = store.counts(pool=settings.pool)
+        counts = store.job_counts(pool=settings.pool)
         idle = not counts[JobStatus.QUEUED.value] and not counts[JobStatus.IN_PROGRESS.value]
         if store.shared or not idle:  # one server's own pool with nothing waiting: it takes it over
             return fleet.mismatch(joined, identity, settings.pool), exit_codes.FLEET_MISMATCH
         what = ", ".join(fleet.differences(identity, joined.pool.identity))
         print(f"serve: pool {settings.pool!r} had another identity ({what}) and no job waiting: it is this "
               "server's now", flush=True)
-        store.reset_pool(digest, identity, fleet.who_am_i(dirs))
-    problem = fleet.settle_marker(dirs, joined, store.describe(), store)
+        store.pool_reset(digest, identity, fleet.who_am_i(dirs))
+    problem = fleet.settle_marker(dirs, joined, store.store_describe(), store)
     if problem is not None:
         return problem, exit_codes.SHARED_DIR
     return FleetPlace(joined.fleet_id, digest, {"pool": settings.pool, "fleet_identity": digest,
@@ -193,12 +193,12 @@ def _serve_node0(settings: ServerSettings, replicas: list, base: dict, extra_env
         store.close()
         return _error(*place)
     dirs.videos.mkdir(parents=True, exist_ok=True)
-    watch = Watch(store, lambda: shared_dir_problem(dirs, place.fleet_id, store.describe()))
+    watch = Watch(store, lambda: shared_dir_problem(dirs, place.fleet_id, store.store_describe()))
     policy = Policy(allow_dirs=settings.allow_dir, max_upload_bytes=settings.max_upload_mb * 2**20,
                     max_audio_s=float(settings.max_audio_s))
     metrics = ServerMetrics(store, watch)
     retention = Retention(keep=settings.keep_videos, max_age_s=settings.max_age_s)
-    keepers = [Keeper(r.spec, store.for_keeper(r.index), dirs, {**(extra_env or {}), **r.env},
+    keepers = [Keeper(r.spec, store.store_for_keeper(r.index), dirs, {**(extra_env or {}), **r.env},
                       on_completed=metrics.job_completed, retention=retention, index=r.index, holds=r.holds,
                       may_claim=watch.claim_refusal, stamp=place.stamp)
                for r in replicas]

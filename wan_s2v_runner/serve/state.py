@@ -105,13 +105,13 @@ ASK = object()
 
 def video_objects(server: Server, rows: list[JobRow]) -> list[VideoObject]:
     """Many rows' video objects, their places in the queue found in one query."""
-    places = server.queue.positions([r.id for r in rows if r.status is JobStatus.QUEUED])
+    places = server.queue.job_positions([r.id for r in rows if r.status is JobStatus.QUEUED])
     return [video_object(server, r, position=places.get(r.id)) for r in rows]
 
 
 def video_object(server: Server, row: JobRow, position: Any = ASK) -> VideoObject:
     if position is ASK:
-        position = server.queue.positions([row.id]).get(row.id) if row.status is JobStatus.QUEUED else None
+        position = server.queue.job_positions([row.id]).get(row.id) if row.status is JobStatus.QUEUED else None
     # the progress its keeper here knows, else what the server running it stored (a shared queue)
     live = (server.live(row.id) or row.progress) if row.status is JobStatus.IN_PROGRESS else None
     record = row.record or {}
@@ -205,7 +205,7 @@ def queue_health(server: Server) -> QueueHealth:
     """What the watch last learned of the queue and the shared directory."""
     seen = server.watch.seen
     return QueueHealth(up=seen.queue_error is None, error=seen.queue_error, down_since=seen.queue_down_since,
-                       store=server.queue.describe(), shared=server.queue.shared, pool=server.queue.pool,
+                       store=server.queue.store_describe(), shared=server.queue.shared, pool=server.queue.pool,
                        identity=server.identity, shared_dir=str(server.dirs.shared_root),
                        shared_dir_problem=seen.dir_problem)
 
@@ -216,7 +216,7 @@ def server_state(server: Server, counts: Optional[dict[str, int]] = None) -> Ser
     (the state: the first of :data:`STATE_ORDER` any is in) and ``replicas`` has each."""
     k, spec = server.keeper, server.keeper.group_spec
     layout = spec.layout
-    counts = counts if counts is not None else server.queue.counts()
+    counts = counts if counts is not None else server.queue.job_counts()
     replicas = [replica_info(keeper) for keeper in server.keepers]
     states = {keeper.state for keeper in server.keepers}
     return ServerState(

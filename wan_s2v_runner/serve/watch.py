@@ -65,7 +65,7 @@ class Watch:
 
     def check_queue(self) -> None:
         try:
-            counts = self.store.counts()
+            counts = self.store.job_counts()
         except QueueUnavailable as e:
             self.queue_failed(str(e))
             return

@@ -8,11 +8,11 @@ the job's ``attempt`` grow by one, and holds it with a lease (``lease_until``; e
 table is the database's clock) that its heartbeat renews every few seconds, storing the job's
 live progress in the row for the other servers to show. A server that dies (kill -9, its
 machine gone, a VM frozen past its lease) renews nothing: within ``--lease-s`` its jobs' leases
-run out and any server puts them back in the queue (:meth:`PgJobStore.reap`), first in line,
+run out and any server puts them back in the queue (:meth:`PgJobStore.lease_reap`), first in line,
 where the next keeper resumes each from its newest clip checkpoint in the shared directory.
 
 Every write of a holder names the attempt it was given (its fencing token) and the row decides:
-a heartbeat, an end, a failure of a stale attempt changes nothing, and :meth:`finish` moves the
+a heartbeat, an end, a failure of a stale attempt changes nothing, and :meth:`job_finish` moves the
 job's files into place (its ``publish``) only inside the transaction that holds the row locked
 with the token checked (the publish itself checks, before each file, that the holder's lease is
 still sure: a holder frozen mid-publish, whose connection the database dropped, moves nothing
@@ -27,7 +27,7 @@ and a limit on unacknowledged data), so a database behind a network that drops p
 found out in seconds, not when the kernel gives up.
 
 The API's connections come from a pool of their own (:data:`API_POOL`); each keeper has its own
-connection (:meth:`for_keeper`). The schema is created and migrated at start (``wan_s2v_schema``:
+connection (:meth:`store_for_keeper`). The schema is created and migrated at start (``wan_s2v_schema``:
 one row, its version; each migration runs once, in order, under an advisory lock, so servers
 starting together do not race).
 """
@@ -174,10 +174,10 @@ class PgJobStore:
             self._pool.close(timeout=0)
             raise
 
-    def describe(self) -> str:
+    def store_describe(self) -> str:
         return describe(self.url)
 
-    def for_keeper(self, index: int) -> "PgJobStore":
+    def store_for_keeper(self, index: int) -> "PgJobStore":
         """The store keeper ``index`` claims through: its own connection and its own name in the
         leases (:func:`~.rules.holder_of`), its server's identity."""
         store = PgJobStore(self.url, rules.holder_of(self.owner, index), self.lease_s, self.pool, connections=1,
@@ -253,7 +253,7 @@ class PgJobStore:
         return version
 
     # ----- submit -----
-    def add(self, job_id: str, spec: dict[str, Any], max_queued: int, *, pool: Optional[str] = None,
+    def job_insert(self, job_id: str, spec: dict[str, Any], max_queued: int, *, pool: Optional[str] = None,
             idempotency_key: Optional[str] = None, request_hash: Optional[str] = None) -> Added:
         from psycopg.types.json import Jsonb
 
@@ -280,19 +280,19 @@ class PgJobStore:
         return self._run(op, repeat=True)
 
     # ----- read -----
-    def ping(self) -> None:
+    def store_ping(self) -> None:
         self._one("SELECT 1 AS one")
 
-    def get(self, job_id: str) -> Optional[JobRow]:
+    def job_get(self, job_id: str) -> Optional[JobRow]:
         r = self._one("SELECT * FROM jobs WHERE id = %s", (job_id,))
         return _row(r) if r else None
 
-    def all(self, limit: int = 1000) -> list[JobRow]:
+    def job_list(self, limit: int = 1000) -> list[JobRow]:
         rows = self._all("SELECT * FROM (SELECT * FROM jobs WHERE NOT deleting ORDER BY seq DESC LIMIT %s) t "
                          "ORDER BY seq", (limit,))
         return [_row(r) for r in rows]
 
-    def page(self, after: Optional[str] = None, limit: int = 20, order: str = "desc") -> tuple[list[JobRow], bool]:
+    def job_page(self, after: Optional[str] = None, limit: int = 20, order: str = "desc") -> tuple[list[JobRow], bool]:
         limit, desc = rules.page_size(limit), order == "desc"
         start = None
         if after is not None:
@@ -305,32 +305,32 @@ class PgJobStore:
                          ((start,) if start is not None else ()) + (limit + 1,))
         return [_row(r) for r in rows[:limit]], len(rows) > limit
 
-    def positions(self, job_ids: list[str]) -> dict[str, int]:
+    def job_positions(self, job_ids: list[str]) -> dict[str, int]:
         if not job_ids:
             return {}
         rows = self._all("SELECT id, pos FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY pool ORDER BY seq) AS pos "
                          "FROM jobs WHERE status = %s) t WHERE id = ANY(%s)", (_QUEUED, list(job_ids)))
         return {r["id"]: r["pos"] for r in rows}
 
-    def counts(self, pool: Optional[str] = None) -> dict[str, int]:
+    def job_counts(self, pool: Optional[str] = None) -> dict[str, int]:
         if pool is None:
             rows = self._all("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status")
         else:
             rows = self._all("SELECT status, COUNT(*) AS n FROM jobs WHERE pool = %s GROUP BY status", (pool,))
         return rules.counts_of((r["status"], r["n"]) for r in rows)
 
-    def known(self, job_ids: list[str]) -> set[str]:
+    def job_known(self, job_ids: list[str]) -> set[str]:
         if not job_ids:
             return set()
         return {r["id"] for r in self._all("SELECT id FROM jobs WHERE id = ANY(%s)", (list(job_ids),))}
 
-    def ended(self) -> list[tuple[str, float]]:
+    def job_list_ended(self) -> list[tuple[str, float]]:
         rows = self._all("SELECT id, finished_at FROM jobs WHERE status = ANY(%s) AND NOT deleting "
                          "ORDER BY finished_at, seq", (list(rules.TERMINAL),))
         return [(r["id"], r["finished_at"] or 0.0) for r in rows]
 
     # ----- the keepers' moves -----
-    def claim_next(self) -> Optional[JobRow]:
+    def job_claim_next(self) -> Optional[JobRow]:
         """The oldest queued job of this server's pool (jobs put back first), now this holder's
         under a new attempt and a lease. A claim whose answer was lost is not made again: the next
         call returns the job it took, if it took one."""
@@ -354,7 +354,7 @@ class PgJobStore:
                 raise
         return _row(r) if r else None
 
-    def heartbeat(self, running: dict[str, Held]) -> Beat:
+    def lease_renew(self, running: dict[str, Held]) -> Beat:
         """Renew this holder's leases on ``running`` (job id -> its attempt and live progress,
         stored for the other servers): the ids among them someone asked to cancel, and those whose
         attempt is not the job's any more (the lease ran out and the job was reaped or taken)."""
@@ -374,7 +374,7 @@ class PgJobStore:
             return Beat(cancel=frozenset(asked), lost=frozenset(lost))
         return self._run(op, repeat=True)
 
-    def reap(self) -> Reaped:
+    def lease_reap(self) -> Reaped:
         """Jobs whose holder's lease ran out (its server died, froze, or lost the database) back to
         the queue, first in line: they resume from their clip checkpoints wherever they are taken
         next. Those that were being deleted (and rows a dead server left marked deleting) go: their
@@ -386,7 +386,7 @@ class PgJobStore:
                              f"lease_until < {_NOW}) FOR UPDATE SKIP LOCKED) RETURNING id", (_RUNNING,))
         return Reaped(tuple(r["id"] for r in rows), tuple(r["id"] for r in gone))
 
-    def finish(self, job_id: str, attempt: int, status: JobStatus, *, error: Optional[str] = None,
+    def job_finish(self, job_id: str, attempt: int, status: JobStatus, *, error: Optional[str] = None,
                record: Optional[dict] = None, publish: Optional[Publish] = None) -> bool:
         """End a job this holder holds under ``attempt``, ``publish`` run first inside the
         transaction that holds the row locked; False when the attempt is not the job's any more
@@ -410,7 +410,7 @@ class PgJobStore:
                 return True
         return self._run(op, repeat=True)
 
-    def group_failed(self, job_id: str, attempt: int, error: str, publish: Optional[Publish] = None) -> JobStatus:
+    def job_attempt_failed(self, job_id: str, attempt: int, error: str, publish: Optional[Publish] = None) -> JobStatus:
         def op(conn):
             with self._tx(conn):
                 r = conn.execute("SELECT status, attempt, owner, failures FROM jobs WHERE id = %s FOR UPDATE",
@@ -431,7 +431,7 @@ class PgJobStore:
         return self._run(op, repeat=False)
 
     # ----- the API's moves -----
-    def cancel(self, job_id: str) -> Optional[JobStatus]:
+    def job_cancel(self, job_id: str) -> Optional[JobStatus]:
         def op(conn):
             with self._tx(conn):
                 conn.execute(f"UPDATE jobs SET status = %s, finished_at = {_NOW} WHERE id = %s AND status = %s",
@@ -442,7 +442,7 @@ class PgJobStore:
                 return JobStatus(r["status"]) if r else None
         return self._run(op, repeat=True)
 
-    def delete(self, job_id: str) -> Optional[JobStatus]:
+    def job_delete(self, job_id: str) -> Optional[JobStatus]:
         def op(conn):
             with self._tx(conn):
                 r = conn.execute("SELECT status FROM jobs WHERE id = %s AND NOT deleting FOR UPDATE",
@@ -457,17 +457,17 @@ class PgJobStore:
                 return status
         return self._run(op, repeat=False)
 
-    def remove(self, job_id: str) -> None:
+    def job_remove(self, job_id: str) -> None:
         self._one("DELETE FROM jobs WHERE id = %s RETURNING id", (job_id,))
 
     # ----- start -----
-    def purge_deleting(self) -> list[str]:
+    def job_purge_deleting(self) -> list[str]:
         """After a restart: this server's jobs (any of its keepers') deleted while they ran go
         (others' are theirs)."""
         return [r["id"] for r in self._changed(f"DELETE FROM jobs WHERE deleting AND {_MINE} RETURNING id",
                                                (self.owner, self.owner, self.owner))]
 
-    def recover(self) -> list[str]:
+    def job_recover(self) -> list[str]:
         """After a restart: this server's jobs (any of its keepers') left in progress go back to
         the queue at once (no need to wait for their leases)."""
         rows = self._changed(f"UPDATE jobs SET status = %s, owner = NULL, lease_until = NULL, progress = NULL "
@@ -475,7 +475,7 @@ class PgJobStore:
                              (_QUEUED, _RUNNING, self.owner, self.owner, self.owner))
         return [r["id"] for r in rows]
 
-    def join(self, digest: str, identity: dict[str, Any], who: str) -> Joined:
+    def pool_join(self, digest: str, identity: dict[str, Any], who: str) -> Joined:
         from psycopg.types.json import Jsonb
 
         def op(conn):
@@ -499,15 +499,15 @@ class PgJobStore:
             self.digest = digest
         return Joined(fleet["id"], created_fleet, fleet["marked"], pool, created_pool)
 
-    def mark(self, fleet_id: str) -> None:
+    def fleet_mark(self, fleet_id: str) -> None:
         self._one("UPDATE fleet SET marked = TRUE WHERE id = %s RETURNING id", (fleet_id,))
 
-    def reset_pool(self, digest: str, identity: dict[str, Any], who: str) -> None:
+    def pool_reset(self, digest: str, identity: dict[str, Any], who: str) -> None:
         from psycopg.types.json import Jsonb
 
         self._one(f"UPDATE pools SET digest = %s, identity = %s, joined_by = %s, joined_at = {_NOW} WHERE name = %s "
                   "RETURNING name", (digest, Jsonb(identity), who, self.pool))
         self.digest = digest
 
-    def pools(self) -> dict[str, str]:
+    def pool_list(self) -> dict[str, str]:
         return {r["name"]: r["digest"] for r in self._all("SELECT name, digest FROM pools")}

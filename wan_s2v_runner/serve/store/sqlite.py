@@ -3,7 +3,7 @@ WAL mode with ``synchronous=FULL``, so a job the API answered "queued" survives 
 server or a power cut. Every change is one transaction.
 
 A job moves ``queued -> in_progress -> completed | failed | cancelled`` (a queued job may be
-cancelled directly). After a restart :meth:`SqliteJobStore.recover` puts the jobs that were in
+cancelled directly). After a restart :meth:`SqliteJobStore.job_recover` puts the jobs that were in
 progress back in the queue, first in line: the server kill was not their fault, and they resume
 from their clip checkpoints. One server holds the file (its directory's lock), so there are no
 leases; the attempt still fences every holder's write, as in the shared store, so a rank group
@@ -108,7 +108,7 @@ class SqliteJobStore:
         except sqlite3.Error as e:
             raise QueueUnavailable(f"the queue file {self.path} cannot be used: {e}") from None
 
-    def describe(self) -> str:
+    def store_describe(self) -> str:
         return str(self.path)
 
     def close(self) -> None:
@@ -161,7 +161,7 @@ class SqliteJobStore:
                       idempotency_key=r["idempotency_key"])
 
     # ----- submit -----
-    def add(self, job_id: str, spec: dict[str, Any], max_queued: int, *, pool: Optional[str] = None,
+    def job_insert(self, job_id: str, spec: dict[str, Any], max_queued: int, *, pool: Optional[str] = None,
             idempotency_key: Optional[str] = None, request_hash: Optional[str] = None) -> Added:
         """Queue a job (:class:`QueueFull` when ``max_queued`` wait already); the same id or
         ``idempotency_key`` again gives the stored job (:class:`IdempotencyConflict` when the key
@@ -185,20 +185,20 @@ class SqliteJobStore:
         return Added(self._row(row), created=True)
 
     # ----- read -----
-    def ping(self) -> None:
+    def store_ping(self) -> None:
         self._q("SELECT 1").fetchone()
 
-    def get(self, job_id: str) -> Optional[JobRow]:
+    def job_get(self, job_id: str) -> Optional[JobRow]:
         r = self._q("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return self._row(r) if r else None
 
-    def all(self, limit: int = 1000) -> list[JobRow]:
+    def job_list(self, limit: int = 1000) -> list[JobRow]:
         """The newest ``limit`` jobs, oldest first (none being deleted)."""
         rows = self._q("SELECT * FROM (SELECT * FROM jobs WHERE deleting = 0 ORDER BY seq DESC LIMIT ?) ORDER BY seq",
                        (limit,)).fetchall()
         return [self._row(r) for r in rows]
 
-    def page(self, after: Optional[str] = None, limit: int = 20, order: str = "desc") -> tuple[list[JobRow], bool]:
+    def job_page(self, after: Optional[str] = None, limit: int = 20, order: str = "desc") -> tuple[list[JobRow], bool]:
         """One page of jobs (none being deleted) in submission order (``asc``) or newest first
         (``desc``), after the job ``after`` (KeyError: no such job); and whether more follow."""
         limit, desc = rules.page_size(limit), order == "desc"
@@ -214,7 +214,7 @@ class SqliteJobStore:
                            ((start,) if start is not None else ()) + (limit + 1,)).fetchall()
         return [self._row(r) for r in rows[:limit]], len(rows) > limit
 
-    def positions(self, job_ids: list[str]) -> dict[str, int]:
+    def job_positions(self, job_ids: list[str]) -> dict[str, int]:
         """The 1-based places in their pool's queue of those of ``job_ids`` that are queued, in
         one pass over the queued jobs (the status index), however many are asked."""
         if not job_ids:
@@ -224,28 +224,28 @@ class SqliteJobStore:
                        f"FROM jobs WHERE status = ?) WHERE id IN ({marks})", (_QUEUED, *job_ids)).fetchall()
         return {r[0]: r[1] for r in rows}
 
-    def counts(self, pool: Optional[str] = None) -> dict[str, int]:
+    def job_counts(self, pool: Optional[str] = None) -> dict[str, int]:
         """Jobs by status (of ``pool``: of every pool when None)."""
         if pool is None:
             return rules.counts_of(self._q("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall())
         return rules.counts_of(self._q("SELECT status, COUNT(*) FROM jobs WHERE pool = ? GROUP BY status",
                                        (pool,)).fetchall())
 
-    def known(self, job_ids: list[str]) -> set[str]:
+    def job_known(self, job_ids: list[str]) -> set[str]:
         """Those of ``job_ids`` the store holds (deleting or not)."""
         if not job_ids:
             return set()
         marks = ",".join("?" * len(job_ids))
         return {r[0] for r in self._q(f"SELECT id FROM jobs WHERE id IN ({marks})", tuple(job_ids)).fetchall()}
 
-    def ended(self) -> list[tuple[str, float]]:
+    def job_list_ended(self) -> list[tuple[str, float]]:
         """(id, finished_at) of every ended job (none being deleted), oldest first."""
         rows = self._q(f"SELECT id, finished_at FROM jobs WHERE status IN ({','.join('?' * len(rules.TERMINAL))}) "
                        "AND deleting = 0 ORDER BY finished_at, seq", rules.TERMINAL).fetchall()
         return [(r[0], r[1] or 0.0) for r in rows]
 
     # ----- a holder's moves -----
-    def claim_next(self) -> Optional[JobRow]:
+    def job_claim_next(self) -> Optional[JobRow]:
         """The oldest queued job of this server's pool (jobs put back first), now in progress
         under a new attempt."""
         with self._tx() as db:
@@ -258,7 +258,7 @@ class SqliteJobStore:
             row = db.execute("SELECT * FROM jobs WHERE id = ?", (r["id"],)).fetchone()
         return self._row(row)
 
-    def heartbeat(self, running: dict[str, Held]) -> Beat:
+    def lease_renew(self, running: dict[str, Held]) -> Beat:
         """The ids among ``running`` someone asked to cancel, and those whose attempt is not the
         job's any more (one server: no leases to renew)."""
         asked, lost = set(), set()
@@ -270,16 +270,16 @@ class SqliteJobStore:
                 asked.add(job_id)
         return Beat(cancel=frozenset(asked), lost=frozenset(lost))
 
-    def reap(self) -> Reaped:
+    def lease_reap(self) -> Reaped:
         """Nothing: one server's queue has no other server's jobs to take back."""
         return Reaped()
 
-    def for_keeper(self, index: int) -> "SqliteJobStore":
+    def store_for_keeper(self, index: int) -> "SqliteJobStore":
         """The store keeper ``index`` claims through (one server's: this one; its keepers never
         share a job, each claim being one transaction)."""
         return self
 
-    def finish(self, job_id: str, attempt: int, status: JobStatus, *, error: Optional[str] = None,
+    def job_finish(self, job_id: str, attempt: int, status: JobStatus, *, error: Optional[str] = None,
                record: Optional[dict] = None, publish: Optional[Publish] = None) -> bool:
         """End a job this attempt holds, ``publish`` run first inside the transaction; False when
         the attempt is not the job's (nothing published). The same end again is True."""
@@ -296,7 +296,7 @@ class SqliteJobStore:
                         job_id))
         return True
 
-    def group_failed(self, job_id: str, attempt: int, error: str, publish: Optional[Publish] = None) -> JobStatus:
+    def job_attempt_failed(self, job_id: str, attempt: int, error: str, publish: Optional[Publish] = None) -> JobStatus:
         """The job's rank group failed under it: back to the queue, or failed at
         :data:`~.rules.MAX_FAILURES` (:func:`~.rules.after_group_failure`; then ``publish`` runs
         first, inside the transaction). Returns its status."""
@@ -315,7 +315,7 @@ class SqliteJobStore:
         return status
 
     # ----- the API's moves -----
-    def cancel(self, job_id: str) -> Optional[JobStatus]:
+    def job_cancel(self, job_id: str) -> Optional[JobStatus]:
         """Cancel a job: a queued one is cancelled at once; a running one is marked (its holder
         stops it at the next step). Returns its status after, None if there is no such job."""
         with self._tx() as db:
@@ -325,7 +325,7 @@ class SqliteJobStore:
             r = db.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return JobStatus(r["status"]) if r else None
 
-    def delete(self, job_id: str) -> Optional[JobStatus]:
+    def job_delete(self, job_id: str) -> Optional[JobStatus]:
         """Delete a job: one that is not running is gone at once (its row; its files are the
         caller's); a running one is cancelled and marked ``deleting`` (gone for the API; its
         holder removes it when it ends). Returns its status before, None if there is no such job."""
@@ -340,26 +340,26 @@ class SqliteJobStore:
                 db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
         return status
 
-    def remove(self, job_id: str) -> None:
+    def job_remove(self, job_id: str) -> None:
         """The row goes (a job marked ``deleting``, once it ended)."""
         self._q("DELETE FROM jobs WHERE id = ?", (job_id,))
 
     # ----- start -----
-    def purge_deleting(self) -> list[str]:
+    def job_purge_deleting(self) -> list[str]:
         """After a restart: the jobs deleted while they ran go (their files are the caller's)."""
         with self._tx() as db:
             ids = [r[0] for r in db.execute("SELECT id FROM jobs WHERE deleting = 1").fetchall()]
             db.execute("DELETE FROM jobs WHERE deleting = 1")
         return ids
 
-    def recover(self) -> list[str]:
+    def job_recover(self) -> list[str]:
         """After a restart: jobs left in progress go back to the queue (first in line)."""
         with self._tx() as db:
             ids = [r[0] for r in db.execute("SELECT id FROM jobs WHERE status = ?", (_RUNNING,)).fetchall()]
             db.execute("UPDATE jobs SET status = ? WHERE status = ?", (_QUEUED, _RUNNING))
         return ids
 
-    def join(self, digest: str, identity: dict[str, Any], who: str) -> Joined:
+    def pool_join(self, digest: str, identity: dict[str, Any], who: str) -> Joined:
         """This server joins its pool (:class:`~.protocol.Joined`): the fleet made on the first
         join, the pool's identity recorded by the first server of the pool."""
         with self._tx() as db:
@@ -382,16 +382,16 @@ class SqliteJobStore:
             self.digest = digest
         return Joined(fleet_id, created_fleet, marked, pool, created_pool)
 
-    def mark(self, fleet_id: str) -> None:
+    def fleet_mark(self, fleet_id: str) -> None:
         """The shared directory's marker is written (a later server finds it, or is refused)."""
         self._q("UPDATE fleet SET marked = 1 WHERE id = ?", (fleet_id,))
 
-    def reset_pool(self, digest: str, identity: dict[str, Any], who: str) -> None:
+    def pool_reset(self, digest: str, identity: dict[str, Any], who: str) -> None:
         """This server's identity becomes its pool's (only when the pool holds no job that waits
         or runs: the caller checks)."""
         self._q("UPDATE pools SET digest = ?, identity = ?, joined_by = ?, joined_at = ? WHERE name = ?",
                 (digest, json.dumps(identity), who, time.time(), self.pool))
         self.digest = digest
 
-    def pools(self) -> dict[str, str]:
+    def pool_list(self) -> dict[str, str]:
         return {r[0]: r[1] for r in self._q("SELECT name, digest FROM pools").fetchall()}
