@@ -15,7 +15,7 @@ from fault_worker import fault_env
 from wan_s2v_runner.launcher.batch import plan_lines
 from wan_s2v_runner.launcher.job_book import JobState, group_values
 from wan_s2v_runner.shared import exit_codes, media
-from wan_s2v_runner.shared.job_source import JobSource, read_source
+from wan_s2v_runner.shared.job_source import SPEC_KEY, JobSource, read_source
 from wan_s2v_runner.shared.spec import GroupSpec, RunSpec
 
 #: jobs 2 and 3 differ from job 1 (the shared tiny spec) in size, seed, prompt, solver, first frame
@@ -57,6 +57,7 @@ def test_jobs_in_a_row_equal_one_process(tiny_assets, pose_reference_frames, oth
     assert r.returncode == exit_codes.PREFLIGHT, r.output
     assert "line 3 (missing) refused: preflight inputs.audio" in r.stderr and "does not exist" in r.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()  # one rank group for all three, whose jobs are the list's
+    assert json.loads((run_dir / "spec.json").read_text())[SPEC_KEY] == "list"  # recorded, not inferred
     assert read_source(run_dir) is JobSource.LIST
     assert "job 1/3: first" in r.stdout and "job 3/3: third" in r.stdout, r.stdout
     expected = {"first": pose_reference_frames, **other_frames}

@@ -11,7 +11,7 @@ from conftest import TINY_FLAGS, asset_flags, one_process_frames, run_cli
 from fault_worker import fault_env
 
 from wan_s2v_runner.shared import exit_codes, media
-from wan_s2v_runner.shared.job_source import JobSource, read_source
+from wan_s2v_runner.shared.job_source import SPEC_KEY, JobSource, read_source
 
 THREE_CLIPS = ["--infer-frames", "4", "--num-clips", "3"]
 
@@ -35,6 +35,7 @@ def test_resume_after_a_failure_in_clip_2_gives_the_same_mp4(tiny_assets, engine
     assert not out.exists()
     run_dir = next((crash / "runs").iterdir())
     assert read_source(run_dir) is JobSource.RUN  # the run's own job, as its launcher recorded
+    assert json.loads((run_dir / "spec.json").read_text())[SPEC_KEY] == "run"
     state = json.loads((run_dir / "clips" / "state.json").read_text())
     assert (state["next_clip"], state["num_clips"]) == (1, 3)  # clip 1 complete, clip 2 was lost
 

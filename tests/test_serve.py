@@ -28,7 +28,7 @@ from serving import AUTH, TINY_DEFAULTS, TOKEN, ServerProcess, expected_mp4
 
 from wan_s2v_runner.serve.leftovers import group_processes
 from wan_s2v_runner.shared import media
-from wan_s2v_runner.shared.job_source import JobSource, read_source
+from wan_s2v_runner.shared.job_source import SPEC_KEY, JobSource, read_source
 from wan_s2v_runner.shared.spec import GroupSpec, read_spec
 
 
@@ -81,6 +81,7 @@ def test_jobs_in_a_row_equal_one_process(server, inputs, tiny_assets, engine_cpu
     assert not (server.dir / ".group").exists()
     run_dir = Path(json.loads((server.dir / "group.json").read_text())["run_dir"])
     assert type(read_spec(run_dir / "spec.json")) is GroupSpec and read_source(run_dir) is JobSource.INBOX
+    assert json.loads((run_dir / "spec.json").read_text())[SPEC_KEY] == "inbox"  # recorded, not inferred
     # each rank streamed its DiT from the node's one host copy, for every job (the same mp4s above)
     for rank in (0, 1):
         loaded = next(json.loads(e) for e in (run_dir / "events" / f"rank{rank}.jsonl").read_text().splitlines()

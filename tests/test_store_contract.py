@@ -18,7 +18,7 @@ from wan_s2v_runner.serve.store.protocol import DEFAULT_POOL, QueueUnavailable
 
 class SqliteHarness:
     """One server's file: two stores on it are two keepers of one server; a server started again
-    takes its running jobs back (``recover``); another process holding the file's write lock past
+    takes its running jobs back (``job_recover``); another process holding the file's write lock past
     the store's wait is its outage (reads still answer: WAL)."""
 
     def __init__(self, tmp_path):

@@ -131,6 +131,8 @@ def run(spec: RunSpec, *, observers: Optional[list[RunObserver]] = None, extra_e
     """``wan-s2v run``: one rank group that makes the run's own job (``spec``). ``prepared``: the
     run directory and waiting agent of :func:`prepare` (``spec``: its spec, as the checks left it).
     ``observers`` (default: the console) are told how it goes (:mod:`.observer`)."""
+    if not isinstance(spec, RunSpec):
+        raise TypeError("launch.run makes a run's own job: a RunSpec (a group's jobs: run_batch or run_served)")
     if prepared is None:
         spec, run_dir = _new_run(spec, JobSource.RUN)
     else:
@@ -187,7 +189,7 @@ def _supervise(spec: GroupSpec, run_dir: Path, observers: Optional[list[RunObser
             sup.processes.close()
         procs = sup.processes
         rank_pids = [st.pid for st in sup.reader.ranks.values() if st.pid]
-        cleanup_partial_outputs(list(outputs), rank_pids)
+        cleanup_partial_outputs(outputs, rank_pids)
         _remove_empty_stacks(run_dir)
         sup.reader.poll()
         if outcome.code == exit_codes.OK and own_job and spec.writes_output and \

@@ -86,6 +86,8 @@ class ListedJobs:
     control = None
 
     def __init__(self, source: JobSource, spec: GroupSpec, run_dir: Path, rank: int):
+        if source is JobSource.RUN and not isinstance(spec, RunSpec):  # on every rank: none waits on rank 0
+            raise TypeError(f"{run_dir}/spec.json: a run's group needs a run's spec (with its job)")
         self.source, self.spec, self.run_dir, self.rank = source, spec, run_dir, rank
         self._count: Optional[int] = None
 
@@ -99,8 +101,6 @@ class ListedJobs:
             if listed is None:
                 raise FileNotFoundError(f"{self.run_dir}: a batch's group has no jobs.jsonl")
             return listed
-        if not isinstance(self.spec, RunSpec):
-            raise TypeError(f"{self.run_dir}/spec.json: a run's group needs a run's spec (with its job)")
         return [Job(id="run", spec=self.spec.job, work_dir=self.run_dir)]
 
     def __iter__(self) -> Iterator[Job]:

@@ -24,7 +24,7 @@ Every write asks again just before its rename. What this cannot close is the mom
 that check and the rename: a pause exactly there lets one write through after the lease ran
 out. It lands in the attempt's own folder, which no other attempt writes, and the files are
 moved into place only by the keeper, inside the database transaction that checks the attempt
-(the store's ``finish``). A wait for a verdict is bounded (``limit_s``, below the process group's
+(the store's ``job_finish``). A wait for a verdict is bounded (``limit_s``, below the process group's
 timeout, while the other ranks wait in a collective): past it the job is taken as lost.
 """
 from __future__ import annotations

@@ -49,6 +49,7 @@ from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.worker")
 
+
 class JobCancelled(Exception):
     """The server cancelled the job in progress; raised on every rank at the same step."""
 

@@ -1,6 +1,7 @@
 """The inbox: how ``wan-s2v serve`` hands jobs to a resident rank group, and takes them back.
 
-A served rank group is launched like any run, plus an ``inbox/`` folder in its run directory.
+A served rank group is launched like any run, plus an ``inbox/`` folder in its run directory
+(and ``"jobs_from": "inbox"`` in its spec.json: :mod:`wan_s2v_runner.shared.job_source`).
 The server (launcher side) writes files there; rank 0 (rank side, on node 0, where the server
 is) reads them and tells every other rank by a broadcast, so ranks on other nodes never need the
 folder:

@@ -254,7 +254,7 @@ class PgJobStore:
 
     # ----- submit -----
     def job_insert(self, job_id: str, spec: dict[str, Any], max_queued: int, *, pool: Optional[str] = None,
-            idempotency_key: Optional[str] = None, request_hash: Optional[str] = None) -> Added:
+                   idempotency_key: Optional[str] = None, request_hash: Optional[str] = None) -> Added:
         from psycopg.types.json import Jsonb
 
         rules.check_storable(spec)
@@ -387,7 +387,7 @@ class PgJobStore:
         return Reaped(tuple(r["id"] for r in rows), tuple(r["id"] for r in gone))
 
     def job_finish(self, job_id: str, attempt: int, status: JobStatus, *, error: Optional[str] = None,
-               record: Optional[dict] = None, publish: Optional[Publish] = None) -> bool:
+                   record: Optional[dict] = None, publish: Optional[Publish] = None) -> bool:
         """End a job this holder holds under ``attempt``, ``publish`` run first inside the
         transaction that holds the row locked; False when the attempt is not the job's any more
         (nothing published: the end, and the files, are the new holder's). The same end again is

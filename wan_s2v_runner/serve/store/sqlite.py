@@ -162,7 +162,7 @@ class SqliteJobStore:
 
     # ----- submit -----
     def job_insert(self, job_id: str, spec: dict[str, Any], max_queued: int, *, pool: Optional[str] = None,
-            idempotency_key: Optional[str] = None, request_hash: Optional[str] = None) -> Added:
+                   idempotency_key: Optional[str] = None, request_hash: Optional[str] = None) -> Added:
         """Queue a job (:class:`QueueFull` when ``max_queued`` wait already); the same id or
         ``idempotency_key`` again gives the stored job (:class:`IdempotencyConflict` when the key
         names another request)."""
@@ -280,7 +280,7 @@ class SqliteJobStore:
         return self
 
     def job_finish(self, job_id: str, attempt: int, status: JobStatus, *, error: Optional[str] = None,
-               record: Optional[dict] = None, publish: Optional[Publish] = None) -> bool:
+                   record: Optional[dict] = None, publish: Optional[Publish] = None) -> bool:
         """End a job this attempt holds, ``publish`` run first inside the transaction; False when
         the attempt is not the job's (nothing published). The same end again is True."""
         with self._tx() as db:
