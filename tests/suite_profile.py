@@ -39,6 +39,10 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if config.getoption("--profile-out"):
+        if config.inipath is None:  # "--profile-out PATH" with no test path: pytest took PATH for one
+            raise pytest.UsageError(
+                f"pytest found no configuration (rootdir {config.rootpath}): --profile-out's path was read as a "
+                "test path, so pyproject.toml's options (-n 2 ...) were not applied. Fix: --profile-out=PATH")
         subprocess.Popen.__init__ = _counting_init
 
 
