@@ -125,7 +125,7 @@ def cmd_resume(args, extra_env=None) -> int:
     run_dir = Path(args.run_dir).expanduser().absolute()
     try:
         original = json.loads((run_dir / "spec.json").read_text(encoding="utf-8"))
-        source = job_source.read_source(run_dir)
+        source = job_source.source_of(original, run_dir)
     except (OSError, ValueError) as e:
         print(f"error: {run_dir} is not a wan-s2v run directory ({e}). Fix: pass a directory under runs/.",
               file=sys.stderr)

@@ -21,15 +21,12 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Protocol, runtime_checkable
 
 from wan_s2v_runner.rank import job_errors
-from wan_s2v_runner.rank.lease import ALWAYS, LeaseGate
+from wan_s2v_runner.rank.lease import ALWAYS, SAY_EVERY_S, LeaseGate
 from wan_s2v_runner.shared import inbox
 from wan_s2v_runner.shared.job_source import JobSource
 from wan_s2v_runner.shared.jobs import Job, read_jobs
 from wan_s2v_runner.shared.spec import GroupSpec, RunSpec
 from wan_s2v_runner.shared.stages import Stage
-
-#: an idle served rank says ``waiting`` this often (the hang watchdog's sign of life)
-WAITING_EVERY_S = 2.0
 
 
 class JobEnd(str, Enum):
@@ -164,7 +161,7 @@ class InboxJobs:
             if message:
                 return message
             self.on_idle()
-            if time.time() - said >= WAITING_EVERY_S:
+            if time.time() - said >= SAY_EVERY_S:
                 said = time.time()
                 self.events.emit("waiting")
 

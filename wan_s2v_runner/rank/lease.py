@@ -36,8 +36,10 @@ from typing import Callable, Optional
 from wan_s2v_runner.shared import inbox
 from wan_s2v_runner.shared.inbox import Verdict
 
-#: how often a waiting rank 0 looks at the lease again, and says it lives
+#: how often a waiting rank 0 looks at the lease again
 POLL_S = 0.1
+#: how often a waiting rank says it lives (``waiting``: the hang watchdog's sign of life), here and
+#: in an idle served group (rank.job_sources)
 SAY_EVERY_S = 2.0
 
 

@@ -17,7 +17,7 @@ from wan_s2v_runner.shared import atomic, inbox
 from wan_s2v_runner.shared.jobs import JOBS_FILE
 from wan_s2v_runner.shared.spec import SPEC_KEY, GroupSpec, JobSpec
 
-__all__ = ["SPEC_KEY", "JobSource", "write_spec", "read_source"]
+__all__ = ["SPEC_KEY", "JobSource", "write_spec", "read_source", "source_of"]
 
 
 class JobSource(str, Enum):
@@ -37,7 +37,11 @@ def write_spec(run_dir: Path, spec: GroupSpec, source: JobSource) -> None:
 
 def read_source(run_dir: Path) -> JobSource:
     """The job source ``run_dir/spec.json`` records (an older one's: read from the files, as then)."""
-    data = json.loads((Path(run_dir) / "spec.json").read_text(encoding="utf-8"))
+    return source_of(json.loads((Path(run_dir) / "spec.json").read_text(encoding="utf-8")), run_dir)
+
+
+def source_of(data: dict, run_dir: Path) -> JobSource:
+    """The job source of ``data``, ``run_dir``'s spec.json as read (:func:`read_source`)."""
     if SPEC_KEY in data:
         return JobSource(data[SPEC_KEY])
     if inbox.inbox_of(run_dir).is_dir():
