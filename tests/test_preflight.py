@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from wan_s2v_runner.cli import main as cli
+from wan_s2v_runner.demo.tiny_checkpoint import TINY_VAE_DIM
 from wan_s2v_runner.preflight import CheckContext, MachineFacts, Status, gate, recommend_mode, run_checks
 from wan_s2v_runner.preflight.core import find
 from wan_s2v_runner.preflight.geometry import generation_size, token_counts
@@ -107,7 +108,7 @@ def test_tiny_checkpoint_passes_every_checkpoint_check(tiny):
     results = run_checks(tiny_ctx(tiny), ["checkpoint"])
     assert [(r.id, r.status) for r in results if r.status is not Status.OK] == [("ckpt.dit_file", Status.SKIP)]
     assert_finding(find(results, "ckpt.config"), Status.OK, "dim 32, 4 heads, 2 layers")
-    assert_finding(find(results, "ckpt.pth"), Status.OK, "T5 dim 4096", "VAE width 8")
+    assert_finding(find(results, "ckpt.pth"), Status.OK, "T5 dim 4096", f"VAE width {TINY_VAE_DIM}")
 
 
 def test_truncated_safetensors(tiny, ckpt_copy):
