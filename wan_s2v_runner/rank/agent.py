@@ -36,6 +36,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
+from wan_s2v_runner.rank import fork_gate
 from wan_s2v_runner.shared.node_agent import AGENT_MODULE, DEFAULT_MASTER_PORT
 from wan_s2v_runner.shared.procfs import name_this_process, rank_comm
 
@@ -99,11 +100,13 @@ def launch_config(spec, run_dir: Path, method: str):
 def rank_entry(worker: str, spec_path: str) -> int:
     """What a rank runs (in the forked child): the signal dispositions of a fresh Python (the
     agent's own handlers raise in its main thread, which a rank blocked in a collective would
-    never reach), its name (``wan-s2v-rN``), then ``worker.rank_main(spec_path)``."""
+    never reach), its name (``wan-s2v-rN``), the node's :mod:`~wan_s2v_runner.rank.fork_gate`, then
+    ``worker.rank_main(spec_path)``."""
     name_this_process(rank_comm(int(os.environ.get("RANK", 0))))  # how the launcher knows a silent rank
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    fork_gate.pass_when_all_forked()  # no lock inherited mid-lookup (fork_gate)
     return importlib.import_module(worker).rank_main(spec_path)
 
 
@@ -137,7 +140,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 return 0
             spec = read_spec(spec_path)  # as the launcher left it (its preflight may have changed it)
         method = start_method()
-        if method != "fork":
+        if method == "fork":
+            fork_gate.close(spec.nproc)
+        else:
             print("[wan-s2v agent] CUDA was initialised in the agent: spawning the ranks fresh (no preloaded imports)",
                   file=sys.stderr, flush=True)
         elastic_launch(launch_config(spec, spec_path.parent, method), rank_entry)(spec.rank_worker, str(spec_path))
