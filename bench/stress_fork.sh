@@ -1,7 +1,8 @@
 #!/bin/bash
-# Many 6-rank tiny runs at once, each loop with its own warm agent, on the CPU: a run that has not
-# ended in 90 s counts as hung, and gdb writes its ranks' native stacks (rank/fork_gate.py's reason:
-# a rank forked while an agent thread held glibc's resolver lock waited in init_pg for ever).
+# LOOPS loops of 6-rank tiny runs on the CPU, each loop with its own warm agent and one run at a time
+# (so LOOPS runs at once): a run that has not ended in 90 s counts as hung, and gdb writes its ranks'
+# native stacks (rank/fork_gate.py's reason: a rank forked while an agent thread held glibc's
+# resolver lock waited in init_pg for ever). One node only, agents forked from a warm agent.
 #   bash bench/stress_fork.sh [LOOPS [RUNS [DIR]]]    # defaults: 3 loops of 60 runs in /tmp/stress-fork
 # Prints the runs that ended, those that failed and those that hung (DIR/L/rI/gdb.txt).
 LOOPS=${1:-3}; RUNS=${2:-60}; DIR=${3:-/tmp/stress-fork}
@@ -13,7 +14,8 @@ loop() {  # loop L
   export WAN_S2V_WARM_AGENT=$L/warm.sock
   $PY -m wan_s2v_runner warm --socket "$L/warm.sock" > warm.log 2>&1 &
   local W=$! i P t
-  until grep -q "ready on" warm.log 2>/dev/null; do sleep 0.2; done
+  for t in $(seq 1 300); do grep -q "ready on" warm.log 2>/dev/null && break; sleep 0.2; done
+  grep -q "ready on" warm.log || { echo "$1: the warm agent did not start (warm.log)" >> "$DIR/failed"; return; }
   for i in $(seq 1 "$RUNS"); do
     $PY -m wan_s2v_runner run --device cpu --size '64*64' --infer-frames 12 --steps 2 --seed 42 \
       --prompt "a person talking" --ckpt-dir $D/tiny-s2v-ckpt --image $D/reference.png --audio $D/speech.wav \

@@ -126,6 +126,10 @@ def test_demo_writes_mp4_with_audio_and_equals_one_process(tiny_assets, pose_ref
     assert "text_encode" in stages[1] and "text_encode" not in stages[0] and "audio_encode" in stages[0], stages
     assert manifest["output"]["sha256"] == media.sha256_file(out)
     assert_cpu_binding(manifest, pinned=False)  # off by default
+    # each forked rank started once both were forked (rank/fork_gate.py: its hello says for how many)
+    hellos = [next(e for e in map(json.loads, f.read_text().splitlines()) if e["kind"] == "hello")
+              for f in sorted(next((tmp_path / "runs").glob("*")).glob("events/rank*.jsonl"))]
+    assert [h["fork_gate"] for h in hellos] == [2, 2], hellos
 
 
 @pytest.mark.slow

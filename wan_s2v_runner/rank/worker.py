@@ -34,7 +34,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from wan_s2v_runner.loading import engine
-from wan_s2v_runner.rank import job_errors, job_sources
+from wan_s2v_runner.rank import fork_gate, job_errors, job_sources
 from wan_s2v_runner.rank.cpu_binding import cpu_binding
 from wan_s2v_runner.rank.job_sources import JobEnd
 from wan_s2v_runner.rank.lease import JobLost, LeaseGate
@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None, *, body=None, events_cls: type[RankEvent
     gpu = int(os.environ.get("LOCAL_RANK", 0)) if spec.device == "cuda" else None  # run_rank's set_device
     events = events_cls(run_dir, rank, StagePeaks(cuda_device=gpu))
     events.emit("hello", pid=os.getpid(), host=os.uname().nodename,
-                local_rank=int(os.environ.get("LOCAL_RANK", 0)), cpus=cpus)
+                local_rank=int(os.environ.get("LOCAL_RANK", 0)), cpus=cpus, fork_gate=fork_gate.parties())
     t0 = time.time()
     try:
         (body or run_rank)(spec, run_dir, events)
