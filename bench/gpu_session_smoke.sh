@@ -1,11 +1,12 @@
 #!/bin/bash
 # One device call (docs/gpu.md, "Every job source on CUDA"): the three ways a rank group takes its
 # jobs (issue #59's job sources: a run's own job, a batch's list, a server's inbox) run on CUDA with
-# the tiny checkpoint, each checked for its exit and its output, and the frames of one job compared
-# between the three (same spec, same seed: the same loop on the same GPU):
-# 1. `wan-s2v run --device cuda` (agent spawned), frames kept (--frames-out);
-# 2. `wan-s2v batch --device cuda` of two jobs, the first the run's spec (--frames-out per job);
-# 3. `wan-s2v serve --device cuda` with two jobs submitted over HTTP (bench/gpu_serve.py);
+# the tiny checkpoint, each checked for its exit and its output; the run's mp4 and the batch's job of
+# the same spec compared by sha256 (same spec, same seed: the same loop on the same GPU):
+# 1. `wan-s2v run --device cuda` (agent spawned);
+# 2. `wan-s2v batch --device cuda` of two jobs, the first the run's spec;
+# 3. `wan-s2v serve --device cuda` with two jobs submitted over HTTP (bench/gpu_serve.py: its own
+#    synthetic inputs, so its videos are not compared);
 # 4. `wan-s2v warm` on CUDA: one round of a run forked from the warm agent against one spawned
 #    (bench/gpu_forked.py: the same frames, the ranks forked without CUDA initialised in the agent).
 # Carries .dev/smoke: the wheels of bench/gpu_env.sh (.whl) and the server's (.dev/a of
@@ -27,7 +28,7 @@ step() { echo "== $1 ($(left) s left)"; }
 
 step "1. run"
 timeout -k 5 90 python3 -m wan_s2v_runner run $S $A --prompt "a person talking" --output $W/run.mp4 \
-  --frames-out $W/run.pt --runs-root $W/runs > "$OUT/run.txt" 2>&1; echo "rc=$?"; tail -3 "$OUT/run.txt"
+  --runs-root $W/runs > "$OUT/run.txt" 2>&1; echo "rc=$?"; tail -3 "$OUT/run.txt"
 cp $W/runs/*/run.json "$OUT/run.json" 2>/dev/null
 
 step "2. batch of two jobs"

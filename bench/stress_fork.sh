@@ -25,11 +25,12 @@ loop() {  # loop L
     for t in $(seq 1 180); do sleep 0.5; kill -0 $P 2>/dev/null || break; done
     if kill -0 $P 2>/dev/null; then
       echo "$1 run $i hung" >> "$DIR/hung"
-      for f in r$i/runs/*/events/rank*.jsonl; do
-        pid=$(head -1 "$f" | $PY -c "import json,sys; print(json.loads(sys.stdin.readline())['pid'])")
-        echo "== $f pid $pid"; timeout 60 gdb -p "$pid" -batch -ex "thread apply all bt 20" 2>/dev/null | grep -E "^#|^Thread"
+      pids=$($PY -c "import json,sys; print(*(json.loads(open(f).readline())['pid'] for f in sys.argv[1:]))" \
+        r$i/runs/*/events/rank*.jsonl)  # each rank's hello
+      for pid in $pids; do
+        echo "== pid $pid"; timeout 60 gdb -p "$pid" -batch -ex "thread apply all bt 20" 2>/dev/null | grep -E "^#|^Thread"
       done > r$i/gdb.txt 2>&1
-      pkill -9 -f "$L/r$i/" ; kill -9 $P; for f in r$i/runs/*/events/rank*.jsonl; do kill -9 "$(head -1 "$f" | $PY -c "import json,sys; print(json.loads(sys.stdin.readline())['pid'])")" 2>/dev/null; done
+      pkill -9 -f "$L/r$i/"; kill -9 $P $pids 2>/dev/null  # the agent names its spec.json; the launcher; the ranks
     else
       wait $P && echo "$1 $i" >> "$DIR/ended" || echo "$1 run $i failed" >> "$DIR/failed"
     fi
