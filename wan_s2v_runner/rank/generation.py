@@ -467,6 +467,11 @@ class S2VGenerator:
                     h.stage(Stage.CLIP_CHECKPOINT, clip=r + 1, clips=enc.num_repeat)
                     h.clip_done(r, frames, ClipState(r + 1, None if last else motion_latents, videos_last_frames),
                                 enc.num_repeat)
+                if not last and plan.layout.world_size > 1:
+                    # no rank starts the next clip before the clip's checkpoint is written: one that
+                    # failed there at once had every rank stopped while the decoding rank wrote it,
+                    # and the run lost the clip (seen: rank 1 raised 5 ms before rank 0 began writing)
+                    dist.barrier()
         if pose is not None:
             pose.close()
         if dist.is_initialized():
