@@ -6,6 +6,7 @@
 # For the edit loop:
 #   make lint       - ruff (rules in pyproject.toml), as make test runs it
 #   make fmt        - ruff's safe fixes (import order, ...) applied in place
+#   make lock       - rewrite requirements.lock after a change to requirements*.txt (tools/lock.py)
 #   make test-fast  - lint and the tests not marked slow (no rank groups of the engine, no server, no browser)
 #
 # PYTHON: the interpreter(s) to build .venv with; the first that runs and fits pyproject.toml's
@@ -17,9 +18,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(subst /,_,$(subst $(eval) ,_,$(PYTHON)))
 
-.PHONY: demo test test-fast lint fmt install clean
+.PHONY: demo test test-fast lint fmt install lock clean
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements.lock pyproject.toml
 	@py="$$(tools/find_python $(PYTHON))" || exit 1; \
 	want="$$("$$py" -c 'import sys; print(sys.version.split()[0])')"; \
 	have="$$($(BIN)/python -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)"; \
@@ -28,11 +29,13 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	echo "$(VENV): Python $$want ($$py)"; \
 	"$$py" -m venv $(VENV)
 	rm -f $(VENV)/.installed*
-	@# uv installs where it can be had (into the venv, by pip), with pip's configuration; else pip
-	@# (tools/venv_install.py: 8 s instead of 39 on 2 cores)
-	$(BIN)/python tools/venv_install.py -r requirements.txt -r requirements-dev.txt
-	$(BIN)/python tools/venv_install.py --no-deps wan22==2.2.11
-	$(BIN)/python tools/venv_install.py --no-deps -e .
+	@# requirements.lock's packages this machine needs: the files pip picks, hash-checked against the
+	@# lock, installed by uv (by pip where uv cannot be had, or WAN_S2V_INSTALLER=pip): tools/venv_install.py
+	$(BIN)/python tools/venv_install.py
+	$(BIN)/python tools/venv_install.py -e .
+	@# every module the engine, the runner and the tests import, loaded in one process (native
+	@# libraries above all); a venv that fails is not stamped installed
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m wan_s2v_runner.loading.venv_check --dev
 	@# the bytecode of what a run and a server import, written by importing it once (where
 	@# $$PYTHONDONTWRITEBYTECODE is set, every process would compile it again): 8 s, against 22 s
 	@# for all of the venv's (compileall on 2 cores); the rest is written when first imported
@@ -41,6 +44,11 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# requirements.lock rewritten from requirements.txt, requirements-dev.txt and requirements-engine.txt
+# (tools/lock.py; pins the inputs still allow are kept; ARGS=--upgrade takes the newest of everything)
+lock:
+	$(if $(wildcard $(BIN)/uv),$(BIN)/python,python3) tools/lock.py $(ARGS)
 
 demo: $(STAMP)
 	$(BIN)/wan-s2v demo

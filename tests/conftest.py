@@ -6,6 +6,7 @@ which spawns real ``torch.distributed.run`` processes over gloo. Nothing is mock
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -70,6 +71,20 @@ class CliResult:
     @property
     def output(self) -> str:
         return self.stdout + self.stderr
+
+
+def load_tool(name: str):
+    """``tools/NAME.py`` as a module (the tools are scripts, not a package: each imports its
+    neighbours, such as ``lockfile``, by name)."""
+    tools = str(ROOT / "tools")
+    sys.path.insert(0, tools)
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(tools)
 
 
 def cli_env(extra: dict | None = None) -> dict:

@@ -1,116 +1,212 @@
-"""``pip install ARGS`` into the venv whose Python runs this script, done by uv where uv can be had,
-with pip's own configuration; by pip otherwise. (Makefile helper: the set-up's installs.)
+"""Install ``requirements.lock`` into the venv whose Python runs this script: the files pip picks,
+hash-checked against the lock, installed by uv where uv can be had, by pip otherwise. (Makefile
+helper: the set-up's installs; standard library only.)
 
-    .venv/bin/python tools/venv_install.py -r requirements.txt -r requirements-dev.txt
-    .venv/bin/python tools/venv_install.py --no-deps wan22==2.2.11
+    .venv/bin/python tools/venv_install.py          # what this machine needs of the lock
+    .venv/bin/python tools/venv_install.py -e .     # the project itself (no deps, no build isolation)
 
-**Why uv.** A fresh clone's set-up installed the requirements with pip in 38.7 s on a 2-core
-machine with pip's cache warm (27.5 CPU-s: pip unpacks and copies every file of torch and ~110 more
-packages); uv installed the same versions in 8.1 s with its cache cold and 1.1 s warm (it links
-files from its cache and works in parallel). Every ``make test`` and ``make demo`` from a fresh
-clone, and CI, pays this.
+**Steps.**
 
-**uv sees what pip would.** uv does not read pip's configuration, and what a machine's pip is
-configured with decides which torch it gets (a CPU build from a local folder, say, where PyPI's
-Linux wheel is the CUDA build). So pip's settings (``pip config list``: its files and ``PIP_*``
-variables) are passed to uv, and nothing else (``--no-config``: no ``uv.toml`` of the machine's):
-``index-url``, ``extra-index-url``, ``find-links``, ``constraint`` (for build environments too),
-``no-index`` and ``trusted-host`` as uv's options of the same meaning, ``cert`` as
-``SSL_CERT_FILE``, ``no-cache-dir`` as ``UV_NO_CACHE``; and ``--index-strategy unsafe-best-match``,
-pip's rule (the best version across every index; uv's default stops at the first index that has
-the name). A setting of pip's that is not one of these, nor one that changes nothing here
-(:data:`NO_EFFECT`), makes this install use pip, said in one line.
+1. *The tools.* The venv's own pip installs the lock's pip and uv (``--require-hashes``).
+2. *pip decides the files.* ``pip install --dry-run --no-deps --report`` over the lock (hashes set
+   aside: the lock names versions, pip names files) says, for every entry whose markers hold here,
+   which file pip takes with this machine's configuration (its indexes, find-links, constraints)
+   and what that file declares (``Requires-Dist``). pip's rule is the best file across *every*
+   index; uv's (``--index-strategy unsafe-best-match``) is the best version across indexes but,
+   for that version, only the first index's files. On a machine whose first extra index held only
+   soundfile's generic ``py2.py3-none-any`` wheel (no libsndfile inside) and a later one its
+   manylinux wheel (libsndfile inside), uv took the generic one and ``import soundfile`` failed on
+   a fresh machine; so uv no longer chooses files.
+3. *What is needed here* (:func:`lockfile.needed`): the lock's ``# via`` graph from the requirement
+   files, following an edge only where the chosen file declares it (a CPU build of torch declares
+   none of the CUDA build's ``nvidia-*`` packages, so they are not installed).
+4. *Each file's sha256 must be one the lock lists for its version*, else nothing is installed and
+   one line names the file and the fix.
+5. *Install*: uv, given each chosen file by its URL and hash (``--no-deps --require-hashes``: it
+   installs exactly those files, 8 s where pip takes ~30 s on 2 cores); or pip, given the same
+   entries with the lock's hashes (pip picks the same file again), where ``$WAN_S2V_INSTALLER`` is
+   ``pip``, where uv could not be installed, or where an index gave no hash for a chosen file.
 
-**pip instead** where uv cannot be installed into the venv (``pip install uv``, from pip's own
-indexes), where ``$WAN_S2V_INSTALLER`` is ``pip``, or as above. Both install the same versions
-(``pip freeze`` of the two venvs compared, 2026-11-27). Exit status: the installer's.
+Exit status: 0, 1 (a chosen file not in the lock, or pip could not decide), or the installer's.
 """
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
-import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-#: the uv that installs (into the venv itself, by pip)
-UV_VERSION = "0.13.9"
-#: pip settings that mean the same for uv as for pip, as uv options (each value split on spaces
-#: where pip takes several)
-AS_OPTION = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
-             "constraint": "--constraint", "trusted-host": "--allow-insecure-host"}
-#: pip settings without an effect on what is installed or from where
-NO_EFFECT = {"default-timeout", "timeout", "disable-pip-version-check", "progress-bar", "no-color", "quiet",
-             "verbose", "retries", "cache-dir", "root-user-action", "no-input", "use-feature", "config-file"}
+import lockfile  # tools/, beside this script
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCK = ROOT / "requirements.lock"
+#: the set-up's own tools: installed first, by the venv's pip, from the lock
+TOOLS = ("pip", "uv")
 
 
-def pip_settings(python: str) -> dict[str, str] | None:
-    """pip's configuration, as ``pip config list`` prints it (``:env:`` variables over files;
-    each value as pip prints it, a Python literal), or None when pip cannot say."""
+def pip_settings(python: str) -> dict:
+    """pip's configuration, as ``pip config list`` prints it (``:env:`` variables over the install
+    section over the global one; each value as pip prints it, a Python literal); {} when pip
+    cannot say."""
     out = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True)
-    if out.returncode:
-        return None
-    by_section: dict[str, dict[str, str]] = {":env:": {}, "global": {}, "install": {}}
-    for line in out.stdout.splitlines():
+    by_section: dict = {":env:": {}, "global": {}, "install": {}}
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
         m = re.fullmatch(r"(:env:|global|install)\.([\w-]+)=(.*)", line.strip())
         if m:
             try:
                 by_section[m.group(1)][m.group(2)] = str(ast.literal_eval(m.group(3)))
             except (ValueError, SyntaxError):
-                return None
+                continue
     return {**by_section["global"], **by_section["install"], **by_section[":env:"]}  # pip's precedence
 
 
 def _true(value: str) -> bool:
-    """pip's reading of a switch's value (``PIP_NO_CACHE_DIR=1``, ``no-index = true``...)."""
+    """pip's reading of a switch's value (``PIP_NO_CACHE_DIR=1``, ``no-cache-dir = true``...)."""
     return value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def uv_command(python: str, uv: str, settings: dict[str, str]) -> tuple[list[str], dict[str, str]] | str:
-    """uv's command line and environment for pip's ``settings``, or why uv would differ."""
-    argv = [uv, "pip", "install", "--no-config", "--python", python, "--index-strategy", "unsafe-best-match"]
+def uv_command(python: str, uv: str, settings: dict) -> tuple:
+    """uv's ``pip install`` command line and environment. uv is given files by URL, so of pip's
+    settings only those that reach a URL matter: ``cert`` (as ``SSL_CERT_FILE``), ``trusted-host``,
+    ``no-cache-dir`` (as ``UV_NO_CACHE``); no configuration of uv's own is read (``--no-config``)."""
+    argv = [uv, "pip", "install", "--no-config", "--python", python]
     env = dict(os.environ)
-    for key, value in settings.items():
-        if key in AS_OPTION:
-            for v in value.split():
-                argv += [AS_OPTION[key], v]
-                if key == "constraint":  # pip's constraints hold in its build environments too
-                    argv += ["--build-constraint", v]
-        elif key == "cert":
-            env["SSL_CERT_FILE"] = value
-        elif key == "no-index":
-            argv += ["--no-index"] if _true(value) else []
-        elif key == "no-cache-dir":
-            env.update({"UV_NO_CACHE": "1"} if _true(value) else {})
-        elif key not in NO_EFFECT:
-            return f"pip is configured with {key}={value!r}, which uv would not take the same"
+    for host in settings.get("trusted-host", "").split():
+        argv += ["--allow-insecure-host", host]
+    if settings.get("cert"):
+        env["SSL_CERT_FILE"] = settings["cert"]
+    if _true(settings.get("no-cache-dir", "")):
+        env["UV_NO_CACHE"] = "1"
     return argv, env
 
 
-def main(args: list[str]) -> int:
-    python = sys.executable
-    bindir = Path(python).parent
-    pip = [python, "-m", "pip", "install", "--no-compile", *args]
-    why = None
-    if os.environ.get("WAN_S2V_INSTALLER") == "pip":
-        why = "$WAN_S2V_INSTALLER=pip"
-    else:
-        uv = bindir / "uv"
-        if not uv.exists() and subprocess.run([python, "-m", "pip", "install", "-q", f"uv=={UV_VERSION}"]).returncode:
-            why = f"uv {UV_VERSION} could not be installed into the venv"
-        else:
-            settings = pip_settings(python)
-            got = "pip could not list its configuration" if settings is None else uv_command(python, str(uv), settings)
-            if isinstance(got, str):
-                why = got
-            else:
-                argv, env = got
-                print("venv_install: uv " + shlex.join(argv[3:] + args), flush=True)
-                return subprocess.run(argv + args, env=env).returncode
-    print(f"venv_install: pip ({why})", flush=True)
-    return subprocess.run(pip).returncode
+def requirements_text(entries, hashes_of=None) -> str:
+    """A pip requirements file of lock entries, ``hashes_of(entry)`` (default: all the lock's)."""
+    lines = []
+    for e in entries:
+        marker = f" ; {e.marker}" if e.marker else ""
+        hashes = sorted(hashes_of(e) if hashes_of else e.hashes)
+        lines.append(f"{e.name}=={e.version}{marker}" + "".join(f" --hash={h}" for h in hashes))
+    return "\n".join(lines) + "\n"
+
+
+def pip_install(python: str, text: str, *args: str) -> int:
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(text)
+    try:
+        return subprocess.run([python, "-m", "pip", "install", "--no-compile", "--no-deps", "--require-hashes",
+                               "--disable-pip-version-check", *args, "-r", f.name]).returncode
+    finally:
+        os.unlink(f.name)
+
+
+def decide(python: str, entries) -> dict:
+    """pip's choice for every entry whose markers hold here: name -> its report item (``metadata``
+    with ``version`` and ``requires_dist``, ``download_info`` with ``url`` and ``archive_info``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        req, report = Path(tmp, "lock.txt"), Path(tmp, "report.json")
+        req.write_text(requirements_text(entries, hashes_of=lambda e: ()), encoding="utf-8")
+        proc = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed",
+                               "--quiet", "--disable-pip-version-check", "--report", str(report), "-r", str(req)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            sys.stderr.write(proc.stderr)
+            sys.exit("venv_install: pip could not pick a file for every locked package (above); fix: the "
+                     "machine's indexes must serve the locked versions (pip config list)")
+        items = json.loads(report.read_text(encoding="utf-8"))["install"]
+    return {lockfile.canonical(i["metadata"]["name"]): i for i in items}
+
+
+def file_hash(item: dict):
+    """The chosen file's ``sha256:<hex>`` as the index gave it, or None."""
+    got = (item["download_info"].get("archive_info") or {}).get("hashes", {}).get("sha256")
+    return f"sha256:{got}" if got else None
+
+
+def file_name(item: dict) -> str:
+    return item["download_info"]["url"].rsplit("/", 1)[-1].replace("%2B", "+")
+
+
+def check_hashes(chosen: dict, names, by_version: dict) -> list:
+    """One line for each chosen file whose sha256 the lock does not list for its version."""
+    bad = []
+    for name in sorted(names):
+        item = chosen[name]
+        version = item["metadata"]["version"]
+        listed = by_version.get((name, lockfile.public(version)), set())
+        h = file_hash(item)
+        if h is not None and h not in listed:
+            bad.append(f"venv_install: {name} {version}: pip picked {file_name(item)} ({h}), which "
+                       f"requirements.lock does not list for {name}=={lockfile.public(version)}; fix: if you "
+                       f"trust that build, add its hash to EXTRA_BUILDS in tools/lock.py and run make lock")
+    return bad
+
+
+def install_lock(python: str) -> int:
+    entries = lockfile.parse(LOCK.read_text(encoding="utf-8"))
+    tools = [e for e in entries if e.name in TOOLS and e.marker is None]
+    use_pip = "$WAN_S2V_INSTALLER=pip" if os.environ.get("WAN_S2V_INSTALLER") == "pip" else None
+    # 1. the tools: the lock's pip (it decides), then its uv (it installs)
+    rc = pip_install(python, requirements_text([e for e in tools if e.name == "pip"]), "--quiet")
+    if rc:
+        return rc
+    uv = Path(python).parent / "uv"
+    if use_pip is None and pip_install(python, requirements_text([e for e in tools if e.name == "uv"]), "--quiet"):
+        use_pip = "the locked uv could not be installed into the venv"
+    # 2. pip decides the files; 3. what this machine needs of them
+    chosen = decide(python, entries)
+    requires = {name: item["metadata"].get("requires_dist") or [] for name, item in chosen.items()}
+    need = lockfile.needed(requires, entries) - set(TOOLS)
+    left = sorted(set(chosen) - need - set(TOOLS))
+    if left:
+        print(f"venv_install: not needed with the files chosen here: {', '.join(left)}", flush=True)
+    # 4. every file is one the lock lists
+    by_version: dict = {}
+    for e in entries:
+        by_version.setdefault((e.name, e.version), set()).update(e.hashes)
+    bad = check_hashes(chosen, need, by_version)
+    if bad:
+        print("\n".join(bad), file=sys.stderr)
+        return 1
+    if use_pip is None and any(file_hash(chosen[n]) is None for n in need):
+        use_pip = "an index gave no hash for a chosen file"
+    # 5. install
+    if use_pip is None:
+        argv, env = uv_command(python, str(uv), pip_settings(python))
+        lines = [f"{n} @ {chosen[n]['download_info']['url']} --hash={file_hash(chosen[n])}" for n in sorted(need)]
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write("\n".join(lines) + "\n")
+        print(f"venv_install: uv installs the {len(need)} files pip picked", flush=True)
+        try:
+            return subprocess.run(argv + ["--no-deps", "--require-hashes", "-r", f.name], env=env).returncode
+        finally:
+            os.unlink(f.name)
+    print(f"venv_install: pip installs the {len(need)} locked packages ({use_pip})", flush=True)
+    versions = {(n, lockfile.public(chosen[n]["metadata"]["version"])) for n in need}
+    return pip_install(python, requirements_text([e for e in entries if (e.name, e.version) in versions]))
+
+
+def install_editable(python: str, path: str) -> int:
+    """The project, without its dependencies (the lock's) and without build isolation (the
+    locked setuptools builds it: an isolated build would fetch the newest)."""
+    uv = Path(python).parent / "uv"
+    if os.environ.get("WAN_S2V_INSTALLER") != "pip" and uv.exists():
+        argv, env = uv_command(python, str(uv), pip_settings(python))
+        return subprocess.run(argv + ["--no-deps", "--no-build-isolation", "-e", path], env=env).returncode
+    return subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-compile", "--no-deps",
+                           "--no-build-isolation", "-e", path]).returncode
+
+
+def main(args: list) -> int:
+    if args[:1] == ["-e"] and len(args) == 2:
+        return install_editable(sys.executable, args[1])
+    if args:
+        sys.exit("usage: tools/venv_install.py [-e PATH]")
+    return install_lock(sys.executable)
 
 
 if __name__ == "__main__":

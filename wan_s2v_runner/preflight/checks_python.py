@@ -5,7 +5,9 @@ distribution's metadata (or from pyproject.toml in a source checkout): the Makef
 (``tools/find_python``), pip and this check all answer from that one line.
 All versions are compared with ``packaging.version``. torchvision pairs with torch as
 ``0.(minor + 15)`` (torch 2.13 <-> torchvision 0.28, 2.5 <-> 0.20); a CUDA torchvision build on a
-CPU torch is expected here and is handled by ``patches.torchvision_cpu``.
+CPU torch is expected here and is handled by ``patches.torchvision_cpu``. Whether every module the
+engine and the runner import loads (native libraries above all) is the venv check's verdict
+(:mod:`wan_s2v_runner.loading.venv_check`), which the probe records as ``venv``.
 """
 from __future__ import annotations
 
@@ -123,3 +125,22 @@ def check_torchvision(ctx):
     if local_t.startswith("cpu") and local_tv and not local_tv.startswith("cpu"):
         note = "; CUDA torchvision build on a CPU torch: patched by patches.torchvision_cpu"
     return ok("torchvision.match", f"torchvision {tv_s} matches torch {t_s}{note}")
+
+
+def check_packages(ctx):
+    """One failing result for each module that does not load, with the package, the file it was
+    installed from and the fix; ok when all load; skip on recorded facts without the verdict."""
+    v = ctx.facts.raw.get("venv")
+    if not v:
+        return skip("python.packages", "not measured (facts recorded without the venv check)")
+    failures = v.get("failures") or []
+    if not failures:
+        return ok("python.packages", f"{v.get('checked')} modules the engine and the runner import load "
+                  "(torch, torchvision's operators, soundfile's libsndfile, decord, cv2, psycopg, ffmpeg)")
+    out = []
+    for f in failures:
+        have = f"{f['dist']} {f['version']}" if f.get("version") else f"{f['dist']} (not installed)"
+        where = f" ({f['file']})" if f.get("file") else ""
+        out.append(fail("python.packages", f"{have}{where}: import {f['module']} fails: {f['error']}", f["fix"],
+                        module=f["module"], dist=f["dist"], version=f.get("version"), file=f.get("file")))
+    return out

@@ -5,12 +5,14 @@ driver (NVML if ``pynvml`` imports), each visible GPU (name, compute capability,
 memory), the GPU-pair matrices (``p2p`` from ``torch.cuda.can_device_access_peer``, ``links`` in
 ``nvidia-smi topo -m`` notation from NVML: ``NV<n>``/``PIX``/``PXB``/``PHB``/``NODE``/``SYS``),
 host RAM (``/proc/meminfo`` and the cgroup limit), ``/dev/shm``, container detection, package
-versions (``importlib.metadata``, no imports), flash-attn usability and the relevant environment
-variables. Checks read only these facts, so they run the same on recorded facts of real machines
-(``tests/data/machines/*.json``). The document's schema and its reader, :class:`MachineFacts`,
-are in :mod:`.facts`; this module only collects. flash-attn availability is measured by
-:func:`wan_s2v_runner.shared.attention_backends.measure_availability`, the same function the attention
-patch uses at run time.
+versions (``importlib.metadata``, no imports), the venv check's verdict (``venv``: whether every
+module the engine and the runner import loads; :mod:`wan_s2v_runner.loading.venv_check`),
+flash-attn usability and the relevant environment variables. Checks read only these facts, so
+they run the same on recorded facts of real machines (``tests/data/machines/*.json``). The
+document's schema and its reader, :class:`MachineFacts`, are in :mod:`.facts`; this module only
+collects. flash-attn availability is measured by
+:func:`wan_s2v_runner.shared.attention_backends.measure_availability`, the same function the
+attention patch uses at run time.
 
 A CPU-only torch build (no CUDA, ROCm or XPU in its ``torch/version.py``) is read from its files,
 not imported (``torch.source`` says which): the launcher's checks then import no torch and take a
@@ -38,6 +40,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from wan_s2v_runner.loading import venv_check
 from wan_s2v_runner.shared.attention_backends import choose_backend, measure_availability
 
 from .facts import SCHEMA, MachineFacts, MiB
@@ -424,6 +427,10 @@ def collect() -> dict:
         facts["dep_conflicts"] = _dep_conflicts(facts["packages"])
     except Exception as e:  # noqa: BLE001
         facts["probe_errors"].append(f"dependency metadata: {e}")
+    try:  # the venv check's verdict: kept in the venv, re-checked in a child when the packages changed
+        facts["venv"] = venv_check.cached_verdict()
+    except Exception as e:  # noqa: BLE001
+        facts["probe_errors"].append(f"venv check: {e}")
     try:
         facts["compile"] = _compile_tools()
     except Exception as e:  # noqa: BLE001

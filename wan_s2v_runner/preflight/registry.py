@@ -38,6 +38,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.PYTHON_TORCH, checks_python.check_torch),
     (G.PYTHON_TORCH, checks_python.check_cuda_driver),
     (G.PYTHON_TORCH, checks_python.check_torchvision),
+    (G.PYTHON_TORCH, checks_python.check_packages),
     (G.GPUS, checks_gpu.check_visible),
     (G.GPUS, checks_gpu.check_count),
     (G.GPUS, checks_gpu.check_arch),

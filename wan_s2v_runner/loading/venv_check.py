@@ -1,0 +1,290 @@
+"""Does this environment load? Every third-party module the engine, the product (and with
+``--dev`` the tests) import, imported in one short process, the native ones exercised.
+
+    python -m wan_s2v_runner.loading.venv_check [--dev] [--json]
+
+Each run keeps its verdict in the environment (:func:`save`).
+
+A module that does not load gives one line: which package, which file was installed (the URL the
+set-up installed it from, else its wheel's tags), the error, and the fix. The set-up runs this
+right after installing (``make install``: a venv that fails is not stamped installed); the probe
+reads its verdict for ``wan-s2v doctor`` and ``run``'s preflight (check ``python.packages``),
+re-checking in a child process whenever the installed distributions changed since (the verdict is
+kept in the venv with a fingerprint of them: :func:`cached_verdict`).
+
+Native libraries are where a venv breaks while every version is right: soundfile's generic wheel
+loads the system's libsndfile (absent on a fresh machine), decord's and cv2's shared objects,
+torch's, torchvision's registered operators (a CUDA build on a CPU torch: the product defines two
+schemas first, ``patches.torchvision_cpu``, as here), psycopg's binary build (else it looks for a
+system libpq), imageio-ffmpeg's ffmpeg (it is run). ``tests/test_venv_check.py`` holds the lists
+to what the code imports. Standard library only at import.
+
+Exit status: 0 every module loads, 1 one or more do not.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata as md
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+#: where the verdict is kept: in the environment itself
+VERDICT_FILE = "wan-s2v-venv-check.json"
+#: verdicts kept (one an environment: a fingerprint of its installed distributions)
+KEEP = 4
+#: a fix that holds for any package: the file pip picks for the locked version
+REINSTALL = "make install (it installs the file pip picks for the locked version; pip alone: WAN_S2V_INSTALLER=pip)"
+
+
+@dataclass(frozen=True)
+class Module:
+    """One import name, the distribution that provides it, and the fix when it does not load."""
+
+    name: str
+    dist: str
+    fix: str = REINSTALL
+
+
+#: what ``import wan`` imports (the engine's modules; decord, cv2 and peft for its animate path)
+ENGINE = (
+    Module("torch", "torch"),
+    Module("torchvision", "torchvision", "install the torchvision build that matches torch (requirements.lock): "
+           + REINSTALL),
+    Module("numpy", "numpy"), Module("scipy", "scipy"), Module("PIL", "pillow"),
+    Module("soundfile", "soundfile", "install soundfile's manylinux wheel, which carries libsndfile: " + REINSTALL
+           + "; or the system's: apt-get install libsndfile1"),
+    Module("librosa", "librosa"), Module("decord", "decord"), Module("cv2", "opencv-python-headless"),
+    Module("imageio", "imageio"), Module("imageio_ffmpeg", "imageio-ffmpeg"),
+    Module("transformers", "transformers"), Module("diffusers", "diffusers"), Module("tokenizers", "tokenizers"),
+    Module("safetensors", "safetensors"), Module("huggingface_hub", "huggingface-hub"),
+    Module("accelerate", "accelerate"), Module("peft", "peft"), Module("einops", "einops"),
+    Module("easydict", "easydict"), Module("ftfy", "ftfy"), Module("regex", "regex"), Module("tqdm", "tqdm"),
+)
+#: what the runner itself imports (beyond the engine's)
+PRODUCT = (
+    Module("packaging", "packaging"), Module("pydantic", "pydantic"), Module("rich", "rich"),
+    Module("setproctitle", "setproctitle"), Module("threadpoolctl", "threadpoolctl"),
+    Module("fastapi", "fastapi"), Module("starlette", "starlette"), Module("uvicorn", "uvicorn"),
+    Module("httpx", "httpx"), Module("prometheus_client", "prometheus-client"),
+    Module("psycopg", "psycopg", "install psycopg's binary build, which carries libpq: " + REINSTALL),
+    Module("psycopg_pool", "psycopg-pool"),
+) + ((Module("tomli", "tomli"),) if sys.version_info < (3, 11) else ())
+#: what the tests, tools and benchmarks import (beyond the above)
+DEV = (
+    Module("pytest", "pytest"), Module("xdist", "pytest-xdist"), Module("hypothesis", "hypothesis"),
+    Module("selenium", "selenium"), Module("openai", "openai"), Module("schemathesis", "schemathesis"),
+)
+#: imported only where present (GPU kernels, NVML, TTS), or checked elsewhere (``wan``: the
+#: doctor's ``engine.*`` checks and the set-up's preload import it)
+OPTIONAL = frozenset({"flash_attn", "flash_attn_interface", "pynvml", "cosyvoice", "wan", "triton", "xfuser",
+                      "yunchang", "cutlass", "flash_attn_4", "nvidia"})
+
+
+def _torchvision_ops() -> None:
+    import torch
+
+    torch._C._dispatch_find_schema_or_throw("torchvision::nms", "")
+
+
+def _psycopg_binary() -> None:
+    import psycopg
+
+    if psycopg.pq.__impl__ != "binary":
+        raise ImportError(f"psycopg uses its {psycopg.pq.__impl__} implementation, not the binary build")
+
+
+def _ffmpeg_runs() -> None:
+    import imageio_ffmpeg
+
+    exe = imageio_ffmpeg.get_ffmpeg_exe()
+    proc = subprocess.run([exe, "-hide_banner", "-version"], capture_output=True, timeout=60)
+    if proc.returncode:
+        raise OSError(f"{exe} -version exited {proc.returncode}")
+
+
+def _torch_computes() -> None:
+    import torch
+
+    if float((torch.ones(2) + 1).sum()) != 4.0:
+        raise RuntimeError("torch computed 1+1 wrong")
+
+
+#: beyond the import: what loading means for a native module
+EXERCISE: dict = {"torch": _torch_computes, "torchvision": _torchvision_ops, "psycopg": _psycopg_binary,
+                  "imageio_ffmpeg": _ffmpeg_runs}
+
+
+def _before(name: str) -> None:
+    """What the product does before importing ``name`` (the CPU torch's torchvision schemas)."""
+    if name == "torchvision":
+        try:
+            from patches import torchvision_cpu
+        except ImportError:  # outside a checkout or an install of the project: nothing to apply
+            return
+        torchvision_cpu.apply()
+
+
+@dataclass
+class Failure:
+    module: str
+    dist: str
+    version: Optional[str]
+    file: str
+    error: str
+    fix: str
+
+    def line(self) -> str:
+        have = f"{self.dist} {self.version}" if self.version else f"{self.dist} (not installed)"
+        where = f" ({self.file})" if self.file else ""
+        return f"venv check: {have}{where}: import {self.module} fails: {self.error}; fix: {self.fix}"
+
+
+def installed_file(dist: str) -> str:
+    """Which file ``dist`` was installed from: the URL's file name where the installer recorded one
+    (``direct_url.json``), else ``wheel <tags>`` from its ``WHEEL``; "" when unknown."""
+    try:
+        d = md.distribution(dist)
+    except md.PackageNotFoundError:
+        return ""
+    direct = d.read_text("direct_url.json")
+    if direct:
+        try:
+            return json.loads(direct)["url"].rsplit("/", 1)[-1].replace("%2B", "+")
+        except (ValueError, KeyError):
+            pass
+    tags = [ln.split(":", 1)[1].strip() for ln in (d.read_text("WHEEL") or "").splitlines() if ln.startswith("Tag:")]
+    return f"wheel {'.'.join(tags)}" if tags else ""
+
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _through(e: BaseException, failed: list) -> bool:
+    """Whether ``e`` was raised inside a module that already failed (librosa's import fails where
+    soundfile's does: one line, the root's, says it)."""
+    files = [Path(f.filename) for f in traceback.extract_tb(e.__traceback__)]
+    return any(p.stem == name or name in p.parts for name in failed for p in files)
+
+
+def check(modules) -> list:
+    """Import each module (in order, in this process) and exercise the native ones; a module that
+    fails only because one before it did is not named again."""
+    failures = []
+    for m in modules:
+        try:
+            _before(m.name)
+            importlib.import_module(m.name)
+            EXERCISE.get(m.name, lambda: None)()
+        except Exception as e:  # noqa: BLE001 - any failure to load is the finding
+            if _through(e, [f.module for f in failures]):
+                continue
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            failures.append(Failure(m.name, m.dist, _version(m.dist), installed_file(m.dist),
+                                    f"{type(e).__name__}: {first}", m.fix))
+    return failures
+
+
+def modules(dev: bool) -> tuple:
+    return ENGINE + PRODUCT + (DEV if dev else ())
+
+
+def fingerprint() -> str:
+    """The installed distributions as they are now (each one's metadata directory and its mtime):
+    any install, upgrade or removal changes it."""
+    h = hashlib.sha256()
+    for d in sorted(md.distributions(), key=lambda d: str(getattr(d, "_path", ""))):
+        path = getattr(d, "_path", None)
+        try:
+            h.update(f"{path}:{os.stat(path).st_mtime_ns}\n".encode())
+        except (OSError, TypeError):
+            h.update(f"{path}\n".encode())
+    return h.hexdigest()
+
+
+def verdict(dev: bool = False) -> dict:
+    """Run the check here: ``{"checked": N, "failures": [...], "seconds": s, "fingerprint": ...}``."""
+    t0 = time.monotonic()
+    mods = modules(dev)
+    failures = check(mods)
+    return {"checked": len(mods), "failures": [asdict(f) for f in failures],
+            "seconds": round(time.monotonic() - t0, 2), "fingerprint": fingerprint(), "python": sys.executable,
+            "at": time.time()}
+
+
+def _verdict_path() -> Path:
+    return Path(sys.prefix) / VERDICT_FILE
+
+
+def _kept() -> dict:
+    try:
+        kept = json.loads(_verdict_path().read_text(encoding="utf-8"))
+        return kept if isinstance(kept, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def save(result: dict) -> None:
+    """Keep ``result`` in the environment under its fingerprint, beside at most
+    :data:`KEEP` - 1 others (the newest; a ``PYTHONPATH`` that adds packages is another
+    environment), by temporary name then rename; where the environment is not writable, nothing
+    is kept. Two writers at once lose one entry at worst: it is checked again when next asked."""
+    path = _verdict_path()
+    kept = {fp: v for fp, v in _kept().items() if isinstance(v, dict) and fp != result["fingerprint"]}
+    newest = sorted(kept.items(), key=lambda kv: kv[1].get("at", 0))[-(KEEP - 1):]
+    try:
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**dict(newest), result["fingerprint"]: result}, indent=1) + "\n",
+                       encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def cached_verdict(run_child: Optional[Callable[[], Optional[dict]]] = None) -> Optional[dict]:
+    """The verdict for the environment as it is now: a kept one under its fingerprint, else a
+    fresh one from a child process (which keeps it); None when the child could not say."""
+    kept = _kept().get(fingerprint())
+    if isinstance(kept, dict) and kept.get("python") == sys.executable:
+        return kept
+    return (run_child or _child)()
+
+
+def _child() -> Optional[dict]:
+    proc = subprocess.run([sys.executable, "-m", "wan_s2v_runner.loading.venv_check", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    try:
+        return json.loads(proc.stdout)
+    except ValueError:
+        return None
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    result = verdict(dev="--dev" in argv)
+    save(result)
+    if "--json" in argv:
+        print(json.dumps(result))
+    else:
+        for f in result["failures"]:
+            print(Failure(**f).line(), file=sys.stderr)
+        if not result["failures"]:
+            print(f"venv check: {result['checked']} modules load (native: torch, torchvision's operators, "
+                  f"soundfile's libsndfile, decord, cv2, psycopg's binary, imageio-ffmpeg's ffmpeg) "
+                  f"in {result['seconds']:.1f} s")
+    return 1 if result["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
