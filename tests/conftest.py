@@ -76,11 +76,15 @@ class CliResult:
 def load_tool(name: str):
     """``tools/NAME.py`` as a module (the tools are scripts, not a package: each imports its
     neighbours, such as ``lockfile``, by name)."""
-    tools = str(ROOT / "tools")
+    tools, path = str(ROOT / "tools"), ROOT / "tools" / f"{name}.py"
+    got = sys.modules.get(name)
+    if got is not None and getattr(got, "__file__", None) == str(path):
+        return got
     sys.path.insert(0, tools)
     try:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # as an import would (dataclasses look their module up there)
         spec.loader.exec_module(mod)
         return mod
     finally:

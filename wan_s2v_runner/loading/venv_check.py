@@ -255,8 +255,8 @@ def save(result: dict) -> None:
 def cached_verdict(run_child: Optional[Callable[[], Optional[dict]]] = None) -> Optional[dict]:
     """The verdict for the environment as it is now: a kept one under its fingerprint, else a
     fresh one from a child process (which keeps it); None when the child could not say."""
-    kept = _kept().get(fingerprint())
-    if isinstance(kept, dict) and kept.get("python") == sys.executable:
+    kept = _kept().get(fingerprint())  # the fingerprint names the site directories: the environment
+    if isinstance(kept, dict):
         return kept
     return (run_child or _child)()
 
