@@ -22,12 +22,13 @@ helper: the set-up's installs; standard library only.)
    none of the CUDA build's ``nvidia-*`` packages, so they are not installed).
 4. *Each file's sha256 must be one the lock lists for its version*, else nothing is installed and
    one line names the file and the fix.
-5. *Install*: uv, given each chosen file by its URL and hash (``--no-deps --require-hashes``: it
-   installs exactly those files, 8 s where pip takes ~30 s on 2 cores); or pip, given the same
-   entries with the lock's hashes (pip picks the same file again), where ``$WAN_S2V_INSTALLER`` is
-   ``pip``, where uv could not be installed, or where an index gave no hash for a chosen file.
+5. *Install exactly those files*, each by its URL and hash (``--no-deps --require-hashes``): by uv,
+   or by pip where ``$WAN_S2V_INSTALLER`` is ``pip`` or uv could not be installed. (Given
+   ``torch==2.13.0`` and the lock's hashes, pip in hash-checking mode took PyPI's CUDA build where
+   its dry run had picked the CPU build, so neither installer is given a version to choose from.)
 
-Exit status: 0, 1 (a chosen file not in the lock, or pip could not decide), or the installer's.
+Exit status: 0, 1 (a chosen file not in the lock or without a hash, or pip could not decide), or
+the installer's.
 """
 from __future__ import annotations
 
@@ -172,22 +173,25 @@ def install_lock(python: str) -> int:
     if bad:
         print("\n".join(bad), file=sys.stderr)
         return 1
-    if use_pip is None and any(file_hash(chosen[n]) is None for n in need):
-        use_pip = "an index gave no hash for a chosen file"
-    # 5. install
-    if use_pip is None:
-        argv, env = uv_command(python, str(uv), pip_settings(python))
-        lines = [f"{n} @ {chosen[n]['download_info']['url']} --hash={file_hash(chosen[n])}" for n in sorted(need)]
-        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-            f.write("\n".join(lines) + "\n")
-        print(f"venv_install: uv installs the {len(need)} files pip picked", flush=True)
-        try:
+    nohash = sorted(n for n in need if file_hash(chosen[n]) is None)
+    if nohash:
+        print(f"venv_install: the index gave no hash for the files pip picked for {', '.join(nohash)}: they cannot "
+              "be checked against requirements.lock; fix: an index that serves hashes (PyPI does)", file=sys.stderr)
+        return 1
+    # 5. install exactly those files, by URL and hash
+    lines = [f"{n} @ {chosen[n]['download_info']['url']} --hash={file_hash(chosen[n])}" for n in sorted(need)]
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        if use_pip is None:
+            argv, env = uv_command(python, str(uv), pip_settings(python))
+            print(f"venv_install: uv installs the {len(need)} files pip picked", flush=True)
             return subprocess.run(argv + ["--no-deps", "--require-hashes", "-r", f.name], env=env).returncode
-        finally:
-            os.unlink(f.name)
-    print(f"venv_install: pip installs the {len(need)} locked packages ({use_pip})", flush=True)
-    versions = {(n, lockfile.public(chosen[n]["metadata"]["version"])) for n in need}
-    return pip_install(python, requirements_text([e for e in entries if (e.name, e.version) in versions]))
+        print(f"venv_install: pip installs the {len(need)} files it picked ({use_pip})", flush=True)
+        return subprocess.run([python, "-m", "pip", "install", "--no-compile", "--no-deps", "--require-hashes",
+                               "--disable-pip-version-check", "-r", f.name]).returncode
+    finally:
+        os.unlink(f.name)
 
 
 def install_editable(python: str, path: str) -> int:
