@@ -141,10 +141,13 @@ class Failure:
     error: str
     fix: str
 
-    def line(self) -> str:
+    def finding(self) -> str:
         have = f"{self.dist} {self.version}" if self.version else f"{self.dist} (not installed)"
         where = f" ({self.file})" if self.file else ""
-        return f"venv check: {have}{where}: import {self.module} fails: {self.error}; fix: {self.fix}"
+        return f"{have}{where}: import {self.module} fails: {self.error}"
+
+    def line(self) -> str:
+        return f"venv check: {self.finding()}; fix: {self.fix}"
 
 
 def installed_file(dist: str) -> str:

@@ -18,6 +18,8 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from wan_s2v_runner.loading.venv_check import Failure
+
 from .core import fail, ok, skip, warn
 
 MIN_TORCH = Version("2.4")  # torch.amp.autocast('cuda'), FSDP1 use_orig_params paths the engine uses
@@ -137,10 +139,5 @@ def check_packages(ctx):
     if not failures:
         return ok("python.packages", f"{v.get('checked')} modules the engine and the runner import load "
                   "(torch, torchvision's operators, soundfile's libsndfile, decord, cv2, psycopg, ffmpeg)")
-    out = []
-    for f in failures:
-        have = f"{f['dist']} {f['version']}" if f.get("version") else f"{f['dist']} (not installed)"
-        where = f" ({f['file']})" if f.get("file") else ""
-        out.append(fail("python.packages", f"{have}{where}: import {f['module']} fails: {f['error']}", f["fix"],
-                        module=f["module"], dist=f["dist"], version=f.get("version"), file=f.get("file")))
-    return out
+    return [fail("python.packages", f.finding(), f.fix, module=f.module, dist=f.dist, version=f.version, file=f.file)
+            for f in (Failure(**d) for d in failures)]
