@@ -235,6 +235,11 @@ def test_a_refused_run_starts_no_process_and_imports_no_torch(tmp_path):
     assert [line.split()[0] for line in log.read_text().splitlines()].count("start") == 2, log.read_text()
     log.unlink()
 
+    # the venv check's verdict is kept in the venv (a venv changed since it was last checked is
+    # checked here, once, not under the hook): the run's preflight reads it, starting nothing
+    from wan_s2v_runner.loading import venv_check
+    assert venv_check.cached_verdict() is not None
+
     from wan_s2v_runner.demo.assets import ensure_demo_assets
     assets = ensure_demo_assets(tmp_path / "assets")
     r = subprocess.run([sys.executable, "-m", "wan_s2v_runner", "run", "--device", "cpu", "--size", "64*64",

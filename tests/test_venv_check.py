@@ -96,11 +96,53 @@ def test_a_native_library_that_does_not_load_is_named_with_its_file_and_fix(tmp_
                                         "soundfile fails: OSError"), got
     assert "apt-get install libsndfile1" in got[0]["fix"], got
     assert doctor.returncode != 0
-    # the broken site's verdict is kept under its own fingerprint, beside the venv's (not over it)
+    # the broken site's verdict is kept under its own fingerprint, beside the venv's (not over it,
+    # nor evicting it: earlier runs' sites may go, the venv's own verdicts stay as they were)
     after = venv_check._kept()
     broken = [v for fp, v in after.items() if fp not in before and v["failures"]]
     assert [f["module"] for v in broken for f in v["failures"]] == ["soundfile"], after
-    assert all(after[fp] == v for fp, v in before.items()), "the venv's own verdict was replaced"
+    assert [v["foreign"][0] for v in broken] == [str((tmp_path / "site").resolve())], broken
+    own = {fp: v for fp, v in before.items() if v.get("foreign") == []}
+    assert all(after.get(fp) == v for fp, v in own.items()), "the venv's own verdict was replaced"
+
+
+def test_verdicts_for_foreign_sites_never_evict_the_venvs_own(tmp_path, monkeypatch):
+    """A test's fake site (a new directory each run) and a ``sys.path`` with extra entries (a test
+    worker's) do not push the venv's own verdict out of its file: ``run``'s preflight finds it with
+    no child check. In this process, the check stubbed (its imports are not the point)."""
+    monkeypatch.setattr(venv_check, "_verdict_path", lambda: tmp_path / venv_check.VERDICT_FILE)
+    monkeypatch.setattr(venv_check, "check", lambda mods: [])
+
+    def no_child():
+        raise AssertionError("a child check was started: the kept verdict was not found")
+
+    venv_check.save(venv_check.verdict())
+    own = venv_check.cached_verdict(no_child)
+    assert own["fingerprint"] == venv_check.fingerprint()
+    # entries without packages (a source tree, a worker's helpers) and the venv's own site-packages
+    # listed again are the same environment
+    import site as site_mod
+
+    for extra in (tmp_path, tmp_path / "no-such-dir", *site_mod.getsitepackages()):
+        with monkeypatch.context() as m:
+            m.syspath_prepend(str(extra))
+            assert venv_check.cached_verdict(no_child) == own, extra
+    # more foreign sites than are kept, each one's verdict kept as it comes
+    foreign = []
+    for i in range(venv_check.KEEP + 2):
+        with monkeypatch.context() as m:
+            m.syspath_prepend(str(fake_site(tmp_path / f"run{i}")))
+            v = venv_check.verdict()
+            assert v["fingerprint"] != own["fingerprint"], v
+            venv_check.save(v)
+            assert venv_check.cached_verdict(no_child) == v
+            foreign.append(v["fingerprint"])
+    kept = venv_check._kept()
+    assert kept.get(own["fingerprint"]) == own, "the venv's own verdict was evicted by foreign sites' verdicts"
+    assert venv_check.cached_verdict(no_child) == own
+    assert [fp for fp in foreign if fp in kept] == foreign[-venv_check.KEEP:]  # the newest foreign ones
+    assert [kept[fp]["foreign"] for fp in foreign[-1:]] == [[str((tmp_path / f"run{venv_check.KEEP + 1}" / "site")
+                                                               .resolve())]]
 
 
 def test_installed_file_reads_the_url_else_the_wheel_tags():

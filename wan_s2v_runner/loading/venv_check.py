@@ -10,7 +10,9 @@ set-up installed it from, else its wheel's tags), the error, and the fix. The se
 right after installing (``make install``: a venv that fails is not stamped installed); the probe
 reads its verdict for ``wan-s2v doctor`` and ``run``'s preflight (check ``python.packages``),
 re-checking in a child process whenever the installed distributions changed since (the verdict is
-kept in the venv with a fingerprint of them: :func:`cached_verdict`).
+kept in the venv with a fingerprint of them: :func:`cached_verdict`). The venv's own verdict (its
+own site directories alone) is never evicted by one for a ``PYTHONPATH`` that adds packages
+(:func:`save`).
 
 Native libraries are where a venv breaks while every version is right: soundfile's generic wheel
 loads the system's libsndfile (absent on a fresh machine), decord's and cv2's shared objects,
@@ -28,6 +30,7 @@ import importlib
 import importlib.metadata as md
 import json
 import os
+import site
 import subprocess
 import sys
 import time
@@ -38,7 +41,8 @@ from typing import Callable, Optional
 
 #: where the verdict is kept: in the environment itself
 VERDICT_FILE = "wan-s2v-venv-check.json"
-#: verdicts kept (one an environment: a fingerprint of its installed distributions)
+#: verdicts kept of each kind, the venv's own and those with foreign site directories (one an
+#: environment: a fingerprint of its installed distributions); a foreign one never evicts the venv's
 KEEP = 4
 #: a fix that holds for any package: the file pip picks for the locked version
 REINSTALL = "make install (it installs the file pip picks for the locked version; pip alone: WAN_S2V_INSTALLER=pip)"
@@ -76,6 +80,7 @@ PRODUCT = (
     Module("httpx", "httpx"), Module("prometheus_client", "prometheus-client"),
     Module("psycopg", "psycopg", "install psycopg's binary build, which carries libpq: " + REINSTALL),
     Module("psycopg_pool", "psycopg-pool"),
+    Module("av", "av", "install PyAV's manylinux wheel, which carries FFmpeg with libx264: " + REINSTALL),
 ) + ((Module("tomli", "tomli"),) if sys.version_info < (3, 11) else ())
 #: what the tests, tools and benchmarks import (beyond the above)
 DEV = (
@@ -110,6 +115,14 @@ def _ffmpeg_runs() -> None:
         raise OSError(f"{exe} -version exited {proc.returncode}")
 
 
+def _av_encodes() -> None:
+    import av
+
+    missing = {"libx264", "aac"} - set(av.codecs_available)
+    if missing:
+        raise ImportError(f"PyAV's FFmpeg has no {', '.join(sorted(missing))} encoder (the video writer needs both)")
+
+
 def _torch_computes() -> None:
     import torch
 
@@ -119,7 +132,7 @@ def _torch_computes() -> None:
 
 #: beyond the import: what loading means for a native module
 EXERCISE: dict = {"torch": _torch_computes, "torchvision": _torchvision_ops, "psycopg": _psycopg_binary,
-                  "imageio_ffmpeg": _ffmpeg_runs}
+                  "imageio_ffmpeg": _ffmpeg_runs, "av": _av_encodes}
 
 
 def _before(name: str) -> None:
@@ -203,27 +216,70 @@ def modules(dev: bool) -> tuple:
     return ENGINE + PRODUCT + (DEV if dev else ())
 
 
-def fingerprint() -> str:
-    """The installed distributions as they are now (each one's metadata directory and its mtime):
-    any install, upgrade or removal changes it."""
-    h = hashlib.sha256()
-    for d in sorted(md.distributions(), key=lambda d: str(getattr(d, "_path", ""))):
+def _real(path) -> str:
+    try:
+        return os.path.realpath(path)
+    except (TypeError, ValueError, OSError):
+        return str(path)
+
+
+def own_sites() -> set:
+    """The site directories the environment itself sets up (its site-packages; the user's where
+    the interpreter enables it), as real paths: what a ``PYTHONPATH``, a test's ``sys.path`` entry
+    or a ``.pth`` file adds elsewhere is foreign."""
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return {_real(d) for d in dirs}
+
+
+def sites() -> list:
+    """The directories that hold installed distributions, in the order imports search them (the
+    order of ``sys.path``; a shadowing one comes first): ``[(dir, own, [(name, mtime_ns), ...])]``.
+    A directory listed twice, or under another spelling, counts once; one without distributions
+    (a source tree, a test's helpers) not at all."""
+    order: dict = {}
+    for i, entry in enumerate(sys.path):
+        order.setdefault(_real(entry or os.getcwd()), i)
+    found: dict = {}
+    for d in md.distributions():
         path = getattr(d, "_path", None)
+        if path is None:  # not from a directory (another finder's): named by what it is
+            found.setdefault("?", set()).add((f"{d.metadata['Name']} {d.version}", None))
+            continue
         try:
-            h.update(f"{path}:{os.stat(path).st_mtime_ns}\n".encode())
-        except (OSError, TypeError):
-            h.update(f"{path}\n".encode())
+            stamp = os.stat(path).st_mtime_ns
+        except (OSError, TypeError, ValueError):
+            stamp = None
+        text = str(path).rstrip("/" + os.sep)
+        found.setdefault(_real(os.path.dirname(text)), set()).add((os.path.basename(text), stamp))
+    own = own_sites()
+    return [(where, where in own, sorted(dists, key=str))
+            for where, dists in sorted(found.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0]))]
+
+
+def fingerprint(where: Optional[list] = None) -> str:
+    """The installed distributions as they are now (each site directory, in search order, with its
+    distributions' metadata directories and their mtimes): any install, upgrade or removal changes
+    it, and so does a directory of packages added to the path; one without packages does not."""
+    h = hashlib.sha256()
+    for d, _own, dists in sites() if where is None else where:
+        h.update(f"{d}\n".encode())
+        for name, stamp in dists:
+            h.update(f"  {name}:{stamp}\n".encode())
     return h.hexdigest()
 
 
 def verdict(dev: bool = False) -> dict:
-    """Run the check here: ``{"checked": N, "failures": [...], "seconds": s, "fingerprint": ...}``."""
+    """Run the check here: ``{"checked": N, "failures": [...], "seconds": s, "fingerprint": ...,
+    "foreign": [...]}`` (foreign: the site directories with packages beyond the venv's own)."""
     t0 = time.monotonic()
     mods = modules(dev)
     failures = check(mods)
+    where = sites()
     return {"checked": len(mods), "failures": [asdict(f) for f in failures],
-            "seconds": round(time.monotonic() - t0, 2), "fingerprint": fingerprint(), "python": sys.executable,
-            "at": time.time()}
+            "seconds": round(time.monotonic() - t0, 2), "fingerprint": fingerprint(where),
+            "foreign": [d for d, own, _ in where if not own], "python": sys.executable, "at": time.time()}
 
 
 def _verdict_path() -> Path:
@@ -238,18 +294,29 @@ def _kept() -> dict:
         return {}
 
 
+def _own(v: dict) -> bool:
+    """Whether a kept verdict is the venv's own (no foreign site directory; one kept before the
+    verdicts said so counts as foreign: the first to go)."""
+    return v.get("foreign") == []
+
+
 def save(result: dict) -> None:
-    """Keep ``result`` in the environment under its fingerprint, beside at most
-    :data:`KEEP` - 1 others (the newest; a ``PYTHONPATH`` that adds packages is another
-    environment), by temporary name then rename; where the environment is not writable, nothing
-    is kept. Two writers at once lose one entry at worst: it is checked again when next asked."""
+    """Keep ``result`` in the environment under its fingerprint, beside the newest others: at most
+    :data:`KEEP` of the venv's own and :data:`KEEP` with foreign site directories (a ``PYTHONPATH``
+    that adds packages is another environment, and a test's site is new each run: however many
+    there are, they never evict the venv's own verdict, which ``run``'s preflight reads). By
+    temporary name then rename; where the environment is not writable, nothing is kept. Two
+    writers at once lose one entry at worst: it is checked again when next asked."""
     path = _verdict_path()
     kept = {fp: v for fp, v in _kept().items() if isinstance(v, dict) and fp != result["fingerprint"]}
-    newest = sorted(kept.items(), key=lambda kv: kv[1].get("at", 0))[-(KEEP - 1):]
+    kept[result["fingerprint"]] = result
+    keep: dict = {}
+    for own in (True, False):
+        pool = sorted(((fp, v) for fp, v in kept.items() if _own(v) == own), key=lambda kv: kv[1].get("at", 0))
+        keep.update(pool[-KEEP:])
     try:
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**dict(newest), result["fingerprint"]: result}, indent=1) + "\n",
-                       encoding="utf-8")
+        tmp.write_text(json.dumps(keep, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     except OSError:
         pass
@@ -284,7 +351,7 @@ def main(argv: Optional[list] = None) -> int:
             print(Failure(**f).line(), file=sys.stderr)
         if not result["failures"]:
             print(f"venv check: {result['checked']} modules load (native: torch, torchvision's operators, "
-                  f"soundfile's libsndfile, decord, cv2, psycopg's binary, imageio-ffmpeg's ffmpeg) "
+                  f"soundfile's libsndfile, decord, cv2, psycopg's binary, imageio-ffmpeg's ffmpeg, PyAV's encoders) "
                   f"in {result['seconds']:.1f} s")
     return 1 if result["failures"] else 0
 
