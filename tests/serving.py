@@ -27,8 +27,8 @@ POISON = "1:denoise#poison:exit"
 #: a job that raises on both ranks as its denoising starts: a Python error at the same point on
 #: every rank (test-only fault, on the prompt): the job's alone, the group goes on
 BOOM = "0:denoise#boom:raise,1:denoise#boom:raise"
-#: a job whose mp4 cannot be written: the disk full at rank 0's mux (test-only fault, on the prompt)
-NO_SPACE = "0:mux#nospace:enospc"
+#: a job whose mp4 cannot be written: the disk full as rank 0 finishes the video (test-only fault, on the prompt)
+NO_SPACE = "0:save#nospace:enospc"
 #: a job held at its second clip until the server cancels it (on the prompt): in progress, with its
 #: first clip's video so far, for as long as the test needs, however fast the machine
 HELD = "0:denoise@2#held:wait"
@@ -137,7 +137,9 @@ HELD_JOB = {"seed": "8", "infer_frames": "4", "num_clips": "3", "steps": "2"}
 def expected_mp4(engine_cpu, audio: Path, dest: Path, **updates) -> str:
     """sha256 of the mp4 one process makes for the tiny spec with ``updates``."""
     frames = one_process_frames(engine_cpu, **updates)
-    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, audio, dest)
+    infer = engine_cpu[2].model_copy(update=updates).infer_frames
+    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, audio, dest,
+                                media.clip_lengths(frames.shape[1], infer))
     return media.sha256_file(dest)
 
 

@@ -6,9 +6,9 @@ injection (``WAN_S2V_TEST_FAULT`` at every stage: tests/fault_worker.py) running
 :func:`run_rank` below instead of the engine: it joins the real gloo process group, walks the
 stages a run's rank reports (load, then per clip: denoise with its steps, decode), does a real
 ``all_to_all`` at every denoising step (where a sequence-parallel rank waits for its peers), and
-rank 0 writes the mp4 with the run's audio through the same
-:func:`~wan_s2v_runner.shared.media.save_video_with_audio` (save, mux: temporary names, then
-rename). It imports torch, not the engine (it has no ``preload``: the node's agent imports only
+rank 0 writes the mp4 with the run's audio through the same encoders and file
+(:func:`~wan_s2v_runner.shared.media.save_video_with_audio`) under a temporary name, then (stage
+``save``) renames it. It imports torch, not the engine (it has no ``preload``: the node's agent imports only
 torch before forking it): a group starts in about a second instead of several. A served group
 (a server's: its spec is a group's, its run directory has an inbox) only waits, idle, until the
 server says stop: the tests that start a server on the stub are about what the server does
@@ -32,7 +32,7 @@ def run_rank(spec, run_dir: Path, events) -> int:
     import torch
     import torch.distributed as dist
 
-    from wan_s2v_runner.shared import inbox, media
+    from wan_s2v_runner.shared import atomic, inbox, media
     from wan_s2v_runner.shared.job_source import JobSource, read_source
     from wan_s2v_runner.shared.stages import Stage
 
@@ -70,7 +70,10 @@ def run_rank(spec, run_dir: Path, events) -> int:
         if rank == 0:
             video = torch.cat(frames, dim=1)
             events.emit("frames", shape=list(video.shape))
-            media.save_video_with_audio(video, FPS, spec.speech, spec.output, on_stage=events.stage)
+            grown = atomic.temp_name(spec.output, "video")  # the video, complete under a temporary name
+            media.save_video_with_audio(video, FPS, spec.speech, grown, [f.shape[1] for f in frames])
+            events.stage(Stage.SAVE)
+            atomic.replace(grown, spec.output, durable=True)
         events.stage(Stage.DONE)
     except BaseException as e:
         events.error(e)

@@ -101,7 +101,8 @@ def test_batch_resumes_the_interrupted_job_and_skips_the_finished_one(tiny_asset
     assert json.loads((out / "two.json").read_text())["resumed_at_clip"] == 2
     whole = tmp_path / "whole.mp4"  # the uninterrupted job: one process's frames, written as rank 0 does
     frames = one_process_frames(engine_cpu, seed=9, **three_clips)
-    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, tiny_assets.audio, whole)
+    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, tiny_assets.audio, whole,
+                                media.clip_lengths(frames.shape[1], three_clips["infer_frames"]))
     assert media.sha256_file(out / "two.mp4") == media.sha256_file(whole)
 
 

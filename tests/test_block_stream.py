@@ -187,7 +187,13 @@ def test_ulysses_and_cfg_parallel_ranks_stream_from_the_nodes_copy(five, residen
     r = run_cli(["resume", str(run_dir), "--nproc", "1", "--dit-offload", "blocks", "--json"], cwd=tmp_path / "failed")
     assert r.returncode == 0, r.output
     assert json.loads(r.stdout)["resume"]["at_clip"] == 2
-    assert torch.equal(torch.load(tmp_path / "failed" / "f.pt"), resident_frames)
+    from wan_s2v_runner.shared import media
+
+    n = resident_frames.shape[1]  # a resumed run's raw frames are the clips it made: clip 2 (clip 1 has 8 - 3)
+    assert torch.equal(torch.load(tmp_path / "failed" / "f.pt"), resident_frames[:, 5:])
+    whole = tmp_path / "whole.mp4"  # and its video is the resident frames' video, byte for byte
+    media.save_video_with_audio(resident_frames, 16, five.audio, whole, media.clip_lengths(n, 8))
+    assert (tmp_path / "failed" / "o.mp4").read_bytes() == whole.read_bytes()
 
 
 def test_a_pose_video_streams_the_same(tiny_assets, pose_reference_frames):

@@ -1,13 +1,14 @@
-"""``wan-s2v run --preview``: after each clip but the last, ``OUTPUT.partial.mp4`` is the video so
-far. Real 2-rank runs on the tiny checkpoint, 2 clips (ulysses: the session's companion run of
-conftest.hybrid_run) and 3 clips (CFG-parallel):
+"""``wan-s2v run --preview``: the video grows clip by clip in ``OUTPUT.partial.mp4``, which becomes
+the output when finished. Real 2-rank runs on the tiny checkpoint, 2 clips (ulysses: the session's
+companion run of conftest.hybrid_run) and 3 clips (CFG-parallel):
 
-- every video so far rank 0 wrote (its ``preview`` events, each with the file's sha256) is byte
-  for byte the final video's first clips encoded alone (the same writer run by the test on the
-  first frames of the run's own final frames): it holds exactly the final video's first frames;
-- the final frames equal one process's (the 2-clip run) and the final mp4 is the encode of
-  them: the preview changes nothing in the video;
-- the partial video goes once the final one is written; the first frame stays as the thumbnail.
+- after each clip but the last rank 0 says how far the file is (its ``preview`` events: clips,
+  frames, bytes); the final file cut at that length is what a player had then: it decodes to
+  exactly those frames, with the speech;
+- the final frames equal one process's (the 2-clip run) and the final mp4 is byte for byte the
+  writer's encode of them (:func:`media.save_video_with_audio`, clip by clip): streaming changes
+  nothing in the video;
+- the partial name is gone once the final video is in place; the first frame is the thumbnail.
 """
 from __future__ import annotations
 
@@ -27,21 +28,25 @@ def _previews(run_dir) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["kind"] == "preview"]
 
 
-def _encoded(frames: torch.Tensor, audio, dest) -> str:
-    media.save_video_with_audio(frames, FPS, audio, dest)
+def _encoded(frames: torch.Tensor, audio, dest, infer_frames: int) -> str:
+    media.save_video_with_audio(frames, FPS, audio, dest, media.clip_lengths(frames.shape[1], infer_frames))
     return media.sha256_file(dest)
 
 
-def _check(frames, run_dir, out, clips, audio, tmp_path):
+def _check(frames, run_dir, out, clips, audio, tmp_path, infer_frames):
     previews = _previews(run_dir)
     assert [p["clips"] for p in previews] == list(range(1, clips)), previews  # every clip but the last
+    lengths = media.clip_lengths(frames.shape[1], infer_frames)
+    data = out.read_bytes()
     for p in previews:
         n = p["frames"]
-        assert p["of"] == clips and 0 < n < frames.shape[1]
-        want = _encoded(frames[:, :n], audio, tmp_path / f"prefix{n}.mp4")
-        assert p["sha256"] == want, f"the video so far after clip {p['clips']} is not the final's first {n} frames"
-    assert media.sha256_file(out) == _encoded(frames, audio, tmp_path / "whole.mp4")
-    assert not media.partial_path(out).exists()  # the final video holds it all
+        assert p["of"] == clips and n == sum(lengths[:p["clips"]]) and 0 < p["bytes"] < len(data)
+        cut = tmp_path / f"so_far_{n}.mp4"  # the file as it was then (its fragments; the init segment's
+        cut.write_bytes(data[:p["bytes"]])  # durations are written in at the end)
+        info = media.probe(cut)
+        assert (info.video_codec, info.audio_codec, info.n_frames) == ("h264", "aac", n), info
+    assert media.sha256_file(out) == _encoded(frames, audio, tmp_path / "whole.mp4", infer_frames)
+    assert not media.partial_path(out).exists()  # the final video is that file, finished
     thumb = media.thumbnail_path(out)
     from PIL import Image
 
@@ -57,11 +62,12 @@ def test_the_video_so_far_of_2_clips_in_ulysses(hybrid_run, tiny_assets, referen
     d = hybrid_run.other_dir
     frames = torch.load(d / "f.pt")
     assert torch.equal(frames, reference_frames)  # the frames are one process's: nothing changed them
-    _check(frames, next((d / "runs").glob("*")), d / "out" / "o.mp4", 2, tiny_assets.audio, tmp_path)
+    _check(frames, next((d / "runs").glob("*")), d / "out" / "o.mp4", 2, tiny_assets.audio, tmp_path,
+           8)  # conftest.TINY_FLAGS: --infer-frames 8
 
 
 @pytest.mark.slow
 def test_the_video_so_far_of_3_clips_with_cfg_parallel(tiny_assets, tmp_path):
     frames, run_dir = run_frames(tiny_assets, tmp_path / "run", TINY_FLAGS, "--nproc", "2", "--cfg-parallel",
                                  "--infer-frames", "4", "--num-clips", "3", "--preview")
-    _check(frames, run_dir, tmp_path / "run" / "o.mp4", 3, tiny_assets.audio, tmp_path)
+    _check(frames, run_dir, tmp_path / "run" / "o.mp4", 3, tiny_assets.audio, tmp_path, 4)

@@ -24,7 +24,7 @@ def test_resume_after_a_failure_in_clip_2_gives_the_same_mp4(tiny_assets, engine
     whole = tmp_path / "whole.mp4"
     frames = one_process_frames(engine_cpu, infer_frames=4, num_clips=3)
     assert frames.shape[1] == 3 * 4 - 3  # three clips
-    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, tiny_assets.audio, whole)
+    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, tiny_assets.audio, whole, media.clip_lengths(9, 4))
 
     crash = tmp_path / "crash"
     crash.mkdir()

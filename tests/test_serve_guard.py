@@ -18,7 +18,7 @@ import pytest
 from conftest import STUB_RANKS, cli_env
 from serving import TINY_DEFAULTS, TOKEN, ServerProcess
 
-from wan_s2v_runner.shared import exit_codes
+from wan_s2v_runner.shared import exit_codes, media
 
 
 @pytest.fixture(scope="module")
@@ -248,20 +248,22 @@ def test_an_event_stream_always_reaches_an_end(open_server, tiny_assets):
 @pytest.mark.slow
 def test_a_full_disk_fails_the_job_alone_and_a_nearly_full_one_refuses_jobs(server, inputs, tiny_assets,
                                                                             tmp_path_factory):
-    """ENOSPC at rank 0's real write (the mux, injected): that job fails with the cause and the fix,
+    """ENOSPC at rank 0's real write (finishing the video, injected): that job fails with the cause and the fix,
     the same ranks make the next job. A server whose disk has less than --min-free-mb free refuses
     new jobs with 507 and goes on answering."""
     before = httpx.get(f"{server.url}/health").json()
     small = {"image": inputs["image"], "audio": inputs["audio"], "steps": 1, "infer_frames": 4, "num_clips": 1}
-    full = server.submit(**small, prompt="nospace: the disk fills at the mux").json()
+    full = server.submit(**small, prompt="nospace: the disk fills as the video is finished").json()
     failed = server.wait(full["id"], "failed", "completed")
     assert failed["status"] == "failed", failed
     message = failed["error"]["message"]
-    assert "stage mux" in message and "No space left on device" in message and "Fix: free space" in message
-    # its record (failed, with the cause) and its first frame (made after clip 1); no mp4, no
-    # temporary, no clip checkpoints
+    assert "stage save" in message and "No space left on device" in message and "Fix: free space" in message
+    # its record (failed, with the cause), its first frame (made after clip 1) and its video so far
+    # (every clip it made: the growing file, kept as a failed job's is); no mp4, no temporary, no
+    # clip checkpoints
     left = sorted(p.name for p in (server.dir / "videos").glob(f"*{full['id']}*"))
-    assert left == [f"{full['id']}.json", f"{full['id']}.thumbnail.jpg"], left
+    assert left == [f"{full['id']}.json", f"{full['id']}.partial.mp4", f"{full['id']}.thumbnail.jpg"], left
+    assert media.probe(server.dir / "videos" / f"{full['id']}.partial.mp4").n_frames == 1  # its one clip
     assert json.loads((server.dir / "videos" / f"{full['id']}.json").read_text())["status"] == "failed"
     after = server.submit(**small, prompt="room again").json()
     assert server.wait(after["id"], "completed")["status"] == "completed"

@@ -22,7 +22,7 @@ import torch
 from conftest import TINY_FLAGS, asset_flags, once_per_run, run_cli
 from fault_worker import fault_env
 
-from wan_s2v_runner.shared import cache_policy, exit_codes
+from wan_s2v_runner.shared import cache_policy, exit_codes, media
 from wan_s2v_runner.shared.spec import JobSpec
 
 CACHE = "easycache:0.05"
@@ -225,7 +225,11 @@ def test_every_layout_takes_the_same_decisions_as_one_process(tiny_assets, cache
     resumed = json.loads(r.stdout)
     assert resumed["resume"]["at_clip"] == 2 and resumed["spec"]["cache"] == CACHE
     assert resumed["step_cache"] == cache_policy.summary(CACHE, records[1:])  # the clip it made
-    assert torch.equal(torch.load(tmp_path / "fsdp" / "f.pt"), frames)
+    # a resumed run's raw frames are the clips it made: clip 2 (clip 1: 8 - 3 frames)
+    assert torch.equal(torch.load(tmp_path / "fsdp" / "f.pt"), frames[:, 5:])
+    whole = tmp_path / "whole.mp4"  # and its video is one process's, byte for byte
+    media.save_video_with_audio(frames, 16, tiny_assets.audio, whole, media.clip_lengths(frames.shape[1], 8))
+    assert (tmp_path / "fsdp" / "o.mp4").read_bytes() == whole.read_bytes()
 
 
 # --------------------------------------------------------------------------- the few-step recipe

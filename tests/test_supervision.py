@@ -185,7 +185,7 @@ def test_normal_run_manifest_is_complete(hybrid_run):
     assert m["seed"] == 42 and m["spec"]["seed"] == 42
     assert m["mode"] == "hybrid" and m["layout"]["world_size"] == 2
     for stage in ("init_pg", "engine_import", "load", "fingerprint", "shard", "audio_encode",
-                  "ref_encode", "denoise", "decode", "motion_encode", "save", "mux"):  # rank 0's
+                  "ref_encode", "denoise", "decode", "motion_encode", "clip_checkpoint", "save"):  # rank 0's
         assert isinstance(m["stage_seconds"].get(stage), float), (stage, m["stage_seconds"])
     # the prompts: on the text rank (the last), while rank 0 encodes the speech
     assert isinstance(m["ranks"]["1"]["stage_seconds"].get("text_encode"), float), m["ranks"]["1"]
@@ -300,13 +300,13 @@ def test_watchdog_sees_a_rank_that_never_reports(tiny_assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_rank0_stopped_while_muxing_leaves_no_partial_output(tiny_assets, tmp_path):
-    """Rank 0 hangs between writing the temporary video and muxing the audio; the watchdog
-    stops it (SIGTERM: no Python cleanup runs). The output path holds nothing, and the
+def test_rank0_stopped_while_saving_leaves_no_partial_output(tiny_assets, tmp_path):
+    """Rank 0 hangs with its video written under a temporary name, before the rename; the
+    watchdog stops it (SIGTERM: no Python cleanup runs). The output path holds nothing, and the
     launcher removes the rank's temporary files."""
     procs = RunProcs()
     p = _popen(_args(tiny_assets, tmp_path, "--watchdog-step", str(WATCHDOG_STEP)), cwd=tmp_path,
-               env={**fault_env("0:mux:hang"), **STUB_RANKS})
+               env={**fault_env("0:save:hang"), **STUB_RANKS})
     try:
         procs.add([p.pid])
         out_dir = tmp_path / "out"
@@ -316,7 +316,7 @@ def test_rank0_stopped_while_muxing_leaves_no_partial_output(tiny_assets, tmp_pa
         rc = p.wait(timeout=60)
         out = _output(tmp_path)
         assert rc == exit_codes.HUNG, out
-        assert "stuck in mux on rank 0" in out, out
+        assert "stuck in save on rank 0" in out, out
         run_dir = _run_dir(tmp_path)
         m = _manifest(run_dir)
         assert m["ranks"]["1"]["finished"] and not m["ranks"]["0"]["finished"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,10 @@ def test_verdicts_for_foreign_sites_never_evict_the_venvs_own(tmp_path, monkeypa
     no child check. In this process, the check stubbed (its imports are not the point)."""
     monkeypatch.setattr(venv_check, "_verdict_path", lambda: tmp_path / venv_check.VERDICT_FILE)
     monkeypatch.setattr(venv_check, "check", lambda mods: [])
+    # the venv alone, as `run` sees it: a site another test of this worker left on sys.path goes
+    left = {d for d, own, _ in venv_check.sites() if not own}
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if venv_check._real(p or os.getcwd()) not in left])
+    assert all(own for _, own, _ in venv_check.sites())
 
     def no_child():
         raise AssertionError("a child check was started: the kept verdict was not found")

@@ -48,16 +48,16 @@ def test_stages_in_run_order_with_their_classes():
     assert [s.value for s in Stage] == [
         "start", "init_pg", "engine_import", "load", "fingerprint", "shard", "tts", "audio_encode",
         "ref_encode", "text_encode", "receive_inputs", "compile", "pose_encode", "denoise", "decode", "motion_encode",
-        "receive_motion", "clip_checkpoint", "save", "mux", "idle", "done"]
+        "receive_motion", "clip_checkpoint", "save", "idle", "done"]
     load_class = [s for s in Stage if s.is_load_class]
     assert load_class == list(Stage)[:list(Stage).index(Stage.POSE_ENCODE)]  # everything before the clips
     assert all(s.is_step_class != s.is_load_class for s in Stage)
     assert {s for s in Stage if s.repeats_per_clip} == {Stage.POSE_ENCODE, Stage.DENOISE, Stage.DECODE,
                                                          Stage.MOTION_ENCODE, Stage.RECEIVE_MOTION,
                                                          Stage.CLIP_CHECKPOINT}
-    assert {s for s in Stage if s.first_rank_only} == {Stage.TTS, Stage.SAVE, Stage.MUX, Stage.CLIP_CHECKPOINT}
+    assert {s for s in Stage if s.first_rank_only} == {Stage.TTS, Stage.SAVE, Stage.CLIP_CHECKPOINT}
     # members are the plain names wherever text is made
-    assert Stage.LOAD == "load" and f"{Stage.LOAD}" == "load" and str(Stage.MUX) == "mux"
+    assert Stage.LOAD == "load" and f"{Stage.LOAD}" == "load" and str(Stage.SAVE) == "save"
     assert json.dumps({Stage.DENOISE: [Stage.DECODE]}) == '{"denoise": ["decode"]}'
     assert Stage.lookup("denoise") is Stage.DENOISE and Stage.lookup("denoize") is None
     assert Stage.coerce("warmup") == "warmup" and not isinstance(Stage.coerce("warmup"), Stage)

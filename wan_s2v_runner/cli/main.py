@@ -96,6 +96,7 @@ def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
 
     prepared = launch.prepare(spec, extra_env) if not args.skip_preflight and not probes_quickly() else None
     settled = prepared.spec if prepared else spec  # what the ranks will read, with what the checks change
+    plan_clip_s = None  # the plan's seconds a clip (job.time): the ETA until the first clip is done
     try:
         if args.skip_preflight:
             from wan_s2v_runner.preflight import groups_for
@@ -109,12 +110,13 @@ def _check_and_launch(spec: RunSpec, args, extra_env=None) -> int:
                     prepared.abandon()
                 return exit_codes.PREFLIGHT
             settled = settled.model_copy(update=report.settled(spec))  # waves, resident blocks
+            plan_clip_s = report.data_of("job.time").get("clip_s")
     except BaseException:
         if prepared:
             prepared.abandon()
         raise
-    return launch.run(settled, observers=[Display.auto(json_mode=args.json)], extra_env=extra_env,
-                      prepared=prepared)
+    return launch.run(settled, observers=[Display.auto(json_mode=args.json, plan_clip_s=plan_clip_s)],
+                      extra_env=extra_env, prepared=prepared)
 
 
 def cmd_resume(args, extra_env=None) -> int:

@@ -9,8 +9,10 @@ Plain mode (stdout not a terminal: CI, ``nohup``, a pipe) prints only meaningful
 - one line per stage change, all ranks that entered it together on one line
   (``[0:07] load: ranks 0-1``; a rank entering more than a second later gets its own line with
   its lag, ``[0:09] load: rank 1 (+2.1s)``); ``denoise`` lines carry ``clip j/M``;
-- rank 0's denoising progress with an ETA (first and last step of each clip, and at most every
-  10 s in between);
+- rank 0's denoising progress with clips done / clips in all and an ETA (first and last step of
+  each clip, and at most every 10 s in between): the seconds a clip took so far, or before the
+  first clip ends the plan's estimate (``job.time``), else the first clip's step pace
+  (:mod:`wan_s2v_runner.shared.job_time`);
 - any rank's error, the moment it is recorded;
 - rank 0's own log lines, without Python warnings, tqdm bars and tracebacks (all of those stay
   in ``torchrun.log`` and ``logs/``; the failure report prints the traceback that matters).
@@ -28,7 +30,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from wan_s2v_runner.shared.events import denoise_position, is_secondary, rank_log_level, steps_done
+from wan_s2v_runner.shared.events import denoise_position, is_secondary, rank_log_level
+from wan_s2v_runner.shared.job_time import ClipClock
 from wan_s2v_runner.shared.spec import JobSpec
 from wan_s2v_runner.shared.stages import Stage
 
@@ -65,13 +68,31 @@ def progress_text(st) -> str:
     return ""
 
 
-def eta_s(p: dict, denoise_t0: Optional[float], now: float) -> Optional[float]:
-    """Time left for the remaining steps at the pace so far (decode time included in the pace)."""
-    if not (denoise_t0 and p.get("step") and p.get("clips") and p.get("steps") and p.get("clip")):
-        return None
-    done = steps_done(p)
-    total = p["clips"] * p["steps"]
-    return (now - denoise_t0) / done * (total - done) if done > 0 else None
+#: rank 0's stages after the clips (the video is complete then: nothing left but writing it)
+AFTER_CLIPS = frozenset({Stage.SAVE, Stage.IDLE, Stage.DONE})
+
+
+def clock_on_event(clock: ClipClock, ev: dict) -> None:
+    """Feed one of rank 0's events to ``clock`` (the console's and the server's progress alike)."""
+    kind, t = ev.get("kind"), float(ev.get("t", 0.0))
+    if kind == "stage":
+        stage = Stage.coerce(ev.get("stage", ""))
+        if ev.get("clip") and isinstance(stage, Stage) and stage.repeats_per_clip:
+            clock.clip(int(ev["clip"]), ev.get("clips"), t)
+        elif stage in AFTER_CLIPS:
+            clock.finished()
+    elif kind == "progress" and ev.get("clip") and ev.get("step") and ev.get("steps"):
+        clock.step(int(ev["clip"]), ev.get("clips"), int(ev["step"]), int(ev["steps"]), t)
+
+
+def clips_text(clock: ClipClock, now: float) -> str:
+    """'ETA 1:02:03 (3/121 clips done)' (the parts known; '' when none is)."""
+    eta = clock.eta(now)
+    text = f"ETA {fmt_seconds(eta)}" if eta is not None else ""
+    if clock.clips_total:
+        done = f"{clock.clips_done}/{clock.clips_total} clips done"
+        text = f"{text} ({done})" if text else done
+    return text
 
 
 class LogFilter:
@@ -126,7 +147,8 @@ class LogFilter:
 
 
 class Display:
-    def __init__(self, rich: bool, json_mode: bool = False, show_logs: bool = True):
+    def __init__(self, rich: bool, json_mode: bool = False, show_logs: bool = True,
+                 plan_clip_s: Optional[float] = None):
         self.rich = rich
         self.json_mode = json_mode
         self.show_logs = show_logs
@@ -142,16 +164,17 @@ class Display:
         # plain-mode state
         self._groups: dict = {}  # (stage, clip, job) -> {"first_t", "pending": [(rank, t)], "printed": set}
         self._last_progress_print = 0.0
-        self._denoise_t0: Optional[float] = None
+        #: the first rank's clips (done, in all, the ETA); ``plan_clip_s``: the plan's seconds a clip
+        self.plan_clip_s = plan_clip_s
+        self._clock = ClipClock(plan_clip_s)
         self._t0 = time.time()
         self._rank_clip: dict = {}  # rank -> (clip, clips) it is working on
         self._rank_job: dict = {}  # rank -> the job (1-based) of the rank group it is working on
-        self._job_t0: float = 0.0  # when the first rank started its current job
 
     @classmethod
-    def auto(cls, json_mode: bool = False) -> "Display":
+    def auto(cls, json_mode: bool = False, plan_clip_s: Optional[float] = None) -> "Display":
         stream = sys.stderr if json_mode else sys.stdout
-        return cls(rich=stream.isatty(), json_mode=json_mode)
+        return cls(rich=stream.isatty(), json_mode=json_mode, plan_clip_s=plan_clip_s)
 
     def _print(self, text: str) -> None:
         with self._lock:
@@ -183,14 +206,13 @@ class Display:
     def update(self, reader, new_events, elapsed: float) -> None:
         now = time.time()
         t0 = self._t0 = now - elapsed
-        st0 = reader.ranks.get(self._first)
-        if self._denoise_t0 is None and st0 is not None:
-            self._denoise_t0 = next((t for s, t in st0.transitions if s == Stage.DENOISE and t >= self._job_t0), None)
         # both modes: stage lines and errors scroll (the history); plain mode: step lines too;
         # rich mode: a live table of every rank below them
         for ev in new_events:
             kind, r = ev.get("kind"), ev.get("rank")
             t = float(ev.get("t", now))
+            if r == self._first:
+                clock_on_event(self._clock, ev)
             if kind in ("stage", "hello"):
                 if kind == "hello":
                     key = ("started", None, 1)
@@ -209,7 +231,8 @@ class Display:
                 self._rank_clip.pop(r, None)
                 if r == self._first:
                     self._flush(t0, force=True)
-                    self._job_t0, self._denoise_t0 = t, None
+                    # a group's next job: the plan's estimate was of the run's own (its only) job
+                    self._clock = ClipClock(self.plan_clip_s if ev.get("jobs") == 1 else None)
                     of = f"/{ev['jobs']}" if ev.get("jobs") else ""  # a served group: no total
                     self._print(f"[{fmt_seconds(t - t0)}] job {ev.get('job')}{of}: {ev.get('id')}")
             elif kind == "progress" and r == self._first and not self.rich:
@@ -218,9 +241,9 @@ class Display:
                 first_or_last = p.get("step") in (1, p.get("steps"))
                 if first_or_last or now - self._last_progress_print >= PROGRESS_EVERY_S:
                     self._last_progress_print = now
-                    eta = eta_s(p, self._denoise_t0, t)
+                    clips = clips_text(self._clock, t)
                     self._print(f"[{fmt_seconds(t - t0)}] rank {r}: {denoise_position(p)}"
-                                + (f", ETA {fmt_seconds(eta)}" if eta is not None else ""))
+                                + (f", {clips}" if clips else ""))
             elif kind == "preview":  # --preview: rank 0 wrote the video so far
                 self._flush(t0, force=True)
                 self._print(f"[{fmt_seconds(t - t0)}] video so far: {ev.get('path')} ({ev.get('clips')}/"
@@ -268,9 +291,8 @@ class Display:
             self._print(line)
 
     def _table(self, reader, elapsed: float, now: float) -> Table:
-        st0 = reader.ranks.get(self._first)
-        eta = eta_s(st0.progress, self._denoise_t0, now) if st0 and st0.stage == Stage.DENOISE else None
-        title = f"{self._header} - elapsed {fmt_seconds(elapsed)}" + (f" - ETA {fmt_seconds(eta)}" if eta else "")
+        clips = clips_text(self._clock, now)
+        title = f"{self._header} - elapsed {fmt_seconds(elapsed)}" + (f" - {clips}" if clips else "")
         t = Table(title=title, title_justify="left")
         for col in ("rank", "pid", "stage", "progress", "host RSS", "no progress for", "heartbeat"):
             t.add_column(col)

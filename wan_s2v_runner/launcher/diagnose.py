@@ -279,8 +279,10 @@ HINTS = [
                      "checkpoint and inputs."),
     ("undefined symbol", "flash-attn was built for another torch: rebuild it, or use --attention sdpa."),
     ("weightmismatch", "Give every node identical checkpoint files (compare their sha256)."),
-    ("muxing audio", "The mp4 could not get its audio: check the audio file decodes "
-                     "(`wan-s2v doctor --audio ...`)."),
+    ("does not open as audio", "The mp4 could not get its audio: check the audio file decodes "
+                               "(`wan-s2v doctor --audio ...`)."),
+    ("no space left", "The disk is full: free space, then `wan-s2v resume RUN_DIR` (every finished clip "
+                      "is kept in OUTPUT.partial.mp4)."),
 ]
 
 

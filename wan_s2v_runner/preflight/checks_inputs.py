@@ -7,7 +7,6 @@ duration wav2vec2 can take, and implies a clip count; the output/run directories
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -273,30 +272,84 @@ def check_output_dir(ctx):
     return ok("output.dir", f"{ctx.spec.output.parent} writable" + (f" ({why})" if why else ""))
 
 
-def _estimate_output_bytes(ctx) -> int:
-    gen = ctx.cache.get("gen_size") or (1024, 704)
-    clips = ctx.cache.get("n_clips") or (ctx.spec.num_clips or 1)
-    frames = output_frames(clips, ctx.spec.infer_frames, ctx.spec.start_from_ref)
-    mp4 = int(frames * gen[0] * gen[1] * 0.5)  # generous for H.264 at the quality used
-    raw = 3 * frames * gen[0] * gen[1] * 4 if ctx.spec.frames_out else 0
-    return 2 * mp4 + raw  # the temporary video and the final file exist together
+#: the disk check warns when the job would fill more than this share of a filesystem's free space,
+#: or leave less than DISK_WARN_LEFT
+DISK_WARN_SHARE = 0.8
+DISK_WARN_LEFT = 2**30
+
+
+def _filesystem(ctx, path: Path) -> Optional[dict]:
+    """The filesystem that will hold ``path``: measured on a live machine (``probe.filesystem``),
+    else as the recorded facts have it (``disks``); None when unknown."""
+    if ctx.facts.live:
+        from .probe import filesystem
+        return filesystem(path)
+    return ctx.facts.filesystem(path)
+
+
+def disk_needs(ctx) -> list[tuple[str, Path, int]]:
+    """(what, where, bytes) the job writes, by ``shared.video_budget``'s rule, for the clips and
+    size the memory plan uses (:func:`.memory.workload`)."""
+    from wan_s2v_runner.shared.video_budget import disk_plan
+
+    from .memory import workload
+    wl = workload(ctx)
+    plan = disk_plan(wl.n_clips, wl.infer_frames, wl.height, wl.width, wl.start_from_ref,
+                     frames_out=ctx.spec.frames_out is not None)
+    out = [("the mp4", ctx.spec.output.parent, plan.output)]
+    if ctx.spec.runs_root is not None:
+        out.append(("clips/state_NNNN.pt", ctx.spec.runs_root, plan.run_dir))
+    if ctx.spec.frames_out is not None:
+        out.append(("--frames-out", ctx.spec.frames_out.parent, plan.frames_out))
+    return out
 
 
 def check_disk(ctx):
+    """Free space on the filesystems the job writes to (the output's, the run directory's,
+    ``--frames-out``'s) against what it writes there (``shared.video_budget``: the mp4 at a
+    stated bit rate, the carried state clips/state_NNNN.pt, the raw frames)."""
     if ctx.spec.output is None:
         return skip("output.disk", "no --output")
-    a = _existing_ancestor(ctx.spec.output.parent)
-    if not a.is_dir():
+    if not _existing_ancestor(ctx.spec.output.parent).is_dir():
         return skip("output.disk", "output directory unusable (see output.dir)")
-    free = shutil.disk_usage(a).free
-    need = _estimate_output_bytes(ctx)
-    if free < need:
-        return fail("output.disk", f"{free / 2**20:.0f} MiB free on {a}, the output needs ~{need / 2**20:.0f} MiB",
-                    "free space or choose another --output/--frames-out location")
-    if free < need + 2**30:
-        return warn("output.disk", f"only {free / 2**30:.2f} GiB free on {a} (output ~{need / 2**20:.0f} MiB)",
-                    "free some space")
-    return ok("output.disk", f"{free / 2**30:.1f} GiB free on {a} (output ~{need / 2**20:.0f} MiB)")
+    from .memory import workload
+    clips = workload(ctx).n_clips
+    per_fs: dict[str, dict] = {}
+    unknown = []
+    for what, where, need in disk_needs(ctx):
+        fs = _filesystem(ctx, where)
+        if fs is None:
+            unknown.append(f"{what} ~{_size(need)}")
+            continue
+        entry = per_fs.setdefault(fs["path"], {"free": fs["free_mib"] * 2**20, "need": 0, "what": []})
+        entry["need"] += need
+        entry["what"].append(f"{what} ~{_size(need)}")
+    data = {"clips": clips, "filesystems": {k: {"free": v["free"], "need": v["need"]} for k, v in per_fs.items()}}
+    if not per_fs:
+        why = "unreadable" if ctx.facts.live else "the recorded facts list no disks"
+        return skip("output.disk", f"free space unknown ({why}); {clips} clip(s) write {', '.join(unknown)}", **data)
+    lines = [f"{_size(v['free'])} free on {k} for {' + '.join(v['what'])}" for k, v in per_fs.items()]
+    detail = "; ".join(lines) + f" ({clips} clip(s))"
+    if unknown:
+        detail += f"; unknown free space for {', '.join(unknown)}"
+    short = [(k, v) for k, v in per_fs.items() if v["need"] > v["free"]]
+    if short:
+        k, v = short[0]
+        return fail("output.disk", f"not enough disk for the job: {k} has {_size(v['free'])} free, the job writes "
+                    f"~{_size(v['need'])} there ({' + '.join(v['what'])}; {clips} clip(s))",
+                    f"free {_size(v['need'] - v['free'])} on {k}, or point --output/--runs-root at a filesystem "
+                    "with room (fewer --num-clips or a smaller --size writes less)", **data)
+    close = [(k, v) for k, v in per_fs.items()
+             if v["need"] > DISK_WARN_SHARE * v["free"] or v["free"] - v["need"] < DISK_WARN_LEFT]
+    if close:
+        k, v = close[0]
+        return warn("output.disk", f"close to full: {detail}", f"free some space on {k} (the job leaves "
+                    f"{_size(v['free'] - v['need'])})", **data)
+    return ok("output.disk", detail, **data)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def check_runs_root(ctx):

@@ -181,7 +181,8 @@ def check_host(ctx):
     how = f"{p.load.value} loading" + (f", {waves} waves" if waves > 1 else "")
     detail = f"{ranks} x {per_rank}{shared} ({how})"
     detail = f"{groups} groups x ({detail}: {gib(need // groups)})" if groups > 1 else detail
-    detail = f"{detail} = {gib(need)} vs {gib(avail)} {src}"
+    detail = (f"{detail} = {gib(need)} vs {gib(avail)} {src}; rank 0's video frames are "
+              f"{gib(p.parts['video_frames_rank0'])} of it at any clip count")
     if need > avail:
         lean = p.load is LoadStrategy.LEAN
         fix = ("fewer ranks per node" + (" or fewer --replicas" if groups > 1 else "") + ", --mode hybrid or "

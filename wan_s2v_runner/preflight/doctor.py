@@ -20,6 +20,7 @@ from typing import Optional
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.layout import DitOffload
 
+from .checks_time import JobTime, job_time
 from .context import CheckContext, ModeSource
 from .core import CheckGroup, CheckResult, Status, counts
 from .facts import MachineFacts
@@ -89,6 +90,8 @@ class DoctorReport:
     #: ulysses with the DiT streamed (--dit-offload blocks), beside the resident plans (None: the
     #: checked spec streams already, or no GPU)
     streamed: Optional[ModePlan] = None
+    #: the job's denoising time on this machine (None: on the CPU, or a GPU of unknown peak)
+    job_time: Optional[JobTime] = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -141,6 +144,9 @@ class DoctorReport:
                 "modes": {m: p.to_json() for m, p in self.plans.items()},
                 "ulysses_streamed": self.streamed.to_json() if self.streamed is not None else None,
             },
+            "job_time": ({**self.job_time.to_json(), "hours": round(self.job_time.seconds / 3600, 2),
+                          "estimate": "DiT passes only (wan_s2v_runner/preflight/checks_time.py)"}
+                         if self.job_time is not None else None),
             "parallel_plans": {
                 "mode": ctx.mode.value,
                 "lengths": list(self.parallel_plans[0].lengths),
@@ -214,7 +220,7 @@ def diagnose(ctx: CheckContext, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> Docto
                         parallel_plans=plan_table(ctx.mode, **plan_inputs(ctx)),
                         splits=splits_for(ctx.mode, ctx.layout.world_size, queue_depth=queue_depth,
                                           **plan_inputs(ctx)),
-                        queue_depth=queue_depth)
+                        queue_depth=queue_depth, job_time=job_time(ctx))
 
 
 def machine_facts(env=None) -> MachineFacts:

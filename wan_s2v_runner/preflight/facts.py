@@ -5,16 +5,18 @@ one (``tests/data/machines/*.json``, loaded with :meth:`MachineFacts.load`). Top
 ``schema`` (:data:`SCHEMA`), ``label``/``hostname``, ``live``, ``torch`` (build and CUDA/NCCL
 versions, ``arch_list``), ``driver``, ``gpus`` (name, ``capability``, ``total_mib``/``free_mib``),
 ``p2p`` and ``links`` (GPU-pair matrices; links in ``nvidia-smi topo -m`` notation), ``host``
-(RAM, cgroup limit, ``/dev/shm``, container), ``packages``/``modules``, ``dep_conflicts``,
-``attention`` (per flash-attn backend: ``installed``/``usable``/``reason``/``import_error``, plus
-what ``auto`` picks; see :mod:`wan_s2v_runner.shared.attention_backends`) and ``env``.
-Checks read only these facts. Nothing here collects anything: importing it is cheap.
+(RAM, cgroup limit, ``/dev/shm``, container), ``disks`` (filesystems: mount ``path``,
+``free_mib``, ``total_mib``; the probe records its working directory's), ``packages``/``modules``,
+``dep_conflicts``, ``attention`` (per flash-attn backend: ``installed``/``usable``/``reason``/
+``import_error``, plus what ``auto`` picks; see :mod:`wan_s2v_runner.shared.attention_backends`)
+and ``env``. Checks read only these facts (the disk check measures a live machine's filesystem
+itself: a job's paths are known only then). Nothing here collects anything: importing it is cheap.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Optional
 
 SCHEMA = 1
@@ -93,6 +95,19 @@ class MachineFacts:
 
     def nvlink(self, i: int, j: int) -> bool:
         return (self.link(i, j) or "").startswith("NV")
+
+    def filesystem(self, path) -> Optional[dict]:
+        """The recorded filesystem (``disks``: ``path`` its mount point, ``free_mib``,
+        ``total_mib``) that holds ``path``: the entry with the longest mount point above it; None
+        when none is recorded (a live machine is measured instead: ``probe.filesystem``)."""
+        target = PurePosixPath(str(path))
+        best = None
+        for d in self.raw.get("disks") or []:
+            mount = PurePosixPath(str(d.get("path") or "/"))
+            if d.get("free_mib") is not None and (target == mount or mount in target.parents):
+                if best is None or len(mount.parts) > len(PurePosixPath(best["path"]).parts):
+                    best = {**d, "path": str(mount)}
+        return best
 
     def host_available_bytes(self) -> Optional[int]:
         """Memory a new process may use: MemAvailable, capped by a cgroup limit minus usage."""

@@ -16,19 +16,20 @@ from typing import Optional
 
 from wan_s2v_runner.loading import ckpt_tables as cr
 from wan_s2v_runner.loading.dit_file import dit_shapes
+from wan_s2v_runner.shared import encoder_placement
 from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
 from wan_s2v_runner.shared.layout import DitOffload, DitQuant, Layout, LoadStrategy, Mode
 from wan_s2v_runner.shared.quant import SCALE_BYTES, is_fp8_weight
+from wan_s2v_runner.shared.video_budget import host_frame_bytes
 
 from .dit_flops import TEXT_LEN
-from .geometry import TokenCounts, generation_size, output_frames, token_counts
+from .geometry import FPS, TokenCounts, clips_for_audio, generation_size, output_frames, token_counts
 
 GiB = 2**30
 #: per-process overheads (measured/typical; see docs/memory-plan.md)
 GPU_RUNTIME = int(1.0 * GiB)  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers
 HOST_BASE_CUDA = int(3.0 * GiB)  # python + torch/CUDA libraries + transformers/diffusers imports
 HOST_BASE_CPU = int(0.8 * GiB)  # measured ~0.8 GB RSS per rank for the tiny CPU demo
-W2V_ACT_PER_S = 18 * 2**20  # wav2vec2 (fp32, CPU) activations per second of audio, all 25 layers
 #: lean loading's conversion buffer on the CPU (ckpt_read.CHUNK_ELEMENTS of a bf16 file)
 LEAN_CHUNK = 2**24 * 2
 #: the VAE's working memory, in fp32 96-channel 4-frame full-resolution maps (1,536 bytes a pixel).
@@ -193,10 +194,14 @@ def workload(ctx) -> Workload:
         h, w = generation_size(704, 1024, ctx.spec.max_area)
         assumed.append(f"a 1024x704 (landscape) image -> {w}x{h}")
     secs = ctx.cache.get("audio_seconds")
-    if secs is None:
+    if secs is None and ctx.spec.num_clips:
+        # no speech to measure (the doctor without --audio): the speech --num-clips covers, so a
+        # long job is planned without a long file (``--num-clips 121``: ten minutes)
+        secs = output_frames(ctx.spec.num_clips, ctx.spec.infer_frames, ctx.spec.start_from_ref) / FPS
+        assumed.append(f"{secs:g} s of speech (what --num-clips {ctx.spec.num_clips} makes)")
+    elif secs is None:
         secs = 5.0
         assumed.append("5 s of audio")
-    from .geometry import clips_for_audio
     n_clips = clips_for_audio(secs, ctx.spec.infer_frames, ctx.spec.num_clips)
     return Workload(h, w, token_counts(max(h, 64), max(w, 64), ctx.spec.infer_frames), n_clips, secs,
                     ctx.spec.infer_frames, ctx.spec.start_from_ref, assumed)
@@ -209,7 +214,7 @@ class ModePlan:
     gpu_peak: Optional[int]  # per rank, bytes; None on CPU
     gpu_phases: dict[str, int]
     host_peak: int  # per rank (the largest: rank 0, or the text rank holding T5), a node-shared DiT included
-    host_node_total: int  # all local ranks loading at once + rank 0's output video
+    host_node_total: int  # all local ranks loading at once (rank 0's frames included: host_rank0)
     parts: dict[str, int]
     load: LoadStrategy = LoadStrategy.LEAN
     host_others: int = 0  # per rank other than rank 0 and the text rank (node-shared weights not included)
@@ -306,11 +311,13 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     text_kv = _text_kv(sizes.num_layers or REFERENCE.num_layers, dim, pb, 2 // layout.cfg_degree)
     dec_frames = 4 * (wl.tokens.latent_frames + (73 + 3) // 4) - 3
     dec_out = 3 * dec_frames * wl.height * wl.width * 4
-    # rank 0 keeps every clip's frames (fp32) on the host until the end
-    video = 3 * output_frames(wl.n_clips, wl.infer_frames, wl.start_from_ref) * wl.height * wl.width * 4
+    # rank 0's frames on the host: the streaming writer's few clips, flat in the clip count
+    # (shared.video_budget, the one rule); they come after the audio encode, so on CUDA they
+    # share the encode's transient (wav2vec2's activations) rather than add to it
+    frames = host_frame_bytes(wl.height, wl.width, wl.infer_frames, on_cpu=not on_cuda)
     parts = {"dit_weights": w_dit, "t5_weights": w_t5, "vae_weights": w_vae, "wav2vec_weights": w_w2v,
              "dit_activations": act, "vae_workspace": vae_dec + dec_out, "text_kv_memo": text_kv,
-             "video_frames_rank0": video}
+             "video_frames_rank0": frames}
 
     streaming = None
     if stream is not None and not dit_fsdp and on_cuda:
@@ -347,13 +354,13 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         gpu_peak = max(phases.values()) + GPU_RUNTIME
     else:
         gpu_peak = None
-    w2v_phase = w_w2v + int(wl.audio_seconds * W2V_ACT_PER_S)
+    w2v_phase = w_w2v + encoder_placement.host_bytes(wl.audio_seconds)
     base = HOST_BASE_CUDA if on_cuda else HOST_BASE_CPU
     if load is LoadStrategy.LEAN:
         host0, others, shared, transient, text_extra = _lean_host(
             layout, on_cuda=on_cuda, offload=offload and streaming is None, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
             w2v_phase=w2v_phase, dit_res=dit_res, dit_gathered=dit_gathered, act=act + text_kv,
-            vae_band=vae_dec, vae_out=dec_out,
+            vae_band=vae_dec, vae_out=dec_out, frames=frames, w_w2v=w_w2v,
             staging=(largest_linear * (6 if fp8 else pb)) if on_cuda  # fp8: read in fp32, quantized, staged
             else LEAN_CHUNK + (largest_linear * 4 if fp8 else 0))
         if streaming is not None:  # the whole DiT in host memory: the node's one copy, or rank 0's own
@@ -364,8 +371,9 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
             streaming["pinned_bytes"] = w_dit
         host0, others = host0 + base, others + base
         name = layout.mode.value if layout.mode else "custom"
-        # the text rank (the last) holds T5 on top of what any other rank holds
-        node = host0 + (nproc - 1) * others + (text_extra if nproc > 1 else 0) + shared + video
+        # the text rank (the last) holds T5 on top of what any other rank holds; rank 0's frames
+        # are in host0
+        node = host0 + (nproc - 1) * others + (text_extra if nproc > 1 else 0) + shared
         return ModePlan(name, ws, gpu_peak, phases, int(max(host0, others + text_extra) + shared), int(node), parts,
                         load, int(others), int(shared), int(transient), nproc, int(host0), int(text_extra),
                         streaming)
@@ -376,37 +384,45 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         # then); otherwise it goes straight to the GPU (device_map)
         dit_host = w_dit if dit_fsdp else 0
         host = max(t5_build, t5_resident + dit_host, t5_resident + w2v_phase)
+        host0 = max(host, t5_resident + w_w2v + frames)  # rank 0 decodes: its frames after the encode
         # offload parks the DiT on the CPU between uses, and T5's shard when it is FSDP-sharded (a
         # whole T5 is in t5_resident already)
         if offload:
             host += w_dit + (t5_gpu if t5_fsdp else 0)
+            host0 += w_dit + (t5_gpu if t5_fsdp else 0)
         host += HOST_BASE_CUDA
+        host0 += HOST_BASE_CUDA
     else:
         t5_build = sizes.t5_params * 4 + sizes.t5_params * 2
         run = (dit_res + dit_gathered + w_t5 + w_vae + w_w2v + act + text_kv + vae_dec + dec_out
-               + int(wl.audio_seconds * W2V_ACT_PER_S))
+               + encoder_placement.host_bytes(wl.audio_seconds))
         host = max(t5_build, run) + HOST_BASE_CPU
+        host0 = max(t5_build, run + frames) + HOST_BASE_CPU
         if dit_fsdp:  # the whole DiT is loaded on every rank before sharding
             host = max(host, w_t5 + w_dit + HOST_BASE_CPU)
+            host0 = max(host0, w_t5 + w_dit + HOST_BASE_CPU)
     name = layout.mode.value if layout.mode else "custom"
     # --load full: upstream's constructors; reading in waves is lean loading's (no transient here)
-    return ModePlan(name, ws, gpu_peak, phases, int(host), int(nproc * host + video), parts, load,
-                    int(host), 0, 0, nproc, int(host))
+    return ModePlan(name, ws, gpu_peak, phases, int(max(host, host0)), int((nproc - 1) * host + host0), parts,
+                    load, int(host), 0, 0, nproc, int(host0))
 
 
 def _lean_host(layout: Layout, *, on_cuda, offload, w_dit, w_t5, w_vae, w2v_phase, dit_res,
-               dit_gathered, act, vae_band, vae_out, staging) -> tuple[int, int, int, int, int]:
+               dit_gathered, act, vae_band, vae_out, staging, frames=0, w_w2v=0) -> tuple[int, int, int, int, int]:
     """Host bytes under lean loading, base excluded: (rank 0, any other rank, shared once per
     node, per-rank transient while reading, what the text rank holds on top of any other rank).
     Rank 0 runs wav2vec2; the text rank (the layout's ``text_rank``: the last, rank 0 when alone)
     holds T5 unless it is FSDP-sharded; weights stream to the GPU through a one-tensor staging
-    buffer; on the CPU a replicated DiT is one node-shared copy and an FSDP rank holds its shards."""
+    buffer; on the CPU a replicated DiT is one node-shared copy and an FSDP rank holds its shards.
+    Rank 0 also holds the video's ``frames`` (``shared.video_budget``): on CUDA after the audio
+    encode, beside wav2vec2's weights (not its activations); on the CPU on top of everything."""
     ws = max(1, layout.world_size)
     t5_shard = -(-w_t5 // ws)
     t5_whole = 0 if layout.t5_fsdp else w_t5
     t5_0, text_extra = (t5_whole, 0) if layout.text_rank in (0, None) else (0, t5_whole)
     if on_cuda:
-        host0 = t5_0 + max(w2v_phase, staging)  # T5 is built on the CPU, moved to the GPU when used
+        # T5 is built on the CPU, moved to the GPU when used; the frames come after the encode
+        host0 = t5_0 + max(w2v_phase, staging, w_w2v + frames)
         # offload parks the DiT on the CPU between uses, and T5's shard when it is FSDP-sharded (a
         # whole T5 is counted where it is built already)
         if offload:
@@ -416,7 +432,7 @@ def _lean_host(layout: Layout, *, on_cuda, offload, w_dit, w_t5, w_vae, w2v_phas
     t5_0, t5_other = (t5_shard, t5_shard) if layout.t5_fsdp else (t5_0, 0)
     # a split VAE: every rank works on its band (vae_band is per rank already); rank 0 gathers the clip
     vae_other = (w_vae + vae_band + vae_out // max(1, ws)) if layout.vae_parallel else 0
-    host0 = dit_local + dit_gathered + t5_0 + w_vae + w2v_phase + act + vae_band + vae_out + staging
+    host0 = dit_local + dit_gathered + t5_0 + w_vae + w2v_phase + act + vae_band + vae_out + staging + frames
     others = dit_local + dit_gathered + t5_other + vae_other + act + staging
     return host0, others, shared, staging, text_extra
 

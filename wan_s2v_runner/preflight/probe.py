@@ -131,6 +131,30 @@ def _host() -> dict:
             "container": _in_container(), "memlock_limit_mib": _memlock_mib()}
 
 
+def filesystem(path) -> Optional[dict]:
+    """The filesystem that holds ``path`` (its nearest existing ancestor, as a path to be created
+    would land there): ``path`` (its mount point), ``free_mib`` (what an unprivileged process may
+    still write) and ``total_mib``; None when nothing of it can be read. What ``disks`` records,
+    and what the disk check measures on a live machine."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st, dev = os.statvfs(p), p.stat().st_dev
+    except OSError:
+        return None
+    mount = p
+    while mount != mount.parent:
+        try:
+            if mount.parent.stat().st_dev != dev:
+                break
+        except OSError:
+            break
+        mount = mount.parent
+    return {"path": str(mount), "free_mib": round(st.f_bavail * st.f_frsize / MiB, 3),  # KiB: a small disk too
+            "total_mib": int(st.f_blocks * st.f_frsize // MiB)}
+
+
 def _memlock_mib() -> Optional[int]:
     """RLIMIT_MEMLOCK's soft limit (None: unlimited or unknown). CUDA's pinning (cudaHostRegister,
     pinned allocations) is not charged to it; what pins memory with mlock is."""
@@ -422,6 +446,8 @@ def collect() -> dict:
     facts["links"] = links if links is not None else ([["X" if i == j else "?" for j in range(n)]
                                                        for i in range(n)] if n else [])
     facts["host"] = _host()
+    # the working directory's filesystem: where outputs/ and runs/ go unless told otherwise
+    facts["disks"] = [d for d in (filesystem(Path.cwd()),) if d is not None]
     facts["packages"], facts["modules"] = _versions()
     try:
         facts["dep_conflicts"] = _dep_conflicts(facts["packages"])

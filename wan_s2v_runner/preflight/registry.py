@@ -27,6 +27,7 @@ from . import (
     checks_python,
     checks_sampling,
     checks_submodels,
+    checks_time,
     checks_tts,
 )
 from .core import CheckFn, CheckGroup, CheckResult, warn
@@ -86,6 +87,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.MEMORY, checks_memory.check_gpu),
     (G.MEMORY, checks_memory.check_host),
     (G.MEMORY, checks_memory.check_pinned),
+    (G.MEMORY, checks_time.check_time),
     (G.OUTPUT, checks_inputs.check_output_dir),
     (G.OUTPUT, checks_inputs.check_disk),
     (G.OUTPUT, checks_inputs.check_runs_root),

@@ -112,6 +112,10 @@ def render_doctor(report: DoctorReport, console=None) -> None:
         mt.add_row(name + mark, str(p.world_size), gpu, gib(p.host_peak), gib(p.host_node_total),
                    gib(free) if free else "-")
     console.print(mt)
+    if report.job_time is not None:
+        from .checks_time import describe
+        console.print(f"[bold]job time:[/] {describe(report.job_time, ctx.layout.world_size)} "
+                      "[dim](the DiT passes only; docs/preflight.md)[/]")
     _render_plans(report, console)
     _render_splits(report, console)
     console.print(f"sizes: {report.sizes.source}" + (f"; assumed {', '.join(wl.assumed)}" if wl.assumed else ""))

@@ -9,6 +9,8 @@
   FSDP-sharded T5) keeps the same memo, so they agree on whether T5 runs.
 * :func:`audio_encoder_on`: wav2vec2 on the GPU for the audio encode where memory allows
   (:mod:`wan_s2v_runner.shared.encoder_placement`'s rule), back on the CPU after.
+* :func:`encode_audio`: speech longer than one window is encoded in windows
+  (:mod:`wan_s2v_runner.rank.long_audio`); shorter speech is upstream's one pass, unchanged.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from wan_s2v_runner.rank import long_audio
 from wan_s2v_runner.shared import encoder_placement
 from wan_s2v_runner.shared.encoder_placement import AudioEncoderDevice
 
@@ -97,7 +100,8 @@ def placement(encoder, device: torch.device, audio_path: str) -> tuple[AudioEnco
         return AudioEncoderDevice.CPU, "on the CPU, as upstream (the speech's length could not be read)"
     cfg = encoder.model.config
     need = encoder_placement.encode_bytes(_params(encoder.model), seconds, cfg.hidden_size,
-                                          cfg.num_attention_heads, cfg.num_hidden_layers)
+                                          cfg.num_attention_heads, cfg.num_hidden_layers,
+                                          windows=long_audio.windowable(cfg))
     return encoder_placement.choose("cuda", _free_bytes(device), need)
 
 
@@ -119,16 +123,19 @@ def audio_encoder_on(encoder, where: AudioEncoderDevice, device: torch.device) -
 
 
 def encode_audio(s2v, where: AudioEncoderDevice, device: torch.device, audio_path: str, infer_frames: int):
-    """Upstream's ``s2v.encode_audio`` (under ``no_grad``) with wav2vec2 where ``where`` says; when
-    the GPU runs out of memory after all (another process took it since the rule looked), once more
-    on the CPU, as upstream runs it. Returns what ``encode_audio`` returns."""
+    """Upstream's ``s2v.encode_audio`` (under ``no_grad``) with wav2vec2 where ``where`` says, and
+    in windows where the speech is longer than one (:func:`long_audio.encode_audio`: shorter
+    speech is that very call); when the GPU runs out of memory after all (another process took it
+    since the rule looked), once more on the CPU, as upstream runs it. Returns what
+    ``encode_audio`` returns."""
+    seconds = audio_seconds(audio_path)
     try:
         with torch.no_grad(), audio_encoder_on(s2v.audio_encoder, where, device):
-            return s2v.encode_audio(audio_path, infer_frames=infer_frames)
+            return long_audio.encode_audio(s2v, audio_path, infer_frames, seconds)
     except torch.OutOfMemoryError:
         if where is not AudioEncoderDevice.GPU:
             raise
         log.warning("wav2vec2 ran out of GPU memory; encoding the speech on the CPU, as upstream")
         torch.cuda.empty_cache()
     with torch.no_grad():
-        return s2v.encode_audio(audio_path, infer_frames=infer_frames)
+        return long_audio.encode_audio(s2v, audio_path, infer_frames, seconds)

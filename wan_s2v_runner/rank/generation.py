@@ -46,7 +46,7 @@ import random
 import sys
 from copy import deepcopy
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ from wan_s2v_runner.loading import block_stream
 from wan_s2v_runner.rank.encoders import TextContexts, encode_audio, placement
 from wan_s2v_runner.rank.step_cache import StepCache
 from wan_s2v_runner.shared import cache_policy
+from wan_s2v_runner.shared.procfs import trim_heap
 from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.generation")
@@ -103,25 +104,55 @@ class Encoded:
 
 @dataclass
 class ClipState:
-    """What one clip hands the next: small, and all a resume needs (with the frames so far)."""
+    """What one clip hands the next: small, and all a resume needs (the clips so far are in the
+    video file)."""
 
     clip: int  # index of the next clip to generate
     motion_latents: torch.Tensor
-    videos_last_frames: Optional[torch.Tensor]  # [1, 3, 73, H, W]: only the decoding rank has it
+    #: [1, 3, 73, H, W]: only the decoding rank has it; None where no later clip reads it (a
+    #: resume where each clip's frames replace all of them: ``infer_frames`` >= the motion frames)
+    videos_last_frames: Optional[torch.Tensor]
+
+
+class ClipSink(Protocol):
+    """Where the decoding rank's clips go (:class:`~wan_s2v_runner.rank.video_writer.VideoWriter`
+    in a run; :class:`FramesInMemory` for a caller that wants the frames)."""
+
+    def frames(self, clip: int, frames: torch.Tensor, num_clips: int) -> None:
+        """Clip ``clip`` (0-based) of ``num_clips`` is decoded: its frames (1, 3, n, H, W) on the CPU,
+        before its motion re-encode (the sink may work on them meanwhile)."""
+
+    def clip_done(self, state: "ClipState", num_clips: int) -> None:
+        """The state after the clip (the next clip's motion latents): a clip checkpoint."""
+
+
+class FramesInMemory:
+    """The sink :meth:`S2VGenerator.generate` uses when given none: every clip's frames kept and
+    returned whole, as upstream's ``generate`` returns them (memory grows with the clips: for
+    callers that want the tensor, not for long videos)."""
+
+    def __init__(self):
+        self.clips: list[torch.Tensor] = []
+
+    def frames(self, clip: int, frames: torch.Tensor, num_clips: int) -> None:
+        self.clips.append(frames)
+
+    def clip_done(self, state: "ClipState", num_clips: int) -> None:
+        pass
+
+    def video(self) -> torch.Tensor:
+        return torch.cat(self.clips, dim=2)[0]
 
 
 @dataclass
 class Hooks:
-    """How the loop reports: stage/step events and per-clip results (all optional)."""
+    """How the loop reports: stage/step events (optional) and where the clips go."""
 
     stage: Callable[..., None] = lambda *a, **k: None
     step: Callable[..., None] = lambda **k: None
-    #: decoding rank only: (clip index, its frames on the CPU, the state after it, number of clips),
-    #: once the next clip's motion latents are known (a clip checkpoint)
-    clip_done: Optional[Callable[[int, torch.Tensor, ClipState, int], None]] = None
-    #: decoding rank only: (clip index, its frames on the CPU, number of clips), as soon as the
-    #: clip is decoded, before its motion re-encode (the video so far: nothing waits for it)
-    frames_done: Optional[Callable[[int, torch.Tensor, int], None]] = None
+    #: decoding rank only: the clips' frames and checkpoints (None: :meth:`S2VGenerator.generate`
+    #: keeps them in memory and returns them)
+    sink: Optional[ClipSink] = None
     #: every rank, with --cache: a clip's steps computed and reused (:meth:`StepCache.record`), at its end
     cache_done: Optional[Callable[[dict], None]] = None
 
@@ -346,9 +377,9 @@ class S2VGenerator:
             noise_pred_cond, noise_pred_uncond = [both[0]], [both[1]]
         return [u + guide_scale * (c - u) for c, u in zip(noise_pred_cond, noise_pred_uncond)]
 
-    def run_clips(self, req: Request, enc: Encoded, state: ClipState) -> Optional[list]:
-        """Clips ``state.clip`` .. ``num_repeat - 1``. Returns each clip's frames (CPU) on the
-        decoding rank, None elsewhere."""
+    def run_clips(self, req: Request, enc: Encoded, state: ClipState, sink: Optional[ClipSink] = None) -> None:
+        """Clips ``state.clip`` .. ``num_repeat - 1``; the decoding rank hands each to ``sink``
+        (default: ``hooks.sink``)."""
         s2v, plan, h = self.s2v, self.plan, self.hooks
         HEIGHT, WIDTH = enc.height, enc.width
         infer_frames = req.infer_frames
@@ -368,7 +399,7 @@ class S2VGenerator:
         last_band = None  # split VAE: this rank's rows of videos_last_frames, which only rank 0 keeps whole
         if split_vae:
             from wan_s2v_runner.vae_split import own_band
-            last_band = own_band(s2v.vae, videos_last_frames)
+            last_band = own_band(s2v.vae, videos_last_frames) if videos_last_frames is not None else None
             if not plan.decodes:
                 videos_last_frames = None
 
@@ -378,11 +409,15 @@ class S2VGenerator:
 
         def roll(last, image):  # upstream's update of the last motion_frames frames
             overlap_frames_num = min(s2v.motion_frames, image.shape[2])
-            last = torch.cat([last[:, :, overlap_frames_num:], image[:, :, -overlap_frames_num:]], dim=2)
+            if last is None:  # a resume's, where this clip's frames replace every one of them (ClipState)
+                assert overlap_frames_num == s2v.motion_frames, "a resume without the last frames it reads"
+                last = image[:, :, -overlap_frames_num:]
+            else:
+                last = torch.cat([last[:, :, overlap_frames_num:], image[:, :, -overlap_frames_num:]], dim=2)
             return last.to(dtype=motion_latents.dtype, device=motion_latents.device)
 
         setting = cache_policy.parse(req.cache)
-        out = [] if plan.decodes else None
+        sink = (sink or h.sink) if plan.decodes else None
         autocast = torch.amp.autocast(self.device.type, dtype=self.param_dtype, enabled=self.device.type == "cuda")
         with autocast, torch.no_grad():
             for r in range(state.clip, enc.num_repeat):
@@ -448,11 +483,8 @@ class S2VGenerator:
                         videos_last_frames = roll(videos_last_frames, image)
                     if image_band is not None:
                         last_band = roll(last_band, image_band)
-                    if plan.decodes:
-                        frames = image.cpu()
-                        out.append(frames)
-                        if h.frames_done is not None:
-                            h.frames_done(r, frames, enc.num_repeat)
+                    if sink is not None:  # the frames leave the loop: it keeps only the last ones, as float
+                        sink.frames(r, image.cpu(), enc.num_repeat)
                     del image, image_band
                 last = r == enc.num_repeat - 1
                 if not last:  # upstream also re-encodes after the last clip, for nothing
@@ -463,10 +495,11 @@ class S2VGenerator:
                     if plan.layout.world_size > 1 and not split_vae:
                         motion_latents = broadcast_tensors({"m": motion_latents} if plan.decodes else {}, src=0,
                                                            device=self.device)["m"]
-                if plan.decodes and h.clip_done is not None:
+                if sink is not None:
                     h.stage(Stage.CLIP_CHECKPOINT, clip=r + 1, clips=enc.num_repeat)
-                    h.clip_done(r, frames, ClipState(r + 1, None if last else motion_latents, videos_last_frames),
-                                enc.num_repeat)
+                    keep = videos_last_frames if infer_frames < s2v.motion_frames else None  # read again?
+                    sink.clip_done(ClipState(r + 1, None if last else motion_latents, keep), enc.num_repeat)
+                trim_heap()  # what the clip freed goes back: a long run's resident set stays a clip's
                 if not last and plan.layout.world_size > 1:
                     # no rank starts the next clip before the clip's checkpoint is written: one that
                     # failed there at once had every rank stopped while the decoding rank wrote it,
@@ -476,7 +509,6 @@ class S2VGenerator:
             pose.close()
         if dist.is_initialized():
             dist.barrier()
-        return out
 
     def _cache_counters(self, cache: StepCache, reused: bool) -> dict:
         """A step's progress data under ``--cache``: whether it reused a computed step, and how
@@ -506,35 +538,38 @@ class S2VGenerator:
             torch.cuda.empty_cache()
 
     def generate(self, req: Request, resuming: bool = False,
-                 resume: Optional[tuple[ClipState, list]] = None) -> Optional[torch.Tensor]:
-        """Frames (3, N, H, W) in [-1, 1] on the decoding rank (rank 0), None elsewhere.
+                 resume: Optional[ClipState] = None) -> Optional[torch.Tensor]:
+        """Run the job: the decoding rank hands each clip to ``hooks.sink``; without one, the frames
+        (3, N, H, W) in [-1, 1] are returned there (:class:`FramesInMemory`), None elsewhere.
         ``resuming`` (every rank): continue from a checkpoint; ``resume`` (decoding rank): the
-        state after the last complete clip and the frames of the clips before it."""
+        state after the last complete clip."""
+        kept = FramesInMemory() if self.plan.decodes and self.hooks.sink is None else None
         enc = self.encode(req)
-        state, before = self.initial_state(enc), []
+        state = self.initial_state(enc)
         if resuming:
             split_vae = self.plan.layout.splits_vae(enc.height)  # then every rank needs the last frames
             mine = {}
             if self.plan.decodes:
-                state, before = resume
+                state = resume
                 # a run whose clips were all written has no next motion latents: nothing is generated
                 motion = state.motion_latents if state.motion_latents is not None else enc.motion_latents
                 mine = {"motion": motion.to(self.device),
                         "clip": torch.tensor([state.clip], dtype=torch.int64)}
-                if split_vae:
+                if split_vae and state.videos_last_frames is not None:
                     mine["last"] = state.videos_last_frames.to(self.device)
             got = broadcast_tensors(mine, src=0, device=self.device) if self.plan.layout.world_size > 1 else mine
-            last = got["last"] if split_vae else (state.videos_last_frames.to(self.device) if self.plan.decodes
-                                                  else None)
+            if split_vae:
+                last = got.get("last")
+            else:
+                last = (state.videos_last_frames.to(self.device)
+                        if self.plan.decodes and state.videos_last_frames is not None else None)
             state = ClipState(int(got["clip"].item()), got["motion"], last)
         if self.parts.dit_loading:  # read on its thread while the encoders ran: joined here, on every rank
             if self.parts.pending.reading:
                 self.hooks.stage(Stage.LOAD, what="WanModel_S2V")
             self.parts.ready()
-        clips = self.run_clips(req, enc, state)
-        if not self.plan.decodes:
-            return None
-        return torch.cat(list(before) + clips, dim=2)[0]
+        self.run_clips(req, enc, state, sink=kept)
+        return kept.video() if kept is not None else None
 
 
 def ref_latents_or_motion(drop: bool, ref_latents, motion_latents):

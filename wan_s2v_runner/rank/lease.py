@@ -8,12 +8,12 @@ A server paused past its lease (SIGSTOP, a frozen VM, a swap storm) wakes up wit
 do not know whether another server took the job meanwhile; until the keeper renews the lease or
 learns it lost the job, :class:`LeaseGate` answers :attr:`~Verdict.UNKNOWN`, and rank 0:
 
-- keeps the clip checkpoints it owes in memory and writes them once the lease is current again
-  (:class:`~wan_s2v_runner.shared.resume.ClipWriter`'s ``may_write``): the denoising goes on
-  through a database outage;
-- skips a video-so-far and a first frame (the next clip's replaces them);
-- waits before the job's own files (its speech, the adopted clips of a resume, the final mp4 and
-  record), saying ``waiting`` so the hang watchdog knows it lives.
+- goes on appending the clips to the job's growing video (the attempt's own file, which no other
+  attempt writes), and skips a clip's checkpoint commit (:class:`~wan_s2v_runner.shared.resume.Checkpoint`:
+  the next clip's names every clip before it) and a first frame: the denoising goes on through a
+  database outage, and nothing it holds grows meanwhile;
+- waits before the job's own files (its speech, the final mp4 and record), saying ``waiting`` so
+  the hang watchdog knows it lives.
 
 When the lease is lost nothing more is written, and the job stops at the next step on every rank
 (:meth:`LeaseGate.verdict` in the step hook, broadcast) or, after the last step, on rank 0 alone

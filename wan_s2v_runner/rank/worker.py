@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -39,11 +40,11 @@ from wan_s2v_runner.rank.cpu_binding import cpu_binding
 from wan_s2v_runner.rank.job_sources import JobEnd
 from wan_s2v_runner.rank.lease import JobLost, LeaseGate
 from wan_s2v_runner.rank.memory_peaks import StagePeaks
-from wan_s2v_runner.shared import atomic, cache_policy
+from wan_s2v_runner.shared import atomic, cache_policy, resume
 from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventWriter
 from wan_s2v_runner.shared.job_source import JobSource, read_source
 from wan_s2v_runner.shared.jobs import Job
-from wan_s2v_runner.shared.procfs import trim_heap
+from wan_s2v_runner.shared.procfs import pin_mmap_threshold, trim_heap
 from wan_s2v_runner.shared.spec import GroupSpec, RunSpec, read_spec
 from wan_s2v_runner.shared.stages import Stage
 
@@ -195,6 +196,16 @@ class StageClock:
         return out
 
 
+@dataclass
+class OpenVideo:
+    """Rank 0's job video, opened before the ranks start the job: its writer, the clip state a
+    resume continues from (None: from the first clip) and the identity its checkpoints carry."""
+
+    writer: object  # rank.video_writer.VideoWriter
+    state: object  # rank.generation.ClipState or None
+    identity: dict
+
+
 class RankGroup:
     """This rank's part of a rank group: the engine parts it loaded once, and the jobs it makes
     with them, one after another (``wan-s2v run``: one job; ``wan-s2v batch``: many). Nothing of
@@ -211,6 +222,7 @@ class RankGroup:
         self.texts = TextContexts()
         self.jobs = job_sources.for_group(source, spec, run_dir, rank, events, on_idle=self._idle)
         self.compiler = None  # --compile: patches.compile_blocks.Compiled (set by run_rank)
+        self.video: Optional[OpenVideo] = None  # rank 0: the next job's, from start_job to run_job
 
     def _idle(self) -> None:
         """No job waits (every rank heard so): a DiT still loading is finished now, so the first
@@ -266,7 +278,30 @@ class RankGroup:
                     verdict = (JobEnd.LOST, "")
                 except Exception as e:  # its own inputs or the TTS model: this job's error, the group goes on
                     verdict = (JobEnd.FAILED, f"text to speech failed: {type(e).__name__}: {e}")
+            if verdict is None and self.plan.decodes:  # its video (and a resume's clips) open here, or the job fails
+                try:
+                    self.video = self._open_video(job, spec, gate)
+                except (resume.ResumeError, OSError, RuntimeError) as e:
+                    verdict = (JobEnd.FAILED, f"the video cannot be started: {e}")
         return job_sources.from_rank0(verdict)
+
+    def _open_video(self, job: Job, spec, gate) -> "OpenVideo":
+        """Rank 0: the job's video writer (continuing a resumed run's video), its clip state and identity."""
+        from wan_s2v_runner.rank.generation import ClipState
+        from wan_s2v_runner.rank.video_writer import VideoWriter
+
+        identity, continued, state = resume.identity(spec), None, None
+        if spec.resume_from:
+            progress = resume.read_progress(spec.resume_from)
+            carried = resume.load(spec.resume_from, progress)
+            continued = resume.continued(progress)
+            state = ClipState(progress.next_clip, carried["motion_latents"], carried["videos_last_frames"])
+            self.events.emit("resumed", clip=progress.next_clip + 1, clips=progress.num_clips,
+                             source=str(spec.resume_from))
+        writer = VideoWriter(spec.output, spec.speech, self.cfg.sample_fps, job.work_dir, identity, self.events,
+                             gate=gate, thumbnail=spec.preview or self.jobs.served, frames_out=spec.frames_out,
+                             continued=continued)
+        return OpenVideo(writer, state, identity)
 
     def fail_job(self, job: Job, index: int, cause: str) -> None:
         """The job failed with ``cause``: rank 0 records it (``status: failed``) and every rank says
@@ -278,8 +313,7 @@ class RankGroup:
 
     def run_job(self, job: Job, index: int, total: Optional[int], clock: "StageClock", started: float) -> None:
         """Make one job (``total``: the group's number of jobs, None while serving)."""
-        from wan_s2v_runner.rank.generation import ClipState, Hooks
-        from wan_s2v_runner.shared import resume
+        from wan_s2v_runner.rank.generation import Hooks
 
         spec, events, plan, gate = job.run_spec(self.spec), self.events, self.plan, self.jobs.gate(job)
 
@@ -305,72 +339,54 @@ class RankGroup:
 
         hooks = Hooks(stage=stage, step=self._step_or_cancel(job, gate),
                       cache_done=lambda record: events.emit("step_cache", **record))
-        resume_state, identity, preview = None, None, None
-        if plan.decodes:  # clip checkpoints: a crash loses at most the clip in progress
-            identity = resume.identity(spec)
-            writer = resume.ClipWriter(job.work_dir, identity, gate=gate)
-            hooks.clip_done = writer
-            if spec.resume_from:
-                progress = resume.read_progress(spec.resume_from)
-                carried, before = resume.load(spec.resume_from, progress)
-                writer.adopt(spec.resume_from, progress.next_clip)
-                resume_state = (ClipState(progress.next_clip, carried["motion_latents"],
-                                          carried["videos_last_frames"]), before)
-                events.emit("resumed", clip=progress.next_clip + 1, clips=progress.num_clips,
-                            source=str(spec.resume_from))
-            if spec.preview:  # the video so far after each clip, off the ranks' path (rank/preview.py)
-                from wan_s2v_runner.rank.preview import PreviewWriter
-
-                preview = PreviewWriter(spec.output, spec.speech, self.cfg.sample_fps, events,
-                                        before=resume_state[1] if resume_state else None, gate=gate)
-                hooks.frames_done = preview.clip_done  # as each clip is decoded, not after its checkpoint
+        resume_state, identity, writer = None, None, None
+        if plan.decodes:  # the video grows clip by clip (opened by start_job); a clip's checkpoint is its place in it
+            opened, self.video = self.video, None
+            writer, resume_state, identity = opened.writer, opened.state, opened.identity
+            hooks.sink = writer
         try:
-            self._make(job, index, spec, hooks, resume_state, identity, started, clock, stage, gate)
+            self._make(job, index, spec, hooks, writer, resume_state, identity, started, clock, stage, gate)
         except BaseException:
-            if preview is not None:
-                preview.finish(completed=False)  # a cancelled or failed job keeps its video so far
+            if writer is not None:
+                writer.abandon()  # a cancelled or failed job keeps its video so far (every finished clip)
             raise
-        if preview is not None:
-            preview.finish(completed=True)
 
-    def _make(self, job: Job, index: int, spec, hooks, resume_state, identity, started: float, clock, stage,
-              gate: LeaseGate) -> None:
-        """Generate ``job``'s frames and (rank 0) write its video and record."""
+    def _make(self, job: Job, index: int, spec, hooks, writer, resume_state, identity, started: float, clock,
+              stage, gate: LeaseGate) -> None:
+        """Generate ``job``'s clips into its video (rank 0: ``writer``) and finish it and its record."""
         from wan_s2v_runner.rank.generation import S2VGenerator
         from wan_s2v_runner.shared import media
         from wan_s2v_runner.shared.atomic import NotCommitted
 
         events, plan = self.events, self.plan
         generator = S2VGenerator(self.parts, plan, hooks, self.texts)
-        video = generator.generate(request_for(spec), resuming=bool(spec.resume_from), resume=resume_state)
+        generator.generate(request_for(spec), resuming=bool(spec.resume_from), resume=resume_state)
         if self.rank != 0:
             events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
             return
-        if video is None:
+        if writer.lost:  # its server lost the job while the ranks made it: nothing more of it is written
+            raise JobLost(job.id)
+        if writer.total_frames == 0:
             raise RuntimeError("rank 0 got no frames from the engine")
-        events.emit("frames", shape=list(video.shape))
+        shape = [3, writer.total_frames, *writer.growing_size]
+        events.emit("frames", shape=shape)
         try:  # the other ranks are done with this job: an error here is the job's, not the group's
             gate.wait_or_raise()  # a served job's files only while its server holds it
-            if spec.frames_out:
-                frames = video.contiguous()
-                atomic.atomic_write(spec.frames_out, lambda p: torch.save(frames, p), commit_if=gate.wait)
-            media.save_video_with_audio(video, self.cfg.sample_fps, spec.speech, spec.output, on_stage=stage,
-                                        commit_if=gate.wait)
+            stage(Stage.SAVE)
+            writer.finish()
         except NotCommitted:
             raise JobLost(job.id) from None
         except Exception as e:
             if isinstance(e, JobLost):
                 raise
-            fix = (". Fix: free space on the disk of the output (a server: delete videos, or set --keep-videos / "
-                   "--keep-hours)" if isinstance(e, OSError) and e.errno == errno.ENOSPC else "")
             raise JobFailed(f"writing the video failed in stage {events.current_stage.value}: "
-                            f"{type(e).__name__}: {e}{fix}") from e
+                            f"{type(e).__name__}: {e}{disk_fix(e)}") from e
         if job.record is not None:
             ended = time.time()
             record = {"id": job.id, "status": "ok", "seed": spec.seed, "started": started, "finished": ended,
                       "wall_s": round(ended - started, 3), "stage_seconds": clock.seconds(ended),
-                      "resumed_at_clip": resume_state[0].clip + 1 if resume_state else None,
-                      "frames": list(video.shape), "fps": self.cfg.sample_fps, "identity": identity,
+                      "resumed_at_clip": resume_state.clip + 1 if resume_state else None,
+                      "frames": shape, "fps": self.cfg.sample_fps, "identity": identity,
                       "step_cache": (cache_policy.summary(spec.cache, generator.cache_records)
                                      if generator.cache_records else None),
                       **memory_figures(events.peaks),
@@ -381,6 +397,16 @@ class RankGroup:
             except NotCommitted:
                 raise JobLost(job.id) from None
         events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
+
+
+def disk_fix(e: BaseException) -> str:
+    """The fix for a full disk (any exception whose cause chain holds ENOSPC), else ""."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return (". Fix: free space on the disk of the output (a server: delete videos, or set --keep-videos / "
+                    "--keep-hours), then `wan-s2v resume` the run: every finished clip is kept")
+        e = e.__cause__ or e.__context__
+    return ""
 
 
 def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
@@ -506,6 +532,7 @@ def main(argv: list[str] | None = None, *, body=None, events_cls: type[RankEvent
     stack_files = _register_stack_dump(run_dir, rank)  # noqa: F841 (open for the process's life)
     events_cls.starting(rank)
     cpus = _bind_cpus(spec)  # before any thread starts: threads inherit the binding
+    pin_mmap_threshold()  # a long run's heap does not grow by fragmentation (shared/procfs.py)
     gpu = int(os.environ.get("LOCAL_RANK", 0)) if spec.device == "cuda" else None  # run_rank's set_device
     events = events_cls(run_dir, rank, StagePeaks(cuda_device=gpu))
     events.emit("hello", pid=os.getpid(), host=os.uname().nodename,

@@ -185,8 +185,10 @@ def status_line(v: dict[str, Any]) -> str:
     if v["status"] == JobStatus.IN_PROGRESS:
         where = (f", clip {v.get('clip')}/{v.get('clips') or '?'}, step {v.get('step')}/{v.get('steps') or '?'}"
                  if v.get("step") is not None else "")
+        done = (f", clips {v['clips_done']}/{v['clips_total']} done" if v.get("clips_total") is not None
+                and v.get("clips_done") is not None else "")
         eta = f", ETA {fmt_seconds(v['eta_s'])}" if v.get("eta_s") is not None else ""
-        return f"{v.get('stage') or 'starting'}{where} ({v['progress']}%){eta}"
+        return f"{v.get('stage') or 'starting'}{where} ({v['progress']}%){done}{eta}"
     if v["status"] == JobStatus.COMPLETED:
         return f"completed in {fmt_seconds(v.get('wall_s'))}"
     return f"{v['status']}: {(v.get('error') or {}).get('message', '')}"
@@ -219,8 +221,9 @@ def follow(client: httpx.Client, video_id: str, follower: Follower,
 
 
 class PartialSaver:
-    """``submit --preview``: the job's video so far, downloaded to ``dest`` each time it grows
-    (``preview_clips`` in the video object)."""
+    """``submit --preview``: the job's video so far in ``dest``, extended each time it grows
+    (``preview_clips`` in the video object) by what is new only (a Range request: the file only
+    ever grows at its end), so a long job's video so far costs O(1) a clip to follow."""
 
     def __init__(self, client: httpx.Client, dest: Path):
         self.client, self.dest, self.clips = client, dest, 0
@@ -229,11 +232,34 @@ class PartialSaver:
         clips = video.get("preview_clips") or 0
         if clips > self.clips:
             try:
-                download(self.client, video["id"], self.dest, variant="partial")
+                extend(self.client, video["id"], self.dest)
             except ClientError:  # gone already (the job ended meanwhile): the final video follows
                 return
             self.clips = clips
             print(f"video so far: {self.dest} ({clips} clip{'s' if clips > 1 else ''})", file=sys.stderr, flush=True)
+
+
+def extend(client: httpx.Client, video_id: str, dest: Path) -> Path:
+    """``dest`` (the video so far, as fetched before) extended by what the server's has beyond it;
+    the whole of it (:func:`download`) when there is nothing yet or the server sends it all."""
+    have = dest.stat().st_size if dest.is_file() else 0
+    if have == 0:
+        return download(client, video_id, dest, variant="partial")
+    try:
+        with client.stream("GET", f"/v1/videos/{video_id}/content", params={"variant": "partial"},
+                           headers={"Range": f"bytes={have}-"}) as r:
+            if r.status_code == 416:  # nothing new yet
+                return dest
+            _raise_for(r, refused_code=exit_codes.SERVER_UNREACHABLE)
+            if r.status_code != 206:  # the whole file: written anew
+                r.close()
+                return download(client, video_id, dest, variant="partial")
+            with open(dest, "ab") as f:
+                for chunk in r.iter_bytes():
+                    f.write(chunk)
+    except httpx.HTTPError as e:
+        raise _unreachable(client, e) from None
+    return dest
 
 
 def download(client: httpx.Client, video_id: str, dest: Path, variant: str = "video") -> Path:

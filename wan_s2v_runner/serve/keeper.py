@@ -83,7 +83,8 @@ class Keeper(threading.Thread):
                  on_completed: Optional[Callable[[dict], None]] = None, retention: Optional[Retention] = None,
                  index: int = 0, holds: str = "all of the node",
                  may_claim: Callable[[], Optional[str]] = lambda: None, stamp: Optional[dict] = None,
-                 new_group: Callable[..., GroupClient] = LaunchedGroup):
+                 new_group: Callable[..., GroupClient] = LaunchedGroup,
+                 plan_clip_s: Callable[[RunSpec], Optional[float]] = lambda spec: None):
         super().__init__(name=f"wan-s2v-keeper-{index}", daemon=True)
         self.new_group = new_group
         self.group: Optional[GroupClient] = None  # the group it keeps now
@@ -92,6 +93,8 @@ class Keeper(threading.Thread):
         self.on_completed = on_completed  # called with a completed job's record (the metrics)
         self.retention = retention or Retention()
         self.may_claim, self.stamp = may_claim, dict(stamp or {})
+        #: the plan's seconds a clip of a job's spec (its ETA before its first clip ends; None: unknown)
+        self.plan_clip_s = plan_clip_s
         self._swept = 0.0
         self._backoff = RESTART_BACKOFF_S[0]
         self.ranks: list[dict[str, Any]] = []  # each rank's stage and memory, from its events
@@ -596,12 +599,16 @@ class Keeper(threading.Thread):
         if job is None:  # its mp4 and record were published before the server went down
             return False
         try:
+            plan_clip_s = self.plan_clip_s(job.run_spec(self.group_spec))
+        except Exception:  # noqa: BLE001 - an estimate: the ETA waits for the first clip's pace instead
+            plan_clip_s = None
+        try:
             with self._lock:
                 self._seq += 1
                 self.held.running = holding  # the lease file names it: the ranks read it before they start
                 self._tell_lease(holding)
                 self.group.submit(self._seq, job.model_dump_json())
-                self.progress[row.id] = Progress(started=time.time())
+                self.progress[row.id] = Progress(started=time.time(), plan_clip_s=plan_clip_s)
         except Exception as e:  # not posted: back to the queue
             with self._lock:
                 self.held.running = None

@@ -1,14 +1,18 @@
 """What a server's rank groups and their jobs are doing, as the API shows it: a group's state
 (:class:`GroupState`) and a running job's progress from rank 0's events (:class:`Progress`:
-stage, clip k/n, step i/m, ETA, seconds per stage, the clips in the video so far)."""
+stage, clip k/n, step i/m, clips done of the clips in all, ETA, seconds per stage, the clips in the
+video so far). The ETA is :mod:`wan_s2v_runner.shared.job_time`'s: the seconds a clip took so far,
+before the first clip ends the plan's seconds a clip (``plan_clip_s``), else the first clip's
+step pace; None while nothing is known."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
-from wan_s2v_runner.launcher.console import eta_s
+from wan_s2v_runner.launcher.console import clock_on_event
 from wan_s2v_runner.shared.events import steps_done
+from wan_s2v_runner.shared.job_time import ClipClock
 from wan_s2v_runner.shared.stages import Stage
 
 
@@ -37,9 +41,16 @@ class Progress:
     denoise_t0: Optional[float] = None
     preview_clips: Optional[int] = None  # clips in the video so far (videos/ID.partial.mp4)
     steps_reused: Optional[int] = None  # --cache: the job's steps so far that reused a computed one
+    plan_clip_s: Optional[float] = None  # the plan's seconds a clip (preflight's job.time), if known
+    clock: Optional[ClipClock] = None
+
+    def __post_init__(self) -> None:
+        if self.clock is None:
+            self.clock = ClipClock(self.plan_clip_s)
 
     def on_event(self, ev: dict[str, Any]) -> None:
         kind, t = ev.get("kind"), float(ev["t"])
+        clock_on_event(self.clock, ev)
         if kind == "stage":
             self.stage = str(ev.get("stage"))
             self.marks.append((self.stage, t))
@@ -53,8 +64,7 @@ class Progress:
             self.clip, self.clips = ev.get("clip"), ev.get("clips")
             self.step, self.steps = ev.get("step"), ev.get("steps")
             self.steps_reused = ev.get("reused_steps", self.steps_reused)
-            p = {"clip": self.clip, "clips": self.clips, "step": self.step, "steps": self.steps}
-            self.eta_s = eta_s(p, self.denoise_t0, t)
+        self.eta_s = self.clock.eta(t)
 
     def steps_per_s(self, now: float) -> Optional[float]:
         if self.denoise_t0 is None or not self.step or not self.steps:
@@ -71,5 +81,7 @@ class Progress:
     def as_dict(self, now: float) -> dict[str, Any]:
         return {"stage": self.stage or None, "clip": self.clip, "clips": self.clips, "step": self.step,
                 "steps": self.steps, "eta_s": round(self.eta_s, 1) if self.eta_s is not None else None,
+                "clips_done": self.clock.clips_done if self.clock.clips_total else None,
+                "clips_total": self.clock.clips_total,
                 "stage_seconds": self.stage_seconds(now), "preview_clips": self.preview_clips,
                 "steps_reused": self.steps_reused}

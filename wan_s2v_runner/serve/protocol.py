@@ -4,8 +4,9 @@ The shapes follow OpenAI's video API as vLLM-Omni and FastVideo serve it: a vide
 (``object: "video"``, ``status``, ``progress``, ``created_at``, ``completed_at``, ``error``), a
 list (``object: "list"``, ``data``) and an error body (``{"error": {"message", "type", "param",
 "code"}}``), plus what ours adds (the stage, clip and step, the ETA, seconds per stage, the
-place in the queue) and the server's own state (``/health``, ``/v1/server``). Requests are
-:mod:`.submissions`' (a job's fields: :data:`~.submissions.VideoJobFields`).
+place in the queue, clips done of the clips in all) and the server's own state (``/health``,
+``/v1/server``). Requests are :mod:`.submissions`' (a job's fields:
+:data:`~.submissions.VideoJobFields`).
 """
 from __future__ import annotations
 
@@ -54,7 +55,12 @@ class VideoObject(BaseModel):
     clips: Optional[int] = None
     step: Optional[int] = None
     steps: Optional[int] = None
-    eta_s: Optional[float] = None
+    clips_done: Optional[int] = Field(None, ge=0, description="clips of the video complete so far, while it runs "
+                                                              "(None until the first clip begins)")
+    clips_total: Optional[int] = Field(None, ge=1, description="clips the video has in all, while it runs")
+    eta_s: Optional[float] = Field(None, description="seconds left, while it runs: the clips left at the seconds a "
+                                                     "clip took so far (before the first clip ends, the plan's "
+                                                     "estimate, else the first clip's step pace); None when unknown")
     stage_seconds: Optional[dict[str, float]] = None
     wall_s: Optional[float] = None
     resumed_at_clip: Optional[int] = None

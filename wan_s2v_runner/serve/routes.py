@@ -5,8 +5,8 @@ the keeper or :mod:`.submissions`, and returns a typed model (:mod:`.protocol`).
   refused with 4xx and an :class:`~.protocol.ErrorResponse` (:mod:`.submissions` says why);
 - ``GET /v1/videos``: every job (a :class:`~.protocol.VideoList`);
 - ``GET /v1/videos/{id}``: the video object: ``status``, ``progress`` (percent), and ours:
-  ``stage``, ``clip``/``clips``, ``step``/``steps``, ``eta_s``, ``stage_seconds``,
-  ``queue_position``, ``error``;
+  ``stage``, ``clip``/``clips``, ``step``/``steps``, ``clips_done``/``clips_total``, ``eta_s``,
+  ``stage_seconds``, ``queue_position``, ``error``;
 - ``GET /v1/videos/{id}/content``: the mp4, once completed (only files in the server's
   ``videos/`` folder are ever served);
 - ``DELETE /v1/videos/{id}``: cancel (a queued job is dropped, a running one stops at the next
@@ -432,9 +432,13 @@ def get_video(video_id: str, server: ServerDep) -> VideoObject:
          responses={200: {"content": {"video/mp4": {}, "image/jpeg": {}},
                           "description": "the mp4; variant=partial: the video so far (while it runs, and after it "
                                          "was cancelled or failed); variant=thumbnail: the first frame (from the "
-                                         "first clip on)"}})
-def content(video_id: str, server: ServerDep,
-            variant: Literal["video", "thumbnail", "spritesheet", "partial"] = "video") -> FileResponse:
+                                         "first clip on)"},
+                    206: {"content": {"video/mp4": {}},
+                          "description": "variant=partial with a Range header (bytes=START-[END]): that part of the "
+                                         "video so far (it only grows at its end: a follower asks for what is new)"},
+                    416: {"description": "variant=partial: the Range starts at or past what is playable now"}})
+def content(video_id: str, server: ServerDep, request: Request,
+            variant: Literal["video", "thumbnail", "spritesheet", "partial"] = "video") -> Response:
     row = job_row(server, video_id)
     if variant == "spritesheet":
         raise Refused(404, "this server makes no spritesheets. Fix: ask for variant=video, partial or thumbnail",
@@ -445,7 +449,7 @@ def content(video_id: str, server: ServerDep,
             fix = ("ask for variant=video" if row.status is JobStatus.COMPLETED else
                    "wait for preview_clips in the video object (after the first clip of a job of more than one)")
             raise Refused(404, f"video {video_id} has no video so far ({row.status.value}). Fix: {fix}", "variant")
-        return FileResponse(partial, media_type="video/mp4", filename=partial.name)
+        return growing_file(partial, request.headers.get("range"))
     path = server.dirs.video(row.id)
     if variant == "thumbnail":
         thumb = server.dirs.thumbnail(row.id)
@@ -517,3 +521,40 @@ async def events(video_id: str, request: Request, row: Annotated[JobRow, Depends
         yield _ended(503, str(e))
         return
     yield _ended(404, f"video {row.id!r} was deleted. Fix: list the server's videos with GET /v1/videos")
+
+
+def growing_file(path, range_header: Optional[str]) -> Response:
+    """A growing video (the video so far) as far as it is playable now (its last complete
+    fragment: :func:`~wan_s2v_runner.shared.fmp4.playable_length`; the writer appends while this
+    is sent, so the length is fixed first and no more is read). ``Range: bytes=START-[END]`` gets
+    206 and that part, so a follower fetches only what is new."""
+    from starlette.responses import StreamingResponse
+
+    from wan_s2v_runner.shared import fmp4
+
+    size = fmp4.playable_length(path)
+    start, end, status = 0, size, 200
+    headers = {"accept-ranges": "bytes", "content-disposition": f'attachment; filename="{path.name}"'}
+    if range_header:
+        import re
+
+        m = re.fullmatch(r"bytes=(\d+)-(\d*)", range_header.strip())
+        if m is None or int(m.group(1)) >= size or (m.group(2) and int(m.group(2)) < int(m.group(1))):
+            return Response(status_code=416, headers={"content-range": f"bytes */{size}"})
+        start, status = int(m.group(1)), 206
+        end = min(size, int(m.group(2)) + 1) if m.group(2) else size
+        headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
+    headers["content-length"] = str(end - start)
+
+    def chunks():
+        with open(path, "rb") as f:
+            f.seek(start)
+            left = end - start
+            while left > 0:
+                data = f.read(min(left, 1 << 20))
+                if not data:
+                    return
+                left -= len(data)
+                yield data
+
+    return StreamingResponse(chunks(), status_code=status, media_type="video/mp4", headers=headers)

@@ -198,9 +198,12 @@ def _serve_node0(settings: ServerSettings, replicas: list, base: dict, extra_env
                     max_audio_s=float(settings.max_audio_s))
     metrics = ServerMetrics(store, watch)
     retention = Retention(keep=settings.keep_videos, max_age_s=settings.max_age_s)
+    from wan_s2v_runner.preflight.checks_time import planned_clip_seconds
+    facts = machine_facts()
     keepers = [Keeper(r.spec, store.store_for_keeper(r.index), dirs, {**(extra_env or {}), **r.env},
                       on_completed=metrics.job_completed, retention=retention, index=r.index, holds=r.holds,
-                      may_claim=watch.claim_refusal, stamp=place.stamp)
+                      may_claim=watch.claim_refusal, stamp=place.stamp,
+                      plan_clip_s=lambda spec: planned_clip_seconds(spec, facts))
                for r in replicas]
     metrics.attach(keepers)
     if len(keepers) > 1:
@@ -208,5 +211,5 @@ def _serve_node0(settings: ServerSettings, replicas: list, base: dict, extra_env
               + "; ".join(f"group {r.index} on {r.holds}" for r in replicas), flush=True)
     server = Server(queue=store, keepers=keepers, dirs=dirs, metrics=metrics, watch=watch, settings=settings,
                     base={k: v for k, v in job_defaults(base).items() if k not in OUTPUT_FIELDS},
-                    policy=policy, facts=machine_facts(), retention=retention, identity=place.digest)
+                    policy=policy, facts=facts, retention=retention, identity=place.digest)
     return run_server(server)

@@ -10,10 +10,12 @@ encode's activations for this speech's length, with :data:`MARGIN` to spare. Oth
 upstream's: the CPU. The features are the same computation in fp32 (cuDNN's TF32 is turned off
 for it); the bound against the CPU's is measured on a GPU and stated in docs/gpu.md.
 
-:func:`encode_bytes` is the estimate, :func:`choose` the rule. The plan (``preflight``) applies it
-to the GPU's free memory less its whole encode phase and the runtime (the DiT, the VAE and T5 or
-the VAE's workspace: more than the rank holds when wav2vec2 runs, which is before T5 moves in);
-the rank (``rank.encoders``) to what ``torch.cuda.mem_get_info`` says then. Imports nothing heavy.
+:func:`encode_bytes` is the estimate, :func:`choose` the rule; :func:`windowed` says whether the
+speech is long enough to be encoded in windows (``rank.long_audio``), which the estimate follows.
+The plan (``preflight``) applies it to the GPU's free memory less its whole encode phase and the
+runtime (the DiT, the VAE and T5 or the VAE's workspace: more than the rank holds when wav2vec2
+runs, which is before T5 moves in); the rank (``rank.encoders``) to what ``torch.cuda.mem_get_info``
+says then. Imports nothing heavy.
 """
 from __future__ import annotations
 
@@ -27,6 +29,12 @@ MARGIN = 1 * GiB
 FRAMES_PER_S = 50
 #: wav2vec2-large-xlsr-53's shape (the checkpoint's config.json says; these when it cannot be read)
 HIDDEN, HEADS, LAYERS = 1024, 16, 24
+#: long speech is encoded in windows of this many seconds, each keeping its centre: OVERLAP_S on
+#: each inner side is context only (``rank.long_audio``; docs/generation.md, "Long speech")
+WINDOW_S = 60.0
+OVERLAP_S = 5.0
+#: wav2vec2's conv stack: a frame reads 400 samples at a stride of 320 (16 kHz)
+_RATE, _RECEPTIVE, _STRIDE = 16000, 400, 320
 
 
 class AudioEncoderDevice(str, Enum):
@@ -37,13 +45,39 @@ class AudioEncoderDevice(str, Enum):
 
 
 def encode_bytes(params: int, seconds: float, hidden: int = HIDDEN, heads: int = HEADS,
-                 layers: int = LAYERS) -> int:
+                 layers: int = LAYERS, windows: bool = True) -> int:
     """GPU bytes wav2vec2's encode of ``seconds`` of speech needs: its fp32 weights, every layer's
     hidden states (all are kept: the DiT reads 25 of them) three times over (the states, their
     concatenation, the interpolation to the video's rate), and one layer's attention scores in
-    full (the eager form's; SDPA's kernels need less)."""
+    full (the eager form's; SDPA's kernels need less). Speech longer than one window
+    (:func:`windowed`; ``windows``: False for an encoder that is never windowed) is encoded a
+    window at a time (``rank.long_audio``): the scores and the model's own hidden states are one
+    window's, the stitched features (x3) the whole speech's."""
     frames = int(max(0.0, seconds) * FRAMES_PER_S) + 1
-    return int(params * 4 + 3 * (layers + 1) * frames * hidden * 4 + heads * frames * frames * 4)
+    features = 3 * (layers + 1) * frames * hidden * 4
+    if windows and windowed(seconds):
+        w = window_frames()
+        return int(params * 4 + features + (layers + 1) * w * hidden * 4 + heads * w * w * 4)
+    return int(params * 4 + features + heads * frames * frames * 4)
+
+
+#: host bytes of wav2vec2's one-pass encode per second of speech (fp32, CPU): every layer's states,
+#: their concatenation and the interpolation, measured (docs/memory-plan.md)
+HOST_PER_S = 18 * 2**20
+#: host bytes per second of speech of the stitched features beyond the first window (the buffer of
+#: every layer's kept states and its interpolation to the video's rate: 2 x 25 layers x 50 frames x
+#: 1024 x 4 bytes); the window's own activations are one window's (``rank.long_audio``)
+HOST_FEATURES_PER_S = 2 * (LAYERS + 1) * FRAMES_PER_S * HIDDEN * 4
+
+
+def host_bytes(seconds: float, windows: bool = True) -> int:
+    """Host bytes wav2vec2's encode of ``seconds`` of speech takes beyond its weights, on the CPU:
+    the one pass's (:data:`HOST_PER_S` a second) up to one window; beyond it (windowed), one
+    window's activations plus the longer speech's stitched features. One rule for the plan."""
+    seconds = max(0.0, seconds)
+    if not (windows and windowed(seconds)):
+        return int(seconds * HOST_PER_S)
+    return int(WINDOW_S * HOST_PER_S + (seconds - WINDOW_S) * HOST_FEATURES_PER_S)
 
 
 def choose(device_type: str, free: Optional[int], need: int) -> tuple[AudioEncoderDevice, str]:
@@ -58,3 +92,22 @@ def choose(device_type: str, free: Optional[int], need: int) -> tuple[AudioEncod
                                         f"{free / GiB:.1f} GiB free), back on the CPU after")
     return AudioEncoderDevice.CPU, (f"on the CPU, as upstream: its encode needs {need / GiB:.1f} GiB "
                                     f"(+{MARGIN / GiB:.0f} GiB margin), the GPU has {free / GiB:.1f} GiB free")
+
+
+def speech_frames(seconds: float) -> int:
+    """wav2vec2 frames of ``seconds`` of 16 kHz speech (its conv stack's count)."""
+    samples = int(round(max(0.0, seconds) * _RATE))
+    return 0 if samples < _RECEPTIVE else (samples - _RECEPTIVE) // _STRIDE + 1
+
+
+def window_frames(window_s: float = WINDOW_S) -> int:
+    return int(round(window_s * FRAMES_PER_S))
+
+
+def overlap_frames(overlap_s: float = OVERLAP_S) -> int:
+    return int(round(overlap_s * FRAMES_PER_S))
+
+
+def windowed(seconds: float) -> bool:
+    """Whether ``seconds`` of speech are encoded in windows (more than one window's frames)."""
+    return speech_frames(seconds) > window_frames()

@@ -46,6 +46,25 @@ def name_this_process(comm: str) -> None:
         pass
 
 
+#: allocations from this size up are mapped on their own and given back when freed
+#: (:func:`pin_mmap_threshold`)
+MMAP_THRESHOLD = 4 * 2**20
+
+
+def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> None:
+    """Map every allocation of ``nbytes`` or more on its own, and keep that size (``mallopt
+    M_MMAP_THRESHOLD``). glibc's default raises the size each time a mapped block is freed, up to
+    32 MiB, after which a clip's frames and the VAE's activations (tens of MiB at 512x512) come
+    from the heap, and a long run's heap grows in steps by fragmentation (measured: +430 MiB
+    between clip 13 and 14 of 24, bench/bench_longform.py) though nothing it holds grows. A
+    no-op where the C library is not glibc."""
+    import ctypes
+    try:
+        ctypes.CDLL(None).mallopt(-3, int(nbytes))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def trim_heap() -> None:
     """Give glibc's free heap pages back to the system (``malloc_trim(0)``: every arena, the middle
     of each heap too). Memory freed by a thread (the DiT's reader) stays in that thread's arena,

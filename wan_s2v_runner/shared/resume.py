@@ -1,24 +1,28 @@
-"""Clip checkpoints and resume: a long run survives a crash, an OOM or a preempted VM.
+"""Clip checkpoints and resume: a long run survives a crash, an OOM, a full disk or a preempted VM.
 
-After each clip the decoding rank (rank 0) writes, into ``<run_dir>/clips/``, the clip's frames
-(``clip_0003.pt``), then the state the next clip needs (``state.pt``: next clip index, motion
-latents, the last 73 frames), then ``state.json`` (which clip is complete, and the identity of
-what produced it: a digest of the frame-deciding spec fields and input files, of the checkpoint
-files, and of the engine's S2V sources). Each file appears by rename (``atomic``), in that
-order, so ``state.json`` always names a complete clip.
+A job's clips are in its growing video (``OUTPUT.partial.mp4``, :mod:`~wan_s2v_runner.rank.video_writer`):
+no frames are kept anywhere else. After each clip's fragment is in that file (fsync), the decoding
+rank (rank 0) commits the clip's checkpoint into ``<run_dir>/clips/`` (:class:`Checkpoint`): the
+state the next clip needs (``state_0004.pt``: next clip index, motion latents, and the last 73
+frames where a later clip reads them), then ``state.json`` naming it, the video file, its length
+after the clip (:class:`~wan_s2v_runner.shared.fmp4.Position`) and the identity of what produced
+it (a digest of the frame-deciding spec fields and input files, of the checkpoint files, and of
+the engine's S2V sources). Each file appears by rename (``atomic``), ``state.json`` last, so it
+always names a complete clip whose fragment is on disk; the earlier state files go after it.
+What a clip costs on disk is its share of the video, plus one small state file.
 
 ``wan-s2v resume RUN_DIR`` reads that run's ``spec.json`` (layout flags may change: another
 mode, rank count or ``--cfg-parallel``), refuses with a one-line cause when the inputs,
 checkpoint or engine differ from what produced the clips, and runs the remaining clips in a new
-run directory. The clip noise is seeded ``seed + clip`` and the carried state is restored bit
-for bit, so the final video equals an uninterrupted run's.
+run directory, continuing the video file from the committed length (whatever a crash appended
+after it is cut off). The clip noise is seeded ``seed + clip``, the carried state is restored bit
+for bit and every clip's fragment depends on its frames alone, so the final video equals an
+uninterrupted run's, byte for byte.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -28,8 +32,8 @@ from wan_s2v_runner.shared.quant import Fp8Matmul
 
 CLIPS_DIR = "clips"
 STATE_JSON = "state.json"
-STATE_PT = "state.pt"
-FORMAT = 1
+#: 2: the clips are the growing video's fragments (1: each clip's float frames in clip_NNNN.pt)
+FORMAT = 2
 #: spec fields that decide the frames (layout, supervision and output fields do not)
 FRAME_FIELDS = ("prompt", "negative_prompt", "max_area", "infer_frames", "num_clips", "steps", "shift",
                 "guide_scale", "solver", "seed", "start_from_ref", "device", "lora", "dit_quant", "fp8_matmul",
@@ -40,8 +44,9 @@ class ResumeError(ValueError):
     """A run directory that cannot be resumed (one line: cause and fix)."""
 
 
-def clip_file(run_dir: Path, clip: int) -> Path:
-    return Path(run_dir) / CLIPS_DIR / f"clip_{clip:04d}.pt"
+def state_file(clip: int) -> str:
+    """The carried state's file name after clip ``clip - 1`` (the next clip's index)."""
+    return f"state_{clip:04d}.pt"
 
 
 def spec_digest(spec) -> str:
@@ -91,92 +96,56 @@ def identity(spec) -> dict:
 
 @dataclass(frozen=True)
 class Progress:
-    """What ``state.json`` says: clips ``0 .. next_clip - 1`` of ``num_clips`` are complete."""
+    """What ``state.json`` says: clips ``0 .. next_clip - 1`` of ``num_clips`` are complete, in the
+    video file ``video`` up to ``position`` (its clips ending at the frames ``ends``)."""
 
     run_dir: Path
     next_clip: int
     num_clips: int
     identity: dict
+    video: Optional[Path] = None
+    position: Optional[dict] = None
+    ends: tuple[int, ...] = ()
+    state: str = ""
 
 
-class ClipWriter:
-    """Rank 0's per-clip checkpoint writer (``Hooks.clip_done``). ``gate`` (a served job's lease,
-    :class:`~wan_s2v_runner.rank.lease.LeaseGate`; None: always current) decides each write: while
-    its verdict is ``unknown`` the clips are kept (the frames are rank 0's anyway until the video
-    is written; the carried state is replaced, never changed, by the next clip) and written, in
-    order, at the first clip whose verdict is ``current``; once ``lost``, nothing more is written."""
+class Checkpoint:
+    """Rank 0's clip checkpoints of one job (:meth:`commit`, once the clip's fragment is in
+    ``video``). A served job's ``gate`` decides each write: while the server is not sure it holds
+    the job the commit is skipped (the next clip's names every clip before it), once lost
+    nothing is written."""
 
-    def __init__(self, run_dir: Path, ident: dict, gate=None):
-        self.run_dir, self.ident, self.gate = Path(run_dir), ident, gate
-        self.pending: list[tuple[int, object]] = []  # (clip, frames) owed to the directory
-        self.latest: Optional[tuple[object, int]] = None  # (state, num_clips) of the newest clip
-        self.adopting: Optional[tuple[Path, int]] = None  # a resume's earlier clips, linked in first
-        self.lost = False
+    def __init__(self, run_dir: Path, ident: dict, video: Path):
+        self.run_dir, self.ident, self.video = Path(run_dir), ident, Path(video)
+        self.written: Optional[str] = None  # the state file state.json names now
 
-    def adopt(self, source: Path, next_clip: int) -> None:
-        """A resume: the clips ``source`` made before (0 .. next_clip - 1) belong in this folder
-        too (so it can be resumed in turn); linked now if the gate says so, else before the
-        first clip written."""
-        from wan_s2v_runner.shared.inbox import Verdict
-
-        self.adopting = (Path(source), next_clip)
-        if self.gate is None or self.gate.verdict() is Verdict.CURRENT:
-            self.flush()
-
-    def __call__(self, clip: int, frames, state, num_clips: int) -> None:
-        from wan_s2v_runner.shared.inbox import Verdict
-
-        if self.lost:
-            return
-        self.pending.append((clip, frames))
-        self.latest = (state, num_clips)
-        verdict = self.gate.verdict() if self.gate is not None else Verdict.CURRENT
-        if verdict is Verdict.LOST:
-            self.lost, self.pending, self.latest, self.adopting = True, [], None, None
-        elif verdict is Verdict.CURRENT:
-            self.flush()
-
-    def _current(self) -> bool:
-        from wan_s2v_runner.shared.inbox import Verdict
-
-        return self.gate is None or self.gate.verdict() is Verdict.CURRENT
-
-    def flush(self) -> None:
-        """Write the clips owed, then the newest clip's carried state and ``state.json``, the gate
-        asked before each rename: what it stops stays owed (``state.json`` last, so it names only
-        clips on disk)."""
+    def commit(self, state, num_clips: int, position, ends: list[int], gate=None) -> bool:
+        """The state after a clip (``state.clip``: the next one), the file's ``position`` after it:
+        its state file, then ``state.json``. False: the gate held it back."""
         import torch
 
         from wan_s2v_runner.shared import atomic
-        if not self._current():
-            return
-        (self.run_dir / CLIPS_DIR).mkdir(parents=True, exist_ok=True)
-        if self.adopting is not None:
-            adopt(*self.adopting, self.run_dir)
-            self.adopting = None
+
+        current = gate.current if gate is not None else None
+        d = self.run_dir / CLIPS_DIR
+        d.mkdir(parents=True, exist_ok=True)
+        # after the last clip there is no next clip: no motion latents (not computed)
+        motion = state.motion_latents.cpu() if state.motion_latents is not None else None
+        last = state.videos_last_frames.cpu() if state.videos_last_frames is not None else None
+        carried = {"format": FORMAT, "clip": state.clip, "motion_latents": motion, "videos_last_frames": last}
+        name = state_file(state.clip)
+        info = {"format": FORMAT, "next_clip": state.clip, "num_clips": num_clips, "identity": self.ident,
+                "state": name, "video": {"path": str(self.video), "position": position.as_dict(), "ends": list(ends)}}
         try:
-            while self.pending:
-                clip, frames = self.pending[0]
-                frames = frames.contiguous()
-                atomic.atomic_write(clip_file(self.run_dir, clip), lambda p, f=frames: torch.save(f, p),
-                                    commit_if=self._current)
-                self.pending.pop(0)
-            if self.latest is None:
-                return
-            state, num_clips = self.latest
-            # after the last clip there is no next clip: no motion latents (not computed)
-            motion = state.motion_latents.cpu() if state.motion_latents is not None else None
-            carried = {"format": FORMAT, "clip": state.clip, "motion_latents": motion,
-                       "videos_last_frames": state.videos_last_frames.cpu()}
-            atomic.atomic_write(self.run_dir / CLIPS_DIR / STATE_PT, lambda p: torch.save(carried, p),
-                                commit_if=self._current)
-            info = {"format": FORMAT, "next_clip": state.clip, "num_clips": num_clips,
-                    "identity": self.ident}
-            atomic.write_text(self.run_dir / CLIPS_DIR / STATE_JSON, json.dumps(info, indent=1),
-                              commit_if=self._current)
-            self.latest = None
-        except atomic.NotCommitted:  # not sure now: the rest is written at a later clip, if the lease is renewed
-            pass
+            atomic.atomic_write(d / name, lambda p: torch.save(carried, p), commit_if=current)
+            atomic.write_text(d / STATE_JSON, json.dumps(info, indent=1), durable=True, commit_if=current)
+        except atomic.NotCommitted:  # not sure now: the next clip's commit names this one too
+            return False
+        for old in d.glob("state_*.pt"):  # what state.json no longer names
+            if old.name != name:
+                old.unlink(missing_ok=True)
+        self.written = name
+        return True
 
 
 def read_progress(run_dir: Path) -> Progress:
@@ -189,9 +158,13 @@ def read_progress(run_dir: Path) -> Progress:
     except (OSError, ValueError) as e:
         raise ResumeError(f"{path} does not read ({e}). Fix: start the run again with `wan-s2v run`.") from None
     if info.get("format") != FORMAT:
-        raise ResumeError(f"{path} has checkpoint format {info.get('format')}, this wan-s2v reads {FORMAT}. "
-                          "Fix: resume with the wan-s2v version that wrote it.")
-    return Progress(Path(run_dir), int(info["next_clip"]), int(info.get("num_clips") or 0), info["identity"])
+        raise ResumeError(f"{path} has checkpoint format {info.get('format')} (its clips as float frames, from a "
+                          f"wan-s2v before the streaming video writer), this wan-s2v reads {FORMAT}. Fix: resume "
+                          "with the wan-s2v version that wrote it, or start the run again.")
+    video = info.get("video") or {}
+    return Progress(Path(run_dir), int(info["next_clip"]), int(info.get("num_clips") or 0), info["identity"],
+                    Path(video["path"]) if video.get("path") else None, video.get("position"),
+                    tuple(int(e) for e in video.get("ends") or ()), str(info.get("state") or ""))
 
 
 def check(progress: Progress, spec) -> None:
@@ -212,26 +185,37 @@ def check(progress: Progress, spec) -> None:
                               f"its clips. Fix: {fix}.")
 
 
-def load(run_dir: Path, progress: Progress):
-    """(state dict, frames of clips 0 .. next_clip - 1) of a run directory."""
+def load(run_dir: Path, progress: Progress) -> dict:
+    """The carried state a run directory's ``state.json`` names (on the CPU)."""
     import torch
-    carried = torch.load(Path(run_dir) / CLIPS_DIR / STATE_PT, map_location="cpu", weights_only=True)
+    path = Path(run_dir) / CLIPS_DIR / progress.state
+    try:
+        carried = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as e:
+        raise ResumeError(f"{path} does not read ({type(e).__name__}: {e}). Fix: start the run again.") from None
     if carried.get("clip") != progress.next_clip:
-        raise ResumeError(f"{run_dir}: {STATE_PT} is for clip {carried.get('clip')}, {STATE_JSON} says "
+        raise ResumeError(f"{path} is for clip {carried.get('clip')}, {STATE_JSON} says "
                           f"{progress.next_clip}. Fix: start the run again.")
-    frames = [torch.load(clip_file(run_dir, r), map_location="cpu", weights_only=True)
-              for r in range(progress.next_clip)]
-    return carried, frames
+    return carried
 
 
-def adopt(old_run_dir: Path, next_clip: int, new_run_dir: Path) -> None:
-    """Link (or copy) the finished clips into the new run directory, so it can be resumed too."""
-    (Path(new_run_dir) / CLIPS_DIR).mkdir(parents=True, exist_ok=True)
-    for r in range(next_clip):
-        src, dst = clip_file(old_run_dir, r), clip_file(new_run_dir, r)
-        if dst.exists():
-            continue
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
+@dataclass(frozen=True)
+class Continued:
+    """A resume's starting point: the growing video of the run it continues, where its last
+    committed clip ends (:class:`~wan_s2v_runner.shared.fmp4.Position`) and the frame each clip in
+    it ends at."""
+
+    video: Path
+    at: object  # fmp4.Position
+    ends: tuple[int, ...]
+    complete: bool = False  # every clip is in it: only finishing it is left
+
+
+def continued(progress: Progress) -> Continued:
+    """Where a resumed job's video continues."""
+    from wan_s2v_runner.shared.fmp4 import Position
+
+    if progress.video is None or progress.position is None:
+        raise ResumeError(f"{progress.run_dir}: {STATE_JSON} names no video file. Fix: start the run again.")
+    return Continued(progress.video, Position.from_dict(progress.position), progress.ends,
+                     complete=bool(progress.num_clips) and progress.next_clip >= progress.num_clips)

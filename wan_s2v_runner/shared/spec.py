@@ -424,11 +424,13 @@ class JobSpec(BaseModel):
         Path("outputs/s2v.mp4"), validate_default=True,
         description="the .mp4 (written to a temporary name, renamed when complete)")
     preview: Annotated[bool, Flag(_OU)] = Field(
-        False, description="after each clip, write the video so far (with its span of the speech) to "
-                           "OUTPUT.partial.mp4, and the first frame to OUTPUT.thumbnail.jpg; the partial video "
-                           "goes when the final one is written")
+        False, description="also write the first frame to OUTPUT.thumbnail.jpg and say after each clip how far "
+                           "the video so far is (it always grows in OUTPUT.partial.mp4, with its span of the speech, "
+                           "playable at any moment; finished, it becomes OUTPUT)")
+    # (the growing file itself is not optional: it is how frames leave rank 0, rank/video_writer.py)
     frames_out: Annotated[Optional[AbsPath], Flag(_OU, metavar="PATH")] = Field(
-        None, description="also save the raw frames tensor (.pt), e.g. for parity checks")
+        None, description="also save the raw frames tensor (.pt), e.g. for parity checks (float32: 4 bytes per "
+                          "pixel and channel, written to disk as the clips come; a resumed run's: the clips it made)")
     resume_from: Annotated[Optional[AbsPath], Flag(_OU, metavar="RUN_DIR")] = Field(
         None, description="continue that run directory's run from its last complete clip "
                           "(set by `wan-s2v resume RUN_DIR`)")

@@ -22,7 +22,7 @@ class Stage(str, Enum):
     ``fingerprint``/``shard`` only in FSDP modes; ``tts`` only with ``--tts-text``;
     ``compile`` (with ``--compile``, before a size's first step);
     ``pose_encode`` (with ``--pose-video``)/``denoise``/``decode``/``motion_encode`` repeat per
-    clip; ``tts``/``save``/``mux`` on the first rank only; ``start`` is a rank that has been
+    clip; ``tts``/``clip_checkpoint``/``save`` on the first rank only; ``start`` is a rank that has been
     spawned but has not reported a stage yet.
     """
 
@@ -45,9 +45,8 @@ class Stage(str, Enum):
     DECODE = "decode"
     MOTION_ENCODE = "motion_encode"
     RECEIVE_MOTION = "receive_motion"  # waiting for the decoding rank's next motion latents
-    CLIP_CHECKPOINT = "clip_checkpoint"  # the first rank writes the clip's frames and carried state
-    SAVE = "save"
-    MUX = "mux"
+    CLIP_CHECKPOINT = "clip_checkpoint"  # the first rank: the clip's fragment in the video, its carried state
+    SAVE = "save"  # the first rank: the video finished (its durations written in, renamed to the output)
     IDLE = "idle"  # a served rank group between jobs: each rank reports ``waiting`` while it is alive
     DONE = "done"
 
@@ -64,7 +63,7 @@ class Stage(str, Enum):
 
     @property
     def is_step_class(self) -> bool:
-        """A denoising step, a per-clip VAE pass, saving or muxing: ``watchdog_step_s``."""
+        """A denoising step, a per-clip VAE pass, finishing the video: ``watchdog_step_s``."""
         return not self.is_load_class
 
     @property
@@ -101,7 +100,7 @@ _LOAD_CLASS = frozenset({Stage.START, Stage.INIT_PG, Stage.ENGINE_IMPORT, Stage.
                          Stage.TEXT_ENCODE, Stage.RECEIVE_INPUTS, Stage.COMPILE})
 _PER_CLIP = frozenset({Stage.POSE_ENCODE, Stage.DENOISE, Stage.DECODE, Stage.MOTION_ENCODE, Stage.RECEIVE_MOTION,
                        Stage.CLIP_CHECKPOINT})
-_FIRST_RANK_ONLY = frozenset({Stage.TTS, Stage.SAVE, Stage.MUX, Stage.CLIP_CHECKPOINT})
+_FIRST_RANK_ONLY = frozenset({Stage.TTS, Stage.SAVE, Stage.CLIP_CHECKPOINT})
 
 
 def gets_load_limit(name: object) -> bool:

@@ -1,0 +1,141 @@
+"""Group ``memory``, the job's time: how long its denoising takes on this machine, from the plan.
+
+``clips x steps x passes a step x seconds a pass`` (:func:`wan_s2v_runner.shared.job_time.job_seconds`):
+the clips and size are the memory plan's (:func:`.memory.workload`: the speech, or ``--num-clips``),
+a pass's seconds its operations (:mod:`.dit_flops`) at :data:`.streaming.ASSUMED_MFU` of the
+slowest of the ranks' GPUs' dense bf16 peak, split over the layout as the parallel plans split it
+(:func:`.plans.estimate_speedup`, with their calibrated all-to-all cost), at the copies' pace where
+a streamed DiT's copies are slower. The VAE's decode, the encoders and loading are not in it (a
+few seconds a clip against minutes of denoising at the real size). Informational: it never fails.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from wan_s2v_runner.shared import cache_policy
+from wan_s2v_runner.shared.job_time import job_seconds, passes_per_step
+
+from .core import ok, skip
+
+ID = "job.time"
+
+
+@dataclass(frozen=True)
+class JobTime:
+    gpu: str
+    clips: int
+    steps: int
+    passes: int  # DiT passes a rank runs a step
+    pass_s: float  # a later clip's pass on one rank (the layout's share; the copies' pace if slower)
+    first_pass_s: float  # the first clip's (no motion tokens, unless it starts from the reference)
+    seconds: float  # the job's denoising
+    clip_s: float  # a later clip's denoising
+    fewest_steps: Optional[int] = None  # --cache: the steps a clip computes at least
+
+    def to_json(self) -> dict:
+        return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def human_duration(s: float) -> str:
+    """95 -> '1 min 35 s'; 3725 -> '1 h 2 min'; from two days on also in days: '177 h 33 min (7.4 days)'."""
+    s = int(round(s))
+    if s >= 3600:
+        days = f" ({s / 86400:.1f} days)" if s >= 2 * 86400 else ""
+        return f"{s // 3600} h {s % 3600 // 60} min{days}"
+    if s >= 60:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s} s"
+
+
+def job_time(ctx) -> Optional[JobTime]:
+    """The job's denoising time on this context's machine and layout; None on the CPU or on a GPU
+    whose peak is not in :data:`.streaming.DENSE_BF16_TFLOPS`."""
+    from .checks_memory import current_plan, stream_timing
+    from .dit_flops import DitDims, forward_flops
+    from .memory import model_sizes, workload
+    from .plans import SP_COMM_COST, estimate_speedup
+    from .recommend import heads_of
+    from .streaming import ASSUMED_MFU, gpu_tflops
+
+    spec = ctx.spec
+    if not ctx.on_cuda or not ctx.local_gpus or spec.steps is None or spec.guide_scale is None:
+        return None
+    rated = [(gpu_tflops(g.get("name", "")), g) for g in ctx.local_gpus]
+    if any(t is None for t, _ in rated):
+        return None
+    peak, gpu = min(rated, key=lambda tg: tg[0])
+    sizes, wl = model_sizes(ctx), workload(ctx)
+    units = sizes.dit_units
+    dims = DitDims(dim=sizes.dim or 5120, ffn_dim=sizes.ffn_dim or 13824, num_heads=sizes.num_heads or 40,
+                   num_layers=sizes.num_layers or 40,
+                   audio_layers=sum(1 for u in units if u > min(units)) if units else 12)
+    layout = ctx.layout
+    heads = heads_of(ctx, sizes)
+    split = estimate_speedup(layout, heads, dims.dim, dims.ffn_dim, wl.tokens.max_len) or 1.0
+    # one GPU's two passes a step / the busiest rank's work a step, with the all-to-all's cost
+    per_rank = 2 / split * (1 + SP_COMM_COST * (layout.sp_degree - 1 if layout.use_sp else 0))
+    passes = passes_per_step(spec.guide_scale, layout.cfg_degree)
+    share = per_rank / (2 / layout.cfg_degree)  # a pass's share of one GPU's pass on a rank
+
+    def seconds(with_motion: bool) -> float:
+        return forward_flops(dims, wl.tokens, with_motion=with_motion, text_cached=True).total * share / (
+            peak * 1e12 * ASSUMED_MFU)
+
+    later = seconds(True)
+    first = later if spec.start_from_ref else seconds(False)
+    plan = current_plan(ctx)
+    if plan.stream is not None:  # the step runs at the pace of the slower: compute or the copies
+        copy_s = stream_timing(ctx, plan, gpu).copy_s
+        later, first = max(later, copy_s), max(first, copy_s)
+    steps = spec.steps
+    fewest = None
+    try:
+        if cache_policy.parse(spec.cache).reuses:
+            fewest = cache_policy.always_computed(steps)
+    except ValueError:  # a draft's cache setting that does not parse (inputs.flags says why)
+        pass
+    total = job_seconds(wl.n_clips, steps, passes, later, first)
+    return JobTime(gpu=str(gpu.get("name")), clips=wl.n_clips, steps=steps, passes=passes, pass_s=later,
+                   first_pass_s=first, seconds=total, clip_s=steps * passes * later, fewest_steps=fewest)
+
+
+def describe(t: JobTime, world: int) -> str:
+    ranks = f"{world} x " if world > 1 else ""
+    text = (f"~{human_duration(t.seconds)} of denoising on {ranks}{t.gpu}: {t.clips} clip(s) x {t.steps} steps x "
+            f"{t.passes} pass(es) x ~{t.pass_s:.1f} s a pass (~{human_duration(t.clip_s)} a clip)")
+    if t.fewest_steps is not None and t.fewest_steps < t.steps:
+        text += f"; --cache computes at least {t.fewest_steps} of the {t.steps} steps, so as little as " \
+                f"~{human_duration(t.seconds * t.fewest_steps / t.steps)}"
+    return text
+
+
+def check_time(ctx):
+    if not ctx.on_cuda:
+        return skip(ID, "--device cpu: no estimate (the tiny demo's pace is not the real model's)")
+    try:
+        t = job_time(ctx)
+    except ValueError as e:
+        return skip(ID, f"no estimate ({e})")
+    if t is None:
+        names = ", ".join(sorted({str(g.get("name")) for g in ctx.local_gpus})) or "no GPU"
+        return skip(ID, f"no estimate: the bf16 peak of {names} is not known (preflight/streaming.py)")
+    from .streaming import ASSUMED_MFU
+    return ok(ID, describe(t, ctx.layout.world_size),
+              f"estimate: the DiT passes at {ASSUMED_MFU:.0%} of the GPU's bf16 peak (decode, encoders and loading "
+              "not included)", **t.to_json())
+
+
+def planned_clip_seconds(spec, facts) -> Optional[float]:
+    """A complete run spec's seconds a clip on ``facts``' machine (the reference image's size read
+    from its header), for the ETA before its first clip ends; None when there is no estimate.
+    Never raises: a server asks it for each job it starts."""
+    try:
+        from .checks_inputs import check_image
+        from .context import CheckContext
+        ctx = CheckContext.for_spec(spec, facts)
+        check_image(ctx)  # the image's size, as the memory plan reads it
+        t = job_time(ctx)
+        return t.clip_s if t is not None else None
+    except Exception:  # noqa: BLE001 - an estimate, not a verdict
+        return None
