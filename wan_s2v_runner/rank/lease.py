@@ -60,6 +60,10 @@ class LeaseGate:
         lease = inbox.read_lease(self.run_dir, self.job_id)
         return Verdict.CURRENT if lease is None else lease.verdict()
 
+    def lost(self) -> bool:
+        """Whether the server knows it lost the job (nothing more of it is written)."""
+        return self.verdict() is Verdict.LOST
+
     def current(self) -> bool:
         return self.verdict() is Verdict.CURRENT
 

@@ -262,9 +262,7 @@ class VideoWriter:
                 self._cond.notify_all()
 
     def _write(self, clip: int, frames: torch.Tensor, num_clips: int) -> None:
-        from wan_s2v_runner.shared.inbox import Verdict
-
-        if self.lost or self.gate.verdict() is Verdict.LOST:
+        if self.lost or self.gate.lost():
             self.lost = True
             return
         last = clip + 1 >= num_clips
