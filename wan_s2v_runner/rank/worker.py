@@ -364,8 +364,9 @@ class RankGroup:
         if self.rank != 0:
             events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
             return
-        if writer.lost:  # its server lost the job while the ranks made it: nothing more of it is written
-            raise JobLost(job.id)
+        if writer.lost:  # not written while its server was not sure it held the job: the server's word first
+            gate.wait_or_raise()  # lost (JobLost), or past the wait's limit taken as lost
+            raise JobFailed("the video so far could not be written while the server was not sure it held the job")
         if writer.total_frames == 0:
             raise RuntimeError("rank 0 got no frames from the engine")
         shape = [3, writer.total_frames, *writer.growing_size]
