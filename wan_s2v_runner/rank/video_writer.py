@@ -118,7 +118,7 @@ class VideoWriter:
         self.growing: Optional[media.GrowingMp4] = None
         self.continued = continued
         self.ends: list[int] = []  # the frame each clip in the file ends at
-        self.size: tuple[int, int] = (0, 0)  # (height, width)
+        self.size: tuple[int, int] = (0, 0)  # (height, width) of the video
         self.avcc: Optional[bytes] = None  # the first clip's H.264 headers (every clip's must equal them)
         self.error: Optional[BaseException] = None
         #: a served job whose server lost it: nothing more is written (its attempt's folder may be gone)
@@ -215,11 +215,6 @@ class VideoWriter:
     @property
     def total_frames(self) -> int:
         return self.growing.at.frames if self.growing is not None else 0
-
-    @property
-    def growing_size(self) -> tuple[int, int]:
-        """(height, width) of the video."""
-        return self.size
 
     # ----- the thread
     def _wait_idle(self, raise_error: bool = True) -> None:

@@ -369,7 +369,7 @@ class RankGroup:
             raise JobFailed("the video so far could not be written while the server was not sure it held the job")
         if writer.total_frames == 0:
             raise RuntimeError("rank 0 got no frames from the engine")
-        shape = [3, writer.total_frames, *writer.growing_size]
+        shape = [3, writer.total_frames, *writer.size]
         events.emit("frames", shape=shape)
         try:  # the other ranks are done with this job: an error here is the job's, not the group's
             gate.wait_or_raise()  # a served job's files only while its server holds it

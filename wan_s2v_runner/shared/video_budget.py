@@ -1,5 +1,5 @@
 """What a job's video costs outside the model: rank 0's host memory for frames, and the disk its
-output takes. One rule, pure arithmetic (imports nothing): the memory plan and the disk check
+output takes. One rule, pure arithmetic (its frame counts are ``shared.media``'s): the memory plan and the disk check
 (``preflight``) call it, and the rank's streaming video writer cites it for what it may hold.
 
 Host memory (rank 0, the decoding rank) is **flat in the clip count**: the streaming writer holds
@@ -30,9 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: the engine's frame rate, and the frames a video has fewer than its clips (the first clip's
-#: motion frames): N clips of F frames make N * F - 3 frames (``shared.media`` says the same)
-FPS = 16
-FIRST_CLIP_DROPS = 3
+#: motion frames): N clips of F frames make N * F - 3 frames (one rule: ``shared.media``'s)
+from wan_s2v_runner.shared.media import FIRST_CLIP_DROPS, FPS
+
 #: frames carried from one clip to the next (config.transformer.motion_frames)
 MOTION_FRAMES = 73
 #: the motion latents state.pt keeps: 16 channels x 19 latent frames at 1/8 of the size, float32
