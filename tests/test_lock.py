@@ -56,6 +56,22 @@ def test_every_requirement_is_pinned_by_the_lock_within_its_range(minor):
             assert f"-r {file}" in got[0].via, f"{req.name}: the lock does not say {file} asks for it; fix: make lock"
 
 
+# what decides the demo's bytes: the frames (torch, numpy's reductions) and the mp4 (PyAV's FFmpeg,
+# imageio-ffmpeg's for the inputs). CI compares the demo's sha256 across the supported Pythons.
+BYTES_DECIDING = ("torch", "numpy", "av", "imageio-ffmpeg")
+
+
+@pytest.mark.parametrize("name", BYTES_DECIDING)
+def test_what_decides_the_videos_bytes_has_one_version_on_every_python(name):
+    """A package pinned per Python (e.g. the newest release for 3.11+ and an older one for 3.10)
+    makes the same run write a different mp4 on 3.10: CI's last step fails after the whole suite."""
+    versions = {minor: [e.version for e in pinned(name, environment(minor))]
+                for minor in supported_minors(supported_python())}
+    assert len({tuple(v) for v in versions.values()}) == 1 and all(len(v) == 1 for v in versions.values()), \
+        f"{name} is locked as {versions}: one version must serve every supported Python; fix: pin it " \
+        f"in requirements.txt to the newest release with wheels for all of them, then make lock"
+
+
 def test_the_lock_holds_nothing_the_requirement_files_no_longer_ask_for():
     asked = {f: {lockfile.canonical(r.name) for r in requirements(f)} for f in INPUTS}
     names = {e.name for e in LOCK}
