@@ -26,6 +26,9 @@ from patches.patch import ORIGINAL, Patch, unbind
 
 log = logging.getLogger("wan_s2v.lora")
 _MARK = "_wan_s2v_lora_merge"
+#: set (True) on a DiT whose weights already hold the LoRAs (a streamed DiT mapped from its
+#: page-cache file, written with them merged: ``wan_s2v_runner.loading.dit_cache``): not merged again
+MERGED = "_wan_s2v_loras_merged"
 
 
 def apply(wan_module, merge_into, on_merged=None) -> bool:
@@ -40,6 +43,8 @@ def apply(wan_module, merge_into, on_merged=None) -> bool:
     @functools.wraps(current)
     def _configure_model(self, model, *args, **kwargs):
         if any(p.is_meta for p in model.parameters()):  # lean FSDP: the loader merges into the shards
+            return current(self, model, *args, **kwargs)
+        if getattr(model, MERGED, False):  # merged as the loader wrote its weights
             return current(self, model, *args, **kwargs)
         records = merge_into(model)
         for r in records:

@@ -158,11 +158,13 @@ def one_process_frames(engine_cpu, **updates) -> "torch.Tensor":
     from wan_s2v_runner.loading import components
     from wan_s2v_runner.rank.generation import S2VGenerator
     from wan_s2v_runner.rank.parallel import RankPlan
-    from wan_s2v_runner.rank.worker import request_for
+    from wan_s2v_runner.rank.worker import engine_config, request_for
     from wan_s2v_runner.shared.layout import Layout, Mode
 
     wan, cfg, spec = engine_cpu
     spec = spec.model_copy(update=updates)
+    if "dtype" in updates:  # the compute dtype is the engine config's (worker.engine_config)
+        cfg = engine_config(wan, spec)
     plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
     parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0,
                             components.LoadSettings.of(spec))

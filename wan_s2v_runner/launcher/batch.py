@@ -110,10 +110,13 @@ def preflight_lines(lines: list[Line], json_mode: bool) -> dict:
     facts = machine_facts()
     settled: dict = {}
     shown = False
+    # one group runs every job: with several, a new prompt builds released encoders again beside
+    # the DiT (the plan counts them as a server's group, served)
+    several = sum(line.state is JobState.QUEUED for line in lines) > 1
     for line in lines:
         if line.state is not JobState.QUEUED:
             continue
-        report: GateReport = check_run(line.spec, facts)
+        report: GateReport = check_run(line.spec, facts, served=several)
         if report.refused:
             line.state = JobState.REFUSED
             line.cause = refusal(report)

@@ -26,6 +26,15 @@ blocks instead (Kijai's block swap, Wan2GP, LightX2V's async block offload, diff
   buffer per rank, or the node-shared copy every local rank maps) so the copies are asynchronous
   DMA; where pinning fails (the host is short of memory; WSL2 pins at most about half the RAM) the
   copies are pageable (slower, not overlapped) and a warning says so.
+* **From the page cache** (``mapped``: ``--dit-stream-from page-cache``, ``loading.dit_cache``): the
+  host tensors are views of a cache file's private mapping, whose clean pages the kernel keeps or
+  drops as memory allows. The mapping is never pinned (that would lock every page in RAM, the
+  opposite of the point): a unit is copied by a thread of its own into one of two **staging**
+  buffers (each as large as a slot, the ones pinned) — a CPU copy that faults the pages in from
+  the disk where the kernel dropped them, after a ``MADV_WILLNEED`` read-ahead of the unit — and
+  from there into its device slot (on CUDA, asynchronous DMA on the side stream, as above). The
+  compute waits for the thread's copy only when it needs that unit. On the CPU the staging is a
+  plain copy and the thread the same. The bytes are the same: the frames too.
 
 Why not diffusers' ``apply_group_offloading``: it pins a private copy of every group in each
 process (no node-shared copy), keeps nothing resident (no partial residency a 32 GB card wants),
@@ -40,7 +49,9 @@ May import: nothing of the project (torch only).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -54,6 +65,27 @@ _ALIGN = 256
 #: ``cudaHostRegisterReadOnly``: the driver pins the pages without asking to write them (a
 #: copy-on-write mapping of the node-shared weights stays shared)
 _REGISTER_READ_ONLY = 0x08
+#: ``madvise(MADV_WILLNEED)``: start reading a mapped range's pages in
+_MADV_WILLNEED = 3
+_PAGE = 4096
+_libc = None
+
+
+def _will_need(tensors: list[torch.Tensor]) -> None:
+    """Ask the kernel to read the pages under ``tensors`` (views of a file mapping) ahead, one
+    range per tensor (best effort: a failed call only loses the read-ahead)."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            if n:
+                lo = (t.data_ptr() // _PAGE) * _PAGE
+                _libc.madvise(lo, t.data_ptr() + n - lo, _MADV_WILLNEED)
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass(eq=False)  # compared by identity (its fields hold tensors)
@@ -138,8 +170,9 @@ class BlockStreamer:
     (see the module docstring). Build it with :func:`attach`."""
 
     def __init__(self, model, device: torch.device, resident: int, pinner: Optional[Callable] = None,
-                 read_only: bool = False):
+                 read_only: bool = False, mapped: bool = False):
         self.device = torch.device(device)
+        self.mapped = mapped
         mods = unit_modules(model)
         self.resident = max(0, min(int(resident), len(mods)))
         streamed_ids: set[int] = set()
@@ -192,7 +225,28 @@ class BlockStreamer:
         self.pinned_bytes, self.pin_failures, self._registered = 0, [], []
         cuda = self.device.type == "cuda"
         self._pinner = pinner if pinner is not None else (_pin if cuda else None)
-        if self._pinner is not None and self.units:
+        # the page cache's: the mapping's bytes, the staging buffers (the only memory pinned), the
+        # staging thread, its copies in flight (one per slot) and the DMA out of each staging buffer
+        self.mapped_bytes = 0
+        self.staging: list[torch.Tensor] = []
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pending: list[Optional[Future]] = [None] * len(self.slots)
+        self._staged = [torch.cuda.Event() if cuda else None for _ in self.slots] if mapped else []
+        if mapped:
+            self.mapped_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                     for u in self.units for t in u.host}.values())
+            self.staging = [torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in self.slots]
+            if self._pinner is not None and self.staging:
+                self.pinned_bytes, self.pin_failures, self._registered = self._pinner(self.staging, False)
+                if self.pin_failures:
+                    log.warning("the streamed DiT's staging buffers could not be pinned (%s): its copies are "
+                                "pageable (slower). Fix: free host memory", "; ".join(self.pin_failures))
+            if self.units:  # a thread starts on device 0: the staging thread's copies go to this one
+                index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+                    if cuda else None
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="wan-s2v-stage",
+                                                initializer=(lambda: torch.cuda.set_device(index)) if cuda else None)
+        elif self._pinner is not None and self.units:
             self.pinned_bytes, self.pin_failures, self._registered = self._pinner(
                 [t for u in self.units for t in u.host], read_only)
             if self.pin_failures:
@@ -206,11 +260,26 @@ class BlockStreamer:
                        for k, u in enumerate(self.units)]
 
     # ----- what the plan and the report read
+    @property
+    def staging_bytes(self) -> int:
+        return sum(t.numel() for t in self.staging)
+
+    @property
+    def host(self) -> str:
+        """Where the streamed units' bytes are: ``page-cache`` (a file's mapping, copied through
+        staging buffers), ``pinned`` (host memory pinned whole) or ``pageable`` (host memory not
+        pinned: the CPU, or pinning refused)."""
+        if self.mapped:
+            return "page-cache"
+        return "pinned" if self._pinner is not None and self.pinned_bytes >= self.host_bytes else "pageable"
+
     def describe(self) -> dict:
+        pinned_whole = self.staging_bytes if self.mapped else self.host_bytes
         return {"resident_blocks": self.resident, "streamed_blocks": len(self.units),
                 "slot_bytes": self.slot_bytes, "slots": len(self.slots), "host_bytes": self.host_bytes,
                 "pinned_bytes": self.pinned_bytes,
-                "pageable": self._pinner is not None and self.pinned_bytes < self.host_bytes}
+                "pageable": self._pinner is not None and self.pinned_bytes < pinned_whole,
+                "host": self.host, "mapped_bytes": self.mapped_bytes, "staging_bytes": self.staging_bytes}
 
     # ----- the mechanism
     def _evict(self, s: int) -> None:
@@ -225,7 +294,15 @@ class BlockStreamer:
         self._evict(s)
         u = self.units[k]
         views = _unit_views(self.slots[s], u)
-        if self.copy_stream is not None:
+        if self.mapped:
+            self._wait(s)  # a copy into this slot still in flight (a unit run out of order)
+            # the slot's previous unit: every kernel that reads it is queued on the compute stream by now
+            freed = None
+            if self.copy_stream is not None:
+                freed = torch.cuda.Event()
+                freed.record(torch.cuda.current_stream(self.device))
+            self._pending[s] = self._pool.submit(self._stage, u, s, freed)
+        elif self.copy_stream is not None:
             # the slot's previous unit: every kernel that reads it is queued on the compute stream by now
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
@@ -241,6 +318,34 @@ class BlockStreamer:
         self.copies += 1
         self.bytes_copied += u.nbytes
 
+    def _stage(self, u: Unit, s: int, freed) -> None:
+        """The staging thread's copy of unit ``u`` into slot ``s`` (page cache): mapping -> staging
+        buffer ``s`` (a CPU copy, faulting the pages in) -> slot (DMA on the side stream, after the
+        compute stream is done with the slot: ``freed``)."""
+        with torch.no_grad():
+            buf = self.staging[s]
+            if self._staged[s] is not None:
+                self._staged[s].synchronize()  # the DMA out of this staging buffer before has ended
+            _will_need(u.host)
+            for host, off in zip(u.host, u.offsets):
+                flat = host.reshape(-1).view(torch.uint8)
+                buf[off:off + flat.numel()].copy_(flat)
+            if self.copy_stream is None:
+                self.slots[s][:u.nbytes].copy_(buf[:u.nbytes])
+                return
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(freed)
+                self.slots[s][:u.nbytes].copy_(buf[:u.nbytes], non_blocking=True)
+                self.ready[s].record(self.copy_stream)
+                self._staged[s].record(self.copy_stream)
+
+    def _wait(self, s: int) -> None:
+        """Wait for the staging thread's copy into slot ``s`` (its DMA queued, on CUDA); raise what
+        it raised."""
+        pending, self._pending[s] = self._pending[s], None
+        if pending is not None:
+            pending.result()
+
     def _before(self, k: int):
         def hook(module, args):
             with torch.no_grad():
@@ -248,6 +353,8 @@ class BlockStreamer:
                 if s is None:  # not prefetched (the first pass, or out of order): now
                     s = 0 if self.current is None or len(self.slots) == 1 else 1 - self.current
                     self._load(k, s)
+                if self.mapped:
+                    self._wait(s)
                 if self.copy_stream is not None:
                     torch.cuda.current_stream(self.device).wait_event(self.ready[s])
                 self.current = s
@@ -259,6 +366,11 @@ class BlockStreamer:
 
     def detach(self) -> None:
         """Remove the hooks and point every streamed parameter at its host tensor (tests)."""
+        for s in range(len(self._pending)):
+            self._wait(s)
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if self.copy_stream is not None:  # a prefetch may be in flight: the slots are not free before it ends
             self.copy_stream.synchronize()
         for h in self._hooks:
@@ -273,16 +385,19 @@ class BlockStreamer:
         self._registered = []
 
 
-def attach(model, device, resident: int, pinner: Optional[Callable] = None, read_only: bool = False) -> BlockStreamer:
+def attach(model, device, resident: int, pinner: Optional[Callable] = None, read_only: bool = False,
+           mapped: bool = False) -> BlockStreamer:
     """Stream ``model`` (its parameters anywhere, on the host or the device) on ``device``, keeping
     its first ``resident`` units there; ``read_only``: its host memory is a copy-on-write mapping
-    shared by the node's ranks (pinned read-only, or not at all). ``pinner(host tensors, read_only)
-    -> (bytes pinned, failures, registered pointers)``: how the host memory is pinned (default: CUDA's
-    registration on a CUDA device, nothing on the CPU)."""
-    streamer = BlockStreamer(model, device, resident, pinner, read_only)
+    shared by the node's ranks (pinned read-only, or not at all); ``mapped``: its host tensors are
+    a cache file's mapping (the page cache: never pinned, copied through two pinned staging
+    buffers). ``pinner(host tensors, read_only) -> (bytes pinned, failures, registered pointers)``:
+    how host memory is pinned (default: CUDA's registration on a CUDA device, nothing on the CPU)."""
+    streamer = BlockStreamer(model, device, resident, pinner, read_only, mapped)
     model._wan_s2v_streamer = streamer
-    log.info("DiT streamed: %d of %d blocks from host memory (%.2f GiB) through %d slot(s) of %.2f GiB; %d resident",
-             len(streamer.units), len(streamer.units) + streamer.resident, streamer.host_bytes / 2**30,
+    log.info("DiT streamed: %d of %d blocks from %s (%.2f GiB) through %d slot(s) of %.2f GiB; %d resident",
+             len(streamer.units), len(streamer.units) + streamer.resident,
+             "the page cache" if mapped else "host memory", streamer.host_bytes / 2**30,
              len(streamer.slots), streamer.slot_bytes / 2**30, streamer.resident)
     return streamer
 

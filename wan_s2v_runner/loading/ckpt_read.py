@@ -173,10 +173,11 @@ class DitFileSource(CheckpointSource):
     scales and markers set apart (:func:`wan_s2v_runner.loading.dit_file.inspect`), and a scaled
     fp8 weight read as its value, ``weight.to(float32) * scale`` (one scale, or one per output row),
     then converted to the destination's dtype. A full-precision destination therefore holds
-    exactly what a full-precision file of those values would give it."""
+    exactly what a full-precision file of those values would give it. ``layout``: the file read
+    under other names (a ``--t5-file``: :mod:`wan_s2v_runner.loading.t5_file`), instead of a DiT's."""
 
-    def __init__(self, path, counter: Optional[ReadCounter] = None):
-        self.layout = inspect_dit_file(path)
+    def __init__(self, path, counter: Optional[ReadCounter] = None, layout=None):
+        self.layout = layout if layout is not None else inspect_dit_file(path)
         self.files = SafetensorsFiles([self.layout.path], counter)
         self.counter = self.files.counter
         for name, key in self.layout.keys.items():  # fp8 in a uint8 container: read as the fp8 it is

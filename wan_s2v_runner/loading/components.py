@@ -34,11 +34,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from patches import context_cache
-from wan_s2v_runner.loading import block_stream, lean_load
+from wan_s2v_runner.loading import block_stream, dit_cache, lean_load
 from wan_s2v_runner.loading.ckpt_read import PthFile, open_dit
 from wan_s2v_runner.loading.quantize import Fp8Source
 from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
-from wan_s2v_runner.shared.layout import DitOffload, DitQuant, LoadStrategy
+from wan_s2v_runner.shared.layout import DitOffload, DitQuant, LoadStrategy, StreamSource
 from wan_s2v_runner.shared.procfs import trim_heap
 from wan_s2v_runner.shared.quant import Fp8Matmul
 from wan_s2v_runner.shared.stages import Stage
@@ -51,9 +51,14 @@ class DitLoad:
     meta); :meth:`wait` waits for it and raises what it raised; ``finish()`` (the main thread's,
     after the wait) returns the DiT ready to run."""
 
-    def __init__(self, model, read: Callable[[], None], finish: Callable[[], Any], device: torch.device):
+    def __init__(self, model, read: Callable[[], None], finish: Callable[[], Any], device: torch.device,
+                 deferred: bool = False):
         self.model, self.finish, self._error = model, finish, None
         self.started, self.read_s = time.perf_counter(), None
+        self.deferred = deferred
+        if deferred:  # read on the main thread when joined: after the encoders were let go
+            self._read, self._thread = read, None
+            return
 
         def run():
             try:
@@ -70,10 +75,17 @@ class DitLoad:
 
     @property
     def reading(self) -> bool:
-        return self._thread.is_alive()
+        return self.deferred or self._thread.is_alive()
 
     def wait(self) -> None:
-        """Wait for the read to end; raise what it raised."""
+        """Wait for the read to end (deferred: read now); raise what it raised."""
+        if self.deferred:
+            self.started = time.perf_counter()
+            try:
+                self._read()
+            finally:
+                self.read_s = time.perf_counter() - self.started
+            return
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -85,6 +97,38 @@ class Components:
     load_report: lean_load.LoadReport = None
     pending: Optional[DitLoad] = None  # the DiT still loading on its thread (joined by ready())
     _when_ready: list = field(default_factory=list)
+    #: ``--release-encoders``: a whole T5 and wav2vec2 are let go after they encode, and built again
+    #: (these loaders) when a later job needs them (:meth:`text_encoder`, :meth:`audio_encoder`)
+    releases_encoders: bool = False
+    _load_t5: Optional[Callable[[], Any]] = None
+    _load_w2v: Optional[Callable[[], Any]] = None
+
+    def text_encoder(self):
+        """T5, built again first when it was let go."""
+        if self.shell.text_encoder is None and self._load_t5 is not None:
+            t0 = time.perf_counter()
+            self.shell.text_encoder = self._load_t5()
+            log.info("T5 built again for a new text in %.2f s", time.perf_counter() - t0)
+        return self.shell.text_encoder
+
+    def audio_encoder(self):
+        """wav2vec2, built again first when it was let go."""
+        if self.shell.audio_encoder is None and self._load_w2v is not None:
+            self.shell.audio_encoder = self._load_w2v()
+        return self.shell.audio_encoder
+
+    def release_text_encoder(self) -> None:
+        """With :attr:`releases_encoders`: let a whole T5 go (its encodings stay in the group's text
+        memo); an FSDP-sharded T5 (a shard per rank, its reload collective) is kept."""
+        if self.releases_encoders and self._load_t5 is not None and self.shell.text_encoder is not None:
+            self.shell.text_encoder = None
+            trim_heap()
+
+    def release_audio_encoder(self) -> None:
+        """With :attr:`releases_encoders`: let wav2vec2 go after the speech is encoded."""
+        if self.releases_encoders and self._load_w2v is not None and self.shell.audio_encoder is not None:
+            self.shell.audio_encoder = None
+            trim_heap()
 
     @property
     def noise_model(self):
@@ -119,7 +163,9 @@ class Components:
         waited = time.perf_counter() - t0
         self.shell.noise_model = load.finish()  # upstream's configure (its barrier), a LoRA merge
         trim_heap()  # what the reader thread freed (its staging, fp8's float32 copies) stays in its arena
-        self.load_report.strategy["dit_load"] = (f"while the encoders ran: read in {load.read_s:.2f} s, "
+        self.load_report.strategy["dit_load"] = (f"after the encoders were let go: read in {load.read_s:.2f} s"
+                                                 if load.deferred else
+                                                 f"while the encoders ran: read in {load.read_s:.2f} s, "
                                                  f"then {waited:.2f} s waited for it")
         self.load_report.dit_overlap = {"read_s": round(load.read_s, 3), "waited_s": round(waited, 3),
                                         "finish_s": round(time.perf_counter() - t0 - waited, 3)}
@@ -166,6 +212,8 @@ class LoadSettings:
       same flat shards either way.
     * ``dit_file``: the DiT's weights come from this single file (``--dit-file``; lean loading
       only), its config and everything else from the checkpoint directory.
+    * ``t5_file``: the T5 encoder's weights come from this single file (``--t5-file``; lean
+      loading only: :mod:`wan_s2v_runner.loading.t5_file`), its tokenizer from the checkpoint directory.
     * ``dit_quant`` fp8: the DiT's big Linears are held in float8_e4m3fn (``patches.fp8_linear``;
       lean loading only), and ``loras`` (LoraRef items) are merged into them as they are read,
       before quantizing (with full precision, ``patches.lora_merge`` merges them and these are not
@@ -177,20 +225,33 @@ class LoadSettings:
       into host memory and streamed block by block (``--dit-offload blocks``:
       :mod:`wan_s2v_runner.loading.block_stream`), its first ``resident_blocks`` blocks kept on
       the device.
+    * ``stream_from`` (a streamed DiT; ``--dit-stream-from``): its host bytes in ``memory`` (one
+      buffer, pinned whole), in the ``page-cache`` (a cache file in ``cache_dir``, None: the
+      default, ``shared.stream_source.cache_dir``, memory-mapped: :mod:`wan_s2v_runner.loading.dit_cache`),
+      or ``auto`` (``shared.stream_source.choose`` on what the node's local rank 0 measures).
+    * ``t5_cpu`` (``--t5-cpu``, or the memory plan's): T5 encodes on the CPU and never moves to the
+      device, as the hybrid mode's does (not with an FSDP-sharded T5).
     """
     strategy: LoadStrategy = LoadStrategy.LEAN
     waves: int = 1
     compiled: bool = False
     dit_file: Optional[Any] = None
+    t5_file: Optional[Any] = None
     dit_quant: DitQuant = DitQuant.NONE
     fp8_matmul: Fp8Matmul = Fp8Matmul.DEQUANT
     loras: tuple = ()
     lora_allow_partial: bool = False
     overlap: bool = False
     resident_blocks: Optional[int] = None
+    fp32_blocks: tuple = ()
+    stream_from: StreamSource = StreamSource.MEMORY
+    cache_dir: Optional[Any] = None
+    release_encoders: bool = False
+    t5_cpu: bool = False
 
     def __post_init__(self):  # a spelling ("fp8", "lean") is its enum, as the spec's fields are
-        for name, vocabulary in (("strategy", LoadStrategy), ("dit_quant", DitQuant), ("fp8_matmul", Fp8Matmul)):
+        for name, vocabulary in (("strategy", LoadStrategy), ("dit_quant", DitQuant), ("fp8_matmul", Fp8Matmul),
+                                 ("stream_from", StreamSource)):
             object.__setattr__(self, name, vocabulary(getattr(self, name)))
 
     @classmethod
@@ -200,9 +261,13 @@ class LoadSettings:
         plan, ``--skip-preflight`` or the CPU, every block streams)."""
         streamed = spec.dit_offload is DitOffload.BLOCKS
         return cls(strategy=spec.load, waves=spec.load_waves or 1, compiled=spec.compile,
-                   dit_file=spec.dit_file, dit_quant=spec.dit_quant, fp8_matmul=spec.fp8_matmul,
+                   dit_file=spec.dit_file, t5_file=spec.t5_file, dit_quant=spec.dit_quant, fp8_matmul=spec.fp8_matmul,
                    loras=tuple(spec.lora), lora_allow_partial=spec.lora_allow_partial, overlap=overlap,
-                   resident_blocks=(spec.resident_blocks or 0) if streamed else None)
+                   resident_blocks=(spec.resident_blocks or 0) if streamed else None,
+                   stream_from=spec.dit_stream_from if streamed else StreamSource.MEMORY,
+                   fp32_blocks=tuple(getattr(spec, "fp32_blocks", ())),
+                   release_encoders=bool(getattr(spec, "release_encoders", None)),
+                   t5_cpu=bool(getattr(spec, "t5_cpu", None)))
 
 
 def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
@@ -216,7 +281,9 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     self.device = device
     self.config = config
     self.rank = plan.rank
-    self.t5_cpu = lay.t5_cpu
+    if how.t5_cpu and lay.t5_fsdp:
+        raise ValueError("--t5-cpu keeps T5 whole on the CPU; an FSDP-sharded T5 (fsdp-fixed) is on the GPUs")
+    self.t5_cpu = lay.t5_cpu or bool(how.t5_cpu)  # the mode's (hybrid), or --t5-cpu (the memory plan's)
     self.init_on_cpu = True
     self.num_train_timesteps = config.num_train_timesteps
     self.param_dtype = config.param_dtype
@@ -230,9 +297,15 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     report = lean_load.LoadReport(waves=how.waves)
     on_event = on_event or (lambda *a, **k: None)
 
+    if how.t5_file is not None and not lean:
+        raise ValueError("--t5-file is read by lean loading only")
     self.text_encoder = None
+    load_t5 = load_w2v = None
     if plan.needs_t5 and lean:
-        self.text_encoder = _lean_t5(wan, config, ckpt_dir, lay, shard_fn, report, on_event)
+        self.text_encoder = _lean_t5(wan, config, ckpt_dir, lay, shard_fn, report, on_event, t5_file=how.t5_file)
+        if how.release_encoders and not lay.t5_fsdp:
+            load_t5 = partial(_lean_t5, wan, config, ckpt_dir, lay, shard_fn, lean_load.LoadReport(),
+                              lambda *a, **k: None, t5_file=how.t5_file)
     elif plan.needs_t5:
         self.text_encoder = s2v_mod.T5EncoderModel(
             text_len=config.text_len, dtype=config.t5_dtype, device=torch.device('cpu'),
@@ -265,9 +338,11 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
         report.strategy["dit"] = "full"
     if pending is None:
         context_cache.apply(self.noise_model)
+        _compute(self, report, how)
     self.audio_encoder = None
     if plan.needs_audio_encoder:
-        self.audio_encoder = s2v_mod.AudioEncoder(model_id=os.path.join(ckpt_dir, WAV2VEC_DIR))
+        load_w2v = partial(s2v_mod.AudioEncoder, model_id=os.path.join(ckpt_dir, WAV2VEC_DIR))
+        self.audio_encoder = load_w2v()
     self.sp_size = lay.sp_degree
     self.sample_neg_prompt = config.sample_neg_prompt
     self.motion_frames = config.transformer.motion_frames
@@ -276,8 +351,14 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     self.audio_sample_m = 0
     log.info("rank %d loaded %s (%s read%s)", plan.rank, ", ".join(plan.describe()["loads"]),
              lean_load.describe_bytes(report.counter.total) if lean else "whole files",
-             " so far: the DiT goes on loading on its thread" if pending else "")
-    return Components(self, report, pending)
+             "" if pending is None else " so far: the DiT is read after the encoders" if pending.deferred
+             else " so far: the DiT goes on loading on its thread")
+    parts = Components(self, report, pending)
+    if how.release_encoders:
+        parts.releases_encoders, parts._load_t5, parts._load_w2v = True, load_t5, load_w2v
+        report.strategy["encoders"] = ("let go after they encode" + (", the DiT read after them" if pending is not None
+                                                                     and pending.deferred else ""))
+    return parts
 
 
 def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: LoadSettings, group=None):
@@ -286,8 +367,10 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
     quantized as they are read (:mod:`wan_s2v_runner.loading.quantize`). ``how.overlap`` (a
     replicated DiT): a :class:`DitLoad` reading it on its thread, its collectives on ``group``.
     ``how.resident_blocks`` (not None): read into host memory (one buffer, or the node's shared
-    copy) and streamed, its first blocks on the device (:mod:`wan_s2v_runner.loading.block_stream`)."""
-    from patches import fp8_linear
+    copy) and streamed, its first blocks on the device (:mod:`wan_s2v_runner.loading.block_stream`);
+    ``how.stream_from`` the page cache (or ``auto`` choosing it): its bytes written once to a cache
+    file and mapped (:mod:`wan_s2v_runner.loading.dit_cache`), the LoRAs merged as it is written."""
+    from patches import fp8_linear, lora_merge
     model = lean_load.empty_dit(s2v_mod.WanModel_S2V, ckpt_dir, self.param_dtype)
     fp8, resident = how.dit_quant is DitQuant.FP8, how.resident_blocks
 
@@ -309,6 +392,8 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
     if not lay.dit_fsdp:
         def read():
             with source() as src:
+                if resident is not None and _page_cache(src):
+                    return
                 if self.device.type == "cpu" or resident is not None:
                     lean_load.node_shared_weights(model, src, report, "dit", group=group, packed=resident is not None)
                 else:
@@ -318,6 +403,29 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
                     src.share_scales(group)
                     fp8_linear.set_scales(model, src.row_scales(), self.device)
 
+        def _page_cache(src) -> bool:
+            """Stream from the page cache (``how.stream_from``, ``auto`` decided here): the DiT's
+            bytes mapped from its cache file (written once, the LoRAs merged in). Whether it did."""
+            layout, total = lean_load._layout(model)
+            where, why = dit_cache.resolve(how.stream_from, total, max(block_stream.unit_bytes(model), default=0),
+                                           ckpt_dir, group, t5_again=how.release_encoders, t5_file=how.t5_file)
+            report.strategy["dit_stream_from"] = why
+            if where is not StreamSource.PAGE_CACHE:
+                return False
+            inner = src.inner if fp8 else src
+            deltas = None if fp8 else _lora_deltas({n: tuple(p.shape) for n, p in model.named_parameters()}, how,
+                                                   "into the DiT's page-cache file")
+            scales = dit_cache.node_cached_weights(
+                model, src, report, "dit", cache_dir=how.cache_dir, deltas=deltas, group=group, why=why,
+                scales_of=src.row_scales if fp8 else None,
+                key_of=lambda lay_: dit_cache.cache_key(inner, lay_, dit_file=how.dit_file, quant=how.dit_quant,
+                                                        loras=how.loras, param_dtype=self.param_dtype))
+            if fp8:
+                fp8_linear.set_scales(model, scales, self.device)
+            if how.loras:  # in the file's bytes: patches.lora_merge does not merge them again
+                setattr(model, lora_merge.MERGED, True)
+            return True
+
         def finish():  # upstream's: Ulysses rebinding, barrier (the main thread's collectives)
             placed = self.init_on_cpu
             if resident is not None:  # upstream's configure leaves it in host memory: streamed below
@@ -326,14 +434,18 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
                                         convert_model_dtype=False)
             if resident is not None:  # after a LoRA merge: the bytes streamed are the merged ones
                 streamer = block_stream.attach(dit, self.device, resident,
-                                               read_only=report.strategy.get("dit") == "node-shared")
+                                               read_only=report.strategy.get("dit") == "node-shared",
+                                               mapped=report.strategy.get("dit") == "page-cache")
                 report.strategy["dit_stream"] = streamer.describe()
                 self.init_on_cpu = placed  # the loop never moves a streamed DiT whole (generation.py)
             context_cache.apply(dit)
+            _compute(self, report, how, dit)
             return dit
 
         if how.overlap:
             return DitLoad(model, read, finish, self.device)
+        if how.release_encoders:  # the encoders and the DiT's host copy are never held together
+            return DitLoad(model, read, finish, self.device, deferred=True)
         read()
         return finish()
     # the LoRAs (full precision: fp8 merged them as it read), checked against the DiT's shapes
@@ -356,6 +468,16 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
         lean_load.merge_deltas_into_shards(model, deltas)
     report.strategy["dit"] = "fsdp shards"
     return model
+
+
+def _compute(self, report, how: LoadSettings, dit=None) -> None:
+    """The DiT computes in the run's dtype: fp16 with its fp32 layers and guard, a half dtype on
+    the CPU under the CPU's autocast (``patches.fp16_compute``; bf16 and fp32 on CUDA: upstream's)."""
+    from patches import fp16_compute
+    dit = self.noise_model if dit is None else dit
+    done = fp16_compute.apply(dit, self.param_dtype, how.fp32_blocks, self.device.type)
+    if done:
+        report.strategy["compute"] = f"{self.param_dtype}: " + ", ".join(f"{k} {v}" for k, v in done.items())
 
 
 def _lora_deltas(shapes: dict, how: LoadSettings, where: str):
@@ -383,16 +505,27 @@ def _describe_fp8(src) -> str:
     return out
 
 
-def _lean_t5(wan, config, ckpt_dir, lay, shard_fn, report, on_event):
+def _lean_t5(wan, config, ckpt_dir, lay, shard_fn, report, on_event, t5_file=None):
     """``T5EncoderModel`` as upstream's ``__init__`` builds it, with the weights read leanly:
-    FSDP shards (``t5_fsdp``) or one private copy (the rank that encodes the prompt)."""
+    FSDP shards (``t5_fsdp``) or one private copy (the rank that encodes the prompt). ``t5_file``
+    (``--t5-file``): the weights from that single file, under wan's names
+    (:mod:`wan_s2v_runner.loading.t5_file`), the model of its dims; the tokenizer is still the
+    checkpoint directory's."""
     cls = wan.modules.t5.T5EncoderModel
     te = cls.__new__(cls)
     te.text_len, te.dtype, te.device = config.text_len, config.t5_dtype, torch.device("cpu")
-    te.checkpoint_path = os.path.join(ckpt_dir, config.t5_checkpoint)
     te.tokenizer_path = os.path.join(ckpt_dir, config.t5_tokenizer)
-    model = lean_load.empty_t5(wan, te.checkpoint_path, te.dtype)
-    with PthFile(te.checkpoint_path, counter=report.counter) as src:
+    if t5_file is None:
+        te.checkpoint_path = os.path.join(ckpt_dir, config.t5_checkpoint)
+        model = lean_load.empty_t5(wan, te.checkpoint_path, te.dtype)
+        opened = PthFile(te.checkpoint_path, counter=report.counter)
+    else:
+        from wan_s2v_runner.loading import t5_file as t5f
+        opened = t5f.open_t5_file(t5_file, counter=report.counter)
+        te.checkpoint_path = str(t5_file)
+        model = t5f.empty_t5(wan, opened.layout.dims, te.dtype)
+        report.strategy["t5_file"] = opened.layout.describe()
+    with opened as src:
         lean_load.check_same_keys(model, src, "T5")
         if lay.t5_fsdp:
             model = shard_fn(model, sync_module_states=False)
@@ -410,6 +543,7 @@ def _lean_t5(wan, config, ckpt_dir, lay, shard_fn, report, on_event):
 
 
 def _shard(s2v_mod, model, device_id, **kwargs):
-    from patches import fp8_linear
-    with fp8_linear.own_fsdp_units(model):  # an fp8 DiT's weights are units of their own
+    from patches import fp8_linear, fp16_compute
+    # an fp8 DiT's weights are units of their own; fp16: the root's inputs are not cast
+    with fp8_linear.own_fsdp_units(model), fp16_compute.fsdp_inputs_kept(model):
         return s2v_mod.shard_model(model, device_id=device_id, **kwargs)

@@ -20,7 +20,9 @@ Users already hold the S2V DiT as one ComfyUI-style file (``wan2.2_s2v_14B_bf16.
 
 Anything else (int8 blocks, nvfp4, double scales) is refused with :class:`DitFileError`, whose
 message is the cause and the fix. Reading the values is
-:class:`wan_s2v_runner.loading.ckpt_read.DitFileSource`'s.
+:class:`wan_s2v_runner.loading.ckpt_read.DitFileSource`'s. The storage rules (:func:`quant_role`,
+:func:`layer_formats`, :func:`settle_storage`) read a ``--t5-file`` too
+(:mod:`wan_s2v_runner.loading.t5_file`).
 """
 from __future__ import annotations
 
@@ -109,15 +111,18 @@ class DitFileLayout:
     def architecture(self) -> DitArchitecture:
         return architecture(self.shapes)
 
-    def describe(self) -> str:
+    def storage(self) -> str:
+        """``N tensors (n1 dtype1, ...), P params, S GB``: what the file stores (every single-file layout)."""
         counts: dict[str, int] = {}
         for d in self.dtypes.values():
             counts[d] = counts.get(d, 0) + 1
         stored = ", ".join(f"{n} {d}" for d, n in sorted(counts.items(), key=lambda kv: -kv[1]))
         params = sum(math.prod(s) for s in self.shapes.values())
+        return f"{len(self.shapes)} tensors ({stored}), {params:,} params, {self.info.file_size / 1e9:.2f} GB"
+
+    def describe(self) -> str:
         names = f"under {self.prefix!r}" if self.prefix else "bare"
-        return (f"{self.path.name}: {self.format.value}, names {names}, {len(self.shapes)} tensors ({stored}), "
-                f"{params:,} params, {self.info.file_size / 1e9:.2f} GB")
+        return f"{self.path.name}: {self.format.value}, names {names}, {self.storage()}"
 
 
 def _strip(key: str) -> tuple[str, str]:
@@ -127,15 +132,26 @@ def _strip(key: str) -> tuple[str, str]:
     return key, ""
 
 
-def _layer_formats(info: SafetensorsInfo, read_bytes) -> dict[str, str]:
-    """Layer (Wan name of the module) -> its declared quantization format, from the header's
+def bytes_reader(path: Path, info: SafetensorsInfo):
+    """``read_bytes(key)``: the raw bytes of one (small) tensor of the file ``info`` describes."""
+    def read_bytes(key: str) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(info.starts[key])
+            return f.read(math.prod(info.tensors[key][1]))
+    return read_bytes
+
+
+def layer_formats(info: SafetensorsInfo, read_bytes, module_name=None) -> dict[str, str]:
+    """Layer (the model's name of the module: ``module_name(file's module key)``, by default the
+    key with its DiT prefix stripped) -> its declared quantization format, from the header's
     ``_quantization_metadata`` and the ``comfy_quant`` tensors (read: a few bytes each)."""
+    module_name = module_name or (lambda k: _strip(k)[0])
     out: dict[str, str] = {}
     raw = info.metadata.get("_quantization_metadata")
     if raw:
         try:
             layers = json.loads(raw).get("layers", {})
-            out.update({_strip(k)[0]: str(v.get("format")) for k, v in layers.items()})
+            out.update({module_name(k): str(v.get("format")) for k, v in layers.items()})
         except (ValueError, AttributeError, TypeError):
             raise DitFileError(f"{info.path.name}: its _quantization_metadata is not the JSON ComfyUI writes "
                                "(format_version, layers); fp8 format not recognised", FIX_FP8) from None
@@ -146,8 +162,30 @@ def _layer_formats(info: SafetensorsInfo, read_bytes) -> dict[str, str]:
             except (ValueError, UnicodeDecodeError, AttributeError):
                 raise DitFileError(f"{info.path.name}: {key} is not the JSON ComfyUI writes; fp8 format not "
                                    "recognised", FIX_FP8) from None
-            out[_strip(key)[0].removesuffix(".comfy_quant")] = str(fmt)
+            out[module_name(key.removesuffix(".comfy_quant"))] = str(fmt)
     return out
+
+
+def quant_role(name: str) -> Optional[str]:
+    """What a tensor named ``name`` is beside the weights: ``"marker"`` (the top-level
+    ``scaled_fp8``), ``"unused"`` (an activation scale, a ``comfy_quant`` record), ``"scale"`` (a
+    weight's ``scale_weight``/``weight_scale``), ``"double"`` (a double-scaled format's), or None
+    (a weight). Raises nothing: the caller names the refusal."""
+    if name == SCALED_FP8_MARKER:
+        return "marker"
+    leaf = name.rpartition(".")[2]
+    if leaf in UNUSED_SUFFIXES:
+        return "unused"
+    if leaf in (OLD_SCALE, NEW_SCALE):
+        return "scale"
+    if leaf in ("weight_scale_2", "pre_quant_scale"):
+        return "double"
+    return None
+
+
+def double_scaled(path: Path, key: str) -> DitFileError:
+    return DitFileError(f"{path.name}: {key} belongs to a double-scaled format (nvfp4/mxfp8-style); fp8 "
+                        "format not recognised", FIX_FP8)
 
 
 def inspect(path) -> DitFileLayout:
@@ -161,37 +199,30 @@ def inspect(path) -> DitFileLayout:
         raise DitFileError(f"--dit-file {path.name} is not a .safetensors file (GGUF and .pth DiTs are not read)")
     info = read_safetensors_header(path)
 
-    def read_bytes(key: str) -> bytes:
-        start = info.starts[key]
-        n = math.prod(info.tensors[key][1])
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read(n)
-
     others = sorted({k.split(".", 1)[0] for k in info.tensors if k.startswith(OTHER_MODELS)})
     if others:
         raise DitFileError(f"{path.name} holds more than the DiT ({', '.join(others)}: a full ComfyUI checkpoint "
                            "with its VAE or text encoder)", "pass the DiT-only file (ComfyUI's "
                            "models/diffusion_models/wan2.2_s2v_14B_*.safetensors)")
-    layer_formats = _layer_formats(info, read_bytes)
+    formats = layer_formats(info, bytes_reader(path, info))
     out = DitFileLayout(path, info, DitFileFormat.FULL, "")
     prefixes: set[str] = set()
     marker = False
     scale_keys: dict[str, tuple[str, str]] = {}  # Wan weight name -> (scale key, which form)
     for key, (dtype, shape) in info.tensors.items():
         name, prefix = _strip(key)
-        if name == SCALED_FP8_MARKER:
+        role = quant_role(name)
+        if role == "marker":
             marker = True
             continue
-        module, _, leaf = name.rpartition(".")
-        if leaf in UNUSED_SUFFIXES:
+        if role == "unused":
             continue
-        if leaf in (OLD_SCALE, NEW_SCALE):
+        if role == "scale":
+            module, _, leaf = name.rpartition(".")
             scale_keys[f"{module}.weight"] = (key, leaf)
             continue
-        if leaf in ("weight_scale_2", "pre_quant_scale"):
-            raise DitFileError(f"{path.name}: {key} belongs to a double-scaled format (nvfp4/mxfp8-style); fp8 "
-                               "format not recognised", FIX_FP8)
+        if role == "double":
+            raise double_scaled(path, key)
         if name in out.keys:
             raise DitFileError(f"{path.name}: {name} appears twice ({out.keys[name]!r} and {key!r})",
                                "keep one copy of each tensor (bare names or model.diffusion_model., not both)")
@@ -201,7 +232,17 @@ def inspect(path) -> DitFileLayout:
         raise DitFileError(f"{path.name}: its names mix the prefixes {sorted(prefixes)}",
                            "save the DiT with one naming: bare Wan names, or all under model.diffusion_model.")
     out.prefix = prefixes.pop() if prefixes else ""
+    settle_storage(out, scale_keys, formats, marker)
+    return out
 
+
+def settle_storage(out: DitFileLayout, scale_keys: dict[str, tuple[str, str]], formats: dict[str, str],
+                   marker: bool) -> None:
+    """Check and record how ``out``'s weights (``keys``/``dtypes``/``shapes`` filled, under the
+    model's names) are stored: ``scale_keys`` (weight name -> (its scale's key, ``scale_weight`` or
+    ``weight_scale``)), ``formats`` (:func:`layer_formats`), ``marker`` (a ``scaled_fp8`` tensor
+    seen). Sets ``out.scales`` and ``out.format``; raises :class:`DitFileError` (fix: :data:`FIX_FP8`)."""
+    path, info = out.path, out.info
     forms = {form for _, form in scale_keys.values()}
     if len(forms) > 1:
         raise DitFileError(f"{path.name}: mixes scale_weight and weight_scale; fp8 format not recognised", FIX_FP8)
@@ -217,7 +258,7 @@ def inspect(path) -> DitFileLayout:
             raise DitFileError(f"{path.name}: scale {skey!r} is {info.tensors[skey][0]} {list(sshape)}, not one "
                                f"float per tensor or per output row ({rows}); fp8 format not recognised", FIX_FP8)
         out.scales[wname] = skey
-    for module, fmt in layer_formats.items():
+    for module, fmt in formats.items():
         if fmt not in QUANT_FORMATS:
             raise DitFileError(f"{path.name}: layer {module} is quantized as {fmt!r}; fp8 format not recognised "
                                f"(we read {', '.join(QUANT_FORMATS)})", FIX_FP8)
@@ -241,7 +282,6 @@ def inspect(path) -> DitFileLayout:
     if marker and not scale_keys:
         raise DitFileError(f"{path.name}: has the scaled_fp8 marker but no scale_weight tensors; fp8 format not "
                            "recognised", FIX_FP8)
-    return out
 
 
 def dit_shapes(ckpt_dir, dit_file=None) -> dict[str, tuple[int, ...]]:

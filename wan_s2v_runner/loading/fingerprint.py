@@ -35,16 +35,19 @@ def source_digest(source) -> str:
     return h.hexdigest()
 
 
-def weights_fingerprint(ckpt_dir: Path, dit_file=None) -> dict[str, str]:
-    """Each weight file's digest in a checkpoint directory: the DiT (``dit_file`` when given), T5,
+def weights_fingerprint(ckpt_dir: Path, dit_file=None, t5_file=None) -> dict[str, str]:
+    """Each weight file's digest in a checkpoint directory: the DiT (``dit_file`` when given), T5
+    (``t5_file`` when given),
     the VAE and wav2vec2 (the files :mod:`~wan_s2v_runner.shared.ckpt_layout` names; one missing
     is left out)."""
     from wan_s2v_runner.loading.ckpt_read import PthFile, SafetensorsFiles, open_dit
+    from wan_s2v_runner.loading.t5_file import open_t5_file
 
     ckpt_dir = Path(ckpt_dir)
     out: dict[str, str] = {}
     sources = {"dit": lambda: open_dit(ckpt_dir, dit_file),
-               "t5": lambda: PthFile(ckpt_dir / ckpt_layout.T5_FILE),
+               "t5": lambda: (open_t5_file(t5_file) if t5_file is not None
+                              else PthFile(ckpt_dir / ckpt_layout.T5_FILE)),
                "vae": lambda: PthFile(ckpt_dir / ckpt_layout.VAE_FILE),
                "wav2vec2": lambda: (SafetensorsFiles([ckpt_dir / ckpt_layout.W2V_WEIGHTS])
                                     if (ckpt_dir / ckpt_layout.W2V_WEIGHTS).is_file()

@@ -46,6 +46,8 @@ REQUIRED_CONFIG = {
     "enable_adain": True, "adain_mode": "attn_norm", "enable_framepack": True,
     "framepack_drop_mode": "padd", "enable_motioner": False, "zero_timestep": True,
 }
+#: the LAYOUT entry a ``--t5-file`` stands in for
+T5_WEIGHTS_ENTRY = next(what for what, (alts, _) in LAYOUT.items() if alts == (T5_FILE,))
 FIX_DOWNLOAD = ("re-download the missing/broken files: huggingface-cli download Wan-AI/Wan2.2-S2V-14B "
                 "--local-dir CKPT_DIR (it resumes and re-fetches bad files)")
 
@@ -99,14 +101,16 @@ def check_files(ctx):
     if (r := _no_ckpt(ctx, "ckpt.files")):
         return r
     needed = {what: alts for what, (alts, _) in LAYOUT.items()
-              if not (what == DIT_WEIGHTS_ENTRY and ctx.spec.dit_file is not None)}  # --dit-file replaces them
+              if not (what == DIT_WEIGHTS_ENTRY and ctx.spec.dit_file is not None)  # --dit-file replaces them
+              and not (what == T5_WEIGHTS_ENTRY and ctx.spec.t5_file is not None)}  # --t5-file replaces it
     missing = [(what, alts) for what, alts in needed.items() if find_entry(ctx.spec.ckpt_dir, alts) is None]
     if missing:
         desc = "; ".join(f"{' or '.join(alts)}" for _, alts in missing)
         return fail("ckpt.files", f"{len(missing)} expected entr{'y' if len(missing) == 1 else 'ies'} missing: {desc}",
                     FIX_DOWNLOAD, missing=[m for m, _ in missing])
     return ok("ckpt.files", f"all {len(needed)} expected entries present"
-              + (" (the DiT's weights come from --dit-file)" if len(needed) < len(LAYOUT) else ""))
+              + "".join(f" (the {what}'s weights come from {flag})" for what, flag, given in (
+                  ("DiT", "--dit-file", ctx.spec.dit_file), ("T5", "--t5-file", ctx.spec.t5_file)) if given))
 
 
 def check_index(ctx):

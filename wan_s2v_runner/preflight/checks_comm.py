@@ -83,8 +83,10 @@ def check_topology(ctx):
         return warn("comm.topology", f"no NVLink and no P2P between GPU {i} and {j} "
                     f"({f.link(i, j) or '?'}, {len(slow)} of {len(_pairs(n))} pairs): {what} cross PCIe "
                     "through host memory", "expect sub-linear scaling (on PCIe Ulysses can be slower than "
-                    "one GPU at small sizes); GPUs on one NVLink/P2P domain are faster",
-                    slow_pairs=slow)
+                    "one GPU at small sizes); GPUs on one NVLink/P2P domain are faster"
+                    + ("" if p2p_disabled else "; if the first collective hangs, export NCCL_P2P_DISABLE=1 "
+                       "(NCCL's transport through host memory, which these GPUs use anyway)"),
+                    slow_pairs=slow, nccl_env={"NCCL_P2P_DISABLE": "1"})
     if nv:
         if p2p_disabled:
             return warn("comm.topology", f"NVLink between all {n} GPUs but NCCL_P2P_DISABLE is set",

@@ -127,15 +127,36 @@ def check_arch(ctx):
 
 
 def check_bf16(ctx):
+    """What the DiT and T5 compute in on these GPUs (``--dtype``: the run's rule,
+    ``shared.precision.resolve``, on the oldest GPU in use): auto takes fp16 below cc 8.0 (no bf16
+    units there); an explicit ``--dtype bf16`` on such a GPU is emulated through fp32 (warned, with
+    the fix); fp32 on a GPU is slow (said so)."""
+    from wan_s2v_runner.shared.precision import ComputeDtype, resolve
     gpus = ctx.local_gpus
     if not ctx.on_cuda or not gpus:
         return skip("gpus.bf16", "no GPU in use")
-    old = [g for g in gpus if _cc(g) < (8, 0)]
-    if old:
-        return warn("gpus.bf16", f"{old[0]['name']} (cc {_cc_s(old[0])}) has no native bf16; the "
-                    "engine runs the DiT and T5 in bf16", "expect slow emulated bf16 (or use Ampere+ "
-                    "GPUs); flash-attn is unavailable too, so use --attention sdpa")
-    return ok("gpus.bf16", f"native bf16 (cc {_cc_s(gpus[0])})")
+    choice = ComputeDtype(getattr(ctx.spec, "dtype", ComputeDtype.AUTO))
+    oldest = min(gpus, key=_cc)
+    cc = _cc(oldest)
+    dtype, why = resolve(choice, "cuda", [_cc(g) if g.get("capability") else None for g in gpus])
+    if cc < (8, 0):
+        name = f"{oldest['name']} (cc {_cc_s(oldest)})"
+        if dtype is ComputeDtype.BF16:
+            return warn("gpus.bf16", f"{name} has no bf16 units: --dtype bf16 is emulated through fp32 there "
+                        "(a V100: ~10 TFLOPS against ~100 in fp16) and SDPA falls to its math kernel",
+                        "use --dtype fp16 (or auto: fp16 on this GPU, a few layers kept in fp32)",
+                        dtype=dtype.value, cc=list(cc))
+        if dtype is ComputeDtype.FP32:
+            return warn("gpus.bf16", f"{name} computes the DiT and T5 in fp32 (--dtype fp32): its fp32 rate "
+                        "is a fraction of its fp16 tensor cores'", "use --dtype auto (fp16 on this GPU)",
+                        dtype=dtype.value, cc=list(cc))
+        return ok("gpus.bf16", f"cc {_cc_s(oldest)} has no bf16 units: "
+                  + ("--dtype auto computes in fp16" if choice is ComputeDtype.AUTO else "--dtype fp16")
+                  + " (a few layers stay fp32; a non-finite activation stops the job: docs/loading.md)",
+                  dtype=dtype.value, cc=list(cc))
+    if dtype is ComputeDtype.BF16:
+        return ok("gpus.bf16", f"native bf16 (cc {_cc_s(oldest)})", dtype=dtype.value, cc=list(cc))
+    return ok("gpus.bf16", f"native bf16 (cc {_cc_s(oldest)}); {why}", dtype=dtype.value, cc=list(cc))
 
 
 def check_busy(ctx):
@@ -267,5 +288,18 @@ def check_backend(ctx):
     if not backend:
         return fail("attention.backend", f"--attention {ctx.spec.attention}: {reason}",
                     "use --attention auto or sdpa")
+    cc = min((_cc(g) for g in ctx.local_gpus), default=None) if ctx.on_cuda else None
+    if backend == "sdpa" and cc is not None and cc < (8, 0):
+        # no flash kernel below sm80; the memory-efficient one (sm50+) takes fp16/fp32 only
+        from wan_s2v_runner.shared.precision import ComputeDtype, resolve
+        dtype, _ = resolve(getattr(ctx.spec, "dtype", ComputeDtype.AUTO), "cuda", [cc])
+        if dtype is ComputeDtype.BF16:
+            return warn("attention.backend", f"--attention {ctx.spec.attention} -> sdpa ({reason}); on cc "
+                        f"{cc[0]}.{cc[1]} SDPA has no flash kernel and its memory-efficient kernel takes fp16/fp32 "
+                        "only: bf16 attention falls to the math kernel (the whole score matrix in memory)",
+                        "use --dtype fp16 (or auto)", backend=backend, kernel="math")
+        return ok("attention.backend", f"--attention {ctx.spec.attention} -> sdpa ({reason}); on cc "
+                  f"{cc[0]}.{cc[1]}: SDPA's memory-efficient kernel in {dtype.value} (no flash kernel below sm80)",
+                  backend=backend, kernel="memory-efficient")
     return ok("attention.backend", f"--attention {ctx.spec.attention} -> {backend} ({reason})",
               backend=backend)

@@ -3,7 +3,9 @@
 ``clips x steps x passes a step x seconds a pass`` (:func:`wan_s2v_runner.shared.job_time.job_seconds`):
 the clips and size are the memory plan's (:func:`.memory.workload`: the speech, or ``--num-clips``),
 a pass's seconds its operations (:mod:`.dit_flops`) at :data:`.streaming.ASSUMED_MFU` of the
-slowest of the ranks' GPUs' dense bf16 peak, split over the layout as the parallel plans split it
+slowest of the ranks' GPUs' dense peak in the run's compute dtype (``shared.precision``: fp16 on
+GPUs older than Ampere under ``--dtype auto``, emulated bf16 there under ``--dtype bf16``), split
+over the layout as the parallel plans split it
 (:func:`.plans.estimate_speedup`, with their calibrated all-to-all cost), at the copies' pace where
 a streamed DiT's copies are slower. The VAE's decode, the encoders and loading are not in it (a
 few seconds a clip against minutes of denoising at the real size). Informational: it never fails.
@@ -32,6 +34,8 @@ class JobTime:
     seconds: float  # the job's denoising
     clip_s: float  # a later clip's denoising
     fewest_steps: Optional[int] = None  # --cache: the steps a clip computes at least
+    dtype: str = "bf16"  # what the DiT computes in (shared.precision), whose peak the estimate takes
+    peak_tflops: Optional[float] = None  # the slowest GPU's dense peak in that dtype
 
     def to_json(self) -> dict:
         return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -50,10 +54,10 @@ def human_duration(s: float) -> str:
 
 def job_time(ctx) -> Optional[JobTime]:
     """The job's denoising time on this context's machine and layout; None on the CPU or on a GPU
-    whose peak is not in :data:`.streaming.DENSE_BF16_TFLOPS`."""
+    whose peak is not in :data:`.streaming.GPU_TFLOPS`."""
     from .checks_memory import current_plan, stream_timing
     from .dit_flops import DitDims, forward_flops
-    from .memory import model_sizes, workload
+    from .memory import compute_dtype, model_sizes, workload
     from .plans import SP_COMM_COST, estimate_speedup
     from .recommend import heads_of
     from .streaming import ASSUMED_MFU, gpu_tflops
@@ -61,7 +65,8 @@ def job_time(ctx) -> Optional[JobTime]:
     spec = ctx.spec
     if not ctx.on_cuda or not ctx.local_gpus or spec.steps is None or spec.guide_scale is None:
         return None
-    rated = [(gpu_tflops(g.get("name", "")), g) for g in ctx.local_gpus]
+    dtype = compute_dtype(ctx)[0]
+    rated = [(gpu_tflops(g.get("name", ""), dtype), g) for g in ctx.local_gpus]
     if any(t is None for t, _ in rated):
         return None
     peak, gpu = min(rated, key=lambda tg: tg[0])
@@ -97,13 +102,15 @@ def job_time(ctx) -> Optional[JobTime]:
         pass
     total = job_seconds(wl.n_clips, steps, passes, later, first)
     return JobTime(gpu=str(gpu.get("name")), clips=wl.n_clips, steps=steps, passes=passes, pass_s=later,
-                   first_pass_s=first, seconds=total, clip_s=steps * passes * later, fewest_steps=fewest)
+                   first_pass_s=first, seconds=total, clip_s=steps * passes * later, fewest_steps=fewest,
+                   dtype=dtype.value, peak_tflops=peak)
 
 
 def describe(t: JobTime, world: int) -> str:
     ranks = f"{world} x " if world > 1 else ""
-    text = (f"~{human_duration(t.seconds)} of denoising on {ranks}{t.gpu}: {t.clips} clip(s) x {t.steps} steps x "
-            f"{t.passes} pass(es) x ~{t.pass_s:.1f} s a pass (~{human_duration(t.clip_s)} a clip)")
+    dtype = f" in {t.dtype}" if t.dtype != "bf16" else ""
+    text = (f"~{human_duration(t.seconds)} of denoising on {ranks}{t.gpu}{dtype}: {t.clips} clip(s) x "
+            f"{t.steps} steps x {t.passes} pass(es) x ~{t.pass_s:.1f} s a pass (~{human_duration(t.clip_s)} a clip)")
     if t.fewest_steps is not None and t.fewest_steps < t.steps:
         text += f"; --cache computes at least {t.fewest_steps} of the {t.steps} steps, so as little as " \
                 f"~{human_duration(t.seconds * t.fewest_steps / t.steps)}"
@@ -119,11 +126,11 @@ def check_time(ctx):
         return skip(ID, f"no estimate ({e})")
     if t is None:
         names = ", ".join(sorted({str(g.get("name")) for g in ctx.local_gpus})) or "no GPU"
-        return skip(ID, f"no estimate: the bf16 peak of {names} is not known (preflight/streaming.py)")
+        return skip(ID, f"no estimate: the peak of {names} is not known (preflight/streaming.py)")
     from .streaming import ASSUMED_MFU
     return ok(ID, describe(t, ctx.layout.world_size),
-              f"estimate: the DiT passes at {ASSUMED_MFU:.0%} of the GPU's bf16 peak (decode, encoders and loading "
-              "not included)", **t.to_json())
+              f"estimate: the DiT passes at {ASSUMED_MFU:.0%} of the GPU's {t.dtype} peak ({t.peak_tflops:g} TFLOPS; "
+              "decode, encoders and loading not included)", **t.to_json())
 
 
 def planned_clip_seconds(spec, facts) -> Optional[float]:

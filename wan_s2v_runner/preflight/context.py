@@ -51,6 +51,9 @@ class CheckContext:
     #: the job runs on a rank group already up (a server's): what the group's start needed, its
     #: rendezvous port, is the group's own now, not something in the job's way
     group_running: bool = False
+    #: a server's rank group (``serve``: its start and each job): a released T5 or wav2vec2 is built
+    #: again beside the DiT for a new prompt or speech, so the plan counts them beside it
+    served: bool = False
 
     # ----- derived: asked of the spec and its layout, never re-derived here -----
     @property
@@ -87,7 +90,8 @@ class CheckContext:
         return CheckContext(facts=self.facts, spec=_updated(self.spec, **update), complete=self.complete,
                             mode_source=self.mode_source, missing=list(self.missing),
                             spec_error=self.spec_error, notes=list(self.notes), cache=dict(self.cache),
-                            node_groups=self.node_groups, dit_offload_given=self.dit_offload_given)
+                            node_groups=self.node_groups, dit_offload_given=self.dit_offload_given,
+                            group_running=self.group_running, served=self.served)
 
     # ----- construction -----
     @classmethod

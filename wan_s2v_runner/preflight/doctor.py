@@ -56,7 +56,10 @@ class GateReport:
 
     def settled(self, group) -> dict:
         """What the plan fills in that ``group`` (a GroupSpec) leaves to it: ``load_waves`` when the
-        node cannot load its ranks at once, ``resident_blocks`` for a streamed DiT."""
+        node cannot load its ranks at once, ``resident_blocks`` for a streamed DiT,
+        ``release_encoders`` when the plan fits only with the encoders let go before the DiT is read,
+        ``t5_cpu`` when the GPU holds the encode phase only with T5 on the CPU
+        (the rank takes an unset value as False)."""
         out = {}
         waves = self.data_of("memory.host").get("waves")
         if group.load_waves is None and waves and waves > 1:  # the memory plan's safety net
@@ -64,6 +67,12 @@ class GateReport:
         resident = self.data_of("memory.gpu").get("resident_blocks")
         if group.dit_offload is DitOffload.BLOCKS and group.resident_blocks is None and resident is not None:
             out["resident_blocks"] = resident
+        if ("release_encoders" in type(group).model_fields and getattr(group, "release_encoders", None) is None
+                and self.data_of("memory.host").get("release_encoders")):
+            out["release_encoders"] = True
+        if ("t5_cpu" in type(group).model_fields and getattr(group, "t5_cpu", None) is None
+                and self.data_of("memory.gpu").get("t5_cpu")):
+            out["t5_cpu"] = True
         return out
 
     def to_json(self) -> dict:
@@ -166,11 +175,15 @@ class DoctorReport:
         }
 
 
-def check_run(spec, facts: Optional[MachineFacts] = None, group_running: bool = False) -> GateReport:
+def check_run(spec, facts: Optional[MachineFacts] = None, group_running: bool = False,
+              served: Optional[bool] = None) -> GateReport:
     """The checks of ``spec``'s mode against the complete spec; ``group_running``: a job for a rank
-    group that is up (a server's), whose start is behind it."""
+    group that is up (a server's), whose start is behind it; ``served`` (default: ``group_running``):
+    a group that runs several jobs (a server's, a batch's), whose released encoders are built again
+    beside the DiT for a new prompt, so the plan counts them beside it."""
     ctx = CheckContext.for_spec(spec, facts)
     ctx.group_running = group_running
+    ctx.served = group_running if served is None else served
     groups = groups_for(spec.mode)
     return GateReport(run_checks(ctx, groups), groups)
 
@@ -189,6 +202,7 @@ def group_context(group, defaults: dict, output: Optional[Path] = None,
         values["output"] = Path(output) / "group-check.mp4"
     ctx = CheckContext.for_values(values, facts if facts is not None else machine_facts())
     ctx.node_groups = node_groups
+    ctx.served = True  # a server's group: new prompts build its released encoders again beside the DiT
     return ctx
 
 

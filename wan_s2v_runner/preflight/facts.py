@@ -5,7 +5,9 @@ one (``tests/data/machines/*.json``, loaded with :meth:`MachineFacts.load`). Top
 ``schema`` (:data:`SCHEMA`), ``label``/``hostname``, ``live``, ``torch`` (build and CUDA/NCCL
 versions, ``arch_list``), ``driver``, ``gpus`` (name, ``capability``, ``total_mib``/``free_mib``),
 ``p2p`` and ``links`` (GPU-pair matrices; links in ``nvidia-smi topo -m`` notation), ``host``
-(RAM, cgroup limit, ``/dev/shm``, container), ``disks`` (filesystems: mount ``path``,
+(RAM, cgroup limit, ``/dev/shm``, container; optional ``disk_read_mib_s``: the local disk's
+sequential read, what a DiT streamed from the page cache is read again at: None or absent =
+unknown, the plan then assumes an NVMe drive and says so), ``disks`` (filesystems: mount ``path``,
 ``free_mib``, ``total_mib``; the probe records its working directory's), ``packages``/``modules``,
 ``dep_conflicts``, ``attention`` (per flash-attn backend: ``installed``/``usable``/``reason``/
 ``import_error``, plus what ``auto`` picks; see :mod:`wan_s2v_runner.shared.attention_backends`)

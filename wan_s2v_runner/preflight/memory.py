@@ -16,9 +16,10 @@ from typing import Optional
 
 from wan_s2v_runner.loading import ckpt_tables as cr
 from wan_s2v_runner.loading.dit_file import dit_shapes
-from wan_s2v_runner.shared import encoder_placement
+from wan_s2v_runner.shared import encoder_placement, precision, stream_source
 from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
-from wan_s2v_runner.shared.layout import DitOffload, DitQuant, Layout, LoadStrategy, Mode
+from wan_s2v_runner.shared.layout import DitOffload, DitQuant, Layout, LoadStrategy, Mode, StreamSource
+from wan_s2v_runner.shared.precision import ComputeDtype
 from wan_s2v_runner.shared.quant import SCALE_BYTES, is_fp8_weight
 from wan_s2v_runner.shared.video_budget import host_frame_bytes
 
@@ -40,6 +41,10 @@ LEAN_CHUNK = 2**24 * 2
 #: motion frames). The split VAE's bands scale with their rows (docs/gpu.md: 0.50x / 0.34x).
 VAE_ENCODE_MAPS = 4
 VAE_DECODE_MAPS = 16
+#: the share of the available RAM a plan may fill before it is called tight (``memory.host`` warns
+#: above it; a streamed DiT held whole is kept in memory only within it: ``shared.stream_source``;
+#: the encoders are released when the plan would be past it otherwise)
+HOST_FILL = stream_source.HOST_FILL
 
 
 @dataclass
@@ -224,8 +229,32 @@ class ModePlan:
     host_rank0: int = 0  # rank 0 (node-shared weights not included)
     host_text_extra: int = 0  # what the text rank (the last: it encodes the prompts) holds beyond host_others
     #: the streamed DiT (``--dit-offload blocks``): resident_blocks, streamed_blocks, slot_bytes,
-    #: pinned_bytes (host, per node), bytes_per_pass (copied); None when the DiT is resident
+    #: pinned_bytes (host, per node), bytes_per_pass (copied), source (memory / page-cache: where
+    #: its host bytes live), file_bytes (the page cache's file), cache_room (what the page cache
+    #: can keep of it beside the plan), disk_bytes_per_pass (read from the disk again each pass);
+    #: None when the DiT is resident
     stream: Optional[dict] = None
+    #: what the DiT and T5 compute in (``shared.precision``), and why
+    dtype: str = ComputeDtype.BF16.value
+    dtype_why: str = field(default="", compare=False)
+    #: the encoders let go before the DiT is read (``--release-encoders``): the host's two phases,
+    #: ``encode`` (T5, wav2vec2, no DiT) and ``dit`` (the DiT's host bytes, no encoders), each
+    #: {rank0, others, text_extra, shared, node}; the figures above are the larger phase's
+    release_encoders: bool = False
+    host_phases: Optional[dict] = None
+    #: why the encoders are (not) released, and where the streamed DiT's bytes live (the plan's
+    #: words: explanations, not figures, so two plans of the same numbers compare equal)
+    release_why: str = field(default="", compare=False)
+    source_why: str = field(default="", compare=False)
+    #: T5 encodes on the CPU and never moves to the GPU (the hybrid mode's, ``--t5-cpu``, or
+    #: settled by the plan: :func:`settle_plan`), and why (words, as above)
+    t5_cpu: bool = False
+    t5_why: str = field(default="", compare=False)
+
+    @property
+    def t5_settled(self) -> bool:
+        """Whether the plan itself put T5 on the CPU (``--t5-cpu`` unset: the gate settles it)."""
+        return self.t5_why.startswith(T5_SETTLED)
 
     def node_total(self, waves: int = 1) -> int:
         """Host RAM the node needs when its ranks read their weights in ``waves`` turns."""
@@ -242,6 +271,27 @@ class ModePlan:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class HostPhase:
+    """What each kind of rank holds on the host in one phase of a run (base included), and what
+    the node holds once: rank 0 (wav2vec2, the frames), any other rank, what the text rank (the
+    last: it encodes the prompts) holds beyond them, the node-shared DiT."""
+
+    rank0: int
+    others: int
+    text_extra: int
+    shared: int
+
+    def node(self, nproc: int) -> int:
+        return self.rank0 + (nproc - 1) * self.others + (self.text_extra if nproc > 1 else 0) + self.shared
+
+    def peak(self) -> int:
+        return max(self.rank0, self.others + self.text_extra) + self.shared
+
+    def to_json(self, nproc: int) -> dict:
+        return {**asdict(self), "node": self.node(nproc)}
 
 
 def _act(l_local: int, l_full: int, dim: int, ffn: int, use_sp: bool) -> int:
@@ -283,18 +333,33 @@ def stream_terms(sizes: ModelSizes, pb: int, fp8: bool, resident: int) -> dict:
 
 def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, device: str,
               offload: bool, load: LoadStrategy = LoadStrategy.LEAN, quant: DitQuant = DitQuant.NONE,
-              stream: Optional[int] = None) -> ModePlan:
+              stream: Optional[int] = None, dtype: Optional[ComputeDtype] = None,
+              source: StreamSource = StreamSource.MEMORY, release: bool = False, served: bool = False,
+              t5_cpu: bool = False) -> ModePlan:
     """The plan of one layout: what it shards, splits or keeps on the CPU decides every term;
     the host figures also follow the loading strategy (``load``) and the DiT's weights ``quant``
     (fp8: its big Linears at one byte a weight plus a float32 scale a row, each dequantized when
     called: an fp32 copy and the param-dtype copy F.linear takes of the largest one in flight).
     ``stream`` (not None; a replicated DiT): ``--dit-offload blocks`` with that many blocks
     resident: the device holds the rest of the DiT plus two slots, the host the whole DiT (read
-    once per node, pinned), and T5 goes back to the CPU after encoding (offload)."""
+    once per node, pinned; ``source`` page-cache: a file on disk, mapped, the host holding two
+    pinned staging slots per rank), and T5 goes back to the CPU after encoding (offload).
+    ``dtype``: the resolved compute dtype (``shared.precision``; None: ``auto`` on a GPU of unknown
+    capability). ``release`` (lean loading on a GPU): the encoders are let go after they encode and
+    the DiT is read after them, so the host's peak is the larger of the two phases, not their sum;
+    ``served``: a server's group builds them again beside the DiT for a new prompt and speech, so
+    they are counted beside it all the same. ``t5_cpu`` (``--t5-cpu``; the hybrid mode's always):
+    T5 encodes on the CPU, so the encode phase holds none of it on the GPU (its host bytes are
+    where they always are: T5 is built on the CPU); not with an FSDP-sharded T5."""
     on_cuda = device == "cuda"
-    pb = 2 if on_cuda else 4  # param_dtype/t5_dtype: bf16 on CUDA, fp32 on CPU (worker.engine_config)
+    if dtype is None:
+        dtype, dtype_why = precision.resolve(ComputeDtype.AUTO, device)
+    else:
+        dtype, dtype_why = ComputeDtype(dtype), ""
+    pb = precision.element_bytes(dtype)  # the DiT's and T5's parameters and activations (the rank's rule)
     ws = max(1, layout.world_size)
-    use_sp, dit_fsdp, t5_fsdp, t5_cpu = layout.use_sp, layout.dit_fsdp, layout.t5_fsdp, layout.t5_cpu
+    use_sp, dit_fsdp, t5_fsdp = layout.use_sp, layout.dit_fsdp, layout.t5_fsdp
+    t5_cpu = layout.t5_cpu or (bool(t5_cpu) and not t5_fsdp)
     dim, ffn = sizes.dim or REFERENCE.dim, sizes.ffn_dim or REFERENCE.ffn_dim
     l_full = wl.tokens.max_len
     l_loc = -(-l_full // layout.sp_degree) if use_sp else l_full  # a CFG branch splits over its SP group
@@ -322,6 +387,7 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     streaming = None
     if stream is not None and not dit_fsdp and on_cuda:
         streaming = stream_terms(sizes, pb, fp8, stream)
+        streaming["source"] = StreamSource(source).value
         offload = True  # T5 leaves the GPU after encoding; the DiT is never moved whole
     if dit_fsdp:
         dit_res = -(-w_dit // ws)
@@ -344,9 +410,13 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         t5_gpu, t5_gather = w_t5, 0
     t5_denoise = 0 if (offload or t5_cpu) else t5_gpu  # offload: T5 back to CPU after encoding
     phases: dict[str, int] = {}
+    # the encoders let go before the DiT is read (lean loading on a GPU; a server's group builds them
+    # again beside the DiT for a new prompt, so it gains nothing)
+    released = bool(release) and on_cuda and LoadStrategy(load) is LoadStrategy.LEAN and not served
     if on_cuda:
-        # the reference is encoded before the prompt: the VAE's workspace and T5 come one after the other
-        phases["encode"] = dit_res + w_vae + max(t5_gpu + t5_gather, vae_ws)
+        # the reference is encoded before the prompt: the VAE's workspace and T5 come one after the
+        # other; released encoders: the DiT's device part comes after them
+        phases["encode"] = (0 if released else dit_res) + w_vae + max(t5_gpu + t5_gather, vae_ws)
         phases["denoise"] = dit_res + dit_gathered + t5_denoise + w_vae + act + text_kv
         # offload parks a resident DiT on the CPU for the decode; a streamed one keeps its device part
         parked = 0 if streaming is None else dit_res
@@ -356,27 +426,42 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         gpu_peak = None
     w2v_phase = w_w2v + encoder_placement.host_bytes(wl.audio_seconds)
     base = HOST_BASE_CUDA if on_cuda else HOST_BASE_CPU
+    name = layout.mode.value if layout.mode else "custom"
     if load is LoadStrategy.LEAN:
-        host0, others, shared, transient, text_extra = _lean_host(
-            layout, on_cuda=on_cuda, offload=offload and streaming is None, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
-            w2v_phase=w2v_phase, dit_res=dit_res, dit_gathered=dit_gathered, act=act + text_kv,
-            vae_band=vae_dec, vae_out=dec_out, frames=frames, w_w2v=w_w2v,
-            staging=(largest_linear * (6 if fp8 else pb)) if on_cuda  # fp8: read in fp32, quantized, staged
-            else LEAN_CHUNK + (largest_linear * 4 if fp8 else 0))
-        if streaming is not None:  # the whole DiT in host memory: the node's one copy, or rank 0's own
-            if nproc > 1:
-                shared += w_dit
-            else:
-                host0 += w_dit
-            streaming["pinned_bytes"] = w_dit
-        host0, others = host0 + base, others + base
-        name = layout.mode.value if layout.mode else "custom"
+        staging = ((largest_linear * (6 if fp8 else pb)) if on_cuda  # fp8: read in fp32, quantized, staged
+                   else LEAN_CHUNK + (largest_linear * 4 if fp8 else 0))
+        stage_stream = dit0 = dit_shared = 0
+        if streaming is not None:
+            if StreamSource(source) is StreamSource.PAGE_CACHE:  # a file, mapped: two pinned slots a rank
+                stage_stream = stream_source.staging_bytes(streaming["slot_bytes"])
+                streaming["pinned_bytes"] = nproc * stage_stream
+                streaming["file_bytes"] = w_dit
+            else:  # the whole DiT in host memory: the node's one copy, or rank 0's own
+                dit_shared, dit0 = (w_dit, 0) if nproc > 1 else (0, w_dit)
+                streaming["pinned_bytes"] = w_dit
+        kw = dict(on_cuda=on_cuda, offload=offload and streaming is None, w_dit=w_dit, w_t5=w_t5, w_vae=w_vae,
+                  w2v_phase=w2v_phase, dit_res=dit_res, dit_gathered=dit_gathered, act=act + text_kv,
+                  vae_band=vae_dec, vae_out=dec_out, frames=frames, w_w2v=w_w2v, staging=staging)
+        host0, others, shared, transient, text_extra = _lean_host(layout, **kw)
         # the text rank (the last) holds T5 on top of what any other rank holds; rank 0's frames
         # are in host0
-        node = host0 + (nproc - 1) * others + (text_extra if nproc > 1 else 0) + shared
-        return ModePlan(name, ws, gpu_peak, phases, int(max(host0, others + text_extra) + shared), int(node), parts,
-                        load, int(others), int(shared), int(transient), nproc, int(host0), int(text_extra),
-                        streaming)
+        whole = HostPhase(host0 + dit0 + stage_stream + base, others + stage_stream + base, text_extra,
+                          shared + dit_shared)
+        host_phases = None
+        if released:
+            enc, dit = _lean_host_released(layout, **kw)
+            encode = HostPhase(enc[0] + base, enc[1] + base, enc[2], enc[3])
+            after = HostPhase(dit[0] + dit0 + stage_stream + base, dit[1] + stage_stream + base, dit[2],
+                              dit[3] + dit_shared)
+            host_phases = {"encode": encode, "dit": after}
+            whole = max((encode, after), key=lambda ph: ph.node(nproc))
+        node = max(ph.node(nproc) for ph in host_phases.values()) if host_phases else whole.node(nproc)
+        peak = max(ph.peak() for ph in host_phases.values()) if host_phases else whole.peak()
+        return ModePlan(name, ws, gpu_peak, phases, int(peak), int(node), parts,
+                        load, int(whole.others), int(whole.shared), int(transient), nproc, int(whole.rank0),
+                        int(whole.text_extra), streaming, dtype.value, dtype_why, bool(release) and on_cuda,
+                        {k: ph.to_json(nproc) for k, ph in host_phases.items()} if host_phases else None,
+                        t5_cpu=t5_cpu)
     if on_cuda:
         t5_build = sizes.t5_params * 4 + (0 if pb == 2 else sizes.t5_params * 2)  # fp32 init (+ file)
         t5_resident = w_t5 if not t5_fsdp else 0
@@ -401,10 +486,9 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         if dit_fsdp:  # the whole DiT is loaded on every rank before sharding
             host = max(host, w_t5 + w_dit + HOST_BASE_CPU)
             host0 = max(host0, w_t5 + w_dit + HOST_BASE_CPU)
-    name = layout.mode.value if layout.mode else "custom"
     # --load full: upstream's constructors; reading in waves is lean loading's (no transient here)
     return ModePlan(name, ws, gpu_peak, phases, int(max(host, host0)), int((nproc - 1) * host + host0), parts,
-                    load, int(host), 0, 0, nproc, int(host0))
+                    load, int(host), 0, 0, nproc, int(host0), dtype=dtype.value, dtype_why=dtype_why, t5_cpu=t5_cpu)
 
 
 def _lean_host(layout: Layout, *, on_cuda, offload, w_dit, w_t5, w_vae, w2v_phase, dit_res,
@@ -437,6 +521,147 @@ def _lean_host(layout: Layout, *, on_cuda, offload, w_dit, w_t5, w_vae, w2v_phas
     return host0, others, shared, staging, text_extra
 
 
+def _lean_host_released(layout: Layout, *, on_cuda, offload, w_dit, w_t5, w2v_phase, staging, frames=0,
+                        **_) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """Lean loading on a GPU with the encoders released (``--release-encoders``): (rank 0, any
+    other rank, the text rank's extra, shared) in the encode phase (T5 where it is built, wav2vec2
+    and its encode on rank 0, the weights' staging; no DiT yet: it is read after the encoders are
+    let go) and in the DiT phase (rank 0's frames or the staging of the DiT's read, offload's
+    parked DiT; an FSDP-sharded T5 is kept, so offload's parked shard is in both). Base excluded;
+    the streamed DiT's host bytes are the caller's."""
+    ws = max(1, layout.world_size)
+    t5_whole = 0 if layout.t5_fsdp else w_t5
+    t5_0, text_extra = (t5_whole, 0) if layout.text_rank in (0, None) else (0, t5_whole)
+    t5_park = -(-w_t5 // ws) if (offload and layout.t5_fsdp) else 0
+    encode = (t5_0 + max(w2v_phase, staging) + t5_park, staging, text_extra, 0)
+    dit = (max(staging, frames) + t5_park + (w_dit if offload else 0), staging, 0, 0)
+    return encode, dit
+
+
+def compute_dtype(ctx) -> tuple[ComputeDtype, str]:
+    """What this context's DiT and T5 compute in, and why (``--dtype``: ``shared.precision``'s
+    rule on the oldest GPU the node's ranks use)."""
+    caps = [tuple(g["capability"]) if g.get("capability") else None for g in ctx.local_gpus] if ctx.on_cuda else []
+    return precision.resolve(getattr(ctx.spec, "dtype", ComputeDtype.AUTO), ctx.spec.device, caps)
+
+
+def host_available(ctx) -> Optional[int]:
+    """The RAM one rank group may use: what the host has available, shared by the node's groups."""
+    avail = ctx.facts.host_available_bytes()
+    return None if avail is None else avail // max(1, ctx.node_groups)
+
+
+def _dit_phase(p: ModePlan) -> tuple[int, int]:
+    """(the streamed DiT's host bytes, everything else the node holds beside them, the page cache's
+    staging aside) of ``p``: the DiT phase's when the encoders are released (they are gone by
+    then). What ``shared.stream_source.choose`` takes."""
+    st = p.stream or {}
+    w_dit = st.get("file_bytes") or st.get("pinned_bytes", 0)
+    node = p.host_phases["dit"]["node"] if p.host_phases else p.host_node_total
+    return w_dit, max(0, node - st.get("pinned_bytes", 0))  # memory: the DiT pinned; page cache: the staging
+
+
+def settle_host(ctx, layout: Layout, sizes: ModelSizes, wl: Workload, stream: Optional[int],
+                t5_cpu: bool = False) -> ModePlan:
+    """The plan of ``layout`` with what the spec leaves to the plan settled, as the run will settle it:
+
+    * where a streamed DiT's bytes live (``--dit-stream-from auto``): ``shared.stream_source.choose``
+      (the rank's rule) on the plan's DiT bytes, the node's other bytes beside them and the RAM
+      available: memory when they fit :data:`HOST_FILL` of it, else the page cache;
+    * whether the encoders are released (``--release-encoders`` unset, lean loading on a GPU, a
+      replicated DiT (ulysses: streamed, or parked on the host by offload; an FSDP mode keeps its
+      sharded T5 and holds no DiT copy on the host), not a server's group): only when the plan
+      would otherwise be past :data:`HOST_FILL` of the RAM (or :data:`GPU_FILL` of the GPU's free
+      memory: T5 then encodes before the DiT's device part is placed) and releasing lowers that peak;
+      tried before the page cache (a DiT held in memory copies at PCIe's pace, the page cache's at
+      the disk's where the RAM cannot keep it);
+    * the page cache's room (the RAM available less what the plan holds) and what a pass then reads
+      from the disk again (all of it when the file does not fit: a cyclic scan larger than the cache).
+
+    ``t5_cpu``: T5 encodes on the CPU (:func:`settle_plan` decides it)."""
+    spec = ctx.spec
+    avail = host_available(ctx)
+    dtype, dtype_why = compute_dtype(ctx)
+    # a server's group (its replicas too: only ``serve`` puts several groups on a node)
+    served = bool(getattr(ctx, "served", False)) or ctx.node_groups > 1
+    kw = dict(nproc=spec.nproc, device=spec.device, offload=ctx.offload, load=spec.load, quant=spec.dit_quant,
+              stream=stream, dtype=dtype, served=served, t5_cpu=t5_cpu)
+    streamed = stream is not None and not layout.dit_fsdp and ctx.on_cuda
+    given_release = getattr(spec, "release_encoders", None)
+    can_release = (ctx.on_cuda and LoadStrategy(spec.load) is LoadStrategy.LEAN and not served
+                   and not layout.dit_fsdp)
+    src_given = StreamSource(getattr(spec, "dit_stream_from", StreamSource.AUTO)) if streamed else StreamSource.MEMORY
+
+    def plan(release: bool, source: StreamSource) -> ModePlan:
+        p = plan_mode(layout, sizes, wl, release=release, source=source, **kw)
+        p.dtype_why = dtype_why
+        return p
+
+    free = free_gpu_bytes(ctx) if ctx.on_cuda else 0
+
+    def fits(p: ModePlan) -> bool:
+        return avail is None or p.host_node_total <= HOST_FILL * avail
+
+    def gpu_tight(p: ModePlan) -> bool:
+        return bool(free and p.gpu_peak and p.gpu_peak > GPU_FILL * free)
+
+    def with_release(source: StreamSource) -> ModePlan:
+        """The plan without released encoders, unless it is past HOST_FILL and releasing lowers it."""
+        kept = plan(bool(given_release), source)
+        if given_release is not None:
+            kept.release_why = (f"--release-encoders {'on' if given_release else 'off'}"
+                                + (" (a server's group builds them again beside the DiT for a new prompt: "
+                                   "counted beside it)" if given_release and served else ""))
+            return kept
+        if not can_release or (fits(kept) and not gpu_tight(kept)):
+            kept.release_why = "kept: " + ("a server's group needs them for each new prompt" if served
+                                           else "the host holds them beside the DiT" if can_release
+                                           else "an FSDP-sharded DiT holds no copy on the host" if layout.dit_fsdp
+                                           else "only lean loading on a GPU releases them")
+            return kept
+        freed = plan(True, source)
+        why = []
+        if not fits(kept) and freed.host_node_total < kept.host_node_total:
+            why.append(f"with T5 and wav2vec2 held beside the DiT the host needs {kept.host_node_total / GiB:.1f} GiB, "
+                       f"past {HOST_FILL:.0%} of the {avail / GiB:.1f} GiB available")
+        if gpu_tight(kept) and freed.gpu_peak < kept.gpu_peak:
+            why.append(f"T5 on the GPU beside the DiT's device part peaks at {kept.gpu_peak / GiB:.1f} GiB, past "
+                       f"{GPU_FILL:.0%} of the {free / GiB:.1f} GiB free (released: "
+                       f"{freed.gpu_peak / GiB:.1f} GiB)")
+        if why:
+            freed.release_why = "released (the plan settles --release-encoders): " + "; ".join(why)
+            return freed
+        kept.release_why = "kept: releasing them would not lower the peak"
+        return kept
+
+    if not streamed:
+        return with_release(StreamSource.MEMORY)
+    if src_given is not StreamSource.AUTO:
+        p = with_release(src_given)
+        p.source_why = f"{src_given.value} (--dit-stream-from {src_given.value})"
+    else:
+        p = with_release(StreamSource.MEMORY)
+        where, why = stream_source.choose(*_dit_phase(p), avail, spec.nproc, p.stream["slot_bytes"])
+        if where is StreamSource.PAGE_CACHE:
+            p = with_release(StreamSource.PAGE_CACHE)
+            # in the words of the plan it settled on (its figures are memory.host's)
+            why = stream_source.choose(*_dit_phase(p), avail, spec.nproc, p.stream["slot_bytes"])[1]
+        p.source_why = why
+    _cache_room(p, avail)
+    return p
+
+
+def _cache_room(p: ModePlan, avail: Optional[int]) -> None:
+    """The page cache's room beside ``p`` and what a pass reads from the disk again (in ``p.stream``)."""
+    st = p.stream
+    if not st or st.get("source") != StreamSource.PAGE_CACHE.value:
+        return
+    node = p.host_phases["dit"]["node"] if p.host_phases else p.host_node_total
+    room = None if avail is None else max(0, avail - node)
+    st["cache_room"] = room
+    st["disk_bytes_per_pass"] = st["bytes_per_pass"] if room is not None and st["file_bytes"] > room else 0
+
+
 def plan_all(ctx) -> dict[str, ModePlan]:
     """The plan of every mode at this context's world size (keys: mode values); with
     ``--dit-offload blocks``, the modes that replicate the DiT stream it (``--resident-blocks``,
@@ -446,12 +671,61 @@ def plan_all(ctx) -> dict[str, ModePlan]:
     for m in Mode:
         stream = None
         if ctx.spec.dit_offload is DitOffload.BLOCKS and not ctx.layout_for(m).dit_fsdp:
-            stream = ctx.spec.resident_blocks
-            if stream is None:
-                stream = resident_blocks(ctx.layout_for(m), sizes, wl, ctx, free_gpu_bytes(ctx))
-        out[m.value] = plan_mode(ctx.layout_for(m), sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device,
-                                 offload=ctx.offload, load=ctx.spec.load, quant=ctx.spec.dit_quant, stream=stream)
+            stream = ctx.spec.resident_blocks if ctx.spec.resident_blocks is not None else RESIDENT_FROM_PLAN
+        out[m.value] = settle_plan(ctx, ctx.layout_for(m), sizes, wl, stream)
     return out
+
+
+#: :func:`settle_plan`'s ``stream`` for a streamed DiT whose resident blocks the plan picks
+RESIDENT_FROM_PLAN = -1
+#: how :attr:`ModePlan.t5_why` begins where the plan put T5 on the CPU (``--t5-cpu`` unset)
+T5_SETTLED = "T5 encodes on the CPU (the plan sets --t5-cpu)"
+
+
+def settle_plan(ctx, layout: Layout, sizes: ModelSizes, wl: Workload, stream: Optional[int]) -> ModePlan:
+    """:func:`settle_host`'s plan of ``layout`` with where T5 encodes settled too (``stream``: the
+    resident blocks of a streamed DiT, :data:`RESIDENT_FROM_PLAN` for as many as
+    :func:`resident_blocks` finds room for, None: not streamed):
+
+    * the hybrid mode keeps T5 on the CPU, fsdp-fixed shards it on the GPUs; ``--t5-cpu`` given
+      (or a run on the CPU) is obeyed;
+    * unset, on a GPU, with the DiT streamed: T5 encodes on the GPU, unless the GPU cannot hold the
+      encode phase with it there (past the free memory, the encoders released where the plan
+      settles that) but can with T5 on the CPU: then on the CPU (slower; what lets a 12 GB card
+      stream the DiT), and the resident blocks are picked for it. A resident DiT keeps T5 on the
+      GPU (the hybrid mode is the one that puts it on the CPU beside a DiT too large to replicate)."""
+    free = free_gpu_bytes(ctx) if ctx.on_cuda else 0
+
+    def settled(cpu: bool) -> ModePlan:
+        resident = stream
+        if stream == RESIDENT_FROM_PLAN:
+            resident = resident_blocks(layout, sizes, wl, ctx, free, t5_cpu=cpu)
+        return settle_host(ctx, layout, sizes, wl, resident, t5_cpu=cpu)
+
+    given = getattr(ctx.spec, "t5_cpu", None)
+    if layout.t5_cpu or layout.t5_fsdp:
+        p = settled(False)
+        p.t5_why = f"the {p.mode} mode's: " + ("on the CPU" if layout.t5_cpu else "sharded on the GPUs")
+        return p
+    if given is not None or not ctx.on_cuda:
+        p = settled(bool(given))
+        p.t5_why = f"--t5-cpu {'on' if given else 'off'}" if given is not None else "--device cpu"
+        return p
+    kept = settled(False)
+
+    def encode(p: ModePlan) -> int:
+        return p.gpu_phases.get("encode", 0) + GPU_RUNTIME
+    if kept.stream is None or not free or encode(kept) <= free:
+        kept.t5_why = "on the GPU while it encodes"
+        return kept
+    cpu = settled(True)
+    if encode(cpu) > free:
+        kept.t5_why = "on the GPU: the encode phase does not fit with T5 on the CPU either"
+        return kept
+    cpu.t5_why = (f"{T5_SETTLED}: on the GPU its encode phase needs est. {encode(kept) / GiB:.1f} GiB of the "
+                  f"{free / GiB:.1f} GiB free (on the CPU: {encode(cpu) / GiB:.1f} GiB; slower: "
+                  f"~{2 * sizes.t5_params * TEXT_LEN / 1e12:.1f} TFLOP a new text on the CPU, tens of seconds)")
+    return cpu
 
 
 def streamed_plan(ctx) -> Optional[ModePlan]:
@@ -477,15 +751,19 @@ def free_gpu_bytes(ctx) -> int:
     return min((g.get("free_mib") or g.get("total_mib") or 0 for g in gpus), default=0) * 2**20
 
 
-def resident_blocks(layout: Layout, sizes: ModelSizes, wl: Workload, ctx, free: int) -> int:
+def resident_blocks(layout: Layout, sizes: ModelSizes, wl: Workload, ctx, free: int, t5_cpu: bool = False) -> int:
     """How many DiT blocks a streamed run keeps on the GPU: the most whose plan stays within
-    :data:`GPU_FILL` of ``free`` (0 when even every block streamed does not, or free is unknown)."""
+    :data:`GPU_FILL` of ``free`` (0 when even every block streamed does not, or free is unknown;
+    ``t5_cpu``: T5 encodes on the CPU)."""
     if not free or not sizes.dit_units:
         return 0
 
+    dtype = compute_dtype(ctx)[0]
+
     def peak(r: int) -> int:
         return plan_mode(layout, sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device, offload=ctx.offload,
-                         load=ctx.spec.load, quant=ctx.spec.dit_quant, stream=r).gpu_peak or 0
+                         load=ctx.spec.load, quant=ctx.spec.dit_quant, stream=r, dtype=dtype,
+                         t5_cpu=t5_cpu).gpu_peak or 0
     # the most that fit, tried from all down: the peak is not monotonic in R (two streamed units
     # take two slots of the larger one, more than keeping one of them resident)
     return next((r for r in range(len(sizes.dit_units), -1, -1) if peak(r) <= GPU_FILL * free), 0)
@@ -495,13 +773,25 @@ def resident_blocks(layout: Layout, sizes: ModelSizes, wl: Workload, ctx, free: 
 SIZES = ("1024*704", "960*640", "832*480", "704*448", "640*384", "512*320")
 
 
-def largest_fitting_size(ctx, mode: Mode, free: int) -> str:
-    """The largest of :data:`SIZES` below ``--size`` whose plan fits in ``free`` bytes, or ''."""
+def largest_fitting_size(ctx, mode: Mode, free: int, streamed: bool = False) -> str:
+    """The largest of :data:`SIZES` below ``--size`` whose plan fits in ``free`` bytes, or ''
+    (``streamed``: ulysses with the DiT streamed, :func:`streamed_plan`, whatever the context says)."""
+    return largest_fitting(ctx, mode, free, streamed)[0]
+
+
+def largest_fitting(ctx, mode: Mode, free: int, streamed: bool = False) -> tuple[str, Optional[ModePlan]]:
+    """:func:`largest_fitting_size` and its plan (None where no size fits)."""
     from wan_s2v_runner.shared.spec import parse_size
     for s in SIZES:
         if parse_size(s) >= ctx.spec.max_area:
             continue
         trial = ctx.with_settings(max_area=parse_size(s))
-        if (plan_all(trial)[Mode(mode).value].gpu_peak or 0) <= free:
-            return s
-    return ""
+        plan = streamed_plan(trial) if streamed else plan_all(trial)[Mode(mode).value]
+        if plan is not None and (plan.gpu_peak or 0) <= free:
+            return s, plan
+    return "", None
+
+
+def t5_words(plan: Optional[ModePlan]) -> str:
+    """``; T5 encodes on the CPU (the plan sets --t5-cpu)`` where ``plan`` put it there itself, else ''."""
+    return f"; {T5_SETTLED}" if plan is not None and plan.t5_settled else ""

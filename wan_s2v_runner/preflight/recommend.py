@@ -11,8 +11,15 @@ Rules, in order (each reason names the fact that decided):
 4. otherwise, where ``hybrid`` (DiT sharded, T5 on CPU) fits -> ``hybrid``;
 5. otherwise, where the DiT streamed from host memory fits (``--dit-offload blocks``: ulysses,
    the same frames, the copies hidden behind the compute; :mod:`wan_s2v_runner.loading.block_stream`)
-   -> ``ulysses`` with streaming, said so; never when a resident layout fits;
-6. otherwise -> ``hybrid``, with a warning that nothing fits.
+   -> ``ulysses`` with streaming, said so; never when a resident layout fits. Where its bytes live
+   (memory, or the page cache), whether the encoders are released and whether T5 encodes on the
+   CPU (where the GPU cannot hold it while it encodes: a 12 GB card) are the plan's
+   (:func:`.memory.settle_plan`: the rank's rules), and the reason says what it settled;
+6. otherwise -> ``hybrid``, with a warning that nothing fits: more GPUs only where the machine has
+   them; one GPU: ``ulysses`` streamed with the largest ``--size`` that fits so, or what sets the
+   floor where none does.
+
+Below compute capability 8.0 the reason adds what ``--dtype auto`` computes in (fp16).
 
 Then the plan for that mode at this world size (:mod:`wan_s2v_runner.preflight.plans`): the fastest split
 of the ranks into CFG branches x Ulysses degree, explained (heads per rank, padding, whether CFG
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from wan_s2v_runner.shared.layout import DitOffload, Mode, valid_sp_degrees
-from wan_s2v_runner.shared.spec import RunSpec
+from wan_s2v_runner.shared.spec import RunSpec, parse_size
 
 from .context import CheckContext
 from .core import gib
@@ -33,12 +40,15 @@ from .geometry import REAL_NUM_HEADS
 from .memory import (
     GPU_FILL,
     REFERENCE,
+    compute_dtype,
     free_gpu_bytes,
+    largest_fitting,
     largest_fitting_size,
     model_sizes,
     plan_all,
-    plan_mode,
+    settle_plan,
     streamed_plan,
+    t5_words,
     workload,
 )
 from .plans import Plan, candidates, plans_for
@@ -122,12 +132,12 @@ def recommend(ctx: CheckContext) -> Recommendation:
     free = free_gpu_bytes(ctx)
     streams = rec.dit_offload is DitOffload.BLOCKS or ctx.spec.dit_offload is DitOffload.BLOCKS
     if free and ctx.spec.device != "cpu":
-        def fits(p: Plan) -> bool:
-            peak = plan_mode(p.layout, sizes, wl, nproc=ctx.spec.nproc, device=ctx.spec.device,
-                             offload=ctx.offload, quant=ctx.spec.dit_quant,
-                             stream=0 if streams and not p.layout.dit_fsdp else None).gpu_peak
-            return not peak or peak <= free
-        plans = [p for p in plans if fits(p)] or plans
+        def peak(p: Plan) -> Optional[int]:  # as the run settles it (the encoders released where that fits)
+            return settle_plan(ctx, p.layout, sizes, wl, 0 if streams and not p.layout.dit_fsdp else None).gpu_peak
+        peaks = [(p, peak(p)) for p in plans]
+        # the fastest that is not tight, else the fastest that fits at all
+        plans = ([p for p, need in peaks if not need or need <= GPU_FILL * free]
+                 or [p for p, need in peaks if not need or need <= free] or plans)
     return Recommendation(rec.mode, rec.reason, plans[0], rec.dit_offload)
 
 
@@ -194,14 +204,22 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
         if streamed is None or streamed.stream is None or not (streamed.gpu_peak and streamed.gpu_peak <= free
                 and (avail is None or streamed.host_node_total <= avail)):
             return None
-        s = streamed.stream or {}
-        return Recommendation(Mode.ULYSSES, f"{pre}{why}; with the DiT's blocks streamed from host memory it "
-                              f"fits (--dit-offload blocks: est. {gib(streamed.gpu_peak)} per rank, "
-                              f"{s.get('resident_blocks', 0)} blocks resident, {gib(s.get('pinned_bytes', 0))} "
-                              "pinned on the host; the same frames): ulysses", dit_offload=DitOffload.BLOCKS)
+        return Recommendation(Mode.ULYSSES, f"{pre}{why}; {streamed_words(ctx, streamed)}: ulysses{dtype_note}",
+                              dit_offload=DitOffload.BLOCKS)
+
+    def streamed_size() -> tuple[str, str]:
+        """Where nothing fits at this size: the largest that fits streamed ('' if none, or streaming
+        is not this run's to choose), and T5's place there where the plan settles it (:func:`t5_words`)."""
+        if ctx.dit_offload_given or streamed_plan(ctx) is None:
+            return "", ""
+        size, plan = largest_fitting(ctx, Mode.ULYSSES, int(GPU_FILL * free), streamed=True)
+        return size, t5_words(plan)
 
     held = " with its blocks streamed from host memory (--dit-offload blocks)" if asked else ""
     fast, link = _link_summary(ctx)
+    dtype, dtype_why = compute_dtype(ctx)
+    dtype_note = f"; computes in {dtype_why}" if dtype.value != "bf16" else ""
+    spare = f.gpu_count > ws or ctx.spec.nnodes > 1  # GPUs this run leaves unused: "more GPUs" is a fix
     if ctx.spec.nproc > f.gpu_count:
         pre = f"--nproc {ctx.spec.nproc} > {f.gpu_count} visible GPUs (fix that first); "
     else:
@@ -215,43 +233,59 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
     if ws == 1:
         if fits(Mode.ULYSSES):
             return Recommendation(Mode.ULYSSES, f"{pre}1 GPU ({name}, {gib(free)} free) holds the whole model"
-                                  f"{held} (est. {est(Mode.ULYSSES)} peak with offload): ulysses on one rank",
+                                  f"{held} (est. {est(Mode.ULYSSES)} peak with offload): ulysses on one rank"
+                                  f"{dtype_note}",
                                   dit_offload=ctx.spec.dit_offload)
         if fits(Mode.HYBRID):
             return Recommendation(Mode.HYBRID, f"{pre}1 GPU with {gib(free)} free: the full model with T5 "
                                   f"on the GPU needs est. {est(Mode.ULYSSES)}; hybrid keeps T5 on the CPU "
-                                  f"(est. {est(Mode.HYBRID)}). Better: 2+ GPUs with hybrid")
+                                  f"(est. {est(Mode.HYBRID)})" + (". Better: 2+ GPUs with hybrid" if spare else ""))
         rec = stream_rec(f"1 GPU ({name}, {gib(free)} free) cannot hold the resident model (est. "
                          f"{est(Mode.HYBRID)} even with T5 on the CPU)")
         if rec is not None:
             return rec
-        return Recommendation(Mode.HYBRID, f"{pre}1 GPU with {gib(free)} free cannot hold the "
-                              f"{sizes.dit_params / 1e9:.3g}B-param DiT (est. {est(Mode.HYBRID)} even with "
-                              f"T5 on CPU): use 2 or more GPUs with hybrid")
+        cannot = (f"{pre}1 GPU with {gib(free)} free cannot hold the {sizes.dit_params / 1e9:.3g}B-param DiT at "
+                  f"{wl.width}x{wl.height} (est. {est(Mode.HYBRID)} even with T5 on CPU")
+        streamed = None if ctx.dit_offload_given else streamed_plan(ctx)
+        if streamed is not None and streamed.gpu_peak:
+            size, t5 = streamed_size()
+            from .checks_memory import no_size_words
+            fix = (f"--size {size} fits with its blocks streamed (--dit-offload blocks){t5}" if size else
+                   no_size_words(ctx, free))
+            return Recommendation(Mode.ULYSSES, f"{cannot}; {gib(streamed.gpu_peak)} with its blocks streamed): "
+                                  f"{fix}" + ("; or 2+ GPUs with hybrid" if spare else "") + dtype_note,
+                                  dit_offload=DitOffload.BLOCKS)
+        return Recommendation(Mode.HYBRID, f"{cannot}): "
+                              + ("use 2 or more GPUs with hybrid" if spare else
+                                 "a smaller --size, or --dit-offload blocks (its blocks streamed)"))
     if fits(Mode.ULYSSES):
         if fast:
             return Recommendation(Mode.ULYSSES, f"{pre}{ws} GPUs ({name}) with {link} each hold the full model"
                                   f"{held} (est. {est(Mode.ULYSSES)} of {gib(free)} free per rank): ulysses is "
-                                  "fastest (sequence split, no weight traffic)", dit_offload=ctx.spec.dit_offload)
+                                  f"fastest (sequence split, no weight traffic){dtype_note}",
+                                  dit_offload=ctx.spec.dit_offload)
         return Recommendation(Mode.ULYSSES, f"{pre}{ws} GPUs ({name}) each hold the full model{held} (est. "
                               f"{est(Mode.ULYSSES)} of {gib(free)} free) but {link}: scaling will be sub-linear; "
-                              "still ulysses, as FSDP modes would move the weights over the same link",
+                              f"still ulysses, as FSDP modes would move the weights over the same link{dtype_note}",
                               dit_offload=ctx.spec.dit_offload)
     if fits(Mode.HYBRID):
         pcie = "" if fast else f"; {link}, so expect sub-linear scaling"
         return Recommendation(Mode.HYBRID, f"{pre}the full model does not fit per GPU (est. {est(Mode.ULYSSES)} "
                               f"> {gib(free)} free on {name}): hybrid shards the DiT over {ws} ranks and keeps "
-                              f"T5 on the CPU (est. {est(Mode.HYBRID)}/rank){pcie}")
+                              f"T5 on the CPU (est. {est(Mode.HYBRID)}/rank){pcie}{dtype_note}")
     rec = stream_rec(f"the resident model fits on none of the {ws} GPUs ({name}, {gib(free)} free; hybrid needs "
                      f"est. {est(Mode.HYBRID)}/rank)" + ("" if fast else f"; {link}"))
     if rec is not None:
         return rec
     more = valid_sp_degrees(heads, lengths, [2 * ws])  # hybrid shards the DiT over more ranks
-    size = largest_fitting_size(ctx, Mode.HYBRID, free)
-    return Recommendation(Mode.HYBRID, f"{pre}nothing fits in {gib(free)} free per GPU ({name}): even hybrid "
-                          f"needs est. {est(Mode.HYBRID)}/rank at {wl.width}x{wl.height}"
-                          + (f"; use {more[0]} GPUs" if more else "")
-                          + (f" or --size {size}" if size else " or a smaller --size"))
+    more = [m for m in more if m <= f.gpu_count or ctx.spec.nnodes > 1]  # never more GPUs than the machine has
+    size, (streamed_at, t5) = largest_fitting_size(ctx, Mode.HYBRID, free), streamed_size()
+    nothing = (f"{pre}nothing fits in {gib(free)} free per GPU ({name}): even hybrid needs est. "
+               f"{est(Mode.HYBRID)}/rank at {wl.width}x{wl.height}" + (f"; use {more[0]} GPUs or" if more else ";"))
+    if streamed_at and (not size or parse_size(streamed_at) > parse_size(size)):  # larger streamed than resident
+        return Recommendation(Mode.ULYSSES, f"{nothing} --size {streamed_at} fits with the DiT's blocks streamed "
+                              f"(--dit-offload blocks){t5}{dtype_note}", dit_offload=DitOffload.BLOCKS)
+    return Recommendation(Mode.HYBRID, nothing + (f" --size {size}" if size else " a smaller --size") + dtype_note)
 
 
 def recommend_mode(spec_or_ctx: Union[RunSpec, CheckContext, None] = None,
@@ -268,3 +302,33 @@ def recommend_mode(spec_or_ctx: Union[RunSpec, CheckContext, None] = None,
     else:
         ctx = CheckContext.for_values({}, facts)
     return recommend(ctx)
+
+
+def streamed_words(ctx, plan) -> str:
+    """How a streamed plan fits, in the words of a recommendation: where its bytes live (memory or
+    the page cache, and why), whether the encoders are released and T5 encodes on the CPU, and fp8
+    where the disk, not the compute, would set the pace (never chosen for the user: it changes the
+    frames)."""
+    s = plan.stream or {}
+    if s.get("source") == "page-cache":
+        where = "from the page cache"
+        flags = "--dit-offload blocks; --dit-stream-from auto takes the page cache"
+        held = (f"the DiT's {gib(s.get('file_bytes', 0))} in a file on disk, memory-mapped, "
+                f"{gib(s.get('pinned_bytes', 0))} of staging pinned: the RAM cannot hold it beside the rest")
+    else:
+        where, flags = "from host memory", "--dit-offload blocks"
+        held = f"{gib(s.get('pinned_bytes', 0))} pinned on the host"
+    released = ("; T5 and wav2vec2 released before the DiT is read (the plan sets --release-encoders)"
+                if plan.release_why.startswith("released") else "")
+    if plan.t5_settled:  # the same frames: T5 computes in the same dtype on the CPU
+        released += "; T5 encodes on the CPU (the plan sets --t5-cpu)"
+    fp8 = ""
+    if s.get("source") == "page-cache" and s.get("disk_bytes_per_pass"):
+        from .checks_memory import stream_timing
+        gpus = [g for g in ctx.local_gpus if g.get("free_mib") is not None] or ctx.facts.gpus
+        t = stream_timing(ctx, plan, min(gpus, key=lambda g: g.get("free_mib") or 0)) if gpus else None
+        if t is not None and t.hidden is False:
+            fp8 = ("; the disk sets the pace: --dit-quant fp8 halves the file (frames change slightly, "
+                   "docs/loading.md)")
+    return (f"with the DiT's blocks streamed {where} it fits ({flags}: est. {gib(plan.gpu_peak)} per rank, "
+            f"{s.get('resident_blocks', 0)} blocks resident, {held}{released}; the same frames){fp8}")

@@ -27,6 +27,7 @@ from . import (
     checks_python,
     checks_sampling,
     checks_submodels,
+    checks_t5_file,
     checks_time,
     checks_tts,
 )
@@ -72,6 +73,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.CHECKPOINT, checks_checkpoint.check_safetensors),
     (G.CHECKPOINT, checks_dit_file.check_dit_file),
     (G.CHECKPOINT, checks_checkpoint.check_pth),
+    (G.CHECKPOINT, checks_t5_file.check_t5_file),
     (G.CHECKPOINT, checks_checkpoint.check_config),
     (G.CHECKPOINT, checks_submodels.check_submodels),
     (G.LORA, checks_lora.check_loras),

@@ -104,8 +104,11 @@ def render_doctor(report: DoctorReport, console=None) -> None:
     if report.streamed is not None:
         rows["ulysses, streamed"] = report.streamed
     for name, p in rows.items():
-        mark = (" (streamed)" if p.stream is not None and "streamed" not in name else "") + (
-            " *" if name == ctx.mode.value else "")
+        cache = ", page cache" if (p.stream or {}).get("source") == "page-cache" else ""
+        mark = ((f" (streamed{cache})" if p.stream is not None and "streamed" not in name else
+                 f" ({cache[2:]})" if cache else "")
+                + (" (encoders released)" if p.host_phases is not None else "")
+                + (" *" if name == ctx.mode.value else ""))
         gpu = gib(p.gpu_peak) if p.gpu_peak else "-"
         if p.gpu_peak and free:
             gpu = f"[{'green' if p.gpu_peak <= 0.9 * free else 'red'}]{gpu}[/]"

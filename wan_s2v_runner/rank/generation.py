@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from patches.fp16_compute import NonFiniteActivation
 from wan_s2v_runner.loading import block_stream
 from wan_s2v_runner.rank.encoders import TextContexts, encode_audio, placement
 from wan_s2v_runner.rank.step_cache import StepCache
@@ -221,9 +222,10 @@ class S2VGenerator:
             context, context_null = self._encode_text(req)
             texts = {"context": context, "context_null": context_null}
         if plan.encodes:
-            where, why = placement(s2v.audio_encoder, self.device, req.audio_path)
+            where, why = placement(self.parts.audio_encoder(), self.device, req.audio_path)
             h.stage(Stage.AUDIO_ENCODE, wav2vec2=where.value, wav2vec2_why=why)
             audio_emb, nr = encode_audio(s2v, where, self.device, req.audio_path, req.infer_frames)
+            self.parts.release_audio_encoder()  # --release-encoders: wav2vec2 let go
             if not split_vae:
                 h.stage(Stage.REF_ENCODE)
                 ref_latents, motion_latents, drop_first_motion, last_frames = self._encode_reference(req, size, False)
@@ -320,26 +322,30 @@ class S2VGenerator:
         return req.prompt, req.n_prompt or self.s2v.sample_neg_prompt
 
     def _text_news(self, req: Request) -> dict:
-        """The text-encode stage's data: how many of the two texts T5 encodes (0: both reused)."""
-        return {"texts_encoded": len(self.texts.new(self._texts(req)))}
+        """The text-encode stage's data: how many of the two texts T5 encodes (0: both reused), and
+        where T5 runs (``cpu``: the hybrid mode's or ``--t5-cpu``, never moved to the device)."""
+        return {"texts_encoded": len(self.texts.new(self._texts(req))),
+                "t5_device": "cpu" if self.s2v.t5_cpu else self.device.type}
 
     def _encode_text(self, req: Request):
         """Upstream's prompt and negative-prompt encodes (speech2video L522-532), each text taken
         from the group's memo when it was encoded before; T5 moves to the GPU only for a new one."""
-        s2v = self.s2v
+        s2v, parts = self.s2v, self.parts
         texts = self._texts(req)
+        new = self.texts.new(texts)
         with torch.no_grad():
             if not s2v.t5_cpu:
-                new = self.texts.new(texts)
                 if new:
-                    s2v.text_encoder.model.to(self.device)
+                    parts.text_encoder().model.to(self.device)
                 context, context_null = self.texts.get_all(texts, lambda t: s2v.text_encoder([t], self.device))
                 if new and req.offload_model:
                     s2v.text_encoder.model.cpu()
             else:
                 def on_cpu(t):
-                    return [c.to(self.device) for c in s2v.text_encoder([t], torch.device('cpu'))]
+                    return [c.to(self.device) for c in parts.text_encoder()([t], torch.device('cpu'))]
                 context, context_null = self.texts.get_all(texts, on_cpu)
+        if new:  # --release-encoders: T5 let go (the memo serves these texts again)
+            parts.release_text_encoder()
         return context, context_null
 
     def initial_state(self, enc: Encoded) -> ClipState:
@@ -454,7 +460,10 @@ class S2VGenerator:
                     if predicted is not None:  # --cache: this step reuses the last computed one (no DiT pass)
                         noise_pred = [predicted]
                     else:
-                        noise_pred = self._denoise_pred(latents[0:1], timestep, arg_c, arg_null, req.guide_scale)
+                        try:
+                            noise_pred = self._denoise_pred(latents[0:1], timestep, arg_c, arg_null, req.guide_scale)
+                        except NonFiniteActivation as e:  # fp16's guard (every rank raises here): which step
+                            raise e.at(i + 1, len(timesteps), r + 1) from None
                         if cache is not None:
                             cache.computed(i, latents[0], noise_pred[0])
                     temp_x0 = sample_scheduler.step(noise_pred[0].unsqueeze(0), t, latents[0].unsqueeze(0),

@@ -134,11 +134,16 @@ def _register_stack_dump(run_dir: Path, rank: int):
 
 
 def engine_config(wan, spec: GroupSpec):
-    """The engine's S2V config, copied; fp32 on CPU (bf16 matmuls there are slow and lossy)."""
+    """The engine's S2V config, copied, in the group's compute dtype (``--dtype``, resolved by
+    :func:`wan_s2v_runner.shared.precision.resolve` on this rank's GPU: fp32 on CPU, bf16 where
+    the GPU has it (upstream's), fp16 below cc 8.0). ``cfg.compute_dtype`` says which, and why."""
+    from wan_s2v_runner.shared import precision
+
     cfg = copy.deepcopy(wan.configs.WAN_CONFIGS["s2v-14B"])
-    if spec.device == "cpu":
-        cfg.param_dtype = torch.float32
-        cfg.t5_dtype = torch.float32
+    caps = [torch.cuda.get_device_capability()] if spec.device == "cuda" and torch.cuda.is_available() else []
+    chosen, why = precision.resolve(spec.dtype, spec.device, caps)
+    cfg.compute_dtype, cfg.compute_dtype_reason = chosen, why
+    cfg.param_dtype = cfg.t5_dtype = precision.torch_dtype(chosen)
     return cfg
 
 
@@ -448,7 +453,8 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
         plan = rank_plan(spec.layout, device.type)
         parts, more = runners.get(spec.mode).prepare(wan, cfg, spec, plan, device, local_rank,
                                                            on_event=events.stage)
-        events.emit("plan", **plan.describe(), patches=more)
+        events.emit("plan", **plan.describe(), patches=more, compute_dtype=cfg.compute_dtype.value,
+                    compute_dtype_why=cfg.compute_dtype_reason)
         # its thread while the first job encodes (components.DitLoad): its report once it is loaded
         parts.when_ready(lambda: events.emit("loaded", **parts.load_report.as_dict()))
 

@@ -70,8 +70,8 @@ def identity_of(group: GroupSpec) -> dict[str, Any]:
     from wan_s2v_runner.loading.fingerprint import weights_fingerprint
     from wan_s2v_runner.shared import resume
 
-    return {"weights": weights_fingerprint(group.ckpt_dir, group.dit_file),
-            "checkpoint": resume.checkpoint_digest(group.ckpt_dir, group.dit_file),
+    return {"weights": weights_fingerprint(group.ckpt_dir, group.dit_file, group.t5_file),
+            "checkpoint": resume.checkpoint_digest(group.ckpt_dir, group.dit_file, group.t5_file),
             "engine": resume.engine_digest(group.wan_repo), "settings": frame_settings(group)}
 
 

@@ -54,6 +54,15 @@ class DitOffload(str, Enum):
     BLOCKS = "blocks"  # in host memory, each block copied to the device just before it runs
 
 
+class StreamSource(str, Enum):
+    """Where a streamed DiT's host bytes live (``--dit-stream-from``; ``loading.block_stream``,
+    ``loading.dit_cache``; the ``auto`` rule: ``shared.stream_source``)."""
+
+    MEMORY = "memory"  # one host buffer (the node's shared copy, or the rank's own), pinned whole
+    PAGE_CACHE = "page-cache"  # a cache file on disk, memory-mapped: the kernel keeps what fits
+    AUTO = "auto"  # the page cache when the whole DiT beside the rest would not fit the RAM
+
+
 class MeshAxis(str, Enum):
     """The device mesh's dimensions, outermost first (:attr:`Layout.mesh_shape`'s order): the
     names the mesh is built with and its process groups are looked up by."""

@@ -21,6 +21,17 @@ def hwm_mb(pid: Union[int, str] = "self") -> Optional[float]:
     return None
 
 
+def mem_available() -> Optional[int]:
+    """The host's available RAM (``MemAvailable`` of /proc/meminfo), bytes; None where unreadable."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 #: how a rank names itself (its ``comm``, what ps and top show): ``wan-s2v-r`` and its global rank
 RANK_COMM_PREFIX = "wan-s2v-r"
 

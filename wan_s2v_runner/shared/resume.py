@@ -37,7 +37,7 @@ FORMAT = 2
 #: spec fields that decide the frames (layout, supervision and output fields do not)
 FRAME_FIELDS = ("prompt", "negative_prompt", "max_area", "infer_frames", "num_clips", "steps", "shift",
                 "guide_scale", "solver", "seed", "start_from_ref", "device", "lora", "dit_quant", "fp8_matmul",
-                "cache")
+                "cache", "dtype", "fp32_blocks")
 
 
 class ResumeError(ValueError):
@@ -60,6 +60,9 @@ def spec_digest(spec) -> str:
         data.pop("fp8_matmul")
     if data.get("cache") == cache_policy.OFF.text:  # likewise: every run before --cache computed every step
         data.pop("cache")
+    if data.get("dtype") == "auto" and not data.get("fp32_blocks"):  # likewise: before --dtype
+        data.pop("dtype")
+        data.pop("fp32_blocks", None)
     data["image_sha256"] = sha256_file(spec.image)
     data["audio_sha256"] = sha256_file(spec.speech)  # --tts-text: the speech it made (kept for a resume)
     if spec.pose_video:
@@ -68,15 +71,17 @@ def spec_digest(spec) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def checkpoint_digest(ckpt_dir: Path, dit_file: Optional[Path] = None) -> str:
-    """Names and sizes of every checkpoint file (and of ``dit_file``, a ``--dit-file``), and the
-    DiT config's bytes (cheap: no weights read)."""
+def checkpoint_digest(ckpt_dir: Path, dit_file: Optional[Path] = None, t5_file: Optional[Path] = None) -> str:
+    """Names and sizes of every checkpoint file (and of ``dit_file``/``t5_file``, a ``--dit-file``
+    or ``--t5-file``), and the DiT config's bytes (cheap: no weights read)."""
     from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG
 
     ckpt_dir = Path(ckpt_dir)
     rows = sorted((str(p.relative_to(ckpt_dir)), p.stat().st_size) for p in ckpt_dir.rglob("*") if p.is_file())
     if dit_file is not None:
         rows.append(["--dit-file", Path(dit_file).name, Path(dit_file).stat().st_size])
+    if t5_file is not None:
+        rows.append(["--t5-file", Path(t5_file).name, Path(t5_file).stat().st_size])
     h = hashlib.sha256(json.dumps(rows).encode())
     cfg = ckpt_dir / DIT_CONFIG
     if cfg.is_file():
@@ -90,7 +95,8 @@ def engine_digest(wan_repo: Optional[Path]) -> str:
 
 
 def identity(spec) -> dict:
-    return {"spec": spec_digest(spec), "checkpoint": checkpoint_digest(spec.ckpt_dir, spec.dit_file),
+    return {"spec": spec_digest(spec), "checkpoint": checkpoint_digest(spec.ckpt_dir, spec.dit_file,
+                                                                       getattr(spec, "t5_file", None)),
             "engine": engine_digest(spec.wan_repo)}
 
 

@@ -42,8 +42,9 @@ from pydantic import (
 )
 
 from wan_s2v_runner.shared import cache_policy, schedule
-from wan_s2v_runner.shared.layout import DitOffload, DitQuant, Layout, LoadStrategy, Mode
+from wan_s2v_runner.shared.layout import DitOffload, DitQuant, Layout, LoadStrategy, Mode, StreamSource
 from wan_s2v_runner.shared.node_agent import DEFAULT_WORKER
+from wan_s2v_runner.shared.precision import ComputeDtype
 from wan_s2v_runner.shared.quant import Fp8Matmul
 
 __all__ = ["GroupSpec", "JobSpec", "RunSpec", "LoraRef", "Mode", "Layout", "Flag", "FlagGroup", "parse_size",
@@ -176,6 +177,10 @@ class GroupSpec(BaseModel):
         None, description="read the DiT from this one .safetensors file (a ComfyUI or Kijai single file: bare or "
                           "model.diffusion_model. names; bf16, fp16, fp32 or scaled fp8, dequantized at load); "
                           "everything else still comes from --ckpt-dir")
+    t5_file: Annotated[Optional[AbsPath], Flag(_MO, metavar="FILE", default_text="CKPT_DIR's T5")] = Field(
+        None, description="read the T5 text encoder from this one .safetensors file (ComfyUI's umt5_xxl_fp16, bf16 "
+                          "or umt5_xxl_fp8_e4m3fn_scaled: Hugging Face/ComfyUI or Wan names; scaled fp8 dequantized "
+                          "at load; lean loading only); its tokenizer still comes from --ckpt-dir")
     dit_quant: Annotated[DitQuant, Flag(_MO)] = Field(
         DitQuant.NONE, description="fp8: hold the DiT's block and audio-injection Linears in float8_e4m3fn with one "
                                    "scale per output row (quantized as read; an e4m3 --dit-file is used as it is): "
@@ -186,6 +191,23 @@ class GroupSpec(BaseModel):
                                        "run's dtype; scaled-mm multiplies in fp8 with torch._scaled_mm, the "
                                        "activations quantized per token (compute capability >= 8.9; faster with "
                                        "--compile, and it rounds the activations too: docs/loading.md)")
+    dtype: Annotated[ComputeDtype, Flag(_MO)] = Field(
+        ComputeDtype.AUTO, description="what the DiT and T5 compute in (auto: bf16 where the GPU has bf16 units, "
+                                       "fp16 below compute capability 8.0 (V100, T4, 20xx), fp32 on the CPU); "
+                                       "fp16 keeps the embeddings and the head in fp32 and stops the job at a "
+                                       "non-finite activation (docs/loading.md)")
+    fp32_blocks: Annotated[list[int], Flag(_MO, metavar="I", repeatable=True, default_text="none")] = Field(
+        default_factory=list, description="with --dtype fp16: compute these DiT blocks in fp32 (the fix the "
+                                          "non-finite guard names for a block that overflows in fp16)")
+    release_encoders: Annotated[Optional[bool], Flag(_MO, default_text="when the memory plan needs it")] = Field(
+        None, description="let T5 and wav2vec2 go once they have encoded (built again for a later job's new text), "
+                          "and read a replicated DiT only after them: the host holds the encoders or the DiT, "
+                          "never both (a 32 GB machine)")
+    t5_cpu: Annotated[Optional[bool], Flag(_MO, default_text="the mode's (hybrid: on), or the memory plan's")] = Field(
+        None, description="encode the prompts with T5 on the CPU, never on the GPU (slower: tens of seconds a new "
+                          "text on a desktop CPU; a served group encodes each text once): T5's ~11 GB in bf16 off "
+                          "the GPU, a 12 GB card's streamed DiT; hybrid always does, fsdp-fixed (T5 sharded on "
+                          "the GPUs) refuses it")
     wan_repo: Annotated[Optional[AbsPath], Flag(_MO, env="WAN_REPO", metavar="DIR",
                                                 default_text="installed `wan`")] = Field(
         None, description="use this Wan2.2 checkout (repo root) instead of the installed wan package")
@@ -209,6 +231,12 @@ class GroupSpec(BaseModel):
     resident_blocks: Annotated[Optional[int], Flag(_MO, metavar="N", default_text="from the memory plan")] = Field(
         None, ge=0, description="with --dit-offload blocks: how many of the DiT's blocks stay on the GPU (the "
                                 "rest stream)")
+    dit_stream_from: Annotated[StreamSource, Flag(_MO, env="WAN_S2V_DIT_STREAM_FROM")] = Field(
+        StreamSource.AUTO, description="with --dit-offload blocks: where the streamed DiT's bytes live: memory (one "
+                                       "host copy, pinned whole), page-cache (written once to a file under "
+                                       "$WAN_S2V_DIT_CACHE_DIR, else ~/.cache/wan-s2v/dit, and memory-mapped: "
+                                       "the kernel keeps what fits in RAM), auto (the page cache when the whole "
+                                       "DiT beside the rest would not fit the RAM; docs/loading.md)")
     # ----- parallel layout
     mode: Annotated[Mode, Flag(_LA, extra_choices=("auto",))] = Field(
         Mode.ULYSSES, description="parallel mode (auto: the doctor's recommendation)")
@@ -293,6 +321,14 @@ class GroupSpec(BaseModel):
                                 "use --mode ulysses")):
                 if given:
                     raise ValueError(f"--dit-quant {self.dit_quant.value} cannot be combined with {why}; drop one")
+        if self.t5_cpu and self.layout.t5_fsdp:
+            raise ValueError(f"--t5-cpu keeps T5 whole on the CPU; --mode {self.mode.value} shards it over the "
+                             "GPUs: drop one (--mode hybrid keeps T5 on the CPU)")
+        if self.t5_file is not None and self.load is LoadStrategy.FULL:
+            raise ValueError("--t5-file is read by lean loading; drop --load full")
+        if self.fp32_blocks and self.dtype is not ComputeDtype.FP16:
+            raise ValueError("--fp32-blocks computes some of the DiT's blocks in fp32 under --dtype fp16; "
+                             "add --dtype fp16 or drop --fp32-blocks")
         if self.fp8_matmul is not Fp8Matmul.DEQUANT and self.dit_quant is not DitQuant.FP8:
             raise ValueError(f"--fp8-matmul {self.fp8_matmul.value} is how --dit-quant fp8's Linears multiply; "
                              "add --dit-quant fp8 or drop --fp8-matmul")
@@ -306,6 +342,9 @@ class GroupSpec(BaseModel):
                     raise ValueError(f"--dit-offload blocks cannot be combined with {why}")
         elif self.resident_blocks is not None:
             raise ValueError("--resident-blocks says how many blocks stay on the GPU while the rest stream; "
+                             "add --dit-offload blocks or drop it")
+        elif self.dit_stream_from is StreamSource.PAGE_CACHE:
+            raise ValueError("--dit-stream-from page-cache is where a streamed DiT's blocks are read from; "
                              "add --dit-offload blocks or drop it")
         if self.dit_file is not None and self.load is LoadStrategy.FULL:
             raise ValueError("--dit-file is read by lean loading (--load full is upstream's own reading of "
