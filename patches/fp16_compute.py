@@ -57,17 +57,19 @@ _MARK = "_wan_s2v_fp32"
 class NonFiniteActivation(RuntimeError):
     """A DiT block's output held inf or NaN under fp16 compute."""
 
-    def __init__(self, block: int, step: Optional[int] = None, steps: Optional[int] = None, clip: Optional[int] = None):
+    def __init__(self, block: Optional[int], step: Optional[int] = None, steps: Optional[int] = None,
+                 clip: Optional[int] = None):
         self.block, self.step, self.steps, self.clip = block, step, steps, clip
-        where = f"DiT block {block}"
+        where = f"DiT block {block}" if block is not None else "the DiT's output (its last audio injection or head)"
         if step is not None:
             where += f" at step {step}" + (f"/{steps}" if steps else "")
         if clip is not None:
             where += f" of clip {clip}"
+        keep = (f"or keep fp16 and add --fp32-blocks {block} (that block's Linears in fp32), "
+                if block is not None else "")
         super().__init__(f"a non-finite activation (inf or NaN) in {where} under --dtype fp16: fp16's range "
                          f"(+-65504) overflowed. Fix: --dtype bf16 on a GPU with bf16 units (compute capability "
-                         f">= 8.0), or keep fp16 and add --fp32-blocks {block} (that block's Linears in fp32), "
-                         f"or --dtype fp32")
+                         f">= 8.0), {keep}or --dtype fp32")
 
     def at(self, step: int, steps: int, clip: int) -> "NonFiniteActivation":
         """The same failure, with the loop's step and clip."""
@@ -132,20 +134,29 @@ class Guard:
     def _start(self, module, args):
         self.flags = None
 
+    def _flag(self, i: int, x: torch.Tensor) -> None:
+        """Flag ``i`` (a block's, or the output's: the last) set where ``x`` holds inf or NaN."""
+        if self.flags is None or self.flags.device != x.device:
+            self.flags = torch.zeros(self.blocks + 1, dtype=torch.bool, device=x.device)
+        self.flags[i] = ~torch.isfinite(x).all()
+
     def _after(self, i: int):
         def hook(module, args, out):
-            x = out[0] if isinstance(out, (tuple, list)) else out
-            if self.flags is None or self.flags.device != x.device:
-                self.flags = torch.zeros(self.blocks, dtype=torch.bool, device=x.device)
-            self.flags[i] = ~torch.isfinite(x).all()
+            self._flag(i, out[0] if isinstance(out, (tuple, list)) else out)
         return hook
 
     def _end(self, module, args, out):
-        """Every rank reads the flags of every rank (one small all-reduce per forward: a block
-        that overflows on one rank's tokens, or on one CFG half, stops every rank at the same
-        point, so none is left waiting in a collective); the first flagged block raises."""
+        """The output too (the audio injection after the last block, the head); then every rank
+        reads the flags of every rank (one small all-reduce per forward: a block that overflows on
+        one rank's tokens, or on one CFG half, stops every rank at the same point, so none is left
+        waiting in a collective); the first flagged block raises."""
         import torch.distributed as dist
 
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+        if outs:  # one flag for them all, on the device (no sync)
+            if self.flags is None or self.flags.device != outs[0].device:
+                self.flags = torch.zeros(self.blocks + 1, dtype=torch.bool, device=outs[0].device)
+            self.flags[self.blocks] = torch.stack([~torch.isfinite(o).all() for o in outs]).any()
         if self.flags is None:
             return
         flags = self.flags
@@ -153,7 +164,8 @@ class Guard:
             flags = flags.to(torch.int32)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if bool(flags.any()):
-            raise NonFiniteActivation(int(flags.nonzero()[0, 0]))
+            first = int(flags.nonzero()[0, 0])
+            raise NonFiniteActivation(first if first < self.blocks else None)
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -120,11 +120,13 @@ def test_bf16_on_a_gpu_and_fp32_do_not_take_the_patch():
 
 @pytest.mark.slow(seconds=200)
 def test_every_layout_in_fp16_equals_one_rank(tiny_assets, fp16_one_clip, tmp_path):
-    """Real ranks in fp16: fsdp-fixed (FSDP's mixed precision in fp16, the fp32 layers inside its
-    units), ulysses with CFG-parallel, and hybrid (sequence parallel: Ulysses' attention in fp16),
-    each at 2 ranks, equal one process in fp16 exactly; each rank's load report says fp16."""
-    for name, flags in (("fsdp", ["--mode", "fsdp-fixed"]), ("ulysses_cfg", ["--mode", "ulysses", "--cfg-parallel"]),
-                        ("hybrid", ["--mode", "hybrid"])):
+    """Real ranks in fp16: every mode, with and without CFG-parallel (fsdp-fixed: FSDP's mixed
+    precision in fp16, the fp32 layers inside its units; ulysses and hybrid: sequence parallel,
+    Ulysses' attention in fp16), each at 2 ranks, equal one process in fp16 exactly; each rank's
+    load report says fp16."""
+    for name, flags in (("fsdp", ["--mode", "fsdp-fixed"]), ("fsdp_cfg", ["--mode", "fsdp-fixed", "--cfg-parallel"]),
+                        ("ulysses", ["--mode", "ulysses"]), ("ulysses_cfg", ["--mode", "ulysses", "--cfg-parallel"]),
+                        ("hybrid", ["--mode", "hybrid"]), ("hybrid_cfg", ["--mode", "hybrid", "--cfg-parallel"])):
         got, run_dir = run_frames(tiny_assets, tmp_path / name, TINY_FLAGS, "--num-clips", "1", "--nproc", "2",
                                   "--dtype", "fp16", *flags)
         assert torch.equal(got, fp16_one_clip), (name, (got - fp16_one_clip).abs().max())
@@ -261,3 +263,33 @@ def test_fp16_with_a_streamed_dit_and_fp8_storage(tiny_assets, fp16_one_clip):
     assert torch.equal(streamed, fp16_one_clip)
     assert torch.isfinite(fp8).all() and 0 < (fp8 - fp16_one_clip).abs().max() <= 5e-3
     assert not torch.equal(fp8, fp8_fp32_blocks) and (fp8 - fp8_fp32_blocks).abs().max() <= 2e-3
+
+
+def test_the_guard_checks_the_output_after_the_last_block():
+    """An overflow after the last block (its audio injection, the head) is caught at the output:
+    the job fails naming the DiT's output and the dtype fixes (no block to keep in fp32)."""
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([torch.nn.Identity(), torch.nn.Identity()])
+    model.forward = lambda x: [model.blocks[1](model.blocks[0](x)) * torch.tensor([1.0, float("inf")])]
+    fp16_compute.Guard(model)
+    with pytest.raises(NonFiniteActivation) as e:
+        torch.nn.Module.__call__(model, torch.ones(2))
+    assert e.value.block is None and "the DiT's output" in str(e.value) and "--fp32-blocks" not in str(e.value)
+    model.forward = lambda x: [model.blocks[1](model.blocks[0](x))]
+    torch.nn.Module.__call__(model, torch.ones(2))  # nothing non-finite: no raise
+
+
+def test_a_runs_digest_records_the_dtype_only_where_it_is_not_the_devices_old_one(tiny_assets):
+    """Runs and pools made before ``--dtype`` keep their digest (auto, and the device's old dtype:
+    bf16 on CUDA, fp32 on the CPU, record nothing); a V100's settled fp16 does not match them."""
+    from wan_s2v_runner.serve.fleet import frame_settings
+    from wan_s2v_runner.shared.resume import spec_digest
+    from wan_s2v_runner.shared.spec import RunSpec
+    base = dict(ckpt_dir=tiny_assets.ckpt_dir, image=tiny_assets.image, audio=tiny_assets.audio, prompt="p")
+    cuda = {d: spec_digest(RunSpec(**base, device="cuda", dtype=d)) for d in ("auto", "bf16", "fp16", "fp32")}
+    assert cuda["auto"] == cuda["bf16"] and len({cuda["auto"], cuda["fp16"], cuda["fp32"]}) == 3
+    cpu = {d: spec_digest(RunSpec(**base, device="cpu", dtype=d)) for d in ("auto", "fp32", "fp16")}
+    assert cpu["auto"] == cpu["fp32"] != cpu["fp16"]
+    assert spec_digest(RunSpec(**base, device="cuda", dtype="fp16", fp32_blocks=[3])) != cuda["fp16"]
+    settings = {d: frame_settings(RunSpec(**base, device="cuda", dtype=d)) for d in ("auto", "bf16", "fp16")}
+    assert settings["auto"] == settings["bf16"] and settings["fp16"]["dtype"] == "fp16"

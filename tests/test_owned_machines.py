@@ -390,3 +390,14 @@ def test_an_explicit_release_encoders_is_kept():
     assert on.release_encoders and on.host_phases is not None and on.release_why == "--release-encoders on"
     gate = GateReport(run_checks(ctx, ["memory"]), tuple(groups_for(Mode.ULYSSES)))
     assert "release_encoders" not in gate.settled(ctx.spec)
+
+
+@pytest.mark.parametrize("machine, want", [("v100s_2x_pcie", ComputeDtype.FP16), ("t4_2x", ComputeDtype.FP16),
+                                           ("rtx4090_1x", ComputeDtype.BF16)])
+def test_the_gate_settles_auto_to_the_oldest_gpus_dtype(machine, want):
+    """``--dtype auto`` reaches the ranks resolved (the run's digest and a pool's identity record
+    it, so a V100's fp16 run is never resumed as, or pooled with, bf16 frames); a dtype given is kept."""
+    ctx = ctx_on(machine, max_area="832*480")
+    report = GateReport(run_checks(ctx, ["gpus"]), tuple(groups_for(Mode.ULYSSES)))
+    assert report.settled(ctx.spec).get("dtype") is want
+    assert "dtype" not in report.settled(ctx.spec.model_copy(update={"dtype": ComputeDtype.BF16}))

@@ -59,6 +59,8 @@ def mapping_of(path) -> dict:
         if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
             current = len(head) >= 6 and head[5] == str(path)
             out["mappings"] = out.get("mappings", 0) + current
+            if current:
+                out.setdefault("perms", set()).add(head[1])
         elif current and head and head[0].endswith(":") and len(head) >= 2 and head[1].isdigit():
             out[head[0][:-1]] = out.get(head[0][:-1], 0) + int(head[1])
     return out
@@ -125,6 +127,8 @@ def test_page_cache_frames_equal_and_the_file_is_written_once(five, cache):
         assert smaps["Size"] * 1024 >= entry["bytes"]
         assert smaps["Rss"] * 1024 >= s.host_bytes  # the streamed units' pages are in, as the file's
         assert smaps["Anonymous"] == 0, smaps  # nothing was written into it (no private copy of a page)
+        # read-only and shared: a private writable mapping is charged whole against the commit limit
+        assert smaps["perms"] == {"r--s"}, smaps
         before = path.stat()
         weights_written = report["bytes_read"]["weights"]
         again, parts2 = generate(engine, **paged(0))

@@ -22,7 +22,7 @@ from wan_s2v_runner.preflight.facts import MachineFacts
 from wan_s2v_runner.preflight.memory import REFERENCE, plan_all
 from wan_s2v_runner.preflight.recommend import recommend_mode
 from wan_s2v_runner.preflight.registry import run_checks
-from wan_s2v_runner.shared.layout import DitOffload, Mode
+from wan_s2v_runner.shared.layout import DitOffload, Mode, StreamSource
 
 MACHINES = os.path.join(os.path.dirname(__file__), "data", "machines")
 SIZES = replace(REFERENCE, source="checkpoint (test: Wan2.2-S2V-14B sizes)")
@@ -135,8 +135,9 @@ def test_the_gate_fills_in_the_resident_blocks():
     ctx = ctx_on("rtx5090_1x", dit_offload="blocks")
     report = GateReport(run_checks(ctx, ["memory"]), tuple(groups_for(Mode.ULYSSES)))
     want = plan_all(ctx)["ulysses"].stream["resident_blocks"]
-    assert report.settled(ctx.spec) == {"resident_blocks": want}
-    assert report.settled(ctx.spec.model_copy(update={"resident_blocks": 2})) == {}
+    # and where the streamed bytes live, as the plan counted them (auto resolved for the rank)
+    assert report.settled(ctx.spec) == {"resident_blocks": want, "dit_stream_from": StreamSource.MEMORY}
+    assert report.settled(ctx.spec.model_copy(update={"resident_blocks": 2, "dit_stream_from": "memory"})) == {}
 
 
 def test_doctor_plans_for_a_recorded_machine(tmp_path):

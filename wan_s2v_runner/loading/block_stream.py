@@ -27,7 +27,7 @@ blocks instead (Kijai's block swap, Wan2GP, LightX2V's async block offload, diff
   DMA; where pinning fails (the host is short of memory; WSL2 pins at most about half the RAM) the
   copies are pageable (slower, not overlapped) and a warning says so.
 * **From the page cache** (``mapped``: ``--dit-stream-from page-cache``, ``loading.dit_cache``): the
-  host tensors are views of a cache file's private mapping, whose clean pages the kernel keeps or
+  host tensors are views of a cache file's read-only mapping, whose clean pages the kernel keeps or
   drops as memory allows. The mapping is never pinned (that would lock every page in RAM, the
   opposite of the point): a unit is copied by a thread of its own into one of two **staging**
   buffers (each as large as a slot, the ones pinned) — a CPU copy that faults the pages in from

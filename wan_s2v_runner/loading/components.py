@@ -158,8 +158,8 @@ class Components:
         if self.pending is None:
             return
         load, t0 = self.pending, time.perf_counter()
+        load.wait()  # a read that fails leaves the DiT pending (not loaded), never half-loaded
         self.pending = None
-        load.wait()
         waited = time.perf_counter() - t0
         self.shell.noise_model = load.finish()  # upstream's configure (its barrier), a LoRA merge
         trim_heap()  # what the reader thread freed (its staging, fp8's float32 copies) stays in its arena
@@ -177,6 +177,8 @@ class Components:
         if self.pending is None:
             return
         load, self.pending = self.pending, None
+        if load.deferred:  # not begun: nothing to wait for, nothing to read
+            return
         try:
             load.wait()
         except Exception as e:  # noqa: BLE001 - nothing will use this DiT
@@ -408,7 +410,7 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
             bytes mapped from its cache file (written once, the LoRAs merged in). Whether it did."""
             layout, total = lean_load._layout(model)
             where, why = dit_cache.resolve(how.stream_from, total, max(block_stream.unit_bytes(model), default=0),
-                                           ckpt_dir, group, t5_again=how.release_encoders, t5_file=how.t5_file)
+                                           ckpt_dir, group, t5_file=how.t5_file)
             report.strategy["dit_stream_from"] = why
             if where is not StreamSource.PAGE_CACHE:
                 return False

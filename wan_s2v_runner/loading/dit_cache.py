@@ -4,8 +4,8 @@ A streamed DiT held in memory (``lean_load.node_shared_weights``: one packed buf
 whole) needs RAM for all of it: 30.4 GiB in bf16, 16.1 GiB in fp8, which a 32 GB machine beside
 the encoders does not have. Here its packed bytes (``lean_load._layout``: the parameters as the
 stream copies them, after fp8's quantization and the LoRAs' merge) are written **once** to a file
-in the cache directory (``shared.stream_source.cache_dir``) and mapped privately
-(``torch.UntypedStorage.from_file(path, shared=False)``: MAP_PRIVATE): the parameters are views
+in the cache directory (``shared.stream_source.cache_dir``) and mapped read-only and shared
+(:func:`map_into`: charged nothing against the commit limit): the parameters are views
 of the mapping, its clean pages are page cache, which the kernel keeps while memory allows and
 reads back from the disk when it dropped them (LightX2V's ``lazy_load``, one file).
 
@@ -137,9 +137,20 @@ def read(path: Path, nbytes: int, layout_sha: str, key: Optional[str] = None) ->
 
 
 def map_into(model, cache: CacheFile, layout) -> None:
-    """``model``'s (meta) parameters as views of the file's private mapping (nothing is read
-    until a page is touched; nothing is copied)."""
-    storage = torch.UntypedStorage.from_file(str(cache.path), False, cache.nbytes)
+    """``model``'s (meta) parameters as views of the file's read-only shared mapping (nothing is
+    read until a page is touched; nothing is copied). Read-only and shared, not private: a private
+    writable mapping (``UntypedStorage.from_file(path, False)``) is charged whole against the
+    kernel's commit limit (measured: 2 GiB of ``Committed_AS`` for a 2 GiB file), which fails
+    under strict overcommit, or where the file is near the RAM (WSL2: half the host's); a
+    read-only shared one is charged nothing. Nothing writes the weights (a write would fault)."""
+    import mmap
+    import warnings
+
+    with open(cache.path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), cache.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():  # "non-writable buffer": never written (see above)
+        warnings.simplefilter("ignore", UserWarning)
+        storage = torch.frombuffer(mapped, dtype=torch.uint8).untyped_storage()  # keeps the mapping alive
     model.load_state_dict(lean_load._views(storage, layout), strict=True, assign=True)
 
 
@@ -319,7 +330,7 @@ def resolve(want, dit_bytes: int, slot_bytes: int, ckpt_dir, group=None, t5_agai
 
 def node_cached_weights(model, source, report, what: str, *, cache_dir, key_of: Callable, deltas=None,
                         scales_of: Optional[Callable[[], dict]] = None, group=None, why: str = "") -> dict:
-    """Fill ``model``'s (meta) parameters with views of its cache file's private mapping: the
+    """Fill ``model``'s (meta) parameters with views of its cache file's read-only mapping: the
     node's local rank 0 finds or writes the file (:func:`ensure`; ``key_of(layout)`` names it),
     the node's other ranks wait for it (an all-gather on ``group`` carrying its path, or its
     error, which every rank then raises) and map it. Returns fp8's row scales (weight name ->

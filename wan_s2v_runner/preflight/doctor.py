@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Optional
 
 from wan_s2v_runner.shared import exit_codes
-from wan_s2v_runner.shared.layout import DitOffload
+from wan_s2v_runner.shared.layout import DitOffload, StreamSource
+from wan_s2v_runner.shared.precision import ComputeDtype
 
 from .checks_time import JobTime, job_time
 from .context import CheckContext, ModeSource
@@ -59,7 +60,8 @@ class GateReport:
         node cannot load its ranks at once, ``resident_blocks`` for a streamed DiT,
         ``release_encoders`` when the plan fits only with the encoders let go before the DiT is read,
         ``t5_cpu`` when the GPU holds the encode phase only with T5 on the CPU
-        (the rank takes an unset value as False)."""
+        (the rank takes an unset value as False), ``dit_stream_from`` where the plan counted a
+        streamed DiT's bytes (``auto`` resolved), ``dtype`` (``auto`` resolved on the oldest GPU)."""
         out = {}
         waves = self.data_of("memory.host").get("waves")
         if group.load_waves is None and waves and waves > 1:  # the memory plan's safety net
@@ -73,6 +75,13 @@ class GateReport:
         if ("t5_cpu" in type(group).model_fields and getattr(group, "t5_cpu", None) is None
                 and self.data_of("memory.gpu").get("t5_cpu")):
             out["t5_cpu"] = True
+        source = self.data_of("memory.host").get("dit_stream_from")
+        if (group.dit_offload is DitOffload.BLOCKS and getattr(group, "dit_stream_from", None) is StreamSource.AUTO
+                and source in (StreamSource.MEMORY.value, StreamSource.PAGE_CACHE.value)):
+            out["dit_stream_from"] = StreamSource(source)  # the rank streams from where the plan counted it
+        dtype = self.data_of("gpus.bf16").get("dtype")
+        if getattr(group, "dtype", None) is ComputeDtype.AUTO and dtype is not None:
+            out["dtype"] = ComputeDtype(dtype)  # the oldest GPU's; the run's digest records it
         return out
 
     def to_json(self) -> dict:

@@ -412,7 +412,8 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     phases: dict[str, int] = {}
     # the encoders let go before the DiT is read (lean loading on a GPU; a server's group builds them
     # again beside the DiT for a new prompt, so it gains nothing)
-    released = bool(release) and on_cuda and LoadStrategy(load) is LoadStrategy.LEAN and not served
+    released = (bool(release) and on_cuda and LoadStrategy(load) is LoadStrategy.LEAN and not served
+                and not dit_fsdp)  # the rank reads only a replicated DiT after the encoders
     if on_cuda:
         # the reference is encoded before the prompt: the VAE's workspace and T5 come one after the
         # other; released encoders: the DiT's device part comes after them

@@ -320,7 +320,7 @@ def streamed_words(ctx, plan) -> str:
         held = f"{gib(s.get('pinned_bytes', 0))} pinned on the host"
     released = ("; T5 and wav2vec2 released before the DiT is read (the plan sets --release-encoders)"
                 if plan.release_why.startswith("released") else "")
-    if plan.t5_settled:  # the same frames: T5 computes in the same dtype on the CPU
+    if plan.t5_settled:  # the same dtype on the CPU's kernels: within float rounding of the GPU's encode
         released += "; T5 encodes on the CPU (the plan sets --t5-cpu)"
     fp8 = ""
     if s.get("source") == "page-cache" and s.get("disk_bytes_per_pass"):

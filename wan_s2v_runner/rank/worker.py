@@ -133,14 +133,33 @@ def _register_stack_dump(run_dir: Path, rank: int):
     return f, f_stop
 
 
-def engine_config(wan, spec: GroupSpec):
+def group_capabilities(spec: GroupSpec) -> list:
+    """Every rank's GPU compute capability (one all-gather over the group, after its process group
+    is up; [] on the CPU): ``--dtype auto`` is resolved on the oldest, so every rank computes in
+    the same dtype (a group of mixed generations would otherwise mix bf16 and fp16 ranks)."""
+    import torch.distributed as dist
+
+    if spec.device != "cuda" or not torch.cuda.is_available():
+        return []
+    mine = tuple(torch.cuda.get_device_capability())
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    caps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(caps, mine)
+    return [tuple(c) for c in caps]
+
+
+def engine_config(wan, spec: GroupSpec, capabilities=None):
     """The engine's S2V config, copied, in the group's compute dtype (``--dtype``, resolved by
-    :func:`wan_s2v_runner.shared.precision.resolve` on this rank's GPU: fp32 on CPU, bf16 where
-    the GPU has it (upstream's), fp16 below cc 8.0). ``cfg.compute_dtype`` says which, and why."""
+    :func:`wan_s2v_runner.shared.precision.resolve` on the group's GPUs' ``capabilities``, the
+    oldest deciding (:func:`group_capabilities`; None: this rank's GPU): fp32 on CPU, bf16 where
+    the GPUs have it (upstream's), fp16 below cc 8.0). ``cfg.compute_dtype`` says which, and why."""
     from wan_s2v_runner.shared import precision
 
     cfg = copy.deepcopy(wan.configs.WAN_CONFIGS["s2v-14B"])
-    caps = [torch.cuda.get_device_capability()] if spec.device == "cuda" and torch.cuda.is_available() else []
+    caps = capabilities
+    if caps is None:
+        caps = [torch.cuda.get_device_capability()] if spec.device == "cuda" and torch.cuda.is_available() else []
     chosen, why = precision.resolve(spec.dtype, spec.device, caps)
     cfg.compute_dtype, cfg.compute_dtype_reason = chosen, why
     cfg.param_dtype = cfg.t5_dtype = precision.torch_dtype(chosen)
@@ -437,7 +456,7 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
     try:
         events.stage(Stage.ENGINE_IMPORT, preloaded=engine.imported())  # by the agent, before the fork
         wan = engine.import_wan(spec.wan_repo)
-        cfg = engine_config(wan, spec)
+        cfg = engine_config(wan, spec, group_capabilities(spec))
         applied = apply_for_run(wan, spec, cfg.param_dtype, on_event=events.stage, on_event_data=events.emit,
                                 merge_loras=lora.merger(spec.lora, spec.lora_allow_partial) if spec.lora else None)
         compiler = None

@@ -31,7 +31,7 @@ from typing import Any, Optional
 from wan_s2v_runner.serve.dirs import ServerDirs
 from wan_s2v_runner.serve.store import rules
 from wan_s2v_runner.serve.store.protocol import Joined
-from wan_s2v_runner.shared import atomic
+from wan_s2v_runner.shared import atomic, precision
 from wan_s2v_runner.shared.quant import Fp8Matmul
 from wan_s2v_runner.shared.spec import GroupSpec
 
@@ -58,6 +58,10 @@ def frame_settings(group: GroupSpec) -> dict[str, Any]:
         out["fp8_matmul"] = group.fp8_matmul.value
     if group.compile:
         out["compile"] = True
+    if precision.recorded(group.dtype, group.device) is not None:  # the server's settled dtype (a V100's fp16)
+        out["dtype"] = precision.recorded(group.dtype, group.device)
+    if group.fp32_blocks:
+        out["fp32_blocks"] = sorted(group.fp32_blocks)
     if group.device == "cuda":
         layout = group.layout
         out["layout"] = {"mode": group.mode.value, "world_size": group.world_size, "cfg_degree": layout.cfg_degree,

@@ -53,6 +53,22 @@ def resolve(choice: ComputeDtype, device_type: str,
                                "a few layers stay fp32, a non-finite activation stops the job)")
 
 
+#: what each device computed in before ``--dtype`` existed (a digest or an identity that records
+#: this value records nothing: runs and pools made before keep theirs)
+HISTORICAL = {"cuda": ComputeDtype.BF16, "cpu": ComputeDtype.FP32}
+
+
+def recorded(dtype, device_type: str) -> Optional[str]:
+    """What a frame-settings record keeps of ``dtype`` on ``device_type``: None for ``auto`` and
+    for the device's historical dtype (:data:`HISTORICAL`), else its name. The launcher settles
+    ``auto`` from the preflight (the oldest GPU), so a V100's run records fp16 and is never
+    resumed as, or pooled with, bf16 frames."""
+    dtype = ComputeDtype(dtype)
+    if dtype is ComputeDtype.AUTO or HISTORICAL.get(device_type) is dtype:
+        return None
+    return dtype.value
+
+
 def element_bytes(dtype: ComputeDtype) -> int:
     """Bytes of one parameter (or activation) element in ``dtype`` (resolved)."""
     return 4 if ComputeDtype(dtype) is ComputeDtype.FP32 else 2

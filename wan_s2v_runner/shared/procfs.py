@@ -22,14 +22,28 @@ def hwm_mb(pid: Union[int, str] = "self") -> Optional[float]:
 
 
 def mem_available() -> Optional[int]:
-    """The host's available RAM (``MemAvailable`` of /proc/meminfo), bytes; None where unreadable."""
+    """The RAM this process may still take, bytes: the host's ``MemAvailable`` (/proc/meminfo),
+    capped by what its memory cgroup has left (limit less usage, as the preflight's facts cap it);
+    None where unreadable."""
+    avail = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                avail = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            raw, usage = Path(limit_path).read_text().strip(), int(Path(usage_path).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if raw.isdigit() and int(raw) < 2**60:
+            left = max(0, int(raw) - usage)
+            avail = left if avail is None else min(avail, left)
+        break
+    return avail
 
 
 #: how a rank names itself (its ``comm``, what ps and top show): ``wan-s2v-r`` and its global rank

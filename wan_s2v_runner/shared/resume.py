@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from wan_s2v_runner.shared import cache_policy
+from wan_s2v_runner.shared import cache_policy, precision
 from wan_s2v_runner.shared.quant import Fp8Matmul
 
 CLIPS_DIR = "clips"
@@ -60,8 +60,11 @@ def spec_digest(spec) -> str:
         data.pop("fp8_matmul")
     if data.get("cache") == cache_policy.OFF.text:  # likewise: every run before --cache computed every step
         data.pop("cache")
-    if data.get("dtype") == "auto" and not data.get("fp32_blocks"):  # likewise: before --dtype
-        data.pop("dtype")
+    # likewise before --dtype: auto and the device's historical dtype record nothing (precision.recorded)
+    dtype = precision.recorded(data.pop("dtype", "auto"), spec.device)
+    if dtype is not None:
+        data["dtype"] = dtype
+    if not data.get("fp32_blocks"):
         data.pop("fp32_blocks", None)
     data["image_sha256"] = sha256_file(spec.image)
     data["audio_sha256"] = sha256_file(spec.speech)  # --tts-text: the speech it made (kept for a resume)
