@@ -143,3 +143,26 @@ def test_lines_are_checked_before_anything_runs(tiny_assets, tmp_path):
     rows = plan_lines(csv_jobs, base, group, tmp_path / "out")
     assert [(row.id, row.spec.prompt, row.spec.seed, row.spec.steps) for row in rows] == [
         ("x", "hello there", 3, 40), ("y", "a, comma", 4, 5)]
+
+
+@pytest.mark.slow(seconds=30)
+def test_released_encoders_over_real_ranks_equal_one_process(tiny_assets, reference_frames, other_frames, tmp_path):
+    """``--release-encoders`` in a group of two Ulysses ranks running two jobs: T5 (whole, on the
+    text rank) and wav2vec2 (rank 0) let go after each job's encode and built again for the next
+    job's new prompt, the DiT read after the first job's encoders: both videos equal one process's."""
+    jobs = tmp_path / "jobs.jsonl"
+    _write_jobs(jobs, [{"id": "first", "frames_out": str(tmp_path / "first.pt")},
+                       {"id": "big", "size": "128*128", "seed": 7, "prompt": "someone else", "solver": "dpm++",
+                        "frames_out": str(tmp_path / "big.pt")}])
+    r = run_cli(["batch", str(jobs), *TINY_FLAGS, *asset_flags(tiny_assets), "--nproc", "2", "--mode", "ulysses",
+                 "--release-encoders", "--output-dir", str(tmp_path / "out"), "--runs-root", str(tmp_path / "runs")],
+                cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    assert torch.equal(torch.load(tmp_path / "first.pt"), reference_frames)
+    assert torch.equal(torch.load(tmp_path / "big.pt"), other_frames["big"])
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    for rank in (0, 1):
+        events = [json.loads(line) for line in (run_dir / "events" / f"rank{rank}.jsonl").read_text().splitlines()]
+        loaded = next(e for e in events if e.get("kind") == "loaded")
+        assert loaded["strategy"]["encoders"] == "let go after they encode, the DiT read after them"
+        assert loaded["strategy"]["dit_load"].startswith("after the encoders were let go")

@@ -444,10 +444,10 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
             _compute(self, report, how, dit)
             return dit
 
+        if how.release_encoders:  # the encoders and the DiT's host copy are never held together (no overlap)
+            return DitLoad(model, read, finish, self.device, deferred=True)
         if how.overlap:
             return DitLoad(model, read, finish, self.device)
-        if how.release_encoders:  # the encoders and the DiT's host copy are never held together
-            return DitLoad(model, read, finish, self.device, deferred=True)
         read()
         return finish()
     # the LoRAs (full precision: fp8 merged them as it read), checked against the DiT's shapes

@@ -250,8 +250,9 @@ class RankGroup:
 
     def _idle(self) -> None:
         """No job waits (every rank heard so): a DiT still loading is finished now, so the first
-        job does not wait for it and a load error is the group's."""
-        if self.parts.dit_loading:
+        job does not wait for it and a load error is the group's. Not a deferred one
+        (``--release-encoders``): it is read after the first job's encoders let go, never beside them."""
+        if self.parts.dit_loading and not self.parts.pending.deferred:
             self.parts.ready()
 
     def job_error_is_the_jobs(self, e: BaseException) -> bool:
