@@ -44,10 +44,12 @@ def _files(assets) -> dict:
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int, str]]:
-    """Every file under ``root``: (size, mtime in ns, sha256); a file removed while it is read (a
-    server clearing a job's work directory) is left out."""
+    """Every file under ``root``: (size, mtime in ns, sha256); a file or a directory removed while
+    it is read (a server clearing a job's work directory) is left out (``os.walk`` skips a
+    directory gone before it is listed, where ``rglob`` raised)."""
     out = {}
-    for path in sorted(root.rglob("*")):
+    paths = (Path(d) / f for d, _, files in os.walk(root) for f in files)
+    for path in sorted(paths):
         try:
             if path.is_file():
                 st = path.stat()
