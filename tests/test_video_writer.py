@@ -158,6 +158,28 @@ def test_a_run_stopped_while_finishing_resumes_to_the_same_file(tmp_path, speech
     assert out.read_bytes() == (tmp_path / "whole.mp4").read_bytes()
 
 
+def test_a_run_stopped_after_finishing_but_before_its_record_resumes_to_the_same_file(tmp_path, speech):
+    """Every clip committed and the file finished (renamed to the output), the run stopped before
+    its record (a server stopped between the two; its job is taken again): the resume finds the
+    finished file in the partial's place and finishes it to the same bytes, in another attempt's
+    folder; without it, the resume says the video is missing."""
+    clips = _clips(6)
+    w = _writer(tmp_path, speech, Events())
+    for r, frames in enumerate(clips):
+        w.frames(r, frames, len(clips))
+        w.clip_done(_state(r + 1), len(clips))
+    first = w.finish()
+    want = first.read_bytes()
+    progress = resume.read_progress(tmp_path / "run")
+    assert not media.partial_path(first).exists() and progress.next_clip == progress.num_clips == 4
+    again = VideoWriter(tmp_path / "attempt-2" / "o.mp4", speech, FPS, tmp_path / "run2", {"spec": "x"}, Events(),
+                        continued=resume.continued(progress)).finish()
+    assert again.read_bytes() == want and first.read_bytes() == want
+    first.unlink()
+    with pytest.raises(resume.ResumeError, match="is missing"):
+        _writer(tmp_path, speech, Events(), continued=resume.continued(progress), run="run3")
+
+
 def test_frames_out_is_the_whole_tensor_written_as_it_came(tmp_path, speech):
     clips = _clips(6)
     w = VideoWriter(tmp_path / "o.mp4", speech, FPS, tmp_path / "run", {"spec": "x"}, Events(),

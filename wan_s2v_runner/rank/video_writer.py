@@ -134,16 +134,22 @@ class VideoWriter:
     def _continue(self, c: resume.Continued) -> None:
         """Reopen the run's file at its last committed clip (a copy when the output moved), and
         replay the speech's encoder through the clips already in it."""
-        if not c.video.is_file():
+        video = c.video
+        finished = media.finished_path(c.video)
+        if not video.is_file() and c.complete and finished.is_file():
+            # every clip was in and the file was finished (renamed) before the run stopped, its record
+            # not yet written (a server stopped between the two): its bytes, finished again the same way
+            video = finished
+        if not video.is_file():
             raise resume.ResumeError(f"the video so far {c.video} is missing: its clips cannot be continued. "
                                      "Fix: put the file back, or start the run again with `wan-s2v run`.")
-        if c.video.stat().st_size < c.at.size:
-            raise resume.ResumeError(f"the video so far {c.video} is shorter ({c.video.stat().st_size} bytes) than "
+        if video.stat().st_size < c.at.size:
+            raise resume.ResumeError(f"the video so far {video} is shorter ({video.stat().st_size} bytes) than "
                                      f"its last clip's end ({c.at.size}). Fix: start the run again with `wan-s2v run`.")
-        if c.video.resolve() != self.path.resolve():
+        if video.resolve() != self.path.resolve():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = atomic.temp_name(self.path, "copy")
-            with open(c.video, "rb") as src, open(tmp, "wb") as dst:
+            with open(video, "rb") as src, open(tmp, "wb") as dst:
                 left = c.at.size
                 while left:
                     chunk = src.read(min(left, 1 << 24))

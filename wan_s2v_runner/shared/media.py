@@ -322,6 +322,12 @@ def partial_path(output: Path) -> Path:
     return output.with_name(f"{output.stem}.partial.mp4")
 
 
+def finished_path(partial: Path) -> Path:
+    """The output a video so far (``NAME.partial.mp4``, :func:`partial_path`) becomes when finished."""
+    partial = Path(partial)
+    return partial.with_name(partial.name.removesuffix(".partial.mp4") + ".mp4")
+
+
 def thumbnail_path(output: Path) -> Path:
     """Where a video's first frame goes (``NAME.thumbnail.jpg``)."""
     output = Path(output)
