@@ -23,8 +23,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import TINY_FLAGS, cpu_engine, run_cli
-from tests.test_block_stream import BLOCKS, generate, passes, streamed
+from tests.conftest import cpu_engine
+from tests.test_block_stream import BLOCKS, _run, generate, passes, streamed
 from wan_s2v_runner.loading import block_stream, dit_cache, lean_load
 from wan_s2v_runner.shared.layout import DitQuant, StreamSource
 
@@ -305,13 +305,6 @@ def test_a_full_disk_fails_in_one_line_and_leaves_nothing(tmp_path, monkeypatch)
         dit_cache.ensure(tmp_path, "b" * 32, layout, total, src)
     assert "\n" not in str(e.value)
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".bin"] == []  # no temporary, no file
-
-
-def _run(five, d, *flags, env=None):
-    d.mkdir()
-    return run_cli(["run", *TINY_FLAGS, "--ckpt-dir", str(five.ckpt_dir), "--image", str(five.image), "--audio",
-                    str(five.audio), *flags, "--output", str(d / "o.mp4"), "--frames-out", str(d / "f.pt"),
-                    "--runs-root", str(d / "runs")], cwd=d, env=env)
 
 
 @pytest.mark.slow(seconds=15)
