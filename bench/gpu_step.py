@@ -89,7 +89,7 @@ def sdpa_kernel_kind(names: list[str]) -> str:
 
 def peak_tflops(name: str, override: float | None) -> float | None:
     """``--peak-tflops``, else the GPU's dense bf16 peak by name (the doctor's table:
-    :data:`wan_s2v_runner.preflight.streaming.DENSE_BF16_TFLOPS`)."""
+    :func:`wan_s2v_runner.preflight.streaming.gpu_tflops`)."""
     from wan_s2v_runner.preflight.streaming import gpu_tflops
     return override or gpu_tflops(name)
 

@@ -267,9 +267,8 @@ class LoadSettings:
                    loras=tuple(spec.lora), lora_allow_partial=spec.lora_allow_partial, overlap=overlap,
                    resident_blocks=(spec.resident_blocks or 0) if streamed else None,
                    stream_from=spec.dit_stream_from if streamed else StreamSource.MEMORY,
-                   fp32_blocks=tuple(getattr(spec, "fp32_blocks", ())),
-                   release_encoders=bool(getattr(spec, "release_encoders", None)),
-                   t5_cpu=bool(getattr(spec, "t5_cpu", None)))
+                   fp32_blocks=tuple(spec.fp32_blocks), release_encoders=bool(spec.release_encoders),
+                   t5_cpu=bool(spec.t5_cpu))
 
 
 def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
@@ -410,7 +409,7 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
             bytes mapped from its cache file (written once, the LoRAs merged in). Whether it did."""
             layout, total = lean_load._layout(model)
             where, why = dit_cache.resolve(how.stream_from, total, max(block_stream.unit_bytes(model), default=0),
-                                           ckpt_dir, group, t5_file=how.t5_file)
+                                           ckpt_dir, group)
             report.strategy["dit_stream_from"] = why
             if where is not StreamSource.PAGE_CACHE:
                 return False

@@ -283,21 +283,17 @@ def _size(*paths) -> int:
     return 0
 
 
-def encoder_bytes_to_come(ckpt_dir, t5_again: bool = False, t5_file=None) -> int:
+def encoder_bytes_to_come(ckpt_dir) -> int:
     """Host bytes the encoders still take once the node's ranks have loaded T5 and the VAE (the DiT
     is read after them): wav2vec2's fp32 weights (its file) and one window of its encode
-    (``shared.encoder_placement.host_bytes``); with ``t5_again`` (``--release-encoders``: T5 is
-    built again for a later job's text while the streamed DiT is held) T5's file too."""
+    (``shared.encoder_placement.host_bytes``)."""
     from wan_s2v_runner.shared import ckpt_layout, encoder_placement
     ckpt = Path(ckpt_dir)
     out = _size(ckpt / ckpt_layout.W2V_WEIGHTS, ckpt / ckpt_layout.W2V_WEIGHTS_BIN)
-    if t5_again:
-        out += _size(*([t5_file] if t5_file else []), ckpt / ckpt_layout.T5_FILE)
     return out + encoder_placement.host_bytes(encoder_placement.WINDOW_S)
 
 
-def resolve(want, dit_bytes: int, slot_bytes: int, ckpt_dir, group=None, t5_again: bool = False,
-            t5_file=None) -> tuple:
+def resolve(want, dit_bytes: int, slot_bytes: int, ckpt_dir, group=None) -> tuple:
     """(where, why) a streamed DiT's bytes live: ``want`` unless it is ``auto``, then
     :func:`wan_s2v_runner.shared.stream_source.choose` on what each node's local rank 0 measures
     (MemAvailable, after a barrier: the node's ranks have loaded their encoders), the same answer
@@ -319,7 +315,7 @@ def resolve(want, dit_bytes: int, slot_bytes: int, ckpt_dir, group=None, t5_agai
         readings = {n: r for n, lr, r in infos if lr == 0}
     else:
         readings = {node: mem_available()}
-    rest = encoder_bytes_to_come(ckpt_dir, t5_again, t5_file)
+    rest = encoder_bytes_to_come(ckpt_dir)
     answers = {n: choose(dit_bytes, rest, r, local_ranks, slot_bytes) for n, r in sorted(readings.items())}
     paged = [(n, why) for n, (where, why) in answers.items() if where is StreamSource.PAGE_CACHE]
     if paged:

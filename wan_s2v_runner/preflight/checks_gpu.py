@@ -131,15 +131,18 @@ def check_bf16(ctx):
     ``shared.precision.resolve``, on the oldest GPU in use): auto takes fp16 below cc 8.0 (no bf16
     units there); an explicit ``--dtype bf16`` on such a GPU is emulated through fp32 (warned, with
     the fix); fp32 on a GPU is slow (said so)."""
-    from wan_s2v_runner.shared.precision import ComputeDtype, resolve
+    from wan_s2v_runner.shared.precision import ComputeDtype, has_bf16
+
+    from .memory import compute_dtype
     gpus = ctx.local_gpus
     if not ctx.on_cuda or not gpus:
         return skip("gpus.bf16", "no GPU in use")
-    choice = ComputeDtype(getattr(ctx.spec, "dtype", ComputeDtype.AUTO))
-    oldest = min(gpus, key=_cc)
+    choice = ComputeDtype(ctx.spec.dtype)
+    known = [g for g in gpus if g.get("capability")]  # an unknown capability: bf16, as the rule takes it
+    oldest = min(known or gpus, key=_cc)
     cc = _cc(oldest)
-    dtype, why = resolve(choice, "cuda", [_cc(g) if g.get("capability") else None for g in gpus])
-    if cc < (8, 0):
+    dtype, why = compute_dtype(ctx)
+    if known and not has_bf16(cc):
         name = f"{oldest['name']} (cc {_cc_s(oldest)})"
         if dtype is ComputeDtype.BF16:
             return warn("gpus.bf16", f"{name} has no bf16 units: --dtype bf16 is emulated through fp32 there "
@@ -288,11 +291,12 @@ def check_backend(ctx):
     if not backend:
         return fail("attention.backend", f"--attention {ctx.spec.attention}: {reason}",
                     "use --attention auto or sdpa")
-    cc = min((_cc(g) for g in ctx.local_gpus), default=None) if ctx.on_cuda else None
-    if backend == "sdpa" and cc is not None and cc < (8, 0):
+    cc = min((_cc(g) for g in ctx.local_gpus if g.get("capability")), default=None) if ctx.on_cuda else None
+    from wan_s2v_runner.shared.precision import ComputeDtype, has_bf16
+    if backend == "sdpa" and cc is not None and not has_bf16(cc):
         # no flash kernel below sm80; the memory-efficient one (sm50+) takes fp16/fp32 only
-        from wan_s2v_runner.shared.precision import ComputeDtype, resolve
-        dtype, _ = resolve(getattr(ctx.spec, "dtype", ComputeDtype.AUTO), "cuda", [cc])
+        from .memory import compute_dtype
+        dtype, _ = compute_dtype(ctx)
         if dtype is ComputeDtype.BF16:
             return warn("attention.backend", f"--attention {ctx.spec.attention} -> sdpa ({reason}); on cc "
                         f"{cc[0]}.{cc[1]} SDPA has no flash kernel and its memory-efficient kernel takes fp16/fp32 "

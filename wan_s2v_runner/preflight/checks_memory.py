@@ -4,8 +4,6 @@ rank group on the node (``serve --replicas``: the groups load at once, each with
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from wan_s2v_runner.shared import encoder_placement
 from wan_s2v_runner.shared.layout import DitOffload, DitQuant, LoadStrategy, Mode, dit_load_overlap
 
@@ -334,7 +332,7 @@ def check_pinned(ctx):
 def _page_cache_file(ctx, p, total: int, memlock: str):
     """The page cache's side of ``memory.pinned``: the staging each rank pins, and the disk the DiT's
     file goes to (the cache directory's filesystem, where the facts record it) with its read speed."""
-    from wan_s2v_runner.shared.stream_source import cache_dir
+    from wan_s2v_runner.shared.stream_source import STAGING_SLOTS, cache_dir
 
     from .streaming import disk_mib_s
     st = p.stream
@@ -344,13 +342,13 @@ def _page_cache_file(ctx, p, total: int, memlock: str):
         where = cache_dir()
         from .probe import filesystem
         fs = filesystem(where)
-    else:  # recorded: the facts' environment, else the home directory the facts name (or "~")
-        where = (cache_dir(env) if env.get("WAN_S2V_DIT_CACHE_DIR") or env.get("XDG_CACHE_HOME")
-                 else Path(env.get("HOME") or "~") / ".cache" / "wan-s2v" / "dit")
+    else:  # recorded: the facts' environment (its HOME, else "~")
+        where = cache_dir(env)
         fs = ctx.facts.filesystem(where)
     _, speed = disk_mib_s(ctx.facts.host)
-    detail = (f"page cache: {gib(st['pinned_bytes'])} of staging pinned ({ctx.spec.nproc} rank(s) x 2 slots of "
-              f"{gib(st['slot_bytes'])}), of {gib(total) if total else '?'} RAM; the DiT's {gib(size)} file under "
+    detail = (f"page cache: {gib(st['pinned_bytes'])} of staging pinned ({ctx.spec.nproc} rank(s) x "
+              f"{STAGING_SLOTS} slots of {gib(st['slot_bytes'])}), of {gib(total) if total else '?'} RAM; "
+              f"the DiT's {gib(size)} file under "
               f"{where} (written once, then mapped), read from {speed}; ulimit -l {memlock}")
     data = dict(pinned=st["pinned_bytes"], total=total, file_bytes=size)
     if fs is not None:

@@ -81,7 +81,7 @@ def check_t5_placement(ctx):
     if lay.t5_cpu and lay.t5_fsdp:
         return fail("fsdp.t5", lay.problems(1, [])[0],
                     "use --mode hybrid (T5 on CPU) or --mode fsdp-fixed (T5 sharded), not both")
-    if getattr(ctx.spec, "t5_cpu", None) and lay.t5_fsdp:
+    if ctx.spec.t5_cpu and lay.t5_fsdp:
         return fail("fsdp.t5", f"--t5-cpu keeps T5 whole on the CPU; --mode {ctx.mode.value} shards it over the GPUs",
                     "drop --t5-cpu, or use --mode hybrid (T5 on the CPU, the DiT sharded)")
     where = {"cpu": "on the CPU (every rank runs it)", "fsdp": "sharded with FSDP", "gpu": "on the GPU"}[

@@ -69,18 +69,16 @@ class GateReport:
         resident = self.data_of("memory.gpu").get("resident_blocks")
         if group.dit_offload is DitOffload.BLOCKS and group.resident_blocks is None and resident is not None:
             out["resident_blocks"] = resident
-        if ("release_encoders" in type(group).model_fields and getattr(group, "release_encoders", None) is None
-                and self.data_of("memory.host").get("release_encoders")):
+        if group.release_encoders is None and self.data_of("memory.host").get("release_encoders"):
             out["release_encoders"] = True
-        if ("t5_cpu" in type(group).model_fields and getattr(group, "t5_cpu", None) is None
-                and self.data_of("memory.gpu").get("t5_cpu")):
+        if group.t5_cpu is None and self.data_of("memory.gpu").get("t5_cpu"):
             out["t5_cpu"] = True
         source = self.data_of("memory.host").get("dit_stream_from")
-        if (group.dit_offload is DitOffload.BLOCKS and getattr(group, "dit_stream_from", None) is StreamSource.AUTO
+        if (group.dit_offload is DitOffload.BLOCKS and group.dit_stream_from is StreamSource.AUTO
                 and source in (StreamSource.MEMORY.value, StreamSource.PAGE_CACHE.value)):
             out["dit_stream_from"] = StreamSource(source)  # the rank streams from where the plan counted it
         dtype = self.data_of("gpus.bf16").get("dtype")
-        if getattr(group, "dtype", None) is ComputeDtype.AUTO and dtype is not None:
+        if group.dtype is ComputeDtype.AUTO and dtype is not None:
             out["dtype"] = ComputeDtype(dtype)  # the oldest GPU's; the run's digest records it
         return out
 

@@ -24,10 +24,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-MOTION_FRAMES = 73  # config.transformer.motion_frames
+# the frame rate and the motion frames carried between clips: the video budget's (one rule)
+from wan_s2v_runner.shared.video_budget import FPS, MOTION_FRAMES, video_frames
+
 VAE_STRIDE = (4, 8, 8)
 PATCH = (1, 2, 2)
-FPS = 16
 FRAMEPACK_BUCKETS = (1, 2, 16)  # latent frames at 1x, 2x, 4x (WanModel_S2V passes [1, 2, 16])
 REAL_NUM_HEADS = 40
 
@@ -109,5 +110,6 @@ def clips_for_audio(seconds: float, infer_frames: int, num_clips: Optional[int] 
 
 
 def output_frames(n_clips: int, infer_frames: int, start_from_ref: bool) -> int:
-    """Frames in the final video: infer_frames per clip, minus 3 on a dropped-motion first clip."""
-    return n_clips * infer_frames - (0 if start_from_ref else 3)
+    """Frames in the final video: infer_frames per clip, minus 3 on a dropped-motion first clip
+    (``shared.video_budget.video_frames``)."""
+    return video_frames(n_clips, infer_frames, start_from_ref)

@@ -543,7 +543,7 @@ def compute_dtype(ctx) -> tuple[ComputeDtype, str]:
     """What this context's DiT and T5 compute in, and why (``--dtype``: ``shared.precision``'s
     rule on the oldest GPU the node's ranks use)."""
     caps = [tuple(g["capability"]) if g.get("capability") else None for g in ctx.local_gpus] if ctx.on_cuda else []
-    return precision.resolve(getattr(ctx.spec, "dtype", ComputeDtype.AUTO), ctx.spec.device, caps)
+    return precision.resolve(ctx.spec.dtype, ctx.spec.device, caps)
 
 
 def host_available(ctx) -> Optional[int]:
@@ -588,10 +588,10 @@ def settle_host(ctx, layout: Layout, sizes: ModelSizes, wl: Workload, stream: Op
     kw = dict(nproc=spec.nproc, device=spec.device, offload=ctx.offload, load=spec.load, quant=spec.dit_quant,
               stream=stream, dtype=dtype, served=served, t5_cpu=t5_cpu)
     streamed = stream is not None and not layout.dit_fsdp and ctx.on_cuda
-    given_release = getattr(spec, "release_encoders", None)
+    given_release = spec.release_encoders
     can_release = (ctx.on_cuda and LoadStrategy(spec.load) is LoadStrategy.LEAN and not served
                    and not layout.dit_fsdp)
-    src_given = StreamSource(getattr(spec, "dit_stream_from", StreamSource.AUTO)) if streamed else StreamSource.MEMORY
+    src_given = StreamSource(spec.dit_stream_from) if streamed else StreamSource.MEMORY
 
     def plan(release: bool, source: StreamSource) -> ModePlan:
         p = plan_mode(layout, sizes, wl, release=release, source=source, **kw)
@@ -703,7 +703,7 @@ def settle_plan(ctx, layout: Layout, sizes: ModelSizes, wl: Workload, stream: Op
             resident = resident_blocks(layout, sizes, wl, ctx, free, t5_cpu=cpu)
         return settle_host(ctx, layout, sizes, wl, resident, t5_cpu=cpu)
 
-    given = getattr(ctx.spec, "t5_cpu", None)
+    given = ctx.spec.t5_cpu
     if layout.t5_cpu or layout.t5_fsdp:
         p = settled(False)
         p.t5_why = f"the {p.mode} mode's: " + ("on the CPU" if layout.t5_cpu else "sharded on the GPUs")

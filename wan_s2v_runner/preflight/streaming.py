@@ -60,9 +60,6 @@ GPU_TFLOPS = (
     ("Quadro RTX 6000", None, 130.5, 16.3), ("RTX 2080 Ti", None, 53.8, 13.4), ("RTX 2080", None, 40.3, 10.1),
     ("RTX 2070", None, 29.9, 7.5), ("RTX 2060", None, 25.8, 6.5),
 )
-#: the bf16 column as it was (``bench/gpu_step.py`` reads it): emulated rates below cc 8.0
-DENSE_BF16_TFLOPS = tuple((needle, bf16 if bf16 is not None else round(EMULATED_BF16_SHARE * fp32, 1))
-                          for needle, bf16, _, fp32 in GPU_TFLOPS)
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,7 @@ def engine_digest(wan_repo: Optional[Path]) -> str:
 
 
 def identity(spec) -> dict:
-    return {"spec": spec_digest(spec), "checkpoint": checkpoint_digest(spec.ckpt_dir, spec.dit_file,
-                                                                       getattr(spec, "t5_file", None)),
+    return {"spec": spec_digest(spec), "checkpoint": checkpoint_digest(spec.ckpt_dir, spec.dit_file, spec.t5_file),
             "engine": engine_digest(spec.wan_repo)}
 
 

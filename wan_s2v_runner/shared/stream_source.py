@@ -36,13 +36,15 @@ CACHE_ENV = "WAN_S2V_DIT_CACHE_DIR"
 
 
 def cache_dir(env: Optional[Mapping[str, str]] = None) -> Path:
-    """Where the page cache's DiT files go: ``$WAN_S2V_DIT_CACHE_DIR`` when set, else
-    ``$XDG_CACHE_HOME/wan-s2v/dit`` (``~/.cache/wan-s2v/dit``), beside inductor's cache
+    """Where the page cache's DiT files go, by ``env`` (this process's, or a recorded machine's):
+    ``$WAN_S2V_DIT_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/wan-s2v/dit``, else
+    ``$HOME/.cache/wan-s2v/dit`` (``~``: this user's home), beside inductor's cache
     (``shared.inductor``): per user and node, on a local disk as a rule (what is read back)."""
+    home = str(Path.home()) if env is None else "~"  # a recorded machine's home, unknown: said "~"
     env = os.environ if env is None else env
     if env.get(CACHE_ENV):
         return Path(env[CACHE_ENV]).expanduser()
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or home) / ".cache")
     return Path(base) / "wan-s2v" / "dit"
 
 

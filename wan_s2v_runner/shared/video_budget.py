@@ -36,7 +36,7 @@ from wan_s2v_runner.shared.media import FIRST_CLIP_DROPS, FPS
 #: frames carried from one clip to the next (config.transformer.motion_frames)
 MOTION_FRAMES = 73
 #: the motion latents state.pt keeps: 16 channels x 19 latent frames at 1/8 of the size, float32
-MOTION_LATENT_CHANNELS, MOTION_LATENT_FRAMES = 16, 19
+MOTION_LATENT_CHANNELS, MOTION_LATENT_FRAMES = 16, (MOTION_FRAMES + 3) // 4
 #: decoded float32 clips the streaming writer holds at most (the one decoded, the one converted)
 FLOAT_CLIPS = 2
 #: uint8 clips it holds while the encoder takes them
