@@ -44,6 +44,7 @@ from wan_s2v_runner.shared import atomic, cache_policy, resume
 from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventWriter
 from wan_s2v_runner.shared.job_source import JobSource, read_source
 from wan_s2v_runner.shared.jobs import Job
+from wan_s2v_runner.shared.layout import Mode
 from wan_s2v_runner.shared.procfs import pin_mmap_threshold, trim_heap
 from wan_s2v_runner.shared.spec import GroupSpec, RunSpec, read_spec
 from wan_s2v_runner.shared.stages import Stage
@@ -380,11 +381,15 @@ class RankGroup:
               stage, gate: LeaseGate) -> None:
         """Generate ``job``'s clips into its video (rank 0: ``writer``) and finish it and its record."""
         from wan_s2v_runner.rank.generation import S2VGenerator
+        from wan_s2v_runner.rank.live_loop import LiveGenerator
         from wan_s2v_runner.shared import media
         from wan_s2v_runner.shared.atomic import NotCommitted
 
         events, plan = self.events, self.plan
-        generator = S2VGenerator(self.parts, plan, hooks, self.texts)
+        live = spec.layout.mode is Mode.LIVE
+        if live:  # time to the first frame and frames per second, after each decoded block
+            hooks.live = lambda figures: events.emit("live", **figures)
+        generator = (LiveGenerator if live else S2VGenerator)(self.parts, plan, hooks, self.texts)
         generator.generate(request_for(spec), resuming=bool(spec.resume_from), resume=resume_state)
         if self.rank != 0:
             events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
@@ -413,6 +418,7 @@ class RankGroup:
                       "wall_s": round(ended - started, 3), "stage_seconds": clock.seconds(ended),
                       "resumed_at_clip": resume_state.clip + 1 if resume_state else None,
                       "frames": shape, "fps": self.cfg.sample_fps, "identity": identity,
+                      **({"live": generator.record} if live else {}),
                       "step_cache": (cache_policy.summary(spec.cache, generator.cache_records)
                                      if generator.cache_records else None),
                       **memory_figures(events.peaks),

@@ -31,6 +31,7 @@ class Mode(str, Enum):
     ULYSSES = "ulysses"
     FSDP_FIXED = "fsdp-fixed"
     HYBRID = "hybrid"
+    LIVE = "live"  # LiveAvatar's causal 4-step blocks, the steps pipelined over the ranks (docs/live.md)
 
 
 class LoadStrategy(str, Enum):
@@ -92,6 +93,9 @@ MODES: dict[Mode, ModeTraits] = {
                                 sequence_parallel=False, dit_fsdp=True, t5_fsdp=True, t5_cpu=False),
     Mode.HYBRID: ModeTraits("Ulysses + FSDP DiT, T5 on CPU (lowest GPU memory)",
                             sequence_parallel=True, dit_fsdp=True, t5_fsdp=False, t5_cpu=True),
+    Mode.LIVE: ModeTraits("live: causal 4-step blocks, one rank per denoising step (+ a decoding rank) or the "
+                          "steps shared; each DiT rank holds the full model", sequence_parallel=False,
+                          dit_fsdp=False, t5_fsdp=False, t5_cpu=False),
 }
 
 
@@ -144,6 +148,8 @@ class Layout(BaseModel):
         t = MODES[Mode(mode)]
         cfg = 2 if cfg_parallel else 1
         vae = world_size > 1 if vae_parallel is None else (vae_parallel and world_size > 1)
+        if Mode(mode) is Mode.LIVE:  # rank 0 decodes each block as it comes (the other ranks denoise)
+            vae = False
         # one rank per branch: the plain engine path (upstream's ulysses_size=1), no SP machinery
         return cls(world_size=world_size, use_sp=t.sequence_parallel and world_size // cfg > 1,
                    dit_fsdp=t.dit_fsdp, t5_fsdp=t.t5_fsdp, t5_cpu=t.t5_cpu, mode=Mode(mode), cfg_degree=cfg,
@@ -243,6 +249,13 @@ class Layout(BaseModel):
         out = []
         if self.cfg_degree > 1 and self.world_size % self.cfg_degree:
             out.append(f"--cfg-parallel needs an even world size (got {self.world_size})")
+        if self.mode is Mode.LIVE:
+            from wan_s2v_runner.shared.live_recipe import stage_problem
+            problem = stage_problem(self.world_size)
+            if problem:
+                out.append(problem)
+            if self.cfg_degree > 1:
+                out.append("--mode live runs without CFG (the distilled recipe): drop --cfg-parallel")
         if self.t5_cpu and self.t5_fsdp:
             out.append("T5 on CPU together with T5 FSDP: the engine accepts it but it is unsupported")
         if not self.splits_heads(heads):

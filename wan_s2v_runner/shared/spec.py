@@ -321,6 +321,15 @@ class GroupSpec(BaseModel):
                                 "use --mode ulysses")):
                 if given:
                     raise ValueError(f"--dit-quant {self.dit_quant.value} cannot be combined with {why}; drop one")
+        if self.mode is Mode.LIVE:
+            from wan_s2v_runner.shared.live_recipe import stage_problem
+            for given, why in ((stage_problem(self.world_size), stage_problem(self.world_size)),
+                               (self.cfg_parallel, "--mode live runs without CFG (its distilled recipe): drop "
+                                "--cfg-parallel"),
+                               (self.compile, "--mode live does not compile its cached attention yet: drop "
+                                "--compile")):
+                if given:
+                    raise ValueError(why)
         if self.t5_cpu and self.layout.t5_fsdp:
             raise ValueError(f"--t5-cpu keeps T5 whole on the CPU; --mode {self.mode.value} shards it over the "
                              "GPUs: drop one (--mode hybrid keeps T5 on the CPU)")
@@ -529,6 +538,14 @@ class RunSpec(GroupSpec, JobSpec):
 
     @model_validator(mode="after")
     def _across(self) -> "RunSpec":
+        if self.mode is Mode.LIVE:
+            for given, why in ((self.pose_video is not None, "--pose-video (LiveAvatar's recipe has no pose "
+                                "condition)"),
+                               (self.cache != cache_policy.OFF.text, "--cache (4 distilled steps: none to skip)"),
+                               (self.resume_from is not None, "a resume (a live job's caches are its state: "
+                                "run it again)")):
+                if given:
+                    raise ValueError(f"--mode live cannot be combined with {why}; drop one")
         if self.cfg_parallel and self.guide_scale <= 1:
             raise ValueError(f"--cfg-parallel with guide_scale {self.guide_scale:g}: there is no unconditional "
                              "pass to split (the engine skips it when guide_scale <= 1); drop --cfg-parallel")

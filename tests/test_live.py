@@ -1,0 +1,205 @@
+"""The live mode (``--mode live``, docs/live.md), CPU fp32 on the tiny checkpoint:
+
+* the cached block loop equals a full recomputation of every block from its step latents with the
+  block-causal window mask, exactly, at every step of 6 blocks (the 4-block ring wraps);
+* the streaming VAE decode equals one decode of the whole latent sequence, exactly;
+* the step pipeline over real gloo ranks (2 ranks: steps shared, rank 0 decoding blocks in flight
+  behind; 5 ranks: a decoding rank and one rank per step) equals one process, exactly, through
+  ``wan-s2v run``; a batch's live jobs in a row equal their one-process runs;
+* the recipe's rules (stages, the seeded reference distance, positions) and the refusals.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import asset_flags, run_cli
+
+from wan_s2v_runner.shared import live_recipe as recipe
+
+LIVE = ["--mode", "live", "--device", "cpu", "--size", "64*64", "--seed", "42", "--prompt", "a person talking"]
+
+
+@pytest.fixture(scope="module")
+def long_speech(tmp_path_factory) -> Path:
+    """4.2 s of speech: 6 blocks (the ring of 4 wraps twice over)."""
+    from wan_s2v_runner.demo.synthetic_inputs import make_speech_audio
+
+    return make_speech_audio(tmp_path_factory.mktemp("live") / "long.wav", seconds=4.2, seed=3)
+
+
+def _live_parts(engine_cpu):
+    from wan_s2v_runner.loading import components
+    from wan_s2v_runner.rank.parallel import RankPlan
+    from wan_s2v_runner.shared.layout import Layout, Mode
+
+    wan, cfg, spec = engine_cpu
+    plan = RankPlan(Layout.for_mode(Mode.LIVE, 1), 0)
+    return components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0,
+                           components.LoadSettings.of(spec)), plan
+
+
+@pytest.mark.slow
+def test_cached_blocks_equal_a_full_recomputation_with_the_window_mask(engine_cpu, long_speech, monkeypatch):
+    from live_reference import recompute
+
+    from wan_s2v_runner.rank import live_dit
+    from wan_s2v_runner.rank.live_loop import LiveGenerator
+    from wan_s2v_runner.rank.worker import request_for
+
+    wan, cfg, spec = engine_cpu
+    parts, plan = _live_parts(engine_cpu)
+    calls, sinks, held = [], [], []
+    block, sink = live_dit.LiveDiT.block, live_dit.LiveDiT.sink
+
+    def recording_block(self, latents, t, step, g, distance, audio, cond_states, motion_frames, ctx, cond):
+        out = block(self, latents, t, step, g, distance, audio, cond_states, motion_frames, ctx, cond)
+        calls.append(dict(x=latents.clone(), t=t.clone(), g=g, distance=distance, audio=audio.clone(), out=out,
+                          cond_states=cond_states, motion_frames=motion_frames, dit=self, ctx=ctx))
+        held.append(sorted(step.held.values()))
+        return out
+
+    def recording_sink(self, ref, motion, ctx):
+        sinks.append((ref, motion))
+        return sink(self, ref, motion, ctx)
+
+    monkeypatch.setattr(live_dit.LiveDiT, "block", recording_block)
+    monkeypatch.setattr(live_dit.LiveDiT, "sink", recording_sink)
+    req = request_for(spec.model_copy(update={"audio": long_speech, "seed": 5}))
+    frames = LiveGenerator(parts, plan).generate(req)
+    blocks = len(calls) // recipe.STEPS
+    assert blocks > recipe.WINDOW_BLOCKS + 1 and frames.shape[1] == recipe.video_frames(blocks)
+    # the ring holds at most the window, and block g's step sees blocks g-3..g
+    assert held[-1] == list(range(blocks - 4, blocks)) and max(len(h) for h in held) == recipe.WINDOW_BLOCKS
+    by_step = defaultdict(list)
+    for c in calls:
+        by_step[float(c["t"])].append(c)
+    assert len(by_step) == recipe.STEPS
+    ref, motion = sinks[0]
+    distances = Counter()
+    with torch.no_grad():
+        for t, cs in by_step.items():
+            for g in range(blocks):
+                got = recompute(cs[0]["dit"], cs[0]["ctx"], ref, motion, [c["x"] for c in cs[:g + 1]], cs[0]["t"],
+                                [c["distance"] for c in cs[:g + 1]], [c["audio"] for c in cs[:g + 1]],
+                                cs[0]["cond_states"], cs[0]["motion_frames"])
+                for j in range(g + 1):  # every block recomputed equals what the loop made when it ran it
+                    assert torch.equal(got[j], cs[j]["out"]), (t, g, j, (got[j] - cs[j]["out"]).abs().max())
+                distances.update(c["distance"] for c in cs[:1])
+        # the mask as a masked kernel sees: the same to rounding
+        cs = by_step[max(by_step)]
+        masked = recompute(cs[0]["dit"], cs[0]["ctx"], ref, motion, [c["x"] for c in cs], cs[0]["t"],
+                           [c["distance"] for c in cs], [c["audio"] for c in cs], cs[0]["cond_states"],
+                           cs[0]["motion_frames"], masked_kernel=True)
+    assert max((a - c["out"]).abs().max().item() for a, c in zip(masked, cs)) < 1e-5
+    # the reference's distance changes from block to block and step to step (drawn, not fixed)
+    assert len({c["distance"] for c in calls}) > 3
+
+
+@pytest.mark.slow
+def test_streaming_decode_equals_one_decode(engine_cpu):
+    from wan_s2v_runner.rank.live_decode import StreamDecoder
+
+    parts, _ = _live_parts(engine_cpu)
+    vae = parts.shell.vae
+    z = torch.randn(1, 16, recipe.PRIME_LATENTS + 3 * recipe.BLOCK_LATENT_FRAMES, 8, 8,
+                    generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = torch.stack(vae.decode(z))
+        dec = StreamDecoder(vae)
+        pieces = [dec.decode(z[:, :, :recipe.PRIME_LATENTS])]
+        for b in range(3):
+            s = recipe.PRIME_LATENTS + b * recipe.BLOCK_LATENT_FRAMES
+            pieces.append(dec.decode(z[:, :, s:s + recipe.BLOCK_LATENT_FRAMES]))
+    assert [p.shape[2] for p in pieces] == [1 + 4 * 6] + [recipe.BLOCK_FRAMES] * 3
+    assert torch.equal(torch.cat(pieces, 2), whole)
+
+
+def _run(assets, d: Path, speech: Path, *extra: str):
+    d.mkdir()
+    flags = asset_flags(assets)
+    flags[flags.index("--audio") + 1] = str(speech)
+    r = run_cli(["run", *LIVE, *flags, "--output", str(d / "o.mp4"), "--frames-out", str(d / "f.pt"),
+                 "--runs-root", str(d / "runs"), *extra], cwd=d)
+    assert r.returncode == 0, r.output
+    run = json.loads(next((d / "runs").glob("*/run.json")).read_text())
+    return torch.load(d / "f.pt"), run, next((d / "runs").glob("*"))
+
+
+@pytest.mark.slow
+def test_the_step_pipeline_over_real_ranks_equals_one_process(tiny_assets, long_speech, tmp_path):
+    one, run1, _ = _run(tiny_assets, tmp_path / "one", long_speech, "--nproc", "1")
+    blocks = run1["live"]["blocks"] if "live" in run1 else 6
+    assert one.shape[1] == recipe.video_frames(blocks) and blocks > 2
+    two, _, _ = _run(tiny_assets, tmp_path / "two", long_speech, "--nproc", "2")
+    five, _, run_dir = _run(tiny_assets, tmp_path / "five", long_speech, "--nproc", "5")
+    assert torch.equal(two, one), (two - one).abs().max()
+    assert torch.equal(five, one), (five - one).abs().max()
+    # rank 0 decodes and writes; the others denoise their steps: each reports every block
+    events = {p.name: [json.loads(x) for x in p.read_text().splitlines()] for p in (run_dir / "events").glob("*.jsonl")}
+    live = [e for e in events["rank0.jsonl"] if e.get("kind") == "live"]
+    assert [e["blocks"] for e in live] == list(range(1, blocks + 1)) and live[-1]["frames"] == one.shape[1]
+    assert live[0]["first_frame_s"] > 0 and live[-1]["fps"] > 0
+    for name, evs in events.items():
+        assert [e["clip"] for e in evs if e.get("kind") == "progress"] == list(range(1, blocks + 1)), name
+
+
+@pytest.mark.slow
+def test_live_jobs_in_a_batch_equal_their_one_process_runs(tiny_assets, engine_cpu, tmp_path):
+    from wan_s2v_runner.rank.live_loop import LiveGenerator
+    from wan_s2v_runner.rank.worker import request_for
+
+    wan, cfg, spec = engine_cpu
+    parts, plan = _live_parts(engine_cpu)
+    want = {name: LiveGenerator(parts, plan).generate(request_for(spec.model_copy(update=u)))
+            for name, u in (("a", {"seed": 42}), ("b", {"seed": 9, "prompt": "someone else"}))}
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(json.dumps({"id": "a", "frames_out": str(tmp_path / "a.pt")}) + "\n"
+                    + json.dumps({"id": "b", "seed": 9, "prompt": "someone else", "frames_out": str(tmp_path / "b.pt")})
+                    + "\n")
+    r = run_cli(["batch", str(jobs), *LIVE, *asset_flags(tiny_assets), "--nproc", "2", "--output-dir",
+                 str(tmp_path / "out"), "--runs-root", str(tmp_path / "runs")], cwd=tmp_path)
+    assert r.returncode == 0, r.output
+    for name, frames in want.items():
+        got = torch.load(tmp_path / f"{name}.pt")
+        assert torch.equal(got, frames), (name, (got - frames).abs().max())
+        record = json.loads((tmp_path / "out" / f"{name}.json").read_text())
+        assert record["live"]["blocks"] == 2 and record["live"]["first_frame_s"] > 0
+
+
+def test_the_stage_rule():
+    assert recipe.supported_world_sizes() == [1, 2, 4, 5]
+    five = recipe.stage_plan(5)
+    assert five.rank_steps == ((), (0,), (1,), (2,), (3,)) and not five.decoder_runs_dit
+    assert [five.rank_of_step(s) for s in range(4)] == [1, 2, 3, 4]
+    assert recipe.stage_plan(2).rank_steps == ((0, 1), (2, 3)) and recipe.stage_plan(1).rank_steps == ((0, 1, 2, 3),)
+    for n in (3, 6, 8):
+        assert recipe.stage_plan(n) is None and "Fix: --nproc" in recipe.stage_problem(n)
+    assert "--nproc 2" in recipe.stage_problem(3) and "--nproc 5" in recipe.stage_problem(8)
+
+
+def test_the_reference_distance_is_seeded_uniform_and_placed_as_liveavatar_places_it():
+    draws = [recipe.ref_distance(7, b, s) for b in range(400) for s in range(4)]
+    assert draws == [recipe.ref_distance(7, b, s) for b in range(400) for s in range(4)]  # a function of the seed
+    assert draws != [recipe.ref_distance(8, b, s) for b in range(400) for s in range(4)]
+    assert min(draws) == 4 and max(draws) == 30 and abs(sum(draws) / len(draws) - 17) < 1.0  # uniform 4..30
+    # LiveAvatar: the condition grid rolled by max(0, frame - (30 - distance)) from its position 30
+    assert recipe.ref_position(0, 4) == 30 and recipe.ref_position(30, 4) == 34 and recipe.ref_position(30, 30) == 60
+    assert list(recipe.window(1)) == [0, 1] and list(recipe.window(9)) == [6, 7, 8, 9]
+    assert recipe.video_frames(1) == 9 and recipe.video_frames(4) == 45 and recipe.blocks_for(45) == 4
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--nproc", "3"], "--mode live runs its 4 steps on 1, 2, 4 or 5 ranks"),
+    (["--cfg-parallel", "--nproc", "2"], "--cfg-parallel"),
+    (["--cache", "auto"], "--cache"),
+    (["--compile"], "--compile"),
+])
+def test_what_the_live_mode_cannot_do_is_refused_before_a_rank_starts(tiny_assets, tmp_path, extra, says):
+    r = run_cli(["run", *LIVE, *asset_flags(tiny_assets), "--output", str(tmp_path / "o.mp4"), "--runs-root",
+                 str(tmp_path / "runs"), *extra], cwd=tmp_path)
+    assert r.returncode != 0 and says in r.output, r.output
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").glob("*/events"))

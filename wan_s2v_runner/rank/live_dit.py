@@ -1,0 +1,154 @@
+"""The DiT as the live mode runs it: a sink pass over the condition tokens, then one forward per
+block and denoising step against that step's key/value cache.
+
+Built from the engine's own modules in upstream ``WanModel_S2V.forward``'s order (audio encoder,
+patch and condition embeddings, RoPE from ``rope_precompute``, the condition mask embedding, the
+time embedding with the zero timestep for the condition, the text embedding, every block's own
+forward followed by the audio injection, the head, ``unpatchify``). What differs is LiveAvatar's
+(``causal_model_s2v.py`` ``_forward_sink`` / ``_forward_inference``; :mod:`patches.live_kv` holds the
+attention's half):
+
+* :meth:`LiveDiT.sink`: the reference tokens (at temporal position 30) and the frame-packed motion
+  tokens alone, each block's self-attention storing their keys before RoPE;
+* :meth:`LiveDiT.block`: only the block's noisy tokens (3 latent frames at their absolute
+  positions); the audio encoder sees the block's 12 audio frames (after upstream's 73 copies of
+  the first); the condition keys get their RoPE for this forward (the reference at
+  :func:`~wan_s2v_runner.shared.live_recipe.ref_position`, the motion tokens where the sink had them).
+
+RoPE uses upstream's float64 tables (LiveAvatar rounds its tables to complex32; docs/live.md) over
+as many positions as the video needs (upstream's table has 1024; a row does not depend on the
+table's length, so the first 1024 are upstream's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from patches import live_kv
+from wan_s2v_runner.shared.live_recipe import BLOCK_LATENT_FRAMES, REF_BASE, ref_position
+
+
+@dataclass
+class Cond:
+    """What the sink leaves for every block: the condition tokens' cached keys and values, and
+    the motion tokens' RoPE (fixed)."""
+
+    kv: live_kv.CondKV
+    ref_grid: tuple[int, int]  # the reference's patch grid (h, w)
+    ref_tokens: int
+    motion_freqs: torch.Tensor  # [1, motion tokens, 1, c] complex
+
+
+class LiveDiT:
+    """One loaded DiT (a plain module: resident, streamed or fp8), patched for the live mode."""
+
+    def __init__(self, model, positions: int):
+        """``positions``: latent-frame positions the video needs (its frames and the reference's)."""
+        from wan.modules.model import rope_params
+
+        self.model = model
+        live_kv.apply(model)
+        d = model.dim // model.num_heads
+        n = max(positions, 1024)
+        self.freqs = torch.cat([rope_params(n, d - 4 * (d // 6)), rope_params(n, 2 * (d // 6)),
+                                rope_params(n, 2 * (d // 6))], dim=1)
+        self.heads, self.head_dim = model.num_heads, d
+
+    # ----- pieces of upstream's forward
+    def _rope(self, tokens: int, grids: list, device) -> torch.Tensor:
+        from wan.modules.s2v.s2v_utils import rope_precompute
+
+        shape = torch.empty(1, tokens, self.heads, self.head_dim, device=device)
+        return rope_precompute(shape, grids, self.freqs, start=None)
+
+    @staticmethod
+    def _grid(f0: int, frames: int, h: int, w: int) -> list:
+        return [torch.tensor([[f0, 0, 0]]), torch.tensor([[f0 + frames, h, w]]), torch.tensor([[frames, h, w]])]
+
+    def _time(self, t: torch.Tensor, noisy_tokens: int):
+        """Upstream's time embedding with ``zero_timestep``: (e for the head, [e0, seg index])."""
+        from wan.modules.model import sinusoidal_embedding_1d
+
+        m = self.model
+        t = torch.cat([t, torch.zeros([1], dtype=t.dtype, device=t.device)])
+        with torch.amp.autocast("cuda", dtype=torch.float32):
+            e = m.time_embedding(sinusoidal_embedding_1d(m.freq_dim, t).float())
+            e0 = m.time_projection(e).unflatten(1, (6, m.dim))
+        e = e[:-1]
+        zero_e0 = e0[-1:]
+        e0 = e0[:-1]
+        e0 = torch.cat([e0.unsqueeze(2), zero_e0.unsqueeze(2).repeat(e0.size(0), 1, 1, 1)], dim=2)
+        return e, [e0, torch.tensor(noisy_tokens)]
+
+    def context(self, context: list) -> torch.Tensor:
+        """The text embedding of the prompt's T5 context (upstream's padding to ``text_len``)."""
+        m = self.model
+        return m.text_embedding(torch.stack([torch.cat([u, u.new_zeros(m.text_len - u.size(0), u.size(1))])
+                                             for u in context]))
+
+    def _blocks(self, x, e0, freqs, ctx, call: live_kv.Call, inject_audio: bool):
+        m = self.model
+        seq_lens = torch.tensor([x.shape[1]], dtype=torch.long)
+        with live_kv.calling(m, call):
+            for idx, block in enumerate(m.blocks):
+                x = block(x, e=e0, seq_lens=seq_lens, grid_sizes=None, freqs=freqs, context=ctx, context_lens=None)
+                if inject_audio:
+                    x = m.after_transformer_block(idx, x)
+        return x
+
+    # ----- the two forwards
+    def sink(self, ref_latents: torch.Tensor, motion_latents: torch.Tensor, ctx: torch.Tensor) -> Cond:
+        """The condition tokens' pass: every layer's keys (before RoPE) and values kept."""
+        m = self.model
+        ref = m.patch_embedding(ref_latents[0].unsqueeze(0))  # [1, C, 1, h, w]
+        h, w = ref.shape[3], ref.shape[4]
+        ref = ref.flatten(2).transpose(1, 2)
+        ref_freqs = self._rope(ref.shape[1], [self._grid(REF_BASE, 1, h, w)], ref.device)
+        add_last_motion = m.add_last_motion * 2
+        mot, mot_remb = m.process_motion_frame_pack(motion_latents, drop_motion_frames=False,
+                                                    add_last_motion=add_last_motion)
+        x = torch.cat([ref, mot[0]], dim=1)
+        freqs = torch.cat([ref_freqs, mot_remb[0]], dim=1)
+        mask = torch.cat([torch.ones([1, ref.shape[1]], dtype=torch.long, device=x.device),
+                          2 * torch.ones([1, mot[0].shape[1]], dtype=torch.long, device=x.device)], dim=1)
+        x = x + m.trainable_cond_mask(mask).to(x.dtype)
+        _, e0 = self._time(torch.zeros([1], device=x.device), 0)
+        kv = live_kv.CondKV(len(m.blocks))
+        self._blocks(x, e0, freqs, ctx, live_kv.Call(kv), inject_audio=False)
+        return Cond(kv, (h, w), ref.shape[1], mot_remb[0])
+
+    def cond_freqs(self, cond: Cond, frame: int, distance: int, device) -> torch.Tensor:
+        """The condition keys' RoPE for a block starting at latent ``frame``."""
+        h, w = cond.ref_grid
+        ref = self._rope(cond.ref_tokens, [self._grid(ref_position(frame, distance), 1, h, w)], device)
+        return torch.cat([ref, cond.motion_freqs.to(ref.device)], dim=1)
+
+    def block(self, latents: torch.Tensor, t: torch.Tensor, step: live_kv.StepKV, block: int, distance: int,
+              audio: torch.Tensor, cond_states: torch.Tensor, motion_frames: list, ctx: torch.Tensor,
+              cond: Cond) -> torch.Tensor:
+        """One denoising step's noise prediction for ``block`` (latents [16, 3, H/8, W/8]) at
+        timestep ``t`` ([1]); writes the block's keys into ``step``."""
+        m = self.model
+        audio_input = torch.cat([audio[..., 0:1].repeat(1, 1, 1, motion_frames[0]), audio], dim=-1)
+        res = m.casual_audio_encoder(audio_input)
+        if m.enbale_adain:
+            audio_emb_global, audio_emb = res
+            m.audio_emb_global = audio_emb_global[:, motion_frames[1]:].clone()
+        else:
+            audio_emb = res
+        m.merged_audio_emb = audio_emb[:, motion_frames[1]:, :]
+        x = m.patch_embedding(latents.unsqueeze(0)) + m.cond_encoder(cond_states.unsqueeze(0))
+        grid = torch.tensor([x.shape[2:]], dtype=torch.long)
+        f, h, w = (int(v) for v in x.shape[2:])
+        x = x.flatten(2).transpose(1, 2)
+        n = x.shape[1]
+        m.original_seq_len = n
+        frame = block * BLOCK_LATENT_FRAMES
+        freqs = self._rope(n, [self._grid(frame, f, h, w)], x.device)
+        x = x + m.trainable_cond_mask(torch.zeros([1, n], dtype=torch.long, device=x.device)).to(x.dtype)
+        e, e0 = self._time(t, n)
+        call = live_kv.Call(cond.kv, step, block, self.cond_freqs(cond, frame, distance, x.device))
+        x = self._blocks(x, e0, freqs, ctx, call, inject_audio=True)
+        x = m.head(x[:, :n], e)
+        return m.unpatchify(x, grid)[0].float()
