@@ -43,7 +43,7 @@ def test_flag_types_choices_and_defaults_come_from_the_field():
     p = _run_parser()
     acts = {a.dest: a for a in p._actions}
     assert acts["solver"].choices == ["unipc", "dpm++"]
-    assert acts["mode"].choices == ["ulysses", "fsdp-fixed", "hybrid", "auto"]
+    assert acts["mode"].choices == ["ulysses", "fsdp-fixed", "hybrid", "live", "auto"]
     assert acts["steps"].type is int and acts["shift"].type is float
     assert isinstance(acts["offload_model"], argparse.BooleanOptionalAction)
     assert all(a.default is None for a in p._actions if a.dest in RunSpec.model_fields)  # never overrides

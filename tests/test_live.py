@@ -141,7 +141,7 @@ def test_the_step_pipeline_over_real_ranks_equals_one_process(tiny_assets, long_
     # rank 0 decodes and writes; the others denoise their steps: each reports every block
     events = {p.name: [json.loads(x) for x in p.read_text().splitlines()] for p in (run_dir / "events").glob("*.jsonl")}
     live = [e for e in events["rank0.jsonl"] if e.get("kind") == "live"]
-    assert [e["blocks"] for e in live] == list(range(1, blocks + 1)) and live[-1]["frames"] == one.shape[1]
+    assert [e["blocks"] for e in live] == list(range(1, blocks + 1)) and live[-1]["frames_made"] == one.shape[1]
     assert live[0]["first_frame_s"] > 0 and live[-1]["fps"] > 0
     for name, evs in events.items():
         assert [e["clip"] for e in evs if e.get("kind") == "progress"] == list(range(1, blocks + 1)), name
@@ -203,3 +203,45 @@ def test_what_the_live_mode_cannot_do_is_refused_before_a_rank_starts(tiny_asset
                  str(tmp_path / "runs"), *extra], cwd=tmp_path)
     assert r.returncode != 0 and says in r.output, r.output
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").glob("*/events"))
+
+
+@pytest.mark.slow
+def test_a_served_live_group_streams_its_jobs_video(tiny_assets, inputs, engine_cpu, tmp_path):
+    """``wan-s2v serve --mode live`` over 2 real ranks: a job's progress streams block by block
+    (server-sent events), its video grows a fragment a block, and the finished mp4 is byte for
+    byte the one process's frames written so."""
+    from serving import TINY_DEFAULTS, TOKEN, ServerProcess
+
+    from wan_s2v_runner.rank.live_loop import LiveGenerator
+    from wan_s2v_runner.rank.worker import request_for
+    from wan_s2v_runner.shared import media
+
+    wan, cfg, spec = engine_cpu
+    parts, plan = _live_parts(engine_cpu)
+    frames = LiveGenerator(parts, plan).generate(request_for(spec.model_copy(update={"audio": inputs["audio"]})))
+    want = media.save_video_with_audio(frames, cfg.sample_fps, inputs["audio"], tmp_path / "want.mp4",
+                                       media.clip_lengths(frames.shape[1], recipe.BLOCK_FRAMES))
+    s = ServerProcess(tmp_path / "server", [*TINY_DEFAULTS, "--mode", "live", "--nproc", "2", "--ckpt-dir",
+                                            str(tiny_assets.ckpt_dir), "--token", TOKEN, "--allow-dir",
+                                            str(inputs["root"])])
+    try:
+        r = s.submit(image=inputs["image"], audio=inputs["audio"], seed=42)
+        assert r.status_code == 200, r.text
+        vid = r.json()["id"]
+        seen = []
+        with s.http.stream("GET", f"/v1/videos/{vid}/events", timeout=180) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data:"):
+                    seen.append(json.loads(line[5:]))
+        assert seen[-1]["status"] == "completed", seen[-1]
+        blocks = [(v["clip"], v["clips"]) for v in seen if v["status"] == "in_progress" and v.get("clips")]
+        assert blocks == sorted(blocks) and {n for _, n in blocks} <= {2}, seen  # what it saw: its 2 blocks, in order
+        done = s.video(vid)
+        assert done["frames"] == list(frames.shape), done
+        assert {"denoise", "decode", "save"} <= set(done["stage_seconds"]), done
+        got = s.http.get(f"/v1/videos/{vid}/content")
+        assert got.status_code == 200
+        (tmp_path / "got.mp4").write_bytes(got.content)
+        assert media.sha256_file(tmp_path / "got.mp4") == media.sha256_file(want)
+    finally:
+        assert s.stop() == []

@@ -49,8 +49,9 @@ def test_the_cards_people_own_fit_only_with_streaming(machine, size, quant):
     the frames); streamed, ulysses fits, and the check says by how much and what it streams."""
     values = {"max_area": size, "dit_quant": quant}
     resident = ctx_on(machine, **values)
-    for mode in Mode:
-        plan = plan_all(resident)[mode.value]
+    plans = plan_all(resident)
+    assert set(plans) == {m.value for m in Mode} - {Mode.LIVE.value}  # the live mode: planned when asked for
+    for mode, plan in plans.items():
         assert plan.gpu_peak > plan_free(resident), (mode, plan.gpu_peak)
     r = gpu_check(resident)
     assert r.status is Status.FAIL and "does not fit" in r.finding

@@ -237,7 +237,8 @@ class Display:
                     self._print(f"[{fmt_seconds(t - t0)}] job {ev.get('job')}{of}: {ev.get('id')}")
             elif kind == "progress" and r == self._first and not self.rich:
                 self._flush(t0, force=True)
-                p = {k: ev.get(k) for k in ("clip", "clips", "step", "steps", "reused_steps")}
+                p = {k: ev.get(k) for k in ("clip", "clips", "step", "steps", "reused_steps", "unit", "fps",
+                                            "first_frame_s")}
                 first_or_last = p.get("step") in (1, p.get("steps"))
                 if first_or_last or now - self._last_progress_print >= PROGRESS_EVERY_S:
                     self._last_progress_print = now

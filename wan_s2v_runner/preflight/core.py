@@ -30,6 +30,7 @@ class CheckGroup(str, Enum):
     OUTPUT = "output"
     ULYSSES_DEGREE = "ulysses_degree"
     FSDP = "fsdp"
+    LIVE = "live"  # --mode live: the step pipeline, its caches, its frames per second
 
 
 

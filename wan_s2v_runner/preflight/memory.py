@@ -664,12 +664,14 @@ def _cache_room(p: ModePlan, avail: Optional[int]) -> None:
 
 
 def plan_all(ctx) -> dict[str, ModePlan]:
-    """The plan of every mode at this context's world size (keys: mode values); with
+    """The plan of every mode at this context's world size (keys: mode values; ``live`` only for
+    a live context: checks_live adds its caches); with
     ``--dit-offload blocks``, the modes that replicate the DiT stream it (``--resident-blocks``,
     else as many resident as :func:`resident_blocks` finds room for)."""
     sizes, wl = model_sizes(ctx), workload(ctx)
     out = {}
-    for m in Mode:
+    # the live mode is another recipe, not another layout of the same job: planned only when asked for
+    for m in (m for m in Mode if m is not Mode.LIVE or ctx.mode is Mode.LIVE):
         stream = None
         if ctx.spec.dit_offload is DitOffload.BLOCKS and not ctx.layout_for(m).dit_fsdp:
             stream = ctx.spec.resident_blocks if ctx.spec.resident_blocks is not None else RESIDENT_FROM_PLAN

@@ -21,6 +21,7 @@ from . import (
     checks_engine,
     checks_gpu,
     checks_inputs,
+    checks_live,
     checks_lora,
     checks_memory,
     checks_parallel,
@@ -99,6 +100,10 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.ULYSSES_DEGREE, checks_parallel.check_tokens),
     (G.FSDP, checks_parallel.check_t5_placement),
     (G.FSDP, checks_parallel.check_fsdp_world),
+    (G.LIVE, checks_live.check_stages),
+    (G.LIVE, checks_live.check_recipe),
+    (G.LIVE, checks_live.check_memory),
+    (G.LIVE, checks_live.check_fps),
 )
 
 #: groups every run needs
@@ -110,7 +115,7 @@ def groups_for(mode: Mode) -> tuple[CheckGroup, ...]:
     """The check groups a mode needs, from what the mode does (:data:`~wan_s2v_runner.shared.layout.MODES`)."""
     t = MODES[Mode(mode)]
     return (COMMON_GROUPS + ((G.ULYSSES_DEGREE,) if t.sequence_parallel else ())
-            + ((G.FSDP,) if t.dit_fsdp or t.t5_fsdp else ()))
+            + ((G.FSDP,) if t.dit_fsdp or t.t5_fsdp else ()) + ((G.LIVE,) if Mode(mode) is Mode.LIVE else ()))
 
 
 def run_checks(ctx, groups: Iterable = tuple(CheckGroup)) -> list[CheckResult]:

@@ -130,8 +130,6 @@ class LiveGenerator:
             h.stage(Stage.AUDIO_ENCODE, wav2vec2=where.value, wav2vec2_why=why)
             audio_emb, blocks = encode_audio(self.s2v, where, self.device, req.audio_path, recipe.BLOCK_FRAMES)
             self.parts.release_audio_encoder()
-            if req.num_repeat is not None:
-                blocks = min(blocks, req.num_repeat)
             h.stage(Stage.REF_ENCODE)
             ref, motion = self._reference(req, size)
             mine = {"audio_emb": audio_emb, "ref": ref, "motion": motion,
@@ -252,8 +250,9 @@ class LiveGenerator:
                 if plan.decodes:
                     h.stage(Stage.DECODE, clip=g + 1, clips=blocks)
                     decode_upto(g + 1 - lag)
-                h.step(clip=g + 1, clips=blocks, step=recipe.STEPS, steps=recipe.STEPS,
-                       **(self.record if plan.decodes else {}))
+                h.step(clip=g + 1, clips=blocks, step=recipe.STEPS, steps=recipe.STEPS, unit="block",
+                       **({k: self.record[k] for k in ("fps", "first_frame_s") if k in self.record}
+                          if plan.decodes else {}))
             if plan.decodes:
                 decode_upto(blocks)
                 decoder.close()
@@ -268,14 +267,14 @@ class LiveGenerator:
         rec = self.record
         if block == 0:
             rec["first_frame_s"] = round(now - started, 3)
-            rec["frames"] = 0
-        rec["frames"] += frames
+            rec["frames_made"] = 0
+        rec["frames_made"] += frames
         rec["blocks"] = block + 1
         span = now - started - rec["first_frame_s"]
         if block > 0 and span > 0:
-            rec["fps"] = round((rec["frames"] - self._first_frames) / span, 3)
+            rec["fps"] = round((rec["frames_made"] - self._first_frames) / span, 3)
         else:
-            self._first_frames = rec["frames"]
+            self._first_frames = rec["frames_made"]
         if self.hooks.live is not None:
             self.hooks.live(dict(rec, of=blocks))
 

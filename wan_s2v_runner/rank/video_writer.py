@@ -198,6 +198,11 @@ class VideoWriter:
         except OSError as e:
             raise DiskError.of(e, f"the checkpoint of clip {state.clip}") from e
 
+    def drain(self) -> None:
+        """Wait until the writer's thread holds no block or clip (its error, if any, raised here):
+        a live job hands its last block without a checkpoint after it."""
+        self._wait_idle()
+
     def finish(self) -> Path:
         """The last clip is in: the video becomes the output (the gate asked first)."""
         self._wait_idle()

@@ -397,6 +397,11 @@ class RankGroup:
         if writer.lost:  # not written while its server was not sure it held the job: the server's word first
             gate.wait_or_raise()  # lost (JobLost), or past the wait's limit taken as lost
             raise JobFailed("the video so far could not be written while the server was not sure it held the job")
+        try:  # the last clip's (or live block's) fragment in the file: its writing's error is the job's
+            writer.drain()
+        except Exception as e:
+            raise JobFailed(f"writing the video failed in stage {events.current_stage.value}: "
+                            f"{type(e).__name__}: {e}{disk_fix(e)}") from e
         if writer.total_frames == 0:
             raise RuntimeError("rank 0 got no frames from the engine")
         shape = [3, writer.total_frames, *writer.size]

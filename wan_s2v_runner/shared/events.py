@@ -151,7 +151,13 @@ class RankState:
 
 def denoise_position(p: dict) -> str:
     """'clip j/M, step i/N' from a progress record or RankState.progress ('?' for unknowns), and
-    with ``--cache`` how many of the job's steps so far reused a computed one."""
+    with ``--cache`` how many of the job's steps so far reused a computed one; a live job's
+    (``unit: block``): 'block j/M, F frames/s, first frame at S s'."""
+    if p.get("unit") == "block":  # --mode live: the video's blocks, and how fast they come
+        live = "".join(f", {text}" for key, text in (("fps", f"{p.get('fps')} frames/s"),
+                                                      ("first_frame_s", f"first frame at {p.get('first_frame_s')} s"))
+                       if p.get(key) is not None)
+        return f"block {p.get('clip')}/{p.get('clips') or '?'}{live}"
     reused = f" ({p['reused_steps']} reused: --cache)" if p.get("reused_steps") else ""
     return f"clip {p.get('clip')}/{p.get('clips') or '?'}, step {p.get('step') or 0}/{p.get('steps') or '?'}{reused}"
 

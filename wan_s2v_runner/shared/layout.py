@@ -249,13 +249,6 @@ class Layout(BaseModel):
         out = []
         if self.cfg_degree > 1 and self.world_size % self.cfg_degree:
             out.append(f"--cfg-parallel needs an even world size (got {self.world_size})")
-        if self.mode is Mode.LIVE:
-            from wan_s2v_runner.shared.live_recipe import stage_problem
-            problem = stage_problem(self.world_size)
-            if problem:
-                out.append(problem)
-            if self.cfg_degree > 1:
-                out.append("--mode live runs without CFG (the distilled recipe): drop --cfg-parallel")
         if self.t5_cpu and self.t5_fsdp:
             out.append("T5 on CPU together with T5 FSDP: the engine accepts it but it is unsupported")
         if not self.splits_heads(heads):

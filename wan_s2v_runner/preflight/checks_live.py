@@ -1,0 +1,139 @@
+"""Group ``live`` (``--mode live``): the step pipeline, each DiT rank's key/value caches and the
+frames per second the machine can give, planned before anything spawns.
+
+* ``live.stages``: which rank runs which steps (:func:`~wan_s2v_runner.shared.live_recipe.stage_plan`).
+* ``live.memory``: a DiT rank holds the mode's memory plan (the whole DiT, as ``ulysses`` at one
+  rank: an over-estimate of a block's activations) plus, per step it runs, a ring of
+  :data:`~wan_s2v_runner.shared.live_recipe.WINDOW_BLOCKS` blocks' keys and values per layer, and the
+  condition's once (:func:`kv_bytes`); against the GPU's free memory.
+* ``live.fps``: a block's forward (its tokens' projections and FFN, attention over the window and
+  the condition) at :data:`.streaming.ASSUMED_MFU` of the GPU's peak in the run's dtype; the
+  pipeline's pace is its busiest rank's (its steps), the first frame waits for all 4 steps.
+  Informational: the VAE's decode and the sends are not in it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from wan_s2v_runner.shared import live_recipe as recipe
+from wan_s2v_runner.shared.precision import element_bytes
+
+from .core import fail, ok, skip, warn
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class LiveFigures:
+    block_tokens: int
+    cond_tokens: int
+    kv_per_step: int  # bytes, one step's ring over every layer
+    kv_cond: int  # bytes, the condition's keys and values over every layer
+    steps_per_rank: int
+
+    @property
+    def kv_rank(self) -> int:
+        return self.steps_per_rank * self.kv_per_step + self.kv_cond
+
+
+def figures(ctx) -> LiveFigures:
+    from .memory import compute_dtype, model_sizes, workload
+
+    sizes, wl = model_sizes(ctx), workload(ctx)
+    per_frame = (wl.height // 16) * (wl.width // 16)
+    block = recipe.BLOCK_LATENT_FRAMES * per_frame
+    cond = wl.tokens.ref + wl.tokens.motion
+    eb = element_bytes(compute_dtype(ctx)[0]) if ctx.on_cuda else 4
+    layers, dim = sizes.num_layers or 40, sizes.dim or 5120
+    plan = recipe.stage_plan(ctx.spec.world_size) or recipe.stage_plan(1)
+    steps = max(len(s) for s in plan.rank_steps)
+    return LiveFigures(block, cond, 2 * recipe.WINDOW_BLOCKS * block * dim * layers * eb, 2 * cond * dim * layers * eb,
+                       steps)
+
+
+def check_stages(ctx):
+    problem = recipe.stage_problem(ctx.spec.world_size)
+    if problem:
+        return fail("live.stages", problem.split(". Fix: ")[0], problem.split(". Fix: ")[-1])
+    return ok("live.stages", recipe.stage_plan(ctx.spec.world_size).describe())
+
+
+#: flags the live recipe decides instead (docs/live.md)
+RECIPE_FLAGS = ("steps", "guide_scale", "solver", "shift", "infer_frames", "num_clips", "negative_prompt",
+                "start_from_ref")
+
+
+def check_recipe(ctx):
+    """What the live recipe takes from the run: the LoRA it needs; the sampling flags it does not read."""
+    from wan_s2v_runner.shared.spec import RunSpec, flag_name
+
+    spec = ctx.spec
+    unread = [f"{flag_name(k)} {getattr(spec, k)}" for k in RECIPE_FLAGS
+              if k in RunSpec.model_fields and getattr(spec, k, None) not in (None, RunSpec.model_fields[k].default)]
+    what = (f"{recipe.STEPS} steps of FlowMatchEuler (shift {recipe.SHIFT:g}), no CFG, blocks of {recipe.BLOCK_FRAMES} "
+            f"frames" + (f"; not read: {', '.join(unread)}" if unread else ""))
+    loras = list(getattr(spec, "lora", None) or [])
+    if not loras:
+        return warn("live.recipe", what + "; no --lora: the base S2V model is not distilled for 4 causal steps "
+                    "(its frames will be poor)", "add LiveAvatar's LoRA: --lora liveavatar.safetensors:"
+                    f"{recipe.lora_strength():g} (PEFT r={recipe.LORA_RANK}, alpha={recipe.LORA_ALPHA:g})")
+    if all(ref.strength == 1.0 for ref in loras):
+        return warn("live.recipe", what + f"; --lora at strength 1: LiveAvatar's LoRA is PEFT r={recipe.LORA_RANK}, "
+                    f"alpha={recipe.LORA_ALPHA:g}, trained at scale {recipe.lora_strength():g} (a PEFT file holds no "
+                    "alpha)", f"give it as --lora PATH:{recipe.lora_strength():g}")
+    return ok("live.recipe", what)
+
+
+def check_memory(ctx):
+    from .checks_memory import current_plan
+
+    f = figures(ctx)
+    what = (f"per DiT rank: {f.steps_per_rank} step cache(s) of {_gib(f.kv_per_step)} ({recipe.WINDOW_BLOCKS} "
+            f"blocks of {f.block_tokens} tokens) + the condition's {_gib(f.kv_cond)}")
+    if not ctx.on_cuda:
+        return ok("live.memory", what, kv_bytes=f.kv_rank)
+    plan = current_plan(ctx)
+    gpus = [g for g in ctx.local_gpus if g.get("free_mib") is not None]
+    if plan.gpu_peak is None or not gpus:
+        return skip("live.memory", what + "; no GPU memory figures to compare")
+    worst = min(gpus, key=lambda g: g["free_mib"])
+    free, need = worst["free_mib"] * 2**20, plan.gpu_peak + f.kv_rank
+    text = f"{what}: est. {_gib(need)} a DiT rank vs {_gib(free)} free on GPU {worst['index']} ({worst['name']})"
+    if need > free:
+        return fail("live.memory", text, "use --dit-quant fp8 (LiveAvatar runs 48 GB cards so), a smaller --size, "
+                    "or more ranks (fewer steps, so fewer caches, per rank)")
+    return ok("live.memory", text, kv_bytes=f.kv_rank, need_bytes=need)
+
+
+def block_seconds(ctx) -> Optional[float]:
+    """One block's forward at one step on the slowest GPU (None: no estimate)."""
+    from .dit_flops import DitDims, per_token_flops
+    from .memory import compute_dtype, model_sizes
+    from .streaming import ASSUMED_MFU, gpu_tflops
+
+    if not ctx.on_cuda or not ctx.local_gpus:
+        return None
+    rated = [gpu_tflops(g.get("name", ""), compute_dtype(ctx)[0]) for g in ctx.local_gpus]
+    if any(t is None for t in rated):
+        return None
+    sizes, f = model_sizes(ctx), figures(ctx)
+    dims = DitDims(dim=sizes.dim or 5120, ffn_dim=sizes.ffn_dim or 13824, num_layers=sizes.num_layers or 40)
+    keys = recipe.WINDOW_BLOCKS * f.block_tokens + f.cond_tokens
+    flops = dims.num_layers * (per_token_flops(dims) * f.block_tokens + 4 * f.block_tokens * keys * dims.dim)
+    return flops / (min(rated) * 1e12 * ASSUMED_MFU)
+
+
+def check_fps(ctx):
+    s = block_seconds(ctx)
+    if s is None:
+        return skip("live.fps", "no estimate (CPU, or a GPU whose peak is not known)")
+    f = figures(ctx)
+    pace = f.steps_per_rank * s
+    fps = recipe.BLOCK_FRAMES / pace
+    return ok("live.fps", f"~{fps:.1f} frames/s ({recipe.BLOCK_FRAMES} frames a block, {f.steps_per_rank} step(s) of "
+              f"~{s * 1000:.0f} ms on the busiest rank); the first frame after ~{recipe.STEPS * s:.2f} s of denoising",
+              "estimate from the block's operations; the decode and the sends are not in it",
+              fps=round(fps, 2), block_step_s=round(s, 4))
