@@ -10,12 +10,14 @@ The rows:
     live           LiveAvatar's recipe: blocks of 12 frames, 4 steps, no CFG, per-step K/V caches
 
 Each row: the video's frames, the seconds from the job's start (inputs encoded) to its end, frames
-per second over that, and the seconds until the first frames reached the sink (what a viewer
-waits). The tiny demo checkpoint by default (``--preset compute``: bench_loop's 410M-parameter DiT,
-~10x slower) at ``--size`` with ``--seconds`` of synthetic speech; one torch thread.
+per second over that, the seconds until the first frames reached the sink (what a viewer waits),
+and the frames per second after those (the pace once it streams; a one-clip video has none). The
+tiny demo checkpoint by default (``--preset compute``: bench_loop's 410M-parameter DiT, where the
+DiT's arithmetic dominates as on a GPU) at ``--size`` with ``--seconds`` of synthetic speech; one
+torch thread.
 
     .venv/bin/python bench/bench_live.py                 # tiny, 128x128, 3 s of speech
-    .venv/bin/python bench/bench_live.py --markdown      # the table for docs/live.md
+    .venv/bin/python bench/bench_live.py --preset compute --size 128*128 --seconds 3 --markdown  # docs/live.md
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class Sink:
     def frames(self, clip, frames, num_clips):
         if self.first is None:
             self.first = time.perf_counter() - self.t0
+            self.first_n = frames.shape[2]
         self.n += frames.shape[2]
 
     def clip_done(self, state, num_clips):
@@ -90,11 +93,14 @@ def main(argv=None) -> int:
         sink.t0 = t0
         gen.generate(request_for(spec))
         wall = time.perf_counter() - t0
-        rows.append((name, sink.n, wall, sink.n / wall, sink.first))
+        after = (sink.n - sink.first_n) / (wall - sink.first) if sink.n > sink.first_n else None
+        rows.append((name, sink.n, wall, sink.n / wall, sink.first, after))
         print(f"{name}: {sink.n} frames in {wall:.1f} s", file=sys.stderr, flush=True)
     ref = rows[0][3]
-    head = ["path", "frames", "seconds", "frames/s", "x clip loop", "first frames after (s)"]
-    body = [[n, str(f), f"{s:.1f}", f"{fps:.2f}", f"{fps / ref:.1f}x", f"{first:.1f}"] for n, f, s, fps, first in rows]
+    head = ["path", "frames", "seconds", "frames/s", "x clip loop", "first frames after (s)",
+            "frames/s after the first"]
+    body = [[n, str(f), f"{s:.1f}", f"{fps:.2f}", f"{fps / ref:.1f}x", f"{first:.1f}",
+             f"{after:.2f}" if after is not None else "- (one clip)"] for n, f, s, fps, first, after in rows]
     if a.markdown:
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         for r in body:

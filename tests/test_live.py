@@ -5,7 +5,9 @@
 * the streaming VAE decode equals one decode of the whole latent sequence, exactly;
 * the step pipeline over real gloo ranks (2 ranks: steps shared, rank 0 decoding blocks in flight
   behind; 5 ranks: a decoding rank and one rank per step) equals one process, exactly, through
-  ``wan-s2v run``; a batch's live jobs in a row equal their one-process runs;
+  ``wan-s2v run``, and so does the DiT streamed block by block (``--dit-offload blocks``); fp16
+  compute stays within its bound; a batch's live jobs in a row equal their one-process runs; a
+  served live group's video equals one process's;
 * the recipe's rules (stages, the seeded reference distance, positions) and the refusals.
 """
 from __future__ import annotations
@@ -132,12 +134,19 @@ def _run(assets, d: Path, speech: Path, *extra: str):
 @pytest.mark.slow
 def test_the_step_pipeline_over_real_ranks_equals_one_process(tiny_assets, long_speech, tmp_path):
     one, run1, _ = _run(tiny_assets, tmp_path / "one", long_speech, "--nproc", "1")
-    blocks = run1["live"]["blocks"] if "live" in run1 else 6
+    blocks = run1["live"]["blocks"]  # run.json: the live figures
+    assert run1["live"]["first_frame_s"] > 0 and run1["live"]["fps"] > 0 and run1["live"]["frames_made"] == one.shape[1]
     assert one.shape[1] == recipe.video_frames(blocks) and blocks > 2
     two, _, _ = _run(tiny_assets, tmp_path / "two", long_speech, "--nproc", "2")
     five, _, run_dir = _run(tiny_assets, tmp_path / "five", long_speech, "--nproc", "5")
     assert torch.equal(two, one), (two - one).abs().max()
     assert torch.equal(five, one), (five - one).abs().max()
+    # the DiT streamed block by block from host memory: the same frames; fp16 compute: within its bound
+    streamed, _, _ = _run(tiny_assets, tmp_path / "streamed", long_speech, "--nproc", "2", "--dit-offload", "blocks")
+    assert torch.equal(streamed, one), (streamed - one).abs().max()
+    half, _, _ = _run(tiny_assets, tmp_path / "fp16", long_speech, "--nproc", "1", "--dtype", "fp16")
+    diff = (half - one).abs()
+    assert torch.isfinite(half).all() and 0 < diff.max() < 1e-2 and diff.mean() < 5e-4, (diff.max(), diff.mean())
     # rank 0 decodes and writes; the others denoise their steps: each reports every block
     events = {p.name: [json.loads(x) for x in p.read_text().splitlines()] for p in (run_dir / "events").glob("*.jsonl")}
     live = [e for e in events["rank0.jsonl"] if e.get("kind") == "live"]
@@ -245,3 +254,55 @@ def test_a_served_live_group_streams_its_jobs_video(tiny_assets, inputs, engine_
         assert media.sha256_file(tmp_path / "got.mp4") == media.sha256_file(want)
     finally:
         assert s.stop() == []
+
+
+def _live_ctx(machine: str, **values):
+    import os
+    from dataclasses import replace
+
+    from wan_s2v_runner.preflight.context import CheckContext
+    from wan_s2v_runner.preflight.facts import MachineFacts
+    from wan_s2v_runner.preflight.memory import REFERENCE
+
+    path = os.path.join(os.path.dirname(__file__), "data", "machines", f"{machine}.json")
+    ctx = CheckContext.for_values({"mode": "live", "max_area": "704*384", **values}, MachineFacts.load(path))
+    ctx.cache["sizes"] = replace(REFERENCE, source="checkpoint (test: Wan2.2-S2V-14B sizes)")
+    return ctx
+
+
+def test_the_doctor_plans_the_live_pipeline(tmp_path):
+    """On recorded machines: the stages, each DiT rank's caches against its GPU (one H100 holds the
+    4 step caches beside an fp8 DiT, not beside a bf16 one; 5 ranks hold one each), the frames per
+    second from a block's operations, and the LiveAvatar LoRA's strength."""
+    from safetensors.torch import save_file
+
+    from wan_s2v_runner.preflight.core import Status, find
+    from wan_s2v_runner.preflight.registry import groups_for, run_checks
+    from wan_s2v_runner.shared.layout import Mode
+
+    assert "live" in [g.value for g in groups_for(Mode.LIVE)]
+    assert "live" not in [g.value for g in groups_for(Mode.ULYSSES)]
+    one = run_checks(_live_ctx("h100_1x"), ["live"])
+    assert find(one, "live.stages").finding == "rank 0: steps 1,2,3,4 + decode"
+    bf16 = find(one, "live.memory")
+    assert bf16.status is Status.FAIL and "--dit-quant fp8" in bf16.fix
+    # 2 x 4 blocks x 3024 tokens x 5120 x 40 layers x 2 bytes a step, 4 steps on the one rank
+    assert bf16.data["kv_bytes"] > 4 * 2 * 4 * 3024 * 5120 * 40 * 2
+    fp8 = find(run_checks(_live_ctx("h100_1x", dit_quant="fp8"), ["live"]), "live.memory")
+    assert fp8.status is Status.OK, fp8.finding
+    five = run_checks(_live_ctx("a100_8x_nvlink", nproc=5), ["live"])
+    assert find(five, "live.stages").finding.startswith("rank 0: decode; rank 1: steps 1;")
+    assert find(five, "live.memory").data["kv_bytes"] < bf16.data["kv_bytes"] / 3  # one step's caches a rank
+    fps1, fps5 = find(one, "live.fps").data["fps"], find(five, "live.fps").data["fps"]
+    assert 1 < fps1 < fps5  # one step a rank: the pipeline's pace; an A100 is slower than an H100, not 4x
+    assert find(run_checks(_live_ctx("h100_1x", nproc=3), ["live"]), "live.stages").status is Status.FAIL
+    # the LoRA: none (the base model is not distilled), LiveAvatar's rank 128 at strength 1 (its alpha is 64)
+    assert "no --lora" in find(one, "live.recipe").finding
+    lora = tmp_path / "liveavatar.safetensors"
+    import torch
+    save_file({"blocks.0.self_attn.q.lora_A.weight": torch.zeros(128, 8),
+               "blocks.0.self_attn.q.lora_B.weight": torch.zeros(8, 128)}, str(lora))
+    r = find(run_checks(_live_ctx("h100_1x", lora=[str(lora)]), ["live"]), "live.recipe")
+    assert r.status is Status.WARN and r.fix == f"give it as --lora {lora}:0.5", r.fix
+    r = find(run_checks(_live_ctx("h100_1x", lora=[f"{lora}:0.5"], steps=40), ["live"]), "live.recipe")
+    assert r.status is Status.OK, r.finding

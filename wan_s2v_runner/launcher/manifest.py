@@ -126,6 +126,8 @@ def build(spec, run_dir: Path, reader: EventReader, outcome, started: float, end
         # --cache: per clip this run generated, the steps computed and reused (rank 0's; every rank takes the same)
         "step_cache": (cache_policy.summary(job.cache, r0.step_cache) if job and r0 and cache_policy.parse(job.cache).on
                        else None),
+        # --mode live: seconds to the first frame, frames per second after it, blocks (rank 0's, the last job's)
+        "live": r0.live if job and r0 and r0.live else None,
         "engine": engine_info(spec),
         "versions": package_versions(),
         "platform": {"machine": platform.machine(), "system": platform.system(), "argv": sys.argv},

@@ -80,11 +80,31 @@ def check_recipe(ctx):
         return warn("live.recipe", what + "; no --lora: the base S2V model is not distilled for 4 causal steps "
                     "(its frames will be poor)", "add LiveAvatar's LoRA: --lora liveavatar.safetensors:"
                     f"{recipe.lora_strength():g} (PEFT r={recipe.LORA_RANK}, alpha={recipe.LORA_ALPHA:g})")
-    if all(ref.strength == 1.0 for ref in loras):
-        return warn("live.recipe", what + f"; --lora at strength 1: LiveAvatar's LoRA is PEFT r={recipe.LORA_RANK}, "
-                    f"alpha={recipe.LORA_ALPHA:g}, trained at scale {recipe.lora_strength():g} (a PEFT file holds no "
-                    "alpha)", f"give it as --lora PATH:{recipe.lora_strength():g}")
+    for ref in loras:
+        rank, alpha = lora_rank(ref.path)
+        if rank == recipe.LORA_RANK and not alpha and ref.strength == 1.0:
+            return warn("live.recipe", what + f"; --lora {ref.path.name} is a rank-{rank} PEFT LoRA without an alpha "
+                        f"at strength 1: LiveAvatar's (r={recipe.LORA_RANK}, alpha={recipe.LORA_ALPHA:g}) is trained "
+                        f"at scale {recipe.lora_strength():g}",
+                        f"give it as --lora {ref.path}:{recipe.lora_strength():g}")
     return ok("live.recipe", what)
+
+
+def lora_rank(path) -> tuple[Optional[int], bool]:
+    """A LoRA file's rank (its first down projection's rows) and whether it carries an alpha, read
+    from the safetensors header; (None, False) where it cannot be read (``lora.files`` says why)."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            keys = list(f.keys())
+            alpha = any(k.endswith(".alpha") for k in keys)
+            for k in keys:
+                if k.endswith((".lora_A.weight", ".lora_A.default.weight", ".lora_down.weight")):
+                    return int(f.get_slice(k).get_shape()[0]), alpha
+    except Exception:  # noqa: BLE001 - the LoRA checks report an unreadable file
+        pass
+    return None, False
 
 
 def check_memory(ctx):
@@ -104,7 +124,7 @@ def check_memory(ctx):
     text = f"{what}: est. {_gib(need)} a DiT rank vs {_gib(free)} free on GPU {worst['index']} ({worst['name']})"
     if need > free:
         return fail("live.memory", text, "use --dit-quant fp8 (LiveAvatar runs 48 GB cards so), a smaller --size, "
-                    "or more ranks (fewer steps, so fewer caches, per rank)")
+                    "or more ranks (fewer steps, so fewer caches, per rank)", kv_bytes=f.kv_rank, need_bytes=need)
     return ok("live.memory", text, kv_bytes=f.kv_rank, need_bytes=need)
 
 

@@ -156,6 +156,9 @@ class Hooks:
     sink: Optional[ClipSink] = None
     #: every rank, with --cache: a clip's steps computed and reused (:meth:`StepCache.record`), at its end
     cache_done: Optional[Callable[[dict], None]] = None
+    #: whether ``step`` is a collective of every rank (a served job's stop check): the live loop then
+    #: ends each block with all its messages taken, so a job stopped there leaves none in flight
+    step_is_collective: bool = False
     #: the decoding rank, ``--mode live``: the job's live figures after each decoded block
     #: (:meth:`wan_s2v_runner.rank.live_loop.LiveGenerator.record`)
     live: Optional[Callable[[dict], None]] = None

@@ -151,4 +151,23 @@ class LiveDiT:
         call = live_kv.Call(cond.kv, step, block, self.cond_freqs(cond, frame, distance, x.device))
         x = self._blocks(x, e0, freqs, ctx, call, inject_audio=True)
         x = m.head(x[:, :n], e)
-        return m.unpatchify(x, grid)[0].float()
+        out = m.unpatchify(x, grid)[0].float()
+        self._check_finite(out)
+        return out
+
+    def _check_finite(self, out: torch.Tensor) -> None:
+        """--dtype fp16: the blocks' non-finite flags (``patches.fp16_compute``'s guard, whose model
+        forward hooks this path does not take) and the output's, read on this rank alone (the
+        pipeline's ranks run their forwards apart: no collective); the first raises."""
+        from patches.fp16_compute import NonFiniteActivation, guard_of
+
+        guard = guard_of(self.model)
+        if guard is None:
+            return
+        flags = guard.flags
+        guard.flags = None
+        bad = [] if flags is None else flags[:-1].nonzero().flatten().tolist()
+        if bad:
+            raise NonFiniteActivation(int(bad[0]))
+        if not bool(torch.isfinite(out).all()):
+            raise NonFiniteActivation(None)

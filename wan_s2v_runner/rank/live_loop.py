@@ -26,6 +26,7 @@ start); the preflight says so before a live resume spawns.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import sys
@@ -35,6 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from patches.fp16_compute import NonFiniteActivation
 from wan_s2v_runner.rank.encoders import TextContexts, encode_audio, placement
 from wan_s2v_runner.rank.generation import FramesInMemory, Hooks, Request, broadcast_tensors
 from wan_s2v_runner.rank.live_decode import StreamDecoder
@@ -175,6 +177,12 @@ class LiveGenerator:
         block_shape = (16, recipe.BLOCK_LATENT_FRAMES, lat_h, lat_w)
         world = plan.layout.world_size
         autocast = torch.amp.autocast(self.device.type, dtype=self.param_dtype, enabled=self.device.type == "cuda")
+        # fp16 on the CPU: the DiT's forwards under CPU autocast, as patches.fp16_compute wraps the
+        # model's forward (which this path does not call), so the tests compute what a GPU does
+        cpu_fp16 = self.device.type == "cpu" and self.param_dtype == torch.float16
+
+        def dit_autocast():
+            return torch.amp.autocast("cpu", dtype=torch.float16) if cpu_fp16 else contextlib.nullcontext()
         pending: list = []
         started = time.monotonic()
         with autocast, torch.no_grad():
@@ -186,8 +194,9 @@ class LiveGenerator:
                 h.stage(Stage.DENOISE, clip=1, clips=blocks, steps=recipe.STEPS, what="sink")
                 positions = recipe.BLOCK_LATENT_FRAMES * blocks + recipe.REF_BASE + recipe.REF_DISTANCE[1] + 1
                 dit = LiveDiT(self.parts.noise_model, positions)
-                ctx = dit.context(inputs["context"][0:1])
-                cond = dit.sink(inputs["ref"], inputs["motion"], ctx)
+                with dit_autocast():
+                    ctx = dit.context(inputs["context"][0:1])
+                    cond = dit.sink(inputs["ref"], inputs["motion"], ctx)
                 kvs = {i: StepKV(len(dit.model.blocks)) for i in mine}
             decoder = None
             if plan.decodes:
@@ -196,9 +205,12 @@ class LiveGenerator:
             cond_states = torch.zeros(block_shape, dtype=self.param_dtype, device=self.device)
             window_noise = None
             # rank 0 decodes block g once it holds its final latents: at once when it runs the last
-            # step, else `lag` blocks later (the blocks in flight on the other ranks)
+            # step, else `lag` blocks later (the blocks in flight on the other ranks); where the step
+            # hook is a collective (a served job's stop check, every block), at once: a job stopped
+            # there must leave no block in flight for the group's next job to receive
             last_rank = stages.rank_of_step(recipe.STEPS - 1)
-            lag = 0 if last_rank == 0 or not stages.decoder_runs_dit else len(stages.dit_ranks) - 1
+            lag = (0 if last_rank == 0 or not stages.decoder_runs_dit or h.step_is_collective
+                   else len(stages.dit_ranks) - 1)
             finals: dict = {}
             decoded = 0
 
@@ -238,8 +250,12 @@ class LiveGenerator:
                     audio = inputs["audio_emb"][..., g * recipe.BLOCK_FRAMES:(g + 1) * recipe.BLOCK_FRAMES]
                     for i in mine:
                         t = torch.stack([sched.timesteps[i]]).to(self.device)
-                        v = dit.block(x, t, kvs[i], g, recipe.ref_distance(seed, g, i), audio, cond_states,
-                                      motion_frames, ctx, cond)
+                        try:
+                            with dit_autocast():
+                                v = dit.block(x, t, kvs[i], g, recipe.ref_distance(seed, g, i), audio, cond_states,
+                                              motion_frames, ctx, cond)
+                        except NonFiniteActivation as e:  # --dtype fp16: which step of which block
+                            raise e.at(i + 1, recipe.STEPS, g + 1) from None
                         x = sched.step(i, v, x)
                     nxt = stages.rank_of_step(mine[-1] + 1) if mine[-1] + 1 < recipe.STEPS else 0
                     if nxt != rank:

@@ -363,7 +363,7 @@ class RankGroup:
         if self.compiler is not None:
             self.compiler.around = compiling
 
-        hooks = Hooks(stage=stage, step=self._step_or_cancel(job, gate),
+        hooks = Hooks(stage=stage, step=self._step_or_cancel(job, gate), step_is_collective=self.jobs.served,
                       cache_done=lambda record: events.emit("step_cache", **record))
         resume_state, identity, writer = None, None, None
         if plan.decodes:  # the video grows clip by clip (opened by start_job); a clip's checkpoint is its place in it

@@ -146,6 +146,8 @@ class RankState:
     job_failed: Optional[dict[str, Any]] = None  # the last job whose own error the group outlived
     loaded: Optional[dict[str, Any]] = None  # what the rank's loading read, and how (``loaded`` event)
     step_cache: list[dict[str, Any]] = field(default_factory=list)  # --cache: per clip, steps computed/reused
+    #: --mode live, the decoding rank: the latest figures (time to the first frame, frames per second)
+    live: Optional[dict[str, Any]] = None
     stage_peaks: dict[Union[Stage, str], dict[str, float]] = field(default_factory=dict)  # MiB, largest per stage
 
 
@@ -267,6 +269,8 @@ class EventReader:
             st.job_failed = ev
         elif kind == "loaded":
             st.loaded = {k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")}
+        elif kind == "live":  # --mode live: after each decoded block
+            st.live = {k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")}
         elif kind == "step_cache":  # --cache: a clip's steps computed and reused
             st.step_cache.append({k: ev.get(k) for k in ("clip", "computed", "reused")})
         elif kind == "error":
