@@ -138,7 +138,9 @@ def forward(self, x, seq_lens, grid_sizes, freqs):
         out = m.flash_attention(q=m.rope_apply(q, grid_sizes, freqs), k=m.rope_apply(k, grid_sizes, freqs), v=v,
                                 k_lens=seq_lens, window_size=self.window_size)
         return self.o(out.flatten(2))
-    roped_k = m.rope_apply(k, grid_sizes, freqs)
+    # kept in the values' dtype (rope_apply returns fp32; the attention casts to it, as LiveAvatar's
+    # ``type_as(v)``): bf16 keys, not fp32, in the cache on a GPU; the same values on the CPU's fp32
+    roped_k = m.rope_apply(k, grid_sizes, freqs).type_as(v)
     call.step.write(layer, call.block, roped_k, v)
     keys, values = call.step.window(layer, call.block)
     cond_k = m.rope_apply(call.cond.k[layer], None, call.cond_freqs)

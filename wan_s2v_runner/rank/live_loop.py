@@ -212,6 +212,7 @@ class LiveGenerator:
             lag = (0 if last_rank == 0 or not stages.decoder_runs_dit or h.step_is_collective
                    else len(stages.dit_ranks) - 1)
             finals: dict = {}
+            posted: dict = {}  # block -> (buffer, irecv) of final latents rank 0 receives ahead
             decoded = 0
 
             def decode_upto(limit: int) -> None:
@@ -219,6 +220,9 @@ class LiveGenerator:
                 while decoded < limit:
                     g = decoded
                     x = finals.pop(g, None)
+                    if g in posted:  # received while this rank sent its next block
+                        x, work = posted.pop(g)
+                        work.wait()
                     if x is None:
                         x = torch.empty(block_shape, dtype=torch.float32, device=self.device)
                         dist.recv(x, src=last_rank)
@@ -259,6 +263,13 @@ class LiveGenerator:
                         x = sched.step(i, v, x)
                     nxt = stages.rank_of_step(mine[-1] + 1) if mine[-1] + 1 < recipe.STEPS else 0
                     if nxt != rank:
+                        if plan.decodes and lag and g - lag >= 0:
+                            # the final latents rank 0 decodes next, posted before its send: two ranks
+                            # that send to each other (2 ranks) keep their sends and receives in one
+                            # order on both sides (NCCL runs a pair's in turn: a send can wait for its
+                            # receive)
+                            buf = torch.empty(block_shape, dtype=torch.float32, device=self.device)
+                            posted[g - lag] = (buf, dist.irecv(buf, src=last_rank))
                         pending.append(dist.isend(x.contiguous(), dst=nxt))
                     else:
                         finals[g] = x

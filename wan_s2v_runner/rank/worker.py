@@ -394,14 +394,15 @@ class RankGroup:
         if self.rank != 0:
             events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
             return
-        if writer.lost:  # not written while its server was not sure it held the job: the server's word first
-            gate.wait_or_raise()  # lost (JobLost), or past the wait's limit taken as lost
-            raise JobFailed("the video so far could not be written while the server was not sure it held the job")
-        try:  # the last clip's (or live block's) fragment in the file: its writing's error is the job's
+        try:  # the last clip's (or live block's) fragment in the file (before it is
+        # asked whether it was lost): its writing's error is the job's
             writer.drain()
         except Exception as e:
             raise JobFailed(f"writing the video failed in stage {events.current_stage.value}: "
                             f"{type(e).__name__}: {e}{disk_fix(e)}") from e
+        if writer.lost:  # not written while its server was not sure it held the job: the server's word first
+            gate.wait_or_raise()  # lost (JobLost), or past the wait's limit taken as lost
+            raise JobFailed("the video so far could not be written while the server was not sure it held the job")
         if writer.total_frames == 0:
             raise RuntimeError("rank 0 got no frames from the engine")
         shape = [3, writer.total_frames, *writer.size]

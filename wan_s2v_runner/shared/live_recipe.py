@@ -62,8 +62,10 @@ def video_frames(blocks: int) -> int:
 
 
 def blocks_for(audio_frames: int) -> int:
-    """Blocks that cover ``audio_frames`` video frames of speech (the last one padded)."""
-    return max(1, -(-(audio_frames + FIRST_BLOCK_DROP) // BLOCK_FRAMES))
+    """Blocks for ``audio_frames`` video frames of speech: upstream's bucketing of the speech
+    (``get_audio_embed_bucket_fps`` in 12-frame batches: one more than the whole batches that fit),
+    so the video ends within 2 frames of the speech, or pads it with up to 9."""
+    return audio_frames // BLOCK_FRAMES + 1
 
 
 def ref_distance(seed: int, block: int, step: int) -> int:
