@@ -195,6 +195,19 @@ def file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {k: shape for k, (_, shape) in read_safetensors_header(Path(path)).tensors.items()}
 
 
+def rank_and_alpha(lora_shapes: Mapping[str, Sequence[int]]) -> tuple[Optional[int], bool]:
+    """A LoRA's rank (its first down projection's rows; None without one) and whether it carries an
+    alpha (else PEFT's scale 1 is assumed), from its key shapes."""
+    rank, alpha = None, False
+    for key, shape in lora_shapes.items():
+        part = _strip(key)[1]
+        if part is Part.ALPHA:
+            alpha = True
+        elif part is Part.DOWN and rank is None:
+            rank = int(shape[0])
+    return rank, alpha
+
+
 # --------------------------------------------------------------------------- merge
 def delta_for(param: str, lora_plan: LoraPlan, tensors: Mapping[str, "torch.Tensor"]) -> Optional["torch.Tensor"]:
     """The fp32 change one LoRA makes to one DiT parameter at strength 1 (None if none)."""

@@ -91,20 +91,15 @@ def check_recipe(ctx):
 
 
 def lora_rank(path) -> tuple[Optional[int], bool]:
-    """A LoRA file's rank (its first down projection's rows) and whether it carries an alpha, read
-    from the safetensors header; (None, False) where it cannot be read (``lora.files`` says why)."""
-    try:
-        from safetensors import safe_open
+    """A LoRA file's rank and whether it carries an alpha (:func:`~wan_s2v_runner.loading.lora.rank_and_alpha`
+    on its safetensors header); (None, False) where it cannot be read (``lora.file`` says why)."""
+    from wan_s2v_runner.loading.ckpt_tables import CheckpointFileError
+    from wan_s2v_runner.loading.lora import file_shapes, rank_and_alpha
 
-        with safe_open(str(path), "pt") as f:
-            keys = list(f.keys())
-            alpha = any(k.endswith(".alpha") for k in keys)
-            for k in keys:
-                if k.endswith((".lora_A.weight", ".lora_A.default.weight", ".lora_down.weight")):
-                    return int(f.get_slice(k).get_shape()[0]), alpha
-    except Exception:  # noqa: BLE001 - the LoRA checks report an unreadable file
-        pass
-    return None, False
+    try:
+        return rank_and_alpha(file_shapes(path))
+    except (CheckpointFileError, OSError):
+        return None, False
 
 
 def check_memory(ctx):

@@ -67,6 +67,30 @@ class TextContexts:
         return out
 
 
+def encode_texts(parts, memo: TextContexts, device: torch.device, texts: Sequence[str], offload: bool) -> list:
+    """Upstream's T5 encode of ``texts`` (speech2video L522-532), each taken from the group's
+    ``memo`` when it was encoded before; T5 moves to the GPU only for a new one (``t5_cpu``: it
+    encodes on the CPU, the contexts moved to ``device``); ``offload`` sends it back after;
+    --release-encoders lets it go (the memo serves these texts again). One list of contexts per
+    text, in order."""
+    s2v = parts.shell
+    new = memo.new(texts)
+    with torch.no_grad():
+        if not s2v.t5_cpu:
+            if new:
+                parts.text_encoder().model.to(device)
+            out = memo.get_all(texts, lambda t: s2v.text_encoder([t], device))
+            if new and offload:
+                s2v.text_encoder.model.cpu()
+        else:
+            def on_cpu(t):
+                return [c.to(device) for c in parts.text_encoder()([t], torch.device('cpu'))]
+            out = memo.get_all(texts, on_cpu)
+    if new:
+        parts.release_text_encoder()
+    return out
+
+
 def audio_seconds(path: str) -> Optional[float]:
     """The speech's length in seconds from its header (None when it cannot be read)."""
     try:

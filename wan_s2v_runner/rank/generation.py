@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from patches.fp16_compute import NonFiniteActivation
 from wan_s2v_runner.loading import block_stream
-from wan_s2v_runner.rank.encoders import TextContexts, encode_audio, placement
+from wan_s2v_runner.rank.encoders import TextContexts, encode_audio, encode_texts, placement
 from wan_s2v_runner.rank.step_cache import StepCache
 from wan_s2v_runner.shared import cache_policy
 from wan_s2v_runner.shared.procfs import trim_heap
@@ -282,21 +282,11 @@ class S2VGenerator:
     def _encode_reference(self, req: Request, size, split: bool):
         """Upstream's reference-image and initial-motion encodes (speech2video L461-507).
         Returns (ref latents, motion latents, drop_first_motion, initial last frames)."""
-        from PIL import Image
-        from torchvision import transforms
-
         s2v = self.s2v
         HEIGHT, WIDTH = size
-        resize_opreat = transforms.Resize(min(HEIGHT, WIDTH))
-        crop_opreat = transforms.CenterCrop((HEIGHT, WIDTH))
-        tensor_trans = transforms.ToTensor()
-        ref_image = np.array(Image.open(req.ref_image_path).convert('RGB'))
         motion_latents = torch.zeros([1, 3, s2v.motion_frames, HEIGHT, WIDTH], dtype=self.param_dtype,
                                      device=self.device)
-        model_pic = crop_opreat(resize_opreat(Image.fromarray(ref_image)))
-        ref_pixel_values = tensor_trans(model_pic)
-        ref_pixel_values = ref_pixel_values.unsqueeze(1).unsqueeze(0) * 2 - 1.0
-        ref_pixel_values = ref_pixel_values.to(dtype=s2v.vae.dtype, device=s2v.vae.device)
+        ref_pixel_values = reference_pixels(req.ref_image_path, size, s2v.vae)
         with torch.no_grad():
             ref_latents = self._encode(ref_pixel_values, split)
             # upstream keeps videos_last_frames = motion_latents.detach(): the same storage, so
@@ -334,24 +324,8 @@ class S2VGenerator:
                 "t5_device": "cpu" if self.s2v.t5_cpu else self.device.type}
 
     def _encode_text(self, req: Request):
-        """Upstream's prompt and negative-prompt encodes (speech2video L522-532), each text taken
-        from the group's memo when it was encoded before; T5 moves to the GPU only for a new one."""
-        s2v, parts = self.s2v, self.parts
-        texts = self._texts(req)
-        new = self.texts.new(texts)
-        with torch.no_grad():
-            if not s2v.t5_cpu:
-                if new:
-                    parts.text_encoder().model.to(self.device)
-                context, context_null = self.texts.get_all(texts, lambda t: s2v.text_encoder([t], self.device))
-                if new and req.offload_model:
-                    s2v.text_encoder.model.cpu()
-            else:
-                def on_cpu(t):
-                    return [c.to(self.device) for c in parts.text_encoder()([t], torch.device('cpu'))]
-                context, context_null = self.texts.get_all(texts, on_cpu)
-        if new:  # --release-encoders: T5 let go (the memo serves these texts again)
-            parts.release_text_encoder()
+        """Upstream's prompt and negative-prompt encodes (:func:`~wan_s2v_runner.rank.encoders.encode_texts`)."""
+        context, context_null = encode_texts(self.parts, self.texts, self.device, self._texts(req), req.offload_model)
         return context, context_null
 
     def initial_state(self, enc: Encoded) -> ClipState:
@@ -585,6 +559,19 @@ class S2VGenerator:
             self.parts.ready()
         self.run_clips(req, enc, state, sink=kept)
         return kept.video() if kept is not None else None
+
+
+def reference_pixels(path: str, size, vae) -> torch.Tensor:
+    """Upstream's reference image for the VAE (speech2video L461-476): resized to the short side,
+    center-cropped to ``size`` (H, W), in [-1, 1], [1, 3, 1, H, W] in the VAE's dtype and device."""
+    from PIL import Image
+    from torchvision import transforms
+
+    height, width = size
+    pic = transforms.CenterCrop((height, width))(transforms.Resize(min(height, width))(
+        Image.fromarray(np.array(Image.open(path).convert('RGB')))))
+    pixels = transforms.ToTensor()(pic).unsqueeze(1).unsqueeze(0) * 2 - 1.0
+    return pixels.to(dtype=vae.dtype, device=vae.device)
 
 
 def ref_latents_or_motion(drop: bool, ref_latents, motion_latents):

@@ -54,6 +54,8 @@ class LiveDiT:
         self.freqs = torch.cat([rope_params(n, d - 4 * (d // 6)), rope_params(n, 2 * (d // 6)),
                                 rope_params(n, 2 * (d // 6))], dim=1)
         self.heads, self.head_dim = model.num_heads, d
+        #: the last block's noisy-token RoPE (key, table): a rank runs its steps of a block in a row
+        self._noisy_freqs: tuple = (None, None)
 
     # ----- pieces of upstream's forward
     def _rope(self, tokens: int, grids: list, device) -> torch.Tensor:
@@ -145,7 +147,10 @@ class LiveDiT:
         n = x.shape[1]
         m.original_seq_len = n
         frame = block * BLOCK_LATENT_FRAMES
-        freqs = self._rope(n, [self._grid(frame, f, h, w)], x.device)
+        key = (frame, f, h, w, x.device)
+        if self._noisy_freqs[0] != key:  # the same positions at every step of the block
+            self._noisy_freqs = (key, self._rope(n, [self._grid(frame, f, h, w)], x.device))
+        freqs = self._noisy_freqs[1]
         x = x + m.trainable_cond_mask(torch.zeros([1, n], dtype=torch.long, device=x.device)).to(x.dtype)
         e, e0 = self._time(t, n)
         call = live_kv.Call(cond.kv, step, block, self.cond_freqs(cond, frame, distance, x.device))

@@ -27,7 +27,6 @@ start); the preflight says so before a live resume spawns.
 from __future__ import annotations
 
 import contextlib
-import logging
 import random
 import sys
 import time
@@ -37,14 +36,12 @@ import torch
 import torch.distributed as dist
 
 from patches.fp16_compute import NonFiniteActivation
-from wan_s2v_runner.rank.encoders import TextContexts, encode_audio, placement
-from wan_s2v_runner.rank.generation import FramesInMemory, Hooks, Request, broadcast_tensors
+from wan_s2v_runner.rank.encoders import TextContexts, encode_audio, encode_texts, placement
+from wan_s2v_runner.rank.generation import FramesInMemory, Hooks, Request, broadcast_tensors, reference_pixels
 from wan_s2v_runner.rank.live_decode import StreamDecoder
 from wan_s2v_runner.rank.live_dit import LiveDiT
 from wan_s2v_runner.shared import live_recipe as recipe
 from wan_s2v_runner.shared.stages import Stage
-
-log = logging.getLogger("wan_s2v.live")
 
 
 class Schedule:
@@ -83,38 +80,18 @@ class LiveGenerator:
 
     # ----- inputs
     def _reference(self, req: Request, size):
-        """LiveAvatar's reference and initial motion latents (``causal_s2v_pipeline.generate``)."""
-        from PIL import Image
-        from torchvision import transforms
-
+        """LiveAvatar's reference and initial motion latents (``causal_s2v_pipeline.generate``): the
+        image 5 times, encoded, its second latent frame; the 5 over the 73 motion frames, encoded."""
         s2v = self.s2v
-        h, w = size
-        pic = transforms.CenterCrop((h, w))(transforms.Resize(min(h, w))(Image.open(req.ref_image_path).convert('RGB')))
-        ref = transforms.ToTensor()(pic).unsqueeze(1).unsqueeze(0) * 2 - 1.0
-        ref = ref.to(dtype=s2v.vae.dtype, device=s2v.vae.device).repeat(1, 1, 5, 1, 1)
+        ref = reference_pixels(req.ref_image_path, size, s2v.vae).repeat(1, 1, 5, 1, 1)
         with torch.no_grad():
             ref_latents = torch.stack(s2v.vae.encode(ref))[:, :, 1:]
             motion = torch.stack(s2v.vae.encode(ref.repeat(1, 1, s2v.motion_frames, 1, 1)))
         return ref_latents, motion
 
     def _text(self, req: Request) -> list:
-        s2v, parts = self.s2v, self.parts
-        new = self.texts.new((req.prompt,))
-        with torch.no_grad():
-            if s2v.t5_cpu:
-                def enc(t):
-                    return [c.to(self.device) for c in parts.text_encoder()([t], torch.device('cpu'))]
-            else:
-                if new:
-                    parts.text_encoder().model.to(self.device)
-
-                def enc(t):
-                    return s2v.text_encoder([t], self.device)
-            (context,) = self.texts.get_all((req.prompt,), enc)
-            if new and req.offload_model and not s2v.t5_cpu:
-                s2v.text_encoder.model.cpu()
-        if new:
-            parts.release_text_encoder()
+        """The prompt's T5 context (no CFG: no negative prompt)."""
+        (context,) = encode_texts(self.parts, self.texts, self.device, (req.prompt,), req.offload_model)
         return context
 
     def encode(self, req: Request) -> dict:
@@ -192,8 +169,7 @@ class LiveGenerator:
                 from patches.live_kv import StepKV
 
                 h.stage(Stage.DENOISE, clip=1, clips=blocks, steps=recipe.STEPS, what="sink")
-                positions = recipe.BLOCK_LATENT_FRAMES * blocks + recipe.REF_BASE + recipe.REF_DISTANCE[1] + 1
-                dit = LiveDiT(self.parts.noise_model, positions)
+                dit = LiveDiT(self.parts.noise_model, recipe.rope_positions(blocks))
                 with dit_autocast():
                     ctx = dit.context(inputs["context"][0:1])
                     cond = dit.sink(inputs["ref"], inputs["motion"], ctx)
