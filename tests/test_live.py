@@ -284,6 +284,12 @@ def test_the_doctor_plans_the_live_pipeline(tmp_path):
 
     assert "live" in [g.value for g in groups_for(Mode.LIVE)]
     assert "live" not in [g.value for g in groups_for(Mode.ULYSSES)]
+    # another recipe, never offered as the fix for a clip run's layout (a SIGKILL's hint, say)
+    import signal
+
+    from wan_s2v_runner.launcher.diagnose import death_hint
+    hint = death_hint(-signal.SIGKILL, None)
+    assert "--mode ulysses" in hint and "--mode live" not in hint, hint
     one = run_checks(_live_ctx("h100_1x"), ["live"])
     assert find(one, "live.stages").finding == "rank 0: steps 1,2,3,4 + decode"
     bf16 = find(one, "live.memory")

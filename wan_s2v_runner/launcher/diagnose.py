@@ -223,9 +223,11 @@ def _describe(traits: ModeTraits) -> str:
 
 def _modes_that(want, spec: Optional[RunSpec], why=_describe) -> list[str]:
     """'--mode X (why)' for every mode but the run's own whose traits satisfy ``want``;
-    ``why(traits)`` says what it does (default: :func:`_describe`)."""
+    ``why(traits)`` says what it does (default: :func:`_describe`). Never the live mode: another
+    recipe, not a layout of the same job."""
     current = spec.mode if spec else None
-    return [f"--mode {m.value} ({why(t)})" for m, t in MODES.items() if m != current and want(t)]
+    return [f"--mode {m.value} ({why(t)})" for m, t in MODES.items()
+            if m != current and not t.step_pipeline and want(t)]
 
 
 #: stages that load or place weights: an OOM there is about where the weights live

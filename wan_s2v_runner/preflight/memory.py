@@ -18,7 +18,7 @@ from wan_s2v_runner.loading import ckpt_tables as cr
 from wan_s2v_runner.loading.dit_file import dit_shapes
 from wan_s2v_runner.shared import encoder_placement, precision, stream_source
 from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
-from wan_s2v_runner.shared.layout import DitOffload, DitQuant, Layout, LoadStrategy, Mode, StreamSource
+from wan_s2v_runner.shared.layout import MODES, DitOffload, DitQuant, Layout, LoadStrategy, Mode, StreamSource
 from wan_s2v_runner.shared.precision import ComputeDtype
 from wan_s2v_runner.shared.quant import SCALE_BYTES, is_fp8_weight
 from wan_s2v_runner.shared.video_budget import host_frame_bytes
@@ -671,7 +671,7 @@ def plan_all(ctx) -> dict[str, ModePlan]:
     sizes, wl = model_sizes(ctx), workload(ctx)
     out = {}
     # the live mode is another recipe, not another layout of the same job: planned only when asked for
-    for m in (m for m in Mode if m is not Mode.LIVE or ctx.mode is Mode.LIVE):
+    for m in (m for m in Mode if not MODES[m].step_pipeline or ctx.mode is m):
         stream = None
         if ctx.spec.dit_offload is DitOffload.BLOCKS and not ctx.layout_for(m).dit_fsdp:
             stream = ctx.spec.resident_blocks if ctx.spec.resident_blocks is not None else RESIDENT_FROM_PLAN

@@ -2,9 +2,10 @@
 
 Which groups a run needs follows from its layout (:func:`groups_for`): every run gets the
 common groups; a sequence-parallel mode adds ``ulysses_degree``; a mode that shards weights
-adds ``fsdp``. Order here is display order (groups in :class:`CheckGroup` order, then the order
-below). A check that raises is reported as a warning naming the exception: a bug in a check must
-neither block a run nor hide the other results.
+adds ``fsdp``; the step pipeline (``--mode live``) adds ``live``. Order here is display order
+(groups in :class:`CheckGroup` order, then the order below). A check that raises is reported as
+a warning naming the exception: a bug in a check must neither block a run nor hide the other
+results.
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def groups_for(mode: Mode) -> tuple[CheckGroup, ...]:
     """The check groups a mode needs, from what the mode does (:data:`~wan_s2v_runner.shared.layout.MODES`)."""
     t = MODES[Mode(mode)]
     return (COMMON_GROUPS + ((G.ULYSSES_DEGREE,) if t.sequence_parallel else ())
-            + ((G.FSDP,) if t.dit_fsdp or t.t5_fsdp else ()) + ((G.LIVE,) if Mode(mode) is Mode.LIVE else ()))
+            + ((G.FSDP,) if t.dit_fsdp or t.t5_fsdp else ()) + ((G.LIVE,) if t.step_pipeline else ()))
 
 
 def run_checks(ctx, groups: Iterable = tuple(CheckGroup)) -> list[CheckResult]:

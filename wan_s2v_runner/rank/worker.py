@@ -394,8 +394,9 @@ class RankGroup:
         if self.rank != 0:
             events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
             return
-        try:  # the last clip's (or live block's) fragment in the file (before it is
-        # asked whether it was lost): its writing's error is the job's
+        # the last clip's (or live block's) fragment in the file before the writer is asked whether
+        # it was lost; an error writing it is the job's
+        try:
             writer.drain()
         except Exception as e:
             raise JobFailed(f"writing the video failed in stage {events.current_stage.value}: "

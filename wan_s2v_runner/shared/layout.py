@@ -84,6 +84,9 @@ class ModeTraits:
     dit_fsdp: bool
     t5_fsdp: bool
     t5_cpu: bool
+    #: LiveAvatar's causal recipe, its denoising steps pipelined over the ranks (rank 0 decodes alone):
+    #: another recipe, not another layout of the clip loop's job (never offered in its place)
+    step_pipeline: bool = False
 
 
 MODES: dict[Mode, ModeTraits] = {
@@ -95,7 +98,7 @@ MODES: dict[Mode, ModeTraits] = {
                             sequence_parallel=True, dit_fsdp=True, t5_fsdp=False, t5_cpu=True),
     Mode.LIVE: ModeTraits("live: causal 4-step blocks, one rank per denoising step (+ a decoding rank) or the "
                           "steps shared; each DiT rank holds the full model", sequence_parallel=False,
-                          dit_fsdp=False, t5_fsdp=False, t5_cpu=False),
+                          dit_fsdp=False, t5_fsdp=False, t5_cpu=False, step_pipeline=True),
 }
 
 
@@ -148,7 +151,7 @@ class Layout(BaseModel):
         t = MODES[Mode(mode)]
         cfg = 2 if cfg_parallel else 1
         vae = world_size > 1 if vae_parallel is None else (vae_parallel and world_size > 1)
-        if Mode(mode) is Mode.LIVE:  # rank 0 decodes each block as it comes (the other ranks denoise)
+        if t.step_pipeline:  # rank 0 decodes each block as it comes (the other ranks denoise)
             vae = False
         # one rank per branch: the plain engine path (upstream's ulysses_size=1), no SP machinery
         return cls(world_size=world_size, use_sp=t.sequence_parallel and world_size // cfg > 1,

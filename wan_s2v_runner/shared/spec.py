@@ -323,7 +323,8 @@ class GroupSpec(BaseModel):
                     raise ValueError(f"--dit-quant {self.dit_quant.value} cannot be combined with {why}; drop one")
         if self.mode is Mode.LIVE:
             from wan_s2v_runner.shared.live_recipe import stage_problem
-            for given, why in ((stage_problem(self.world_size), stage_problem(self.world_size)),
+            problem = stage_problem(self.world_size)
+            for given, why in ((problem, problem),
                                (self.cfg_parallel, "--mode live runs without CFG (its distilled recipe): drop "
                                 "--cfg-parallel"),
                                (self.compile, "--mode live does not compile its cached attention yet: drop "
