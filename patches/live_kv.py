@@ -56,9 +56,6 @@ class CondKV:
         self.k: list[Optional[torch.Tensor]] = [None] * layers
         self.v: list[Optional[torch.Tensor]] = [None] * layers
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
-
 
 class StepKV:
     """One denoising step's ring of the last :data:`WINDOW_BLOCKS` blocks' keys (after RoPE) and
@@ -98,9 +95,6 @@ class StepKV:
             ks.append(self.k[layer][:, slot * n:(slot + 1) * n])
             vs.append(self.v[layer][:, slot * n:(slot + 1) * n])
         return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
 
 @dataclass
