@@ -33,10 +33,60 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from wan_s2v_runner.shared.stages import Stage
+
+
+class EventKind(str, Enum):
+    """What a rank's event record is (its ``kind``): the one vocabulary the rank writes and the
+    launcher, console, keeper and page read. A member compares equal to its plain name (the file's
+    text), so a reader may hold either."""
+
+    HELLO = "hello"
+    STAGE = "stage"
+    PROGRESS = "progress"
+    HEARTBEAT = "heartbeat"
+    STAGE_PEAK = "stage_peak"
+    PATCHES = "patches"
+    PLAN = "plan"
+    LOADED = "loaded"
+    COMPILE = "compile"
+    FRAMES = "frames"
+    PREVIEW = "preview"
+    PREVIEW_FAILED = "preview_failed"
+    THUMBNAIL = "thumbnail"
+    RESUMED = "resumed"
+    WAITING = "waiting"
+    JOB = "job"
+    JOB_DONE = "job_done"
+    JOB_FAILED = "job_failed"
+    JOB_CANCELLED = "job_cancelled"
+    JOB_LOST = "job_lost"
+    LIVE = "live"
+    STEP_CACHE = "step_cache"
+    ERROR = "error"
+    END = "end"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ProgressUnit(str, Enum):
+    """What a job's progress counts: a clip job's clips (``clip``/``clips``, each of ``steps``
+    steps), a live job's blocks (``block``/``blocks``: 12 frames each)."""
+
+    CLIP = "clip"
+    BLOCK = "block"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def plural(self) -> str:
+        return self.value + "s"
 
 #: error text of a rank whose *peer* went away (gloo/NCCL): the peer is the one to look at
 SECONDARY = ("connection closed by peer", "connection reset by peer", "broken pipe",
