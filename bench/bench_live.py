@@ -61,8 +61,9 @@ def main(argv=None) -> int:
     from wan_s2v_runner.demo.synthetic_inputs import make_reference_image, make_speech_audio
     from wan_s2v_runner.loading import components
     from wan_s2v_runner.loading.engine import import_wan
-    from wan_s2v_runner.rank.generation import Hooks, S2VGenerator
-    from wan_s2v_runner.rank.live_loop import LiveGenerator
+    from wan_s2v_runner.rank.block_pipeline import BlockPipeline
+    from wan_s2v_runner.rank.clip_steps import ClipSteps
+    from wan_s2v_runner.rank.job_shell import Hooks, JobShell
     from wan_s2v_runner.rank.parallel import RankPlan
     from wan_s2v_runner.rank.worker import engine_config, request_for
     from wan_s2v_runner.shared.layout import Layout, Mode
@@ -84,11 +85,11 @@ def main(argv=None) -> int:
     parts = components.load(wan, cfg, str(ckpt), plan, torch.device("cpu"), 0, components.LoadSettings.of(base))
     rows = []
     for name, make, spec in (
-            ("clip loop (40 steps, CFG)", S2VGenerator, base),
-            ("clip loop (4 steps, no CFG)", S2VGenerator, base.model_copy(update={"steps": 4, "guide_scale": 1.0})),
-            ("live (4 causal steps a block)", LiveGenerator, base)):
+            ("clip loop (40 steps, CFG)", ClipSteps, base),
+            ("clip loop (4 steps, no CFG)", ClipSteps, base.model_copy(update={"steps": 4, "guide_scale": 1.0})),
+            ("live (4 causal steps a block)", BlockPipeline, base)):
         sink = Sink()
-        gen = make(parts, plan, Hooks(sink=sink))
+        gen = JobShell(parts, plan, Hooks(sink=sink), driver=make)
         t0 = time.perf_counter()
         sink.t0 = t0
         gen.generate(request_for(spec))

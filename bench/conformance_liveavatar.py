@@ -309,8 +309,8 @@ def main(argv=None) -> int:
     from patches.attention import sdpa_attention
     from patches.live_kv import StepKV
     from wan_s2v_runner.loading import lora
+    from wan_s2v_runner.rank.block_pipeline import Schedule
     from wan_s2v_runner.rank.live_dit import LiveDiT
-    from wan_s2v_runner.rank.live_loop import Schedule
     from wan_s2v_runner.shared import live_recipe as recipe
 
     parts, _ = our_parts(Path(a.assets))

@@ -82,12 +82,14 @@ def one_case(wan, a, quant: str, size: str, cap_gib: float, device, dtype) -> di
     out["build_s"] = round(time.perf_counter() - t0, 1)
     step = step_fn(model, x, t, cond, uncond, device, dtype)
 
+    streaming: list = [None]  # the streamer attached to the model, if any
+
     def measure(name: str, warmup: int = 1) -> dict:
         row: dict = {}
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        s = block_stream.streamer_of(model)
+        s = streaming[0]
         try:
             for _ in range(warmup):
                 timed(step, device)
@@ -108,7 +110,7 @@ def one_case(wan, a, quant: str, size: str, cap_gib: float, device, dtype) -> di
         ref = torch.stack(list(model(x, t=t, **cond))).float()
     out["resident"] = measure("resident")
     t0 = time.perf_counter()
-    s = block_stream.attach(model, device, 0)
+    s = streaming[0] = block_stream.attach(model, device, 0)
     out["attach_s"] = round(time.perf_counter() - t0, 1)
     out["stream"] = s.describe()
     if cuda and cap_gib:
@@ -134,13 +136,13 @@ def one_case(wan, a, quant: str, size: str, cap_gib: float, device, dtype) -> di
         k = max(0, int((cap_gib - peak - 0.5) / unit))
         if k:
             s.detach()
-            block_stream.attach(model, device, k)
+            streaming[0] = block_stream.attach(model, device, k)
             row = measure(f"streamed, {k} resident", warmup=1)
             row["resident_blocks"] = k
             if "step_s" in row and "step_s" in out["resident"]:
                 row["vs_resident"] = round(row["step_s"] / out["resident"]["step_s"], 3)
             out["streamed_some_resident"] = row
-    block_stream.streamer_of(model).detach()
+    streaming[0].detach()
     if cuda:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     sync(device)

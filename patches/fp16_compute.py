@@ -24,10 +24,12 @@ islands, CUDA's autocast, do nothing there):
 2. **CPU**: the forward runs under ``torch.autocast('cpu', dtype=fp16)``, as a CUDA run's does
    under the loop's autocast (upstream's is CUDA's only), so CPU tests compute what a GPU does.
 3. **FSDP** keeps its root's forward inputs as they are (:func:`fsdp_inputs_kept`).
-4. **The guard**: each block's output is checked for non-finite values into a flag tensor on the
-   device (no host sync per block); once per DiT forward the flags are read, and the first
-   non-finite block raises :class:`NonFiniteActivation` (the loop adds the step): the job fails
-   with the block and the fix.
+4. **The guard** (:class:`Guard`): each block's output, and the model's, is checked for non-finite
+   values into a flag tensor on the device (no host sync per block); the loop asks it once per step
+   (:meth:`Guard.take`: the first flagged block since it last asked) and puts the answer in its step
+   message, which every rank of the group then reads (``rank.step_control``: the guard calls no
+   collective); the first non-finite block fails the job on every rank with
+   :class:`NonFiniteActivation`: the block, the step and the fix.
 
 Proof: tests/test_fp16.py (every layout in fp16 equals one rank in fp16 exactly on the CPU; fp16
 against fp32 within a stated bound; the islands compute in fp32; the guard names the block; the
@@ -40,6 +42,7 @@ import functools
 import logging
 import re
 import sys
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -52,28 +55,30 @@ log = logging.getLogger("wan_s2v.fp16_compute")
 ISLANDS = re.compile(r"^(patch_embedding|cond_encoder|frame_packer|time_embedding|time_projection|head\.head)(\.|$)")
 #: what marks a layer this patch made compute in fp32 (its forward is an instance attribute)
 _MARK = "_wan_s2v_fp32"
+#: the DiTs :func:`apply` has made compute so: what it did and their guard (None but in fp16)
+_APPLIED: "weakref.WeakKeyDictionary[nn.Module, tuple[dict, Optional[Guard]]]" = weakref.WeakKeyDictionary()
 
 
 class NonFiniteActivation(RuntimeError):
     """A DiT block's output held inf or NaN under fp16 compute."""
 
     def __init__(self, block: Optional[int], step: Optional[int] = None, steps: Optional[int] = None,
-                 clip: Optional[int] = None):
-        self.block, self.step, self.steps, self.clip = block, step, steps, clip
+                 clip: Optional[int] = None, unit: str = "clip"):
+        self.block, self.step, self.steps, self.clip, self.unit = block, step, steps, clip, unit
         where = f"DiT block {block}" if block is not None else "the DiT's output (its last audio injection or head)"
         if step is not None:
             where += f" at step {step}" + (f"/{steps}" if steps else "")
         if clip is not None:
-            where += f" of clip {clip}"
+            where += f" of {unit} {clip}"
         keep = (f"or keep fp16 and add --fp32-blocks {block} (that block's Linears in fp32), "
                 if block is not None else "")
         super().__init__(f"a non-finite activation (inf or NaN) in {where} under --dtype fp16: fp16's range "
                          f"(+-65504) overflowed. Fix: --dtype bf16 on a GPU with bf16 units (compute capability "
                          f">= 8.0), {keep}or --dtype fp32")
 
-    def at(self, step: int, steps: int, clip: int) -> "NonFiniteActivation":
-        """The same failure, with the loop's step and clip."""
-        return NonFiniteActivation(self.block, step, steps, clip)
+    def at(self, step: int, steps: int, clip: int, unit: str = "clip") -> "NonFiniteActivation":
+        """The same failure, with the loop's step and its clip (or a live job's block: ``unit``)."""
+        return NonFiniteActivation(self.block, step, steps, clip, unit)
 
 
 def _fp32_forward(layer: nn.Module):
@@ -122,50 +127,41 @@ def fp32_layers(model: nn.Module, blocks: Iterable[int] = ()) -> list[str]:
 
 
 class Guard:
-    """Non-finite checks of each block's output (see the module docstring, 3)."""
+    """Non-finite checks of each block's output and the model's (the module docstring, 4): flags on
+    the device, read by :meth:`take`. It calls no collective: the loop's step message carries what
+    it saw to every rank."""
 
     def __init__(self, model: nn.Module):
         self.blocks = len(model.blocks)
         self.flags: Optional[torch.Tensor] = None
         self._hooks = [b.register_forward_hook(self._after(i)) for i, b in enumerate(model.blocks)]
-        self._hooks.append(model.register_forward_pre_hook(self._start))
         self._hooks.append(model.register_forward_hook(self._end))
 
-    def _start(self, module, args):
-        self.flags = None
-
-    def _flag(self, i: int, x: torch.Tensor) -> None:
-        """Flag ``i`` (a block's, or the output's: the last) set where ``x`` holds inf or NaN."""
+    def flag(self, i: int, x: torch.Tensor) -> None:
+        """Flag ``i`` (a block's; :attr:`blocks`: the output's) set where ``x`` holds inf or NaN; a
+        flag once set stays until :meth:`take`."""
         if self.flags is None or self.flags.device != x.device:
             self.flags = torch.zeros(self.blocks + 1, dtype=torch.bool, device=x.device)
-        self.flags[i] = ~torch.isfinite(x).all()
+        self.flags[i] |= ~torch.isfinite(x).all()
 
     def _after(self, i: int):
         def hook(module, args, out):
-            self._flag(i, out[0] if isinstance(out, (tuple, list)) else out)
+            self.flag(i, out[0] if isinstance(out, (tuple, list)) else out)
         return hook
 
-    def _end(self, module, args, out):
-        """The output too (the audio injection after the last block, the head); then every rank
-        reads the flags of every rank (one small all-reduce per forward: a block that overflows on
-        one rank's tokens, or on one CFG half, stops every rank at the same point, so none is left
-        waiting in a collective); the first flagged block raises."""
-        import torch.distributed as dist
+    def _end(self, module, args, out) -> None:
+        """The output too (the audio injection after the last block, the head)."""
+        for o in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(o, torch.Tensor):
+                self.flag(self.blocks, o)
 
-        outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
-        if outs:  # one flag for them all, on the device (no sync)
-            if self.flags is None or self.flags.device != outs[0].device:
-                self.flags = torch.zeros(self.blocks + 1, dtype=torch.bool, device=outs[0].device)
-            self.flags[self.blocks] = torch.stack([~torch.isfinite(o).all() for o in outs]).any()
-        if self.flags is None:
-            return
-        flags = self.flags
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            flags = flags.to(torch.int32)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if bool(flags.any()):
-            first = int(flags.nonzero()[0, 0])
-            raise NonFiniteActivation(first if first < self.blocks else None)
+    def take(self) -> Optional[int]:
+        """The first flagged block since the last call (:attr:`blocks`: the output), or None; the
+        flags start again (one host read)."""
+        flags, self.flags = self.flags, None
+        if flags is None or not bool(flags.any()):
+            return None
+        return int(flags.nonzero()[0, 0])
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -173,12 +169,21 @@ class Guard:
         self._hooks = []
 
 
+def cpu_autocast(device_type: str, dtype: torch.dtype):
+    """The context a DiT forward runs in (2.): ``torch.autocast('cpu', dtype)`` for a half dtype on
+    the CPU (as CUDA's autocast around the loop), else nothing. The model's forward takes it here
+    (:func:`apply`); a path that calls the DiT's pieces itself (the live mode) takes it from here too."""
+    if device_type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        return torch.autocast("cpu", dtype=dtype)
+    return contextlib.nullcontext()
+
+
 def _cpu_autocast(model: nn.Module, dtype: torch.dtype) -> None:
-    """The model's forward under ``torch.autocast('cpu', dtype)`` (2.)."""
+    """The model's forward under :func:`cpu_autocast`."""
     inner = model.forward
 
     def forward(*args, **kwargs):
-        with torch.autocast("cpu", dtype=dtype):
+        with cpu_autocast("cpu", dtype):
             return inner(*args, **kwargs)
     model.forward = forward
 
@@ -202,9 +207,10 @@ def apply(model: nn.Module, dtype: torch.dtype, fp32_blocks: Iterable[int] = (),
     docstring says, for ``dtype`` (fp16: islands and guard; any half dtype on the CPU: the CPU
     autocast). Returns what it did (the load report's line)."""
     inner = getattr(model, "module", model)  # FSDP keeps the model's modules under .module
-    if getattr(model, "_wan_s2v_compute", None) is not None:  # applied once per loaded DiT
-        return model._wan_s2v_compute
+    if model in _APPLIED:  # applied once per loaded DiT
+        return _APPLIED[model][0]
     done: dict = {}
+    guard = None
     fp16, cpu_half = dtype == torch.float16, device_type == "cpu" and dtype == torch.bfloat16
     if fp16 or cpu_half:  # bf16 on the CPU: upstream's fp32 islands are CUDA's autocast, off there
         layers = fp32_layers(inner, fp32_blocks)
@@ -215,16 +221,16 @@ def apply(model: nn.Module, dtype: torch.dtype, fp32_blocks: Iterable[int] = (),
                 setattr(layer, _MARK, True)
         done["fp32_layers"] = len(layers)
     if fp16:
-        inner._wan_s2v_guard = Guard(inner)
+        guard = Guard(inner)
         done.update(fp32_blocks=sorted(int(b) for b in fp32_blocks),
-                    guard="every block's output checked for inf/NaN, read once per forward",
+                    guard="every block's output checked for inf/NaN, read once per step",
                     fp16_rounded_island_values=_not_exact(inner))
     if device_type == "cpu" and dtype in (torch.float16, torch.bfloat16):
         _cpu_autocast(model, dtype)
         done["cpu_autocast"] = str(dtype)
     if done:
         log.info("compute in %s: %s", dtype, done)
-    model._wan_s2v_compute = done
+    _APPLIED[model] = (done, guard)
     return done
 
 
@@ -248,4 +254,6 @@ def fsdp_inputs_kept(model: nn.Module):
 
 
 def guard_of(model: nn.Module) -> Optional[Guard]:
-    return getattr(getattr(model, "module", model), "_wan_s2v_guard", None)
+    """The guard :func:`apply` gave ``model`` (fp16), or None. The loaded parts keep it
+    (``loading.components.Components.guard``); nothing is stored on the engine's model."""
+    return _APPLIED[model][1] if model in _APPLIED else None

@@ -11,10 +11,11 @@ last few blocks **at the same denoising step** and the condition tokens' keys, w
 computed once. Recomputing those keys for every block would cost the whole window's forward per
 block; the cache makes a block's forward cost one block's tokens.
 
-Change, per model instance (:func:`apply`: each block's ``self_attn`` gets this forward and its
-layer index), driven by the live loop through one attribute set before every call
-(:func:`calling`), so upstream's block forward (modulation, cross-attention, FFN) runs unchanged
-around it:
+Change, per model instance (:func:`apply`: each block's ``self_attn`` gets this forward, bound to
+its layer index and to the model's :class:`LiveAttention`, which holds the call in progress; nothing
+is stored on the engine's modules), driven by the live loop through that holder
+(:meth:`LiveAttention.calling`), so upstream's block forward (modulation, cross-attention, FFN) runs
+unchanged around it:
 
 * a **sink** call (:class:`CondKV`): the condition tokens (reference, frame-packed motion) attend
   each other as upstream's forward would; their keys are stored **before** RoPE, their values
@@ -25,7 +26,7 @@ around it:
   the queries attend the window's blocks in time order, then the condition keys with their
   RoPE for this call, then the condition values.
 
-Without a call set (the attribute None) the forward is upstream's, line for line: a live group's
+Without a call set (the holder's ``call`` None) the forward is upstream's, line for line: a live group's
 model is patched for its life, and nothing else runs on it.
 
 Memory: per step, 2 x :data:`WINDOW_BLOCKS` x block tokens x dim values per layer (at 704x384 in
@@ -38,15 +39,15 @@ from its step latents with the block-causal window mask, exactly (CPU, fp32).
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from wan_s2v_runner.shared.live_recipe import WINDOW_BLOCKS, window
-
-_CALL = "_wan_s2v_live_call"
-_LAYER = "_wan_s2v_live_layer"
 
 
 class CondKV:
@@ -114,10 +115,34 @@ def _model_s2v():
     return m
 
 
-def forward(self, x, seq_lens, grid_sizes, freqs):
+class LiveAttention:
+    """One model's live self-attentions: the call in progress (None: upstream's forward)."""
+
+    def __init__(self, model: Any):
+        self.call: Optional[Call] = None
+        self.layers = len(model.blocks)
+        for i, block in enumerate(model.blocks):
+            attn = block.self_attn
+            attn.forward = types.MethodType(functools.partial(forward, live=self, layer=i), attn)
+
+    @contextlib.contextmanager
+    def calling(self, call: Call):
+        """Every block's self-attention sees ``call`` for the forward inside."""
+        self.call = call
+        try:
+            yield
+        finally:
+            self.call = None
+
+
+#: the models :func:`apply` patched, and their holders
+_PATCHED: "weakref.WeakKeyDictionary[Any, LiveAttention]" = weakref.WeakKeyDictionary()
+
+
+def forward(self, x, seq_lens, grid_sizes, freqs, *, live: LiveAttention, layer: int):
     """``WanS2VSelfAttention.forward`` with the live call's caches (module docstring)."""
     m = _model_s2v()
-    call: Optional[Call] = getattr(self, _CALL, None)
+    call = live.call
     b, s, n, d = *x.shape[:2], self.num_heads, self.head_dim
     q = self.norm_q(self.q(x)).view(b, s, n, d)
     k = self.norm_k(self.k(x)).view(b, s, n, d)
@@ -126,7 +151,6 @@ def forward(self, x, seq_lens, grid_sizes, freqs):
         out = m.flash_attention(q=m.rope_apply(q, grid_sizes, freqs), k=m.rope_apply(k, grid_sizes, freqs), v=v,
                                 k_lens=seq_lens, window_size=self.window_size)
         return self.o(out.flatten(2))
-    layer = getattr(self, _LAYER)
     if call.step is None:  # the sink: the condition tokens attend each other; their keys kept before RoPE
         call.cond.k[layer], call.cond.v[layer] = k, v
         out = m.flash_attention(q=m.rope_apply(q, grid_sizes, freqs), k=m.rope_apply(k, grid_sizes, freqs), v=v,
@@ -144,27 +168,8 @@ def forward(self, x, seq_lens, grid_sizes, freqs):
     return self.o(out.flatten(2))
 
 
-def apply(model: Any) -> int:
-    """Give every block's self-attention the live forward (idempotent). Returns the block count."""
-    import types
-
-    for i, block in enumerate(model.blocks):
-        attn = block.self_attn
-        if getattr(attn, _LAYER, None) is None:
-            setattr(attn, _LAYER, i)
-            setattr(attn, _CALL, None)
-            attn.forward = types.MethodType(forward, attn)
-    return len(model.blocks)
-
-
-@contextlib.contextmanager
-def calling(model: Any, call: Call):
-    """Every block's self-attention sees ``call`` for the forward inside."""
-    attns = [block.self_attn for block in model.blocks]
-    for a in attns:
-        setattr(a, _CALL, call)
-    try:
-        yield
-    finally:
-        for a in attns:
-            setattr(a, _CALL, None)
+def apply(model: Any) -> LiveAttention:
+    """Give every block's self-attention the live forward (once per model); its holder."""
+    if model not in _PATCHED:
+        _PATCHED[model] = LiveAttention(model)
+    return _PATCHED[model]

@@ -156,7 +156,7 @@ def one_process_frames(engine_cpu, **updates) -> "torch.Tensor":
     """Our loop at one process, in this process, for the tiny spec with ``updates`` (the frames
     a ``--nproc 1`` run of the same flags writes: its worker runs this same loop)."""
     from wan_s2v_runner.loading import components
-    from wan_s2v_runner.rank.generation import S2VGenerator
+    from wan_s2v_runner.rank.job_shell import JobShell
     from wan_s2v_runner.rank.parallel import RankPlan
     from wan_s2v_runner.rank.worker import engine_config, request_for
     from wan_s2v_runner.shared.layout import Layout, Mode
@@ -168,7 +168,7 @@ def one_process_frames(engine_cpu, **updates) -> "torch.Tensor":
     plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
     parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0,
                             components.LoadSettings.of(spec))
-    return S2VGenerator(parts, plan).generate(request_for(spec))
+    return JobShell(parts, plan).generate(request_for(spec))
 
 
 def run_frames(assets, d: Path, flags: list[str], *extra: str) -> tuple["torch.Tensor", Path]:

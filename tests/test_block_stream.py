@@ -37,7 +37,7 @@ def generate(engine, **updates):
     """(frames, parts) of our loop at one process for the tiny spec with ``updates``, loaded as a
     ``--nproc 1`` rank loads it (``LoadSettings.of``: the resident count from the spec)."""
     from wan_s2v_runner.loading import components
-    from wan_s2v_runner.rank.generation import S2VGenerator
+    from wan_s2v_runner.rank.job_shell import JobShell
     from wan_s2v_runner.rank.parallel import RankPlan
     from wan_s2v_runner.rank.worker import request_for
     from wan_s2v_runner.shared.layout import Layout, Mode
@@ -47,7 +47,7 @@ def generate(engine, **updates):
     cpu = torch.device("cpu")
     plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
     parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, cpu, 0, components.LoadSettings.of(spec))
-    return S2VGenerator(parts, plan).generate(request_for(spec)), parts
+    return JobShell(parts, plan).generate(request_for(spec)), parts
 
 
 def streamed(resident: int) -> dict:
@@ -70,12 +70,11 @@ def test_streamed_frames_equal_resident_frames(five, resident_frames):
     stream), 3 resident (2 stream: copied once, then the slots hold them), 4 resident (1 streams,
     one slot): the same frames, bit for bit. Between passes an evicted parameter is its host
     tensor again, and the resident parts are where the device is."""
-    from wan_s2v_runner.loading.block_stream import streamer_of
     with cpu_engine(five) as engine:
         for resident, copies in ((0, 5 * passes() + 1), (2, 3 * passes() + 1), (3, 2), (4, 1)):
             frames, parts = generate(engine, **streamed(resident))
             assert torch.equal(frames, resident_frames), resident
-            s = streamer_of(parts.noise_model)
+            s = parts.streamer
             assert (s.resident, len(s.units), s.copies) == (resident, BLOCKS - resident, copies), resident
             assert len(s.slots) == min(2, BLOCKS - resident)
             report = parts.load_report.strategy
@@ -100,14 +99,13 @@ def test_fp8_and_a_lora_stream_as_they_are_held(five, tmp_path):
     LoRA (merged by ``patches.lora_merge`` into the host copy before anything streams), and fp8
     multiplied with ``--fp8-matmul scaled-mm``: equal too."""
     from tests.test_fp8 import comfy_lora
-    from wan_s2v_runner.loading.block_stream import streamer_of
     from wan_s2v_runner.shared.spec import LoraRef
     lora = [LoraRef.model_validate(str(comfy_lora(five.ckpt_dir, tmp_path / "lora.safetensors")))]
     with cpu_engine(five) as engine:
         want, _ = generate(engine, dit_quant=DitQuant.FP8, lora=lora, num_clips=1)
         got, parts = generate(engine, dit_quant=DitQuant.FP8, lora=lora, num_clips=1, **streamed(1))
         assert torch.equal(got, want)
-        s = streamer_of(parts.noise_model)
+        s = parts.streamer
         dtypes = {p.dtype for u in s.units for p in u.params}
         assert torch.float8_e4m3fn in dtypes
         assert s.copies == (BLOCKS - 1) * passes(1) + 1

@@ -69,7 +69,7 @@ def test_fp16_frames_are_near_fp32_and_the_fp32_layers_compute_in_fp32(tiny_asse
     """fp16 frames within the bound of fp32, not equal (fp16 is used), nearer than bf16's; in a
     forward the patch embedding, time embedding and head compute in fp32 and a block's Linears in
     fp16; the guard and the fp32 layers are in the load report."""
-    from wan_s2v_runner.rank.generation import S2VGenerator
+    from wan_s2v_runner.rank.job_shell import JobShell
     from wan_s2v_runner.rank.parallel import RankPlan
     from wan_s2v_runner.rank.worker import request_for
     from wan_s2v_runner.shared.layout import Layout, Mode
@@ -84,7 +84,7 @@ def test_fp16_frames_are_near_fp32_and_the_fp32_layers_compute_in_fp32(tiny_asse
             def note(m, a, out, name=name):
                 seen.setdefault(name, (a[0].dtype, out.dtype))
             model.get_submodule(name).register_forward_hook(note)
-        again = S2VGenerator(parts, RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)).generate(request_for(spec))
+        again = JobShell(parts, RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)).generate(request_for(spec))
     assert torch.equal(again, fp16_one_clip)
     d, db = (fp16_one_clip - full).abs(), (bf16 - full).abs()
     assert torch.isfinite(fp16_one_clip).all()
@@ -188,30 +188,40 @@ def test_a_non_finite_block_fails_every_rank_at_the_same_point(tiny_assets, hot_
 
 def _flagging_rank(rank: int, port: int, q) -> None:
     import torch.distributed as dist
+
+    from wan_s2v_runner.rank.step_control import Lockstep, Signal
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         model = torch.nn.Module()
         model.blocks = torch.nn.ModuleList([torch.nn.Identity() for _ in range(3)])
         model.forward = lambda x: model.blocks[2](model.blocks[1](model.blocks[0](x)))
-        fp16_compute.Guard(model)
+        guard = fp16_compute.Guard(model)
         x = torch.ones(4)
-        if rank == 0:  # only rank 0's tokens overflow
+        torch.nn.Module.__call__(model, x)  # a clean step: nothing to say
+        clean = Lockstep(torch.device("cpu"), lambda: None, guard, reuses=False).after_step(0, 0, -1.0)
+        if rank == 0:  # only rank 0's tokens overflow, and only rank 0 hears its server cancel
             x[1] = float("inf")
-        try:
-            torch.nn.Module.__call__(model, x)
-            q.put((rank, None))
-        except NonFiniteActivation as e:
-            q.put((rank, e.block))
+        torch.nn.Module.__call__(model, x)
+        stop = (lambda: Signal.CANCELLED) if rank == 0 else (lambda: None)
+        message = Lockstep(torch.device("cpu"), stop, guard, reuses=False).after_step(1, 0, 0.25 if rank == 0 else -1)
+        error = message.error(2, "clip")
+        q.put((rank, (clean.stops, message.fault, message.signal, message.measure, type(error).__name__,
+                      getattr(error, "block", None), getattr(error, "step", None))))
     finally:
         dist.destroy_process_group()
 
 
 def test_a_flag_on_one_rank_stops_every_rank():
-    """Two gloo ranks, a non-finite value on rank 0's tokens only: both raise, for the same block."""
+    """Two gloo ranks, a non-finite value on rank 0's tokens only: the guard calls no collective,
+    the loop's step message carries the flag, and both ranks fail at the same step for the same
+    block (the fault before the server's cancel, which the message carries too, with rank 0's
+    cache measure)."""
     import multiprocessing as mp
 
     from ports import named_port
+
+    from wan_s2v_runner.rank.step_control import Signal
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     port = named_port()
@@ -221,7 +231,8 @@ def test_a_flag_on_one_rank_stops_every_rank():
     got = dict(q.get(timeout=60) for _ in procs)
     for p in procs:
         p.join(30)
-    assert got == {0: 0, 1: 0}, got
+    want = (False, 0, Signal.CANCELLED, 0.25, "NonFiniteActivation", 0, 2)
+    assert got == {0: want, 1: want}, got
 
 
 @pytest.mark.slow(seconds=15)
@@ -229,7 +240,7 @@ def test_released_encoders_change_no_frame(tiny_assets):
     """``--release-encoders``: the DiT read after the encoders (deferred), T5 and wav2vec2 let go
     after they encode, T5 built again for a later job's new prompt: the frames of both jobs equal
     those of a group that keeps them."""
-    from wan_s2v_runner.rank.generation import S2VGenerator
+    from wan_s2v_runner.rank.job_shell import JobShell
     from wan_s2v_runner.rank.parallel import RankPlan
     from wan_s2v_runner.rank.worker import request_for
     from wan_s2v_runner.shared.layout import Layout, Mode
@@ -239,7 +250,7 @@ def test_released_encoders_change_no_frame(tiny_assets):
         for release in (False, True):
             parts, spec = _load(engine, num_clips=1, release_encoders=release)
             assert parts.dit_loading is release  # deferred: read when the first step needs it
-            g = S2VGenerator(parts, plan)
+            g = JobShell(parts, plan)
             first = g.generate(request_for(spec))
             held = (parts.shell.text_encoder is not None, parts.shell.audio_encoder is not None)
             second = g.generate(request_for(spec.model_copy(update={"prompt": "another prompt"})))
@@ -268,15 +279,20 @@ def test_fp16_with_a_streamed_dit_and_fp8_storage(tiny_assets, fp16_one_clip):
 def test_the_guard_checks_the_output_after_the_last_block():
     """An overflow after the last block (its audio injection, the head) is caught at the output:
     the job fails naming the DiT's output and the dtype fixes (no block to keep in fp32)."""
+    from wan_s2v_runner.rank.step_control import StepMessage, guard_fault
+
     model = torch.nn.Module()
     model.blocks = torch.nn.ModuleList([torch.nn.Identity(), torch.nn.Identity()])
     model.forward = lambda x: [model.blocks[1](model.blocks[0](x)) * torch.tensor([1.0, float("inf")])]
-    fp16_compute.Guard(model)
-    with pytest.raises(NonFiniteActivation) as e:
-        torch.nn.Module.__call__(model, torch.ones(2))
-    assert e.value.block is None and "the DiT's output" in str(e.value) and "--fp32-blocks" not in str(e.value)
+    guard = fp16_compute.Guard(model)
+    torch.nn.Module.__call__(model, torch.ones(2))  # no raise inside the forward: the loop asks
+    error = StepMessage().with_fault(guard_fault(guard), 0, 0).error(2, "clip")
+    assert isinstance(error, NonFiniteActivation)
+    assert error.block is None and "the DiT's output" in str(error) and "--fp32-blocks" not in str(error)
+    assert guard.take() is None  # taken: the flags start again
     model.forward = lambda x: [model.blocks[1](model.blocks[0](x))]
-    torch.nn.Module.__call__(model, torch.ones(2))  # nothing non-finite: no raise
+    torch.nn.Module.__call__(model, torch.ones(2))
+    assert guard.take() is None  # nothing non-finite
 
 
 def test_a_runs_digest_records_the_dtype_only_where_it_is_not_the_devices_old_one(tiny_assets):

@@ -26,7 +26,7 @@ from wan_s2v_runner.shared.layout import Layout, Mode  # noqa: E402
 @pytest.mark.parametrize("solver, start_from_ref, pose", [("unipc", False, False), ("dpm++", True, True)])
 def test_our_loop_equals_upstream_generate(engine_cpu, tiny_assets, solver, start_from_ref, pose):
     from wan_s2v_runner.loading import components
-    from wan_s2v_runner.rank.generation import S2VGenerator
+    from wan_s2v_runner.rank.job_shell import JobShell
     from wan_s2v_runner.rank.parallel import RankPlan
     from wan_s2v_runner.rank.worker import request_for
 
@@ -48,7 +48,7 @@ def test_our_loop_equals_upstream_generate(engine_cpu, tiny_assets, solver, star
     stages, encoded = [], []
     engine_encode = parts.shell.vae.encode
     parts.shell.vae.encode = lambda videos: encoded.append(videos[0].shape[1]) or engine_encode(videos)
-    ours = S2VGenerator(parts, plan, hooks=_recording(stages)).generate(request_for(spec))
+    ours = JobShell(parts, plan, hooks=_recording(stages)).generate(request_for(spec))
     assert ours.shape == ref.shape == (3, 2 * 8 - (0 if start_from_ref else 3), 64, 64)
     assert torch.equal(ours, ref), f"max abs diff {(ours - ref).abs().max()}"
     # frames encoded: the reference image, the initial motion (73 frames) only when its latents are
@@ -70,7 +70,7 @@ def test_a_groups_jobs_reuse_their_text_encodings(engine_cpu, tiny_assets):
     negative prompt is kept), and every job's frames are the ones a fresh group makes."""
     from wan_s2v_runner.loading import components
     from wan_s2v_runner.rank.encoders import TextContexts
-    from wan_s2v_runner.rank.generation import Hooks, S2VGenerator
+    from wan_s2v_runner.rank.job_shell import Hooks, JobShell
     from wan_s2v_runner.rank.parallel import RankPlan
     from wan_s2v_runner.rank.worker import request_for
 
@@ -91,7 +91,7 @@ def test_a_groups_jobs_reuse_their_text_encodings(engine_cpu, tiny_assets):
     hooks = Hooks(stage=lambda s, **k: seen.append(k["texts_encoded"]) if str(s) == "text_encode" else None)
 
     def job(prompt, memo):
-        return S2VGenerator(parts, plan, hooks, memo).generate(request_for(spec.model_copy(update={"prompt": prompt})))
+        return JobShell(parts, plan, hooks, memo).generate(request_for(spec.model_copy(update={"prompt": prompt})))
 
     first = job("a person talking", texts)
     again = job("a person talking", texts)
@@ -103,7 +103,7 @@ def test_a_groups_jobs_reuse_their_text_encodings(engine_cpu, tiny_assets):
 
 
 def _recording(stages):
-    from wan_s2v_runner.rank.generation import Hooks
+    from wan_s2v_runner.rank.job_shell import Hooks
     return Hooks(stage=lambda s, **k: stages.append(str(s)))
 
 

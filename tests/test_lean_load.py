@@ -134,7 +134,7 @@ def test_the_dit_loads_on_its_thread_while_the_encoders_run_and_the_frames_are_t
 
     from conftest import one_process_frames
 
-    from wan_s2v_runner.rank.generation import Hooks, S2VGenerator
+    from wan_s2v_runner.rank.job_shell import Hooks, JobShell
     from wan_s2v_runner.shared.stages import Stage
 
     joined, readers = threading.Event(), []
@@ -156,7 +156,7 @@ def test_the_dit_loads_on_its_thread_while_the_encoders_run_and_the_frames_are_t
         if s is Stage.LOAD:  # the loop is about to wait for the DiT: let the read go on
             joined.set()
 
-    frames = S2VGenerator(parts, plan, Hooks(stage=stage)).generate(req)
+    frames = JobShell(parts, plan, Hooks(stage=stage)).generate(req)
     assert readers == ["wan-s2v-dit-load"]
     encoders = [(s, reading) for s, reading in seen if s in (Stage.AUDIO_ENCODE, Stage.REF_ENCODE, Stage.TEXT_ENCODE)]
     assert len(encoders) == 3 and all(reading for _, reading in encoders), seen
@@ -170,7 +170,7 @@ def test_the_dit_loads_on_its_thread_while_the_encoders_run_and_the_frames_are_t
 
 
 def test_a_dit_load_that_fails_on_its_thread_fails_the_job_at_the_join(engine_cpu, monkeypatch):
-    from wan_s2v_runner.rank.generation import Hooks, S2VGenerator
+    from wan_s2v_runner.rank.job_shell import Hooks, JobShell
     from wan_s2v_runner.shared.stages import Stage
 
     def fails(real, *a, **k):
@@ -179,7 +179,7 @@ def test_a_dit_load_that_fails_on_its_thread_fails_the_job_at_the_join(engine_cp
     parts, plan, req = _overlapped(engine_cpu, monkeypatch, fails)
     seen = []
     with pytest.raises(OSError, match="Input/output error"):
-        S2VGenerator(parts, plan, Hooks(stage=lambda s, **d: seen.append(Stage(s)))).generate(req)
+        JobShell(parts, plan, Hooks(stage=lambda s, **d: seen.append(Stage(s)))).generate(req)
     assert Stage.TEXT_ENCODE in seen and Stage.DENOISE not in seen  # raised where it was joined
 
 

@@ -49,7 +49,7 @@ def test_cached_blocks_equal_a_full_recomputation_with_the_window_mask(engine_cp
     from live_reference import recompute
 
     from wan_s2v_runner.rank import live_dit
-    from wan_s2v_runner.rank.live_loop import LiveGenerator
+    from wan_s2v_runner.rank.job_shell import JobShell
     from wan_s2v_runner.rank.worker import request_for
 
     wan, cfg, spec = engine_cpu
@@ -71,7 +71,7 @@ def test_cached_blocks_equal_a_full_recomputation_with_the_window_mask(engine_cp
     monkeypatch.setattr(live_dit.LiveDiT, "block", recording_block)
     monkeypatch.setattr(live_dit.LiveDiT, "sink", recording_sink)
     req = request_for(spec.model_copy(update={"audio": long_speech, "seed": 5}))
-    frames = LiveGenerator(parts, plan).generate(req)
+    frames = JobShell(parts, plan).generate(req)
     blocks = len(calls) // recipe.STEPS
     assert blocks == recipe.blocks_for(int(4.2 * 16)) > recipe.WINDOW_BLOCKS + 1
     assert frames.shape[1] == recipe.video_frames(blocks)
@@ -154,17 +154,17 @@ def test_the_step_pipeline_over_real_ranks_equals_one_process(tiny_assets, long_
     assert [e["blocks"] for e in live] == list(range(1, blocks + 1)) and live[-1]["frames_made"] == one.shape[1]
     assert live[0]["first_frame_s"] > 0 and live[-1]["fps"] > 0
     for name, evs in events.items():
-        assert [e["clip"] for e in evs if e.get("kind") == "progress"] == list(range(1, blocks + 1)), name
+        assert [e["block"] for e in evs if e.get("kind") == "progress"] == list(range(1, blocks + 1)), name
 
 
 @pytest.mark.slow
 def test_live_jobs_in_a_batch_equal_their_one_process_runs(tiny_assets, engine_cpu, tmp_path):
-    from wan_s2v_runner.rank.live_loop import LiveGenerator
+    from wan_s2v_runner.rank.job_shell import JobShell
     from wan_s2v_runner.rank.worker import request_for
 
     wan, cfg, spec = engine_cpu
     parts, plan = _live_parts(engine_cpu)
-    want = {name: LiveGenerator(parts, plan).generate(request_for(spec.model_copy(update=u)))
+    want = {name: JobShell(parts, plan).generate(request_for(spec.model_copy(update=u)))
             for name, u in (("a", {"seed": 42}), ("b", {"seed": 9, "prompt": "someone else"}))}
     jobs = tmp_path / "jobs.jsonl"
     jobs.write_text(json.dumps({"id": "a", "frames_out": str(tmp_path / "a.pt")}) + "\n"
@@ -223,13 +223,13 @@ def test_a_served_live_group_streams_its_jobs_video(tiny_assets, inputs, engine_
     byte the one process's frames written so."""
     from serving import TINY_DEFAULTS, TOKEN, ServerProcess
 
-    from wan_s2v_runner.rank.live_loop import LiveGenerator
+    from wan_s2v_runner.rank.job_shell import JobShell
     from wan_s2v_runner.rank.worker import request_for
     from wan_s2v_runner.shared import media
 
     wan, cfg, spec = engine_cpu
     parts, plan = _live_parts(engine_cpu)
-    frames = LiveGenerator(parts, plan).generate(request_for(spec.model_copy(update={"audio": inputs["audio"]})))
+    frames = JobShell(parts, plan).generate(request_for(spec.model_copy(update={"audio": inputs["audio"]})))
     want = media.save_video_with_audio(frames, cfg.sample_fps, inputs["audio"], tmp_path / "want.mp4",
                                        media.clip_lengths(frames.shape[1], recipe.BLOCK_FRAMES))
     s = ServerProcess(tmp_path / "server", [*TINY_DEFAULTS, "--mode", "live", "--nproc", "2", "--ckpt-dir",

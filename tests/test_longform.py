@@ -60,7 +60,7 @@ def _cpu_tensor_bytes() -> int:
 @pytest.mark.slow
 def test_the_loops_memory_is_flat_in_the_clip_count(engine_cpu, tiny_assets, long_speech, tmp_path):
     from wan_s2v_runner.loading import components
-    from wan_s2v_runner.rank.generation import Hooks, S2VGenerator
+    from wan_s2v_runner.rank.job_shell import Hooks, JobShell
     from wan_s2v_runner.rank.parallel import RankPlan
     from wan_s2v_runner.rank.video_writer import VideoWriter
     from wan_s2v_runner.rank.worker import request_for
@@ -84,7 +84,7 @@ def test_the_loops_memory_is_flat_in_the_clip_count(engine_cpu, tiny_assets, lon
     parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0,
                             components.LoadSettings.of(spec))
     writer = Measured(tmp_path / "o.mp4", long_speech, cfg.sample_fps, tmp_path / "run", {"spec": "x"}, Events())
-    S2VGenerator(parts, plan, Hooks(sink=writer)).generate(request_for(spec))
+    JobShell(parts, plan, Hooks(sink=writer)).generate(request_for(spec))
     out = writer.finish()
     info = media.probe(out)
     clip_bytes = 3 * 16 * info.height * info.width * 4  # one clip's float32 frames

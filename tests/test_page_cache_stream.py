@@ -104,7 +104,6 @@ def test_page_cache_frames_equal_and_the_file_is_written_once(five, cache):
     copies; (c) the file's pages are a file mapping of this process, no anonymous page in it,
     the staging two slots; (b) a second run reuses the file (not written: same inode, mtime, size;
     the DiT not read), with the same frames."""
-    from wan_s2v_runner.loading.block_stream import streamer_of
     from wan_s2v_runner.loading.ckpt_read import SafetensorsFiles
     with cpu_engine(five) as engine:
         want, _ = generate(engine)
@@ -116,7 +115,7 @@ def test_page_cache_frames_equal_and_the_file_is_written_once(five, cache):
         assert report["strategy"]["dit"] == "page-cache" and entry["action"] == "written"
         path = cache / os.path.basename(entry["path"])
         assert path.is_file() and list(cache.glob("dit-*.bin")) == [path]
-        s, m = streamer_of(parts.noise_model), streamer_of(mem_parts.noise_model)
+        s, m = parts.streamer, mem_parts.streamer
         assert s.copies == m.copies == BLOCKS * passes() + 1
         d = s.describe()
         assert (d["host"], d["mapped_bytes"], d["staging_bytes"]) == ("page-cache", entry["bytes"], 2 * s.slot_bytes)

@@ -35,7 +35,7 @@ def one_process(engine_cpu, **updates) -> tuple[torch.Tensor, list[dict]]:
     """Our loop at one process, in this process (what a --nproc 1 worker runs): the frames and the
     cache's per-clip records."""
     from wan_s2v_runner.loading import components
-    from wan_s2v_runner.rank.generation import S2VGenerator
+    from wan_s2v_runner.rank.job_shell import JobShell
     from wan_s2v_runner.rank.parallel import RankPlan
     from wan_s2v_runner.rank.worker import request_for
     from wan_s2v_runner.shared.layout import Layout, Mode
@@ -45,8 +45,8 @@ def one_process(engine_cpu, **updates) -> tuple[torch.Tensor, list[dict]]:
     plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
     parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0,
                             components.LoadSettings(dit_quant=spec.dit_quant, fp8_matmul=spec.fp8_matmul))
-    generator = S2VGenerator(parts, plan)
-    return generator.generate(request_for(spec)), generator.cache_records
+    generator = JobShell(parts, plan)
+    return generator.generate(request_for(spec)), generator.driver.cache_records
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +81,10 @@ def test_the_setting_and_its_refusals(tmp_path):
 
 def test_the_doctor_counts_the_passes_a_clip_costs():
     from wan_s2v_runner.preflight.checks_sampling import check_passes
+    from wan_s2v_runner.shared.layout import Mode
 
     def said(**spec):
-        return check_passes(SimpleNamespace(spec=SimpleNamespace(**{"cache": "off", **spec})))
+        return check_passes(SimpleNamespace(mode=Mode.ULYSSES, spec=SimpleNamespace(**{"cache": "off", **spec})))
 
     r = said(steps=40, guide_scale=4.5)
     assert r.data["most"] == r.data["fewest"] == 80 and "80 DiT passes a clip" in r.finding
@@ -92,6 +93,9 @@ def test_the_doctor_counts_the_passes_a_clip_costs():
     r = said(steps=40, guide_scale=4.5, cache="easycache:0.05")
     assert (r.data["most"], r.data["fewest"]) == (80, 16) and "computes at least 16" in r.finding
     assert said(steps=40, guide_scale=4.5, cache="easycache:0.0").data["fewest"] == 80
+    # a live job: the recipe's 4 steps without CFG, whatever the flags say
+    live = check_passes(SimpleNamespace(mode=Mode.LIVE, spec=SimpleNamespace(steps=40, guide_scale=4.5, cache="off")))
+    assert live.data["most"] == 4 and "4 DiT passes a block" in live.finding
 
 
 def test_the_cache_is_part_of_a_jobs_identity(tiny_assets):
@@ -146,21 +150,22 @@ def test_the_decision_rules():
     from wan_s2v_runner.shared.cache_policy import parse
 
     def run(outputs, threshold="easycache:5", steps=8):
-        cache = StepCache.for_clip(parse(threshold), steps, torch.device("cpu"))
-        x = torch.ones(4)
+        cache = StepCache.for_clip(parse(threshold), steps, measures=True)
+        x, measure = torch.ones(4), -1.0
         for i in range(steps):
-            if cache.reuse(i, x) is None:
+            if cache.reuse(i, x, measure) is None:
                 cache.computed(i, x, outputs(i, x))
             x = x * 0.9
+            measure = cache.measure(i + 1, x)  # at the step's end: the next step's, as the loop's message carries it
         return cache.record(1)
 
     assert run(lambda i, x: 2 * x) == {"clip": 1, "computed": [1, 2, 8], "reused": [3, 4, 5, 6, 7]}
     assert run(lambda i, x: 0 * x)["reused"] == []  # mean|v| 0: no relative change to predict
     assert run(lambda i, x: torch.full_like(x, float("nan")))["reused"] == []
     assert run(lambda i, x: 2 * x, threshold="easycache:0")["computed"] == list(range(1, 9))
-    const = StepCache.for_clip(parse("easycache:5"), 8, torch.device("cpu"))
+    const = StepCache.for_clip(parse("easycache:5"), 8, measures=True)
     for i in range(8):  # the input never changes: no rate can be measured, every step is computed
-        assert const.reuse(i, torch.ones(4)) is None
+        assert const.reuse(i, torch.ones(4), const.measure(i, torch.ones(4))) is None
         const.computed(i, torch.ones(4), torch.ones(4))
     assert const.record(1)["reused"] == []
 

@@ -39,7 +39,7 @@ def test_the_setting_reaches_the_load():
 
 @pytest.mark.slow(seconds=10)
 def test_t5_on_the_cpu_changes_no_frame_and_never_moves(tiny_assets):
-    from wan_s2v_runner.rank.generation import Hooks, S2VGenerator
+    from wan_s2v_runner.rank.job_shell import Hooks, JobShell
     from wan_s2v_runner.rank.worker import request_for
     with cpu_engine(tiny_assets) as engine:
         plain = one_process_frames(engine, num_clips=1)
@@ -50,7 +50,7 @@ def test_t5_on_the_cpu_changes_no_frame_and_never_moves(tiny_assets):
         to = model.to
         model.to = lambda *a, **k: (moved.append(a), to(*a, **k))[1]  # a spy on its moves
         hooks = Hooks(stage=lambda s, **k: seen.append(k) if str(s) == "text_encode" else None)
-        frames = S2VGenerator(parts, plan, hooks).generate(request_for(spec))
+        frames = JobShell(parts, plan, hooks).generate(request_for(spec))
         kept, _, _ = _load(engine, num_clips=1)
         assert kept.shell.t5_cpu is False  # ulysses' own: T5 moves to the device to encode
     assert torch.equal(frames, plain)

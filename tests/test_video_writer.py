@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from wan_s2v_runner.rank.generation import ClipState
+from wan_s2v_runner.rank.clip_steps import ClipState
 from wan_s2v_runner.rank.video_writer import VideoWriter
 from wan_s2v_runner.shared import fmp4, media, resume
 

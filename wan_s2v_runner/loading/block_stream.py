@@ -394,13 +394,9 @@ def attach(model, device, resident: int, pinner: Optional[Callable] = None, read
     buffers). ``pinner(host tensors, read_only) -> (bytes pinned, failures, registered pointers)``:
     how host memory is pinned (default: CUDA's registration on a CUDA device, nothing on the CPU)."""
     streamer = BlockStreamer(model, device, resident, pinner, read_only, mapped)
-    model._wan_s2v_streamer = streamer
     log.info("DiT streamed: %d of %d blocks from %s (%.2f GiB) through %d slot(s) of %.2f GiB; %d resident",
              len(streamer.units), len(streamer.units) + streamer.resident,
              "the page cache" if mapped else "host memory", streamer.host_bytes / 2**30,
              len(streamer.slots), streamer.slot_bytes / 2**30, streamer.resident)
     return streamer
 
-
-def streamer_of(model) -> Optional[BlockStreamer]:
-    return getattr(model, "_wan_s2v_streamer", None)

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -91,11 +92,24 @@ class DitLoad:
             raise self._error
 
 
+class DitPlacement(str, Enum):
+    """Where a rank's DiT lives while a job's steps run (the loop reads it; nothing on the model says it)."""
+
+    DEVICE = "device"  # on the rank's device (whole, or its FSDP shards), as upstream
+    HOST = "host"  # held in host memory, moved to the device for a clip's steps (upstream's init_on_cpu)
+    STREAMED = "streamed"  # its blocks copied to the device as they run (--dit-offload blocks: ``streamer``)
+    NONE = "none"  # this rank runs no step (a 5-rank live pipeline's decoding rank)
+
+
 @dataclass
 class Components:
     shell: Any  # a WanS2V (made with __new__) holding the loaded parts and their settings
     load_report: lean_load.LoadReport = None
     pending: Optional[DitLoad] = None  # the DiT still loading on its thread (joined by ready())
+    #: the streamed DiT's streamer (``loading.block_stream.BlockStreamer``), or None
+    streamer: Any = None
+    #: whether this rank holds a DiT at all (its plan's ``needs_dit``)
+    holds_dit: bool = True
     _when_ready: list = field(default_factory=list)
     #: ``--release-encoders``: a whole T5 and wav2vec2 are let go after they encode, and built again
     #: (these loaders) when a later job needs them (:meth:`text_encoder`, :meth:`audio_encoder`)
@@ -137,6 +151,22 @@ class Components:
         return self.shell.noise_model
 
     @property
+    def placement(self) -> DitPlacement:
+        """Where the DiT lives (:class:`DitPlacement`)."""
+        if not self.holds_dit:
+            return DitPlacement.NONE
+        if self.streamer is not None:
+            return DitPlacement.STREAMED
+        return DitPlacement.HOST if self.shell.init_on_cpu else DitPlacement.DEVICE
+
+    @property
+    def guard(self):
+        """fp16's non-finite guard of this rank's DiT (``patches.fp16_compute.Guard``), or None."""
+        from patches import fp16_compute
+        model = None if self.pending is not None or not self.holds_dit else self.shell.noise_model
+        return fp16_compute.guard_of(model) if model is not None else None
+
+    @property
     def dit_loading(self) -> bool:
         """Whether the DiT is still to be joined (:meth:`ready`)."""
         return self.pending is not None
@@ -161,7 +191,7 @@ class Components:
         load.wait()  # a read that fails leaves the DiT pending (not loaded), never half-loaded
         self.pending = None
         waited = time.perf_counter() - t0
-        self.shell.noise_model = load.finish()  # upstream's configure (its barrier), a LoRA merge
+        self.shell.noise_model, self.streamer = load.finish()  # upstream's configure (its barrier), a LoRA merge
         trim_heap()  # what the reader thread freed (its staging, fp8's float32 copies) stays in its arena
         self.load_report.strategy["dit_load"] = (f"after the encoders were let go: read in {load.read_s:.2f} s"
                                                  if load.deferred else
@@ -324,10 +354,13 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     if how.overlap and load_group is None and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("a DiT loaded on its thread needs a process group of its own (load_group): its "
                          "collectives would race the encoders'")
-    pending = None
+    pending, streamer = None, None
     if lean:
         dit = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, how, group=load_group)
-        pending, self.noise_model = (dit, None) if isinstance(dit, DitLoad) else (None, dit)
+        if isinstance(dit, DitLoad):
+            pending, self.noise_model = dit, None
+        else:
+            self.noise_model, streamer = dit
     else:
         if not lay.dit_fsdp:
             noise_model = s2v_mod.WanModel_S2V.from_pretrained(ckpt_dir, torch_dtype=self.param_dtype,
@@ -354,7 +387,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
              lean_load.describe_bytes(report.counter.total) if lean else "whole files",
              "" if pending is None else " so far: the DiT is read after the encoders" if pending.deferred
              else " so far: the DiT goes on loading on its thread")
-    parts = Components(self, report, pending)
+    parts = Components(self, report, pending, streamer)
     if how.release_encoders:
         parts.releases_encoders, parts._load_t5, parts._load_w2v = True, load_t5, load_w2v
         report.strategy["encoders"] = ("let go after they encode" + (", the DiT read after them" if pending is not None
@@ -433,15 +466,16 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
                 self.init_on_cpu = True
             dit = self._configure_model(model=model, use_sp=lay.use_sp, dit_fsdp=False, shard_fn=shard_fn,
                                         convert_model_dtype=False)
+            streamer = None
             if resident is not None:  # after a LoRA merge: the bytes streamed are the merged ones
                 streamer = block_stream.attach(dit, self.device, resident,
                                                read_only=report.strategy.get("dit") == "node-shared",
                                                mapped=report.strategy.get("dit") == "page-cache")
                 report.strategy["dit_stream"] = streamer.describe()
-                self.init_on_cpu = placed  # the loop never moves a streamed DiT whole (generation.py)
+                self.init_on_cpu = placed  # the loop never moves a streamed DiT whole (DitPlacement.STREAMED)
             context_cache.apply(dit)
             _compute(self, report, how, dit)
-            return dit
+            return dit, streamer
 
         if how.release_encoders:  # the encoders and the DiT's host copy are never held together (no overlap)
             return DitLoad(model, read, finish, self.device, deferred=True)
@@ -468,7 +502,7 @@ def _lean_dit(self, s2v_mod, ckpt_dir, lay, shard_fn, report, on_event, how: Loa
     if deltas is not None:
         lean_load.merge_deltas_into_shards(model, deltas)
     report.strategy["dit"] = "fsdp shards"
-    return model
+    return model, None
 
 
 def _compute(self, report, how: LoadSettings, dit=None) -> None:

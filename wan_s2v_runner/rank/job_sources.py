@@ -10,8 +10,9 @@ for the group's loop (:mod:`wan_s2v_runner.rank.worker`):
   files only while the lease holds (:mod:`~wan_s2v_runner.rank.lease`), and a Python error in
   one may be the job's alone (:mod:`~wan_s2v_runner.rank.job_errors`).
 
-What rank 0 decides reaches every rank by a broadcast, so all ranks take the same jobs and stop
-a job at the same step.
+Which jobs rank 0 reads reaches every rank by a broadcast, so all ranks take the same jobs; whether
+a job stops, rank 0 alone answers, and the loop's step message carries it to every rank
+(:mod:`~wan_s2v_runner.rank.step_control`), so all ranks stop it at the same step or block.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Callable, Iterator, Optional, Protocol, runtime_checkable
 from wan_s2v_runner.rank import job_errors
 from wan_s2v_runner.rank.lease import ALWAYS, SAY_EVERY_S, LeaseGate
 from wan_s2v_runner.shared import inbox
+from wan_s2v_runner.shared.events import EventKind
 from wan_s2v_runner.shared.job_source import JobSource
 from wan_s2v_runner.shared.jobs import Job, read_jobs
 from wan_s2v_runner.shared.spec import GroupSpec, RunSpec
@@ -32,7 +34,7 @@ from wan_s2v_runner.shared.stages import Stage
 class JobEnd(str, Enum):
     """Rank 0's word to every rank that a job ends before it is done, and how (broadcast; None: go on):
     before its ranks start it (``RankGroup.start_job``: FAILED with its cause, or LOST) or at a
-    denoising step of a served job (:meth:`Jobs.at_step`: LOST or CANCELLED)."""
+    denoising step or block of a served job (:meth:`Jobs.stop_requested`: LOST or CANCELLED)."""
 
     FAILED = "failed"  # its inputs or its speech: the job's own error, the group goes on
     LOST = "lost"  # its server lost it to another holder: nothing more of it is written here
@@ -68,8 +70,10 @@ class Jobs(Protocol):
     def gate(self, job: Job) -> LeaseGate:
         """What rank 0 may write of ``job`` into a shared directory, and when (others: always)."""
 
-    def at_step(self, job: Job, gate: LeaseGate) -> Optional[JobEnd]:
-        """At a denoising step of ``job``, on every rank: None (go on) or how it stops here."""
+    def stop_requested(self, job: Job, gate: LeaseGate) -> Optional[JobEnd]:
+        """Asked by the loop at each step or block of ``job`` on every rank, answered on this
+        rank alone (no collective: the loop's step message carries it to the others): None (go
+        on) or how it stops."""
 
     def ended(self, job: Job) -> None:
         """``job`` ended (made, failed, cancelled or lost)."""
@@ -109,7 +113,7 @@ class ListedJobs:
     def gate(self, job: Job) -> LeaseGate:
         return ALWAYS
 
-    def at_step(self, job: Job, gate: LeaseGate) -> Optional[JobEnd]:
+    def stop_requested(self, job: Job, gate: LeaseGate) -> Optional[JobEnd]:
         return None
 
     def ended(self, job: Job) -> None:
@@ -163,26 +167,26 @@ class InboxJobs:
             self.on_idle()
             if time.time() - said >= SAY_EVERY_S:
                 said = time.time()
-                self.events.emit("waiting")
+                self.events.emit(EventKind.WAITING)
 
     def gate(self, job: Job) -> LeaseGate:
         """Rank 0's view of the job's lease: what it may write into the shared directory."""
         if self.rank != 0:
             return ALWAYS
         # a wait stays well below the process group's timeout: the other ranks wait in a collective
-        return LeaseGate(self.run_dir, job.id, say=lambda: self.events.emit("waiting"),
+        return LeaseGate(self.run_dir, job.id, say=lambda: self.events.emit(EventKind.WAITING),
                          limit_s=self.spec.pg_timeout_s / 2)
 
-    def at_step(self, job: Job, gate: LeaseGate) -> Optional[JobEnd]:
+    def stop_requested(self, job: Job, gate: LeaseGate) -> Optional[JobEnd]:
         """Rank 0 reads the inbox (lost first: a lost job's cancel is its server's way of saying so
-        too); every rank hears it."""
-        stop = None
-        if self.rank == 0:
-            if gate.verdict() is inbox.Verdict.LOST:
-                stop = JobEnd.LOST
-            elif inbox.cancelled(self.run_dir, job.id):
-                stop = JobEnd.CANCELLED
-        return from_rank0(stop)
+        too); the other ranks say None (the loop's step message tells them rank 0's word)."""
+        if self.rank != 0:
+            return None
+        if gate.verdict() is inbox.Verdict.LOST:
+            return JobEnd.LOST
+        if inbox.cancelled(self.run_dir, job.id):
+            return JobEnd.CANCELLED
+        return None
 
     def ended(self, job: Job) -> None:
         if self.rank == 0:

@@ -21,11 +21,13 @@ table's length, so the first 1024 are upstream's).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from patches import live_kv
+from patches import fp16_compute, live_kv
 from wan_s2v_runner.shared.live_recipe import BLOCK_LATENT_FRAMES, REF_BASE, ref_position
 
 
@@ -40,15 +42,36 @@ class Cond:
     motion_freqs: torch.Tensor  # [1, motion tokens, 1, c] complex
 
 
-class LiveDiT:
-    """One loaded DiT (a plain module: resident, streamed or fp8), patched for the live mode."""
+@contextlib.contextmanager
+def _upstream_state(model, merged_audio_emb, audio_emb_global, original_seq_len: int):
+    """Upstream's forward leaves the audio it injects and the noisy tokens' count on the model
+    (``merged_audio_emb``, ``audio_emb_global``, ``original_seq_len``), where its
+    ``after_transformer_block`` reads them: set here for one forward only, as they were after."""
+    names = ("merged_audio_emb", "audio_emb_global", "original_seq_len")
+    before = {n: getattr(model, n, None) for n in names}
+    model.merged_audio_emb, model.original_seq_len = merged_audio_emb, original_seq_len
+    if audio_emb_global is not None:
+        model.audio_emb_global = audio_emb_global
+    try:
+        yield
+    finally:
+        for n, v in before.items():
+            setattr(model, n, v)
 
-    def __init__(self, model, positions: int):
+
+class LiveDiT:
+    """One loaded DiT (a plain module: resident, streamed or fp8), patched for the live mode.
+    ``guard``: fp16's (:class:`patches.fp16_compute.Guard`; None in bf16/fp32), which the loop reads
+    after each forward; ``dtype``: the compute dtype (the CPU's autocast for a half one)."""
+
+    def __init__(self, model, positions: int, guard: Optional[fp16_compute.Guard] = None,
+                 dtype: torch.dtype = torch.float32):
         """``positions``: latent-frame positions the video needs (its frames and the reference's)."""
         from wan.modules.model import rope_params
 
-        self.model = model
-        live_kv.apply(model)
+        self.model, self.guard = model, guard
+        self.attention = live_kv.apply(model)
+        self._compute = lambda: fp16_compute.cpu_autocast(next(model.parameters()).device.type, dtype)
         d = model.dim // model.num_heads
         n = max(positions, 1024)
         self.freqs = torch.cat([rope_params(n, d - 4 * (d // 6)), rope_params(n, 2 * (d // 6)),
@@ -86,13 +109,14 @@ class LiveDiT:
     def context(self, context: list) -> torch.Tensor:
         """The text embedding of the prompt's T5 context (upstream's padding to ``text_len``)."""
         m = self.model
-        return m.text_embedding(torch.stack([torch.cat([u, u.new_zeros(m.text_len - u.size(0), u.size(1))])
+        with self._compute():
+            return m.text_embedding(torch.stack([torch.cat([u, u.new_zeros(m.text_len - u.size(0), u.size(1))])
                                              for u in context]))
 
     def _blocks(self, x, e0, freqs, ctx, call: live_kv.Call, inject_audio: bool):
         m = self.model
         seq_lens = torch.tensor([x.shape[1]], dtype=torch.long)
-        with live_kv.calling(m, call):
+        with self.attention.calling(call):
             for idx, block in enumerate(m.blocks):
                 x = block(x, e=e0, seq_lens=seq_lens, grid_sizes=None, freqs=freqs, context=ctx, context_lens=None)
                 if inject_audio:
@@ -102,6 +126,10 @@ class LiveDiT:
     # ----- the two forwards
     def sink(self, ref_latents: torch.Tensor, motion_latents: torch.Tensor, ctx: torch.Tensor) -> Cond:
         """The condition tokens' pass: every layer's keys (before RoPE) and values kept."""
+        with self._compute():
+            return self._sink(ref_latents, motion_latents, ctx)
+
+    def _sink(self, ref_latents: torch.Tensor, motion_latents: torch.Tensor, ctx: torch.Tensor) -> Cond:
         m = self.model
         ref = m.patch_embedding(ref_latents[0].unsqueeze(0))  # [1, C, 1, h, w]
         h, w = ref.shape[3], ref.shape[4]
@@ -130,22 +158,29 @@ class LiveDiT:
               audio: torch.Tensor, cond_states: torch.Tensor, motion_frames: list, ctx: torch.Tensor,
               cond: Cond) -> torch.Tensor:
         """One denoising step's noise prediction for ``block`` (latents [16, 3, H/8, W/8]) at
-        timestep ``t`` ([1]); writes the block's keys into ``step``."""
+        timestep ``t`` ([1]); writes the block's keys into ``step``. A non-finite output is flagged
+        on the guard (fp16), whose blocks flagged theirs."""
+        with self._compute():
+            out = self._block(latents, t, step, block, distance, audio, cond_states, motion_frames, ctx, cond)
+        if self.guard is not None:
+            self.guard.flag(self.guard.blocks, out)
+        return out
+
+    def _block(self, latents, t, step, block, distance, audio, cond_states, motion_frames, ctx, cond):
         m = self.model
         audio_input = torch.cat([audio[..., 0:1].repeat(1, 1, 1, motion_frames[0]), audio], dim=-1)
         res = m.casual_audio_encoder(audio_input)
+        audio_emb_global = None
         if m.enbale_adain:
             audio_emb_global, audio_emb = res
-            m.audio_emb_global = audio_emb_global[:, motion_frames[1]:].clone()
+            audio_emb_global = audio_emb_global[:, motion_frames[1]:].clone()
         else:
             audio_emb = res
-        m.merged_audio_emb = audio_emb[:, motion_frames[1]:, :]
         x = m.patch_embedding(latents.unsqueeze(0)) + m.cond_encoder(cond_states.unsqueeze(0))
         grid = torch.tensor([x.shape[2:]], dtype=torch.long)
         f, h, w = (int(v) for v in x.shape[2:])
         x = x.flatten(2).transpose(1, 2)
         n = x.shape[1]
-        m.original_seq_len = n
         frame = block * BLOCK_LATENT_FRAMES
         key = (frame, f, h, w, x.device)
         if self._noisy_freqs[0] != key:  # the same positions at every step of the block
@@ -154,25 +189,7 @@ class LiveDiT:
         x = x + m.trainable_cond_mask(torch.zeros([1, n], dtype=torch.long, device=x.device)).to(x.dtype)
         e, e0 = self._time(t, n)
         call = live_kv.Call(cond.kv, step, block, self.cond_freqs(cond, frame, distance, x.device))
-        x = self._blocks(x, e0, freqs, ctx, call, inject_audio=True)
+        with _upstream_state(m, audio_emb[:, motion_frames[1]:, :], audio_emb_global, n):
+            x = self._blocks(x, e0, freqs, ctx, call, inject_audio=True)
         x = m.head(x[:, :n], e)
-        out = m.unpatchify(x, grid)[0].float()
-        self._check_finite(out)
-        return out
-
-    def _check_finite(self, out: torch.Tensor) -> None:
-        """--dtype fp16: the blocks' non-finite flags (``patches.fp16_compute``'s guard, whose model
-        forward hooks this path does not take) and the output's, read on this rank alone (the
-        pipeline's ranks run their forwards apart: no collective); the first raises."""
-        from patches.fp16_compute import NonFiniteActivation, guard_of
-
-        guard = guard_of(self.model)
-        if guard is None:
-            return
-        flags = guard.flags
-        guard.flags = None
-        bad = [] if flags is None else flags[:-1].nonzero().flatten().tolist()
-        if bad:
-            raise NonFiniteActivation(int(bad[0]))
-        if not bool(torch.isfinite(out).all()):
-            raise NonFiniteActivation(None)
+        return m.unpatchify(x, grid)[0].float()

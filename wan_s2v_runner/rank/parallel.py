@@ -6,9 +6,11 @@ degrees, the mesh's shape, a rank's coordinates on it, and it builds the ``Devic
 an SP group is consecutive ranks, i.e. one node; CFG groups span nodes). Ask it (``plan.layout``)
 for those. A :class:`RankPlan` adds only what is this rank's own: its number, the mesh and its
 process groups (looked up by :class:`~wan_s2v_runner.shared.layout.MeshAxis`), and who does what:
-rank 0 encodes the speech and keeps the clips' frames while the last rank (the layout's
-``text_rank``; rank 0 when alone) encodes the prompts, at the same time; the others load neither
-wav2vec2 nor T5 unless T5 is FSDP-sharded (then every rank takes part in the text encode). The VAE work
+the encoding rank (rank 0) encodes the speech and the decoding rank (rank 0) keeps the frames
+while the last rank (the layout's ``text_rank``; rank 0 when alone) encodes the prompts, at the same
+time; the others load neither wav2vec2 nor T5 unless T5 is FSDP-sharded (then every rank takes part
+in the text encode). In the live recipe's step pipeline a rank runs the steps the layout's stage
+plan gives it, and a decoding rank that runs none holds no DiT (:attr:`RankPlan.needs_dit`). The VAE work
 (reference encode, per-clip decode, motion re-encode) is split by rows over every rank with
 ``--vae-parallel`` (on by default with more than one rank: every rank loads the VAE); without it
 rank 0 runs it alone and the other ranks do not load the VAE.
@@ -54,8 +56,8 @@ class RankPlan:
 
     @property
     def encodes(self) -> bool:
-        """Computes audio features and reference/motion latents (broadcast from rank 0)."""
-        return self.rank == 0
+        """Computes audio features and reference/motion latents (broadcast from it)."""
+        return self.rank == self.layout.encoding_rank
 
     @property
     def encodes_text(self) -> bool:
@@ -64,8 +66,20 @@ class RankPlan:
 
     @property
     def decodes(self) -> bool:
-        """Decodes each clip, re-encodes its last frames, writes the video."""
-        return self.rank == 0
+        """Decodes each clip (or block), re-encodes a clip's last frames, writes the video."""
+        return self.rank == self.layout.decoding_rank
+
+    @property
+    def needs_dit(self) -> bool:
+        """Loads and runs the DiT (not the decoding rank of a 5-rank live pipeline: it runs no step)."""
+        return self.layout.holds_dit(self.rank)
+
+    @property
+    def steps(self) -> Optional[tuple[int, ...]]:
+        """The live pipeline's denoising steps this rank runs (0-based), or None: the clip recipe,
+        every rank at every step."""
+        stages = self.layout.stages
+        return None if stages is None else stages.steps_of(self.rank)
 
     @property
     def all_encode_text(self) -> bool:
@@ -87,7 +101,8 @@ class RankPlan:
     def describe(self) -> dict:
         return {"rank": self.rank, "cfg_rank": self.cfg_rank, "sp_rank": self.sp_rank,
                 "loads": [n for n, need in (("t5", self.needs_t5), ("wav2vec2", self.needs_audio_encoder),
-                                            ("vae", self.needs_vae), ("dit", True)) if need]}
+                                            ("vae", self.needs_vae), ("dit", self.needs_dit)) if need],
+                **({"steps": [s + 1 for s in self.steps]} if self.steps is not None else {})}
 
 
 def rank_plan(layout: Layout, device_type: str, rank: Optional[int] = None) -> RankPlan:

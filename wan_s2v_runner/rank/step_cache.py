@@ -16,18 +16,18 @@ residuals of the first blocks, under its own parallelism; our ranks hold shards 
 (Ulysses), the two CFG branches on different ranks (CFG-parallel) or FSDP shards, and a rank that
 skipped a pass its peers run would hang the group. Here the decision is made once per step, for
 both branches, from tensors every rank holds whole (the latents and the combined prediction are
-the same on every rank), and rank 0's measure is broadcast so every rank takes the same decision
-from the same float64 number. Whole-step reuse also leaves the DiT itself (the audio injection
+the same on every rank), and rank 0's measure travels in the loop's step message
+(:mod:`~wan_s2v_runner.rank.step_control`: agreed at the end of the step before), so every rank
+takes the same decision from the same float64 number. Whole-step reuse also leaves the DiT itself (the audio injection
 after its blocks, ``--compile``'s graphs, fp8) untouched.
 
 What it did is reported per clip (:attr:`StepCache.record`): the 1-based steps computed and reused.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from wan_s2v_runner.shared.cache_policy import CacheSetting, warmup_steps
 
@@ -37,32 +37,18 @@ def mean_abs(t: torch.Tensor) -> float:
     return float(t.detach().double().abs().mean().item())
 
 
-def measuring_rank() -> bool:
-    """Whether this rank's measure is the one the group uses (rank 0, or a process alone)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def rank0_value(value: float, device: torch.device) -> float:
-    """``value`` as rank 0 has it, on every rank of the group (one float64 broadcast); alone: itself."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    # nccl broadcasts CUDA tensors only; gloo, CPU ones (a CUDA tensor works with gloo too, via a copy)
-    buf = torch.tensor([value], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
-    dist.broadcast(buf, src=0)
-    return float(buf.item())
-
-
 class StepCache:
     """One clip's decisions (made afresh for every clip: each has its own noise and schedule).
 
-    ``agree(measure)`` gives every rank rank 0's measure (:func:`rank0_value` in a group); a
-    negative measure means "compute". ``measures``: this rank computes the measure (rank 0; the
-    others only keep what a reused step's prediction needs). At threshold 0 nothing can be reused:
-    no measure, no broadcast, no copies; the steps are only recorded."""
+    At the end of a step the measuring rank computes the next step's measure (:meth:`measure`;
+    the others say -1); the loop agrees it with every rank and hands it back to :meth:`reuse` at
+    the next step: a negative measure means "compute". ``measures``: this rank computes the
+    measure (rank 0; the others only keep what a reused step's prediction needs). At threshold 0
+    nothing can be reused: no measure, no copies; the steps are only recorded."""
 
-    def __init__(self, setting: CacheSetting, steps: int, agree: Callable[[float], float], measures: bool = True):
-        self.threshold, self.steps, self.agree = setting.threshold, steps, agree
-        self.active = setting.reuses  # every rank has the same setting: all skip the broadcast alike
+    def __init__(self, setting: CacheSetting, steps: int, measures: bool = True):
+        self.threshold, self.steps = setting.threshold, steps
+        self.active = setting.reuses  # every rank has the same setting
         self.measures = measures
         self.warmup = warmup_steps(steps)
         self.prev_x: Optional[torch.Tensor] = None  # the previous step's input (computed or reused)
@@ -74,15 +60,16 @@ class StepCache:
         self.reused_steps: list[int] = []
 
     @classmethod
-    def for_clip(cls, setting: CacheSetting, steps: int, device: torch.device) -> Optional["StepCache"]:
+    def for_clip(cls, setting: CacheSetting, steps: int, measures: bool) -> Optional["StepCache"]:
         """The clip's cache, or None when the setting is off."""
         if not setting.on:
             return None
-        return cls(setting, steps, lambda m: rank0_value(m, device), measures=measuring_rank())
+        return cls(setting, steps, measures=measures)
 
-    def _measure(self, i: int, x: torch.Tensor) -> float:
-        """The predicted relative change of step ``i``'s output (accumulated), or -1: compute."""
-        if (not self.measures or not (self.warmup <= i < self.steps - 1) or self.k is None
+    def measure(self, i: int, x: torch.Tensor) -> float:
+        """The predicted relative change of step ``i``'s output (accumulated) for its input ``x``,
+        or -1: compute it (every rank but the measuring one, the warm-up and the last step)."""
+        if (not self.active or not self.measures or not (self.warmup <= i < self.steps - 1) or self.k is None
                 or self.prev_x is None):
             return -1.0
         scale = mean_abs(self.last_v)
@@ -91,12 +78,12 @@ class StepCache:
         predicted = self.accumulated + self.k * mean_abs(x - self.prev_x) / scale
         return predicted if predicted == predicted and predicted != float("inf") else -1.0
 
-    def reuse(self, i: int, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """Step ``i`` (0-based) with input ``x``: its prediction from the last computed step, or
-        None (compute it, then call :meth:`computed`). Every rank calls it at every step."""
+    def reuse(self, i: int, x: torch.Tensor, measure: float) -> Optional[torch.Tensor]:
+        """Step ``i`` (0-based) with input ``x`` and the agreed ``measure`` (the measuring rank's
+        :meth:`measure` of it): its prediction from the last computed step, or None (compute it,
+        then call :meth:`computed`). Every rank calls it at every step."""
         if not self.active:
             return None
-        measure = self.agree(self._measure(i, x))
         if self.measures:
             self.prev_x = x.clone()
         if 0.0 <= measure < self.threshold:

@@ -7,7 +7,8 @@ speech from the job's one audio encoder: :mod:`~wan_s2v_runner.shared.media`). A
 at any moment; the finished video is the same file, its durations written in and renamed to the
 output: there is no second encode, and nothing at the end grows with the video.
 
-How a clip flows (:class:`VideoWriter`, driven by the loop through :class:`~wan_s2v_runner.rank.generation.ClipSink`):
+How a clip flows (:class:`VideoWriter`, driven by the loop through
+:class:`~wan_s2v_runner.rank.job_contract.FrameSink`):
 
 1. :meth:`VideoWriter.frames`: the clip is decoded; its float frames go to the writer's thread,
    which converts them to uint8, encodes them and appends the fragment (durable: fsync), while
@@ -40,6 +41,7 @@ from typing import Optional
 import torch
 
 from wan_s2v_runner.shared import atomic, fmp4, media, resume
+from wan_s2v_runner.shared.events import EventKind
 
 log = logging.getLogger("wan_s2v.video_writer")
 
@@ -302,7 +304,7 @@ class VideoWriter:
         at = self.growing.at
         self.ends.append(at.frames)
         if not last:
-            self.events.emit("preview", clips=clip + 1, of=num_clips, frames=at.frames,
+            self.events.emit(EventKind.PREVIEW, clips=clip + 1, of=num_clips, frames=at.frames,
                              seconds=round(at.frames / self.fps, 3), path=str(self.path), bytes=at.size)
 
     def _write_thumbnail(self, first) -> None:
@@ -311,9 +313,9 @@ class VideoWriter:
         try:
             atomic.atomic_write(self.thumbnail, lambda p: Image.fromarray(first).save(p, format="JPEG", quality=90),
                                 commit_if=self.gate.current)
-            self.events.emit("thumbnail", path=str(self.thumbnail))
+            self.events.emit(EventKind.THUMBNAIL, path=str(self.thumbnail))
         except atomic.NotCommitted:
             pass
         except Exception as e:  # a thumbnail never fails the job
-            self.events.emit("preview_failed", clips=0, error=f"thumbnail: {type(e).__name__}: {e}")
+            self.events.emit(EventKind.PREVIEW_FAILED, clips=0, error=f"thumbnail: {type(e).__name__}: {e}")
 

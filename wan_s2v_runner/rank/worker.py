@@ -40,20 +40,16 @@ from wan_s2v_runner.rank.cpu_binding import cpu_binding
 from wan_s2v_runner.rank.job_sources import JobEnd
 from wan_s2v_runner.rank.lease import JobLost, LeaseGate
 from wan_s2v_runner.rank.memory_peaks import StagePeaks
-from wan_s2v_runner.shared import atomic, cache_policy, resume
-from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventWriter
+from wan_s2v_runner.rank.step_control import JobCancelled
+from wan_s2v_runner.shared import atomic, resume
+from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventKind, EventWriter
 from wan_s2v_runner.shared.job_source import JobSource, read_source
 from wan_s2v_runner.shared.jobs import Job
-from wan_s2v_runner.shared.layout import Mode
 from wan_s2v_runner.shared.procfs import pin_mmap_threshold, trim_heap
 from wan_s2v_runner.shared.spec import GroupSpec, RunSpec, read_spec
 from wan_s2v_runner.shared.stages import Stage
 
 log = logging.getLogger("wan_s2v.worker")
-
-
-class JobCancelled(Exception):
-    """The server cancelled the job in progress; raised on every rank at the same step."""
 
 
 class JobFailed(Exception):
@@ -108,7 +104,7 @@ class RankEvents(EventWriter):
         """Record the rank's failure once, as early as possible (before comms are torn down)."""
         if not self.error_reported:
             self.error_reported = True
-            self.emit("error", error_type=type(e).__name__, message=str(e)[:2000])
+            self.emit(EventKind.ERROR, error_type=type(e).__name__, message=str(e)[:2000])
 
 
 def _setup_logging(rank: int) -> None:
@@ -169,7 +165,7 @@ def engine_config(wan, spec: GroupSpec, capabilities=None):
 
 def request_for(spec: RunSpec):
     """The generate() arguments of a run (upstream's names)."""
-    from wan_s2v_runner.rank.generation import Request
+    from wan_s2v_runner.rank.job_shell import Request
     return Request(prompt=spec.prompt, ref_image_path=str(spec.image), audio_path=str(spec.speech),
                    num_repeat=spec.num_clips, max_area=spec.max_area, infer_frames=spec.infer_frames,
                    shift=spec.shift, sample_solver=spec.solver, sampling_steps=spec.steps,
@@ -227,7 +223,7 @@ class OpenVideo:
     resume continues from (None: from the first clip) and the identity its checkpoints carry."""
 
     writer: object  # rank.video_writer.VideoWriter
-    state: object  # rank.generation.ClipState or None
+    state: object  # rank.clip_steps.ClipState or None
     identity: dict
 
 
@@ -241,10 +237,13 @@ class RankGroup:
     def __init__(self, spec: GroupSpec, run_dir: Path, events: "RankEvents", rank: int, cfg, plan, parts,
                  source: JobSource):
         from wan_s2v_runner.rank.encoders import TextContexts
+        from wan_s2v_runner.rank.job_shell import driver_for
 
         self.spec, self.run_dir, self.events, self.rank = spec, run_dir, events, rank  # the group's
         self.cfg, self.plan, self.parts = cfg, plan, parts
         self.texts = TextContexts()
+        #: the recipe's step driver, bound once for the group's jobs
+        self.driver = driver_for(spec.layout.recipe)
         self.jobs = job_sources.for_group(source, spec, run_dir, rank, events, on_idle=self._idle)
         self.compiler = None  # --compile: patches.compile_blocks.Compiled (set by run_rank)
         self.video: Optional[OpenVideo] = None  # rank 0: the next job's, from start_job to run_job
@@ -267,17 +266,18 @@ class RankGroup:
                                            exc_info=e)
         return job_errors.in_step(point, self.jobs.control)
 
-    def _step_or_cancel(self, job: Job, gate: LeaseGate):
-        """The denoising step hook: report the step; stop the job here when its source says so (a
-        served job its server cancelled or lost to another holder: every rank raises)."""
-        def step(**counters):
-            self.events.step(**counters)
-            stop = self.jobs.at_step(job, gate)
-            if stop is JobEnd.CANCELLED:
-                raise JobCancelled(job.id)
-            if stop is JobEnd.LOST:
-                raise JobLost(job.id)
-        return step
+    def _stop_requested(self, job: Job, gate: LeaseGate):
+        """The job's source's word, which the loop asks at each step or block and carries in its step
+        message (a served job's: rank 0 reads the inbox; None elsewhere and for listed jobs)."""
+        from wan_s2v_runner.rank.step_control import Signal
+
+        if not self.jobs.served:
+            return None
+        signals = {JobEnd.CANCELLED: Signal.CANCELLED, JobEnd.LOST: Signal.LOST}
+
+        def stop():
+            return signals.get(self.jobs.stop_requested(job, gate))
+        return stop
 
     def start_job(self, job: Job, clock: "StageClock") -> Optional[tuple[JobEnd, str]]:
         """Before any rank starts the job, rank 0 reads its inputs, waits until its server is sure
@@ -313,7 +313,7 @@ class RankGroup:
 
     def _open_video(self, job: Job, spec, gate) -> "OpenVideo":
         """Rank 0: the job's video writer (continuing a resumed run's video), its clip state and identity."""
-        from wan_s2v_runner.rank.generation import ClipState
+        from wan_s2v_runner.rank.clip_steps import ClipState
         from wan_s2v_runner.rank.video_writer import VideoWriter
 
         identity, continued, state = resume.identity(spec), None, None
@@ -322,7 +322,7 @@ class RankGroup:
             carried = resume.load(spec.resume_from, progress)
             continued = resume.continued(progress)
             state = ClipState(progress.next_clip, carried["motion_latents"], carried["videos_last_frames"])
-            self.events.emit("resumed", clip=progress.next_clip + 1, clips=progress.num_clips,
+            self.events.emit(EventKind.RESUMED, clip=progress.next_clip + 1, clips=progress.num_clips,
                              source=str(spec.resume_from))
         writer = VideoWriter(spec.output, spec.speech, self.cfg.sample_fps, job.work_dir, identity, self.events,
                              gate=gate, thumbnail=spec.preview or self.jobs.served, frames_out=spec.frames_out,
@@ -335,11 +335,11 @@ class RankGroup:
         if self.rank == 0 and job.record is not None and self.jobs.gate(job).current():
             record = {"id": job.id, "status": "failed", "error": cause, "finished": time.time()}
             atomic.write_text(job.record, json.dumps(record, indent=1), durable=True)
-        self.events.emit("job_failed", id=job.id, job=index + 1, error=cause)
+        self.events.emit(EventKind.JOB_FAILED, id=job.id, job=index + 1, error=cause)
 
     def run_job(self, job: Job, index: int, total: Optional[int], clock: "StageClock", started: float) -> None:
         """Make one job (``total``: the group's number of jobs, None while serving)."""
-        from wan_s2v_runner.rank.generation import Hooks
+        from wan_s2v_runner.rank.job_shell import Hooks
 
         spec, events, plan, gate = job.run_spec(self.spec), self.events, self.plan, self.jobs.gate(job)
 
@@ -363,8 +363,9 @@ class RankGroup:
         if self.compiler is not None:
             self.compiler.around = compiling
 
-        hooks = Hooks(stage=stage, step=self._step_or_cancel(job, gate), step_is_collective=self.jobs.served,
-                      cache_done=lambda record: events.emit("step_cache", **record))
+        hooks = Hooks(stage=stage, step=events.step, stop_requested=self._stop_requested(job, gate),
+                      cache_done=lambda record: events.emit(EventKind.STEP_CACHE, **record),
+                      live=lambda figures: events.emit(EventKind.LIVE, **figures))
         resume_state, identity, writer = None, None, None
         if plan.decodes:  # the video grows clip by clip (opened by start_job); a clip's checkpoint is its place in it
             opened, self.video = self.video, None
@@ -380,19 +381,15 @@ class RankGroup:
     def _make(self, job: Job, index: int, spec, hooks, writer, resume_state, identity, started: float, clock,
               stage, gate: LeaseGate) -> None:
         """Generate ``job``'s clips into its video (rank 0: ``writer``) and finish it and its record."""
-        from wan_s2v_runner.rank.generation import S2VGenerator
-        from wan_s2v_runner.rank.live_loop import LiveGenerator
+        from wan_s2v_runner.rank.job_shell import JobShell
         from wan_s2v_runner.shared import media
         from wan_s2v_runner.shared.atomic import NotCommitted
 
         events, plan = self.events, self.plan
-        live = spec.layout.mode is Mode.LIVE
-        if live:  # time to the first frame and frames per second, after each decoded block
-            hooks.live = lambda figures: events.emit("live", **figures)
-        generator = (LiveGenerator if live else S2VGenerator)(self.parts, plan, hooks, self.texts)
-        generator.generate(request_for(spec), resuming=bool(spec.resume_from), resume=resume_state)
+        shell = JobShell(self.parts, plan, hooks, self.texts, driver=self.driver)
+        shell.generate(request_for(spec), resuming=bool(spec.resume_from), resume=resume_state)
         if self.rank != 0:
-            events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
+            events.emit(EventKind.JOB_DONE, id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
             return
         # the last clip's (or live block's) fragment in the file before the writer is asked whether
         # it was lost; an error writing it is the job's
@@ -407,7 +404,7 @@ class RankGroup:
         if writer.total_frames == 0:
             raise RuntimeError("rank 0 got no frames from the engine")
         shape = [3, writer.total_frames, *writer.size]
-        events.emit("frames", shape=shape)
+        events.emit(EventKind.FRAMES, shape=shape)
         try:  # the other ranks are done with this job: an error here is the job's, not the group's
             gate.wait_or_raise()  # a served job's files only while its server holds it
             stage(Stage.SAVE)
@@ -425,17 +422,14 @@ class RankGroup:
                       "wall_s": round(ended - started, 3), "stage_seconds": clock.seconds(ended),
                       "resumed_at_clip": resume_state.clip + 1 if resume_state else None,
                       "frames": shape, "fps": self.cfg.sample_fps, "identity": identity,
-                      **({"live": generator.record} if live else {}),
-                      "step_cache": (cache_policy.summary(spec.cache, generator.cache_records)
-                                     if generator.cache_records else None),
-                      **memory_figures(events.peaks),
+                      **shell.record(), **memory_figures(events.peaks),
                       "output": {"path": str(spec.output), "sha256": media.sha256_file(spec.output)},
                       "spec": json.loads(spec.model_dump_json())}
             try:  # mp4 first, then this
                 atomic.write_text(job.record, json.dumps(record, indent=1), durable=True, commit_if=gate.wait)
             except NotCommitted:
                 raise JobLost(job.id) from None
-        events.emit("job_done", id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
+        events.emit(EventKind.JOB_DONE, id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
 
 
 def disk_fix(e: BaseException) -> str:
@@ -477,19 +471,19 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
         if spec.compile:
             from patches import compile_blocks
             compiler = compile_blocks.apply(wan, cfg.param_dtype,
-                                            on_compile=lambda info: events.emit("compile", **info))
+                                            on_compile=lambda info: events.emit(EventKind.COMPILE, **info))
             applied["compile_blocks"] = f"each DiT block compiled (inductor cache {compile_blocks.cache_dir()})"
-        events.emit("patches", applied=applied)
+        events.emit(EventKind.PATCHES, applied=applied)
 
         events.stage(Stage.LOAD)
         device = torch.device("cpu") if spec.device == "cpu" else torch.device("cuda", local_rank)
         plan = rank_plan(spec.layout, device.type)
         parts, more = runners.get(spec.mode).prepare(wan, cfg, spec, plan, device, local_rank,
                                                            on_event=events.stage)
-        events.emit("plan", **plan.describe(), patches=more, compute_dtype=cfg.compute_dtype.value,
+        events.emit(EventKind.PLAN, **plan.describe(), patches=more, compute_dtype=cfg.compute_dtype.value,
                     compute_dtype_why=cfg.compute_dtype_reason)
         # its thread while the first job encodes (components.DitLoad): its report once it is loaded
-        parts.when_ready(lambda: events.emit("loaded", **parts.load_report.as_dict()))
+        parts.when_ready(lambda: events.emit(EventKind.LOADED, **parts.load_report.as_dict()))
 
         if dist.get_world_size() > 1:  # every rank starts generating together, so each stage's time
             dist.barrier()  # is its own work, not a wait for a slower rank's loading
@@ -499,7 +493,7 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
         for index, job in enumerate(jobs):
             events.job, events.job_prompt = index + 1, job.spec.prompt
             if jobs.count != 1 or job.record is not None:
-                events.emit("job", id=job.id, job=index + 1, jobs=jobs.count)
+                events.emit(EventKind.JOB, id=job.id, job=index + 1, jobs=jobs.count)
             started, clock = time.time(), StageClock()
             try:
                 verdict = group.start_job(job, clock)
@@ -509,9 +503,9 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
                     raise JobFailed(verdict[1])
                 group.run_job(job, index, jobs.count, clock, started)
             except JobCancelled:  # every rank stopped it at the same step; the group takes the next
-                events.emit("job_cancelled", id=job.id, job=index + 1)
+                events.emit(EventKind.JOB_CANCELLED, id=job.id, job=index + 1)
             except JobLost:  # its server lost it to another holder: nothing more of it is written here
-                events.emit("job_lost", id=job.id, job=index + 1)
+                events.emit(EventKind.JOB_LOST, id=job.id, job=index + 1)
             except JobFailed as e:  # the job's own error where no peer waits: the group takes the next
                 group.fail_job(job, index, str(e))
             except Exception as e:
@@ -575,7 +569,7 @@ def main(argv: list[str] | None = None, *, body=None, events_cls: type[RankEvent
     pin_mmap_threshold()  # a long run's heap does not grow by fragmentation (shared/procfs.py)
     gpu = int(os.environ.get("LOCAL_RANK", 0)) if spec.device == "cuda" else None  # run_rank's set_device
     events = events_cls(run_dir, rank, StagePeaks(cuda_device=gpu))
-    events.emit("hello", pid=os.getpid(), host=os.uname().nodename,
+    events.emit(EventKind.HELLO, pid=os.getpid(), host=os.uname().nodename,
                 local_rank=int(os.environ.get("LOCAL_RANK", 0)), cpus=cpus, fork_gate=fork_gate.parties())
     t0 = time.time()
     try:
@@ -585,7 +579,7 @@ def main(argv: list[str] | None = None, *, body=None, events_cls: type[RankEvent
         raise
     finally:
         events.stage_peak()  # the last stage's
-        events.emit("end", wall_s=round(time.time() - t0, 3), **memory_figures(events.peaks))
+        events.emit(EventKind.END, wall_s=round(time.time() - t0, 3), **memory_figures(events.peaks))
         events.close()
     return 0
 
@@ -603,7 +597,7 @@ def preload_modules(wan_repo) -> None:
     engine.import_wan(wan_repo)
     import patches  # noqa: F401
     import runners  # noqa: F401
-    from wan_s2v_runner.rank import generation  # noqa: F401
+    from wan_s2v_runner.rank import block_pipeline, clip_steps, job_shell  # noqa: F401
     from wan_s2v_runner.shared import media  # noqa: F401
 
 

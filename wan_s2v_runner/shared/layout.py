@@ -7,7 +7,9 @@ the DiT/T5 are FSDP-sharded or T5 runs on the CPU, whether a degree fits the mod
 the DiT's token counts, which degrees would. Nothing else re-derives these rules: preflight
 checks, the memory plan, the mode recommendation, failure hints and the worker all ask here.
 It also builds the run's device mesh (:meth:`Layout.device_mesh`: dimensions named by
-:class:`MeshAxis`, sequence parallel innermost) and places a global rank on it (:meth:`Layout.coords`).
+:class:`MeshAxis`, sequence parallel innermost), places a global rank on it (:meth:`Layout.coords`),
+and says who does what: the encoding, text and decoding ranks, and for the live recipe's step
+pipeline which ranks run which steps and so who holds a DiT (:attr:`Layout.stages`).
 
 Adding a mode = one :class:`Mode` member + one :data:`MODES` entry (+ its ``runners/`` module).
 This module imports nothing from the project; torch only inside :meth:`Layout.device_mesh` (the
@@ -23,6 +25,9 @@ from pydantic import BaseModel, ConfigDict
 
 #: GPU counts per node people usually have: the default candidates of :func:`valid_sp_degrees`
 COMMON_GPU_COUNTS = (1, 2, 4, 8)
+#: the live recipe's denoising steps (LiveAvatar's distilled 4; ``shared.live_recipe.STEPS``),
+#: which its step pipeline shares over the ranks (:func:`stage_plan`)
+LIVE_STEPS = 4
 
 
 class Mode(str, Enum):
@@ -64,6 +69,16 @@ class StreamSource(str, Enum):
     AUTO = "auto"  # the page cache when the whole DiT beside the rest would not fit the RAM
 
 
+class Recipe(str, Enum):
+    """What a mode's ranks make of a job: upstream's clips (every rank at every denoising step; the
+    ``rank.clip_steps`` driver), or LiveAvatar's causal blocks with the steps pipelined over the
+    ranks (``rank.block_pipeline``). Another recipe is another video, not another layout: a pool's
+    identity names it, and a failure hint never offers one for the other."""
+
+    CLIPS = "clips"
+    LIVE = "live"
+
+
 class MeshAxis(str, Enum):
     """The device mesh's dimensions, outermost first (:attr:`Layout.mesh_shape`'s order): the
     names the mesh is built with and its process groups are looked up by."""
@@ -84,9 +99,14 @@ class ModeTraits:
     dit_fsdp: bool
     t5_fsdp: bool
     t5_cpu: bool
-    #: LiveAvatar's causal recipe, its denoising steps pipelined over the ranks (rank 0 decodes alone):
-    #: another recipe, not another layout of the clip loop's job (never offered in its place)
-    step_pipeline: bool = False
+    #: what the ranks make (:class:`Recipe`)
+    recipe: "Recipe" = Recipe.CLIPS
+
+    @property
+    def step_pipeline(self) -> bool:
+        """LiveAvatar's causal recipe, its denoising steps pipelined over the ranks (rank 0 decodes):
+        another recipe, not another layout of the clip steps' job (never offered in its place)."""
+        return self.recipe is Recipe.LIVE
 
 
 MODES: dict[Mode, ModeTraits] = {
@@ -98,7 +118,7 @@ MODES: dict[Mode, ModeTraits] = {
                             sequence_parallel=True, dit_fsdp=True, t5_fsdp=False, t5_cpu=True),
     Mode.LIVE: ModeTraits("live: causal 4-step blocks, one rank per denoising step (+ a decoding rank) or the "
                           "steps shared; each DiT rank holds the full model", sequence_parallel=False,
-                          dit_fsdp=False, t5_fsdp=False, t5_cpu=False, step_pipeline=True),
+                          dit_fsdp=False, t5_fsdp=False, t5_cpu=False, recipe=Recipe.LIVE),
 }
 
 
@@ -162,6 +182,36 @@ class Layout(BaseModel):
         """Whether the VAE work of frames this tall is split: one band of latent rows (8 pixel
         rows each) per rank needs at least as many latent rows as ranks; else rank 0 runs it."""
         return self.vae_parallel and 1 < self.world_size <= frame_height // 8
+
+    # ----- who does what -----
+    @property
+    def recipe(self) -> Recipe:
+        return MODES[self.mode].recipe if self.mode is not None else Recipe.CLIPS
+
+    @property
+    def encoding_rank(self) -> int:
+        """The rank that encodes the speech and the reference (and broadcasts them)."""
+        return 0
+
+    @property
+    def decoding_rank(self) -> int:
+        """The rank that decodes each clip or block whole and writes the video."""
+        return 0
+
+    @property
+    def stages(self):
+        """The live recipe's step pipeline (:class:`StagePlan`: which rank runs which
+        denoising steps; the decoding rank of a 5-rank pipeline runs none), or None: every rank runs
+        every step (the clip recipe), or this world size cannot run it (``stage_problem`` says why)."""
+        if self.recipe is not Recipe.LIVE:
+            return None
+        return stage_plan(self.world_size)
+
+    def holds_dit(self, rank: int) -> bool:
+        """Whether ``rank`` loads and runs a DiT (every rank but a step pipeline's decoding rank
+        that runs no step)."""
+        stages = self.stages
+        return stages is None or bool(stages.steps_of(rank))
 
     # ----- degrees -----
     @property
@@ -281,3 +331,59 @@ def dit_load_overlap(layout: Layout, device: str, load: LoadStrategy) -> tuple[b
                        "to the first step and reserved 0.9 GiB more (docs/gpu.md)")
     return True, ("while the encoders run (a thread of its own, its collectives on a process group of "
                   "its own; no more memory: the DiT was held while encoding before too)")
+
+
+# --------------------------------------------------------------------------- the step pipeline
+@dataclass(frozen=True)
+class StagePlan:
+    """Which rank runs which denoising steps, and who decodes (rank 0 always)."""
+
+    world_size: int
+    steps: int
+    #: per rank: the steps it runs (empty: the decoding rank of a ``steps + 1`` pipeline)
+    rank_steps: tuple[tuple[int, ...], ...]
+
+    @property
+    def dit_ranks(self) -> list[int]:
+        return [r for r, s in enumerate(self.rank_steps) if s]
+
+    def steps_of(self, rank: int) -> tuple[int, ...]:
+        return self.rank_steps[rank]
+
+    def rank_of_step(self, step: int) -> int:
+        return next(r for r, s in enumerate(self.rank_steps) if step in s)
+
+    @property
+    def decoder_runs_dit(self) -> bool:
+        return bool(self.rank_steps[0])
+
+    def describe(self) -> str:
+        parts = [f"rank {r}: " + (("steps " + ",".join(str(s + 1) for s in st)) if st else "decode")
+                 + (" + decode" if r == 0 and st else "") for r, st in enumerate(self.rank_steps)]
+        return "; ".join(parts)
+
+
+def supported_world_sizes(steps: int = LIVE_STEPS) -> list[int]:
+    """Rank counts the step pipeline runs on: the divisors of the step count, and one more than it."""
+    return sorted({d for d in range(1, steps + 1) if steps % d == 0} | {steps + 1})
+
+
+def stage_plan(world_size: int, steps: int = LIVE_STEPS) -> Optional[StagePlan]:
+    """The stages of ``world_size`` ranks, or None where that count is not supported
+    (:func:`stage_problem` says the fix)."""
+    if world_size == steps + 1:  # LiveAvatar's: a decoding rank, then one rank per step
+        return StagePlan(world_size, steps, ((),) + tuple((s,) for s in range(steps)))
+    if world_size >= 1 and steps % world_size == 0:
+        per = steps // world_size
+        return StagePlan(world_size, steps, tuple(tuple(range(r * per, (r + 1) * per)) for r in range(world_size)))
+    return None
+
+
+def stage_problem(world_size: int, steps: int = LIVE_STEPS) -> Optional[str]:
+    """Why ``world_size`` ranks cannot run the live step pipeline, with the fix (None: they can)."""
+    if stage_plan(world_size, steps) is not None:
+        return None
+    ok = supported_world_sizes(steps)
+    return (f"--mode live runs its {steps} steps on {', '.join(map(str, ok[:-1]))} or {ok[-1]} ranks "
+            f"(one rank per step and a decoding rank, or the steps shared evenly), not {world_size}. "
+            f"Fix: --nproc {max(d for d in ok if d <= world_size) if any(d <= world_size for d in ok) else 1}")

@@ -1,5 +1,5 @@
 """The live mode's recipe and its rules (LiveAvatar's causal few-step S2V): pure numbers and
-functions that the rank's loop (:mod:`wan_s2v_runner.rank.live_loop`), the preflight and the plan all read,
+functions that the rank's loop (:mod:`wan_s2v_runner.rank.block_pipeline`), the preflight and the plan all read,
 so they cannot disagree.
 
 What LiveAvatar's inference does (github Alibaba-Quark/LiveAvatar @9c2c38d, read from
@@ -17,15 +17,18 @@ What LiveAvatar's inference does (github Alibaba-Quark/LiveAvatar @9c2c38d, read
   tokens at their fixed negative positions;
 * the first block's first 3 decoded frames are dropped, as upstream drops a first clip's.
 
-The step pipeline (:func:`stage_plan`): one rank per denoising step and a decoding rank
-(5 ranks for 4 steps), or the steps shared evenly by 1, 2 or 4 ranks, the first of which also
-decodes. Rank 0 always encodes the inputs, decodes and writes the video.
+The step pipeline (``shared.layout``'s :func:`stage_plan`, ``Layout.stages``): one rank per
+denoising step and a decoding rank (5 ranks for 4 steps), or the steps shared evenly by 1, 2 or 4
+ranks, the first of which also decodes. Rank 0 always encodes the inputs, decodes and writes the
+video.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Optional
+
+from wan_s2v_runner.shared.layout import LIVE_STEPS, StagePlan, stage_plan, stage_problem, supported_world_sizes
+
+__all__ = ["StagePlan", "stage_plan", "stage_problem", "supported_world_sizes"]  # the layout's, read here too
 
 #: latent frames a block holds (LiveAvatar's ``num_frames_per_block``)
 BLOCK_LATENT_FRAMES = 3
@@ -36,8 +39,9 @@ FIRST_BLOCK_DROP = 3
 #: blocks a query block attends at one step, itself included: LiveAvatar's KV cache is one
 #: 48-frame clip long (``kv_cache_size = max_seq_len`` with ``infer_frames 48``)
 WINDOW_BLOCKS = 4
-#: the distilled schedule: steps and shift (no CFG)
-STEPS = 4
+#: the distilled schedule: steps (the layout's, whose stage plan shares them over the ranks) and
+#: shift (no CFG)
+STEPS = LIVE_STEPS
 SHIFT = 3.0
 #: the reference token's base temporal position (upstream's S2V: 30) and the drawn distance's range
 REF_BASE = 30
@@ -93,59 +97,3 @@ def rope_positions(blocks: int) -> int:
 def window(block: int) -> range:
     """The blocks ``block`` attends at a step (its own K/V included)."""
     return range(max(0, block - WINDOW_BLOCKS + 1), block + 1)
-
-
-# --------------------------------------------------------------------------- the step pipeline
-@dataclass(frozen=True)
-class StagePlan:
-    """Which rank runs which denoising steps, and who decodes (rank 0 always)."""
-
-    world_size: int
-    steps: int
-    #: per rank: the steps it runs (empty: the decoding rank of a ``steps + 1`` pipeline)
-    rank_steps: tuple[tuple[int, ...], ...]
-
-    @property
-    def dit_ranks(self) -> list[int]:
-        return [r for r, s in enumerate(self.rank_steps) if s]
-
-    def steps_of(self, rank: int) -> tuple[int, ...]:
-        return self.rank_steps[rank]
-
-    def rank_of_step(self, step: int) -> int:
-        return next(r for r, s in enumerate(self.rank_steps) if step in s)
-
-    @property
-    def decoder_runs_dit(self) -> bool:
-        return bool(self.rank_steps[0])
-
-    def describe(self) -> str:
-        parts = [f"rank {r}: " + (("steps " + ",".join(str(s + 1) for s in st)) if st else "decode")
-                 + (" + decode" if r == 0 and st else "") for r, st in enumerate(self.rank_steps)]
-        return "; ".join(parts)
-
-
-def supported_world_sizes(steps: int = STEPS) -> list[int]:
-    """Rank counts the step pipeline runs on: the divisors of the step count, and one more than it."""
-    return sorted({d for d in range(1, steps + 1) if steps % d == 0} | {steps + 1})
-
-
-def stage_plan(world_size: int, steps: int = STEPS) -> Optional[StagePlan]:
-    """The stages of ``world_size`` ranks, or None where that count is not supported
-    (:func:`stage_problem` says the fix)."""
-    if world_size == steps + 1:  # LiveAvatar's: a decoding rank, then one rank per step
-        return StagePlan(world_size, steps, ((),) + tuple((s,) for s in range(steps)))
-    if world_size >= 1 and steps % world_size == 0:
-        per = steps // world_size
-        return StagePlan(world_size, steps, tuple(tuple(range(r * per, (r + 1) * per)) for r in range(world_size)))
-    return None
-
-
-def stage_problem(world_size: int, steps: int = STEPS) -> Optional[str]:
-    """Why ``world_size`` ranks cannot run the live step pipeline, with the fix (None: they can)."""
-    if stage_plan(world_size, steps) is not None:
-        return None
-    ok = supported_world_sizes(steps)
-    return (f"--mode live runs its {steps} steps on {', '.join(map(str, ok[:-1]))} or {ok[-1]} ranks "
-            f"(one rank per step and a decoding rank, or the steps shared evenly), not {world_size}. "
-            f"Fix: --nproc {max(d for d in ok if d <= world_size) if any(d <= world_size for d in ok) else 1}")
