@@ -57,6 +57,7 @@ def vae_share(world: int) -> float:
 def estimate(step: dict, pipeline: dict | None, link_gbs: float, worlds=(1, 2, 4, 8)) -> list[dict]:
     from wan_s2v_runner.preflight.geometry import VAE_STRIDE, clips_for_audio, latent_frames
     from wan_s2v_runner.preflight.plans import plans_for
+    from wan_s2v_runner.shared.job_time import step_passes
     from wan_s2v_runner.shared.layout import Mode
     from wan_s2v_runner.shared.spec import size_pair
 
@@ -77,15 +78,16 @@ def estimate(step: dict, pipeline: dict | None, link_gbs: float, worlds=(1, 2, 4
                 if not plan.valid:
                     continue
                 c, d = plan.layout.cfg_degree, plan.layout.sp_degree
+                passes = step_passes(True, c)  # a rank's passes a step (CFG on: the step measured)
                 compute = step["step_s"] / plan.speedup
                 a2a = 0.0
                 if plan.layout.use_sp and d > 1:
                     per_pass = dims["num_layers"] * 4 * math.ceil(length / d) * dims["dim"] * 2 * (d - 1) / d
-                    a2a = (2 / c) * per_pass / (link_gbs * 1e9)
+                    a2a = passes * per_pass / (link_gbs * 1e9)
                 gather = pred_bytes * (c - 1) / (link_gbs * 1e9) if c > 1 else 0.0
                 fsdp = 0.0
                 if plan.layout.dit_fsdp and world > 1:  # every pass gathers the other ranks' shards
-                    fsdp = (2 / c) * weight_bytes * (world - 1) / world / (link_gbs * 1e9)
+                    fsdp = passes * weight_bytes * (world - 1) / world / (link_gbs * 1e9)
                 step_s = compute + a2a + gather + fsdp
                 video = clips * STEPS * step_s + vae * vae_share(world) + once
                 rows.append(

@@ -94,6 +94,13 @@ def peak_tflops(name: str, override: float | None) -> float | None:
     return override or gpu_tflops(name)
 
 
+def _mfu(flops: float, seconds: float, peak: float | None) -> float | None:
+    """The share of ``peak`` reached (``shared.dit_cost.achieved_mfu``, the plan's MFU read back), rounded."""
+    from wan_s2v_runner.shared.dit_cost import achieved_mfu
+    mfu = achieved_mfu(flops, seconds, peak)
+    return None if mfu is None else round(mfu, 4)
+
+
 def run_steps(model, x, t, cond, uncond, device, dtype, warmup: int, repeat: int):
     """(first call's seconds, median step seconds, median pass seconds) of cond + uncond passes."""
     import torch
@@ -239,8 +246,9 @@ def main(argv=None) -> dict:
     from patches import attention
     from wan_s2v_runner.demo.random_weights import dit_kwargs, random_dit, random_dit_inputs
     from wan_s2v_runner.loading.engine import import_wan
-    from wan_s2v_runner.preflight.dit_flops import DitDims, forward_flops, step_flops
+    from wan_s2v_runner.preflight.dit_flops import forward_flops, step_flops
     from wan_s2v_runner.preflight.geometry import token_counts
+    from wan_s2v_runner.shared.dit_cost import DitDims
     from wan_s2v_runner.shared.spec import size_pair
 
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -298,7 +306,7 @@ def main(argv=None) -> dict:
         out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
     tflops = per_step / step_s / 1e12
     peak = peak_tflops(out["device"], a.peak_tflops)
-    out.update(tflops=round(tflops, 1), peak_tflops=peak, mfu=round(tflops / peak, 4) if peak else None)
+    out.update(tflops=round(tflops, 1), peak_tflops=peak, mfu=_mfu(per_step, step_s, peak))
     # said at once: a run stopped later (the device call's time limit) still reports the eager step
     print(f"eager: {step_s:.3f} s/step, {tflops:.1f} TFLOP/s (build {build_s:.1f} s)", flush=True)
     if a.count_flops:  # flop_counter sees SDPA's kernels, not flash-attn's: counted with SDPA
@@ -324,7 +332,7 @@ def main(argv=None) -> dict:
         o_tflops = per_step / o_step / 1e12
         out["attention_also"] = {"backend": other, "reason": why, "first_step_s": round(o_first, 3),
                                  "step_s": round(o_step, 3), "pass_s": round(o_pass, 3), "tflops": round(o_tflops, 1),
-                                 "mfu": round(o_tflops / peak, 4) if peak else None,
+                                 "mfu": _mfu(per_step, o_step, peak),
                                  "vs_first_backend": round(o_step / step_s, 3),
                                  "pass_vs_first_backend_max_abs": float(d.max()),
                                  "pass_vs_first_backend_mean_abs": float(d.mean()),
@@ -357,7 +365,7 @@ def main(argv=None) -> dict:
         out["compiled"] = {"scope": a.compile, "fp8_matmul": a.fp8_matmul[-1] if "fp8" in out else None,
                            "first_step_s": round(c_first, 1), "step_s": round(c_step, 3),
                            "pass_s": round(c_pass, 3), "tflops": round(c_tflops, 1),
-                           "mfu": round(c_tflops / peak, 4) if peak else None, "speedup": round(step_s / c_step, 3),
+                           "mfu": _mfu(per_step, c_step, peak), "speedup": round(step_s / c_step, 3),
                            "unique_graphs": int(counters["stats"]["unique_graphs"]),
                            "graph_breaks": int(sum(counters["graph_break"].values()))}
     print(render(out))

@@ -232,14 +232,17 @@ class Compiled:
 _state: dict = {}
 
 
-def apply(wan_module, sp_dtype: torch.dtype, on_compile: Optional[Callable[[dict], None]] = None) -> Compiled:
-    """Compile the S2V block class's forward (every instance, FSDP-wrapped or not). Idempotent."""
+def apply(wan_module, sp_dtype: torch.dtype, on_compile: Optional[Callable[[dict], None]] = None,
+          cache=None) -> Compiled:
+    """Compile the S2V block class's forward (every instance, FSDP-wrapped or not). Idempotent.
+    ``cache``: inductor's cache directory (the run's ``cache_dir`` setting's; None: the
+    environment's rule), unless ``$TORCHINDUCTOR_CACHE_DIR`` names one."""
     cls = wan_module.modules.s2v.model_s2v.WanS2VAttentionBlock
     if _UPSTREAM in cls.__dict__:
         compiled = _state["compiled"]
         compiled.on_compile = on_compile or compiled.on_compile
         return compiled
-    os.environ.setdefault(CACHE_ENV, str(cache_dir()))
+    os.environ.setdefault(CACHE_ENV, str(cache or cache_dir()))
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT)
     marked = torch._inductor.config.unsafe_marked_cacheable_functions
     _state["marked"] = [n for n in AUTOCAST_NODES if n not in marked]

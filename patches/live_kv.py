@@ -30,8 +30,9 @@ Without a call set (the holder's ``call`` None) the forward is upstream's, line 
 model is patched for its life, and nothing else runs on it.
 
 Memory: per step, 2 x :data:`WINDOW_BLOCKS` x block tokens x dim values per layer (at 704x384 in
-bf16: 4 blocks x 3168 tokens x 5120 x 2 x 2 bytes x 40 layers = 10.4 GB per step), and the
-condition's once per rank (preflight.memory's ``live_kv_bytes``).
+bf16: 4 blocks x 3024 tokens x 5120 x 2 x 2 bytes x 40 layers = 9.2 GiB per step), and the
+condition's once per rank: ``shared.dit_cost.step_kv_bytes`` and ``cond_kv_bytes``, the rules the
+plan counts with (``preflight.checks_live``); a step cache asserts it allocates what the rule says.
 
 Proof: ``tests/test_live.py``: the cached block loop equals a full recomputation of every block
 from its step latents with the block-causal window mask, exactly (CPU, fp32).
@@ -47,6 +48,7 @@ from typing import Any, Optional
 
 import torch
 
+from wan_s2v_runner.shared.dit_cost import step_kv_bytes
 from wan_s2v_runner.shared.live_recipe import WINDOW_BLOCKS, window
 
 
@@ -76,6 +78,9 @@ class StepKV:
             self.block_tokens = n
             self.k[layer] = k.new_zeros((k.shape[0], WINDOW_BLOCKS * n, *k.shape[2:]))
             self.v[layer] = v.new_zeros((v.shape[0], WINDOW_BLOCKS * n, *v.shape[2:]))
+            planned = step_kv_bytes(layers=1, block_tokens=n, heads=k.shape[2], head_dim=k.shape[3],
+                                    element_bytes=k.element_size(), batch=k.shape[0])
+            assert self.k[layer].nbytes + self.v[layer].nbytes == planned, "the step cache is not what the plan counts"
         if n != self.block_tokens:
             raise ValueError(f"a block of {n} tokens in a cache of {self.block_tokens}-token blocks")
         slot = block % WINDOW_BLOCKS

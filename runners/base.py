@@ -30,7 +30,6 @@ class ModeRunner:
         sequence-parallel mode, and the engine parts the plan needs (DiT sharded/split as the
         layout says; T5, wav2vec2 and VAE only where they run). Returns (parts, patches applied
         here)."""
-        import torch.distributed as dist
 
         from wan_s2v_runner.loading import components
         from wan_s2v_runner.shared.layout import dit_load_overlap
@@ -41,9 +40,9 @@ class ModeRunner:
             from patches import ulysses_sp
             bound = len(ulysses_sp.apply(plan.sp_group))
         overlap, why = dit_load_overlap(lay, device.type, spec.load)
-        load_group = None  # the DiT's load's own collectives, apart from the encoders' (every rank makes it)
-        if overlap and dist.is_initialized() and dist.get_world_size() > 1:
-            load_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.pg_timeout_s))
+        load_group = self._load_group(spec, overlap)
+        if not plan.needs_dit:
+            why = "none: this rank runs no denoising step (it decodes)"
         parts = components.load(wan, config, str(spec.ckpt_dir), plan, device, device_id,
                                 components.LoadSettings.of(spec, overlap), on_event=on_event, load_group=load_group)
         applied["dit_load"] = why
@@ -51,7 +50,26 @@ class ModeRunner:
             heads = "/".join(map(str, lay.head_split(parts.dit_attr("num_heads"))))
             applied["ulysses_sp"] = (f"{bound} names bound to the SP group; heads {heads} per rank; "
                                      "sequence padded to a multiple of the degree")
-        blocks = len(parts.dit_attr("blocks"))  # components.load caches them (patches.context_cache)
-        applied["context_cache"] = f"text embedding and {blocks} blocks' cross-attention k/v once per context"
+        if plan.needs_dit:
+            blocks = len(parts.dit_attr("blocks"))  # components.load caches them (patches.context_cache)
+            applied["context_cache"] = f"text embedding and {blocks} blocks' cross-attention k/v once per context"
         return parts, applied
+
+    @staticmethod
+    def _load_group(spec: GroupSpec, overlap: bool):
+        """The process group of the DiT's load, or None (the default group): one of its own where it
+        is read on a thread while the encoders' collectives run (gloo), and one of the ranks that
+        hold a DiT where some hold none (a 5-rank live pipeline's decoding rank). Every rank makes it."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        holders = [r for r in range(dist.get_world_size()) if spec.layout.holds_dit(r)]
+        partial = len(holders) < dist.get_world_size()
+        if overlap:
+            return dist.new_group(ranks=holders if partial else None, backend="gloo",
+                                  timeout=timedelta(seconds=spec.pg_timeout_s))
+        if partial:
+            return dist.new_group(ranks=holders, timeout=timedelta(seconds=spec.pg_timeout_s))
+        return None
 

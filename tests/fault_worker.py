@@ -12,7 +12,10 @@ this process's environment here, in test code:
   there, still heart-beating, until the file ``WAN_S2V_TEST_RELEASE`` names exists, or, in a
   served group, until the server cancels a job: a test keeps a job in hand until the moment it
   needs it to run, or running until it cancels it, however fast the machine; the step after a
-  cancel stops the job as it would have). Checked at every stage change of the given rank.
+  cancel stops the job as it would have), ``nonfinite`` (this rank's next read of fp16's guard
+  says DiT block 1 held inf or NaN: what the loop's step message then carries, in any dtype).
+  Checked at every stage change of the given rank; ``@CLIP`` is the stage's clip, or a live job's
+  block.
 * ``WAN_S2V_TEST_CKPT_FOR_RANK=RANK:DIR``: that rank reads another checkpoint directory (a node
   whose files differ).
 * ``WAN_S2V_TEST_PERTURB_WEIGHTS_RANK=RANK``: that rank's weights change a little just before
@@ -73,7 +76,7 @@ def parse(value: Optional[str]) -> Optional[tuple[int, Stage, str, Optional[int]
     rank, stage, action = value.split(":")
     stage, _, job = stage.partition("#")
     stage, _, clip = stage.partition("@")
-    if action not in ("raise", "exit", "hang", "enospc", "wait"):
+    if action not in ("raise", "exit", "hang", "enospc", "wait", "nonfinite"):
         raise ValueError(f"{FAULT_ENV}: unknown action {action!r}")
     found = Stage.lookup(stage)
     if found is None:
@@ -107,8 +110,24 @@ def maybe_fire(rank: int, stage: Stage, faults: list, clip: Optional[int] = None
             while not _released():
                 time.sleep(0.05)
             continue
+        if action == "nonfinite":
+            _overflow_once()
+            continue
         while True:  # hang
             time.sleep(3600)
+
+
+def _overflow_once() -> None:
+    """The rank's next guard read (``rank.step_control.guard_fault``) says DiT block 1 overflowed."""
+    from wan_s2v_runner.rank import step_control
+
+    read = step_control.guard_fault
+
+    def overflowed(guard):
+        step_control.guard_fault = read
+        read(guard)
+        return 1
+    step_control.guard_fault = overflowed
 
 
 class FaultyEvents(worker.RankEvents):
@@ -124,8 +143,8 @@ class FaultyEvents(worker.RankEvents):
     def stage(self, stage: Stage, **data) -> None:
         super().stage(stage, **data)
         if self.faults:
-            maybe_fire(self.rank, self.current_stage, self.faults, clip=data.get("clip"), job=self.job,
-                       prompt=self.job_prompt)
+            maybe_fire(self.rank, self.current_stage, self.faults, clip=data.get("clip", data.get("block")),
+                       job=self.job, prompt=self.job_prompt)
 
 
 def spec_for_rank(spec, rank: int):

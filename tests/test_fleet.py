@@ -346,3 +346,30 @@ def test_the_identity_names_what_differs():
     assert differences(a, b) == ["weights (dit)", "frame-deciding settings (loras)"]
     assert digest_of(a) == digest_of(dict(reversed(list(a.items())))) != digest_of(b)
 
+
+
+def test_a_live_group_never_joins_a_clip_groups_pool_on_any_device(tmp_path):
+    """Another recipe is another video: a live group (--mode live) and a clip group with the same
+    weights have different identities on the CPU as on a GPU (the CPU's identity names no layout),
+    so a CPU live server is refused by the clip servers' pool, naming the recipe."""
+    from wan_s2v_runner.serve.fleet import digest_of, frame_settings, mismatch
+    from wan_s2v_runner.serve.store.sqlite import SqliteJobStore
+    from wan_s2v_runner.shared.spec import GroupSpec
+
+    def identity(**kw):
+        return {"weights": {"dit": "w"}, "checkpoint": "c", "engine": "e",
+                "settings": frame_settings(GroupSpec(ckpt_dir="/x", **kw))}
+
+    for device in ("cpu", "cuda"):
+        clips, live = identity(device=device, nproc=2), identity(device=device, mode="live", nproc=2)
+        assert digest_of(clips) != digest_of(live) and live["settings"]["recipe"] == "live", device
+        assert "recipe" not in clips["settings"]  # a clip pool recorded before keeps its identity
+    cpu = [identity(device="cpu", mode=m, nproc=2) for m in ("ulysses", "fsdp-fixed", "hybrid")]
+    assert len({digest_of(i) for i in cpu}) == 1  # on the CPU every layout of the clips makes one video
+
+    store = SqliteJobStore(tmp_path / "jobs.sqlite")
+    clips, live = identity(device="cpu"), identity(device="cpu", mode="live")
+    assert store.pool_join(digest_of(clips), clips, "clip-server").created_pool
+    joined = store.pool_join(digest_of(live), live, "live-server")
+    assert not joined.matches(digest_of(live)) and joined.pool.joined_by == "clip-server"
+    assert "frame-deciding settings (recipe) differ from pool 'default'" in mismatch(joined, live, "default")

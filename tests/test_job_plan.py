@@ -211,3 +211,31 @@ def test_a_served_jobs_video_object_has_its_clips_and_eta():
     assert (d["clips_done"], d["clips_total"], d["eta_s"]) == (0, 5, 95.0)
     v = VideoObject(id="video_1", model="m", status="in_progress", progress=10, created_at=0, **d)
     assert (v.clips_done, v.clips_total, v.eta_s) == (0, 5, 95.0)
+
+
+def test_a_live_jobs_video_object_counts_its_blocks():
+    """A live job (``unit: "block"``): its block fields, blocks done and percent of its blocks; the
+    clip and step fields None. A clip job's: the clip fields, the block ones None."""
+    from wan_s2v_runner.serve.progress import Progress
+    from wan_s2v_runner.serve.protocol import VideoObject
+    from wan_s2v_runner.serve.state import percent
+    from wan_s2v_runner.serve.store.protocol import JobStatus
+
+    p = Progress(started=0.0)
+    for ev in ({"kind": "stage", "stage": "denoise", "unit": "block", "block": 1, "blocks": 4, "t": 10.0},
+               {"kind": "progress", "unit": "block", "block": 1, "blocks": 4, "fps": 12.0, "t": 12.0},
+               {"kind": "stage", "stage": "denoise", "unit": "block", "block": 2, "blocks": 4, "t": 12.5}):
+        p.on_event(ev)
+    d = p.as_dict(13.0)
+    assert (d["unit"], d["block"], d["blocks"], d["blocks_done"], d["blocks_total"]) == ("block", 2, 4, 1, 4)
+    assert d["clip"] is d["clips"] is d["step"] is d["steps"] is d["clips_done"] is d["clips_total"] is None
+    assert d["eta_s"] == pytest.approx(3 * 2.5)  # as the second block began: 2.5 s a block, 3 blocks left
+    row = type("Row", (), {"status": JobStatus.IN_PROGRESS})()
+    assert percent(row, d) == 25
+    v = VideoObject(id="video_1", model="m", status="in_progress", progress=percent(row, d), created_at=0, **d)
+    assert (v.unit, v.block, v.blocks, v.clip) == ("block", 2, 4, None)
+    clip = Progress(started=0.0)
+    clip.on_event({"kind": "progress", "unit": "clip", "clip": 2, "clips": 4, "step": 1, "steps": 2, "t": 1.0})
+    c = clip.as_dict(1.0)
+    assert (c["unit"], c["clip"], c["clips"], c["block"], c["blocks"]) == ("clip", 2, 4, None, None)
+    assert percent(row, c) == int(100 * 3 / 8)

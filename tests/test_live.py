@@ -216,11 +216,18 @@ def test_what_the_live_mode_cannot_do_is_refused_before_a_rank_starts(tiny_asset
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").glob("*/events"))
 
 
-@pytest.mark.slow
-def test_a_served_live_group_streams_its_jobs_video(tiny_assets, inputs, engine_cpu, tmp_path):
-    """``wan-s2v serve --mode live`` over 2 real ranks: a job's progress streams block by block
-    (server-sent events), its video grows a fragment a block, and the finished mp4 is byte for
-    byte the one process's frames written so."""
+@pytest.mark.slow(seconds=60)
+def test_a_served_live_group_stops_fails_and_streams_its_jobs(tiny_assets, inputs, engine_cpu, tmp_path):
+    """``wan-s2v serve --mode live`` over 5 real ranks (rank 0 decodes and holds no DiT, ranks 1-4 one
+    step each), three jobs in a row, the blocks in flight while rank 0 decodes (no collective a block):
+
+    1. cancelled while it streams (rank 0 held at its first decode until the cancel arrives): every
+       rank ends it at its stream's end, nothing left in flight for the next job;
+    2. a non-finite activation on rank 2 (a middle stage: step 2) at the first block: the fault
+       travels with the block to rank 0, the job fails with its cause, and the group stays up;
+    3. its progress streams block by block (server-sent events) and its finished mp4 is byte for
+       byte the one process's frames written 12 frames at a time."""
+    from fault_worker import fault_env
     from serving import TINY_DEFAULTS, TOKEN, ServerProcess
 
     from wan_s2v_runner.rank.job_shell import JobShell
@@ -232,28 +239,46 @@ def test_a_served_live_group_streams_its_jobs_video(tiny_assets, inputs, engine_
     frames = JobShell(parts, plan).generate(request_for(spec.model_copy(update={"audio": inputs["audio"]})))
     want = media.save_video_with_audio(frames, cfg.sample_fps, inputs["audio"], tmp_path / "want.mp4",
                                        media.clip_lengths(frames.shape[1], recipe.BLOCK_FRAMES))
-    s = ServerProcess(tmp_path / "server", [*TINY_DEFAULTS, "--mode", "live", "--nproc", "2", "--ckpt-dir",
+    release = tmp_path / "release"  # the third job waits at its second block's decode until it exists
+    s = ServerProcess(tmp_path / "server", [*TINY_DEFAULTS, "--mode", "live", "--nproc", "5", "--ckpt-dir",
                                             str(tiny_assets.ckpt_dir), "--token", TOKEN, "--allow-dir",
-                                            str(inputs["root"])])
+                                            str(inputs["root"])],
+                      env=fault_env("0:decode#1:wait,2:denoise#2:nonfinite,0:decode@2#3:wait",
+                                    WAN_S2V_TEST_RELEASE=str(release)))
     try:
-        r = s.submit(image=inputs["image"], audio=inputs["audio"], seed=42)
-        assert r.status_code == 200, r.text
-        vid = r.json()["id"]
+        held = s.submit(image=inputs["image"], audio=inputs["audio"], seed=42).json()["id"]
+        s.wait(held, "in_progress")
+        assert s.http.post(f"/v1/videos/{held}/cancel").status_code == 200
+        assert s.wait(held, "cancelled")["status"] == "cancelled"
+        faulty = s.submit(image=inputs["image"], audio=inputs["audio"], seed=42).json()["id"]
+        failed = s.wait(faulty, "failed")
+        assert "non-finite activation (inf or NaN) in DiT block 1 at step 2/4 of block 1" in failed["error"]["message"]
+        vid = s.submit(image=inputs["image"], audio=inputs["audio"], seed=42).json()["id"]
         seen = []
         with s.http.stream("GET", f"/v1/videos/{vid}/events", timeout=180) as stream:
             for line in stream.iter_lines():
                 if line.startswith("data:"):
                     seen.append(json.loads(line[5:]))
+                    if seen[-1].get("block") == 2:  # held there: the stream has shown it, let it go on
+                        release.touch()
         assert seen[-1]["status"] == "completed", seen[-1]
-        blocks = [(v["clip"], v["clips"]) for v in seen if v["status"] == "in_progress" and v.get("clips")]
-        assert blocks == sorted(blocks) and {n for _, n in blocks} <= {2}, seen  # what it saw: its 2 blocks, in order
+        blocks = [(v["block"], v["blocks"]) for v in seen if v["status"] == "in_progress" and v.get("blocks")]
+        assert (2, 2) in blocks and blocks == sorted(blocks), seen  # block by block, in order
+        held_at = next(v for v in seen if v.get("block") == 2)
+        assert held_at["unit"] == "block" and held_at["blocks_done"] == 1 and held_at["clip"] is None, held_at
         done = s.video(vid)
         assert done["frames"] == list(frames.shape), done
-        assert {"denoise", "decode", "save"} <= set(done["stage_seconds"]), done
+        stages = set(done["stage_seconds"])
+        assert {"decode", "save"} <= stages and "denoise" not in stages, done  # rank 0 runs no step
         got = s.http.get(f"/v1/videos/{vid}/content")
         assert got.status_code == 200
         (tmp_path / "got.mp4").write_bytes(got.content)
         assert media.sha256_file(tmp_path / "got.mp4") == media.sha256_file(want)
+        group = Path(s.group_dir())
+        assert len(list((group / "events").glob("rank*.jsonl"))) == 5  # the same group took the three jobs
+        loaded = [json.loads(x) for x in (group / "events" / "rank0.jsonl").read_text().splitlines()
+                  if '"loaded"' in x]
+        assert loaded and loaded[0]["strategy"]["dit"].startswith("none"), loaded  # rank 0 holds no DiT
     finally:
         assert s.stop() == []
 

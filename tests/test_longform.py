@@ -135,9 +135,10 @@ def test_a_full_disk_mid_video_fails_cleanly_and_resume_finishes_it(engine_cpu, 
     p = _in_private_mount_namespace(script, tmp_path)
     assert p.returncode == 0, f"the namespace script failed ({p.returncode}): {p.stderr[-2000:]}"
     out = lambda name: (logs / name).read_text()  # noqa: E731
-    assert int(out("run.rc")) == exit_codes.RANK_FAILED, out("run.err")[-3000:]
+    assert int(out("run.rc")) == exit_codes.DISK_FULL, out("run.err")[-3000:]
     err = out("run.err")
     assert "No space left on device" in err and "Fix: free space" in err and "wan-s2v resume" in err, err[-3000:]
+    assert f"the filesystem at {disk} " in err and "Traceback" not in err, err[-3000:]  # the tmpfs, one line
     state = json.loads(out("state.json"))
     assert state["next_clip"] == 1 and state["video"]["ends"] == [73]  # clip 1 is kept; clip 2 was not written
     so_far = logs / "so_far.mp4"

@@ -58,3 +58,64 @@ def test_resume_after_a_failure_in_clip_2_gives_the_same_mp4(tiny_assets, engine
     assert manifest["resume"] == {"from": str(run_dir), "at_clip": 2, "clips": 3}
     assert media.sha256_file(out) == media.sha256_file(whole)
     assert manifest["output"]["sha256"] == media.sha256_file(out)
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_a_job_error_in_one_line_and_resume_finishes_the_mp4(tiny_assets, engine_cpu, tmp_path,
+                                                                          monkeypatch, capsys):
+    """The disk fills after clip 1 is committed: rank 0's write of clip 2 meets ENOSPC (injected at
+    its checkpoint), and so does the launcher's run.json (injected in this process, where the
+    launcher runs). The run fails in one line (the filesystem, the clip kept, the fix) under exit
+    code disk-full, without a traceback, leaving no temporary; once there is room, `wan-s2v resume`
+    finishes the video byte for byte an uninterrupted run's."""
+    import errno
+    import os
+    from pathlib import Path
+
+    from fault_worker import FAULT_ENV, MODULE, RANK_WORKER_ENV
+
+    from wan_s2v_runner.cli import main as cli
+    from wan_s2v_runner.shared import atomic
+    from wan_s2v_runner.shared.disk import mount_point
+
+    whole = tmp_path / "whole.mp4"  # the uninterrupted run's mp4, as in the test above
+    frames = one_process_frames(engine_cpu, infer_frames=4, num_clips=3)
+    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, tiny_assets.audio, whole, media.clip_lengths(9, 4))
+
+    real_write_text = atomic.write_text
+
+    def write_text(dest, text, durable=False, commit_if=None):
+        if Path(dest).name != "run.json":
+            return real_write_text(dest, text, durable, commit_if)
+
+        def no_room(tmp):
+            tmp.write_bytes(text.encode()[:100])  # what fitted
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return atomic.atomic_write(dest, no_room, durable, commit_if, need=len(text.encode()))
+
+    run_dir_root, out = tmp_path / "runs", tmp_path / "out" / "o.mp4"
+    with monkeypatch.context() as m:
+        m.setattr(atomic, "write_text", write_text)
+        m.setenv(RANK_WORKER_ENV, MODULE)
+        m.setenv(FAULT_ENV, "0:clip_checkpoint@2:enospc")
+        code = cli.main(["run", *TINY_FLAGS, *asset_flags(tiny_assets), *THREE_CLIPS, "--nproc", "1",
+                         "--output", str(out), "--runs-root", str(run_dir_root)])
+    err = capsys.readouterr().err
+    assert code == exit_codes.DISK_FULL, err[-3000:]
+    run_dir = next(run_dir_root.iterdir())
+    said = [line for line in err.splitlines() if line.startswith("wan-s2v: FAILED")]
+    assert len(said) == 1, err[-3000:]
+    assert ("(disk-full, exit 10): the disk is full (No space left on device): the filesystem at "
+            f"{mount_point(out)} ") in said[0], said[0]
+    assert f"kept: clip 1 of 3 in {out.parent / 'o.partial.mp4'}" in said[0], said[0]
+    assert "the 2 clips left need about" in said[0], said[0]
+    assert said[0].endswith(f", then `wan-s2v resume {run_dir}`"), said[0]
+    assert "Traceback" not in err and "hint:" not in err
+    assert not (run_dir / "run.json").exists() and not list(run_dir.glob(".run.*"))  # nothing half-written
+    assert json.loads((run_dir / "clips" / "state.json").read_text())["next_clip"] == 1
+
+    code = cli.main(["resume", str(run_dir), "--json"])
+    got = capsys.readouterr()
+    assert code == 0, got.err[-3000:]
+    assert json.loads(got.out)["resume"]["at_clip"] == 2
+    assert media.sha256_file(out) == media.sha256_file(whole)

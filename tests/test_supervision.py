@@ -619,6 +619,126 @@ def test_plain_display_coalesces_stage_lines(capsys):
                        "[0:00] rank 1 ERROR in load: E: m"], out
 
 
+def test_event_kinds_are_the_one_vocabulary_and_a_job_counts_in_its_own_unit(tmp_path, capsys):
+    """A rank writes only kinds :class:`EventKind` has (a misspelt one raises, as a stage does);
+    every reader reads a clip job's position and a live job's (``unit: "block"``, its blocks, no
+    steps) through ``position``: the reader's state, the console's step lines and its ETA part."""
+    from types import SimpleNamespace
+
+    from wan_s2v_runner.launcher.console import Display
+    from wan_s2v_runner.shared.events import EventKind, EventReader, EventWriter, ProgressUnit, position
+    from wan_s2v_runner.shared.stages import Stage
+
+    w = EventWriter(tmp_path, 0, heartbeat_s=3600)
+    try:
+        with pytest.raises(ValueError):
+            w.emit("progres")
+        w.emit("waiting")  # a plain name that is a kind: its member
+        w.stage(Stage.DENOISE, unit="block", block=1, blocks=3)
+        w.step(unit="block", block=1, blocks=3, fps=12.5, first_frame_s=0.8)
+    finally:
+        w.close()
+    reader = EventReader(tmp_path)
+    new = reader.poll()
+    assert [e["kind"] for e in new] == ["waiting", "stage", "progress"]
+    st = reader.ranks[0]
+    assert position(st.progress) == (ProgressUnit.BLOCK, 1, 3) and "clip" not in st.progress
+    # the reader's progress of a clip job, and of a live job in the fields it wrote before the block fields
+    assert position({"clip": 2, "clips": 5, "step": 1, "steps": 4}) == (ProgressUnit.CLIP, 2, 5)
+    assert position({"unit": "block", "clip": 2, "clips": 5}) == (ProgressUnit.BLOCK, 2, 5)
+    assert EventKind.coerce("job_done") is EventKind.JOB_DONE and EventKind.coerce("new_kind") == "new_kind"
+
+    d = Display(rich=False)
+    d.started(SimpleNamespace(node_rank=0, nproc=1, world_size=1, device="cpu", seed=1,
+                              mode=SimpleNamespace(value="live")), "RUN")
+    now = time.time()
+    evs = [{"t": now, "rank": 0, "kind": "stage", "stage": "denoise", "unit": "block", "block": 1, "blocks": 3},
+           {"t": now + 1, "rank": 0, "kind": "progress", "stage": "denoise", "unit": "block", "block": 1,
+            "blocks": 3, "fps": 12.5, "first_frame_s": 0.8},
+           {"t": now + 2, "rank": 0, "kind": "stage", "stage": "denoise", "unit": "block", "block": 2, "blocks": 3},
+           {"t": now + 3, "rank": 0, "kind": "progress", "stage": "denoise", "unit": "block", "block": 2,
+            "blocks": 3, "fps": 12.0}]
+    reader = EventReader(Path("/nonexistent"))
+    for ev in evs:
+        reader._apply(ev)
+    d.update(reader, evs, 0.0)
+    out = capsys.readouterr().out
+    assert "denoise block 1/3: rank 0" in out and "denoise block 2/3: rank 0" in out, out
+    assert "rank 0: block 1/3, 12.5 frames/s, first frame at 0.8 s" in out, out
+    assert "(1/3 blocks done)" in out and "(2/3 blocks done)" in out and "clip" not in out, out
+
+
+def test_a_full_disk_never_kills_the_event_writer(tmp_path, monkeypatch, caplog):
+    """ENOSPC while writing a record (the heartbeat thread's or the rank's own): the record is
+    dropped, the rank's log says so once (and once more when writing works again, with the count);
+    a line the disk cut short is ended, so readers skip it whole and read every later record."""
+    import errno
+    import logging
+    import threading
+
+    from wan_s2v_runner.shared import events as events_mod
+    from wan_s2v_runner.shared.events import EventReader, EventWriter
+
+    real_write, full = os.write, threading.Event()
+
+    def write(fd, data):
+        if full.is_set():
+            if len(data) > 8 and not getattr(write, "cut", False):  # a short write, then no room at all
+                write.cut = True
+                return real_write(fd, data[:8])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(events_mod.os, "write", write)
+    caplog.set_level(logging.WARNING, logger="wan_s2v.events")
+    w = EventWriter(tmp_path, 0, heartbeat_s=0.02)
+    try:
+        w.emit("waiting")
+        full.set()
+        time.sleep(0.2)  # heartbeats meet the full disk
+        w.emit("waiting")  # and the rank's own records
+        assert w._hb.is_alive() and w.dropped >= 2
+        full.clear()
+        wait_for(lambda: not w.dropped, 5, "a write that succeeds again")
+        w.emit("job_done", id="j")
+    finally:
+        w.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "cannot be written" in m]) == 1 and "the disk is full" in said[0], said
+    assert len([m for m in said if "written again" in m and "records were dropped" in m]) == 1, said
+    reader = EventReader(tmp_path)
+    kinds = [e["kind"] for e in reader.poll()]
+    assert kinds[0] == "waiting" and kinds[-1] == "job_done" and reader.bad_lines == 1, (kinds, reader.bad_lines)
+
+
+def test_a_full_disk_before_any_rank_is_one_line_too(tiny_assets, tmp_path, monkeypatch, capsys):
+    """The run directory's spec.json meets ENOSPC (no rank exists yet, nothing to resume): exit
+    code disk-full, one line naming the file, its filesystem and the fix, no traceback."""
+    import errno
+
+    from wan_s2v_runner.cli import main as cli
+    from wan_s2v_runner.shared import atomic
+    from wan_s2v_runner.shared.disk import mount_point
+
+    real = atomic.atomic_write
+
+    def full(dest, write, *args, **kw):
+        def no_room(tmp):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(dest, no_room, *args, **kw)
+
+    monkeypatch.setattr(atomic, "atomic_write", full)
+    code = cli.main(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--skip-preflight", "--output",
+                     str(tmp_path / "o.mp4"), "--runs-root", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == exit_codes.DISK_FULL, err
+    said = [line for line in err.splitlines() if line.startswith("wan-s2v: FAILED")]
+    assert len(said) == 1 and "(disk-full, exit 10): the disk is full: writing " in said[0], err
+    assert f"spec.json failed: No space left on device (the filesystem at {mount_point(tmp_path)})" in said[0]
+    assert said[0].endswith("Fix: free space on that disk (or raise the quota), then run the same command again")
+    assert "Traceback" not in err
+
+
 def test_cpu_ranks_get_the_heap_reusing_malloc_settings_unless_the_user_set_them(tmp_path, monkeypatch):
     from wan_s2v_runner.launcher.spawn import CPU_MALLOC_ENV, worker_env
 
@@ -714,15 +834,23 @@ def test_stop_gives_each_rank_one_sigterm_so_its_stack_dump_is_whole(tmp_path):
 @pytest.mark.slow(seconds=25)
 def test_a_run_whose_video_cannot_be_written_says_why(tiny_assets, tmp_path):
     """The disk fills while rank 0 writes the mp4 (a real rank, one process): the job's error is
-    the job's (the group ends cleanly), and the run's exit names it, its rank and stage, and the
-    fix, instead of only "not written" (found on a GPU without imageio-ffmpeg, docs/gpu.md)."""
+    the job's (the group ends cleanly), and the run's exit is the full disk's, in one line naming
+    the filesystem, what was kept and the fix, instead of only "not written" (found on a GPU
+    without imageio-ffmpeg, docs/gpu.md); run.json keeps the rank, its stage and its error."""
+    from wan_s2v_runner.shared.disk import mount_point
+
     out = tmp_path / "out" / "o.mp4"
     r = run_cli(["run", *TINY_FLAGS, *asset_flags(tiny_assets), "--num-clips", "1", "--steps", "1",
                  "--output", str(out), "--runs-root", str(tmp_path / "runs")],
                 cwd=tmp_path, env=fault_env("0:save:enospc"))
-    assert r.returncode == exit_codes.RANK_FAILED, r.output
-    assert "was not written: writing the video failed in stage save: OSError" in r.stderr, r.stderr
-    assert "Fix: free space on the disk" in r.stderr
-    m = _manifest(_run_dir(tmp_path))
-    assert m["exit"]["failed_rank"] == 0 and m["exit"]["failed_stage"] == "save", m["exit"]
+    assert r.returncode == exit_codes.DISK_FULL, r.output
+    run_dir = _run_dir(tmp_path)
+    said = [line for line in r.stderr.splitlines() if line.startswith("wan-s2v: FAILED")]
+    assert len(said) == 1 and "(disk-full, exit 10): the disk is full (No space left on device)" in said[0], r.stderr
+    assert f"kept: clip 1 of 1 in {out.parent / 'o.partial.mp4'}" in said[0], said
+    assert f"Fix: free space on {mount_point(out)}, then `wan-s2v resume {run_dir}`" in said[0], said
+    assert "Traceback" not in r.stderr and "hint:" not in r.stderr
+    m = _manifest(run_dir)
+    assert m["exit"]["status"] == "disk-full" and m["exit"]["failed_rank"] == 0, m["exit"]
+    assert m["exit"]["failed_stage"] == "save" and "writing the video failed in stage save" in m["exit"]["error"]
     assert not out.exists()

@@ -1,4 +1,4 @@
-"""Command line: ``wan-s2v run|demo|doctor|resume|batch|serve|submit|jobs|warm``
+"""Command line: ``wan-s2v run|demo|doctor|resume|batch|serve|submit|jobs|warm|cache``
 (``run_s2v_multi_gpu.py`` is ``wan-s2v run``).
 
 Owns argv and what a person reads when it is wrong. The flags are generated from the run spec
@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from wan_s2v_runner.launcher.flags import Command, add_spec_flags, base_values, flag_values
 from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.config import format_validation_error, merge_values
+from wan_s2v_runner.shared.disk import DiskError, is_disk_full, mount_point
 from wan_s2v_runner.shared.spec import GroupSpec, RunSpec, flag_name
 
 
@@ -191,16 +192,16 @@ def cmd_serve(args, extra_env=None) -> int:
     return start.serve(settings, group, base, extra_env)
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "wan-s2v"
-
-
 def cmd_demo(args) -> int:
     from wan_s2v_runner.demo.assets import ensure_demo_assets
+    from wan_s2v_runner.shared.cache_dirs import CacheKind, directory
 
-    cache = args.cache_dir or default_cache_dir()
-    print(f"demo: tiny random-weight checkpoint + inputs in {cache / 'demo'} (built once, then reused)")
-    assets = ensure_demo_assets(cache / "demo")
+    try:  # the caches' root: --cache-dir, TOML cache_dir, $WAN_S2V_CACHE_DIR, XDG's
+        cache = directory(CacheKind.DEMO, spec_values(args).get("cache_dir"))
+    except (ValidationError, ValueError, OSError) as e:
+        return _usage_error(e)
+    print(f"demo: tiny random-weight checkpoint + inputs in {cache} (built once, then reused)")
+    assets = ensure_demo_assets(cache)
     defaults = dict(ckpt_dir=assets.ckpt_dir, image=assets.image, audio=assets.audio,
                     prompt="a person talking to the camera", device="cpu", nproc=2, mode="ulysses",
                     max_area=64 * 64, infer_frames=8, steps=2, seed=42, output=Path("outputs/demo.mp4"))
@@ -294,6 +295,12 @@ SUBCOMMANDS: dict[Command, tuple[str, str, Optional[dict[str, Any]]]] = {
     Command.JOBS: ("list, show or cancel a server's jobs", "List a `wan-s2v serve` server's jobs, show the ones "
                    "named, or cancel them with --cancel.",
                    {"dest": "ids", "metavar": "ID", "nargs": "*", "help": "job ids (default: every job)"}),
+    Command.CACHE: ("list or clear the caches wan-s2v keeps (the DiT's page-cache files, the demo's, ...)",
+                    "List every cache wan-s2v keeps (path, size, last use, what it is for) or clear some: `wan-s2v "
+                    "cache clear dit` (a kind), `clear PATH|NAME|KEY` (one), `clear all` (docs/caches.md).",
+                    {"dest": "words", "metavar": "list|clear", "nargs": "*",
+                     "help": "list (the default), or clear and what: all, a kind (dit, demo, inductor, tests, "
+                             "bench), a path, a DiT file's name or key"}),
 }
 
 
@@ -324,6 +331,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return exit_codes.USAGE
     args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except OSError as e:  # a full disk where no run could say it (its run directory, a batch's list, ...)
+        if not is_disk_full(e):
+            raise
+        said = e.strerror if isinstance(e, DiskError) and e.strerror else str(e)
+        where = e.path if isinstance(e, DiskError) else e.filename
+        fix = "" if "Fix:" in said else f". Fix: free space on {mount_point(where) if where else 'that disk'}"
+        print(f"wan-s2v: FAILED ({exit_codes.NAMES[exit_codes.DISK_FULL]}, exit {exit_codes.DISK_FULL}): the disk is "
+              f"full: {said}{fix}, then run the same command again", file=sys.stderr)
+        return exit_codes.DISK_FULL
+
+
+def _dispatch(args) -> int:
     command = Command(args.command)
     if command is Command.RUN:
         return cmd_run(args)
@@ -337,6 +358,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return cmd_serve(args)
     if command is Command.WARM:
         return cmd_warm(args)
+    if command is Command.CACHE:
+        from wan_s2v_runner.cli.cache import cmd_cache
+        return cmd_cache(args, spec_values)
     if command in (Command.SUBMIT, Command.JOBS):
         from wan_s2v_runner.serve import client
         return client.cmd_submit(args) if command is Command.SUBMIT else client.cmd_jobs(args)

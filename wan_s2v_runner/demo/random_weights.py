@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+from wan_s2v_runner.shared.dit_cost import motion_latent_frames
+
 
 @contextlib.contextmanager
 def on_meta() -> Iterator[None]:
@@ -71,7 +73,7 @@ def random_dit_inputs(audio_dim: int, motion_frames: int, tokens, infer_frames: 
     random values, real shapes. ``audio_dim``, ``motion_frames``: the DiT config's (1024, 73);
     ``first_clip``: its motion tokens are dropped."""
     import torch
-    lat_motion = (motion_frames + 3) // 4
+    lat_motion = motion_latent_frames(motion_frames)
     lh, lw = tokens.height // 8, tokens.width // 8
     f = tokens.latent_frames
     g = torch.Generator(device=device).manual_seed(1)

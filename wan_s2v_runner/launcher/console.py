@@ -8,7 +8,8 @@ Plain mode (stdout not a terminal: CI, ``nohup``, a pipe) prints only meaningful
 
 - one line per stage change, all ranks that entered it together on one line
   (``[0:07] load: ranks 0-1``; a rank entering more than a second later gets its own line with
-  its lag, ``[0:09] load: rank 1 (+2.1s)``); ``denoise`` lines carry ``clip j/M``;
+  its lag, ``[0:09] load: rank 1 (+2.1s)``); ``denoise`` lines carry ``clip j/M`` (a live job's:
+  ``block j/M``: every position is in the job's own unit, :func:`~wan_s2v_runner.shared.events.position`);
 - rank 0's denoising progress with clips done / clips in all and an ETA (first and last step of
   each clip, and at most every 10 s in between): the seconds a clip took so far, or before the
   first clip ends the plan's estimate (``job.time``), else the first clip's step pace
@@ -30,7 +31,15 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from wan_s2v_runner.shared.events import denoise_position, is_secondary, rank_log_level
+from wan_s2v_runner.shared import exit_codes
+from wan_s2v_runner.shared.events import (
+    EventKind,
+    ProgressUnit,
+    denoise_position,
+    is_secondary,
+    position,
+    rank_log_level,
+)
 from wan_s2v_runner.shared.job_time import ClipClock
 from wan_s2v_runner.shared.spec import JobSpec
 from wan_s2v_runner.shared.stages import Stage
@@ -63,7 +72,7 @@ def fmt_ranks(ranks) -> str:
 
 def progress_text(st) -> str:
     p = st.progress
-    if st.stage == Stage.DENOISE and p.get("clip"):
+    if st.stage == Stage.DENOISE and position(p)[1]:
         return denoise_position(p)
     return ""
 
@@ -73,24 +82,32 @@ AFTER_CLIPS = frozenset({Stage.SAVE, Stage.IDLE, Stage.DONE})
 
 
 def clock_on_event(clock: ClipClock, ev: dict) -> None:
-    """Feed one of rank 0's events to ``clock`` (the console's and the server's progress alike)."""
-    kind, t = ev.get("kind"), float(ev.get("t", 0.0))
-    if kind == "stage":
+    """Feed one of rank 0's events to ``clock`` (the console's and the server's progress alike),
+    in the job's unit: a clip job's clips and steps, a live job's blocks (a block's ``progress``
+    record: that block made)."""
+    kind, t = EventKind.coerce(ev.get("kind")), float(ev.get("t", 0.0))
+    unit, index, count = position(ev)
+    if kind is EventKind.STAGE:
         stage = Stage.coerce(ev.get("stage", ""))
-        if ev.get("clip") and isinstance(stage, Stage) and stage.repeats_per_clip:
-            clock.clip(int(ev["clip"]), ev.get("clips"), t)
+        if index and isinstance(stage, Stage) and stage.repeats_per_clip:
+            clock.unit = unit.value
+            clock.clip(int(index), count, t)
         elif stage in AFTER_CLIPS:
             clock.finished()
-    elif kind == "progress" and ev.get("clip") and ev.get("step") and ev.get("steps"):
-        clock.step(int(ev["clip"]), ev.get("clips"), int(ev["step"]), int(ev["steps"]), t)
+    elif kind is EventKind.PROGRESS and index:
+        clock.unit = unit.value
+        if unit is ProgressUnit.BLOCK:  # a live block's progress: that block is made
+            clock.made(int(index), count, t)
+        elif ev.get("step") and ev.get("steps"):
+            clock.step(int(index), count, int(ev["step"]), int(ev["steps"]), t)
 
 
 def clips_text(clock: ClipClock, now: float) -> str:
-    """'ETA 1:02:03 (3/121 clips done)' (the parts known; '' when none is)."""
+    """'ETA 1:02:03 (3/121 clips done)' (a live job: 'blocks done'; the parts known; '' when none is)."""
     eta = clock.eta(now)
     text = f"ETA {fmt_seconds(eta)}" if eta is not None else ""
     if clock.clips_total:
-        done = f"{clock.clips_done}/{clock.clips_total} clips done"
+        done = f"{clock.clips_done}/{clock.clips_total} {ProgressUnit(clock.unit).plural} done"
         text = f"{text} ({done})" if text else done
     return text
 
@@ -168,7 +185,7 @@ class Display:
         self.plan_clip_s = plan_clip_s
         self._clock = ClipClock(plan_clip_s)
         self._t0 = time.time()
-        self._rank_clip: dict = {}  # rank -> (clip, clips) it is working on
+        self._rank_clip: dict = {}  # rank -> (unit, index, count): the clip (live: block) it is working on
         self._rank_job: dict = {}  # rank -> the job (1-based) of the rank group it is working on
 
     @classmethod
@@ -209,24 +226,25 @@ class Display:
         # both modes: stage lines and errors scroll (the history); plain mode: step lines too;
         # rich mode: a live table of every rank below them
         for ev in new_events:
-            kind, r = ev.get("kind"), ev.get("rank")
+            kind, r = EventKind.coerce(ev.get("kind")), ev.get("rank")
             t = float(ev.get("t", now))
             if r == self._first:
                 clock_on_event(self._clock, ev)
-            if kind in ("stage", "hello"):
-                if kind == "hello":
+            if kind in (EventKind.STAGE, EventKind.HELLO):
+                if kind is EventKind.HELLO:
                     key = ("started", None, 1)
                 else:
-                    if ev.get("clip"):
-                        self._rank_clip[r] = (ev["clip"], ev.get("clips"))
+                    unit, index, count = position(ev)
+                    if index:
+                        self._rank_clip[r] = (unit, index, count)
                     stage = Stage.coerce(ev.get("stage", "?"))  # a name it does not know: a plain line
                     per_clip = isinstance(stage, Stage) and stage.repeats_per_clip
                     key = (stage, self._rank_clip.get(r) if per_clip else None, self._rank_job.get(r, 1))
                 g = self._groups.setdefault(key, {"first_t": t, "pending": [], "printed": set(), "pids": {}})
                 g["pending"].append((r, t))
-                if kind == "hello":
+                if kind is EventKind.HELLO:
                     g["pids"][r] = ev.get("pid")
-            elif kind == "job":  # a rank group's next job: its stages and clips start again
+            elif kind is EventKind.JOB:  # a rank group's next job: its stages and clips start again
                 self._rank_job[r] = ev.get("job")
                 self._rank_clip.pop(r, None)
                 if r == self._first:
@@ -235,21 +253,22 @@ class Display:
                     self._clock = ClipClock(self.plan_clip_s if ev.get("jobs") == 1 else None)
                     of = f"/{ev['jobs']}" if ev.get("jobs") else ""  # a served group: no total
                     self._print(f"[{fmt_seconds(t - t0)}] job {ev.get('job')}{of}: {ev.get('id')}")
-            elif kind == "progress" and r == self._first and not self.rich:
+            elif kind is EventKind.PROGRESS and r == self._first and not self.rich:
                 self._flush(t0, force=True)
-                p = {k: ev.get(k) for k in ("clip", "clips", "step", "steps", "reused_steps", "unit", "fps",
-                                            "first_frame_s")}
-                first_or_last = p.get("step") in (1, p.get("steps"))
+                p = {k: ev.get(k) for k in ("clip", "clips", "block", "blocks", "step", "steps", "reused_steps",
+                                            "unit", "fps", "first_frame_s")}
+                # a clip's first and last step; a live block: each (they are the first and last of it)
+                first_or_last = position(p)[0] is ProgressUnit.BLOCK or p.get("step") in (1, p.get("steps"))
                 if first_or_last or now - self._last_progress_print >= PROGRESS_EVERY_S:
                     self._last_progress_print = now
                     clips = clips_text(self._clock, t)
                     self._print(f"[{fmt_seconds(t - t0)}] rank {r}: {denoise_position(p)}"
                                 + (f", {clips}" if clips else ""))
-            elif kind == "preview":  # --preview: rank 0 wrote the video so far
+            elif kind is EventKind.PREVIEW:  # --preview: rank 0 wrote the video so far
                 self._flush(t0, force=True)
                 self._print(f"[{fmt_seconds(t - t0)}] video so far: {ev.get('path')} ({ev.get('clips')}/"
                             f"{ev.get('of')} clips, {ev.get('seconds')} s)")
-            elif kind == "error":
+            elif kind is EventKind.ERROR:
                 self._flush(t0, force=True)
                 msg = str(ev.get("message") or "").strip().splitlines()
                 first = (msg[0] if msg else "")[:300]
@@ -277,7 +296,7 @@ class Display:
                 break
             label = stage
             if clip:
-                label += f" clip {clip[0]}/{clip[1] or '?'}"
+                label += f" {clip[0].value} {clip[1]}/{clip[2] or '?'}"
             if g["printed"]:
                 lag = max(t for _, t in g["pending"]) - g["first_t"]
                 line = f"[{fmt_seconds(oldest - t0)}] {label}: {fmt_ranks(ranks)} (+{lag:.1f}s)"
@@ -346,6 +365,8 @@ class Display:
         status = manifest["exit"]["status"]
         word = "INTERRUPTED" if status == "interrupted" else "FAILED"
         self._err(f"wan-s2v: {word} ({status}, exit {outcome.code}): {outcome.reason}", style="bold red")
+        if outcome.code == exit_codes.DISK_FULL:  # one line: the disk, what was kept, the fix (run.json has the rest)
+            return
         if outcome.traceback:
             rank = f" of rank {outcome.failed_rank}" if outcome.failed_rank is not None else ""
             self._err(f"--- traceback{rank} ---\n{outcome.traceback.rstrip()}\n---")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Mapping, Optional, Union
 
-from wan_s2v_runner.shared.events import EventReader, RankState, denoise_position, is_secondary
+from wan_s2v_runner.shared.events import EventReader, RankState, denoise_position, is_secondary, position
 from wan_s2v_runner.shared.layout import MODES, ModeTraits
 from wan_s2v_runner.shared.node_agent import AGENT_MODULE, DEFAULT_WORKER
 from wan_s2v_runner.shared.spec import RunSpec
@@ -38,7 +38,7 @@ def has_frame(path: Path) -> bool:
 
 def progress_suffix(st: RankState) -> str:
     p = st.progress
-    if st.stage == Stage.DENOISE and p.get("clip"):
+    if st.stage == Stage.DENOISE and position(p)[1]:
         return f" ({denoise_position(p)})"
     return ""
 

@@ -40,12 +40,14 @@ class Command(str, Enum):
     SUBMIT = "submit"
     JOBS = "jobs"
     WARM = "warm"
+    CACHE = "cache"
 
 
 #: the commands whose spec flags are a few fields or none: a server's clients (a job's own fields),
-#: and the warm agent (the engine it imports)
+#: the warm agent (the engine it imports) and ``cache`` (where the caches are, the DiT cache's budget)
 FEW_FIELDS: dict[Command, tuple[str, ...]] = {Command.SUBMIT: (*INPUT_FIELDS, *SUBMIT_FIELDS, "output", "preview"),
-                                              Command.JOBS: (), Command.WARM: ("wan_repo",)}
+                                              Command.JOBS: (), Command.WARM: ("wan_repo",),
+                                              Command.CACHE: ("cache_dir", "dit_cache_max")}
 
 
 class OptionKind(str, Enum):
@@ -92,7 +94,7 @@ COMMAND_OPTIONS = (
     CommandOption(
         "--config",
         "TOML file with spec fields (flags override it)",
-        (Command.RUN, Command.DEMO, Command.DOCTOR, Command.BATCH, Command.SERVE),
+        (Command.RUN, Command.DEMO, Command.DOCTOR, Command.BATCH, Command.SERVE, Command.CACHE),
         kind=OptionKind.PATH,
         default_text="none",
         metavar="FILE",
@@ -113,14 +115,6 @@ COMMAND_OPTIONS = (
         metavar="DIR",
     ),
     CommandOption("--pose", "drive the body with the demo's synthetic pose video (a waving skeleton)", (Command.DEMO,)),
-    CommandOption(
-        "--cache-dir",
-        "where the demo's tiny checkpoint and inputs are cached",
-        (Command.DEMO,),
-        kind=OptionKind.PATH,
-        default_text="~/.cache/wan-s2v",
-        metavar="DIR",
-    ),
     CommandOption(
         "--server-dir",
         "the server's queue (jobs.sqlite), videos/ (ID.mp4, ID.json), uploads/ and runs/",
@@ -372,7 +366,7 @@ def _help(name: str, show_default: bool = True) -> str:
         text += f" (default: {default_of(name)})"
     if f.env:
         text += f" [${f.env}]"
-    return text
+    return text.replace("%", "%%")  # argparse formats help with %
 
 
 def argparse_kwargs(name: str, show_default: bool = True) -> dict[str, Any]:

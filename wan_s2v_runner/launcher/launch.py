@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from wan_s2v_runner.launcher import manifest
+from wan_s2v_runner.launcher import full_disk, manifest
 from wan_s2v_runner.launcher.console import Display
 from wan_s2v_runner.launcher.diagnose import parse_torchrun_exits
 from wan_s2v_runner.launcher.observer import Observers, RunObserver
@@ -164,7 +164,9 @@ def _supervise(spec: GroupSpec, run_dir: Path, observers: Optional[list[RunObser
                halt: Optional[threading.Event] = None, agent: Optional[EarlyAgent] = None) -> int:
     """Spawn (or tell ``agent`` to go) and supervise the rank group of ``spec`` in ``run_dir``;
     remove what a killed rank left of ``outputs``; for a run (``own_job``), an exit 0 that wrote
-    no video is a failure; write run.json. Returns an exit code (see exit_codes)."""
+    no video is a failure; a failure a full disk caused (a rank's, or writing run.json) is
+    ``disk-full``, in one line (:mod:`.full_disk`); write run.json. Returns an exit code (see
+    exit_codes)."""
     watchers = Observers(observers if observers is not None else [Display.auto()], strict=spec.strict_observers)
     watchers.started(spec, run_dir)
     sup = Supervisor(spec, run_dir, watchers, extra_env, halt=halt)
@@ -201,6 +203,10 @@ def _supervise(spec: GroupSpec, run_dir: Path, observers: Optional[list[RunObser
                               failed_rank=failed.rank if failed else None,
                               failed_stage=Stage.coerce(failed.job_failed.get("stage", "?")) if failed else None,
                               error=failed.job_failed.get("error") if failed else None)
+        served = own_job is None and not outputs
+        facts = full_disk.facts_of(outcome, sup.reader.ranks)
+        if facts is not None:
+            outcome = full_disk.outcome(outcome, facts, run_dir, own_job, served)
         data = manifest.build(spec, run_dir, sup.reader, outcome, started, time.time(),
                               launcher={"pid": os.getpid(), "torchrun_pid": procs.proc.pid if procs.proc else None,
                                         "torchrun_exit_code": outcome.torchrun_rc,
@@ -212,7 +218,17 @@ def _supervise(spec: GroupSpec, run_dir: Path, observers: Optional[list[RunObser
                                                             parse_torchrun_exits(procs.log_path).items()} or None,
                                         "signal": signal.Signals(sup.signal_received).name
                                         if sup.signal_received else None})
-        atomic.write_text(run_dir / "run.json", json.dumps(data, indent=2, default=str))
+        try:
+            atomic.write_text(run_dir / "run.json", json.dumps(data, indent=2, default=str))
+        except OSError as e:
+            facts = full_disk.written_by_launcher(e)
+            if facts is None:
+                raise
+            if outcome.code in (exit_codes.RANK_FAILED, exit_codes.HUNG):  # the disk filled under the run:
+                outcome = full_disk.outcome(outcome, facts, run_dir, own_job, served)  # the likeliest cause
+            elif outcome.code != exit_codes.DISK_FULL:  # made (only its manifest is missing), or interrupted
+                outcome.details = [*outcome.details, f"run.json was not written: {e}"]
+            data["exit"].update(code=outcome.code, status=exit_codes.NAMES[outcome.code], reason=outcome.reason)
         watchers.finished(spec, run_dir, outcome, data)
     finally:
         for s, h in old.items():

@@ -97,6 +97,7 @@ class RunProcesses:
         self.host_hwm_mb: dict[int, float] = {}  # rank -> VmHWM seen by the launcher
         self.torchrun_cpu_s: Optional[float] = None  # torchrun's agent, last seen alive
         self._pump_thread: Optional[threading.Thread] = None
+        self.log_error: Optional[str] = None  # why torchrun.log stopped being written (a full disk)
         self._needle = str(run_dir / "spec.json").encode()
         self._host = os.uname().nodename
 
@@ -116,12 +117,25 @@ class RunProcesses:
         return t0
 
     def _pump(self) -> None:
-        with open(self.log_path, "w", encoding="utf-8") as log:
+        """torchrun's output into torchrun.log and to the observers, until it ends. A log that can
+        no longer be written (a full disk) stops being written: the output still goes to the
+        observers and is still read (a pipe left unread would stall the ranks' own output)."""
+        log = open(self.log_path, "w", encoding="utf-8")
+        try:
             for raw in self.proc.stdout:  # type: ignore[union-attr]
                 line = raw.decode("utf-8", "replace").rstrip("\n")
-                log.write(line + "\n")
-                log.flush()
+                if self.log_error is None:
+                    try:
+                        log.write(line + "\n")
+                        log.flush()
+                    except OSError as e:
+                        self.log_error = f"{self.log_path} stopped being written: {e.strerror or e}"
                 self.observers.log_line(line)  # an observer's error is logged there, never stops the log
+        finally:
+            try:
+                log.close()
+            except OSError:  # what a full disk left unwritten
+                pass
 
     def join_pump(self, timeout: float = 3.0) -> None:
         if self._pump_thread is not None:

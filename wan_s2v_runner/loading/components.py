@@ -101,6 +101,25 @@ class DitPlacement(str, Enum):
     NONE = "none"  # this rank runs no step (a 5-rank live pipeline's decoding rank)
 
 
+class NoDit:
+    """The pending DiT of a rank that holds none: nothing to read; its finish is upstream's
+    ``_configure_model`` barrier, which the ranks that hold one take at the same point."""
+
+    model = None
+    deferred = False
+    reading = False
+    read_s = 0.0
+
+    def wait(self) -> None:
+        pass
+
+    def finish(self):
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()
+        return None, None
+
+
 @dataclass
 class Components:
     shell: Any  # a WanS2V (made with __new__) holding the loaded parts and their settings
@@ -193,12 +212,13 @@ class Components:
         waited = time.perf_counter() - t0
         self.shell.noise_model, self.streamer = load.finish()  # upstream's configure (its barrier), a LoRA merge
         trim_heap()  # what the reader thread freed (its staging, fp8's float32 copies) stays in its arena
-        self.load_report.strategy["dit_load"] = (f"after the encoders were let go: read in {load.read_s:.2f} s"
-                                                 if load.deferred else
-                                                 f"while the encoders ran: read in {load.read_s:.2f} s, "
-                                                 f"then {waited:.2f} s waited for it")
-        self.load_report.dit_overlap = {"read_s": round(load.read_s, 3), "waited_s": round(waited, 3),
-                                        "finish_s": round(time.perf_counter() - t0 - waited, 3)}
+        if self.holds_dit:
+            self.load_report.strategy["dit_load"] = (f"after the encoders were let go: read in {load.read_s:.2f} s"
+                                                     if load.deferred else
+                                                     f"while the encoders ran: read in {load.read_s:.2f} s, "
+                                                     f"then {waited:.2f} s waited for it")
+            self.load_report.dit_overlap = {"read_s": round(load.read_s, 3), "waited_s": round(waited, 3),
+                                            "finish_s": round(time.perf_counter() - t0 - waited, 3)}
         self._loaded()
 
     def abandon(self) -> None:
@@ -214,7 +234,8 @@ class Components:
         except Exception as e:  # noqa: BLE001 - nothing will use this DiT
             log.warning("the DiT's load, never used, failed: %s: %s", type(e).__name__, e)
             return
-        self.load_report.strategy["dit_load"] = f"read in {load.read_s:.2f} s on its thread, never used"
+        if self.holds_dit:
+            self.load_report.strategy["dit_load"] = f"read in {load.read_s:.2f} s on its thread, never used"
         self._loaded()  # what it read is reported all the same
 
     def _loaded(self) -> None:
@@ -298,7 +319,7 @@ class LoadSettings:
                    resident_blocks=(spec.resident_blocks or 0) if streamed else None,
                    stream_from=spec.dit_stream_from if streamed else StreamSource.MEMORY,
                    fp32_blocks=tuple(spec.fp32_blocks), release_encoders=bool(spec.release_encoders),
-                   t5_cpu=bool(spec.t5_cpu))
+                   t5_cpu=bool(spec.t5_cpu), cache_dir=dit_cache.place_of(spec))
 
 
 def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
@@ -355,7 +376,13 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
         raise ValueError("a DiT loaded on its thread needs a process group of its own (load_group): its "
                          "collectives would race the encoders'")
     pending, streamer = None, None
-    if lean:
+    if not plan.needs_dit:  # a live pipeline's decoding rank: no step, no DiT; upstream's barrier all the same
+        self.noise_model = None
+        pending = NoDit()
+        if not how.overlap:
+            pending = pending.finish() and None
+        report.strategy["dit"] = "none: this rank runs no denoising step"
+    elif lean:
         dit = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, how, group=load_group)
         if isinstance(dit, DitLoad):
             pending, self.noise_model = dit, None
@@ -370,7 +397,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
         self.noise_model = self._configure_model(model=noise_model, use_sp=lay.use_sp, dit_fsdp=lay.dit_fsdp,
                                                  shard_fn=dit_shard_fn, convert_model_dtype=False)
         report.strategy["dit"] = "full"
-    if pending is None:
+    if pending is None and self.noise_model is not None:
         context_cache.apply(self.noise_model)
         _compute(self, report, how)
     self.audio_encoder = None
@@ -387,7 +414,7 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
              lean_load.describe_bytes(report.counter.total) if lean else "whole files",
              "" if pending is None else " so far: the DiT is read after the encoders" if pending.deferred
              else " so far: the DiT goes on loading on its thread")
-    parts = Components(self, report, pending, streamer)
+    parts = Components(self, report, pending, streamer, holds_dit=plan.needs_dit)
     if how.release_encoders:
         parts.releases_encoders, parts._load_t5, parts._load_w2v = True, load_t5, load_w2v
         report.strategy["encoders"] = ("let go after they encode" + (", the DiT read after them" if pending is not None

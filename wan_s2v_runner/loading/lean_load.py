@@ -205,6 +205,24 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def node_place(group=None) -> tuple[str, bool, int]:
+    """(this node, whether this rank leads the node's ranks of ``group``, how many of ``group``'s
+    ranks are on this node). The leader is the lowest local rank among them: local rank 0, unless
+    ``group`` leaves it out (a 5-rank live pipeline's decoding rank holds no DiT). ``group`` None:
+    every rank. A node's ranks are consecutive global ranks (``RANK - LOCAL_RANK`` first)."""
+    import torch.distributed as dist
+
+    node = os.environ.get("GROUP_RANK", "0")
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if not dist.is_initialized():
+        return node, True, 1
+    members = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    first = rank - local_rank
+    here = [r for r in members if first <= r < first + local_world]
+    return node, bool(here) and rank == min(here), len(here)
+
+
 def node_shared_weights(model, source, report: LoadReport, what: str, group=None, packed: bool = False) -> str:
     """Fill ``model``'s (meta) parameters on the CPU with one copy per node: local rank 0 reads
     the file into a memfd, the node's other ranks map it. A rank alone on its node reads into
@@ -213,13 +231,11 @@ def node_shared_weights(model, source, report: LoadReport, what: str, group=None
     ``group``: the process group of its collectives (a DiT loaded while the encoders run has one
     of its own). Returns the strategy used."""
     import torch.distributed as dist
-    if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= 1:  # alone on the node: nothing to share
+    node, leader, local_members = node_place(group)
+    if local_members <= 1:  # alone on the node: nothing to share
         private_weights(model, source, report, what, packed)
         return report.strategy[what]
     layout, total = _layout(model)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    node = os.environ.get("GROUP_RANK", "0")
-    leader = local_rank == 0
     fd = None
     if leader:
         fd = os.memfd_create(f"wan-s2v-{what}", 0)
@@ -227,13 +243,13 @@ def node_shared_weights(model, source, report: LoadReport, what: str, group=None
         _read_into(torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, total), layout, source)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         infos: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(infos, (node, local_rank, os.getpid(), fd), group=group)
-        path = next((f"/proc/{pid}/fd/{f}" for n, lr, pid, f in infos if n == node and lr == 0), None)
+        dist.all_gather_object(infos, (node, leader, os.getpid(), fd), group=group)
+        path = next((f"/proc/{pid}/fd/{f}" for n, lead, pid, f in infos if n == node and lead), None)
     else:
         path = f"/proc/self/fd/{fd}"
     try:
         if path is None:
-            raise OSError("no local rank 0 on this node")
+            raise OSError("no rank leads this node's copy")
         model.load_state_dict(_views(torch.UntypedStorage.from_file(path, False, total), layout),
                               strict=True, assign=True)
         report.strategy[what] = "node-shared"

@@ -188,14 +188,16 @@ class Fp8Source(CheckpointSource):
             self._scale(n)
 
     def share_scales(self, group=None) -> None:
-        """Every rank takes rank 0's scales (a replicated DiT: the ranks that map a node's shared
-        copy read nothing, so computed none), over ``group`` (None: the default group)."""
+        """Every rank takes the first rank's scales (a replicated DiT: the ranks that map a node's
+        shared copy read nothing, so computed none), over ``group`` (None: the default group; its
+        first rank: the lowest it holds)."""
         import torch.distributed as dist
         for n in self.as_is:
             self._scale(n)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            box = [self.scales if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(box, src=0, group=group)
+            src = 0 if group is None else min(dist.get_process_group_ranks(group))
+            box = [self.scales if dist.get_rank() == src else None]
+            dist.broadcast_object_list(box, src=src, group=group)
             self.scales = box[0]
 
     def row_scales(self) -> dict[str, torch.Tensor]:

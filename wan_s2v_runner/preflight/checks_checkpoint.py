@@ -35,14 +35,16 @@ from wan_s2v_runner.shared.ckpt_layout import (
     W2V_WEIGHTS_BIN,
     WAV2VEC_DIR,
 )
+from wan_s2v_runner.shared.dit_cost import S2V_14B, S2V_14B_INJECT_LAYERS
 
 from .core import fail, human_bytes, human_count, ok, skip
 
 #: config.json keys whose absence makes WanModel_S2V build a different model than the
 #: checkpoint's (its __init__ defaults are not the S2V-14B values), value in the real config
 REQUIRED_CONFIG = {
-    "dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40, "in_dim": 16, "out_dim": 16,
-    "audio_dim": 1024, "cond_dim": 16, "audio_inject_layers": [0, 4, 8, 12, 16, 20, 24, 27, 30, 33, 36, 39],
+    "dim": S2V_14B.dim, "ffn_dim": S2V_14B.ffn_dim, "num_heads": S2V_14B.num_heads, "num_layers": S2V_14B.num_layers,
+    "in_dim": 16, "out_dim": S2V_14B.out_dim, "audio_dim": 1024, "cond_dim": 16,
+    "audio_inject_layers": list(S2V_14B_INJECT_LAYERS),
     "enable_adain": True, "adain_mode": "attn_norm", "enable_framepack": True,
     "framepack_drop_mode": "padd", "enable_motioner": False, "zero_timestep": True,
 }

@@ -21,7 +21,7 @@ def check_compile(ctx):
     if not getattr(ctx.spec, "compile", False):
         return skip(ID, "--compile not asked (the DiT runs eager)")
     tools = ctx.facts.raw.get("compile")
-    cache = cache_dir()
+    cache = cache_dir(setting=ctx.spec.cache_dir)
     if tools is None:
         return skip(ID, "this machine's facts say nothing about compilers (recorded before --compile existed)")
     if ctx.spec.device == "cpu":

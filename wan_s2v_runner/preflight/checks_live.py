@@ -3,13 +3,16 @@ frames per second the machine can give, planned before anything spawns.
 
 * ``live.stages``: which rank runs which steps (:func:`~wan_s2v_runner.shared.live_recipe.stage_plan`).
 * ``live.memory``: a DiT rank holds the mode's memory plan (the whole DiT, as ``ulysses`` at one
-  rank: an over-estimate of a block's activations) plus, per step it runs, a ring of
+  rank, for the live workload: a block's tokens with the condition's, no CFG; an over-estimate of
+  a block's activations) plus, per step it runs, a ring of
   :data:`~wan_s2v_runner.shared.live_recipe.WINDOW_BLOCKS` blocks' keys and values per layer, and the
-  condition's once (:func:`kv_bytes`); against the GPU's free memory.
-* ``live.fps``: a block's forward (its tokens' projections and FFN, attention over the window and
-  the condition) at :data:`.streaming.ASSUMED_MFU` of the GPU's peak in the run's dtype; the
-  pipeline's pace is its busiest rank's (its steps), the first frame waits for all 4 steps.
-  Informational: the VAE's decode and the sends are not in it.
+  condition's once (:func:`figures`: ``shared.dit_cost.step_kv_bytes`` and ``cond_kv_bytes``, the
+  rule ``patches.live_kv`` allocates by, in the run's compute dtype); against the GPU's free memory.
+* ``live.fps``: a block's forward (:func:`.dit_flops.live_block_flops`: its tokens' projections,
+  cross-attention, FFN and audio injection, attention over the window and the condition) at
+  :data:`~wan_s2v_runner.shared.dit_cost.ASSUMED_MFU` of the GPU's peak in the run's dtype
+  (``shared.dit_cost.pass_seconds``); the pipeline's pace is its busiest rank's (its steps), the
+  first frame waits for all 4 steps. Informational: the VAE's decode and the sends are not in it.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from wan_s2v_runner.shared import live_recipe as recipe
+from wan_s2v_runner.shared.dit_cost import cond_kv_bytes, pass_seconds, step_kv_bytes
 from wan_s2v_runner.shared.precision import element_bytes
 
 from .core import fail, ok, skip, warn
@@ -40,18 +44,19 @@ class LiveFigures:
 
 
 def figures(ctx) -> LiveFigures:
-    from .memory import compute_dtype, model_sizes, workload
+    """The caches of this context's live job: a block's tokens (the live workload's:
+    :func:`.memory.workload`), the condition's (reference and motion), each cache's bytes by the
+    allocation's rule (``shared.dit_cost``) in the run's compute dtype (``shared.precision``)."""
+    from .memory import compute_dtype, dit_dims, model_sizes, workload
 
-    sizes, wl = model_sizes(ctx), workload(ctx)
-    per_frame = (wl.height // 16) * (wl.width // 16)
-    block = recipe.BLOCK_LATENT_FRAMES * per_frame
-    cond = wl.tokens.ref + wl.tokens.motion
-    eb = element_bytes(compute_dtype(ctx)[0]) if ctx.on_cuda else 4
-    layers, dim = sizes.num_layers or 40, sizes.dim or 5120
+    dims, wl = dit_dims(model_sizes(ctx)), workload(ctx)
+    block, cond = wl.tokens.noisy, wl.tokens.ref + wl.tokens.motion
+    shape = dict(layers=dims.num_layers, heads=dims.num_heads, head_dim=dims.head_dim,
+                 element_bytes=element_bytes(compute_dtype(ctx)[0]))
     plan = recipe.stage_plan(ctx.spec.world_size) or recipe.stage_plan(1)
     steps = max(len(s) for s in plan.rank_steps)
-    return LiveFigures(block, cond, 2 * recipe.WINDOW_BLOCKS * block * dim * layers * eb, 2 * cond * dim * layers * eb,
-                       steps)
+    return LiveFigures(block, cond, step_kv_bytes(block_tokens=block, **shape),
+                       cond_kv_bytes(cond_tokens=cond, **shape), steps)
 
 
 def check_stages(ctx):
@@ -123,22 +128,37 @@ def check_memory(ctx):
     return ok("live.memory", text, kv_bytes=f.kv_rank, need_bytes=need)
 
 
-def block_seconds(ctx) -> Optional[float]:
-    """One block's forward at one step on the slowest GPU (None: no estimate)."""
-    from .dit_flops import DitDims, per_token_flops
-    from .memory import compute_dtype, model_sizes
-    from .streaming import ASSUMED_MFU, gpu_tflops
+@dataclass(frozen=True)
+class BlockTiming:
+    seconds: float  # one block's forward at one step
+    gpu: dict  # the slowest GPU's facts
+    peak_tflops: float  # its dense peak in the run's dtype
+
+
+def block_timing(ctx) -> Optional[BlockTiming]:
+    """One block's forward at one step on the slowest GPU (None: no estimate): its operations
+    (:func:`.dit_flops.live_block_flops`, its keys the full window's and the condition's) at
+    ``shared.dit_cost.pass_seconds``' share of the GPU's peak in the run's dtype."""
+    from .dit_flops import live_block_flops
+    from .memory import compute_dtype, dit_dims, model_sizes, workload
+    from .streaming import gpu_tflops
 
     if not ctx.on_cuda or not ctx.local_gpus:
         return None
-    rated = [gpu_tflops(g.get("name", ""), compute_dtype(ctx)[0]) for g in ctx.local_gpus]
-    if any(t is None for t in rated):
+    rated = [(gpu_tflops(g.get("name", ""), compute_dtype(ctx)[0]), g) for g in ctx.local_gpus]
+    if any(t is None for t, _ in rated):
         return None
-    sizes, f = model_sizes(ctx), figures(ctx)
-    dims = DitDims(dim=sizes.dim or 5120, ffn_dim=sizes.ffn_dim or 13824, num_layers=sizes.num_layers or 40)
+    peak, gpu = min(rated, key=lambda tg: tg[0])
+    f = figures(ctx)
     keys = recipe.WINDOW_BLOCKS * f.block_tokens + f.cond_tokens
-    flops = dims.num_layers * (per_token_flops(dims) * f.block_tokens + 4 * f.block_tokens * keys * dims.dim)
-    return flops / (min(rated) * 1e12 * ASSUMED_MFU)
+    flops = live_block_flops(dit_dims(model_sizes(ctx)), workload(ctx).tokens, keys).total
+    return BlockTiming(pass_seconds(flops, peak), gpu, peak)
+
+
+def block_seconds(ctx) -> Optional[float]:
+    """One block's forward at one step on the slowest GPU (None: no estimate)."""
+    t = block_timing(ctx)
+    return None if t is None else t.seconds
 
 
 def check_fps(ctx):

@@ -13,6 +13,7 @@ from .memory import (
     GPU_RUNTIME,
     HOST_FILL,
     HostPhase,
+    dit_dims,
     largest_fitting,
     model_sizes,
     plan_all,
@@ -172,15 +173,11 @@ def _no_size(ctx, p, free: int) -> str:
 def stream_timing(ctx, plan, gpu: dict):
     """The streamed DiT's copies against its compute per pass on ``gpu`` (:mod:`.streaming`), in the
     plan's compute dtype; from the page cache, at the disk's pace where the RAM cannot keep the file."""
-    from .dit_flops import DitDims
     from .streaming import timing
     sizes, wl = model_sizes(ctx), workload(ctx)
-    units = sizes.dit_units
-    inject = sum(1 for u in units if u > min(units)) if units else 12
-    dims = DitDims(dim=sizes.dim or 5120, ffn_dim=sizes.ffn_dim or 13824, num_heads=sizes.num_heads or 40,
-                   num_layers=sizes.num_layers or 40, audio_layers=inject)
     layout = ctx.layout_for(ctx.mode)
-    return timing(gpu, plan.stream["bytes_per_pass"], dims, wl.tokens, layout.sp_degree if layout.use_sp else 1,
+    return timing(gpu, plan.stream["bytes_per_pass"], dit_dims(sizes), wl.tokens,
+                  layout.sp_degree if layout.use_sp else 1,
                   dtype=plan.dtype, disk_bytes=plan.stream.get("disk_bytes_per_pass") or 0, host=ctx.facts.host)
 
 
@@ -339,11 +336,11 @@ def _page_cache_file(ctx, p, total: int, memlock: str):
     size = st["file_bytes"]
     env = ctx.facts.env
     if ctx.facts.live:
-        where = cache_dir()
+        where = cache_dir(setting=ctx.spec.cache_dir)
         from .probe import filesystem
         fs = filesystem(where)
     else:  # recorded: the facts' environment (its HOME, else "~")
-        where = cache_dir(env)
+        where = cache_dir(env, setting=ctx.spec.cache_dir)
         fs = ctx.facts.filesystem(where)
     _, speed = disk_mib_s(ctx.facts.host)
     detail = (f"page cache: {gib(st['pinned_bytes'])} of staging pinned ({ctx.spec.nproc} rank(s) x "

@@ -3,10 +3,14 @@ passes each (conditional and unconditional, combined as ``u + g * (c - u)``), or
 guidance scale is 1 or less (upstream skips the unconditional pass then, and so do we: the
 few-step recipe's CFG 1 halves the passes). With ``--cache`` (:mod:`wan_s2v_runner.shared.cache_policy`)
 the warm-up and the last step are always computed and the others as the run decides, so the
-doctor gives the range: what is computed at least, and at most (every step)."""
+doctor gives the range: what is computed at least, and at most (every step). A live job
+(``--mode live``): the recipe's steps, one pass each, a block."""
 from __future__ import annotations
 
 from wan_s2v_runner.shared import cache_policy
+from wan_s2v_runner.shared import live_recipe as recipe
+from wan_s2v_runner.shared.job_time import passes_per_step, step_passes
+from wan_s2v_runner.shared.layout import MODES
 
 from .core import ok, skip
 
@@ -16,7 +20,7 @@ ID = "inputs.passes"
 def passes(steps: int, guide_scale: float, cache: str = "off") -> dict:
     """A clip's DiT passes: per step, at most (every step computed) and at least (a cache policy
     computes its warm-up and the last step; off: every step)."""
-    per_step = 2 if guide_scale > 1 else 1
+    per_step = passes_per_step(guide_scale)
     setting = cache_policy.parse(cache)
     fewest = cache_policy.always_computed(steps) if setting.reuses else steps
     return {"per_step": per_step, "most": steps * per_step, "fewest": fewest * per_step,
@@ -25,6 +29,11 @@ def passes(steps: int, guide_scale: float, cache: str = "off") -> dict:
 
 def check_passes(ctx):
     spec = ctx.spec
+    if MODES[ctx.mode].step_pipeline:  # the live recipe's steps, without CFG: the flags are not read
+        per = step_passes(False)
+        most = recipe.STEPS * per
+        return ok(ID, f"the live recipe: {recipe.STEPS} steps x {per} (no CFG): {most} DiT passes a block",
+                  per_step=per, most=most, fewest=most, steps_always_computed=recipe.STEPS)
     if spec.steps is None or spec.guide_scale is None:
         return skip(ID, "no sampling settings given")
     try:

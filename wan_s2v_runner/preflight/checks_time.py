@@ -2,13 +2,16 @@
 
 ``clips x steps x passes a step x seconds a pass`` (:func:`wan_s2v_runner.shared.job_time.job_seconds`):
 the clips and size are the memory plan's (:func:`.memory.workload`: the speech, or ``--num-clips``),
-a pass's seconds its operations (:mod:`.dit_flops`) at :data:`.streaming.ASSUMED_MFU` of the
-slowest of the ranks' GPUs' dense peak in the run's compute dtype (``shared.precision``: fp16 on
+a pass's seconds its operations (:mod:`.dit_flops`) at
+:data:`~wan_s2v_runner.shared.dit_cost.ASSUMED_MFU` of the slowest of the ranks' GPUs' dense peak
+(``shared.dit_cost.pass_seconds``) in the run's compute dtype (``shared.precision``: fp16 on
 GPUs older than Ampere under ``--dtype auto``, emulated bf16 there under ``--dtype bf16``), split
 over the layout as the parallel plans split it
 (:func:`.plans.estimate_speedup`, with their calibrated all-to-all cost), at the copies' pace where
-a streamed DiT's copies are slower. The VAE's decode, the encoders and loading are not in it (a
-few seconds a clip against minutes of denoising at the real size). Informational: it never fails.
+a streamed DiT's copies are slower. A live job (``--mode live``, :func:`live_job_time`): its blocks,
+each through the recipe's 4 steps at a block forward's seconds, pipelined over the ranks. The VAE's
+decode, the encoders and loading are not in it (a few seconds a clip against minutes of denoising
+at the real size). Informational: it never fails.
 """
 from __future__ import annotations
 
@@ -16,7 +19,10 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from wan_s2v_runner.shared import cache_policy
-from wan_s2v_runner.shared.job_time import job_seconds, passes_per_step
+from wan_s2v_runner.shared import live_recipe as recipe
+from wan_s2v_runner.shared.dit_cost import ASSUMED_MFU, pass_seconds
+from wan_s2v_runner.shared.job_time import job_seconds, passes_per_step, pipeline_seconds, step_passes
+from wan_s2v_runner.shared.layout import MODES
 
 from .core import ok, skip
 
@@ -36,6 +42,10 @@ class JobTime:
     fewest_steps: Optional[int] = None  # --cache: the steps a clip computes at least
     dtype: str = "bf16"  # what the DiT computes in (shared.precision), whose peak the estimate takes
     peak_tflops: Optional[float] = None  # the slowest GPU's dense peak in that dtype
+    #: what ``clips`` counts: "clip", or "block" (a live job: its steps pipelined over the ranks, a
+    #: block's ``clip_s`` the busiest rank's ``steps_per_rank`` steps)
+    unit: str = "clip"
+    steps_per_rank: Optional[int] = None
 
     def to_json(self) -> dict:
         return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -56,13 +66,15 @@ def job_time(ctx) -> Optional[JobTime]:
     """The job's denoising time on this context's machine and layout; None on the CPU or on a GPU
     whose peak is not in :data:`.streaming.GPU_TFLOPS`."""
     from .checks_memory import current_plan, stream_timing
-    from .dit_flops import DitDims, forward_flops
-    from .memory import compute_dtype, model_sizes, workload
+    from .dit_flops import forward_flops
+    from .memory import compute_dtype, dit_dims, model_sizes, workload
     from .plans import SP_COMM_COST, estimate_speedup
     from .recommend import heads_of
-    from .streaming import ASSUMED_MFU, gpu_tflops
+    from .streaming import gpu_tflops
 
     spec = ctx.spec
+    if MODES[ctx.mode].step_pipeline:
+        return live_job_time(ctx)
     if not ctx.on_cuda or not ctx.local_gpus or spec.steps is None or spec.guide_scale is None:
         return None
     dtype = compute_dtype(ctx)[0]
@@ -71,21 +83,19 @@ def job_time(ctx) -> Optional[JobTime]:
         return None
     peak, gpu = min(rated, key=lambda tg: tg[0])
     sizes, wl = model_sizes(ctx), workload(ctx)
-    units = sizes.dit_units
-    dims = DitDims(dim=sizes.dim or 5120, ffn_dim=sizes.ffn_dim or 13824, num_heads=sizes.num_heads or 40,
-                   num_layers=sizes.num_layers or 40,
-                   audio_layers=sum(1 for u in units if u > min(units)) if units else 12)
+    dims = dit_dims(sizes)
     layout = ctx.layout
     heads = heads_of(ctx, sizes)
     split = estimate_speedup(layout, heads, dims.dim, dims.ffn_dim, wl.tokens.max_len) or 1.0
-    # one GPU's two passes a step / the busiest rank's work a step, with the all-to-all's cost
-    per_rank = 2 / split * (1 + SP_COMM_COST * (layout.sp_degree - 1 if layout.use_sp else 0))
+    # one GPU's guided step / the busiest rank's (``split``), over the passes each runs: a pass's
+    # share of one GPU's pass on a rank, with the all-to-all's cost
+    share = (step_passes(True) / step_passes(True, layout.cfg_degree) / split
+             * (1 + SP_COMM_COST * (layout.sp_degree - 1 if layout.use_sp else 0)))
     passes = passes_per_step(spec.guide_scale, layout.cfg_degree)
-    share = per_rank / (2 / layout.cfg_degree)  # a pass's share of one GPU's pass on a rank
 
     def seconds(with_motion: bool) -> float:
-        return forward_flops(dims, wl.tokens, with_motion=with_motion, text_cached=True).total * share / (
-            peak * 1e12 * ASSUMED_MFU)
+        return pass_seconds(forward_flops(dims, wl.tokens, with_motion=with_motion, text_cached=True).total * share,
+                            peak)
 
     later = seconds(True)
     first = later if spec.start_from_ref else seconds(False)
@@ -106,9 +116,30 @@ def job_time(ctx) -> Optional[JobTime]:
                    dtype=dtype.value, peak_tflops=peak)
 
 
+def live_job_time(ctx) -> Optional[JobTime]:
+    """A live job's denoising (``--mode live``): its blocks (the live workload's), each through the
+    recipe's steps (one pass each: no CFG) at :func:`.checks_live.block_timing`'s seconds a step,
+    pipelined over the ranks (``shared.job_time.pipeline_seconds``); None where there is no estimate."""
+    from .checks_live import block_timing, figures
+    from .memory import compute_dtype, workload
+
+    t = block_timing(ctx)
+    if t is None:
+        return None
+    blocks, busiest = workload(ctx).n_clips, figures(ctx).steps_per_rank
+    return JobTime(gpu=str(t.gpu.get("name")), clips=blocks, steps=recipe.STEPS, passes=step_passes(False),
+                   pass_s=t.seconds, first_pass_s=t.seconds,
+                   seconds=pipeline_seconds(blocks, recipe.STEPS, busiest, t.seconds), clip_s=busiest * t.seconds,
+                   dtype=compute_dtype(ctx)[0].value, peak_tflops=t.peak_tflops, unit="block", steps_per_rank=busiest)
+
+
 def describe(t: JobTime, world: int) -> str:
     ranks = f"{world} x " if world > 1 else ""
     dtype = f" in {t.dtype}" if t.dtype != "bf16" else ""
+    if t.unit == "block":
+        return (f"~{human_duration(t.seconds)} of denoising on {ranks}{t.gpu}{dtype}: {t.clips} block(s) of "
+                f"{recipe.BLOCK_FRAMES} frames, each {t.steps} steps x ~{t.pass_s:.2f} s a step, pipelined: a block "
+                f"every ~{t.clip_s:.2f} s ({t.steps_per_rank} step(s) on the busiest rank)")
     text = (f"~{human_duration(t.seconds)} of denoising on {ranks}{t.gpu}{dtype}: {t.clips} clip(s) x "
             f"{t.steps} steps x {t.passes} pass(es) x ~{t.pass_s:.1f} s a pass (~{human_duration(t.clip_s)} a clip)")
     if t.fewest_steps is not None and t.fewest_steps < t.steps:
@@ -127,7 +158,6 @@ def check_time(ctx):
     if t is None:
         names = ", ".join(sorted({str(g.get("name")) for g in ctx.local_gpus})) or "no GPU"
         return skip(ID, f"no estimate: the peak of {names} is not known (preflight/streaming.py)")
-    from .streaming import ASSUMED_MFU
     return ok(ID, describe(t, ctx.layout.world_size),
               f"estimate: the DiT passes at {ASSUMED_MFU:.0%} of the GPU's {t.dtype} peak ({t.peak_tflops:g} TFLOPS; "
               "decode, encoders and loading not included)", **t.to_json())

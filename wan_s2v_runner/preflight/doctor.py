@@ -21,6 +21,7 @@ from wan_s2v_runner.shared import exit_codes
 from wan_s2v_runner.shared.layout import DitOffload, StreamSource
 from wan_s2v_runner.shared.precision import ComputeDtype
 
+from .checks_cache import caches_report
 from .checks_time import JobTime, job_time
 from .context import CheckContext, ModeSource
 from .core import CheckGroup, CheckResult, Status, counts
@@ -61,7 +62,9 @@ class GateReport:
         ``release_encoders`` when the plan fits only with the encoders let go before the DiT is read,
         ``t5_cpu`` when the GPU holds the encode phase only with T5 on the CPU
         (the rank takes an unset value as False), ``dit_stream_from`` where the plan counted a
-        streamed DiT's bytes (``auto`` resolved), ``dtype`` (``auto`` resolved on the oldest GPU)."""
+        streamed DiT's bytes (``auto`` resolved), ``dtype`` (``auto`` resolved on the oldest GPU),
+        ``dit_cache_max`` in bytes where the run writes a DiT page-cache file (``output.dit_cache``: the
+        budget less what would leave the disk short of the video)."""
         out = {}
         waves = self.data_of("memory.host").get("waves")
         if group.load_waves is None and waves and waves > 1:  # the memory plan's safety net
@@ -77,6 +80,9 @@ class GateReport:
         if (group.dit_offload is DitOffload.BLOCKS and group.dit_stream_from is StreamSource.AUTO
                 and source in (StreamSource.MEMORY.value, StreamSource.PAGE_CACHE.value)):
             out["dit_stream_from"] = StreamSource(source)  # the rank streams from where the plan counted it
+        room = self.data_of("output.dit_cache").get("budget_bytes")
+        if room is not None:  # the DiT cache's budget less the video's room: the rank evicts what the check listed
+            out["dit_cache_max"] = str(room)
         dtype = self.data_of("gpus.bf16").get("dtype")
         if group.dtype is ComputeDtype.AUTO and dtype is not None:
             out["dtype"] = ComputeDtype(dtype)  # the oldest GPU's; the run's digest records it
@@ -108,6 +114,8 @@ class DoctorReport:
     streamed: Optional[ModePlan] = None
     #: the job's denoising time on this machine (None: on the CPU, or a GPU of unknown peak)
     job_time: Optional[JobTime] = None
+    #: the caches wan-s2v keeps, in sum, and their disk's free space (``checks_cache.caches_report``)
+    caches: Optional[dict] = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -154,6 +162,7 @@ class DoctorReport:
                     "height": wl.height,
                     "tokens": wl.tokens.max_len,
                     "clips": wl.n_clips,
+                    "unit": wl.unit,
                     "audio_seconds": wl.audio_seconds,
                     "assumed": wl.assumed,
                 },
@@ -163,6 +172,7 @@ class DoctorReport:
             "job_time": ({**self.job_time.to_json(), "hours": round(self.job_time.seconds / 3600, 2),
                           "estimate": "DiT passes only (wan_s2v_runner/preflight/checks_time.py)"}
                          if self.job_time is not None else None),
+            "caches": self.caches,
             "parallel_plans": {
                 "mode": ctx.mode.value,
                 "lengths": list(self.parallel_plans[0].lengths),
@@ -241,7 +251,7 @@ def diagnose(ctx: CheckContext, queue_depth: int = DEFAULT_QUEUE_DEPTH) -> Docto
                         parallel_plans=plan_table(ctx.mode, **plan_inputs(ctx)),
                         splits=splits_for(ctx.mode, ctx.layout.world_size, queue_depth=queue_depth,
                                           **plan_inputs(ctx)),
-                        queue_depth=queue_depth, job_time=job_time(ctx))
+                        queue_depth=queue_depth, job_time=job_time(ctx), caches=caches_report(ctx))
 
 
 def machine_facts(env=None) -> MachineFacts:

@@ -8,7 +8,7 @@ Read from wan/speech2video.py and wan/modules/s2v/{model_s2v,motioner}.py (Wan2.
   or a 3x300 image at 64*64), which then fails in torchvision's Resize.
 * Per clip the DiT sees ONE sequence that ``WanModel_S2V.forward`` concatenates and, with
   Ulysses, splits with ``torch.chunk(x, world, dim=1)``: the noisy latent tokens
-  ``lat_f * (H/16) * (W/16)`` (``lat_f = (infer_frames + 3 + 73)//4 - (73 + 3)//4``), the
+  ``lat_f * (H/16) * (W/16)`` (``lat_f``: ``shared.dit_cost.clip_latent_frames``), the
   reference-image tokens ``(H/16) * (W/16)``, and the FramePack motion tokens (buckets 1, 2, 16
   latent frames patchified at 1x, 2x, 4x: ``(H/16)(W/16) + (H/32)(W/32) + 4 (H/64)(W/64)``). The
   motion tokens are dropped on the first clip (``drop_first_motion``, unless the run starts
@@ -24,13 +24,16 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-# the frame rate and the motion frames carried between clips: the video budget's (one rule)
-from wan_s2v_runner.shared.video_budget import FPS, MOTION_FRAMES, video_frames
+# a clip's latent frames and the 14B's heads: the DiT's rules
+from wan_s2v_runner.shared.dit_cost import S2V_14B, clip_latent_frames
+
+# the frame rate: the video budget's (one rule)
+from wan_s2v_runner.shared.video_budget import FPS, video_frames
 
 VAE_STRIDE = (4, 8, 8)
 PATCH = (1, 2, 2)
 FRAMEPACK_BUCKETS = (1, 2, 16)  # latent frames at 1x, 2x, 4x (WanModel_S2V passes [1, 2, 16])
-REAL_NUM_HEADS = 40
+REAL_NUM_HEADS = S2V_14B.num_heads
 
 
 def generation_size(height: int, width: int, target_area: int, divisor: int = 64) -> tuple[int, int]:
@@ -61,8 +64,8 @@ def generation_size(height: int, width: int, target_area: int, divisor: int = 64
 
 
 def latent_frames(infer_frames: int) -> int:
-    lat_motion = (MOTION_FRAMES + 3) // 4
-    return (infer_frames + 3 + MOTION_FRAMES) // 4 - lat_motion
+    """A clip's noisy latent frames (``shared.dit_cost.clip_latent_frames``: the one rule)."""
+    return clip_latent_frames(infer_frames)
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,14 @@ from typing import Optional
 
 from wan_s2v_runner.loading import ckpt_tables as cr
 from wan_s2v_runner.loading.dit_file import dit_shapes
-from wan_s2v_runner.shared import encoder_placement, precision, stream_source
+from wan_s2v_runner.shared import encoder_placement, live_recipe, precision, stream_source
 from wan_s2v_runner.shared.ckpt_layout import DIT_CONFIG, T5_FILE, VAE_FILE, W2V_WEIGHTS, W2V_WEIGHTS_BIN
+from wan_s2v_runner.shared.dit_cost import S2V_14B, S2V_14B_INJECT_LAYERS, DitDims
+from wan_s2v_runner.shared.job_time import cfg_on, step_passes
 from wan_s2v_runner.shared.layout import MODES, DitOffload, DitQuant, Layout, LoadStrategy, Mode, StreamSource
 from wan_s2v_runner.shared.precision import ComputeDtype
 from wan_s2v_runner.shared.quant import SCALE_BYTES, is_fp8_weight
-from wan_s2v_runner.shared.video_budget import host_frame_bytes
+from wan_s2v_runner.shared.video_budget import MOTION_LATENT_FRAMES, host_frame_bytes
 
 from .dit_flops import TEXT_LEN
 from .geometry import FPS, TokenCounts, clips_for_audio, generation_size, output_frames, token_counts
@@ -75,11 +77,12 @@ class ModelSizes:
 
 
 #: the 14B's audio-injection layers (``WAN_CONFIGS['s2v-14B'].transformer.audio_inject_layers``)
-REFERENCE_INJECT_LAYERS = (0, 4, 8, 12, 16, 20, 24, 27, 30, 33, 36, 39)
+REFERENCE_INJECT_LAYERS = S2V_14B_INJECT_LAYERS
+_D, _F, _L = S2V_14B.dim, S2V_14B.ffn_dim, S2V_14B.num_layers
 _BLOCK = 351_400_000  # one 14B block's parameters
-_BLOCK_FP8 = 8 * 5120**2 + 2 * 5120 * 13824
-_INJECT = 4 * (5120**2 + 5120) + 5120 * 2 * 5120 + 2 * 5120  # q, k, v, o + the AdaIN's Linear
-_INJECT_FP8 = 4 * 5120**2
+_BLOCK_FP8 = 8 * _D**2 + 2 * _D * _F
+_INJECT = 4 * (_D**2 + _D) + _D * 2 * _D + 2 * _D  # q, k, v, o + the AdaIN's Linear
+_INJECT_FP8 = 4 * _D**2
 
 
 #: Wan2.2-S2V-14B (engine-facts): DiT 16.3B = 40 blocks x 351.4M + 2.24B root; T5 umt5-xxl
@@ -87,14 +90,14 @@ _INJECT_FP8 = 4 * 5120**2
 REFERENCE = ModelSizes(source="reference Wan2.2-S2V-14B sizes (no readable checkpoint)",
                        dit_params=16_300_000_000, dit_root_params=2_240_000_000,
                        dit_block_max=351_400_000, t5_params=5_680_000_000, t5_block_max=201_000_000,
-                       vae_params=127_000_000, wav2vec_params=317_000_000, dim=5120, ffn_dim=13824,
-                       num_heads=40, num_layers=40,
+                       vae_params=127_000_000, wav2vec_params=317_000_000, dim=_D, ffn_dim=_F,
+                       num_heads=S2V_14B.num_heads, num_layers=_L,
                        # 40 blocks x (8 x 5120^2 + 2 x 5120 x 13824) + 12 audio layers x 4 x 5120^2
-                       dit_fp8_params=40 * (8 * 5120**2 + 2 * 5120 * 13824) + 12 * 4 * 5120**2,
-                       dit_fp8_rows=40 * (8 * 5120 + 13824 + 5120) + 12 * 4 * 5120,
-                       dit_units=tuple(_BLOCK + (_INJECT if i in REFERENCE_INJECT_LAYERS else 0) for i in range(40)),
+                       dit_fp8_params=_L * _BLOCK_FP8 + len(REFERENCE_INJECT_LAYERS) * _INJECT_FP8,
+                       dit_fp8_rows=_L * (8 * _D + _F + _D) + len(REFERENCE_INJECT_LAYERS) * 4 * _D,
+                       dit_units=tuple(_BLOCK + (_INJECT if i in REFERENCE_INJECT_LAYERS else 0) for i in range(_L)),
                        dit_units_fp8=tuple(_BLOCK_FP8 + (_INJECT_FP8 if i in REFERENCE_INJECT_LAYERS else 0)
-                                           for i in range(40)))
+                                           for i in range(_L)))
 
 _INJECT_RE = re.compile(r"audio_injector\.(?:injector|injector_adain_layers|injector_pre_norm_feat|"
                         r"injector_pre_norm_vec)\.(\d+)\.")
@@ -162,6 +165,17 @@ def sizes_from_checkpoint(ckpt: Path, cache: Optional[dict] = None, dit_file: Op
         dit_fp8_rows=sum(s[0] for s in fp8.values()), dit_units=units, dit_units_fp8=units_fp8)
 
 
+def dit_dims(sizes: ModelSizes) -> DitDims:
+    """The DiT's dims from ``sizes`` (:meth:`~wan_s2v_runner.shared.dit_cost.DitDims.of`: the
+    S2V-14B's for a size the checkpoint did not give); its audio-injection layers are the streamed
+    units larger than the smallest (a block with an injection layer after it), the 14B's 12 where
+    there are no units."""
+    units = sizes.dit_units
+    inject = sum(1 for u in units if u > min(units)) if units else None
+    return DitDims.of(dim=sizes.dim, ffn_dim=sizes.ffn_dim, num_heads=sizes.num_heads, num_layers=sizes.num_layers,
+                      audio_layers=inject)
+
+
 def model_sizes(ctx) -> ModelSizes:
     """Sizes for this context: from its checkpoint when readable (cached), else REFERENCE."""
     if "sizes" in ctx.cache:
@@ -179,6 +193,9 @@ def model_sizes(ctx) -> ModelSizes:
 
 @dataclass
 class Workload:
+    """What the job makes, as the plans count it: ``n_clips`` clips of ``infer_frames`` frames
+    (``tokens``: one clip's); a live job's (``unit`` "block"): its blocks of the recipe's frames."""
+
     height: int
     width: int
     tokens: TokenCounts
@@ -187,10 +204,26 @@ class Workload:
     infer_frames: int = 80
     start_from_ref: bool = False
     assumed: list[str] = field(default_factory=list)
+    #: a step runs CFG's unconditional pass too (``shared.job_time.cfg_on``; the live recipe: never)
+    cfg: bool = True
+    #: what ``n_clips`` counts: "clip", or "block" (``--mode live``)
+    unit: str = "clip"
+    #: latent frames the VAE decodes in one call (None: a clip's, after the motion latents upstream
+    #: decodes with them; a live job's: its priming latents, then a block's)
+    decode_latents: Optional[int] = None
+
+    def __post_init__(self):
+        if self.decode_latents is None:
+            self.decode_latents = self.tokens.latent_frames + MOTION_LATENT_FRAMES
 
 
 def workload(ctx) -> Workload:
-    """Generation size, tokens and clips for the memory plan (measured inputs, else assumptions)."""
+    """Generation size, tokens and clips for the memory plan (measured inputs, else assumptions).
+    A live job (the step pipeline, :mod:`wan_s2v_runner.shared.live_recipe`) reads the recipe, not
+    ``--infer-frames``, ``--num-clips`` nor ``--guide-scale``: the speech's blocks
+    (:func:`~wan_s2v_runner.shared.live_recipe.blocks_for`) of :data:`~wan_s2v_runner.shared.live_recipe.BLOCK_FRAMES`
+    frames, one block's tokens (:data:`~wan_s2v_runner.shared.live_recipe.BLOCK_LATENT_FRAMES` latent
+    frames, with the condition's reference and motion tokens), no CFG."""
     assumed = []
     img = ctx.cache.get("image_size")  # (w, h) set by the inputs checks
     if img:
@@ -199,6 +232,14 @@ def workload(ctx) -> Workload:
         h, w = generation_size(704, 1024, ctx.spec.max_area)
         assumed.append(f"a 1024x704 (landscape) image -> {w}x{h}")
     secs = ctx.cache.get("audio_seconds")
+    if MODES[ctx.mode].step_pipeline:
+        if secs is None:
+            secs = 5.0
+            assumed.append("5 s of audio")
+        frames = live_recipe.BLOCK_FRAMES
+        return Workload(h, w, token_counts(max(h, 64), max(w, 64), frames), live_recipe.blocks_for(int(secs * FPS)),
+                        secs, frames, False, assumed, cfg=False, unit="block",
+                        decode_latents=max(live_recipe.PRIME_LATENTS, live_recipe.BLOCK_LATENT_FRAMES))
     if secs is None and ctx.spec.num_clips:
         # no speech to measure (the doctor without --audio): the speech --num-clips covers, so a
         # long job is planned without a long file (``--num-clips 121``: ten minutes)
@@ -208,8 +249,9 @@ def workload(ctx) -> Workload:
         secs = 5.0
         assumed.append("5 s of audio")
     n_clips = clips_for_audio(secs, ctx.spec.infer_frames, ctx.spec.num_clips)
+    guide = ctx.spec.guide_scale
     return Workload(h, w, token_counts(max(h, 64), max(w, 64), ctx.spec.infer_frames), n_clips, secs,
-                    ctx.spec.infer_frames, ctx.spec.start_from_ref, assumed)
+                    ctx.spec.infer_frames, ctx.spec.start_from_ref, assumed, cfg=guide is None or cfg_on(guide))
 
 
 @dataclass
@@ -360,7 +402,8 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     ws = max(1, layout.world_size)
     use_sp, dit_fsdp, t5_fsdp = layout.use_sp, layout.dit_fsdp, layout.t5_fsdp
     t5_cpu = layout.t5_cpu or (bool(t5_cpu) and not t5_fsdp)
-    dim, ffn = sizes.dim or REFERENCE.dim, sizes.ffn_dim or REFERENCE.ffn_dim
+    dims = dit_dims(sizes)
+    dim, ffn = dims.dim, dims.ffn_dim
     l_full = wl.tokens.max_len
     l_loc = -(-l_full // layout.sp_degree) if use_sp else l_full  # a CFG branch splits over its SP group
     w_dit, w_t5, w_vae = sizes.dit_params * pb, sizes.t5_params * pb, sizes.vae_params * 4
@@ -373,8 +416,9 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     vae_ws = _vae_ws(wl.height, wl.width)
     # a split VAE decodes a band of rows per rank; the gathering rank also holds the whole clip
     vae_dec = _vae_ws(wl.height, wl.width, VAE_DECODE_MAPS) // (ws if layout.vae_parallel else 1)
-    text_kv = _text_kv(sizes.num_layers or REFERENCE.num_layers, dim, pb, 2 // layout.cfg_degree)
-    dec_frames = 4 * (wl.tokens.latent_frames + (73 + 3) // 4) - 3
+    # a context a pass: the prompt's, and the negative prompt's where a rank runs the unconditional pass
+    text_kv = _text_kv(dims.num_layers, dim, pb, step_passes(wl.cfg, layout.cfg_degree))
+    dec_frames = 4 * wl.decode_latents - 3  # the VAE's first latent frame gives 1 frame, the others 4
     dec_out = 3 * dec_frames * wl.height * wl.width * 4
     # rank 0's frames on the host: the streaming writer's few clips, flat in the clip count
     # (shared.video_budget, the one rule); they come after the audio encode, so on CUDA they
@@ -394,7 +438,7 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
         root, block = sizes.dit_root_params, sizes.dit_block_max
         if fp8:  # the fp8 weights are units of their own, gathered one Linear at a time (in the param dtype)
             per_block = 8 * dim * dim + 2 * largest_linear
-            root -= max(0, sizes.dit_fp8_params - (sizes.num_layers or REFERENCE.num_layers) * per_block)
+            root -= max(0, sizes.dit_fp8_params - dims.num_layers * per_block)
             block = max(0, block - per_block) + largest_linear
         dit_gathered = (root + 2 * block) * pb if ws > 1 else 0
     else:

@@ -8,7 +8,8 @@ token sequence, and an estimated DiT speed-up over one GPU from the per-rank ari
 * a DiT pass over L tokens costs, per block, work proportional to ``L (12 C^2 + 4 C F)`` (per-token
   work: self-attention q/k/v/o 8 C^2, text cross-attention q/o 4 C^2 -- its k/v are cached -- and
   the FFN 4 C F) plus ``4 L^2 C`` (attention: scores and weighted sum), C = dim, F = ffn_dim;
-* a rank of a (cfg c, sp d) plan runs 2/c passes per step (CFG: conditional + unconditional),
+* a rank of a (cfg c, sp d) plan runs 2/c passes per step (CFG: conditional + unconditional;
+  ``shared.job_time.step_passes``),
   each over ``ceil(L / d)`` tokens of per-token work (padding included) and the attention of
   ``max(heads per rank) / heads`` of the heads over the L real tokens;
 * speed-up = one GPU's work / the busiest rank's work, on the longest sequence.
@@ -19,13 +20,14 @@ all-gather per step). At 1024x704 (63,360 tokens) attention is ~68% of the 14B D
 an uneven head split costs more than the padding (at most degree - 1 tokens).
 
 The per-token and attention terms are :mod:`.dit_flops`'s (the whole pass's count lives there).
-This module imports only :mod:`wan_s2v_runner.shared.layout` and :mod:`.dit_flops`.
+This module imports only :mod:`wan_s2v_runner.shared.layout`, ``shared.job_time`` and :mod:`.dit_flops`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from wan_s2v_runner.shared.job_time import step_passes
 from wan_s2v_runner.shared.layout import Layout, Mode
 
 from .dit_flops import DitDims, attention_flops, per_token_flops
@@ -107,9 +109,9 @@ def estimate_speedup(layout: Layout, heads: int, dim: int, ffn_dim: int, length:
         return 0.0
     dims = DitDims(dim=dim, ffn_dim=ffn_dim, num_heads=heads)
     per_token, attention = per_token_flops(dims), attention_flops(dims, length)
-    one_gpu = 2 * (length * per_token + attention)
+    one_gpu = step_passes(True) * (length * per_token + attention)  # a guided step: the CFG split's case
     local = -(-length // layout.sp_degree)
-    rank = (2 / layout.cfg_degree) * (local * per_token + attention * layout.heads_per_rank(heads) / heads)
+    rank = step_passes(True, layout.cfg_degree) * (local * per_token + attention * layout.heads_per_rank(heads) / heads)
     return one_gpu / rank
 
 

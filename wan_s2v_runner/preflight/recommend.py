@@ -30,17 +30,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from wan_s2v_runner.shared.job_time import cfg_on
 from wan_s2v_runner.shared.layout import DitOffload, Mode, valid_sp_degrees
 from wan_s2v_runner.shared.spec import RunSpec, parse_size
 
 from .context import CheckContext
 from .core import gib
 from .facts import MachineFacts
-from .geometry import REAL_NUM_HEADS
 from .memory import (
     GPU_FILL,
-    REFERENCE,
     compute_dtype,
+    dit_dims,
     free_gpu_bytes,
     largest_fitting,
     largest_fitting_size,
@@ -146,7 +146,7 @@ def recommend(ctx: CheckContext) -> Recommendation:
 def heads_of(ctx, sizes) -> int:
     """The DiT's attention heads: config.json (read by the checkpoint checks), else the sizes
     read from the checkpoint, else the 14B model's 40."""
-    return ctx.cache.get("num_heads") or sizes.num_heads or REAL_NUM_HEADS
+    return ctx.cache.get("num_heads") or dit_dims(sizes).num_heads
 
 
 def plan_inputs(ctx) -> dict:
@@ -154,9 +154,9 @@ def plan_inputs(ctx) -> dict:
     and widths (the 14B's where the checkpoint gives none), the DiT's sequence lengths (clip 1
     and later clips), and whether there is an unconditional pass to split off."""
     sizes, wl = model_sizes(ctx), workload(ctx)
-    return dict(heads=heads_of(ctx, sizes), dim=sizes.dim or REFERENCE.dim,
-                ffn_dim=sizes.ffn_dim or REFERENCE.ffn_dim,
-                lengths=wl.tokens.lengths(2, ctx.spec.start_from_ref), cfg_possible=ctx.spec.guide_scale > 1)
+    dims = dit_dims(sizes)
+    return dict(heads=heads_of(ctx, sizes), dim=dims.dim, ffn_dim=dims.ffn_dim,
+                lengths=wl.tokens.lengths(2, ctx.spec.start_from_ref), cfg_possible=cfg_on(ctx.spec.guide_scale))
 
 
 def _recommend_mode(ctx: CheckContext) -> Recommendation:
@@ -166,7 +166,7 @@ def _recommend_mode(ctx: CheckContext) -> Recommendation:
     sizes, wl = model_sizes(ctx), workload(ctx)
     heads = heads_of(ctx, sizes)
     lengths = wl.tokens.lengths(2, ctx.spec.start_from_ref)
-    sp_layouts = candidates(Mode.ULYSSES, ws, cfg_possible=ctx.spec.guide_scale > 1)  # with/without CFG split
+    sp_layouts = candidates(Mode.ULYSSES, ws, cfg_possible=cfg_on(ctx.spec.guide_scale))  # with/without CFG split
     sp_ok = any(not lay.problems(heads, lengths) for lay in sp_layouts)
     sp_why = "; ".join(sp_layouts[0].problems(heads, lengths))
     good_ws = valid_sp_degrees(heads, lengths, range(min(ws - 1, heads), 1, -1))[:1]  # the most that split

@@ -15,6 +15,7 @@ from typing import Iterable
 from wan_s2v_runner.shared.layout import MODES, Mode
 
 from . import (
+    checks_cache,
     checks_checkpoint,
     checks_comm,
     checks_compile,
@@ -94,6 +95,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.MEMORY, checks_time.check_time),
     (G.OUTPUT, checks_inputs.check_output_dir),
     (G.OUTPUT, checks_inputs.check_disk),
+    (G.OUTPUT, checks_cache.check_dit_cache),
     (G.OUTPUT, checks_inputs.check_runs_root),
     (G.OUTPUT, checks_inputs.check_frames_out),
     (G.ULYSSES_DEGREE, checks_parallel.check_degree),

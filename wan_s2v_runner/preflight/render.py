@@ -94,7 +94,7 @@ def render_doctor(report: DoctorReport, console=None) -> None:
     console.print(t)
     wl = report.workload
     mt = Table(title=f"memory plan per rank ({wl.width}x{wl.height}, {wl.tokens.max_len} tokens, "
-               f"{wl.n_clips} clip(s); approximate, see docs/memory-plan.md)", header_style="bold")
+               f"{wl.n_clips} {wl.unit}(s); approximate, see docs/memory-plan.md)", header_style="bold")
     nproc = ctx.spec.nproc
     node = f"host, node ({nproc} rank{'s' if nproc > 1 else ''})"
     for col in ("mode", "ranks", "GPU/rank", "host/rank", node, "GPU free (min)"):
@@ -119,6 +119,8 @@ def render_doctor(report: DoctorReport, console=None) -> None:
         from .checks_time import describe
         console.print(f"[bold]job time:[/] {describe(report.job_time, ctx.layout.world_size)} "
                       "[dim](the DiT passes only; docs/preflight.md)[/]")
+    if report.caches is not None:
+        console.print(f"[bold]caches:[/] {report.caches['line']} [dim](wan-s2v cache lists them)[/]")
     _render_plans(report, console)
     _render_splits(report, console)
     console.print(f"sizes: {report.sizes.source}" + (f"; assumed {', '.join(wl.assumed)}" if wl.assumed else ""))

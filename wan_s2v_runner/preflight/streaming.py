@@ -12,7 +12,8 @@ copies take per DiT pass, against the seconds the pass computes. The copies over
   sequential read is the facts' ``host.disk_read_mib_s``; unknown -> :data:`ASSUMED_DISK_MIB_S`
   (a PCIe 3.0 NVMe drive), said so.
 * The compute: the pass's operations (:mod:`.dit_flops`, per rank: a Ulysses rank computes its
-  share) at :data:`ASSUMED_MFU` of the GPU's dense peak **in the run's compute dtype**
+  share) at :data:`~wan_s2v_runner.shared.dit_cost.ASSUMED_MFU` of the GPU's dense peak
+  (``shared.dit_cost.pass_seconds``, the one rule) **in the run's compute dtype**
   (``shared.precision``: bf16, fp16 below cc 8.0, fp32) from spec sheets, by name
   (:data:`GPU_TFLOPS`; unknown GPU -> no estimate). GPUs older than Ampere have no bf16 units: bf16
   is emulated through fp32 there, at :data:`EMULATED_BF16_SHARE` of the fp32 peak (a V100's cuBLAS:
@@ -26,16 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from wan_s2v_runner.shared.dit_cost import DitDims, pass_seconds
 from wan_s2v_runner.shared.precision import ComputeDtype
 
-from .dit_flops import DitDims, forward_flops
+from .dit_flops import forward_flops
 
 #: GB/s per lane of each PCIe generation (after encoding)
 PCIE_GBPS_PER_LANE = {3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 PCIE_EFFICIENCY = 0.87
 ASSUMED_LINK = (4, 16)
-#: the share of the dense peak the step reaches (measured 46-48% on an H100 and an H200, bf16)
-ASSUMED_MFU = 0.45
 #: a disk's sequential read when the facts do not say (``host.disk_read_mib_s``): a PCIe 3.0 NVMe
 #: drive's (SATA SSDs read ~500, hard disks ~150-250, PCIe 4.0 NVMe ~5000-7000)
 ASSUMED_DISK_MIB_S = 2000
@@ -128,7 +128,7 @@ def timing(gpu: dict, bytes_per_pass: int, dims: DitDims, tokens, sp_degree: int
     compute = None
     if peak:
         flops = forward_flops(dims, tokens, with_motion=True, text_cached=True).total / max(1, sp_degree)
-        compute = flops / (peak * 1e12 * ASSUMED_MFU)
+        compute = pass_seconds(flops, peak)
     copy_s, disk = bytes_per_pass / (rate * 1e9), ""
     if disk_bytes:
         mib_s, what = disk_mib_s(host or {})

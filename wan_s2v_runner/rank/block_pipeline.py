@@ -23,8 +23,9 @@ Per job:
    while fewer are in flight; it decodes the final latents with the streaming VAE (the first 7
    motion latents decoded first to fill its causal cache) and hands the frames to the sink; at each
    block it asks the job's source whether to stop (a served job: a local read of the inbox) and
-   reads the faults the blocks carry; a stop or a fault ends the stream: the blocks in flight
-   arrive and are dropped, then the terminal message, which every rank has forwarded. So a served
+   reads the faults the blocks carry. It alone decides the stream's terminal message, once: at a
+   stop or a fault (the blocks in flight then arrive and are dropped), or once every block is back
+   decoded; every rank passes it on and ends the job as it says. So a served
    group overlaps its blocks as ``run`` does, and a stop or an fp16 fault on any stage reaches
    every rank with the data, leaving nothing in flight for the group's next job.
 5. **Reports**: each rank reports the blocks it finished (progress in blocks); the decoding rank,
@@ -53,9 +54,9 @@ from wan_s2v_runner.rank.live_decode import StreamDecoder
 from wan_s2v_runner.rank.live_dit import LiveDiT
 from wan_s2v_runner.rank.step_control import Signal, StepMessage
 from wan_s2v_runner.shared import live_recipe as recipe
+from wan_s2v_runner.shared.dit_cost import motion_latent_frames
 from wan_s2v_runner.shared.events import ProgressUnit
 from wan_s2v_runner.shared.stages import Stage
-from wan_s2v_runner.shared.video_budget import motion_latent_frames
 
 BLOCK = ProgressUnit.BLOCK
 
@@ -350,19 +351,24 @@ class Decoder:
                 return end(terminal(self.stop))
 
     def _pipeline(self) -> None:
+        """Start blocks while the pipeline has room, receive the oldest otherwise; end the stream
+        once a stop or a fault is known (the blocks in flight are dropped), or once every block is
+        back: the terminal message is decided here alone, so every rank ends the job alike."""
         ended = False
         while True:
-            if not ended and (self.stop is not None or self.issued == self.geo.blocks):
+            stopping = self.stop is not None
+            if not ended and (stopping or (self.issued == self.geo.blocks and not self.in_flight)):
                 self._send(sc.pack(terminal(self.stop), None, self.down_numel, self.geo.device))
                 ended = True
-            elif not ended and not self.in_flight.full:
+            elif not ended and self.issued < self.geo.blocks and not self.in_flight.full:
                 self._start(self.issued)
                 continue
-            if not self.in_flight:
-                message = self.links.recv(self.last)[0]  # the terminal message, every rank passed it on
-                assert is_terminal(message), "the live stream's blocks outran its end"
-                return end(terminal(self.stop) if self.stop is not None else message)
-            self._receive()
+            if self.in_flight:
+                self._receive()
+                continue
+            message = self.links.recv(self.last)[0]  # the terminal message, every rank passed it on
+            assert is_terminal(message), "the live stream's blocks outran its end"
+            return end(message)
 
     def _start(self, g: int) -> None:
         """Block ``g`` into the pipeline: a token to the first step's rank, or this rank's own steps."""
@@ -404,7 +410,7 @@ class Decoder:
             self._ask_stop()
 
     def _decode(self, g: int, x: torch.Tensor) -> None:
-        self.hooks.stage(Stage.DECODE)
+        self.hooks.stage(Stage.DECODE, unit=BLOCK, block=g + 1, blocks=self.geo.blocks)  # in order: its position
         frames = self.decoder.decode(x.unsqueeze(0).to(self.driver.s2v.vae.dtype))[:, :, -recipe.BLOCK_FRAMES:]
         if g == 0:
             frames = frames[:, :, recipe.FIRST_BLOCK_DROP:]

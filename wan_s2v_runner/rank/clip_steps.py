@@ -40,11 +40,11 @@ from wan_s2v_runner.rank.job_contract import Inputs, Reference, Request, broadca
 from wan_s2v_runner.rank.step_cache import StepCache
 from wan_s2v_runner.rank.step_control import Lockstep
 from wan_s2v_runner.shared import cache_policy
+from wan_s2v_runner.shared.dit_cost import motion_latent_frames
 from wan_s2v_runner.shared.events import ProgressUnit
-from wan_s2v_runner.shared.job_time import passes_per_step
+from wan_s2v_runner.shared.job_time import cfg_on
 from wan_s2v_runner.shared.procfs import trim_heap
 from wan_s2v_runner.shared.stages import Stage
-from wan_s2v_runner.shared.video_budget import motion_latent_frames
 
 
 @dataclass
@@ -318,7 +318,7 @@ class Denoiser:
     def _prediction(self, latent_model_input, timestep, clip: ClipInputs) -> list:
         """One step's noise prediction: both CFG passes here, or this rank's pass + exchange."""
         model, plan, guide_scale = self.parts.noise_model, self.plan, self.req.guide_scale
-        if passes_per_step(guide_scale) == 1:
+        if not cfg_on(guide_scale):
             return model(latent_model_input, t=timestep, **clip.arg_c)
         if plan.layout.cfg_degree == 1:
             noise_pred_cond = model(latent_model_input, t=timestep, **clip.arg_c)
@@ -378,7 +378,7 @@ class ClipOutput:
         or zeros without a pose video."""
         if not self.req.pose_video:
             return self.zeros
-        self.hooks.stage(Stage.POSE_ENCODE, clip=r + 1, clips=self.num_clips)
+        self.hooks.stage(Stage.POSE_ENCODE, unit=ProgressUnit.CLIP, clip=r + 1, clips=self.num_clips)
         cond = self.pose.latents(r) if self.pose is not None else None
         if self.plan.layout.world_size > 1 and not self.split:
             cond = broadcast_tensors({"c": cond} if self.plan.decodes else {}, src=self.plan.layout.decoding_rank,
@@ -389,13 +389,13 @@ class ClipOutput:
         """Clip ``r`` denoised: decoded, handed on, its motion re-encoded, checkpointed."""
         h, last = self.hooks, r == self.num_clips - 1
         if not self.vae_here:  # waits for the decoding rank (its next motion latents, or the end)
-            h.stage(Stage.RECEIVE_MOTION, clip=r + 1, clips=self.num_clips)
+            h.stage(Stage.RECEIVE_MOTION, unit=ProgressUnit.CLIP, clip=r + 1, clips=self.num_clips)
         else:
             self._decode(r, latents)
         if not last:  # upstream also re-encodes after the last clip, for nothing
             self._next_motion(r)
         if self.sink is not None:
-            h.stage(Stage.CLIP_CHECKPOINT, clip=r + 1, clips=self.num_clips)
+            h.stage(Stage.CLIP_CHECKPOINT, unit=ProgressUnit.CLIP, clip=r + 1, clips=self.num_clips)
             keep = self.last_frames if self.req.infer_frames < self.s2v.motion_frames else None  # read again?
             self.sink.clip_done(ClipState(r + 1, None if last else self.motion_latents, keep), self.num_clips)
         trim_heap()  # what the clip freed goes back: a long run's resident set stays a clip's
@@ -407,7 +407,7 @@ class ClipOutput:
 
     def _decode(self, r: int, latents: torch.Tensor) -> None:
         drop = bool(self.inputs.flags["drop_first_motion"]) and r == 0
-        self.hooks.stage(Stage.DECODE, clip=r + 1, clips=self.num_clips)
+        self.hooks.stage(Stage.DECODE, unit=ProgressUnit.CLIP, clip=r + 1, clips=self.num_clips)
         # upstream decodes the first clip after the reference latents when its motion is dropped,
         # every other clip after the motion latents
         before = self.inputs.latents["ref_latents"] if drop else self.motion_latents
@@ -436,7 +436,7 @@ class ClipOutput:
 
     def _next_motion(self, r: int) -> None:
         if self.vae_here:
-            self.hooks.stage(Stage.MOTION_ENCODE, clip=r + 1, clips=self.num_clips)
+            self.hooks.stage(Stage.MOTION_ENCODE, unit=ProgressUnit.CLIP, clip=r + 1, clips=self.num_clips)
             self.motion_latents = (self.vae.encode(self.last_band, True, self.inputs.height) if self.split
                                    else self.vae.encode(self.last_frames, False))
         if self.plan.layout.world_size > 1 and not self.split:

@@ -5,7 +5,8 @@ A message (:class:`StepMessage`) holds:
 
 * ``signal`` (:class:`Signal`): go on, or stop: the server cancelled the job or lost it to another
   holder (rank 0 reads its inbox: :attr:`~wan_s2v_runner.rank.job_contract.Hooks.stop_requested`, a
-  local question), or, in the pipeline, the end of the job's blocks;
+  local question), rank 0's video writer failed (a full disk), or, in the pipeline, the end of the
+  job's blocks;
 * ``fault``: the first DiT block whose output held inf or NaN on any rank (``--dtype fp16``'s guard,
   :class:`patches.fp16_compute.Guard`, read after the rank's DiT pass: the guard calls no
   collective), and the 0-based ``fault_step`` and ``fault_at`` (clip or block) where it happened;
@@ -54,6 +55,11 @@ class JobCancelled(Exception):
     """The server cancelled the job in progress; raised on every rank at the same step or block."""
 
 
+class WriteFailed(Exception):
+    """The decoding rank could not write the job's video (a full disk, say): every rank ends the
+    job at the same step or block; the decoding rank records the cause (its writer's error)."""
+
+
 class Signal(IntEnum):
     """What a message says of the job (larger wins when ranks disagree: lost before cancelled,
     as a lost job's cancel is its server's way of saying so too)."""
@@ -62,6 +68,7 @@ class Signal(IntEnum):
     END = 1  # the pipeline's last message: no block follows
     CANCELLED = 2
     LOST = 3
+    FAILED = 4  # the decoding rank's writes failed: the job's own error
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ class StepMessage:
 
     @property
     def stops(self) -> bool:
-        return self.fault is not None or self.signal in (Signal.CANCELLED, Signal.LOST)
+        return self.fault is not None or self.signal in (Signal.CANCELLED, Signal.LOST, Signal.FAILED)
 
     def vector(self) -> list[float]:
         """The values, so that an element-wise MAX of several ranks' messages keeps the largest
@@ -101,6 +108,8 @@ class StepMessage:
         if self.fault is not None:
             block = None if self.fault >= OUTPUT_FAULT else self.fault
             return NonFiniteActivation(block).at(self.fault_step + 1, steps, self.fault_at + 1, unit)
+        if self.signal is Signal.FAILED:
+            return WriteFailed("the decoding rank could not write the job's video")
         if self.signal is Signal.LOST:
             return JobLost("the job")
         if self.signal is Signal.CANCELLED:

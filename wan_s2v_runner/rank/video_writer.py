@@ -40,7 +40,8 @@ from typing import Optional
 
 import torch
 
-from wan_s2v_runner.shared import atomic, fmp4, media, resume
+from wan_s2v_runner.shared import atomic, disk, fmp4, media, resume
+from wan_s2v_runner.shared.disk import DiskError
 from wan_s2v_runner.shared.events import EventKind
 
 log = logging.getLogger("wan_s2v.video_writer")
@@ -48,22 +49,6 @@ log = logging.getLogger("wan_s2v.video_writer")
 #: the writer thread's niceness (Linux: per thread; the encoder's threads inherit it): encoding
 #: never takes CPU from the ranks' compute
 WRITER_NICE = 10
-
-
-class DiskError(OSError):
-    """Writing the video or a checkpoint failed (a full disk above all): one line, cause and fix;
-    every clip committed before it is kept for ``wan-s2v resume``."""
-
-    @classmethod
-    def of(cls, e: OSError, what: str) -> "DiskError":
-        import errno
-
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-        fix = ("free space on that disk (or raise the quota)" if full else "check the output's directory and disk")
-        err = cls(e.errno, f"{what} failed: {e.strerror or e}. Fix: {fix}, then `wan-s2v resume` the run "
-                           "directory: every finished clip is kept")
-        err.__cause__ = e
-        return err
 
 
 class FramesFile:
@@ -107,10 +92,14 @@ class VideoWriter:
 
     def __init__(self, output: Path, speech: Path, fps: int, run_dir: Path, identity: dict, events,
                  gate=None, thumbnail: bool = False, frames_out: Optional[Path] = None,
-                 continued: Optional[resume.Continued] = None):
+                 continued: Optional[resume.Continued] = None, served: bool = False):
         from wan_s2v_runner.rank.lease import ALWAYS
 
         self.output, self.fps, self.events = Path(output), fps, events
+        self.run_dir = Path(run_dir)
+        #: what a full disk's one line says to do after freeing space: resume the run, or (served)
+        #: submit the job again
+        self.then = disk.RESUBMIT if served else disk.RESUME
         self.path = media.partial_path(self.output)
         self.gate = gate or ALWAYS
         self.checkpoint = resume.Checkpoint(run_dir, identity, self.path)
@@ -198,7 +187,7 @@ class VideoWriter:
         try:
             self.checkpoint.commit(state, num_clips, self.growing.at, self.ends, self.gate)
         except OSError as e:
-            raise DiskError.of(e, f"the checkpoint of clip {state.clip}") from e
+            raise DiskError.of(e, f"the checkpoint of clip {state.clip}", path=self.run_dir, then=self.then) from e
 
     def drain(self) -> None:
         """Wait until the writer's thread holds no block or clip (its error, if any, raised here):
@@ -262,7 +251,8 @@ class VideoWriter:
             try:
                 self._write(*work)
             except OSError as e:  # the loop raises it at its next call
-                self.error = DiskError.of(e, f"appending clip {work[0] + 1} to {self.path}")
+                self.error = DiskError.of(e, f"appending clip {work[0] + 1} to {self.path}", path=self.path,
+                                          then=self.then)
             except BaseException as e:
                 self.error = e
             with self._cond:

@@ -233,50 +233,9 @@ def become_agent(request: dict, stdin_fd: int, out_fd: int, server_socks: list[s
     have added it too). Signals arrive blocked (the warm agent blocks them around the fork)."""
     code = 1
     try:
-        os.setsid()
-        _libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG: end with the warm agent
-        if os.getppid() != warm_pid:  # it died before the line above
-            os._exit(1)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as CPython sets them at start
-            signal.signal(sig, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, set())
-        for sock in server_socks:
-            os.close(sock.detach())
-        for fd in server_fds:
-            os.close(fd)
-        stdin_fd, out_fd = _above_stdio(stdin_fd), _above_stdio(out_fd)
-        os.dup2(stdin_fd, 0)
-        os.dup2(out_fd, 1)
-        os.dup2(out_fd, 2)
-        os.close(stdin_fd)
-        os.close(out_fd)
-        if sys.stdin is None:  # the warm agent was started with its standard streams closed
-            sys.stdin = open(0, "r", closefd=False)
-        if sys.stdout is None:
-            sys.stdout = open(1, "w", closefd=False)
-        if sys.stderr is None:
-            sys.stderr = open(2, "w", closefd=False)
-        cwd = request["cwd"]
-        os.chdir(cwd)
-        if start_entry in sys.path:  # ``python -m``: the directory it started in, first on the path
-            sys.path[sys.path.index(start_entry)] = cwd
-        os.umask(int(request["umask"]))
-        if request.get("affinity"):
-            os.sched_setaffinity(0, request["affinity"])
-        env = {**added, **{str(k): str(v) for k, v in request["env"].items()}}
-        os.environ.clear()
-        os.environ.update(env)
-        take_on(env, started_with)
-        argv = [str(a) for a in request["argv"]]
-        import setproctitle
-
-        setproctitle.setproctitle(" ".join(argv))  # the command line a spawned agent has
-        if argv[-1].encode() not in Path("/proc/self/cmdline").read_bytes():
-            print("[wan-s2v agent] could not take a spawned agent's command line: the launcher finds this "
-                  "run's processes by their parents alone", file=sys.stderr, flush=True)
+        _detach(warm_pid)
+        _take_streams(stdin_fd, out_fd, server_socks, server_fds)
+        argv = _take_process(request, started_with, added, start_entry)
         from wan_s2v_runner.rank import agent
 
         sys.argv = [agent.__file__, *argv[3:]]
@@ -301,6 +260,63 @@ def become_agent(request: dict, stdin_fd: int, out_fd: int, server_socks: list[s
             _leave(code)
         finally:
             os._exit(1)
+
+
+def _detach(warm_pid: int) -> None:
+    """The child's own session, its end tied to the warm agent's, signals as a new interpreter's."""
+    os.setsid()
+    _libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG: end with the warm agent
+    if os.getppid() != warm_pid:  # it died before the line above
+        os._exit(1)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # as CPython sets them at start
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
+def _take_streams(stdin_fd: int, out_fd: int, server_socks: list[socket.socket], server_fds: list[int]) -> None:
+    """The warm agent's sockets closed; the run's standard streams in 0, 1 and 2."""
+    for sock in server_socks:
+        os.close(sock.detach())
+    for fd in server_fds:
+        os.close(fd)
+    stdin_fd, out_fd = _above_stdio(stdin_fd), _above_stdio(out_fd)
+    os.dup2(stdin_fd, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    os.close(stdin_fd)
+    os.close(out_fd)
+    if sys.stdin is None:  # the warm agent was started with its standard streams closed
+        sys.stdin = open(0, "r", closefd=False)
+    if sys.stdout is None:
+        sys.stdout = open(1, "w", closefd=False)
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False)
+
+
+def _take_process(request: dict, started_with: dict[str, str], added: dict[str, str], start_entry: str) -> list[str]:
+    """The run's directory, umask, CPUs, environment and command line; returns the command line."""
+    cwd = request["cwd"]
+    os.chdir(cwd)
+    if start_entry in sys.path:  # ``python -m``: the directory it started in, first on the path
+        sys.path[sys.path.index(start_entry)] = cwd
+    os.umask(int(request["umask"]))
+    if request.get("affinity"):
+        os.sched_setaffinity(0, request["affinity"])
+    env = {**added, **{str(k): str(v) for k, v in request["env"].items()}}
+    os.environ.clear()
+    os.environ.update(env)
+    take_on(env, started_with)
+    argv = [str(a) for a in request["argv"]]
+    import setproctitle
+
+    setproctitle.setproctitle(" ".join(argv))  # the command line a spawned agent has
+    if argv[-1].encode() not in Path("/proc/self/cmdline").read_bytes():
+        print("[wan-s2v agent] could not take a spawned agent's command line: the launcher finds this "
+              "run's processes by their parents alone", file=sys.stderr, flush=True)
+    return argv
 
 
 def free_socket_path(path: Path) -> None:

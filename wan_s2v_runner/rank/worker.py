@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import faulthandler
 import gc
 import json
@@ -40,9 +39,9 @@ from wan_s2v_runner.rank.cpu_binding import cpu_binding
 from wan_s2v_runner.rank.job_sources import JobEnd
 from wan_s2v_runner.rank.lease import JobLost, LeaseGate
 from wan_s2v_runner.rank.memory_peaks import StagePeaks
-from wan_s2v_runner.rank.step_control import JobCancelled
-from wan_s2v_runner.shared import atomic, resume
-from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventKind, EventWriter
+from wan_s2v_runner.rank.step_control import JobCancelled, WriteFailed
+from wan_s2v_runner.shared import atomic, disk, resume
+from wan_s2v_runner.shared.events import RANK_LOG_FORMAT, EventKind, EventWriter, position
 from wan_s2v_runner.shared.job_source import JobSource, read_source
 from wan_s2v_runner.shared.jobs import Job
 from wan_s2v_runner.shared.procfs import pin_mmap_threshold, trim_heap
@@ -104,7 +103,7 @@ class RankEvents(EventWriter):
         """Record the rank's failure once, as early as possible (before comms are torn down)."""
         if not self.error_reported:
             self.error_reported = True
-            self.emit(EventKind.ERROR, error_type=type(e).__name__, message=str(e)[:2000])
+            self.emit(EventKind.ERROR, error_type=type(e).__name__, message=str(e)[:2000], disk=disk.describe(e))
 
 
 def _setup_logging(rank: int) -> None:
@@ -193,7 +192,7 @@ def release_memory(spec: GroupSpec, parts) -> None:
     from the footprint the first one did and peaks do not creep up."""
     from patches import context_cache
 
-    if not parts.dit_loading:  # a job that ended before its first step left nothing in the DiT's cache
+    if parts.holds_dit and not parts.dit_loading:  # a job that ended before its first step left nothing there
         context_cache.clear(parts.noise_model)
     gc.collect()
     if spec.device == "cuda":
@@ -261,14 +260,15 @@ class RankGroup:
         if not self.jobs.served or job_errors.the_groups(e):
             return False
         p = self.events.progress
-        point = (str(self.events.current_stage.value), p.get("clip"), p.get("step"))
+        point = (str(self.events.current_stage.value), position(p)[1], p.get("step"))
         logging.getLogger("wan_s2v").error("job error in stage %s: %s: %s", point[0], type(e).__name__, e,
                                            exc_info=e)
         return job_errors.in_step(point, self.jobs.control)
 
-    def _stop_requested(self, job: Job, gate: LeaseGate):
+    def _stop_requested(self, job: Job, gate: LeaseGate, writer):
         """The job's source's word, which the loop asks at each step or block and carries in its step
-        message (a served job's: rank 0 reads the inbox; None elsewhere and for listed jobs)."""
+        message (a served job's: rank 0 reads the inbox, and fails the job where its video writer
+        failed; None elsewhere and for listed jobs, whose writer's error ends the run)."""
         from wan_s2v_runner.rank.step_control import Signal
 
         if not self.jobs.served:
@@ -276,6 +276,8 @@ class RankGroup:
         signals = {JobEnd.CANCELLED: Signal.CANCELLED, JobEnd.LOST: Signal.LOST}
 
         def stop():
+            if writer is not None and writer.error is not None:  # a full disk, say: every rank ends the job
+                return Signal.FAILED
             return signals.get(self.jobs.stop_requested(job, gate))
         return stop
 
@@ -326,16 +328,54 @@ class RankGroup:
                              source=str(spec.resume_from))
         writer = VideoWriter(spec.output, spec.speech, self.cfg.sample_fps, job.work_dir, identity, self.events,
                              gate=gate, thumbnail=spec.preview or self.jobs.served, frames_out=spec.frames_out,
-                             continued=continued)
+                             continued=continued, served=self.jobs.served)
         return OpenVideo(writer, state, identity)
 
-    def fail_job(self, job: Job, index: int, cause: str) -> None:
+    def take_job(self, job: Job, index: int) -> None:
+        """One job of the group, to its end: made, or ended by its source (cancelled, lost) or by its
+        own error (failed: the group takes the next one); an error that is the group's ends the rank."""
+        from patches.fp16_compute import NonFiniteActivation
+
+        events, jobs = self.events, self.jobs
+        events.job, events.job_prompt = index + 1, job.spec.prompt
+        if jobs.count != 1 or job.record is not None:
+            events.emit(EventKind.JOB, id=job.id, job=index + 1, jobs=jobs.count)
+        started, clock = time.time(), StageClock()
+        try:
+            verdict = self.start_job(job, clock)
+            if verdict is not None and verdict[0] is JobEnd.LOST:
+                raise JobLost(job.id)
+            if verdict is not None:
+                raise JobFailed(verdict[1])
+            self.run_job(job, index, jobs.count, clock, started)
+        except JobCancelled:  # every rank stopped it at the same step or block; the group takes the next
+            events.emit(EventKind.JOB_CANCELLED, id=job.id, job=index + 1)
+        except JobLost:  # its server lost it to another holder: nothing more of it is written here
+            events.emit(EventKind.JOB_LOST, id=job.id, job=index + 1)
+        except JobFailed as e:  # the job's own error where no peer waits: the group takes the next
+            self.fail_job(job, index, str(e), e)
+        except NonFiniteActivation as e:  # the step message's fault: every rank raised it at the same place
+            if not jobs.served:
+                raise
+            self.fail_job(job, index, str(e), e)
+        except Exception as e:
+            if not self.job_error_is_the_jobs(e):  # the group's: the rank ends, the server restarts it
+                raise
+            self.fail_job(job, index, f"{type(e).__name__} in stage {events.current_stage.value}: {e}", e)
+        finally:
+            jobs.ended(job)
+        release_memory(self.spec, self.parts)
+
+    def fail_job(self, job: Job, index: int, cause: str, error: Optional[BaseException] = None) -> None:
         """The job failed with ``cause``: rank 0 records it (``status: failed``) and every rank says
         ``job_failed``; the group goes on."""
         if self.rank == 0 and job.record is not None and self.jobs.gate(job).current():
             record = {"id": job.id, "status": "failed", "error": cause, "finished": time.time()}
-            atomic.write_text(job.record, json.dumps(record, indent=1), durable=True)
-        self.events.emit(EventKind.JOB_FAILED, id=job.id, job=index + 1, error=cause)
+            try:
+                atomic.write_text(job.record, json.dumps(record, indent=1), durable=True)
+            except OSError as e:  # a full disk: the event still says it (the server records it)
+                log.error("the failed job's record %s could not be written: %s", job.record, e)
+        self.events.emit(EventKind.JOB_FAILED, id=job.id, job=index + 1, error=cause, disk=disk.describe(error))
 
     def run_job(self, job: Job, index: int, total: Optional[int], clock: "StageClock", started: float) -> None:
         """Make one job (``total``: the group's number of jobs, None while serving)."""
@@ -353,7 +393,8 @@ class RankGroup:
         @contextlib.contextmanager
         def compiling():  # --compile: a size's first block call is its own stage, then back to the step
             before = dict(last)
-            stage(Stage.COMPILE, **{k: v for k, v in before.get("data", {}).items() if k in ("clip", "clips")})
+            stage(Stage.COMPILE, **{k: v for k, v in before.get("data", {}).items()
+                                    if k in ("unit", "clip", "clips", "block", "blocks")})
             try:
                 yield
             finally:
@@ -363,16 +404,19 @@ class RankGroup:
         if self.compiler is not None:
             self.compiler.around = compiling
 
-        hooks = Hooks(stage=stage, step=events.step, stop_requested=self._stop_requested(job, gate),
-                      cache_done=lambda record: events.emit(EventKind.STEP_CACHE, **record),
-                      live=lambda figures: events.emit(EventKind.LIVE, **figures))
         resume_state, identity, writer = None, None, None
         if plan.decodes:  # the video grows clip by clip (opened by start_job); a clip's checkpoint is its place in it
             opened, self.video = self.video, None
             writer, resume_state, identity = opened.writer, opened.state, opened.identity
-            hooks.sink = writer
+        hooks = Hooks(stage=stage, step=events.step, stop_requested=self._stop_requested(job, gate, writer),
+                      sink=writer, cache_done=lambda record: events.emit(EventKind.STEP_CACHE, **record),
+                      live=lambda figures: events.emit(EventKind.LIVE, **figures))
         try:
             self._make(job, index, spec, hooks, writer, resume_state, identity, started, clock, stage, gate)
+        except WriteFailed:  # every rank ended the job at one step: the decoding rank says why
+            raise JobFailed(f"writing the video failed: {writer.error}" if writer is not None and writer.error
+                            else "the decoding rank could not write the job's video") from (
+                writer.error if writer is not None else None)
         except BaseException:
             if writer is not None:
                 writer.abandon()  # a cancelled or failed job keeps its video so far (every finished clip)
@@ -429,28 +473,24 @@ class RankGroup:
                 atomic.write_text(job.record, json.dumps(record, indent=1), durable=True, commit_if=gate.wait)
             except NotCommitted:
                 raise JobLost(job.id) from None
+            except OSError as e:  # the video is made: the record's write is the job's error
+                raise JobFailed(f"writing the job's record failed: {e}{disk_fix(e)}") from e
         events.emit(EventKind.JOB_DONE, id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
 
 
 def disk_fix(e: BaseException) -> str:
-    """The fix for a full disk (any exception whose cause chain holds ENOSPC), else ""."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return (". Fix: free space on the disk of the output (a server: delete videos, or set --keep-videos / "
-                    "--keep-hours), then `wan-s2v resume` the run: every finished clip is kept")
-        e = e.__cause__ or e.__context__
-    return ""
+    """The fix for a full disk (an ENOSPC or EDQUOT in ``e``'s cause chain), else ""; nothing where
+    ``e``'s own text already says it (``shared.disk.DiskError``)."""
+    if disk.full_error(e) is None or isinstance(e, disk.DiskError) or "Fix:" in str(e):
+        return ""
+    return (". Fix: free space on the disk of the output (a server: delete videos, or set --keep-videos / "
+            "--keep-hours), then `wan-s2v resume` the run: every finished clip is kept")
 
 
 def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
+    """One rank's life: its process group, the engine patched and loaded once, then the group's jobs."""
     import torch.distributed as dist
 
-    import runners
-    from patches import apply_for_run
-    from wan_s2v_runner.loading import lora
-    from wan_s2v_runner.rank.parallel import rank_plan
-
-    rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if spec.device == "cpu":
         torch.set_num_threads(spec.threads)
@@ -462,60 +502,10 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
     dist.init_process_group(backend=backend, init_method="env://",
                             timeout=timedelta(seconds=spec.pg_timeout_s))
     try:
-        events.stage(Stage.ENGINE_IMPORT, preloaded=engine.imported())  # by the agent, before the fork
-        wan = engine.import_wan(spec.wan_repo)
-        cfg = engine_config(wan, spec, group_capabilities(spec))
-        applied = apply_for_run(wan, spec, cfg.param_dtype, on_event=events.stage, on_event_data=events.emit,
-                                merge_loras=lora.merger(spec.lora, spec.lora_allow_partial) if spec.lora else None)
-        compiler = None
-        if spec.compile:
-            from patches import compile_blocks
-            compiler = compile_blocks.apply(wan, cfg.param_dtype,
-                                            on_compile=lambda info: events.emit(EventKind.COMPILE, **info))
-            applied["compile_blocks"] = f"each DiT block compiled (inductor cache {compile_blocks.cache_dir()})"
-        events.emit(EventKind.PATCHES, applied=applied)
-
-        events.stage(Stage.LOAD)
-        device = torch.device("cpu") if spec.device == "cpu" else torch.device("cuda", local_rank)
-        plan = rank_plan(spec.layout, device.type)
-        parts, more = runners.get(spec.mode).prepare(wan, cfg, spec, plan, device, local_rank,
-                                                           on_event=events.stage)
-        events.emit(EventKind.PLAN, **plan.describe(), patches=more, compute_dtype=cfg.compute_dtype.value,
-                    compute_dtype_why=cfg.compute_dtype_reason)
-        # its thread while the first job encodes (components.DitLoad): its report once it is loaded
-        parts.when_ready(lambda: events.emit(EventKind.LOADED, **parts.load_report.as_dict()))
-
-        if dist.get_world_size() > 1:  # every rank starts generating together, so each stage's time
-            dist.barrier()  # is its own work, not a wait for a slower rank's loading
-        group = RankGroup(spec, run_dir, events, rank, cfg, plan, parts, read_source(run_dir))
-        group.compiler = compiler
-        jobs = group.jobs
-        for index, job in enumerate(jobs):
-            events.job, events.job_prompt = index + 1, job.spec.prompt
-            if jobs.count != 1 or job.record is not None:
-                events.emit(EventKind.JOB, id=job.id, job=index + 1, jobs=jobs.count)
-            started, clock = time.time(), StageClock()
-            try:
-                verdict = group.start_job(job, clock)
-                if verdict is not None and verdict[0] is JobEnd.LOST:
-                    raise JobLost(job.id)
-                if verdict is not None:
-                    raise JobFailed(verdict[1])
-                group.run_job(job, index, jobs.count, clock, started)
-            except JobCancelled:  # every rank stopped it at the same step; the group takes the next
-                events.emit(EventKind.JOB_CANCELLED, id=job.id, job=index + 1)
-            except JobLost:  # its server lost it to another holder: nothing more of it is written here
-                events.emit(EventKind.JOB_LOST, id=job.id, job=index + 1)
-            except JobFailed as e:  # the job's own error where no peer waits: the group takes the next
-                group.fail_job(job, index, str(e))
-            except Exception as e:
-                if not group.job_error_is_the_jobs(e):  # the group's: the rank ends, the server restarts it
-                    raise
-                group.fail_job(job, index, f"{type(e).__name__} in stage {events.current_stage.value}: {e}")
-            finally:
-                jobs.ended(job)
-            release_memory(spec, parts)
-        parts.abandon()  # a group that never used its DiT still waits for its read (matched collectives)
+        group = start_group(spec, run_dir, events, local_rank)
+        for index, job in enumerate(group.jobs):
+            group.take_job(job, index)
+        group.parts.abandon()  # a group that never used its DiT still waits for its read (matched collectives)
         events.stage(Stage.DONE)
     except BaseException as e:
         # Record the failure before anything closes this rank's connections: peers then fail
@@ -526,6 +516,47 @@ def run_rank(spec: GroupSpec, run_dir: Path, events: RankEvents) -> int:
         raise
     dist.destroy_process_group()
     return 0
+
+
+def start_group(spec: GroupSpec, run_dir: Path, events: RankEvents, local_rank: int) -> "RankGroup":
+    """The engine imported, patched (``--compile`` too) and loaded as this rank's plan says; the
+    rank group that makes the jobs, once every rank is ready."""
+    import torch.distributed as dist
+
+    import runners
+    from patches import apply_for_run
+    from wan_s2v_runner.loading import lora
+    from wan_s2v_runner.rank.parallel import rank_plan
+
+    events.stage(Stage.ENGINE_IMPORT, preloaded=engine.imported())  # by the agent, before the fork
+    wan = engine.import_wan(spec.wan_repo)
+    cfg = engine_config(wan, spec, group_capabilities(spec))
+    applied = apply_for_run(wan, spec, cfg.param_dtype, on_event=events.stage, on_event_data=events.emit,
+                            merge_loras=lora.merger(spec.lora, spec.lora_allow_partial) if spec.lora else None)
+    compiler = None
+    if spec.compile:
+        from patches import compile_blocks
+        from wan_s2v_runner.shared import inductor
+        compiler = compile_blocks.apply(wan, cfg.param_dtype,
+                                        on_compile=lambda info: events.emit(EventKind.COMPILE, **info),
+                                        cache=inductor.cache_dir(setting=spec.cache_dir))
+        applied["compile_blocks"] = f"each DiT block compiled (inductor cache {compile_blocks.cache_dir()})"
+    events.emit(EventKind.PATCHES, applied=applied)
+
+    events.stage(Stage.LOAD)
+    device = torch.device("cpu") if spec.device == "cpu" else torch.device("cuda", local_rank)
+    plan = rank_plan(spec.layout, device.type)
+    parts, more = runners.get(spec.mode).prepare(wan, cfg, spec, plan, device, local_rank, on_event=events.stage)
+    events.emit(EventKind.PLAN, **plan.describe(), patches=more, compute_dtype=cfg.compute_dtype.value,
+                compute_dtype_why=cfg.compute_dtype_reason)
+    # its thread while the first job encodes (components.DitLoad): its report once it is loaded
+    parts.when_ready(lambda: events.emit(EventKind.LOADED, **parts.load_report.as_dict()))
+
+    if dist.get_world_size() > 1:  # every rank starts generating together, so each stage's time
+        dist.barrier()  # is its own work, not a wait for a slower rank's loading
+    group = RankGroup(spec, run_dir, events, int(os.environ.get("RANK", 0)), cfg, plan, parts, read_source(run_dir))
+    group.compiler = compiler
+    return group
 
 
 def _bind_cpus(spec: GroupSpec) -> list[int] | None:

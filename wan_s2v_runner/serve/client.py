@@ -39,6 +39,7 @@ from wan_s2v_runner.launcher.flags import flag_values
 from wan_s2v_runner.serve.bearer import TokenError, token_of
 from wan_s2v_runner.serve.store.protocol import JobStatus
 from wan_s2v_runner.shared import atomic, exit_codes
+from wan_s2v_runner.shared.events import ProgressUnit, position
 from wan_s2v_runner.shared.jobs import INPUT_FIELDS
 
 URL_ENV = "WAN_S2V_URL"
@@ -158,7 +159,7 @@ class Follower:
         if self._live is not None:
             self._live.update(self._view(v))
             return
-        key = (v["status"], v.get("stage"), v.get("clip"))
+        key = (v["status"], v.get("stage"), position(v)[1])
         now = time.time()
         if key != self._last_key or (v.get("step") and now - self._last_print >= PROGRESS_EVERY_S):
             self._last_key, self._last_print = key, now
@@ -169,9 +170,10 @@ class Follower:
         from rich.table import Table
 
         t = Table(title=f"wan-s2v job {v['id']}", title_justify="left", show_edge=False)
-        for col in ("status", "stage", "clip", "step", "progress", "ETA", "elapsed"):
+        unit, index, count = position(v)
+        for col in ("status", "stage", unit.value, "step", "progress", "ETA", "elapsed"):
             t.add_column(col)
-        t.add_row(v["status"], v.get("stage") or "-", f"{v.get('clip') or '-'}/{v.get('clips') or '-'}",
+        t.add_row(v["status"], v.get("stage") or "-", f"{index or '-'}/{count or '-'}",
                   f"{v.get('step') or 0}/{v.get('steps') or '-'}", ProgressBar(total=100, completed=v["progress"],
                                                                               width=30),
                   fmt_seconds(v.get("eta_s")), fmt_seconds(time.time() - self._t0))
@@ -183,10 +185,15 @@ def status_line(v: dict[str, Any]) -> str:
     if v["status"] == JobStatus.QUEUED:
         return f"queued (position {v.get('queue_position') or '?'})"
     if v["status"] == JobStatus.IN_PROGRESS:
-        where = (f", clip {v.get('clip')}/{v.get('clips') or '?'}, step {v.get('step')}/{v.get('steps') or '?'}"
-                 if v.get("step") is not None else "")
-        done = (f", clips {v['clips_done']}/{v['clips_total']} done" if v.get("clips_total") is not None
-                and v.get("clips_done") is not None else "")
+        unit, index, count = position(v)
+        if unit is ProgressUnit.BLOCK:  # a live job: its blocks, no steps
+            where = f", block {index}/{count or '?'}" if index is not None else ""
+            made, total = v.get("blocks_done"), v.get("blocks_total")
+        else:
+            where = (f", clip {index}/{count or '?'}, step {v.get('step')}/{v.get('steps') or '?'}"
+                     if v.get("step") is not None else "")
+            made, total = v.get("clips_done"), v.get("clips_total")
+        done = f", {unit.plural} {made}/{total} done" if total is not None and made is not None else ""
         eta = f", ETA {fmt_seconds(v['eta_s'])}" if v.get("eta_s") is not None else ""
         return f"{v.get('stage') or 'starting'}{where} ({v['progress']}%){done}{eta}"
     if v["status"] == JobStatus.COMPLETED:

@@ -32,6 +32,7 @@ from wan_s2v_runner.serve.dirs import ServerDirs
 from wan_s2v_runner.serve.store import rules
 from wan_s2v_runner.serve.store.protocol import Joined
 from wan_s2v_runner.shared import atomic, precision
+from wan_s2v_runner.shared.layout import MODES, Recipe
 from wan_s2v_runner.shared.quant import Fp8Matmul
 from wan_s2v_runner.shared.spec import GroupSpec
 
@@ -41,17 +42,21 @@ PARTS = {"weights": "weights", "checkpoint": "checkpoint files", "engine": "Wan2
 
 
 def frame_settings(group: GroupSpec) -> dict[str, Any]:
-    """The group settings that change the frames: the device and its dtype, the attention
-    kernel, the LoRAs (their files' contents and strengths), fp8 weights, compiled blocks (float
-    rounding); on a GPU the layout too (bf16
-    collectives and kernels are not proven to give one rank's bits in every layout; on the CPU
-    every layout does, exactly: docs/parallelism.md)."""
+    """The group settings that change the frames: the recipe (a live group's causal blocks are
+    another video than the clips of the same weights, on every device), the device and its dtype,
+    the attention kernel, the LoRAs (their files' contents and strengths), fp8 weights, compiled
+    blocks (float rounding); on a GPU the layout too (bf16 collectives and kernels are not proven
+    to give one rank's bits in every layout; on the CPU every layout of one recipe does, exactly:
+    docs/parallelism.md)."""
     from wan_s2v_runner.shared.media import sha256_file
 
     out: dict[str, Any] = {"device": group.device, "attention": getattr(group.attention, "value", group.attention),
                            "loras": [[sha256_file(ref.path), ref.strength] for ref in group.lora],
                            "lora_allow_partial": group.lora_allow_partial}
     # added only when not the default: a pool recorded before these settings existed keeps its identity
+    recipe = MODES[group.mode].recipe
+    if recipe is not Recipe.CLIPS:  # another recipe, not another layout: named whatever the device
+        out["recipe"] = recipe.value
     if group.dit_quant.value != "none":
         out["dit_quant"] = group.dit_quant.value
     if group.fp8_matmul is not Fp8Matmul.DEQUANT:

@@ -17,11 +17,25 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from wan_s2v_runner.shared import exit_codes, inbox
 from wan_s2v_runner.shared.spec import GroupSpec
+
+
+class News(str, Enum):
+    """What the launcher's thread queues for the keeper (:class:`GroupFeed`, read by
+    :meth:`LaunchedGroup.events`): each item is ``(News, value)``."""
+
+    STARTED = "started"  # the group's run directory
+    UPDATE = "update"  # (the ranks' new events, each rank's latest state)
+    FINISHED = "finished"  # the supervisor's outcome
+    ENDED = "ended"  # the launcher returned (None), or raised (why, a string)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -142,14 +156,14 @@ class LaunchedGroup(InboxDoor):
             except queue.Empty:
                 break
         for kind, value in items:
-            if kind == "started":
+            if kind is News.STARTED:
                 news.started = value
-            elif kind == "update":
+            elif kind is News.UPDATE:
                 news.events.extend(value[0])
                 news.ranks = value[1]
-            elif kind == "finished":
+            elif kind is News.FINISHED:
                 news.outcome = value
-            else:  # "ended": the launcher returned (or raised: value is why)
+            else:  # News.ENDED: the launcher returned (or raised: value is why)
                 news.ended, news.error = True, value
         return news
 
@@ -166,7 +180,7 @@ class LaunchedGroup(InboxDoor):
             if not isinstance(e, Exception):
                 raise
         finally:  # the keeper hears the end, however the launcher left
-            self._news.put(("ended", error))
+            self._news.put((News.ENDED, error))
 
 
 def compute_for_node0(spec: GroupSpec, extra_env: Optional[dict] = None) -> int:
@@ -192,13 +206,13 @@ class GroupFeed:
 
     def started(self, spec: GroupSpec, run_dir: Path) -> None:
         self.group._run_dir = Path(run_dir)
-        self.group._news.put(("started", Path(run_dir)))
+        self.group._news.put((News.STARTED, Path(run_dir)))
 
     def log_line(self, line: str) -> None:
         pass  # the console observer prints the group's log
 
     def update(self, reader, new_events: list[dict], elapsed: float) -> None:
-        self.group._news.put(("update", (list(new_events), ranks_snapshot(reader.ranks))))
+        self.group._news.put((News.UPDATE, (list(new_events), ranks_snapshot(reader.ranks))))
 
     def finished(self, spec: GroupSpec, run_dir: Path, outcome, manifest: dict) -> None:
-        self.group._news.put(("finished", outcome))
+        self.group._news.put((News.FINISHED, outcome))

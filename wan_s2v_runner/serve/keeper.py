@@ -37,7 +37,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from wan_s2v_runner.launcher.job_book import job_defaults, resume_point
 from wan_s2v_runner.serve.dirs import ServerDirs, publisher, remove_partial_videos
@@ -51,7 +51,7 @@ from wan_s2v_runner.serve.store import rules
 from wan_s2v_runner.serve.store.protocol import JobRow, JobStatus, JobStore, QueueUnavailable
 from wan_s2v_runner.shared import atomic, inbox
 from wan_s2v_runner.shared.atomic import NotCommitted
-from wan_s2v_runner.shared.events import EventReader
+from wan_s2v_runner.shared.events import EventKind, EventReader
 from wan_s2v_runner.shared.jobs import Job
 from wan_s2v_runner.shared.spec import GroupSpec, JobSpec, RunSpec
 from wan_s2v_runner.shared.stages import Stage
@@ -66,7 +66,9 @@ BEAT_S = 2.0
 #: how often an idle keeper asks a shared queue for the next job
 CLAIM_EVERY_S = 0.5
 #: the end events of a job, as rank 0 reports them
-ENDS = ("job_done", "job_cancelled", "job_failed", "job_lost")
+ENDS = frozenset({EventKind.JOB_DONE, EventKind.JOB_CANCELLED, EventKind.JOB_FAILED, EventKind.JOB_LOST})
+#: rank 0's events that move a running job's progress
+PROGRESS_KINDS = frozenset({EventKind.STAGE, EventKind.PROGRESS, EventKind.PREVIEW})
 #: the keeper's clock: how long it waits for news from its group before it beats and sweeps anyway
 TICK_S = 0.2
 #: how long a keeper that stops following its group (an error of its own) waits for the group to end
@@ -327,9 +329,10 @@ class Keeper(threading.Thread):
         if run_dir is None or holding is None:
             return
         for ev in EventReader(run_dir).poll():
-            if ev.get("rank") == 0 and ev.get("kind") in ENDS and ev.get("id") == holding.job_id:
-                log.info("job %s: its end (%s) came as its rank group stopped", holding.job_id, ev["kind"])
-                self._on_rank0(ev, ev["kind"])
+            kind = EventKind.coerce(ev.get("kind"))
+            if ev.get("rank") == 0 and kind in ENDS and ev.get("id") == holding.job_id:
+                log.info("job %s: its end (%s) came as its rank group stopped", holding.job_id, kind)
+                self._on_rank0(ev, kind)
                 return
 
     def _group_failed_under(self, holding: Holding, reason: str) -> None:
@@ -415,29 +418,29 @@ class Keeper(threading.Thread):
         for ev in new_events:
             if ev.get("rank") == 0:
                 try:
-                    self._on_rank0(ev, ev.get("kind"))
+                    self._on_rank0(ev, EventKind.coerce(ev.get("kind")))
                 except Exception as e:  # one event's trouble never costs the others (nor the next job)
                     log.exception("the keeper could not act on rank 0's %s event", ev.get("kind"))
                     self.last_error = f"keeper: {type(e).__name__}: {e}"
         if may_post and self.state is GroupState.IDLE and self.held.running is None and not self._closing.is_set():
             self._post_next()
 
-    def _on_rank0(self, ev: dict, kind: Optional[str]) -> None:
+    def _on_rank0(self, ev: dict, kind: Union[EventKind, str, None]) -> None:
         with self._lock:
             holding = self.held.running
             p = self.progress.get(holding.job_id) if holding else None
-            if kind == "stage":
+            if kind is EventKind.STAGE:
                 if ev.get("stage") == Stage.IDLE:
                     self.state = GroupState.IDLE
                 elif holding is not None:
                     self.state = GroupState.WORKING
-            if p is not None and kind in ("stage", "progress", "preview"):
+            if p is not None and kind in PROGRESS_KINDS:
                 p.on_event(ev)
             if kind not in ENDS or holding is None or ev.get("id") != holding.job_id:
                 return
             self.held.running = None
             done = self.progress.pop(holding.job_id, None)
-            if kind == "job_done" and done is not None:
+            if kind is EventKind.JOB_DONE and done is not None:
                 self.last_steps_per_s = done.steps_per_s(float(ev["t"])) or self.last_steps_per_s
         try:
             self._ended(holding, kind, ev, done)
@@ -448,11 +451,11 @@ class Keeper(threading.Thread):
                          fallback=False)
             raise
 
-    def _ended(self, holding: Holding, kind: str, ev: dict, done: Optional[Progress]) -> None:
+    def _ended(self, holding: Holding, kind: EventKind, ev: dict, done: Optional[Progress]) -> None:
         """Rank 0 ended the job ``kind``: record it (what this holder may record)."""
         if self.run_dir is not None:
             self.group.release(holding.job_id)
-        if holding.job_id in self.held.lost or kind == "job_lost":  # another holder has it: its end and files
+        if holding.job_id in self.held.lost or kind is EventKind.JOB_LOST:  # another holder has it: its end and files
             self.held.lost.discard(holding.job_id)
             self.held.released(holding)
             return
@@ -462,10 +465,10 @@ class Keeper(threading.Thread):
         if done is not None and done.steps_reused:
             kept["step_cache"] = {"steps_reused": done.steps_reused}
         kept = kept or None
-        if kind == "job_cancelled":  # what it made so far stays (the published ID.partial.mp4)
+        if kind is EventKind.JOB_CANCELLED:  # what it made so far stays (the published ID.partial.mp4)
             self._record(holding, "cancelled",
                          lambda: self._end(holding, JobStatus.CANCELLED, error="cancelled", record=kept))
-        elif kind == "job_failed":  # the job's own error: the ranks stay up and take the next job
+        elif kind is EventKind.JOB_FAILED:  # the job's own error: the ranks stay up and take the next job
             error = str(ev.get("error") or "the job failed")
             told = self._rank_record(holding)  # rank 0's record of the failure (read once, here)
             self._record(holding, "failed", lambda: self._end(holding, JobStatus.FAILED, error=error, record=kept,

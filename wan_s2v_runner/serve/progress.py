@@ -1,9 +1,10 @@
 """What a server's rank groups and their jobs are doing, as the API shows it: a group's state
 (:class:`GroupState`) and a running job's progress from rank 0's events (:class:`Progress`:
 stage, clip k/n, step i/m, clips done of the clips in all, ETA, seconds per stage, the clips in the
-video so far). The ETA is :mod:`wan_s2v_runner.shared.job_time`'s: the seconds a clip took so far,
-before the first clip ends the plan's seconds a clip (``plan_clip_s``), else the first clip's
-step pace; None while nothing is known."""
+video so far; a live job's in its blocks: block k/n, blocks done, no steps). The ETA is
+:mod:`wan_s2v_runner.shared.job_time`'s: the seconds a clip (block) took so far, before the first
+ends the plan's seconds a clip (``plan_clip_s``), else the first clip's step pace; None while
+nothing is known."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from enum import Enum
 from typing import Any, Optional
 
 from wan_s2v_runner.launcher.console import clock_on_event
-from wan_s2v_runner.shared.events import steps_done
+from wan_s2v_runner.shared.events import EventKind, ProgressUnit, position, steps_done
 from wan_s2v_runner.shared.job_time import ClipClock
 from wan_s2v_runner.shared.stages import Stage
 
@@ -32,9 +33,10 @@ class Progress:
 
     started: float
     stage: str = ""
-    clip: Optional[int] = None
-    clips: Optional[int] = None
-    step: Optional[int] = None
+    unit: ProgressUnit = ProgressUnit.CLIP  # what it counts: clips, or a live job's blocks
+    index: Optional[int] = None  # the clip (block) in progress, 1-based
+    count: Optional[int] = None  # the clips (blocks) in all
+    step: Optional[int] = None  # a clip job's step of its clip (None for a live job)
     steps: Optional[int] = None
     eta_s: Optional[float] = None
     marks: list[tuple[str, float]] = field(default_factory=list)
@@ -49,27 +51,42 @@ class Progress:
             self.clock = ClipClock(self.plan_clip_s)
 
     def on_event(self, ev: dict[str, Any]) -> None:
-        kind, t = ev.get("kind"), float(ev["t"])
+        kind, t = EventKind.coerce(ev.get("kind")), float(ev["t"])
         clock_on_event(self.clock, ev)
-        if kind == "stage":
+        if kind is EventKind.STAGE:
             self.stage = str(ev.get("stage"))
             self.marks.append((self.stage, t))
+            unit, index, count = position(ev)
+            if index is not None and self.stage != Stage.DENOISE:  # a live job's decode: the block in progress
+                self.unit, self.index, self.count = unit, index, count
             if self.stage == Stage.DENOISE:
                 self.denoise_t0 = self.denoise_t0 or t
-                self.clip, self.clips, self.step = ev.get("clip"), ev.get("clips"), 0
-                self.steps = ev.get("steps") or self.steps
-        elif kind == "preview":
+                self.unit, self.index, self.count = position(ev)
+                if self.unit is ProgressUnit.CLIP:
+                    self.step, self.steps = 0, ev.get("steps") or self.steps
+                else:
+                    self.step = self.steps = None
+        elif kind is EventKind.PREVIEW:
             self.preview_clips = ev.get("clips")
-        elif kind == "progress":
-            self.clip, self.clips = ev.get("clip"), ev.get("clips")
-            self.step, self.steps = ev.get("step"), ev.get("steps")
-            self.steps_reused = ev.get("reused_steps", self.steps_reused)
+        elif kind is EventKind.PROGRESS:
+            unit, index, count = position(ev)
+            if unit is ProgressUnit.BLOCK:  # a block made: the block in progress is the stage's, or the next
+                self.unit, self.count = unit, count
+                self.index = max(self.index or 0, min(index + 1, count or index + 1)) if index else self.index
+            else:
+                self.unit, self.index, self.count = unit, index, count
+            if self.unit is ProgressUnit.CLIP:
+                self.step, self.steps = ev.get("step"), ev.get("steps")
+                self.steps_reused = ev.get("reused_steps", self.steps_reused)
+            else:
+                self.step = self.steps = None
         self.eta_s = self.clock.eta(t)
 
     def steps_per_s(self, now: float) -> Optional[float]:
+        """A clip job's denoising steps a second so far (None for a live job, and while unknown)."""
         if self.denoise_t0 is None or not self.step or not self.steps:
             return None
-        done = steps_done({"clip": self.clip, "step": self.step, "steps": self.steps})
+        done = steps_done({"clip": self.index, "step": self.step, "steps": self.steps})
         return round(done / max(now - self.denoise_t0, 1e-6), 4)
 
     def stage_seconds(self, now: float) -> dict[str, float]:
@@ -79,9 +96,18 @@ class Progress:
         return out
 
     def as_dict(self, now: float) -> dict[str, Any]:
-        return {"stage": self.stage or None, "clip": self.clip, "clips": self.clips, "step": self.step,
-                "steps": self.steps, "eta_s": round(self.eta_s, 1) if self.eta_s is not None else None,
-                "clips_done": self.clock.clips_done if self.clock.clips_total else None,
-                "clips_total": self.clock.clips_total,
+        """The video object's progress fields (:class:`~.protocol.VideoObject`): the position in
+        the job's unit (``unit``; a clip job's ``clip``/``clips``/``clips_done``/``clips_total``
+        and steps, a live job's ``block``/``blocks``/``blocks_done``/``blocks_total``, the other
+        unit's None)."""
+        live = self.unit is ProgressUnit.BLOCK
+        done = self.clock.clips_done if self.clock.clips_total else None
+        return {"stage": self.stage or None, "unit": self.unit.value if self.index is not None else None,
+                "clip": None if live else self.index, "clips": None if live else self.count,
+                "block": self.index if live else None, "blocks": self.count if live else None,
+                "step": self.step, "steps": self.steps,
+                "eta_s": round(self.eta_s, 1) if self.eta_s is not None else None,
+                "clips_done": None if live else done, "clips_total": None if live else self.clock.clips_total,
+                "blocks_done": done if live else None, "blocks_total": self.clock.clips_total if live else None,
                 "stage_seconds": self.stage_seconds(now), "preview_clips": self.preview_clips,
                 "steps_reused": self.steps_reused}

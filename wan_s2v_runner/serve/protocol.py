@@ -3,9 +3,9 @@
 The shapes follow OpenAI's video API as vLLM-Omni and FastVideo serve it: a video object
 (``object: "video"``, ``status``, ``progress``, ``created_at``, ``completed_at``, ``error``), a
 list (``object: "list"``, ``data``) and an error body (``{"error": {"message", "type", "param",
-"code"}}``), plus what ours adds (the stage, clip and step, the ETA, seconds per stage, the
-place in the queue, clips done of the clips in all) and the server's own state (``/health``,
-``/v1/server``). Requests are :mod:`.submissions`' (a job's fields:
+"code"}}``), plus what ours adds (the stage, clip and step (a live job: its block), the ETA, seconds
+per stage, the place in the queue, clips (blocks) done of the clips (blocks) in all) and the
+server's own state (``/health``, ``/v1/server``). Requests are :mod:`.submissions`' (a job's fields:
 :data:`~.submissions.VideoJobFields`).
 """
 from __future__ import annotations
@@ -42,7 +42,8 @@ class VideoObject(BaseModel):
     object: Literal["video"] = "video"
     model: str
     status: JobStatus
-    progress: int = Field(ge=0, le=100, description="percent of the denoising steps done")
+    progress: int = Field(ge=0, le=100, description="percent of the job done: its denoising steps (a live job: its "
+                                                    "blocks)")
     created_at: int
     started_at: Optional[int] = None
     completed_at: Optional[int] = None
@@ -51,16 +52,26 @@ class VideoObject(BaseModel):
     max_area: Optional[int] = None
     queue_position: Optional[int] = Field(None, description="1-based place in the queue while queued")
     stage: Optional[str] = None
-    clip: Optional[int] = None
-    clips: Optional[int] = None
-    step: Optional[int] = None
-    steps: Optional[int] = None
+    unit: Optional[Literal["clip", "block"]] = Field(
+        None, description="what the job's progress counts, while it runs: clip (a clip job: the clip and step fields) "
+                          "or block (a live job, --mode live: the block fields; no steps); None before its first "
+                          "clip or block begins")
+    clip: Optional[int] = Field(None, description="the clip in progress, 1-based (a clip job; None for a live job)")
+    clips: Optional[int] = Field(None, description="the clips in all (a clip job; None for a live job)")
+    block: Optional[int] = Field(None, description="the block in progress, 1-based (a live job; None for a clip job)")
+    blocks: Optional[int] = Field(None, description="the blocks in all (a live job; None for a clip job)")
+    step: Optional[int] = Field(None, description="the denoising step of the clip in progress (a clip job)")
+    steps: Optional[int] = Field(None, description="the denoising steps a clip has (a clip job)")
     clips_done: Optional[int] = Field(None, ge=0, description="clips of the video complete so far, while it runs "
-                                                              "(None until the first clip begins)")
-    clips_total: Optional[int] = Field(None, ge=1, description="clips the video has in all, while it runs")
-    eta_s: Optional[float] = Field(None, description="seconds left, while it runs: the clips left at the seconds a "
-                                                     "clip took so far (before the first clip ends, the plan's "
-                                                     "estimate, else the first clip's step pace); None when unknown")
+                                                              "(None until the first clip begins; a live job: None)")
+    clips_total: Optional[int] = Field(None, ge=1, description="clips the video has in all, while it runs (a live "
+                                                               "job: None)")
+    blocks_done: Optional[int] = Field(None, ge=0, description="a live job's blocks made so far, while it runs")
+    blocks_total: Optional[int] = Field(None, ge=1, description="a live job's blocks in all, while it runs")
+    eta_s: Optional[float] = Field(None, description="seconds left, while it runs: the clips (a live job: blocks) "
+                                                     "left at the seconds one took so far (before the first ends, "
+                                                     "the plan's estimate, else the first one's step pace); None "
+                                                     "when unknown")
     stage_seconds: Optional[dict[str, float]] = None
     wall_s: Optional[float] = None
     resumed_at_clip: Optional[int] = None

@@ -5,8 +5,9 @@ the keeper or :mod:`.submissions`, and returns a typed model (:mod:`.protocol`).
   refused with 4xx and an :class:`~.protocol.ErrorResponse` (:mod:`.submissions` says why);
 - ``GET /v1/videos``: every job (a :class:`~.protocol.VideoList`);
 - ``GET /v1/videos/{id}``: the video object: ``status``, ``progress`` (percent), and ours:
-  ``stage``, ``clip``/``clips``, ``step``/``steps``, ``clips_done``/``clips_total``, ``eta_s``,
-  ``stage_seconds``, ``queue_position``, ``error``;
+  ``stage``, ``unit`` and the position in it (a clip job's ``clip``/``clips``, ``step``/``steps``,
+  ``clips_done``/``clips_total``; a live job's ``block``/``blocks``, ``blocks_done``/``blocks_total``),
+  ``eta_s``, ``stage_seconds``, ``queue_position``, ``error``;
 - ``GET /v1/videos/{id}/content``: the mp4, once completed (only files in the server's
   ``videos/`` folder are ever served);
 - ``DELETE /v1/videos/{id}``: cancel (a queued job is dropped, a running one stops at the next

@@ -32,7 +32,7 @@ from wan_s2v_runner.serve.settings import ServerSettings
 from wan_s2v_runner.serve.store.protocol import JobRow, JobStatus, JobStore
 from wan_s2v_runner.serve.submissions import Policy, VideoJobFields, input_names, scrub
 from wan_s2v_runner.serve.watch import Watch
-from wan_s2v_runner.shared.events import steps_done
+from wan_s2v_runner.shared.events import share_done
 from wan_s2v_runner.shared.media import FIRST_CLIP_DROPS, FPS
 from wan_s2v_runner.shared.spec import JobSpec, flag_name
 
@@ -92,11 +92,11 @@ class Server:
 
 
 def percent(row: JobRow, live: Optional[dict]) -> int:
+    """The share of the job done: a clip job's denoising steps, a live job's blocks (its unit)."""
     if row.status is JobStatus.COMPLETED:
         return 100
-    if not live or not live.get("steps") or not live.get("clips"):
-        return 0
-    return min(99, int(100 * steps_done(live) / (live["clips"] * live["steps"])))
+    share = share_done(live) if live else None
+    return 0 if share is None else min(99, int(100 * share))
 
 
 #: a video object's place in the queue, not given: the queue is asked

@@ -7,8 +7,10 @@ mesh with its ``MeshAxis`` names (:mod:`.layout`), stages (:mod:`.stages`), the 
 reads (:mod:`.events`), exit codes (:mod:`.exit_codes`), the checkpoint's file names
 (:mod:`.ckpt_layout`), where the engine is and which one (:mod:`.engine_source`), the attention
 backends a machine has (:mod:`.attention_backends`), mp4 and audio (:mod:`.media`), clip
-checkpoints (:mod:`.resume`), the cluster environment (:mod:`.slurm`), and writes by temporary
-name then rename (:mod:`.atomic`).
+checkpoints (:mod:`.resume`), the cluster environment (:mod:`.slurm`), writes by temporary
+name then rename (:mod:`.atomic`), and the caches on disk: where each lives (:mod:`.cache_dirs`), the
+DiT cache's budget (:mod:`.cache_budget`) and files (:mod:`.dit_files`), all of them listed and
+cleared (:mod:`.caches`).
 
 May import: nothing else from the project.
 """

@@ -9,12 +9,19 @@ launcher can find and remove what a killed rank left behind (:func:`leftover_pat
 also on disk before anyone is told: the temporary is fsynced before the rename, and the
 directory after it (:func:`fsync_file`, :func:`fsync_dir`), so a power cut leaves the old state or
 the whole new file, never a name pointing at nothing.
+
+A write that fails on a full disk (or a spent quota) raises
+:class:`~wan_s2v_runner.shared.disk.DiskError` (an ``OSError`` with the same errno), naming the
+file and, for :func:`write_text`, the bytes it needed: the caller says it in one line
+(:mod:`wan_s2v_runner.shared.disk`).
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Callable, Optional
+
+from wan_s2v_runner.shared.disk import DiskError, is_disk_full
 
 #: asked just before a temporary is renamed onto its destination: False (or a raise) leaves the
 #: destination as it was (a served job's lease, :mod:`wan_s2v_runner.rank.lease`)
@@ -84,19 +91,25 @@ def replace(tmp: Path, dest: Path, durable: bool = False, commit_if: CommitIf = 
 
 
 def atomic_write(dest: Path, write: Callable[[Path], object], durable: bool = False,
-                 commit_if: CommitIf = None) -> Path:
+                 commit_if: CommitIf = None, need: Optional[int] = None) -> Path:
     """``write(tmp)`` then rename onto ``dest`` (when ``commit_if`` says so); on any error the
-    temporary is removed."""
+    temporary is removed. A full disk raises :class:`DiskError` (``need``: the bytes the write
+    needed, when the caller knows them)."""
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(dest)
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
         replace(tmp, dest, durable, commit_if)
+    except OSError as e:
+        if isinstance(e, DiskError) or not is_disk_full(e):
+            raise
+        raise DiskError.of(e, f"writing {dest}", path=dest, need=need, then=None) from e
     finally:
         tmp.unlink(missing_ok=True)
     return dest
 
 
 def write_text(dest: Path, text: str, durable: bool = False, commit_if: CommitIf = None) -> Path:
-    return atomic_write(dest, lambda p: p.write_text(text, encoding="utf-8"), durable, commit_if)
+    data = text.encode("utf-8")
+    return atomic_write(dest, lambda p: p.write_bytes(data), durable, commit_if, need=len(data))

@@ -6,8 +6,16 @@ Every record is one line ``{"t": unix time, "rank": global rank, "kind": ..., "s
 - ``hello``: first record; ``pid``, ``host``, ``local_rank``, ``cpus`` (the CPUs a CPU rank is
   bound to, or null).
 - ``stage``: the rank entered a stage (:class:`~wan_s2v_runner.shared.stages.Stage`, written as its
-  plain name); ``denoise`` carries ``clip``/``clips``.
-- ``progress``: a denoising step finished; ``clip``, ``clips``, ``step``, ``steps``.
+  plain name); a per-clip stage (``denoise``, ``decode``, ...) carries the job's position in its
+  unit (below).
+- ``progress``: a clip job's denoising step finished, a live job's block was made.
+
+A job's position is in its own unit (:class:`ProgressUnit`, the record's ``unit``): a clip job's
+records carry ``unit: "clip"``, ``clip``, ``clips`` (1-based clip, count), and ``step``, ``steps``
+(and with ``--cache`` ``reused``, ``reused_steps``); a live job's (``--mode live``) ``unit:
+"block"``, ``block``, ``blocks`` (1-based block, count), and in ``progress`` also ``fps`` and
+``first_frame_s`` once known. Every reader takes either through :func:`position`; a record without
+``unit`` (an older event file) is a clip job's.
 - ``heartbeat``: every few seconds from a daemon thread, with memory figures (``rss_mb``,
   ``host_peak_rss_mb``, ``gpu_peak_allocated_mb``), so a stuck rank shows as "alive, not
   progressing" and a killed rank still leaves its last memory reading.
@@ -29,14 +37,17 @@ string (an event file from another version never stops the launcher).
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
+from wan_s2v_runner.shared.disk import is_disk_full
 from wan_s2v_runner.shared.stages import Stage
 
 
@@ -73,6 +84,15 @@ class EventKind(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    @classmethod
+    def coerce(cls, name: object) -> Union["EventKind", str, None]:
+        """The member named ``name``, else ``name`` as it is (a kind this version does not know,
+        from an event file of another version: kept, never an error; None stays None)."""
+        try:
+            return cls(name)
+        except ValueError:
+            return None if name is None else str(name)
+
 
 class ProgressUnit(str, Enum):
     """What a job's progress counts: a clip job's clips (``clip``/``clips``, each of ``steps``
@@ -87,6 +107,28 @@ class ProgressUnit(str, Enum):
     @property
     def plural(self) -> str:
         return self.value + "s"
+
+
+def position(record: Mapping[str, Any]) -> tuple[ProgressUnit, Optional[int], Optional[int]]:
+    """Where a job is, in its own unit: ``(unit, index, count)`` (1-based index; None where the
+    record does not say) from a ``stage`` or ``progress`` record, a rank's
+    :attr:`RankState.progress`, or a video object's fields. A clip job's ``clip``/``clips``, a live
+    job's (``unit: "block"``) ``block``/``blocks``; a record without ``unit`` is a clip job's. The
+    one place that knows the fields: every reader (the console, the keeper, the server's progress,
+    the status page's API) asks it."""
+    if record.get("unit") == ProgressUnit.BLOCK:
+        # ``clip``/``clips`` beside ``unit: "block"``: a live job's records before the block fields
+        index = record.get("block") if record.get("block") is not None else record.get("clip")
+        count = record.get("blocks") if record.get("blocks") is not None else record.get("clips")
+        return ProgressUnit.BLOCK, index, count
+    return ProgressUnit.CLIP, record.get("clip"), record.get("clips")
+
+
+def position_fields(unit: ProgressUnit, index: Optional[int], count: Optional[int]) -> dict[str, Any]:
+    """A position as a record's fields (:func:`position`'s inverse): ``unit`` and the unit's two."""
+    unit = ProgressUnit(unit)
+    return {"unit": unit.value, unit.value: index, unit.plural: count}
+
 
 #: error text of a rank whose *peer* went away (gloo/NCCL): the peer is the one to look at
 SECONDARY = ("connection closed by peer", "connection reset by peer", "broken pipe",
@@ -115,8 +157,16 @@ def events_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "events"
 
 
+log = logging.getLogger("wan_s2v.events")
+
+
 class EventWriter:
-    """Appends one rank's records; each record is a single ``write`` of one line (flushed)."""
+    """Appends one rank's records; each record is a single ``write`` of one line.
+
+    A record that cannot be written (a full disk above all: ENOSPC, a quota) is dropped, never
+    raised: the heartbeat thread and the rank's own work go on, and the rank's log says once that
+    its records are being dropped (and once more when a write succeeds again, with how many were
+    lost). A line a full disk cut short is ended before the next record, so readers skip it whole."""
 
     def __init__(self, run_dir: Path, rank: int, heartbeat_s: float = 2.0,
                  mem_fn: Optional[Callable[[], dict]] = None,
@@ -124,7 +174,10 @@ class EventWriter:
         d = events_dir(run_dir)
         d.mkdir(parents=True, exist_ok=True)
         self.rank = rank
-        self._f = open(d / f"rank{rank}.jsonl", "a", encoding="utf-8", buffering=1)
+        self.path = d / f"rank{rank}.jsonl"
+        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.dropped = 0  # records not written since the last write failed (0: writing)
+        self._torn = False  # a failed write left part of a line in the file
         self._lock = threading.Lock()
         self.current_stage = Stage.START
         self.progress: dict[str, Any] = {}
@@ -135,31 +188,56 @@ class EventWriter:
                                     name="wan-s2v-heartbeat")
         self._hb.start()
 
-    def emit(self, kind: str, **data: Any) -> None:
-        rec = {"t": time.time(), "rank": self.rank, "kind": kind, "stage": self.current_stage.value,
+    def emit(self, kind: EventKind, **data: Any) -> None:
+        """Write a ``kind`` record (an :class:`EventKind`; a plain name that is not one raises
+        ValueError) with ``data``."""
+        kind = EventKind(kind)
+        rec = {"t": time.time(), "rank": self.rank, "kind": kind.value, "stage": self.current_stage.value,
                **data}
         line = json.dumps(rec, default=str)  # ASCII only: a reader never sees a split character
         with self._lock:
-            if not self._f.closed:
-                self._f.write(line + "\n")
+            if self._fd is not None:
+                self._write((line + "\n").encode("ascii"))
+
+    def _write(self, data: bytes) -> None:
+        """One record's line, whole (the lock held); an error drops it (:class:`EventWriter`)."""
+        if self._torn:  # the rest of a line cut short: a line of its own, which readers skip
+            data = b"\n" + data
+        written = 0
+        try:
+            while written < len(data):
+                written += os.write(self._fd, data[written:])
+        except OSError as e:
+            self._torn = self._torn or written > 0
+            if not self.dropped:
+                log.warning("rank %d: its events cannot be written to %s (%s): dropping them until a write "
+                            "succeeds%s", self.rank, self.path, e.strerror or e,
+                            " (the disk is full: free space there)" if is_disk_full(e) else "")
+            self.dropped += 1
+            return
+        self._torn = False
+        if self.dropped:
+            log.warning("rank %d: its events are written again to %s (%d records were dropped)", self.rank,
+                        self.path, self.dropped)
+            self.dropped = 0
 
     def stage(self, stage: Stage, **data: Any) -> None:
         """Enter ``stage`` (a :class:`Stage`; a plain name that is not one raises ValueError)."""
         new = Stage(stage)
         self.stage_peak()
         self.current_stage = new
-        self.emit("stage", **data)
+        self.emit(EventKind.STAGE, **data)
 
     def stage_peak(self) -> None:
         """Record the memory peaks of the stage in progress (``stage_peak``), when measured."""
         if self._stage_peak_fn is not None:
             peaks = self._stage_peak_fn()
             if peaks:
-                self.emit("stage_peak", **peaks)
+                self.emit(EventKind.STAGE_PEAK, **peaks)
 
     def step(self, **counters: Any) -> None:
         self.progress.update(counters)
-        self.emit("progress", **counters)
+        self.emit(EventKind.PROGRESS, **counters)
 
     def _beat(self, every: float) -> None:
         while not self._stop.wait(every):
@@ -169,12 +247,14 @@ class EventWriter:
                     mem = self._mem_fn()
                 except Exception:  # a heartbeat must never die
                     mem = {}
-            self.emit("heartbeat", **mem)
+            self.emit(EventKind.HEARTBEAT, **mem)
 
     def close(self) -> None:
         self._stop.set()
         with self._lock:
-            self._f.close()
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 @dataclass
@@ -201,25 +281,41 @@ class RankState:
     stage_peaks: dict[Union[Stage, str], dict[str, float]] = field(default_factory=dict)  # MiB, largest per stage
 
 
-def denoise_position(p: dict) -> str:
+def denoise_position(p: Mapping[str, Any]) -> str:
     """'clip j/M, step i/N' from a progress record or RankState.progress ('?' for unknowns), and
     with ``--cache`` how many of the job's steps so far reused a computed one; a live job's
     (``unit: block``): 'block j/M, F frames/s, first frame at S s'."""
-    if p.get("unit") == "block":  # --mode live: the video's blocks, and how fast they come
+    unit, index, count = position(p)
+    if unit is ProgressUnit.BLOCK:  # --mode live: the video's blocks, and how fast they come
         live = "".join(f", {text}" for key, text in (("fps", f"{p.get('fps')} frames/s"),
                                                       ("first_frame_s", f"first frame at {p.get('first_frame_s')} s"))
                        if p.get(key) is not None)
-        return f"block {p.get('clip')}/{p.get('clips') or '?'}{live}"
+        return f"block {index}/{count or '?'}{live}"
     reused = f" ({p['reused_steps']} reused: --cache)" if p.get("reused_steps") else ""
-    return f"clip {p.get('clip')}/{p.get('clips') or '?'}, step {p.get('step') or 0}/{p.get('steps') or '?'}{reused}"
+    return f"clip {index}/{count or '?'}, step {p.get('step') or 0}/{p.get('steps') or '?'}{reused}"
 
 
-def steps_done(p: dict) -> Optional[int]:
-    """Denoising steps done over all clips so far, ``(clip - 1) x steps + step``, from a progress
-    record or RankState.progress; None while the steps per clip are unknown."""
-    if not p.get("steps"):
+def steps_done(p: Mapping[str, Any]) -> Optional[int]:
+    """A clip job's denoising steps done over all clips so far, ``(clip - 1) x steps + step``, from
+    a progress record or RankState.progress; None while the steps per clip are unknown, and for a
+    live job (it counts blocks, not steps)."""
+    unit, index, _ = position(p)
+    if unit is ProgressUnit.BLOCK or not p.get("steps"):
         return None
-    return (max(p.get("clip") or 1, 1) - 1) * p["steps"] + (p.get("step") or 0)
+    return (max(index or 1, 1) - 1) * p["steps"] + (p.get("step") or 0)
+
+
+def share_done(p: Mapping[str, Any]) -> Optional[float]:
+    """The share of a job's denoising done, 0 to 1 (None while unknown): a clip job's steps of all
+    its clips' steps, a live job's blocks before the one in progress of all its blocks."""
+    unit, index, count = position(p)
+    if not count:
+        return None
+    if unit is ProgressUnit.BLOCK:
+        made = p.get("blocks_done")
+        return (made if made is not None else max(0, (index or 1) - 1)) / count
+    done = steps_done(p)
+    return None if done is None else done / (count * p["steps"])
 
 
 def stage_durations(st: RankState) -> dict[Union[Stage, str], float]:
@@ -284,45 +380,49 @@ class EventReader:
         st = self.ranks.setdefault(r, RankState(rank=r))
         t = float(ev["t"])
         st.last_seen_t = max(st.last_seen_t, t)
-        kind = ev.get("kind")
-        if kind == "stage":
+        kind = EventKind.coerce(ev.get("kind"))
+        if kind is EventKind.STAGE:
             st.stage = Stage.coerce(ev.get("stage", "?"))
             st.stage_t = t
             st.last_progress_t = t
             st.transitions.append((st.stage, t))
-            if "clip" in ev and st.stage == Stage.DENOISE:  # a new clip: its step counter starts again
-                if ev["clip"] == 1:  # a job's first clip: a job before it (--cache) reused nothing of this one
-                    st.progress.pop("reused", None)
-                    st.progress.pop("reused_steps", None)
-                st.progress.update(clip=ev["clip"], clips=ev.get("clips"), step=0)
+            unit, index, count = position(ev)
+            if index is not None and st.stage == Stage.DENOISE:  # a new clip (block): its steps start again
+                if index == 1:  # a job's first clip: a job before it (--cache) reused nothing of this one
+                    for key in ("reused", "reused_steps", "fps", "first_frame_s"):
+                        st.progress.pop(key, None)
+                for key in ("clip", "clips", "block", "blocks"):  # the unit's own fields alone
+                    st.progress.pop(key, None)
+                st.progress.update(position_fields(unit, index, count), step=0)
                 if ev.get("steps"):
                     st.progress["steps"] = ev["steps"]
-        elif kind == "waiting":  # idle between served jobs, its collectives still answering
+        elif kind is EventKind.WAITING:  # idle between served jobs, its collectives still answering
             st.last_progress_t = t
-        elif kind == "progress":
+        elif kind is EventKind.PROGRESS:
             st.last_progress_t = t
             st.progress.update({k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")})
-        elif kind == "hello":
+            st.progress.update(position_fields(*position(ev)))
+        elif kind is EventKind.HELLO:
             st.pid, st.host, st.local_rank = ev.get("pid"), ev.get("host"), ev.get("local_rank")
             st.cpus = ev.get("cpus")
             st.last_progress_t = t
-        elif kind == "heartbeat":
+        elif kind is EventKind.HEARTBEAT:
             st.mem = {k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")}
-        elif kind == "stage_peak":
+        elif kind is EventKind.STAGE_PEAK:
             peaks = st.stage_peaks.setdefault(Stage.coerce(ev.get("stage", "?")), {})
             for k, v in ev.items():
                 if k not in ("t", "rank", "kind", "stage") and isinstance(v, (int, float)):
                     peaks[k] = max(peaks.get(k, v), v)
-        elif kind == "end":
+        elif kind is EventKind.END:
             st.end = ev
-        elif kind == "job_failed":
+        elif kind is EventKind.JOB_FAILED:
             st.job_failed = ev
-        elif kind == "loaded":
+        elif kind is EventKind.LOADED:
             st.loaded = {k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")}
-        elif kind == "live":  # --mode live: after each decoded block
+        elif kind is EventKind.LIVE:  # --mode live: after each decoded block
             st.live = {k: v for k, v in ev.items() if k not in ("t", "rank", "kind", "stage")}
-        elif kind == "step_cache":  # --cache: a clip's steps computed and reused
+        elif kind is EventKind.STEP_CACHE:  # --cache: a clip's steps computed and reused
             st.step_cache.append({k: ev.get(k) for k in ("clip", "computed", "reused")})
-        elif kind == "error":
+        elif kind is EventKind.ERROR:
             if st.error is None:  # keep the first (a later one is teardown noise)
                 st.error = ev

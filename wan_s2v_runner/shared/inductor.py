@@ -11,17 +11,16 @@ import os
 from pathlib import Path
 from typing import Mapping, Optional
 
-CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # shared.cache_dirs.INDUCTOR_ENV
 
 
-def cache_dir(env: Optional[Mapping[str, str]] = None) -> Path:
-    """``$TORCHINDUCTOR_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/wan-s2v/inductor``
-    (``~/.cache/wan-s2v/inductor``)."""
-    env = os.environ if env is None else env
-    if env.get(CACHE_ENV):
-        return Path(env[CACHE_ENV])
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "wan-s2v" / "inductor"
+def cache_dir(env: Optional[Mapping[str, str]] = None, setting=None) -> Path:
+    """``$TORCHINDUCTOR_CACHE_DIR`` when set, else the caches' root (``setting``: the spec's
+    ``cache_dir``; ``$WAN_S2V_CACHE_DIR``; ``$XDG_CACHE_HOME/wan-s2v``, ``~/.cache/wan-s2v``)
+    ``/inductor``: ``shared.cache_dirs``' one rule."""
+    from wan_s2v_runner.shared.cache_dirs import CacheKind, directory
+    env = os.environ if env is None else env  # this machine's: its home where env has none
+    return directory(CacheKind.INDUCTOR, setting, env if env.get("HOME") else {**env, "HOME": str(Path.home())})
 
 
 def cpp_build_refuses(path: Path) -> Optional[str]:

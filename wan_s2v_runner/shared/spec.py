@@ -41,7 +41,8 @@ from pydantic import (
     model_validator,
 )
 
-from wan_s2v_runner.shared import cache_policy, schedule
+from wan_s2v_runner.shared import cache_budget, cache_policy, schedule
+from wan_s2v_runner.shared.dit_cost import max_infer_frames
 from wan_s2v_runner.shared.layout import DitOffload, DitQuant, Layout, LoadStrategy, Mode, StreamSource
 from wan_s2v_runner.shared.node_agent import DEFAULT_WORKER
 from wan_s2v_runner.shared.precision import ComputeDtype
@@ -60,9 +61,9 @@ MAX_STEPS = 1000
 #: with more latent frames, or a frame with more patches a side (16384 px: preflight's inputs.size),
 #: fails in the DiT's ``rope_precompute`` (IndexError, found by the server's fuzz test)
 ROPE_POSITIONS = 1024
-#: frames a clip may have: a clip of F frames spans (F + 3 + 73) // 4 - (73 + 3) // 4 latent frames
-#: (73 motion frames, the VAE's stride 4 in time), at most ROPE_POSITIONS: 4096
-MAX_INFER_FRAMES = 4 * (ROPE_POSITIONS + (73 + 3) // 4) - (73 + 3)
+#: frames a clip may have: its latent frames (``shared.dit_cost.clip_latent_frames``: after the 73
+#: motion frames, the VAE's stride 4 in time) at most ROPE_POSITIONS: 4096
+MAX_INFER_FRAMES = max_infer_frames(ROPE_POSITIONS)
 #: the largest noise schedule shift and guidance scale (upstream: 3-5)
 MAX_SCALE = 100.0
 
@@ -134,6 +135,19 @@ def _absolute(p: Path) -> Path:
 
 
 AbsPath = Annotated[Path, AfterValidator(_absolute)]
+
+
+def _bytes_text(value: Any) -> Any:
+    """A number of bytes (TOML ``dit_cache_max = 200000000000``) as the text it also reads as."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _cache_budget(value: Optional[str]) -> Optional[str]:
+    """``dit_cache_max`` reads as a size or a share (``shared.cache_budget.parse``: its error is the
+    one line)."""
+    if value is not None:
+        cache_budget.parse(value)
+    return value
 Area = Annotated[int, BeforeValidator(_area)]
 
 
@@ -234,9 +248,24 @@ class GroupSpec(BaseModel):
     dit_stream_from: Annotated[StreamSource, Flag(_MO, env="WAN_S2V_DIT_STREAM_FROM")] = Field(
         StreamSource.AUTO, description="with --dit-offload blocks: where the streamed DiT's bytes live: memory (one "
                                        "host copy, pinned whole), page-cache (written once to a file under "
-                                       "$WAN_S2V_DIT_CACHE_DIR, else ~/.cache/wan-s2v/dit, and memory-mapped: "
+                                       "--cache-dir's dit/, ~/.cache/wan-s2v/dit by default, within "
+                                       "--dit-cache-max, and memory-mapped: "
                                        "the kernel keeps what fits in RAM), auto (the page cache when the whole "
                                        "DiT beside the rest would not fit the RAM; docs/loading.md)")
+    cache_dir: Annotated[Optional[AbsPath], Flag(_MO, env="WAN_S2V_CACHE_DIR", metavar="DIR",
+                                                 default_text="$XDG_CACHE_HOME/wan-s2v, else "
+                                                              "~/.cache/wan-s2v")] = Field(
+        None, description="where wan-s2v keeps its caches: the DiT's page-cache files (DIR/dit; "
+                          "$WAN_S2V_DIT_CACHE_DIR wins), the demo's assets (DIR/demo), --compile's kernels "
+                          "(DIR/inductor; $TORCHINDUCTOR_CACHE_DIR wins); wan-s2v cache lists and clears them "
+                          "(docs/caches.md)")
+    dit_cache_max: Annotated[Optional[str], BeforeValidator(_bytes_text), AfterValidator(_cache_budget),
+                             Flag(_MO, env="WAN_S2V_DIT_CACHE_MAX", metavar="SIZE",
+                                  default_text="25% of its disk")] = Field(
+        None, description="most disk the DiT's page-cache files may take (200G, 1.5T: binary units; or a share of "
+                          "the disk: 20%): before writing a new file the least recently used others go (never one a "
+                          "running group maps), and a write always leaves the disk the room the next video needs "
+                          "(docs/caches.md)")
     # ----- parallel layout
     mode: Annotated[Mode, Flag(_LA, extra_choices=("auto",))] = Field(
         Mode.ULYSSES, description="parallel mode (auto: the doctor's recommendation)")

@@ -19,10 +19,10 @@ answer. Imports nothing heavy.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Mapping, Optional
 
+from wan_s2v_runner.shared import cache_dirs
 from wan_s2v_runner.shared.layout import StreamSource
 
 GiB = 2**30
@@ -31,21 +31,18 @@ GiB = 2**30
 HOST_FILL = 0.85
 #: staging buffers a rank streaming from the page cache pins, each the size of the largest unit
 STAGING_SLOTS = 2
-#: the cache directory's environment variable (else ``$XDG_CACHE_HOME/wan-s2v/dit``)
-CACHE_ENV = "WAN_S2V_DIT_CACHE_DIR"
+#: the DiT cache directory's own environment variable (``shared.cache_dirs``: else the caches' root)
+CACHE_ENV = cache_dirs.DIT_ENV
 
 
-def cache_dir(env: Optional[Mapping[str, str]] = None) -> Path:
-    """Where the page cache's DiT files go, by ``env`` (this process's, or a recorded machine's):
-    ``$WAN_S2V_DIT_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/wan-s2v/dit``, else
-    ``$HOME/.cache/wan-s2v/dit`` (``~``: this user's home), beside inductor's cache
-    (``shared.inductor``): per user and node, on a local disk as a rule (what is read back)."""
-    home = str(Path.home()) if env is None else "~"  # a recorded machine's home, unknown: said "~"
-    env = os.environ if env is None else env
-    if env.get(CACHE_ENV):
-        return Path(env[CACHE_ENV]).expanduser()
-    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or home) / ".cache")
-    return Path(base) / "wan-s2v" / "dit"
+def cache_dir(env: Optional[Mapping[str, str]] = None, setting=None) -> Path:
+    """Where the page cache's DiT files go, by ``env`` (this process's, or a recorded machine's)
+    and ``setting`` (the spec's ``cache_dir``): ``shared.cache_dirs``' one rule,
+    ``$WAN_S2V_DIT_CACHE_DIR`` when set, else the caches' root (``--cache-dir``,
+    ``$WAN_S2V_CACHE_DIR``, ``$XDG_CACHE_HOME/wan-s2v``, ``$HOME/.cache/wan-s2v``; ``~`` where a
+    recorded machine's home is unknown) ``/dit``, beside inductor's cache: per user and node, on a
+    local disk as a rule (what is read back)."""
+    return cache_dirs.dit_dir(setting, env)
 
 
 def staging_bytes(slot_bytes: int) -> int:

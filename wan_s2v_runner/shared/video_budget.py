@@ -29,14 +29,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: frames carried from one clip to the next (config.transformer.motion_frames), and their latent
+#: frames (19 for 73): the DiT's rules, written in ``shared.dit_cost`` (which the spec reads
+#: without this module's media imports) and read here
+from wan_s2v_runner.shared.dit_cost import MOTION_FRAMES, motion_latent_frames
+
 #: the engine's frame rate, and the frames a video has fewer than its clips (the first clip's
 #: motion frames): N clips of F frames make N * F - 3 frames (one rule: ``shared.media``'s)
 from wan_s2v_runner.shared.media import FIRST_CLIP_DROPS, FPS
 
-#: frames carried from one clip to the next (config.transformer.motion_frames)
-MOTION_FRAMES = 73
 #: the motion latents state.pt keeps: 16 channels x 19 latent frames at 1/8 of the size, float32
-MOTION_LATENT_CHANNELS, MOTION_LATENT_FRAMES = 16, (MOTION_FRAMES + 3) // 4
+MOTION_LATENT_CHANNELS, MOTION_LATENT_FRAMES = 16, motion_latent_frames()
 #: decoded float32 clips the streaming writer holds at most (the one decoded, the one converted)
 FLOAT_CLIPS = 2
 #: uint8 clips it holds while the encoder takes them

@@ -130,7 +130,10 @@ function renderServer(s) {
 function detailOf(v) {
   if (v.status === "queued") return `queued, position ${v.queue_position ?? "?"}`;
   if (v.status === "in_progress") {
-    const where = v.step !== null && v.step !== undefined ? ` · clip ${v.clip ?? "?"}/${v.clips ?? "?"} · step ${v.step}/${v.steps ?? "?"}` : "";
+    // the position in the job's own unit: a clip job's clip and step, a live job's block (no steps)
+    const where = v.unit === "block"
+      ? (v.block !== null && v.block !== undefined ? ` · block ${v.block}/${v.blocks ?? "?"}` : "")
+      : (v.step !== null && v.step !== undefined ? ` · clip ${v.clip ?? "?"}/${v.clips ?? "?"} · step ${v.step}/${v.steps ?? "?"}` : "");
     const elapsed = v.started_at ? ` · ${fmtS(Date.now() / 1000 - v.started_at)} elapsed` : "";
     return `${v.stage || "starting"}${where} · ${v.progress}%${elapsed} · ETA ${fmtS(v.eta_s)}`;
   }
@@ -190,7 +193,8 @@ async function showPartial(v, box) {
     const note = document.createElement("span");
     note.className = "muted partial-note";
     const ended = v.status === "cancelled" || v.status === "failed";
-    note.textContent = `video so far: ${clips} of ${v.clips ?? "?"} clips${ended ? ` (the job was ${v.status})` : ""}`;
+    const [of, unit] = v.unit === "block" ? [v.blocks, "blocks"] : [v.clips, "clips"];
+    note.textContent = `video so far: ${clips} of ${of ?? "?"} ${unit}${ended ? ` (the job was ${v.status})` : ""}`;
     box.replaceChildren(note, video);
     box.dataset.clips = String(clips);
   } catch (e) {
