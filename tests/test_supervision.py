@@ -201,7 +201,7 @@ def test_normal_run_manifest_is_complete(hybrid_run):
         assert all(0 < v <= info["host_peak_rss_mb"] for v in peaks.values()), (peaks, info)
         assert max(peaks.values()) >= 0.98 * info["host_peak_rss_mb"], (peaks, info)
         assert info["finished"] and info["error"] is None
-        assert info["progress"] == {"clip": 2, "clips": 2, "step": 2, "steps": 2}
+        assert info["progress"] == {"unit": "clip", "clip": 2, "clips": 2, "step": 2, "steps": 2}
     out = hybrid_run.output
     assert m["output"]["path"] == str(out)
     assert m["output"]["sha256"] == media.sha256_file(out)

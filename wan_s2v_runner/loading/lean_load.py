@@ -215,8 +215,8 @@ def node_place(group=None) -> tuple[str, bool, int]:
     node = os.environ.get("GROUP_RANK", "0")
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    if not dist.is_initialized():
-        return node, True, 1
+    if not dist.is_initialized():  # one process: the environment's node
+        return node, local_rank == 0, local_world
     members = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
     first = rank - local_rank
     here = [r for r in members if first <= r < first + local_world]

@@ -64,6 +64,7 @@ class EventKind(str, Enum):
     PATCHES = "patches"
     PLAN = "plan"
     LOADED = "loaded"
+    LORA = "lora"
     COMPILE = "compile"
     FRAMES = "frames"
     PREVIEW = "preview"
