@@ -235,6 +235,50 @@ def reference_frames(tiny_assets, tmp_path_factory):
     return once_per_run(tmp_path_factory, "reference_frames", make)
 
 
+#: a second job's spec over the tiny one (another seed, size, prompt and solver): test_batch's and
+#: test_serve's, whose one-process frames :func:`big_reference_frames` makes once
+BIG_JOB = dict(seed=7, max_area=128 * 128, prompt="someone else", solver="dpm++")
+#: step caching's setting the tests use (8 steps: 2 leave nothing to reuse)
+CACHE = "easycache:0.05"
+
+
+@pytest.fixture(scope="session")
+def big_reference_frames(tiny_assets, tmp_path_factory):
+    """One process's frames for :data:`BIG_JOB` (once per test run)."""
+    def make():
+        with cpu_engine(tiny_assets) as engine:
+            return one_process_frames(engine, **BIG_JOB)
+    return once_per_run(tmp_path_factory, "big_reference_frames", make)
+
+
+def one_process_cached(engine_cpu, **updates):
+    """Our loop at one process, in this process (what a --nproc 1 worker runs), for the tiny spec
+    with ``updates``: the frames and the step cache's per-clip records."""
+    from wan_s2v_runner.loading import components
+    from wan_s2v_runner.rank.job_shell import JobShell
+    from wan_s2v_runner.rank.parallel import RankPlan
+    from wan_s2v_runner.rank.worker import request_for
+    from wan_s2v_runner.shared.layout import Layout, Mode
+
+    wan, cfg, spec = engine_cpu
+    spec = spec.model_copy(update=updates)
+    plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
+    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0,
+                            components.LoadSettings(dit_quant=spec.dit_quant, fp8_matmul=spec.fp8_matmul))
+    shell = JobShell(parts, plan)
+    return shell.generate(request_for(spec)), shell.driver.cache_records
+
+
+@pytest.fixture(scope="session")
+def cached_reference(tiny_assets, tmp_path_factory):
+    """One process's frames and step-cache records for the tiny spec at 8 steps with ``--cache CACHE``
+    (once per test run)."""
+    def make():
+        with cpu_engine(tiny_assets) as engine:
+            return one_process_cached(engine, steps=8, cache=CACHE)
+    return once_per_run(tmp_path_factory, "cached_reference", make)
+
+
 @pytest.fixture(scope="session")
 def held_job_mp4(tiny_assets, tmp_path_factory) -> str:
     """sha256 of the mp4 one process makes for ``serving.HELD_JOB`` (the 3-clip job the shared
@@ -394,12 +438,12 @@ def server(tiny_assets, inputs, tmp_path_factory):
     shared host copy, a token, ``inputs`` allowed) for the session: the serve, page and client
     tests take it in turn, the way a server lives. Its jobs' videos are compared with one resident
     process's: a served group streams for every job and makes the same frames."""
-    from serving import BOOM, HELD, NO_SPACE, POISON, SERVER_FLAGS, TOKEN, ServerProcess
+    from serving import BOOM, HELD, MIDWAY, NO_SPACE, POISON, SERVER_FLAGS, TOKEN, ServerProcess
 
     d = tmp_path_factory.mktemp("serve") / "server dir"
     flags = [*SERVER_FLAGS, "--ckpt-dir", str(tiny_assets.ckpt_dir), "--token", TOKEN,
              "--allow-dir", str(inputs["root"]), "--max-queue", "6", "--max-upload-mb", "1", "--dit-offload", "blocks"]
-    s = ServerProcess(d, flags, env=fault_env(f"{POISON},{NO_SPACE},{HELD},{BOOM}"))
+    s = ServerProcess(d, flags, env=fault_env(f"{POISON},{NO_SPACE},{MIDWAY},{HELD},{BOOM}"))
     yield s
     assert s.stop() == [] and "serve: stopping the rank group" in s.text()  # SIGTERM leaves nothing running
 

@@ -13,7 +13,9 @@ this process's environment here, in test code:
   served group, until the server cancels a job: a test keeps a job in hand until the moment it
   needs it to run, or running until it cancels it, however fast the machine; the step after a
   cancel stops the job as it would have), ``nonfinite`` (this rank's next read of fp16's guard
-  says DiT block 1 held inf or NaN: what the loop's step message then carries, in any dtype).
+  says DiT block 1 held inf or NaN: what the loop's step message then carries, in any dtype),
+  ``diskfull`` (the video writer's next append, on its thread, meets ENOSPC: a disk that fills while
+  the video grows).
   Checked at every stage change of the given rank; ``@CLIP`` is the stage's clip, or a live job's
   block.
 * ``WAN_S2V_TEST_CKPT_FOR_RANK=RANK:DIR``: that rank reads another checkpoint directory (a node
@@ -76,7 +78,7 @@ def parse(value: Optional[str]) -> Optional[tuple[int, Stage, str, Optional[int]
     rank, stage, action = value.split(":")
     stage, _, job = stage.partition("#")
     stage, _, clip = stage.partition("@")
-    if action not in ("raise", "exit", "hang", "enospc", "wait", "nonfinite"):
+    if action not in ("raise", "exit", "hang", "enospc", "wait", "nonfinite", "diskfull"):
         raise ValueError(f"{FAULT_ENV}: unknown action {action!r}")
     found = Stage.lookup(stage)
     if found is None:
@@ -113,6 +115,9 @@ def maybe_fire(rank: int, stage: Stage, faults: list, clip: Optional[int] = None
         if action == "nonfinite":
             _overflow_once()
             continue
+        if action == "diskfull":
+            _full_disk_once()
+            continue
         while True:  # hang
             time.sleep(3600)
 
@@ -128,6 +133,19 @@ def _overflow_once() -> None:
         read(guard)
         return 1
     step_control.guard_fault = overflowed
+
+
+def _full_disk_once() -> None:
+    """The video writer's next append (``shared.media.GrowingMp4.append``, on its thread) fails
+    with ENOSPC, as a disk that filled does."""
+    from wan_s2v_runner.shared import media
+
+    append = media.GrowingMp4.append
+
+    def full(self, fragment):
+        media.GrowingMp4.append = append
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+    media.GrowingMp4.append = full
 
 
 class FaultyEvents(worker.RankEvents):

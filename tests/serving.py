@@ -29,6 +29,9 @@ POISON = "1:denoise#poison:exit"
 BOOM = "0:denoise#boom:raise,1:denoise#boom:raise"
 #: a job whose mp4 cannot be written: the disk full as rank 0 finishes the video (test-only fault, on the prompt)
 NO_SPACE = "0:save#nospace:enospc"
+#: a job whose disk fills while its video grows: the writer's append of clip 2 (on its thread) meets
+#: ENOSPC; the next step's message fails the job on every rank (test-only fault, on the prompt)
+MIDWAY = "0:denoise@2#midway:diskfull"
 #: a job held at its second clip until the server cancels it (on the prompt): in progress, with its
 #: first clip's video so far, for as long as the test needs, however fast the machine
 HELD = "0:denoise@2#held:wait"
@@ -137,9 +140,12 @@ HELD_JOB = {"seed": "8", "infer_frames": "4", "num_clips": "3", "steps": "2"}
 def expected_mp4(engine_cpu, audio: Path, dest: Path, **updates) -> str:
     """sha256 of the mp4 one process makes for the tiny spec with ``updates``."""
     frames = one_process_frames(engine_cpu, **updates)
-    infer = engine_cpu[2].model_copy(update=updates).infer_frames
-    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, audio, dest,
-                                media.clip_lengths(frames.shape[1], infer))
+    return mp4_of(frames, audio, dest, engine_cpu[2].model_copy(update=updates).infer_frames)
+
+
+def mp4_of(frames, audio: Path, dest: Path, infer_frames: int = 8, fps: int = 16) -> str:
+    """sha256 of the mp4 rank 0 writes for ``frames`` (one process's, made elsewhere) with ``audio``."""
+    media.save_video_with_audio(frames, fps, audio, dest, media.clip_lengths(frames.shape[1], infer_frames))
     return media.sha256_file(dest)
 
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_FLAGS, asset_flags, one_process_frames, run_cli
+from conftest import BIG_JOB, TINY_FLAGS, asset_flags, one_process_frames, run_cli
 from fault_worker import fault_env
 
 from wan_s2v_runner.launcher.batch import plan_lines
@@ -19,14 +19,14 @@ from wan_s2v_runner.shared.job_source import SPEC_KEY, JobSource, read_source
 from wan_s2v_runner.shared.spec import GroupSpec, RunSpec
 
 #: jobs 2 and 3 differ from job 1 (the shared tiny spec) in size, seed, prompt, solver, first frame
-OTHER_JOBS = {"big": dict(seed=7, max_area=128 * 128, prompt="someone else", solver="dpm++"),
-              "third": dict(seed=5, prompt="a third person", start_from_ref=True)}
+OTHER_JOBS = {"big": BIG_JOB, "third": dict(seed=5, prompt="a third person", start_from_ref=True)}
 
 
 @pytest.fixture(scope="module")
-def other_frames(engine_cpu):
-    """One process's frames for each of OTHER_JOBS (the loop a --nproc 1 worker runs, here)."""
-    return {name: one_process_frames(engine_cpu, **fields) for name, fields in OTHER_JOBS.items()}
+def other_frames(engine_cpu, big_reference_frames):
+    """One process's frames for each of OTHER_JOBS (the loop a --nproc 1 worker runs, here; the
+    big one made once per test run: conftest's)."""
+    return {"big": big_reference_frames, "third": one_process_frames(engine_cpu, **OTHER_JOBS["third"])}
 
 
 def _write_jobs(path, lines: list[dict]) -> None:

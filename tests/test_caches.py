@@ -93,7 +93,7 @@ def test_lru_eviction_under_a_budget(tmp_path):
     size = first.path.stat().st_size
     write(d, "b" * 32, last_use=1000)
     write(d, "c" * 32, last_use=2000)
-    need = -(-first.nbytes // dit_files.PAGE) * dit_files.PAGE + dit_cache._WRITE_MARGIN
+    need = dit_files.write_needs(first.nbytes)
     budget = Budget(size=need + 2 * size + size // 2)  # two files beside the new one
     got = write(d, "d" * 32, budget=budget)
     assert got.action == "written" and got.evicted == [f"dit-{'b' * 32}.bin"]
@@ -124,7 +124,7 @@ def test_a_mapped_file_survives_eviction_until_its_mapping_is_gone(tmp_path):
     write(d, "b" * 32, last_use=2000)
     assert dit_files.busy(mapped.path) and os.getpid() in dit_files.holders(mapped.path)
     size = mapped.path.stat().st_size
-    need = -(-total // dit_files.PAGE) * dit_files.PAGE + dit_cache._WRITE_MARGIN
+    need = dit_files.write_needs(total)
     budget = Budget(size=need + size + size // 2)
     assert write(d, "c" * 32, budget=budget).evicted == [f"dit-{'b' * 32}.bin"]
     assert torch.equal(model[0].weight, src.values["0.weight"])  # still mapped, still right
@@ -161,7 +161,7 @@ def test_a_killed_processs_mark_pins_nothing(tmp_path):
         assert entry.in_use and entry.file.pids == [child.pid]
         done = caches.clear([entry])
         assert done.removed == [] and "mapped by a running group (pid" in done.kept[0][1]
-        need = -(-held.nbytes // dit_files.PAGE) * dit_files.PAGE + dit_cache._WRITE_MARGIN
+        need = dit_files.write_needs(held.nbytes)
         budget = Budget(size=need + held.path.stat().st_size // 2)  # room for the new file once the old one goes
         with pytest.raises(dit_cache.DitCacheError, match="in use by running groups"):
             write(d, "b" * 32, budget=budget)
@@ -295,8 +295,9 @@ def test_the_doctor_sums_the_caches_and_says_what_a_recorded_machine_cannot_know
 def test_cache_list_and_clear_through_the_command_line(tmp_path):
     """``wan-s2v cache`` lists every cache (plain lines off a terminal, JSON with --json: the DiT
     files' checkpoint, quantization, LoRAs, dtype), clears one by key, a kind, all; keeps a file
-    in use and says so; an unknown target is one line with the fix, exit 2."""
-    root = tmp_path / "root"
+    in use and says so; an unknown target is one line with the fix, exit 2; a root of one's own not
+    named wan-s2v (a shared ``~/.cache``, say) keeps its kind directories."""
+    root = tmp_path / "wan-s2v"
     lora = {"path": "/loras/style.safetensors", "strength": 0.8, "sha256": "0" * 64, "bytes": 10}
     about = {"checkpoint": "/ckpt/Wan2.2-S2V-14B", "dit_file": None, "quant": "fp8", "dtype": "bf16", "loras": [lora]}
     one = write(root / "dit", "a1b2c3" + "0" * 26, about, last_use=1000)
@@ -336,6 +337,11 @@ def test_cache_list_and_clear_through_the_command_line(tmp_path):
         os.close(fd)
     r = run_cli(["cache", "clear", "dit"], cwd=tmp_path, env=env)
     assert r.returncode == 0 and not two.path.exists() and list((root / "dit").iterdir()) == [], r.output
+    shared = tmp_path / "cache"  # e.g. --cache-dir ~/.cache: its demo/ may be another program's
+    (shared / "demo").mkdir(parents=True)
+    r = run_cli(["cache", "clear", "all"], cwd=tmp_path, env={**env, "WAN_S2V_CACHE_DIR": str(shared)})
+    assert r.returncode == 0 and (shared / "demo").is_dir() and "not under a directory named wan-s2v" in r.stdout, \
+        r.output
 
 
 # --------------------------------------------------------------------------- a run after eviction
@@ -352,7 +358,7 @@ def test_a_page_cache_run_after_eviction_rebuilds_its_file_with_the_same_frames(
         assert first["action"] == "written" and torch.equal(got, want)
         del parts
         gc.collect()
-        need = -(-first["bytes"] // dit_files.PAGE) * dit_files.PAGE + dit_cache._WRITE_MARGIN
+        need = dit_files.write_needs(first["bytes"])
         monkeypatch.setenv("WAN_S2V_DIT_CACHE_MAX", str(need))  # the full-precision file alone
         _, parts = generate(engine, num_clips=1, **paged(0), dit_quant=DitQuant.FP8)
         fp8 = parts.load_report.strategy["dit_cache"]

@@ -126,13 +126,12 @@ def _overlapped(engine_cpu, monkeypatch, read):
     return parts, plan, request_for(spec)
 
 
-def test_the_dit_loads_on_its_thread_while_the_encoders_run_and_the_frames_are_the_same(engine_cpu, monkeypatch):
+def test_the_dit_loads_on_its_thread_while_the_encoders_run_and_the_frames_are_the_same(engine_cpu, reference_frames,
+                                                                                       monkeypatch):
     """The DiT's read holds until the loop waits for it: every encoder ran while it was reading,
     on another thread; the loop joins it before the first step, and the frames are one process's
     with the DiT loaded first (the parity of 2-rank runs, whose loads overlap too, is test_parity's)."""
     import threading
-
-    from conftest import one_process_frames
 
     from wan_s2v_runner.rank.job_shell import Hooks, JobShell
     from wan_s2v_runner.shared.stages import Stage
@@ -166,7 +165,7 @@ def test_the_dit_loads_on_its_thread_while_the_encoders_run_and_the_frames_are_t
     assert not parts.dit_loading and parts.load_report.strategy["dit_load"].startswith("while the encoders ran")
     assert set(parts.load_report.as_dict()["dit_overlap"]) == {"read_s", "waited_s", "finish_s"}
     monkeypatch.undo()
-    assert torch.equal(frames, one_process_frames(engine_cpu))
+    assert torch.equal(frames, reference_frames)
 
 
 def test_a_dit_load_that_fails_on_its_thread_fails_the_job_at_the_join(engine_cpu, monkeypatch):

@@ -4,10 +4,11 @@
   block-causal window mask, exactly, at every step of 6 blocks (the 4-block ring wraps);
 * the streaming VAE decode equals one decode of the whole latent sequence, exactly;
 * the step pipeline over real gloo ranks (2 and 4 ranks: steps shared, rank 0 decoding blocks in
-  flight behind; 5 ranks: a decoding rank and one rank per step) equals one process, exactly, through
-  ``wan-s2v run``, and so does the DiT streamed block by block (``--dit-offload blocks``); fp16
-  compute stays within its bound; a batch's live jobs in a row equal their one-process runs; a
-  served live group's video equals one process's;
+  flight behind; 5 ranks: a decoding rank holding no DiT and one rank per step) equals one process,
+  exactly, through ``wan-s2v run`` (2 ranks: a ``batch`` of two live jobs), and so does the DiT
+  streamed block by block (``--dit-offload blocks``); fp16 compute stays within its bound; a served
+  5-rank group stops a job mid-stream, fails a job whose middle stage overflowed, and streams the
+  next one equal to one process;
 * the recipe's rules (stages, the seeded reference distance, positions) and the refusals.
 """
 from __future__ import annotations
@@ -44,9 +45,12 @@ def _live_parts(engine_cpu):
                            components.LoadSettings.of(spec)), plan
 
 
-@pytest.mark.slow
-def test_cached_blocks_equal_a_full_recomputation_with_the_window_mask(engine_cpu, long_speech, monkeypatch):
-    from live_reference import recompute
+@pytest.fixture(scope="module")
+def live_one(engine_cpu, long_speech):
+    """One process's live job (seed 42, the 6-block speech: the 4-block ring wraps), in this process
+    (the loop a ``--nproc 1`` worker runs), with every sink pass and block forward it made recorded:
+    the cached-blocks proof reads the forwards, and every layout's frames must equal its frames."""
+    from types import SimpleNamespace
 
     from wan_s2v_runner.rank import live_dit
     from wan_s2v_runner.rank.job_shell import JobShell
@@ -68,10 +72,20 @@ def test_cached_blocks_equal_a_full_recomputation_with_the_window_mask(engine_cp
         sinks.append((ref, motion))
         return sink(self, ref, motion, ctx)
 
-    monkeypatch.setattr(live_dit.LiveDiT, "block", recording_block)
-    monkeypatch.setattr(live_dit.LiveDiT, "sink", recording_sink)
-    req = request_for(spec.model_copy(update={"audio": long_speech, "seed": 5}))
-    frames = JobShell(parts, plan).generate(req)
+    live_dit.LiveDiT.block, live_dit.LiveDiT.sink = recording_block, recording_sink
+    try:
+        frames = JobShell(parts, plan).generate(request_for(spec.model_copy(update={"audio": long_speech,
+                                                                                     "seed": 42})))
+    finally:
+        live_dit.LiveDiT.block, live_dit.LiveDiT.sink = block, sink
+    return SimpleNamespace(frames=frames, calls=calls, sinks=sinks, held=held)
+
+
+@pytest.mark.slow
+def test_cached_blocks_equal_a_full_recomputation_with_the_window_mask(live_one):
+    from live_reference import recompute
+
+    frames, calls, sinks, held = live_one.frames, live_one.calls, live_one.sinks, live_one.held
     blocks = len(calls) // recipe.STEPS
     assert blocks == recipe.blocks_for(int(4.2 * 16)) > recipe.WINDOW_BLOCKS + 1
     assert frames.shape[1] == recipe.video_frames(blocks)
@@ -131,15 +145,17 @@ def _run(assets, d: Path, speech: Path, *extra: str):
 
 
 @pytest.mark.slow
-def test_the_step_pipeline_over_real_ranks_equals_one_process(tiny_assets, long_speech, tmp_path):
-    one, run1, _ = _run(tiny_assets, tmp_path / "one", long_speech, "--nproc", "1")
-    blocks = run1["live"]["blocks"]  # run.json: the live figures
-    assert run1["live"]["first_frame_s"] > 0 and run1["live"]["fps"] > 0 and run1["live"]["frames_made"] == one.shape[1]
-    assert one.shape[1] == recipe.video_frames(blocks) and blocks > 2
-    two, _, _ = _run(tiny_assets, tmp_path / "two", long_speech, "--nproc", "2")
+def test_the_step_pipeline_over_real_ranks_equals_one_process(tiny_assets, long_speech, live_one, tmp_path):
+    """4 and 5 real ranks equal one process (2 ranks: the batch below), exactly; so does a DiT
+    streamed block by block over 2; fp16 stays within its bound; every rank reports every block."""
+    one = live_one.frames
     four, _, _ = _run(tiny_assets, tmp_path / "four", long_speech, "--nproc", "4")
-    five, _, run_dir = _run(tiny_assets, tmp_path / "five", long_speech, "--nproc", "5")
-    assert torch.equal(two, one), (two - one).abs().max()
+    # --release-encoders: the DiT ranks read theirs after the encoders let go; rank 0, holding none, meets
+    # their load's barrier at the same point (the first job's join)
+    five, run5, run_dir = _run(tiny_assets, tmp_path / "five", long_speech, "--nproc", "5", "--release-encoders")
+    blocks = run5["live"]["blocks"]  # run.json: the live figures
+    assert run5["live"]["first_frame_s"] > 0 and run5["live"]["fps"] > 0 and run5["live"]["frames_made"] == one.shape[1]
+    assert one.shape[1] == recipe.video_frames(blocks) and blocks > 2
     assert torch.equal(four, one), (four - one).abs().max()
     assert torch.equal(five, one), (five - one).abs().max()
     # the DiT streamed block by block from host memory: the same frames; fp16 compute: within its bound
@@ -158,16 +174,20 @@ def test_the_step_pipeline_over_real_ranks_equals_one_process(tiny_assets, long_
 
 
 @pytest.mark.slow
-def test_live_jobs_in_a_batch_equal_their_one_process_runs(tiny_assets, engine_cpu, tmp_path):
+def test_live_jobs_in_a_batch_equal_their_one_process_runs(tiny_assets, engine_cpu, long_speech, live_one, tmp_path):
+    """Two live jobs in a row over 2 ranks (rank 0 runs the first two steps and decodes the blocks in
+    flight behind): the first, the 6-block speech, equals one process's (``live_one``), the second
+    (another seed, prompt and speech) its own one-process run."""
     from wan_s2v_runner.rank.job_shell import JobShell
     from wan_s2v_runner.rank.worker import request_for
 
     wan, cfg, spec = engine_cpu
     parts, plan = _live_parts(engine_cpu)
-    want = {name: JobShell(parts, plan).generate(request_for(spec.model_copy(update=u)))
-            for name, u in (("a", {"seed": 42}), ("b", {"seed": 9, "prompt": "someone else"}))}
+    want = {"a": live_one.frames,
+            "b": JobShell(parts, plan).generate(request_for(spec.model_copy(update={"seed": 9,
+                                                                                    "prompt": "someone else"})))}
     jobs = tmp_path / "jobs.jsonl"
-    jobs.write_text(json.dumps({"id": "a", "frames_out": str(tmp_path / "a.pt")}) + "\n"
+    jobs.write_text(json.dumps({"id": "a", "audio": str(long_speech), "frames_out": str(tmp_path / "a.pt")}) + "\n"
                     + json.dumps({"id": "b", "seed": 9, "prompt": "someone else", "frames_out": str(tmp_path / "b.pt")})
                     + "\n")
     r = run_cli(["batch", str(jobs), *LIVE, *asset_flags(tiny_assets), "--nproc", "2", "--output-dir",
@@ -177,7 +197,8 @@ def test_live_jobs_in_a_batch_equal_their_one_process_runs(tiny_assets, engine_c
         got = torch.load(tmp_path / f"{name}.pt")
         assert torch.equal(got, frames), (name, (got - frames).abs().max())
         record = json.loads((tmp_path / "out" / f"{name}.json").read_text())
-        assert record["live"]["blocks"] == 2 and record["live"]["first_frame_s"] > 0
+        assert record["live"]["first_frame_s"] > 0 and record["live"]["frames_made"] == frames.shape[1], record
+    assert json.loads((tmp_path / "out" / "b.json").read_text())["live"]["blocks"] == 2
 
 
 def test_the_stage_rule():

@@ -329,7 +329,7 @@ def test_two_local_ranks_write_it_once_and_both_map_it(five, tmp_path):
         assert loaded["strategy"]["dit_cache"]["path"] == str(files[0])
         assert loaded["strategy"]["dit_stream"]["host"] == "page-cache"
         actions.append(loaded["strategy"]["dit_cache"]["action"])
-    assert actions == ["written", "mapped (written by local rank 0)"], actions
+    assert actions == ["written", "mapped (written by the node's leading rank)"], actions
 
 
 def test_auto_asks_the_rule_with_what_the_rank_measures(five, cache, monkeypatch):

@@ -1,14 +1,14 @@
-"""Clip checkpoints and resume: a rank fails during clip 2 of 3; `wan-s2v resume` finishes the
-run (on another layout) and the mp4 is byte-identical to an uninterrupted run's; a resume whose
-inputs or frame settings differ is refused before anything is spawned."""
+"""Clip checkpoints and resume: the disk fills during clip 2 of 3 of a 2-rank run, which fails in
+one line under its own exit code; `wan-s2v resume` finishes the run (on another layout) and the mp4
+is byte-identical to an uninterrupted run's; a resume whose inputs or frame settings differ is
+refused before anything is spawned."""
 from __future__ import annotations
 
 import json
 import shutil
 
 import pytest
-from conftest import TINY_FLAGS, asset_flags, one_process_frames, run_cli
-from fault_worker import fault_env
+from conftest import TINY_FLAGS, asset_flags
 
 from wan_s2v_runner.shared import exit_codes, media
 from wan_s2v_runner.shared.job_source import SPEC_KEY, JobSource, read_source
@@ -17,57 +17,15 @@ THREE_CLIPS = ["--infer-frames", "4", "--num-clips", "3"]
 
 
 @pytest.mark.slow
-def test_resume_after_a_failure_in_clip_2_gives_the_same_mp4(tiny_assets, engine_cpu, tmp_path):
-    base = ["run", *TINY_FLAGS, *asset_flags(tiny_assets), *THREE_CLIPS]
-    # the uninterrupted run's mp4: one process's frames (the loop a --nproc 1 worker runs, here in
-    # this process) written the way rank 0 writes them
-    whole = tmp_path / "whole.mp4"
-    frames = one_process_frames(engine_cpu, infer_frames=4, num_clips=3)
-    assert frames.shape[1] == 3 * 4 - 3  # three clips
-    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, tiny_assets.audio, whole, media.clip_lengths(9, 4))
-
-    crash = tmp_path / "crash"
-    crash.mkdir()
-    out = crash / "o.mp4"
-    r = run_cli([*base, "--nproc", "2", "--output", str(out), "--runs-root", str(crash / "runs")], cwd=crash,
-                env=fault_env("1:denoise@2:raise"))
-    assert r.returncode == exit_codes.RANK_FAILED, r.output
-    assert not out.exists()
-    run_dir = next((crash / "runs").iterdir())
-    assert read_source(run_dir) is JobSource.RUN  # the run's own job, as its launcher recorded
-    assert json.loads((run_dir / "spec.json").read_text())[SPEC_KEY] == "run"
-    state = json.loads((run_dir / "clips" / "state.json").read_text())
-    assert (state["next_clip"], state["num_clips"]) == (1, 3)  # clip 1 complete, clip 2 was lost
-
-    # inputs that differ from the run that wrote the clips: refused, nothing spawned
-    other_audio = tmp_path / "other.wav"
-    shutil.copy(tiny_assets.audio, other_audio)
-    with open(other_audio, "r+b") as f:
-        f.seek(-2, 2)
-        f.write(b"\x01\x02")
-    r = run_cli(["resume", str(run_dir), "--audio", str(other_audio)], cwd=crash)
-    assert r.returncode == exit_codes.USAGE and "inputs or frame settings" in r.stderr, r.output
-    r = run_cli(["resume", str(run_dir), "--steps", "3"], cwd=crash)
-    assert r.returncode == exit_codes.USAGE and "--steps cannot change" in r.stderr, r.output
-    assert len(list((crash / "runs").iterdir())) == 1
-
-    r = run_cli(["resume", str(run_dir), "--nproc", "1", "--json"], cwd=crash)  # another layout
-    assert r.returncode == 0, r.output
-    assert "resuming" in r.stderr and "at clip 2/3" in r.stderr
-    manifest = json.loads(r.stdout)
-    assert manifest["resume"] == {"from": str(run_dir), "at_clip": 2, "clips": 3}
-    assert media.sha256_file(out) == media.sha256_file(whole)
-    assert manifest["output"]["sha256"] == media.sha256_file(out)
-
-
-@pytest.mark.slow
-def test_a_full_disk_is_a_job_error_in_one_line_and_resume_finishes_the_mp4(tiny_assets, engine_cpu, tmp_path,
-                                                                          monkeypatch, capsys):
-    """The disk fills after clip 1 is committed: rank 0's write of clip 2 meets ENOSPC (injected at
-    its checkpoint), and so does the launcher's run.json (injected in this process, where the
+def test_a_full_disk_in_clip_2_fails_in_one_line_and_resume_finishes_the_mp4(tiny_assets, held_job_mp4, tmp_path,
+                                                                            monkeypatch, capsys):
+    """3 clips over 2 real ranks (``serving.HELD_JOB``'s job, whose one-process mp4 is
+    ``held_job_mp4``). The disk fills after clip 1 is committed: rank 0's checkpoint of clip 2 meets
+    ENOSPC (injected), and so does the launcher's run.json (injected in this process, where the
     launcher runs). The run fails in one line (the filesystem, the clip kept, the fix) under exit
-    code disk-full, without a traceback, leaving no temporary; once there is room, `wan-s2v resume`
-    finishes the video byte for byte an uninterrupted run's."""
+    code disk-full, without a traceback, leaving no temporary; a resume whose inputs or frame
+    settings differ is refused before anything spawns; once there is room, `wan-s2v resume` on
+    another layout (1 rank) finishes the video byte for byte the uninterrupted run's."""
     import errno
     import os
     from pathlib import Path
@@ -77,10 +35,6 @@ def test_a_full_disk_is_a_job_error_in_one_line_and_resume_finishes_the_mp4(tiny
     from wan_s2v_runner.cli import main as cli
     from wan_s2v_runner.shared import atomic
     from wan_s2v_runner.shared.disk import mount_point
-
-    whole = tmp_path / "whole.mp4"  # the uninterrupted run's mp4, as in the test above
-    frames = one_process_frames(engine_cpu, infer_frames=4, num_clips=3)
-    media.save_video_with_audio(frames, engine_cpu[1].sample_fps, tiny_assets.audio, whole, media.clip_lengths(9, 4))
 
     real_write_text = atomic.write_text
 
@@ -98,11 +52,14 @@ def test_a_full_disk_is_a_job_error_in_one_line_and_resume_finishes_the_mp4(tiny
         m.setattr(atomic, "write_text", write_text)
         m.setenv(RANK_WORKER_ENV, MODULE)
         m.setenv(FAULT_ENV, "0:clip_checkpoint@2:enospc")
-        code = cli.main(["run", *TINY_FLAGS, *asset_flags(tiny_assets), *THREE_CLIPS, "--nproc", "1",
+        code = cli.main(["run", *TINY_FLAGS, *asset_flags(tiny_assets), *THREE_CLIPS, "--seed", "8", "--nproc", "2",
                          "--output", str(out), "--runs-root", str(run_dir_root)])
     err = capsys.readouterr().err
     assert code == exit_codes.DISK_FULL, err[-3000:]
+    assert not out.exists()
     run_dir = next(run_dir_root.iterdir())
+    assert read_source(run_dir) is JobSource.RUN  # the run's own job, as its launcher recorded
+    assert json.loads((run_dir / "spec.json").read_text())[SPEC_KEY] == "run"
     said = [line for line in err.splitlines() if line.startswith("wan-s2v: FAILED")]
     assert len(said) == 1, err[-3000:]
     assert ("(disk-full, exit 10): the disk is full (No space left on device): the filesystem at "
@@ -112,10 +69,26 @@ def test_a_full_disk_is_a_job_error_in_one_line_and_resume_finishes_the_mp4(tiny
     assert said[0].endswith(f", then `wan-s2v resume {run_dir}`"), said[0]
     assert "Traceback" not in err and "hint:" not in err
     assert not (run_dir / "run.json").exists() and not list(run_dir.glob(".run.*"))  # nothing half-written
-    assert json.loads((run_dir / "clips" / "state.json").read_text())["next_clip"] == 1
+    state = json.loads((run_dir / "clips" / "state.json").read_text())
+    assert (state["next_clip"], state["num_clips"]) == (1, 3)  # clip 1 complete, clip 2 was lost
 
-    code = cli.main(["resume", str(run_dir), "--json"])
+    # inputs that differ from the run that wrote the clips: refused, nothing spawned
+    other_audio = tmp_path / "other.wav"
+    shutil.copy(tiny_assets.audio, other_audio)
+    with open(other_audio, "r+b") as f:
+        f.seek(-2, 2)
+        f.write(b"\x01\x02")
+    assert cli.main(["resume", str(run_dir), "--audio", str(other_audio)]) == exit_codes.USAGE
+    assert "inputs or frame settings" in capsys.readouterr().err
+    assert cli.main(["resume", str(run_dir), "--steps", "3"]) == exit_codes.USAGE
+    assert "--steps cannot change" in capsys.readouterr().err
+    assert len(list(run_dir_root.iterdir())) == 1
+
+    code = cli.main(["resume", str(run_dir), "--nproc", "1", "--json"])  # another layout
     got = capsys.readouterr()
     assert code == 0, got.err[-3000:]
-    assert json.loads(got.out)["resume"]["at_clip"] == 2
-    assert media.sha256_file(out) == media.sha256_file(whole)
+    assert "resuming" in got.err and "at clip 2/3" in got.err
+    manifest = json.loads(got.out)
+    assert manifest["resume"] == {"from": str(run_dir), "at_clip": 2, "clips": 3}
+    assert media.sha256_file(out) == held_job_mp4
+    assert manifest["output"]["sha256"] == held_job_mp4

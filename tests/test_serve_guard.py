@@ -249,8 +249,10 @@ def test_an_event_stream_always_reaches_an_end(open_server, tiny_assets):
 def test_a_full_disk_fails_the_job_alone_and_a_nearly_full_one_refuses_jobs(server, inputs, tiny_assets,
                                                                             tmp_path_factory):
     """ENOSPC at rank 0's real write (finishing the video, injected): that job fails with the cause and the fix,
-    the same ranks make the next job. A server whose disk has less than --min-free-mb free refuses
-    new jobs with 507 and goes on answering."""
+    the same ranks make the next job. ENOSPC as the video grows (the writer's append of clip 2 of 3,
+    on its thread): the next step's message ends the job on both ranks, it fails with the cause and
+    the served fix, and the group stays (no restart). A server whose disk has less than
+    --min-free-mb free refuses new jobs with 507 and goes on answering."""
     before = httpx.get(f"{server.url}/health").json()
     small = {"image": inputs["image"], "audio": inputs["audio"], "steps": 1, "infer_frames": 4, "num_clips": 1}
     full = server.submit(**small, prompt="nospace: the disk fills as the video is finished").json()
@@ -265,6 +267,12 @@ def test_a_full_disk_fails_the_job_alone_and_a_nearly_full_one_refuses_jobs(serv
     assert left == [f"{full['id']}.json", f"{full['id']}.partial.mp4", f"{full['id']}.thumbnail.jpg"], left
     assert media.probe(server.dir / "videos" / f"{full['id']}.partial.mp4").n_frames == 1  # its one clip
     assert json.loads((server.dir / "videos" / f"{full['id']}.json").read_text())["status"] == "failed"
+    midway = server.submit(**{**small, "num_clips": 3}, prompt="midway: the disk fills as the video grows").json()
+    failed = server.wait(midway["id"], "failed", "completed")
+    assert failed["status"] == "failed", failed
+    message = failed["error"]["message"]
+    assert "appending clip 2" in message and "No space left on device" in message, message
+    assert "submit the job again" in message and "wan-s2v resume" not in message, message
     after = server.submit(**small, prompt="room again").json()
     assert server.wait(after["id"], "completed")["status"] == "completed"
     health = httpx.get(f"{server.url}/health").json()

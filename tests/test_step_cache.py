@@ -19,40 +19,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY_FLAGS, asset_flags, once_per_run, run_cli
+from conftest import CACHE, TINY_FLAGS, asset_flags, one_process_cached, run_cli
 from fault_worker import fault_env
 
 from wan_s2v_runner.shared import cache_policy, exit_codes, media
 from wan_s2v_runner.shared.spec import JobSpec
 
-CACHE = "easycache:0.05"
 CACHED = ["--steps", "8", "--cache", CACHE]  # after TINY_FLAGS: 8 steps (its 2 leave nothing to reuse)
 #: the ComfyUI S2V template's few-step settings (with a 4-step LoRA merged)
 RECIPE = ["--steps", "4", "--guide-scale", "1", "--shift", "8"]
-
-
-def one_process(engine_cpu, **updates) -> tuple[torch.Tensor, list[dict]]:
-    """Our loop at one process, in this process (what a --nproc 1 worker runs): the frames and the
-    cache's per-clip records."""
-    from wan_s2v_runner.loading import components
-    from wan_s2v_runner.rank.job_shell import JobShell
-    from wan_s2v_runner.rank.parallel import RankPlan
-    from wan_s2v_runner.rank.worker import request_for
-    from wan_s2v_runner.shared.layout import Layout, Mode
-
-    wan, cfg, spec = engine_cpu
-    spec = spec.model_copy(update=updates)
-    plan = RankPlan(Layout.for_mode(Mode.ULYSSES, 1), 0)
-    parts = components.load(wan, cfg, str(spec.ckpt_dir), plan, torch.device("cpu"), 0,
-                            components.LoadSettings(dit_quant=spec.dit_quant, fp8_matmul=spec.fp8_matmul))
-    generator = JobShell(parts, plan)
-    return generator.generate(request_for(spec)), generator.driver.cache_records
-
-
-@pytest.fixture(scope="module")
-def cached_reference(engine_cpu, tmp_path_factory):
-    """One process's frames and decisions for the tiny spec at 8 steps with ``--cache CACHE``."""
-    return once_per_run(tmp_path_factory, "cached_reference", lambda: one_process(engine_cpu, steps=8, cache=CACHE))
 
 
 # --------------------------------------------------------------------------- the setting
@@ -175,7 +150,7 @@ def test_threshold_0_is_off_and_a_threshold_reuses_steps(engine_cpu, cached_refe
     from conftest import one_process_frames
 
     off = one_process_frames(engine_cpu, steps=8)
-    zero, zero_records = one_process(engine_cpu, steps=8, cache="easycache:0")
+    zero, zero_records = one_process_cached(engine_cpu, steps=8, cache="easycache:0")
     assert torch.equal(zero, off)  # computing every step with the cache's bookkeeping changes no bit
     assert [r["computed"] for r in zero_records] == [list(range(1, 9))] * 2
     frames, records = cached_reference
@@ -186,8 +161,8 @@ def test_threshold_0_is_off_and_a_threshold_reuses_steps(engine_cpu, cached_refe
     assert not torch.equal(frames, off) and (frames - off).abs().max() < 0.1  # near, not equal (random weights)
     # an fp8 DiT (--dit-quant fp8) under the cache: threshold 0 is its uncached run, a threshold reuses steps
     fp8 = one_process_frames(engine_cpu, steps=8, dit_quant="fp8")
-    assert torch.equal(one_process(engine_cpu, steps=8, dit_quant="fp8", cache="easycache:0")[0], fp8)
-    assert all(r["reused"] for r in one_process(engine_cpu, steps=8, dit_quant="fp8", cache=CACHE)[1])
+    assert torch.equal(one_process_cached(engine_cpu, steps=8, dit_quant="fp8", cache="easycache:0")[0], fp8)
+    assert all(r["reused"] for r in one_process_cached(engine_cpu, steps=8, dit_quant="fp8", cache=CACHE)[1])
 
 
 # --------------------------------------------------------------------------- every layout
@@ -273,10 +248,10 @@ def test_the_few_step_recipe_runs_in_every_mode(tiny_assets, engine_cpu, tmp_pat
     lora = lightx2v_lora(tiny_assets.ckpt_dir, tmp_path / "lightx2v_t2v_4step_lora.safetensors")
     lora_merge.apply(engine_cpu[0], merger([LoraRef(path=lora, strength=1.0)]))  # as a --nproc 1 run's worker does
     try:
-        want, _ = one_process(engine_cpu, steps=4, guide_scale=1.0, shift=8.0)
+        want, _ = one_process_cached(engine_cpu, steps=4, guide_scale=1.0, shift=8.0)
     finally:
         lora_merge.restore(engine_cpu[0])
-    assert not torch.equal(want, one_process(engine_cpu, steps=4, guide_scale=1.0, shift=8.0)[0])  # it merged
+    assert not torch.equal(want, one_process_cached(engine_cpu, steps=4, guide_scale=1.0, shift=8.0)[0])  # it merged
     modes = {"ulysses": ["--nproc", "2"], "fsdp-fixed": ["--mode", "fsdp-fixed", "--nproc", "2"],
              "hybrid": ["--mode", "hybrid", "--nproc", "2"]}
 
@@ -304,7 +279,7 @@ def test_a_compiled_dit_reuses_steps_as_the_eager_one(tiny_assets, engine_cpu, i
     rounding cannot move a decision."""
     from test_compile import FRAMES_BOUND
 
-    want, records = one_process(engine_cpu, steps=8, cache="easycache:10")
+    want, records = one_process_cached(engine_cpu, steps=8, cache="easycache:10")
     assert [r["reused"] for r in records] == [[3, 4, 5, 6, 7]] * 2
     r = _run(tiny_assets, tmp_path / "compiled", "--nproc", "1", "--compile", "--cache", "easycache:10",
              env=inductor_cache)

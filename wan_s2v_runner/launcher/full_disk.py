@@ -37,12 +37,14 @@ def facts_of(outcome: Outcome, ranks: dict) -> Optional[dict[str, Any]]:
     if outcome.code != exit_codes.RANK_FAILED:
         return None
     order = sorted(ranks.values(), key=lambda st: st.rank != outcome.failed_rank)  # the failing rank first
-    for st in order:
-        for ev in (st.error, st.job_failed):
-            if ev and isinstance(ev.get("disk"), dict):
-                return dict(ev["disk"])
-    texts = [outcome.error, outcome.reason] + [str((ev or {}).get(k) or "") for st in order
-                                               for ev in (st.error, st.job_failed) for k in ("message", "error")]
+    # a rank's own error, else the job it failed (a rank that raised says why itself: an earlier job's
+    # full disk, which the group outlived, is not a later crash's cause)
+    said = [st.error if st.error else st.job_failed for st in order]
+    for ev in said:
+        if ev and isinstance(ev.get("disk"), dict):
+            return dict(ev["disk"])
+    texts = [outcome.error, outcome.reason] + [str((ev or {}).get(k) or "") for ev in said
+                                               for k in ("message", "error")]
     for text in texts:
         if says_full(text):
             return {"path": str(path_in(text)) if path_in(text) else None, "need_bytes": None, "why": why(text)}

@@ -96,19 +96,23 @@ class DitPlacement(str, Enum):
     """Where a rank's DiT lives while a job's steps run (the loop reads it; nothing on the model says it)."""
 
     DEVICE = "device"  # on the rank's device (whole, or its FSDP shards), as upstream
-    HOST = "host"  # held in host memory, moved to the device for a clip's steps (upstream's init_on_cpu)
+    HOST = "host"  # in host memory, moved to the device for a clip's steps (upstream's init_on_cpu, --offload-model)
     STREAMED = "streamed"  # its blocks copied to the device as they run (--dit-offload blocks: ``streamer``)
     NONE = "none"  # this rank runs no step (a 5-rank live pipeline's decoding rank)
 
 
 class NoDit:
     """The pending DiT of a rank that holds none: nothing to read; its finish is upstream's
-    ``_configure_model`` barrier, which the ranks that hold one take at the same point."""
+    ``_configure_model`` barrier, which the ranks that hold one take at the same point: at load
+    (a DiT read before the encoders), at the first join (read after the encoders let go:
+    ``deferred``), or at the join or an idle poll (read on its thread while they run)."""
 
     model = None
-    deferred = False
     reading = False
     read_s = 0.0
+
+    def __init__(self, deferred: bool = False):
+        self.deferred = deferred
 
     def wait(self) -> None:
         pass
@@ -176,7 +180,11 @@ class Components:
             return DitPlacement.NONE
         if self.streamer is not None:
             return DitPlacement.STREAMED
-        return DitPlacement.HOST if self.shell.init_on_cpu else DitPlacement.DEVICE
+        if self.shell.init_on_cpu and self.pending is None:  # upstream's: held on the host unless read onto the device
+            first = next(self.shell.noise_model.parameters(), None)
+            if first is not None and first.device.type != self.device.type:
+                return DitPlacement.HOST
+        return DitPlacement.DEVICE
 
     @property
     def guard(self):
@@ -378,9 +386,10 @@ def load(wan, config, ckpt_dir: str, plan, device: torch.device, device_id: int,
     pending, streamer = None, None
     if not plan.needs_dit:  # a live pipeline's decoding rank: no step, no DiT; upstream's barrier all the same
         self.noise_model = None
-        pending = NoDit()
-        if not how.overlap:
-            pending = pending.finish() and None
+        pending = NoDit(deferred=how.release_encoders)
+        if not how.overlap and not how.release_encoders:  # the holders configure theirs now: so does it
+            pending.finish()
+            pending = None
         report.strategy["dit"] = "none: this rank runs no denoising step"
     elif lean:
         dit = _lean_dit(self, s2v_mod, ckpt_dir, lay, dit_shard_fn, report, on_event, how, group=load_group)

@@ -54,8 +54,6 @@ log = logging.getLogger("wan_s2v.dit_cache")
 
 #: the file's format (``shared.dit_files``: one definition for its writer and its readers)
 FORMAT, MAGIC, _TAIL, _PAGE = dit_files.FORMAT, dit_files.MAGIC, dit_files.TAIL, dit_files.PAGE
-#: what a write needs beyond the parameters' pages: fp8's row scales and the trailer, with room
-_WRITE_MARGIN = 64 * 2**20
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -364,7 +362,7 @@ def _found_or_written(place: DitCachePlace, dest: Path, key: str, layout, nbytes
         log.warning("%s is not a whole cache file of this DiT: writing it again", dest)
     for p in _remove_leftovers(dest):
         log.warning("removed %s, a cache file a stopped run left half-written", p.name)
-    need = -(-nbytes // _PAGE) * _PAGE + _WRITE_MARGIN
+    need = dit_files.write_needs(nbytes)
     evicted = _make_room(cache_dir, dest, need, place.budget)
     t0 = time.perf_counter()
     try:
@@ -393,12 +391,6 @@ def _used(cache: CacheFile) -> CacheFile:
 
 
 # --------------------------------------------------------------------------- a rank's side
-def _node() -> tuple[str, int, int]:
-    """(this node, the local rank, the local ranks), as torchrun says."""
-    return (os.environ.get("GROUP_RANK", "0"), int(os.environ.get("LOCAL_RANK", 0)),
-            max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-
-
 def _size(*paths) -> int:
     for p in paths:
         try:
@@ -432,8 +424,7 @@ def resolve(want, dit_bytes: int, slot_bytes: int, ckpt_dir, group=None) -> tupl
     want = StreamSource(want)
     if want is not StreamSource.AUTO:
         return want, f"{want.value}: --dit-stream-from {want.value}"
-    node, _, local_ranks = _node()
-    node, leader, _ = lean_load.node_place(group)
+    node, leader, local_ranks = lean_load.node_place(group)  # the node's ranks that hold a DiT
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.barrier(group=group)
         infos: list = [None] * dist.get_world_size(group)
@@ -483,16 +474,16 @@ def node_cached_weights(model, source, report, what: str, *, cache_dir, key_of: 
     if error is not None:
         raise error
     if mine is None:
-        raise DitCacheError("no local rank 0 on this node writes the DiT's page-cache file. Fix: launch with "
+        raise DitCacheError("no rank of this node writes the DiT's page-cache file. Fix: launch with "
                             "torchrun's local ranks (or use --dit-stream-from memory)")
     if "error" in mine:
-        raise DitCacheError(f"local rank 0 could not provide the DiT's page-cache file: {mine['error']}")
+        raise DitCacheError(f"the node's leading rank could not provide the DiT's page-cache file: {mine['error']}")
     cache = found if found is not None else read(Path(mine["path"]), total, sha)
     if cache is None:
         raise DitCacheError(f"{mine['path']}, the DiT's page-cache file local rank 0 gave, does not read whole here. "
                             "Fix: a cache directory every rank of the node sees alike ($WAN_S2V_DIT_CACHE_DIR)")
     map_into(model, cache, layout)
-    action = mine["action"] if leader else f"mapped ({mine['action']} by local rank 0)"
+    action = mine["action"] if leader else f"mapped ({mine['action']} by the node's leading rank)"
     report.strategy[what] = "page-cache"
     report.strategy[f"{what}_cache"] = {"path": mine["path"], "bytes": total, "action": action,
                                         "write_s": mine["seconds"], "why": why, "evicted": mine.get("evicted", [])}

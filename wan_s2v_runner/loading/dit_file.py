@@ -76,11 +76,23 @@ class DitFileError(CheckpointFileError):
         self.cause, self.fix = cause, fix
 
 
+class WanKind(str, Enum):
+    """Which Wan DiT a file holds (from its tensors' names: :func:`architecture`)."""
+
+    S2V = "S2V"
+    I2V = "I2V"
+    T2V = "T2V"
+    NONE = ""  # not a Wan DiT
+
+    def __bool__(self) -> bool:
+        return self is not WanKind.NONE
+
+
 @dataclass(frozen=True)
 class DitArchitecture:
     """What model a DiT file is, from its tensor shapes."""
 
-    kind: str  # "S2V", "I2V", "T2V" (a Wan DiT), or "" (not a Wan DiT)
+    kind: "WanKind"  # S2V, I2V, T2V (a Wan DiT), or NONE (not a Wan DiT)
     dim: int = 0
     in_dim: int = 0
     ffn_dim: int = 0
@@ -90,8 +102,9 @@ class DitArchitecture:
     def describe(self) -> str:
         if not self.kind:
             return "not a Wan DiT"
-        return (f"Wan {self.kind} DiT: dim {self.dim}, in_dim {self.in_dim}, ffn {self.ffn_dim}, "
-                f"{self.num_layers} layers" + (f", {self.audio_layers} audio layers" if self.kind == "S2V" else ""))
+        audio = f", {self.audio_layers} audio layers" if self.kind is WanKind.S2V else ""
+        return (f"Wan {self.kind.value} DiT: dim {self.dim}, in_dim {self.in_dim}, ffn {self.ffn_dim}, "
+                f"{self.num_layers} layers{audio}")
 
 
 @dataclass
@@ -295,17 +308,17 @@ def dit_shapes(ckpt_dir, dit_file=None) -> dict[str, tuple[int, ...]]:
 def architecture(shapes: dict[str, tuple[int, ...]]) -> DitArchitecture:
     """Which Wan DiT these (Wan-named) tensor shapes are, and its dims."""
     if "head.modulation" not in shapes or "patch_embedding.weight" not in shapes:
-        return DitArchitecture("")
+        return DitArchitecture(WanKind.NONE)
     pe = shapes["patch_embedding.weight"]  # [dim, in_dim, 1, 2, 2]
     layers = {k.split(".")[1] for k in shapes if k.startswith("blocks.")}
     ffn = shapes.get("blocks.0.ffn.0.weight", (0,))[0]
     audio = {k.split(".")[2] for k in shapes if k.startswith("audio_injector.injector.")}
     if any(k.startswith("casual_audio_encoder.") for k in shapes) or audio:
-        kind = "S2V"
+        kind = WanKind.S2V
     elif any(k.startswith("img_emb.") for k in shapes):
-        kind = "I2V"
+        kind = WanKind.I2V
     else:
-        kind = "T2V"
+        kind = WanKind.T2V
     return DitArchitecture(kind, pe[0], pe[1] if len(pe) > 1 else 0, ffn, len(layers), len(audio))
 
 
@@ -314,8 +327,8 @@ def config_mismatch(arch: DitArchitecture, cfg: dict) -> Optional[str]:
     fix is :data:`FIX_FILE`), or None."""
     if not arch.kind:
         return "it is not a Wan DiT (no head.modulation or patch_embedding: a VAE, a text encoder or a LoRA?)"
-    if arch.kind != "S2V":
-        return f"this is a Wan {arch.kind} DiT (no audio modules), not S2V"
+    if arch.kind is not WanKind.S2V:
+        return f"this is a Wan {arch.kind.value} DiT (no audio modules), not S2V"
     want = {"dim": arch.dim, "in_dim": arch.in_dim, "ffn_dim": arch.ffn_dim, "num_layers": arch.num_layers,
             "audio_inject_layers": arch.audio_layers}
     for key, got in want.items():

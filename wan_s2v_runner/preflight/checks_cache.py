@@ -34,8 +34,6 @@ from wan_s2v_runner.shared.stream_source import cache_dir
 from .core import fail, ok, skip, warn
 
 ID = "output.dit_cache"
-#: what a write needs beyond the parameters (``loading.dit_cache``: the scales, the trailer)
-WRITE_MARGIN = 64 * 2**20
 
 
 def _file_bytes(ctx) -> tuple[Optional[int], str]:
@@ -78,25 +76,37 @@ def _disk(ctx, path: Path) -> Optional[dict]:
     return ctx.facts.filesystem(path)
 
 
+def _same_path(recorded, given) -> bool:
+    """Whether a path a cache file recorded (absolute, as its writer saw it) is ``given`` (a link to it
+    counts: both resolved)."""
+    if recorded is None or given is None:
+        return recorded is given
+    try:
+        return Path(recorded).resolve() == Path(given).resolve()
+    except OSError:
+        return str(recorded) == str(given)
+
+
 def matches(about: dict, ctx) -> bool:
     """Whether a file's ``about`` is this run's DiT: its checkpoint (or ``--dit-file``),
     quantization, dtype and LoRA set (paths, strengths, sizes)."""
     from .memory import compute_dtype
     spec = ctx.spec
     if spec.dit_file is not None:
-        if about.get("dit_file") != str(spec.dit_file):
+        if not _same_path(about.get("dit_file"), spec.dit_file):
             return False
-    elif about.get("dit_file") is not None or about.get("checkpoint") != str(spec.ckpt_dir):
+    elif about.get("dit_file") is not None or not _same_path(about.get("checkpoint"), spec.ckpt_dir):
         return False
     if about.get("quant") != DitQuant(spec.dit_quant).value or about.get("dtype") != compute_dtype(ctx)[0].value:
         return False
     want = []
     for ref in spec.lora:
         try:
-            want.append((str(Path(ref.path).absolute()), float(ref.strength), Path(ref.path).stat().st_size))
+            want.append((str(Path(ref.path).resolve()), float(ref.strength), Path(ref.path).stat().st_size))
         except OSError:
             return False
-    have = [(x.get("path"), float(x.get("strength", 1.0)), x.get("bytes")) for x in about.get("loras") or []]
+    have = [(str(Path(x["path"]).resolve()) if x.get("path") else None, float(x.get("strength", 1.0)), x.get("bytes"))
+            for x in about.get("loras") or []]
     return have == want
 
 
@@ -121,7 +131,7 @@ def check_dit_cache(ctx):
         budget = cache_budget.parse(ctx.spec.dit_cache_max)
     except cache_budget.BudgetError as e:
         return fail(ID, f"--dit-cache-max: {e}", "give a size like 200G or a share like 20%")
-    need = -(-size // dit_files.PAGE) * dit_files.PAGE + WRITE_MARGIN
+    need = dit_files.write_needs(size)
     files = dit_files.scan(directory) if ctx.facts.live else []
     unknown = "" if ctx.facts.live else " (a recorded machine: its cache files are unknown, planned as none)"
     found = next((f for f in files if f.meta is not None and matches(f.about, ctx)), None)

@@ -164,7 +164,8 @@ class DitStage:
         self.motion_frames = [s2v.motion_frames, motion_latent_frames(s2v.motion_frames)]
         self.hooks.stage(Stage.DENOISE, what="sink")
         self.guard = driver.parts.guard
-        self.dit = LiveDiT(driver.parts.noise_model, recipe.rope_positions(geo.blocks), self.guard, geo.param_dtype)
+        self.dit = LiveDiT(driver.parts.noise_model, recipe.rope_positions(geo.blocks), self.guard, geo.param_dtype,
+                           geo.device.type)
         self.ctx = self.dit.context(inputs.contexts[0][0:1])
         self.cond = self.dit.sink(inputs.latents["ref"], inputs.latents["motion"], self.ctx)
         self.kvs = {i: StepKV(len(self.dit.model.blocks)) for i in self.steps}
@@ -276,7 +277,8 @@ class StageRank:
             message = message if faulted is None else message.with_fault(faulted.fault, faulted.fault_step,
                                                                          faulted.fault_at)
             links.send(sc.pack(message, x if message.fault is None else None, geo.numel, geo.device), self.next)
-            self.hooks.step(unit=BLOCK, block=g + 1, blocks=geo.blocks)
+            if message.fault is None:  # a block passed on uncomputed (the job fails) is not progress
+                self.hooks.step(unit=BLOCK, block=g + 1, blocks=geo.blocks)
         raise RuntimeError(f"rank {self.rank}: the live stream did not end after its {geo.blocks} blocks")
 
 

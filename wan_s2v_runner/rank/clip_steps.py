@@ -268,15 +268,14 @@ class Denoiser:
         self.parts, self.plan, self.hooks, self.device = driver.parts, driver.plan, driver.hooks, driver.device
         self.setting = cache_policy.parse(req.cache)
         self.control = Lockstep(self.device, self.hooks.stop_requested, self.parts.guard, self.setting.reuses)
-        # the DiT moves to the device for a clip's steps when it is held on the host (upstream's
-        # init_on_cpu, or --offload-model), never when it is streamed
-        self.moves = self.parts.placement is DitPlacement.HOST or (
-            req.offload_model and self.parts.placement is not DitPlacement.STREAMED)
+        self.offloads = req.offload_model and self.parts.placement is not DitPlacement.STREAMED
 
     def run(self, clip: ClipInputs) -> torch.Tensor:
         """The clip's final latents [1, 16, F, H/8, W/8]."""
         h, r = self.hooks, clip.index
-        if self.moves:
+        # the DiT moves to the device for a clip's steps when it is held on the host (upstream's
+        # init_on_cpu, or --offload-model), never when it is streamed
+        if self.parts.placement is DitPlacement.HOST or self.offloads:
             self.parts.noise_model.to(self.device)
             _empty_cache(self.device)
         h.stage(Stage.DENOISE, unit=ProgressUnit.CLIP, clip=r + 1, clips=self.num_clips, steps=len(clip.timesteps))
@@ -297,7 +296,7 @@ class Denoiser:
             measure = self._end_of_step(i, len(clip.timesteps), r, cache, latents[0], predicted is not None)
         if cache is not None:
             self._cache_done(cache, r)
-        if self.req.offload_model and self.parts.placement is not DitPlacement.STREAMED:
+        if self.offloads:
             self.parts.noise_model.cpu()
             _empty_cache(self.device, sync=True)
         return torch.stack(latents)

@@ -140,11 +140,14 @@ class JobShell:
         return kept.video() if kept is not None else None
 
     def join_dit(self) -> None:
-        """The DiT read on its thread while the encoders ran: joined here, on every rank."""
+        """The DiT read on its thread while the encoders ran: joined here, on every rank; fp16's
+        guard starts the job with no flag (an earlier job that ended mid-step may have left one)."""
         if self.parts.dit_loading:
             if self.parts.pending.reading:
                 self.hooks.stage(Stage.LOAD, what="WanModel_S2V")
             self.parts.ready()
+        if self.parts.guard is not None:
+            self.parts.guard.take()
 
     def precision(self):
         """The denoising's autocast: CUDA's in the compute dtype, as upstream's ``generate``."""

@@ -65,13 +65,15 @@ class LiveDiT:
     after each forward; ``dtype``: the compute dtype (the CPU's autocast for a half one)."""
 
     def __init__(self, model, positions: int, guard: Optional[fp16_compute.Guard] = None,
-                 dtype: torch.dtype = torch.float32):
-        """``positions``: latent-frame positions the video needs (its frames and the reference's)."""
+                 dtype: torch.dtype = torch.float32, device_type: str = "cpu"):
+        """``positions``: latent-frame positions the video needs (its frames and the reference's);
+        ``device_type``: the rank's (a half dtype on the CPU computes under the CPU's autocast, as the
+        clip recipe's DiT forward does: ``patches.fp16_compute.cpu_autocast``)."""
         from wan.modules.model import rope_params
 
         self.model, self.guard = model, guard
         self.attention = live_kv.apply(model)
-        self._compute = lambda: fp16_compute.cpu_autocast(next(model.parameters()).device.type, dtype)
+        self._compute = lambda: fp16_compute.cpu_autocast(device_type, dtype)
         d = model.dim // model.num_heads
         n = max(positions, 1024)
         self.freqs = torch.cat([rope_params(n, d - 4 * (d // 6)), rope_params(n, 2 * (d // 6)),

@@ -22,7 +22,8 @@ How it travels:
   step, stop here (cancelled, lost), or fail here with the fault. ``wan-s2v run`` and ``batch`` of
   a plain bf16/fp32 job run no such collective.
 * **The pipelined blocks** (:mod:`~wan_s2v_runner.rank.block_pipeline`): the message is the header of
-  the buffer that carries a block's latents from stage to stage (:func:`pack`, :data:`LINK_DTYPE`),
+  the buffer that carries a block's latents from stage to stage (:func:`pack`, :data:`LINK_DTYPE`;
+  the decoding rank's stop, and a FAILED from its video writer, start the stream's terminal message),
   so a stop or a fault travels with the data: a stage that faulted marks the block, the decoding
   rank learns it with the block and ends the job's stream, and every rank ends on the stream's
   last message, which says why.
@@ -45,8 +46,11 @@ from wan_s2v_runner.rank.lease import JobLost
 #: the dtype of the latents that travel between pipeline stages (the scheduler's: fp32), and of the
 #: messages' buffers; every stage sends and receives this one
 LINK_DTYPE = torch.float32
-#: values a message's header holds: signal, fault key, fault step, fault unit, measure
-HEADER = 5
+#: values a message's header holds: signal, fault key, fault step, fault unit, measure, then zeros:
+#: 16, so that a link buffer's latents start 64 bytes in (a view the GPU's kernels see aligned)
+HEADER = 16
+#: the header's values that mean something
+FIELDS = 5
 #: the fault key of a non-finite output after the last block (the audio injection, the head)
 OUTPUT_FAULT = 1 << 20
 
@@ -86,13 +90,14 @@ class StepMessage:
 
     def vector(self) -> list[float]:
         """The values, so that an element-wise MAX of several ranks' messages keeps the largest
-        signal, the lowest fault and the measuring rank's measure (the others say -inf)."""
+        signal, the lowest fault and the measuring rank's measure (the others say -1, no measure:
+        below any measure, 0 or more)."""
         return [float(self.signal), -float(self.fault) if self.fault is not None else -math.inf,
                 float(self.fault_step), float(self.fault_at), self.measure]
 
     @classmethod
     def of(cls, values) -> "StepMessage":
-        signal, fault, step, at, measure = (float(v) for v in values)
+        signal, fault, step, at, measure = (float(v) for v in list(values)[:FIELDS])
         return cls(Signal(int(signal)), None if fault == -math.inf else int(-fault), int(step), int(at), measure)
 
     def with_fault(self, fault: Optional[int], step: int, at: int) -> "StepMessage":
@@ -111,7 +116,7 @@ class StepMessage:
         if self.signal is Signal.FAILED:
             return WriteFailed("the decoding rank could not write the job's video")
         if self.signal is Signal.LOST:
-            return JobLost("the job")
+            return JobLost("the job's server lost it to another holder")
         if self.signal is Signal.CANCELLED:
             return JobCancelled("the job")
         return None
@@ -160,7 +165,7 @@ def pack(message: StepMessage, latents: Optional[torch.Tensor], numel: int, devi
     """One buffer for a link: the message's header, then ``latents`` flattened (``None``: a message
     without latents, e.g. the stream's end: zeros of ``numel``)."""
     buf = torch.zeros(HEADER + numel, dtype=LINK_DTYPE, device=device)
-    buf[:HEADER] = torch.tensor(message.vector(), dtype=LINK_DTYPE)
+    buf[:FIELDS] = torch.tensor(message.vector(), dtype=LINK_DTYPE)
     if latents is not None:
         buf[HEADER:] = latents.reshape(-1).to(LINK_DTYPE)
     return buf
@@ -168,7 +173,7 @@ def pack(message: StepMessage, latents: Optional[torch.Tensor], numel: int, devi
 
 def unpack(buf: torch.Tensor, shape) -> tuple[StepMessage, torch.Tensor]:
     """A link's buffer as (its message, its latents of ``shape``)."""
-    return StepMessage.of(buf[:HEADER].tolist()), buf[HEADER:].view(shape)
+    return StepMessage.of(buf[:FIELDS].tolist()), buf[HEADER:].view(shape)
 
 
 def empty(numel: int, device: torch.device) -> torch.Tensor:

@@ -97,6 +97,10 @@ class VideoWriter:
 
         self.output, self.fps, self.events = Path(output), fps, events
         self.run_dir = Path(run_dir)
+        #: a served job's: a write's error is kept (:attr:`error`) for the job's source to see at the
+        #: next step or block (every rank then ends the job there: ``rank.step_control``'s FAILED),
+        #: not raised on this rank alone while its peers are in a collective
+        self.served = served
         #: what a full disk's one line says to do after freeing space: resume the run, or (served)
         #: submit the job again
         self.then = disk.RESUBMIT if served else disk.RESUME
@@ -167,8 +171,11 @@ class VideoWriter:
     # ----- the loop's side
     def frames(self, clip: int, frames: torch.Tensor, num_clips: int) -> None:
         """Clip ``clip`` (0-based) of ``num_clips`` is decoded: (1, 3, n, H, W) on the CPU. Handed
-        to the writer's thread once it holds no other clip."""
-        self._wait_idle()
+        to the writer's thread once it holds no other clip (a served job whose write failed: kept
+        from it; the job ends at its next step)."""
+        self._wait_idle(raise_error=not self.served)
+        if self.error is not None:
+            return
         with self._cond:
             self._work, self._busy = (clip, frames, num_clips), True
             if self._thread is None:
@@ -179,15 +186,18 @@ class VideoWriter:
     def clip_done(self, state, num_clips: int) -> None:
         """The state after clip ``state.clip - 1`` (the next clip's motion latents): once its
         fragment is in the file, the clip checkpoint is committed."""
-        self._wait_idle()
-        if self.lost:  # the step hook or the end stops the job (JobLost)
+        self._wait_idle(raise_error=not self.served)
+        if self.lost or self.error is not None:  # the step message stops the job (JobLost, FAILED)
             return
         if self.growing is None:
             raise RuntimeError("a clip ended before its frames reached the video writer")
         try:
             self.checkpoint.commit(state, num_clips, self.growing.at, self.ends, self.gate)
         except OSError as e:
-            raise DiskError.of(e, f"the checkpoint of clip {state.clip}", path=self.run_dir, then=self.then) from e
+            error = DiskError.of(e, f"the checkpoint of clip {state.clip}", path=self.run_dir, then=self.then)
+            if not self.served:
+                raise error from e
+            self.error = error
 
     def drain(self) -> None:
         """Wait until the writer's thread holds no block or clip (its error, if any, raised here):
@@ -220,9 +230,12 @@ class VideoWriter:
 
     # ----- the thread
     def _wait_idle(self, raise_error: bool = True) -> None:
+        """Wait until the thread holds nothing; raise (and clear) its error, or keep it."""
         with self._cond:
             self._cond.wait_for(lambda: not self._busy)
-            err, self.error = self.error, None
+            err = self.error
+            if raise_error:
+                self.error = None
         if err is not None and raise_error:
             raise err
 

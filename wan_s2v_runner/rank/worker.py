@@ -414,9 +414,11 @@ class RankGroup:
         try:
             self._make(job, index, spec, hooks, writer, resume_state, identity, started, clock, stage, gate)
         except WriteFailed:  # every rank ended the job at one step: the decoding rank says why
-            raise JobFailed(f"writing the video failed: {writer.error}" if writer is not None and writer.error
-                            else "the decoding rank could not write the job's video") from (
-                writer.error if writer is not None else None)
+            error = writer.error if writer is not None else None
+            if writer is not None:
+                writer.abandon()
+            raise JobFailed(f"writing the video failed: {error}" if error is not None
+                            else "the decoding rank could not write the job's video") from error
         except BaseException:
             if writer is not None:
                 writer.abandon()  # a cancelled or failed job keeps its video so far (every finished clip)

@@ -57,14 +57,13 @@ class Progress:
             self.stage = str(ev.get("stage"))
             self.marks.append((self.stage, t))
             unit, index, count = position(ev)
-            if index is not None and self.stage != Stage.DENOISE:  # a live job's decode: the block in progress
-                self.unit, self.index, self.count = unit, index, count
             if self.stage == Stage.DENOISE:
                 self.denoise_t0 = self.denoise_t0 or t
-                self.unit, self.index, self.count = position(ev)
-                if self.unit is ProgressUnit.CLIP:
+            if index is not None:  # a stage that says where the job is (a live rank 0's denoise says not)
+                self.unit, self.index, self.count = unit, index, count
+                if self.stage == Stage.DENOISE and unit is ProgressUnit.CLIP:
                     self.step, self.steps = 0, ev.get("steps") or self.steps
-                else:
+                elif unit is ProgressUnit.BLOCK:
                     self.step = self.steps = None
         elif kind is EventKind.PREVIEW:
             self.preview_clips = ev.get("clips")

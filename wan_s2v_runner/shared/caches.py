@@ -228,9 +228,15 @@ def select(entries: Sequence[CacheEntry], targets: Sequence[str]) -> list[CacheE
     return [e for e in entries if id(e) in chosen]
 
 
+#: the name of the caches' root by the conventions (``$XDG_CACHE_HOME/wan-s2v``): a kind's directory
+#: is removed whole only under it
+ROOT_NAME = "wan-s2v"
+
+
 def clear(entries: Sequence[CacheEntry]) -> Cleared:
-    """Remove ``entries``: a DiT file unless a process maps it (or its writer is alive), a
-    directory whole."""
+    """Remove ``entries``: a DiT file unless a process maps it (or its writer is alive), a kind's
+    directory whole where its root is named :data:`ROOT_NAME` (a root set to a shared directory,
+    ``~/.cache`` say, may hold another program's ``demo`` or ``tests``: those are left, said so)."""
     out = Cleared()
     dit_dirs = set()
     for e in entries:
@@ -242,6 +248,10 @@ def clear(entries: Sequence[CacheEntry]) -> Cleared:
                 pids = f" (pid {', '.join(map(str, e.file.pids))})" if e.file.pids else ""
                 out.kept.append((e, ("being written" if e.file.temporary else "mapped by a running group")
                                  + pids + ": stop it first"))
+            continue
+        if e.path.parent.name != ROOT_NAME:  # a root of one's own (--cache-dir ~/.cache, say): maybe not all ours
+            out.kept.append((e, f"not under a directory named {ROOT_NAME} (the root may hold other programs' "
+                                f"{e.path.name}): remove it yourself if it is wan-s2v's"))
             continue
         try:
             shutil.rmtree(e.path)

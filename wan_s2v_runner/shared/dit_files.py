@@ -50,6 +50,16 @@ _NAME = re.compile(r"^dit-([0-9a-f]{8,64})\.bin$")
 _TEMP = re.compile(r"^\.dit-([0-9a-f]{8,64})\.(\d+)\.(.+)-[A-Za-z]+\.bin$")
 
 
+#: what a file's write needs beyond its page-rounded bytes (its trailer, the filesystem's own)
+WRITE_MARGIN = 64 * 2**20
+
+
+def write_needs(nbytes: int) -> int:
+    """The disk a DiT file of ``nbytes`` packed bytes needs while it is written: the bytes rounded
+    up to a page, and :data:`WRITE_MARGIN` (the rule the preflight plans with and the writer checks)."""
+    return -(-int(nbytes) // PAGE) * PAGE + WRITE_MARGIN
+
+
 def path_for(directory: Path, key: str) -> Path:
     return Path(directory) / f"dit-{key}.bin"
 

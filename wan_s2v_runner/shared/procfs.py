@@ -72,17 +72,22 @@ def name_this_process(comm: str) -> None:
 
 
 #: allocations from this size up are mapped on their own and given back when freed
-#: (:func:`pin_mmap_threshold`)
-MMAP_THRESHOLD = 4 * 2**20
+#: (:func:`pin_mmap_threshold`): glibc's own ceiling for its moving threshold (32 MiB on 64-bit),
+#: fixed from the start. 4 MiB (before issue #80) had every activation of a clip's VAE decode
+#: mapped and zero-filled anew: the decode took 1.3-1.8x as long, and varied clip to clip (12
+#: clips at 128x128 on one CPU thread: 6.4 and 8.5 s a clip against 4.8 and 4.8 at 64 MiB and 4.8
+#: and 4.6 with glibc's moving threshold; docs/bench.md, "Long videos")
+MMAP_THRESHOLD = 32 * 2**20
 
 
 def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> None:
     """Map every allocation of ``nbytes`` or more on its own, and keep that size (``mallopt
     M_MMAP_THRESHOLD``). glibc's default raises the size each time a mapped block is freed, up to
-    32 MiB, after which a clip's frames and the VAE's activations (tens of MiB at 512x512) come
-    from the heap, and a long run's heap grows in steps by fragmentation (measured: +430 MiB
-    between clip 13 and 14 of 24, bench/bench_longform.py) though nothing it holds grows. A
-    no-op where the C library is not glibc."""
+    32 MiB: the set of allocations that come from the heap then changes in the middle of a run,
+    and a long run's heap grew in a step (measured: +430 MiB between clip 13 and 14 of 24,
+    bench/bench_longform.py) though nothing it holds grows. Fixed at :data:`MMAP_THRESHOLD` from
+    the start, a run is in one regime from its first clip; :func:`trim_heap` after each clip gives
+    back what it freed. A no-op where the C library is not glibc."""
     import ctypes
     try:
         ctypes.CDLL(None).mallopt(-3, int(nbytes))  # M_MMAP_THRESHOLD
