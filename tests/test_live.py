@@ -347,6 +347,14 @@ def test_the_doctor_plans_the_live_pipeline(tmp_path):
     five = run_checks(_live_ctx("a100_8x_nvlink", nproc=5), ["live"])
     assert find(five, "live.stages").finding.startswith("rank 0: decode; rank 1: steps 1;")
     assert find(five, "live.memory").data["kv_bytes"] < bf16.data["kv_bytes"] / 3  # one step's caches a rank
+    # the 5-rank pipeline's decoding rank holds no DiT: its plan counts the VAE and the decode alone
+    from wan_s2v_runner.preflight.checks_memory import current_plan
+    plan5 = current_plan(_live_ctx("a100_8x_nvlink", nproc=5))
+    plan1 = current_plan(_live_ctx("h100_1x"))
+    assert plan5.parts["dit_weights_rank0"] == 0 and "dit_weights_rank0" not in plan1.parts
+    assert plan5.gpu_phases["decode"] < plan5.parts["dit_weights"] < plan5.gpu_phases["denoise"]
+    gpu5 = find(run_checks(_live_ctx("a100_8x_nvlink", nproc=5), ["memory"]), "memory.gpu")
+    assert "rank 0 decodes and holds no DiT" in gpu5.finding, gpu5.finding
     fps1, fps5 = find(one, "live.fps").data["fps"], find(five, "live.fps").data["fps"]
     assert 1 < fps1 < fps5  # one step a rank: the pipeline's pace; an A100 is slower than an H100, not 4x
     assert find(run_checks(_live_ctx("h100_1x", nproc=3), ["live"]), "live.stages").status is Status.FAIL

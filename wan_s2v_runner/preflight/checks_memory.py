@@ -95,6 +95,8 @@ def check_gpu(ctx):
     phase = max(p.gpu_phases, key=p.gpu_phases.get)
     detail = (
         f"est. {gib(need)} per rank (peak in {phase}) vs {gib(free)} free on GPU {worst['index']} ({worst['name']})"
+        + ("; rank 0 decodes and holds no DiT (its GPU: the VAE, "
+           f"{gib(p.gpu_phases['decode'] + GPU_RUNTIME)})" if "dit_weights_rank0" in p.parts else "")
     )
     w2v, w2v_why = audio_encoder_plan(ctx, p, free)
     size, at_size = largest_fitting(ctx, ctx.mode, int(GPU_FILL * free))

@@ -458,7 +458,17 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     # again beside the DiT for a new prompt, so it gains nothing)
     released = (bool(release) and on_cuda and LoadStrategy(load) is LoadStrategy.LEAN and not served
                 and not dit_fsdp)  # the rank reads only a replicated DiT after the encoders
-    if on_cuda:
+    #: a live pipeline whose decoding rank runs no step (5 ranks): it holds the VAE and decodes, no DiT;
+    #: the step ranks hold the DiT (the text rank T5 too), no VAE
+    decoder_alone = layout.stages is not None and not layout.holds_dit(layout.decoding_rank)
+    if decoder_alone:
+        parts["dit_weights_rank0"] = 0
+    if on_cuda and decoder_alone:
+        phases["encode"] = max(w_vae + vae_ws, (0 if released else dit_res) + t5_gpu + t5_gather)
+        phases["denoise"] = dit_res + t5_denoise + act + text_kv
+        phases["decode"] = w_vae + vae_dec + dec_out  # rank 0's
+        gpu_peak = max(phases.values()) + GPU_RUNTIME
+    elif on_cuda:
         # the reference is encoded before the prompt: the VAE's workspace and T5 come one after the
         # other; released encoders: the DiT's device part comes after them
         phases["encode"] = (0 if released else dit_res) + w_vae + max(t5_gpu + t5_gather, vae_ws)
