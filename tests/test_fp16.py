@@ -191,7 +191,11 @@ def _flagging_rank(rank: int, port: int, q) -> None:
 
     from wan_s2v_runner.rank.step_control import Lockstep, Signal
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+    except Exception as e:  # noqa: BLE001 - said to the test, not lost in the child
+        q.put((rank, f"{type(e).__name__}: {e}"))
+        return
     try:
         model = torch.nn.Module()
         model.blocks = torch.nn.ModuleList([torch.nn.Identity() for _ in range(3)])
@@ -208,6 +212,8 @@ def _flagging_rank(rank: int, port: int, q) -> None:
         error = message.error(2, "clip")
         q.put((rank, (clean.stops, message.fault, message.signal, message.measure, type(error).__name__,
                       getattr(error, "block", None), getattr(error, "step", None))))
+    except Exception as e:  # noqa: BLE001 - said to the test, not lost in the child
+        q.put((rank, f"{type(e).__name__}: {e}"))
     finally:
         dist.destroy_process_group()
 
@@ -222,7 +228,7 @@ def test_a_flag_on_one_rank_stops_every_rank():
     from ports import named_port
 
     from wan_s2v_runner.rank.step_control import Signal
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")  # not a fork of this worker: its threads (torch's pools) stay behind
     q = ctx.Queue()
     port = named_port()
     procs = [ctx.Process(target=_flagging_rank, args=(r, port, q)) for r in (0, 1)]
