@@ -332,6 +332,15 @@ COMMAND_OPTIONS = (
         metavar="N",
         default=1000,
     ),
+    CommandOption(
+        "--session-idle",
+        "seconds a live session may hear from no client before the server ends it (its recording kept)",
+        (Command.SERVE,),
+        kind=OptionKind.INT,
+        default_text="30",
+        metavar="SECONDS",
+        default=30,
+    ),
 )
 
 

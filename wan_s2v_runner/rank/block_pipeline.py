@@ -39,6 +39,7 @@ resume spawns.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ import torch.distributed as dist
 
 from wan_s2v_runner.rank import step_control as sc
 from wan_s2v_runner.rank.clip_steps import reference_pixels
-from wan_s2v_runner.rank.job_contract import Inputs, Reference, Request
+from wan_s2v_runner.rank.job_contract import Inputs, Reference, Request, SpeechSpan
 from wan_s2v_runner.rank.live_decode import StreamDecoder
 from wan_s2v_runner.rank.live_dit import LiveDiT
 from wan_s2v_runner.rank.step_control import Signal, StepMessage
@@ -81,22 +82,49 @@ class Schedule:
 
 @dataclass(frozen=True)
 class Geometry:
-    """A live job's sizes."""
+    """A live job's sizes, and what a link between its ranks carries for a block: its latents and
+    its speech features."""
 
     height: int
     width: int
+    #: the job's blocks where known from the start (a file's); 0: known when the speech ends (a session)
     blocks: int
     param_dtype: torch.dtype
     device: torch.device
+    #: a block's speech features' (layers, dim): wav2vec2's hidden states and their width
+    speech: tuple[int, int] = (0, 0)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:
         return (16, recipe.BLOCK_LATENT_FRAMES, self.height // 8, self.width // 8)
 
     @property
+    def speech_shape(self) -> tuple[int, int, int, int]:
+        return (1, *self.speech, recipe.BLOCK_FRAMES)
+
+    @property
     def numel(self) -> int:
-        c, f, h, w = self.block_shape
-        return c * f * h * w
+        """Values a link's buffer carries after its header: the block's latents, then its speech features."""
+        return math.prod(self.block_shape) + math.prod(self.speech_shape)
+
+    def payload(self, latents: Optional[torch.Tensor], speech: torch.Tensor) -> torch.Tensor:
+        """A block's latents (None: not made yet, zeros) and speech features as one flat tensor."""
+        n = math.prod(self.block_shape)
+        flat = torch.zeros(self.numel, dtype=sc.LINK_DTYPE, device=self.device)
+        if latents is not None:
+            flat[:n] = latents.reshape(-1).to(sc.LINK_DTYPE)
+        flat[n:] = speech.reshape(-1).to(sc.LINK_DTYPE)
+        return flat
+
+    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A link's payload as (latents in :data:`~step_control.LINK_DTYPE`, speech features in the
+        compute's param dtype: exact, the features were made in it)."""
+        n = math.prod(self.block_shape)
+        return flat[:n].view(self.block_shape), flat[n:].view(self.speech_shape).to(self.param_dtype)
+
+    @property
+    def blocks_text(self) -> Optional[int]:
+        return self.blocks or None
 
 
 class BlockPipeline:
@@ -114,13 +142,41 @@ class BlockPipeline:
             raise ValueError(recipe.stage_problem(self.plan.layout.world_size))
         #: the decoding rank: the job's live figures (time to the first frame, frames per second)
         self.figures = LiveFigures(self.hooks)
+        #: the decoding rank: the job's speech (:meth:`open_speech`)
+        self.source = None
 
     # ----- what the shell encodes
+    #: the speech is not encoded with the inputs: each block's features are made as it starts
+    encodes_speech = False
+
     def texts(self, req: Request) -> tuple[str]:
         return (req.prompt,)
 
     def speech_frames(self, req: Request) -> int:
         return recipe.BLOCK_FRAMES
+
+    def open_speech(self, req: Request) -> tuple[torch.Tensor, int]:
+        """The encoding rank (which decodes too): the job's speech opened (:attr:`source`: a file's,
+        or the session's events the hooks hold). Returns what the shell broadcasts in place of the
+        features: an empty tensor whose shape [1, layers, dim, 0] says the features' size, and the
+        job's blocks (0: a session's, known when it ends)."""
+        from wan_s2v_runner.rank import speech_source as ss
+        from wan_s2v_runner.shared.speech_timeline import Pace
+        from wan_s2v_runner.shared.speech_windows import SpeechWindow
+
+        layout = self.plan.layout
+        if layout.encoding_rank != layout.decoding_rank:
+            raise ValueError("the live recipe's speech is read where its blocks start: the encoding rank must decode")
+        encoder = self.parts.audio_encoder()
+        events = self.hooks.speech_events
+        pace = Pace.SPEECH if events is None else events.pace
+        if events is None:
+            events = ss.FileEvents(ss.file_samples(encoder, req.audio_path))
+        self.source = ss.BlockSpeech(encoder, SpeechWindow(lookahead_s=req.speech_lookahead), pace, events,
+                                     self.device, self.param_dtype)
+        cfg = encoder.model.config
+        template = torch.zeros(1, cfg.num_hidden_layers + 1, cfg.hidden_size, 0, dtype=self.param_dtype)
+        return template, self.source.peek_blocks()
 
     def reference(self, req: Request, size, split: bool) -> Reference:
         """LiveAvatar's reference and initial motion latents (``causal_s2v_pipeline.generate``): the
@@ -137,10 +193,21 @@ class BlockPipeline:
         if resuming:
             raise ValueError("a live job cannot be resumed: run it again")
         started = time.monotonic()
-        geo = Geometry(inputs.height, inputs.width, inputs.units, self.param_dtype, self.device)
+        speech = tuple(inputs.audio_emb.shape[1:3])
+        geo = Geometry(inputs.height, inputs.width, inputs.units, self.param_dtype, self.device, speech)
         stage = DitStage(self, req, inputs, geo) if self.plan.steps else None
         if self.plan.decodes:
-            Decoder(self, inputs, geo, stage, sink, started).run()
+            from wan_s2v_runner.rank.encoders import audio_encoder_on
+            from wan_s2v_runner.shared.encoder_placement import AudioEncoderDevice
+
+            # wav2vec2 makes each block's features as it starts: on the GPU for the job where there is one
+            where = AudioEncoderDevice.GPU if self.device.type == "cuda" else AudioEncoderDevice.CPU
+            try:
+                with audio_encoder_on(self.parts.audio_encoder(), where, self.device):
+                    Decoder(self, inputs, geo, stage, sink, started).run()
+            finally:
+                self.source.close()
+                self.parts.release_audio_encoder()  # --release-encoders: wav2vec2 let go
         else:
             StageRank(self, geo, stage).run()
 
@@ -164,8 +231,8 @@ class DitStage:
         self.motion_frames = [s2v.motion_frames, motion_latent_frames(s2v.motion_frames)]
         self.hooks.stage(Stage.DENOISE, what="sink")
         self.guard = driver.parts.guard
-        self.dit = LiveDiT(driver.parts.noise_model, recipe.rope_positions(geo.blocks), self.guard, geo.param_dtype,
-                           geo.device.type)
+        self.dit = LiveDiT(driver.parts.noise_model, recipe.rope_positions(max(geo.blocks, 1)), self.guard,
+                           geo.param_dtype, geo.device.type)
         self.ctx = self.dit.context(inputs.contexts[0][0:1])
         self.cond = self.dit.sink(inputs.latents["ref"], inputs.latents["motion"], self.ctx)
         self.kvs = {i: StepKV(len(self.dit.model.blocks)) for i in self.steps}
@@ -184,13 +251,14 @@ class DitStage:
         f = recipe.BLOCK_LATENT_FRAMES
         return self._window[1][:, b * f:(b + 1) * f]
 
-    def denoise(self, g: int, x: torch.Tensor, message: StepMessage) -> tuple[torch.Tensor, StepMessage]:
-        """Block ``g``'s latents through this rank's steps; the message marked where a step's
-        output held inf or NaN (fp16's guard: the rest of the steps are not run)."""
-        audio = self.inputs.audio_emb[..., g * recipe.BLOCK_FRAMES:(g + 1) * recipe.BLOCK_FRAMES]
+    def denoise(self, g: int, x: torch.Tensor, speech: torch.Tensor,
+                message: StepMessage) -> tuple[torch.Tensor, StepMessage]:
+        """Block ``g``'s latents through this rank's steps, hearing ``speech`` (the block's features);
+        the message marked where a step's output held inf or NaN (fp16's guard: the rest of the
+        steps are not run)."""
         for i in self.steps:
             t = torch.stack([self.schedule.timesteps[i]]).to(self.geo.device)
-            v = self.dit.block(x, t, self.kvs[i], g, recipe.ref_distance(self.seed, g, i), audio, self.cond_states,
+            v = self.dit.block(x, t, self.kvs[i], g, recipe.ref_distance(self.seed, g, i), speech, self.cond_states,
                                self.motion_frames, self.ctx, self.cond)
             message = message.with_fault(sc.guard_fault(self.guard), i, g)
             if message.fault is not None:
@@ -200,20 +268,31 @@ class DitStage:
 
 
 class Links:
-    """This rank's point-to-point sends (``isend``: kept until done) and receives of link buffers."""
+    """This rank's point-to-point sends (``isend``: kept until done) and receives of link buffers;
+    every buffer of a job is one size (:attr:`Geometry.numel`)."""
 
     def __init__(self, geo: Geometry):
         self.geo = geo
         self.pending: list = []
 
-    def send(self, buf: torch.Tensor, dst: int) -> None:
+    def send(self, message: StepMessage, dst: int, latents: Optional[torch.Tensor] = None,
+             speech: Optional[torch.Tensor] = None) -> None:
+        """``message`` with a block's latents and speech (None: a message alone, e.g. the stream's end)."""
+        geo = self.geo
+        flat = geo.payload(latents, speech) if speech is not None else None
+        buf = sc.pack(message, flat, geo.numel, geo.device)
         self.pending = [p for p in self.pending if not p.is_completed()]
         self.pending.append(dist.isend(buf, dst=dst))
 
-    def recv(self, src: int, latents: bool = True) -> StepMessage | tuple[StepMessage, torch.Tensor]:
-        buf = sc.empty(self.geo.numel if latents else 0, self.geo.device)
+    def recv(self, src: int) -> tuple[StepMessage, torch.Tensor, torch.Tensor]:
+        buf = sc.empty(self.geo.numel, self.geo.device)
         dist.recv(buf, src=src)
-        return sc.unpack(buf, self.geo.block_shape) if latents else sc.unpack(buf, (0,))[0]
+        return self.read(buf)
+
+    def read(self, buf: torch.Tensor) -> tuple[StepMessage, torch.Tensor, torch.Tensor]:
+        """A received buffer as (its message, the block's latents, its speech features)."""
+        message, flat = sc.unpack(buf, (self.geo.numel,))
+        return (message, *self.geo.split(flat))
 
     def post(self, src: int):
         """A receive of a block's buffer posted now, waited for later: (buffer, work)."""
@@ -247,8 +326,9 @@ def end(message: StepMessage) -> None:
 
 class StageRank:
     """A rank that runs steps and does not decode: it takes each block from the rank before it (or,
-    running the first step, a token from the decoding rank and the block's noise), runs its steps and
-    passes the block on, until the stream's terminal message, which it passes on too."""
+    running the first step, a token from the decoding rank and the block's noise), with the block's
+    speech features, runs its steps and passes the block on, until the stream's terminal message,
+    which it passes on too."""
 
     def __init__(self, driver: BlockPipeline, geo: Geometry, stage: DitStage):
         self.driver, self.geo, self.stage, self.hooks = driver, geo, stage, driver.hooks
@@ -261,35 +341,34 @@ class StageRank:
     def run(self) -> None:
         links, stage, geo = Links(self.geo), self.stage, self.geo
         faulted: Optional[StepMessage] = None  # this rank's own fault: later blocks pass uncomputed
-        for g in range(geo.blocks + 1):
-            if stage.first:
-                message, x = links.recv(self.prev, latents=False), None
-            else:
-                message, x = links.recv(self.prev)
+        g = 0
+        while True:
+            message, x, speech = links.recv(self.prev)
             if is_terminal(message):
-                links.send(sc.pack(message, None, geo.numel, geo.device), self.next)
+                links.send(message, self.next)
                 links.drain()
                 return end(message)
             if faulted is None and message.fault is None:
-                self.hooks.stage(Stage.DENOISE, unit=BLOCK, block=g + 1, blocks=geo.blocks)
-                x, message = stage.denoise(g, stage.noise(g) if stage.first else x, message)
+                self.hooks.stage(Stage.DENOISE, unit=BLOCK, block=g + 1, blocks=geo.blocks_text)
+                x, message = stage.denoise(g, stage.noise(g) if stage.first else x, speech, message)
                 faulted = message if message.fault is not None else None
             message = message if faulted is None else message.with_fault(faulted.fault, faulted.fault_step,
                                                                          faulted.fault_at)
-            links.send(sc.pack(message, x if message.fault is None else None, geo.numel, geo.device), self.next)
+            links.send(message, self.next, x if message.fault is None else None, speech)
             if message.fault is None:  # a block passed on uncomputed (the job fails) is not progress
-                self.hooks.step(unit=BLOCK, block=g + 1, blocks=geo.blocks)
-        raise RuntimeError(f"rank {self.rank}: the live stream did not end after its {geo.blocks} blocks")
+                self.hooks.step(unit=BLOCK, block=g + 1, blocks=geo.blocks_text)
+            g += 1
 
 
 # --------------------------------------------------------------------------- the decoding rank
 class InFlight:
     """The blocks the decoding rank started and has not yet received back: at most ``depth``, each
-    with the receive of its final latents once posted."""
+    with its span of the speech, whether it is the job's last, and the receive of its final latents
+    once posted."""
 
     def __init__(self, depth: int):
         self.depth = depth
-        self.blocks: deque = deque()  # [block, posted receive or None]
+        self.blocks: deque = deque()  # [block, span, last, posted receive or None]
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -298,26 +377,27 @@ class InFlight:
     def full(self) -> bool:
         return len(self.blocks) >= self.depth
 
-    def add(self, g: int) -> None:
-        self.blocks.append([g, None])
+    def add(self, g: int, span, last: bool) -> None:
+        self.blocks.append([g, span, last, None])
 
     def unposted(self) -> list[list]:
         """The blocks in flight whose receive is not posted yet, oldest first."""
-        return [b for b in self.blocks if b[1] is None]
+        return [b for b in self.blocks if b[3] is None]
 
-    def pop(self) -> tuple[int, Optional[tuple]]:
-        g, posted = self.blocks.popleft()
-        return g, posted
+    def pop(self) -> list:
+        return self.blocks.popleft()
 
 
 class Decoder:
-    """The decoding rank (rank 0): starts blocks while fewer than the pipeline's stages are in
-    flight (running its own steps when it has some), decodes the final latents, asks for a stop."""
+    """The decoding rank (rank 0): starts blocks as the job's speech says (:class:`~wan_s2v_runner.
+    rank.speech_source.BlockSpeech`: now, later, or no more) while fewer than the pipeline's stages
+    are in flight (running its own steps when it has some), decodes the final latents, asks for a stop."""
 
     def __init__(self, driver: BlockPipeline, inputs: Inputs, geo: Geometry, stage: Optional[DitStage], sink,
                  started: float):
         self.driver, self.geo, self.stage, self.sink, self.hooks = driver, geo, stage, sink, driver.hooks
         stages, layout = driver.stages, driver.plan.layout
+        self.source = driver.source
         self.alone = layout.world_size == 1
         self.last = stages.rank_of_step(recipe.STEPS - 1)
         # where a block starts: this rank's own first steps, or a token to the rank of the first step
@@ -325,46 +405,84 @@ class Decoder:
             None if self.alone else stages.rank_of_step(0))
         self.in_flight = InFlight(len(stages.dit_ranks))
         self.links = Links(geo)
-        #: latent values a message down the pipeline carries: none on a token link (5 ranks)
-        self.down_numel = 0 if stage is None else geo.numel
         self.decoder = StreamDecoder(driver.s2v.vae)
         self.decoder.decode(inputs.latents["motion"][:, :, :recipe.PRIME_LATENTS])  # fills its causal cache
         self.issued = self.decoded = 0
+        self.speech_done = False  # the speech said no block follows
         self.stop: Optional[StepMessage] = None
         self.started = started
 
     def run(self) -> None:
+        self.source.begin()
         try:
             self._alone() if self.alone else self._pipeline()
         finally:
             self.decoder.close()
             self.links.drain()
 
+    def _next(self):
+        """The speech's word on the next block: (features, span, last) to start it, or None (wait:
+        slept a moment; or no block follows: :attr:`speech_done`)."""
+        from wan_s2v_runner.shared.speech_timeline import Verdict
+
+        decision = self.source.next()
+        if decision.verdict is Verdict.END:
+            self.speech_done = True
+            return None
+        if decision.verdict is Verdict.WAIT:
+            return decision
+        speech, samples = self.source.block(self.issued)
+        if decision.last:
+            self.speech_done = True
+        return speech, SpeechSpan(samples, decision.ready_at), decision.last
+
     def _alone(self) -> None:
         """One rank: every step of a block, then its decode, block after block."""
-        for g in range(self.geo.blocks):
-            self.hooks.stage(Stage.DENOISE, unit=BLOCK, block=g + 1, blocks=self.geo.blocks)
-            x, message = self.stage.denoise(g, self.stage.noise(g), StepMessage())
+        while not self.speech_done:
+            got = self._next()
+            if got is None:
+                break
+            if not isinstance(got, tuple):
+                self._idle(got)
+                if self.stop is not None:
+                    return end(terminal(self.stop))
+                continue
+            g, (speech, span, last) = self.issued, got
+            self.issued += 1
+            self.hooks.stage(Stage.DENOISE, unit=BLOCK, block=g + 1, blocks=self.geo.blocks_text)
+            x, message = self.stage.denoise(g, self.stage.noise(g), speech, StepMessage())
             if message.fault is not None:
                 return end(terminal(message))
-            self._decode(g, x)
+            self._decode(g, x, span, last)
             self._ask_stop()
             if self.stop is not None:
                 return end(terminal(self.stop))
 
+    def _idle(self, decision) -> None:
+        """No block can start yet: a short wait, and the job's source asked whether to stop."""
+        self.source.wait(decision)
+        self._ask_stop()
+
     def _pipeline(self) -> None:
-        """Start blocks while the pipeline has room, receive the oldest otherwise; end the stream
-        once a stop or a fault is known (the blocks in flight are dropped), or once every block is
-        back: the terminal message is decided here alone, so every rank ends the job alike."""
+        """Start blocks while the pipeline has room and the speech says so, receive the oldest
+        otherwise; end the stream once a stop or a fault is known (the blocks in flight are dropped),
+        or once the speech said no block follows and every block is back: the terminal message is
+        decided here alone, so every rank ends the job alike."""
         ended = False
         while True:
-            stopping = self.stop is not None
-            if not ended and (stopping or (self.issued == self.geo.blocks and not self.in_flight)):
-                self._send(sc.pack(terminal(self.stop), None, self.down_numel, self.geo.device))
+            if not ended and (self.stop is not None or (self.speech_done and not self.in_flight)):
+                self._send(terminal(self.stop))
                 ended = True
-            elif not ended and self.issued < self.geo.blocks and not self.in_flight.full:
-                self._start(self.issued)
-                continue
+            elif not ended and not self.speech_done and not self.in_flight.full:
+                got = self._next()
+                if isinstance(got, tuple):
+                    self._start(*got)
+                    continue
+                if got is not None and not self.in_flight:  # waiting, nothing to receive: look again
+                    self._idle(got)
+                    continue
+                if got is None:
+                    continue
             if self.in_flight:
                 self._receive()
                 continue
@@ -372,55 +490,59 @@ class Decoder:
             assert is_terminal(message), "the live stream's blocks outran its end"
             return end(message)
 
-    def _start(self, g: int) -> None:
-        """Block ``g`` into the pipeline: a token to the first step's rank, or this rank's own steps."""
+    def _start(self, speech: torch.Tensor, span, last: bool) -> None:
+        """The next block into the pipeline: a token (with its speech) to the first step's rank, or
+        this rank's own steps."""
+        g = self.issued
         self.issued += 1
         if self.stage is None:
-            self._send(sc.pack(StepMessage(), None, 0, self.geo.device))
-            self.in_flight.add(g)
+            self._send(StepMessage(), None, speech)
+            self.in_flight.add(g, span, last)
             return
         self.hooks.stage(Stage.DENOISE)
-        x, message = self.stage.denoise(g, self.stage.noise(g), StepMessage())
+        x, message = self.stage.denoise(g, self.stage.noise(g), speech, StepMessage())
         if message.fault is not None:  # known here: the stream ends with it (the block is not sent)
             self.stop = self.stop or message
             return
-        self._send(sc.pack(message, x, self.geo.numel, self.geo.device))
-        self.in_flight.add(g)
+        self._send(message, x, speech)
+        self.in_flight.add(g, span, last)
 
-    def _send(self, buf: torch.Tensor) -> None:
+    def _send(self, message: StepMessage, latents: Optional[torch.Tensor] = None,
+              speech: Optional[torch.Tensor] = None) -> None:
         """A send down the pipeline; where it goes to the rank the blocks come back from (2 ranks),
         after the receives of the blocks in flight are posted (the module docstring: the pair's
         operations in one order on both sides: a block's send, then its receive)."""
         if self.to == self.last:
             for block in self.in_flight.unposted():
-                block[1] = self.links.post(self.last)
-        self.links.send(buf, self.to)
+                block[3] = self.links.post(self.last)
+        self.links.send(message, self.to, latents, speech)
 
     def _receive(self) -> None:
         """The oldest block in flight back: decoded (unless the job stops), the stop asked."""
-        g, posted = self.in_flight.pop()
+        g, span, last, posted = self.in_flight.pop()
         if posted is not None:
             buf, work = posted
             work.wait()
-            message, x = sc.unpack(buf, self.geo.block_shape)
+            message, x, _ = self.links.read(buf)
         else:
-            message, x = self.links.recv(self.last)
+            message, x, _ = self.links.recv(self.last)
         if message.fault is not None and self.stop is None:
             self.stop = message
         if self.stop is None:
-            self._decode(g, x)
+            self._decode(g, x, span, last)
             self._ask_stop()
 
-    def _decode(self, g: int, x: torch.Tensor) -> None:
-        self.hooks.stage(Stage.DECODE, unit=BLOCK, block=g + 1, blocks=self.geo.blocks)  # in order: its position
+    def _decode(self, g: int, x: torch.Tensor, span, last: bool) -> None:
+        blocks = self.geo.blocks_text
+        self.hooks.stage(Stage.DECODE, unit=BLOCK, block=g + 1, blocks=blocks)  # in order: its position
         frames = self.decoder.decode(x.unsqueeze(0).to(self.driver.s2v.vae.dtype))[:, :, -recipe.BLOCK_FRAMES:]
         if g == 0:
             frames = frames[:, :, recipe.FIRST_BLOCK_DROP:]
-        self.driver.figures.block(g, self.geo.blocks, frames.shape[2], self.started)
+        self.driver.figures.block(g, blocks, frames.shape[2], self.started)
         if self.sink is not None:
-            self.sink.frames(g, frames.cpu(), self.geo.blocks)
+            self.sink.frames(g, frames.cpu(), g + 1 if last else blocks, speech=span)
         self.decoded += 1
-        self.hooks.step(unit=BLOCK, block=g + 1, blocks=self.geo.blocks, **self.driver.figures.progress())
+        self.hooks.step(unit=BLOCK, block=g + 1, blocks=blocks, **self.driver.figures.progress())
 
     def _ask_stop(self) -> None:
         """The job's source: a served job's server may have cancelled or lost it (a local read)."""

@@ -124,6 +124,8 @@ class ClipSteps:
 
     unit = ProgressUnit.CLIP
     flag_names = ("drop_first_motion",)
+    #: the speech is encoded with the inputs (upstream's whole-file pass)
+    encodes_speech = True
 
     def __init__(self, shell):
         """``shell``: the :class:`~wan_s2v_runner.rank.job_shell.JobShell` it runs in."""

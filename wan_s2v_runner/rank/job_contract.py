@@ -35,6 +35,8 @@ class Request:
     init_first_frame: bool
     pose_video: Optional[str] = None
     cache: str = "off"  # --cache (wan_s2v_runner.shared.cache_policy); not upstream's: ours to skip DiT passes
+    #: the live recipe: seconds of speech past a block its features read (shared.speech_windows)
+    speech_lookahead: float = 0.5  # shared.speech_windows.SpeechWindow.lookahead_s
 
 
 @dataclass
@@ -54,22 +56,39 @@ class Inputs:
 
     height: int
     width: int
-    #: the speech's bucket count: clips (before ``num_repeat``'s cap) or blocks
+    #: the speech's bucket count: clips (before ``num_repeat``'s cap) or blocks (0: a live session's,
+    #: known when its speech ends)
     units: int
-    audio_emb: torch.Tensor  # [1, layers, C, frames], param dtype, on device
+    #: [1, layers, C, frames], param dtype, on device; the live recipe's: no frames (its blocks make
+    #: their features as they start), the shape saying the features' size
+    audio_emb: torch.Tensor
     contexts: list  # per text of the driver's, its T5 context (a list of tensors [L, 4096]) on device
     latents: dict[str, torch.Tensor]
     flags: dict[str, int]
     local: dict
 
 
+@dataclass(frozen=True)
+class SpeechSpan:
+    """A live block's share of its job's speech, handed to the sink with its frames."""
+
+    #: the block's 0.75 s of the speech's timeline (float32 at 16 kHz): what its frames play with
+    samples: object
+    #: when the last sample the block needed arrived (a live session's; None: a file's): where the
+    #: block's latency is counted from
+    ready_at: Optional[float] = None
+
+
 class FrameSink(Protocol):
     """Where the decoding rank's frames go (:class:`~wan_s2v_runner.rank.video_writer.VideoWriter`
     in a run; :class:`FramesInMemory` for a caller that wants the frames)."""
 
-    def frames(self, index: int, frames: torch.Tensor, count: int) -> None:
-        """Unit ``index`` (0-based clip or block) of ``count`` is decoded: its frames (1, 3, n, H, W)
-        on the CPU (the sink may work on them while the loop goes on)."""
+    def frames(self, index: int, frames: torch.Tensor, count: Optional[int],
+               speech: Optional[SpeechSpan] = None) -> None:
+        """Unit ``index`` (0-based clip or block) of ``count`` (None: not known yet, a live session's)
+        is decoded: its frames (1, 3, n, H, W) on the CPU (the sink may work on them while the loop
+        goes on); ``speech``: the live recipe's, the block's span of the job's speech; None: the
+        sink reads the job's speech file."""
 
     def clip_done(self, state, count: int) -> None:
         """The clip steps' state after a clip (the next clip's motion latents): a checkpoint."""
@@ -83,7 +102,7 @@ class FramesInMemory:
     def __init__(self):
         self.clips: list[torch.Tensor] = []
 
-    def frames(self, index: int, frames: torch.Tensor, count: int) -> None:
+    def frames(self, index: int, frames: torch.Tensor, count: Optional[int], speech=None) -> None:
         self.clips.append(frames)
 
     def clip_done(self, state, count: int) -> None:
@@ -110,12 +129,22 @@ class Hooks:
     stop_requested: Optional[Callable[[], Optional[Signal]]] = None
     #: the decoding rank, live recipe: the job's live figures after each decoded block
     live: Optional[Callable[[dict], None]] = None
+    #: the decoding rank, live recipe: a live session's speech events
+    #: (:class:`~wan_s2v_runner.rank.speech_source.SessionEvents`); None: the request's speech file
+    speech_events: Optional[object] = None
 
 
 class StepDriver(Protocol):
     """The denoising of one recipe, inside the shell."""
 
     unit: ProgressUnit
+    #: whether the shell encodes the speech with the inputs (the clip recipe: upstream's pass over the
+    #: file); False: the driver opens it (:meth:`open_speech`) and its blocks make their features
+    encodes_speech: bool
+
+    def open_speech(self, req: Request) -> tuple[torch.Tensor, int]:
+        """(encodes_speech False, the encoding rank) the job's speech opened: a tensor the shell
+        broadcasts as ``audio_emb`` and the job's units (0: not known yet)."""
 
     def texts(self, req: Request) -> tuple[str, ...]:
         """The texts T5 encodes for the job, in the order the driver reads their contexts."""

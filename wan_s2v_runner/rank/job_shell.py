@@ -95,10 +95,15 @@ class JobShell:
     def _encode_speech_and_reference(self, req: Request, size, ref: Optional[Reference]) -> tuple[dict, Reference]:
         """The encoding rank's part: the speech, and the reference unless every rank made its rows."""
         h = self.hooks
-        where, why = placement(self.parts.audio_encoder(), self.device, req.audio_path)
-        h.stage(Stage.AUDIO_ENCODE, wav2vec2=where.value, wav2vec2_why=why)
-        audio_emb, units = encode_audio(self.s2v, where, self.device, req.audio_path, self.driver.speech_frames(req))
-        self.parts.release_audio_encoder()  # --release-encoders: wav2vec2 let go
+        if self.driver.encodes_speech:
+            where, why = placement(self.parts.audio_encoder(), self.device, req.audio_path)
+            h.stage(Stage.AUDIO_ENCODE, wav2vec2=where.value, wav2vec2_why=why)
+            audio_emb, units = encode_audio(self.s2v, where, self.device, req.audio_path,
+                                            self.driver.speech_frames(req))
+            self.parts.release_audio_encoder()  # --release-encoders: wav2vec2 let go
+        else:  # the driver's blocks make their features as they start (the live recipe)
+            h.stage(Stage.AUDIO_ENCODE, wav2vec2="per block")
+            audio_emb, units = self.driver.open_speech(req)
         mine: dict = {}
         if ref is None:
             h.stage(Stage.REF_ENCODE)

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from patches import fp16_compute, live_kv
-from wan_s2v_runner.shared.live_recipe import BLOCK_LATENT_FRAMES, REF_BASE, ref_position
+from wan_s2v_runner.shared.live_recipe import BLOCK_LATENT_FRAMES, REF_BASE, ref_position, rope_positions
 
 
 @dataclass
@@ -69,18 +69,27 @@ class LiveDiT:
         """``positions``: latent-frame positions the video needs (its frames and the reference's);
         ``device_type``: the rank's (a half dtype on the CPU computes under the CPU's autocast, as the
         clip recipe's DiT forward does: ``patches.fp16_compute.cpu_autocast``)."""
-        from wan.modules.model import rope_params
-
         self.model, self.guard = model, guard
         self.attention = live_kv.apply(model)
         self._compute = lambda: fp16_compute.cpu_autocast(device_type, dtype)
         d = model.dim // model.num_heads
-        n = max(positions, 1024)
-        self.freqs = torch.cat([rope_params(n, d - 4 * (d // 6)), rope_params(n, 2 * (d // 6)),
-                                rope_params(n, 2 * (d // 6))], dim=1)
         self.heads, self.head_dim = model.num_heads, d
+        self.freqs = self._table(max(positions, 1024))
         #: the last block's noisy-token RoPE (key, table): a rank runs its steps of a block in a row
         self._noisy_freqs: tuple = (None, None)
+
+    def _table(self, n: int) -> torch.Tensor:
+        from wan.modules.model import rope_params
+
+        d = self.head_dim
+        return torch.cat([rope_params(n, d - 4 * (d // 6)), rope_params(n, 2 * (d // 6)),
+                          rope_params(n, 2 * (d // 6))], dim=1)
+
+    def reach(self, positions: int) -> None:
+        """The RoPE table made to hold ``positions`` (doubled when a session's video outgrows it:
+        a row does not depend on the table's length, so the rows it had are unchanged)."""
+        if positions > self.freqs.shape[0]:
+            self.freqs = self._table(max(positions, 2 * self.freqs.shape[0]))
 
     # ----- pieces of upstream's forward
     def _rope(self, tokens: int, grids: list, device) -> torch.Tensor:
@@ -184,6 +193,7 @@ class LiveDiT:
         x = x.flatten(2).transpose(1, 2)
         n = x.shape[1]
         frame = block * BLOCK_LATENT_FRAMES
+        self.reach(rope_positions(block + 1))
         key = (frame, f, h, w, x.device)
         if self._noisy_freqs[0] != key:  # the same positions at every step of the block
             self._noisy_freqs = (key, self._rope(n, [self._grid(frame, f, h, w)], x.device))

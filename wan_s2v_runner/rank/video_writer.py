@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -43,6 +44,7 @@ import torch
 from wan_s2v_runner.shared import atomic, disk, fmp4, media, resume
 from wan_s2v_runner.shared.disk import DiskError
 from wan_s2v_runner.shared.events import EventKind
+from wan_s2v_runner.shared.latency import Latencies
 
 log = logging.getLogger("wan_s2v.video_writer")
 
@@ -90,7 +92,7 @@ class VideoWriter:
     lease (:class:`~wan_s2v_runner.rank.lease.LeaseGate`): a checkpoint or the final rename happens
     only while the server is sure it holds the job; the fragments go to the attempt's own file."""
 
-    def __init__(self, output: Path, speech: Path, fps: int, run_dir: Path, identity: dict, events,
+    def __init__(self, output: Path, speech: Optional[Path], fps: int, run_dir: Path, identity: dict, events,
                  gate=None, thumbnail: bool = False, frames_out: Optional[Path] = None,
                  continued: Optional[resume.Continued] = None, served: bool = False):
         from wan_s2v_runner.rank.lease import ALWAYS
@@ -109,13 +111,18 @@ class VideoWriter:
         self.checkpoint = resume.Checkpoint(run_dir, identity, self.path)
         self.thumbnail = media.thumbnail_path(self.output) if thumbnail else None
         self.frames_file = FramesFile(frames_out) if frames_out else None
-        self.speech = media.SpeechEncoder(Path(speech), fps)
+        #: the speech the video plays: its file's, or (a live session: ``speech`` None) each block's span
+        #: as the loop hands it (:meth:`frames`)
+        self.speech = media.SpeechEncoder(Path(speech), fps) if speech is not None else media.PushedSpeech(fps)
         self.growing: Optional[media.GrowingMp4] = None
         self.continued = continued
         self.ends: list[int] = []  # the frame each clip in the file ends at
         self.size: tuple[int, int] = (0, 0)  # (height, width) of the video
         self.avcc: Optional[bytes] = None  # the first clip's H.264 headers (every clip's must equal them)
         self.error: Optional[BaseException] = None
+        #: a live session's blocks: seconds from the arrival of the last sample each needed to its
+        #: fragment in the file (where a stream or a viewer can take it)
+        self.latencies = Latencies()
         #: a served job whose server lost it: nothing more is written (its attempt's folder may be gone)
         self.lost = False
         self._work: Optional[tuple] = None  # (clip, frames, num_clips) handed to the thread
@@ -169,15 +176,16 @@ class VideoWriter:
             log.warning("--frames-out on a resumed run holds the resumed clips' frames only")
 
     # ----- the loop's side
-    def frames(self, clip: int, frames: torch.Tensor, num_clips: int) -> None:
-        """Clip ``clip`` (0-based) of ``num_clips`` is decoded: (1, 3, n, H, W) on the CPU. Handed
-        to the writer's thread once it holds no other clip (a served job whose write failed: kept
-        from it; the job ends at its next step)."""
+    def frames(self, clip: int, frames: torch.Tensor, num_clips: Optional[int], speech=None) -> None:
+        """Clip ``clip`` (0-based) of ``num_clips`` (None: not known yet) is decoded: (1, 3, n, H, W)
+        on the CPU; ``speech``: a live session's block's span of its speech. Handed to the writer's
+        thread once it holds no other clip (a served job whose write failed: kept from it; the job
+        ends at its next step)."""
         self._wait_idle(raise_error=not self.served)
         if self.error is not None:
             return
         with self._cond:
-            self._work, self._busy = (clip, frames, num_clips), True
+            self._work, self._busy = (clip, frames, num_clips, speech), True
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="wan-s2v-video", daemon=True)
                 self._thread.start()
@@ -272,11 +280,13 @@ class VideoWriter:
                 self._work, self._busy = None, False
                 self._cond.notify_all()
 
-    def _write(self, clip: int, frames: torch.Tensor, num_clips: int) -> None:
+    def _write(self, clip: int, frames: torch.Tensor, num_clips: Optional[int], speech=None) -> None:
         if self.lost or self.gate.lost():
             self.lost = True
             return
-        last = clip + 1 >= num_clips
+        last = num_clips is not None and clip + 1 >= num_clips
+        if speech is not None and isinstance(self.speech, media.PushedSpeech):
+            self.speech.push(speech.samples)
         if self.frames_file is not None:
             self.frames_file.add(frames)
         u8 = media.frames_to_uint8(frames[0])
@@ -306,9 +316,14 @@ class VideoWriter:
             return
         at = self.growing.at
         self.ends.append(at.frames)
+        latency = None
+        if speech is not None and speech.ready_at is not None:  # a live session's block: its frames can leave now
+            latency = round(time.time() - speech.ready_at, 4)
+            self.latencies.add(latency)
         if not last:
             self.events.emit(EventKind.PREVIEW, clips=clip + 1, of=num_clips, frames=at.frames,
-                             seconds=round(at.frames / self.fps, 3), path=str(self.path), bytes=at.size)
+                             seconds=round(at.frames / self.fps, 3), path=str(self.path), bytes=at.size,
+                             **({"latency_s": latency} if latency is not None else {}))
 
     def _write_thumbnail(self, first) -> None:
         from PIL import Image

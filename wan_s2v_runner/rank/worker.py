@@ -165,7 +165,9 @@ def engine_config(wan, spec: GroupSpec, capabilities=None):
 def request_for(spec: RunSpec):
     """The generate() arguments of a run (upstream's names)."""
     from wan_s2v_runner.rank.job_shell import Request
-    return Request(prompt=spec.prompt, ref_image_path=str(spec.image), audio_path=str(spec.speech),
+    return Request(prompt=spec.prompt, ref_image_path=str(spec.image),
+                   audio_path=str(spec.speech) if spec.speech is not None else "",
+                   speech_lookahead=spec.speech_lookahead,
                    num_repeat=spec.num_clips, max_area=spec.max_area, infer_frames=spec.infer_frames,
                    shift=spec.shift, sample_solver=spec.solver, sampling_steps=spec.steps,
                    guide_scale=spec.guide_scale, n_prompt=spec.negative_prompt, seed=spec.seed,
@@ -280,6 +282,16 @@ class RankGroup:
                 return Signal.FAILED
             return signals.get(self.jobs.stop_requested(job, gate))
         return stop
+
+    def _session_speech(self, job: Job, spec):
+        """A live session's speech events, read from the group's inbox by the rank its blocks start
+        on (None: a job with a speech file, or another rank)."""
+        if spec.session is None or self.rank != self.spec.layout.encoding_rank:
+            return None
+        if job.speech_dir is None:
+            raise JobFailed("a live session's job came without its speech folder")
+        from wan_s2v_runner.rank.speech_source import SessionEvents
+        return SessionEvents(job.speech_dir, spec.session)
 
     def start_job(self, job: Job, clock: "StageClock") -> Optional[tuple[JobEnd, str]]:
         """Before any rank starts the job, rank 0 reads its inputs, waits until its server is sure
@@ -410,7 +422,8 @@ class RankGroup:
             writer, resume_state, identity = opened.writer, opened.state, opened.identity
         hooks = Hooks(stage=stage, step=events.step, stop_requested=self._stop_requested(job, gate, writer),
                       sink=writer, cache_done=lambda record: events.emit(EventKind.STEP_CACHE, **record),
-                      live=lambda figures: events.emit(EventKind.LIVE, **figures))
+                      live=lambda figures: events.emit(EventKind.LIVE, **figures),
+                      speech_events=self._session_speech(job, spec))
         try:
             self._make(job, index, spec, hooks, writer, resume_state, identity, started, clock, stage, gate)
         except WriteFailed:  # every rank ended the job at one step: the decoding rank says why
@@ -468,7 +481,7 @@ class RankGroup:
                       "wall_s": round(ended - started, 3), "stage_seconds": clock.seconds(ended),
                       "resumed_at_clip": resume_state.clip + 1 if resume_state else None,
                       "frames": shape, "fps": self.cfg.sample_fps, "identity": identity,
-                      **shell.record(), **memory_figures(events.peaks),
+                      **_with_latency(shell.record(), writer), **memory_figures(events.peaks),
                       "output": {"path": str(spec.output), "sha256": media.sha256_file(spec.output)},
                       "spec": json.loads(spec.model_dump_json())}
             try:  # mp4 first, then this
@@ -478,6 +491,14 @@ class RankGroup:
             except OSError as e:  # the video is made: the record's write is the job's error
                 raise JobFailed(f"writing the job's record failed: {e}{disk_fix(e)}") from e
         events.emit(EventKind.JOB_DONE, id=job.id, job=index + 1, **memory_figures(events.peaks, heartbeat=True))
+
+
+def _with_latency(record: dict, writer) -> dict:
+    """The driver's record, a live session's block latencies (its writer's) in its ``live`` figures."""
+    summary = writer.latencies.summary()
+    if summary and "live" in record:
+        record = {**record, "live": {**record["live"], **summary}}
+    return record
 
 
 def disk_fix(e: BaseException) -> str:

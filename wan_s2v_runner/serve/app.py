@@ -29,6 +29,7 @@ from starlette.routing import compile_path
 from wan_s2v_runner.serve.feed import Feed
 from wan_s2v_runner.serve.protocol import ErrorDetail, ErrorResponse
 from wan_s2v_runner.serve.routes import api, public
+from wan_s2v_runner.serve.session_routes import sessions_api
 from wan_s2v_runner.serve.state import Server
 from wan_s2v_runner.serve.store.protocol import QueueUnavailable, StoreRefused
 from wan_s2v_runner.serve.submissions import Refused, scrub
@@ -159,6 +160,7 @@ def create_app(server: Server) -> FastAPI:
         return error_response(e.status_code, str(e.detail))
 
     app.include_router(public)
+    app.include_router(sessions_api)  # before /v1/videos/{video_id}'s routes: its paths are longer anyway
     app.include_router(api)
     if server is not None and server.token is None:
         app.add_middleware(BrowserGuard, allow_hosts=server.settings.allow_host)

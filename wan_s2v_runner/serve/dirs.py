@@ -65,6 +65,11 @@ class ServerDirs:
     def work(self, job_id: str) -> Path:
         return self.videos / WORK_DIR / job_id
 
+    def speech(self, job_id: str) -> Path:
+        """A live session's speech folder: its server posts the speech there, in order, and the
+        group that makes it reads it (:mod:`wan_s2v_runner.shared.inbox`)."""
+        return self.work(job_id) / "speech"
+
     def attempt(self, job_id: str, attempt: int) -> Path:
         """Attempt ``attempt``'s own folder: everything its ranks write for the job."""
         return self.work(job_id) / f"{ATTEMPT_PREFIX}{attempt}"

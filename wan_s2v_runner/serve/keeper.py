@@ -68,7 +68,7 @@ CLAIM_EVERY_S = 0.5
 #: the end events of a job, as rank 0 reports them
 ENDS = frozenset({EventKind.JOB_DONE, EventKind.JOB_CANCELLED, EventKind.JOB_FAILED, EventKind.JOB_LOST})
 #: rank 0's events that move a running job's progress
-PROGRESS_KINDS = frozenset({EventKind.STAGE, EventKind.PROGRESS, EventKind.PREVIEW})
+PROGRESS_KINDS = frozenset({EventKind.STAGE, EventKind.PROGRESS, EventKind.PREVIEW, EventKind.LIVE})
 #: the keeper's clock: how long it waits for news from its group before it beats and sweeps anyway
 TICK_S = 0.2
 #: how long a keeper that stops following its group (an error of its own) waits for the group to end
@@ -86,7 +86,8 @@ class Keeper(threading.Thread):
                  index: int = 0, holds: str = "all of the node",
                  may_claim: Callable[[], Optional[str]] = lambda: None, stamp: Optional[dict] = None,
                  new_group: Callable[..., GroupClient] = LaunchedGroup,
-                 plan_clip_s: Callable[[RunSpec], Optional[float]] = lambda spec: None):
+                 plan_clip_s: Callable[[RunSpec], Optional[float]] = lambda spec: None,
+                 session_known: Callable[[str], bool] = lambda job_id: False):
         super().__init__(name=f"wan-s2v-keeper-{index}", daemon=True)
         self.new_group = new_group
         self.group: Optional[GroupClient] = None  # the group it keeps now
@@ -97,6 +98,8 @@ class Keeper(threading.Thread):
         self.may_claim, self.stamp = may_claim, dict(stamp or {})
         #: the plan's seconds a clip of a job's spec (its ETA before its first clip ends; None: unknown)
         self.plan_clip_s = plan_clip_s
+        #: whether this server holds a live session's state (a session does not outlive its server)
+        self.session_known = session_known
         self._swept = 0.0
         self._backoff = RESTART_BACKOFF_S[0]
         self.ranks: list[dict[str, Any]] = []  # each rank's stage and memory, from its events
@@ -643,6 +646,12 @@ class Keeper(threading.Thread):
         if published is not None:
             self._record(holding, "completed before", lambda: self._completed_before(holding, published))
             return None
+        speech_dir = None
+        if job_spec.session is not None:
+            if not self.session_known(row.id):
+                raise ValueError("a live session does not outlive the server that opened it (restarted since). Fix: "
+                                 "create a new session")
+            speech_dir = self.dirs.speech(row.id)
         own = self.dirs.attempt(row.id, row.attempt)
         own.mkdir(parents=True, exist_ok=True)
         spec = RunSpec.of(self.group_spec, job_spec.model_copy(update={"output": own / f"{row.id}.mp4"}))
@@ -650,7 +659,8 @@ class Keeper(threading.Thread):
         resumed = resume_point(spec, [*earlier, self.dirs.work(row.id)], own)
         if resumed is not None:
             spec = spec.model_copy(update={"resume_from": resumed})
-        return Job(id=row.id, spec=spec.job, work_dir=own, record=own / self.dirs.record(row.id).name)
+        return Job(id=row.id, spec=spec.job, work_dir=own, record=own / self.dirs.record(row.id).name,
+                   speech_dir=speech_dir)
 
     def _completed_before(self, holding: Holding, record: dict) -> None:
         if self.queue.job_finish(holding.job_id, holding.attempt, JobStatus.COMPLETED, record=record):

@@ -78,6 +78,16 @@ class _StateCollector:
         speed = GaugeMetricFamily("wan_s2v_denoise_steps_per_second",
                                   "denoising steps a second since the job's first step, its decodes included "
                                   "(the running job, else the last completed), per rank group", labels=["group"])
+        latency = GaugeMetricFamily("wan_s2v_session_block_latency_seconds",
+                                    "a running live session's block latency (arrival of its last needed speech to "
+                                    "its fragment in the video), by quantile", labels=["group", "quantile"])
+        for k in self.m.keepers:
+            live = (k.live(k.current) or {}).get("live") if k.current else None
+            figures = (live or {}).get("block_latency_s")
+            if figures:
+                for q in ("p50", "p95", "max"):
+                    latency.add_metric([str(k.index), q], figures[q])
+        yield latency
         rss = GaugeMetricFamily("wan_s2v_rank_rss_bytes", "each rank's resident host memory", labels=["group", "rank"])
         gpu = GaugeMetricFamily("wan_s2v_rank_gpu_peak_allocated_bytes", "each rank's peak GPU memory allocated",
                                 labels=["group", "rank"])

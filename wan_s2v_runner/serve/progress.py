@@ -14,6 +14,7 @@ from typing import Any, Optional
 from wan_s2v_runner.launcher.console import clock_on_event
 from wan_s2v_runner.shared.events import EventKind, ProgressUnit, position, steps_done
 from wan_s2v_runner.shared.job_time import ClipClock
+from wan_s2v_runner.shared.latency import Latencies
 from wan_s2v_runner.shared.stages import Stage
 
 
@@ -45,6 +46,10 @@ class Progress:
     steps_reused: Optional[int] = None  # --cache: the job's steps so far that reused a computed one
     plan_clip_s: Optional[float] = None  # the plan's seconds a clip (preflight's job.time), if known
     clock: Optional[ClipClock] = None
+    #: a live job's figures (its rank 0's ``live`` events: first frame, frames a second)
+    live: dict = field(default_factory=dict)
+    #: a live session's block latencies (its ``preview`` events' ``latency_s``)
+    latencies: Latencies = field(default_factory=Latencies)
 
     def __post_init__(self) -> None:
         if self.clock is None:
@@ -67,6 +72,10 @@ class Progress:
                     self.step = self.steps = None
         elif kind is EventKind.PREVIEW:
             self.preview_clips = ev.get("clips")
+            if isinstance(ev.get("latency_s"), (int, float)):
+                self.latencies.add(float(ev["latency_s"]))
+        elif kind is EventKind.LIVE:
+            self.live = {k: ev[k] for k in ("first_frame_s", "fps", "frames_made", "blocks") if k in ev}
         elif kind is EventKind.PROGRESS:
             unit, index, count = position(ev)
             if unit is ProgressUnit.BLOCK:  # a block made: the block in progress is the stage's, or the next
@@ -100,7 +109,8 @@ class Progress:
         and steps, a live job's ``block``/``blocks``/``blocks_done``/``blocks_total``, the other
         unit's None)."""
         live = self.unit is ProgressUnit.BLOCK
-        done = self.clock.clips_done if self.clock.clips_total else None
+        # a live session's blocks: counted without a total (it is known when its speech ends)
+        done = self.clock.clips_done if self.clock.clips_total or (live and self.index is not None) else None
         return {"stage": self.stage or None, "unit": self.unit.value if self.index is not None else None,
                 "clip": None if live else self.index, "clips": None if live else self.count,
                 "block": self.index if live else None, "blocks": self.count if live else None,
@@ -109,4 +119,5 @@ class Progress:
                 "clips_done": None if live else done, "clips_total": None if live else self.clock.clips_total,
                 "blocks_done": done if live else None, "blocks_total": self.clock.clips_total if live else None,
                 "stage_seconds": self.stage_seconds(now), "preview_clips": self.preview_clips,
-                "steps_reused": self.steps_reused}
+                "steps_reused": self.steps_reused,
+                "live": {**self.live, **self.latencies.summary()} if live and self.live else None}

@@ -35,6 +35,27 @@ class VideoError(BaseModel):
     message: str
 
 
+class BlockLatency(BaseModel):
+    """A live session's block latencies: seconds from the arrival of the last sample of speech a block
+    needed to its fragment in the video (where its stream and viewers take it)."""
+
+    p50: float
+    p95: float
+    max: float
+    blocks: int
+
+
+class LiveFigures(BaseModel):
+    """A live job's figures (``--mode live``): its pace against real time and, a session's, its latency."""
+
+    first_frame_s: Optional[float] = Field(None, description="seconds from the job's start on its group to its "
+                                                             "first frame")
+    fps: Optional[float] = Field(None, description="frames a second made since the first (16: real time)")
+    frames_made: Optional[int] = None
+    blocks: Optional[int] = None
+    block_latency_s: Optional[BlockLatency] = None
+
+
 class VideoObject(BaseModel):
     """A job, as OpenAI's video object, with our progress fields."""
 
@@ -94,6 +115,31 @@ class VideoObject(BaseModel):
     size: Optional[str] = Field(None, description="WIDTHxHEIGHT of the video, once made (the image's aspect kept)")
     expires_at: Optional[int] = None
     remixed_from_video_id: Optional[str] = None
+    live: Optional[LiveFigures] = Field(None, description="a live job's figures (--mode live): while it runs and "
+                                                          "after it completed")
+
+
+class SessionObject(BaseModel):
+    """A live session (``/v1/videos/sessions``): its video job (``video``, the same object as
+    ``GET /v1/videos/{id}``) and the session's own state."""
+
+    id: str
+    object: Literal["video.session"] = "video.session"
+    state: Literal["open", "ending", "ended"] = Field(
+        description="open: speech may be appended; ending: ended by its client (or idle), the speech placed is being "
+                    "rendered; ended: its video job ended (completed: its recording is GET /v1/videos/{id}/content)")
+    ended_by: Optional[Literal["client", "idle"]] = None
+    pace: Literal["realtime", "speech"] = Field(
+        description="realtime: blocks at their time, silent (the avatar listens) where no speech arrived; speech: "
+                    "blocks as the speech arrives, never silent by the clock (rendering a stream offline)")
+    speech_s: float = Field(description="seconds of speech appended so far")
+    interrupts: int = 0
+    stream_url: str = Field(description="GET: the session's video as one fragmented MP4 (H.264 and AAC) over HTTP, "
+                                        "from its first fragment, each block as it is made, until the session "
+                                        "ends (MSE-playable)")
+    speech_url: str = Field(description="POST: speech to append (body: format=s16le|f32le raw PCM at rate=HZ, or a "
+                                        "WAV/FLAC/OGG file with format=wav)")
+    video: VideoObject
 
 
 class VideoList(BaseModel):

@@ -56,6 +56,8 @@ class ServerSettings(BaseModel):
     max_queue: int = Field(1000, ge=1)
     json_output: bool = False
     skip_preflight: bool = False
+    #: a live session that hears from no client for this long is ended (its recording kept)
+    session_idle_s: float = Field(30.0, gt=0)
 
     @classmethod
     def from_args(cls, args) -> "ServerSettings":
@@ -76,7 +78,8 @@ class ServerSettings(BaseModel):
                   "lease_s": args.lease_s, "pool": args.pool, "replicas": args.replicas,
                   "max_upload_mb": args.max_upload_mb, "max_audio_s": args.max_audio_s,
                   "keep_videos": args.keep_videos, "keep_hours": args.keep_hours, "min_free_mb": args.min_free_mb,
-                  "max_queue": args.max_queue, "json_output": args.json, "skip_preflight": args.skip_preflight}
+                  "max_queue": args.max_queue, "json_output": args.json, "skip_preflight": args.skip_preflight,
+                  "session_idle_s": args.session_idle}
         try:
             settings = cls(**values)
         except ValidationError as e:

@@ -199,11 +199,13 @@ def _serve_node0(settings: ServerSettings, replicas: list, base: dict, extra_env
     metrics = ServerMetrics(store, watch)
     retention = Retention(keep=settings.keep_videos, max_age_s=settings.max_age_s)
     from wan_s2v_runner.preflight.checks_time import planned_clip_seconds
+    from wan_s2v_runner.serve.sessions import Sessions
     facts = machine_facts()
+    sessions = Sessions(idle_s=settings.session_idle_s)
     keepers = [Keeper(r.spec, store.store_for_keeper(r.index), dirs, {**(extra_env or {}), **r.env},
                       on_completed=metrics.job_completed, retention=retention, index=r.index, holds=r.holds,
                       may_claim=watch.claim_refusal, stamp=place.stamp,
-                      plan_clip_s=lambda spec: planned_clip_seconds(spec, facts))
+                      plan_clip_s=lambda spec: planned_clip_seconds(spec, facts), session_known=sessions.known)
                for r in replicas]
     metrics.attach(keepers)
     if len(keepers) > 1:
@@ -211,5 +213,5 @@ def _serve_node0(settings: ServerSettings, replicas: list, base: dict, extra_env
               + "; ".join(f"group {r.index} on {r.holds}" for r in replicas), flush=True)
     server = Server(queue=store, keepers=keepers, dirs=dirs, metrics=metrics, watch=watch, settings=settings,
                     base={k: v for k, v in job_defaults(base).items() if k not in OUTPUT_FIELDS},
-                    policy=policy, facts=facts, retention=retention, identity=place.digest)
+                    policy=policy, facts=facts, retention=retention, identity=place.digest, sessions=sessions)
     return run_server(server)

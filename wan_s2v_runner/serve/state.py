@@ -60,6 +60,20 @@ class Server:
     decode_slots: int = DECODE_SLOTS  # submissions checked (media read and decoded) at once
     decoding: int = 0  # submissions being checked now
     decoding_peak: int = 0  # the most ever checked at once (/v1/server)
+    sessions: Any = None  # the live sessions it holds (:class:`~.sessions.Sessions`; made when absent)
+
+    def __post_init__(self):
+        if self.sessions is None:
+            from wan_s2v_runner.serve.sessions import Sessions
+            self.sessions = Sessions(idle_s=self.settings.session_idle_s)
+        self.sessions.rendered = self._rendered_s
+
+    def _rendered_s(self, job_id: str) -> float:
+        """Seconds of a live job's video made so far (its blocks done)."""
+        from wan_s2v_runner.shared.speech_windows import BLOCK_SECONDS
+
+        live = self.live(job_id) or {}
+        return (live.get("blocks_done") or 0) * BLOCK_SECONDS
 
     @property
     def token(self) -> Optional[str]:
@@ -137,6 +151,7 @@ def video_object(server: Server, row: JobRow, position: Any = ASK) -> VideoObjec
     if row.status in (JobStatus.COMPLETED, JobStatus.CANCELLED, JobStatus.FAILED):  # --cache: its record's
         obj["steps_reused"] = (record.get("step_cache") or {}).get("steps_reused")
     if row.status is JobStatus.COMPLETED:
+        obj["live"] = record.get("live")
         obj["frames"] = record.get("frames")
         obj["sha256"] = (record.get("output") or {}).get("sha256")
     obj["seconds"], obj["size"] = _length_and_size(spec, record if row.status is JobStatus.COMPLETED else {})

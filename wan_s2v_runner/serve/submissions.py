@@ -284,13 +284,14 @@ def _clips_for(seconds: Any, own: dict[str, Any], base: dict[str, Any]) -> int:
 
 
 def build_job(fields: dict[str, Union[str, Upload]], *, job_id: str, base: dict[str, Any], group: GroupSpec,
-              videos: Path, uploads: Path, policy: Policy, facts=None) -> RunSpec:
+              videos: Path, uploads: Path, policy: Policy, facts=None, session=None) -> RunSpec:
     """A submission's fields -> the job's spec on ``group`` (``base``: the server's job defaults),
     checked (see the module's docstring); raises :class:`Refused`. Uploads go to ``uploads/ID/``
-    (removed again when the job is refused)."""
+    (removed again when the job is refused). ``session``: a live session's pace (its speech comes
+    later, through the session: no audio is asked for)."""
     try:
         return _build_job(fields, job_id=job_id, base=base, group=group, videos=videos, uploads=uploads,
-                          policy=policy, facts=facts)
+                          policy=policy, facts=facts, session=session)
     except OSError as e:  # the uploads could not be written
         shutil.rmtree(uploads / job_id, ignore_errors=True)
         raise storage_refusal(e, "the upload") from None
@@ -299,7 +300,7 @@ def build_job(fields: dict[str, Union[str, Upload]], *, job_id: str, base: dict[
         raise
 
 
-def _build_job(fields, *, job_id, base, group, videos, uploads, policy, facts) -> RunSpec:
+def _build_job(fields, *, job_id, base, group, videos, uploads, policy, facts, session=None) -> RunSpec:
     storable(fields)
     given = {k: v for k, v in fields.items() if k not in IGNORED}
     inputs: dict[str, Path] = {}
@@ -307,6 +308,11 @@ def _build_job(fields, *, job_id, base, group, videos, uploads, policy, facts) -
         sent = [given.pop(n) for n in names if n in given]
         if len(sent) > 1:
             raise Refused(422, f"{field}: sent twice (as {' and '.join(names)}). Fix: send it once", field)
+        if session is not None and field in ("audio", "tts_prompt_audio"):
+            if sent:
+                raise Refused(422, f"{field}: a live session's speech is appended to it, not sent with it. Fix: "
+                                   "POST it to /v1/videos/sessions/ID/speech", field)
+            continue
         if not sent and base.get(field):  # the server's own default (--image/--audio)
             inputs[field] = Path(base[field])
             continue
@@ -336,6 +342,9 @@ def _build_job(fields, *, job_id, base, group, videos, uploads, policy, facts) -
     if seconds is not None:  # OpenAI's length: as many clips as it takes
         own["num_clips"] = _clips_for(seconds, own, base)
     # a served job always keeps its video so far (videos/ID.partial.mp4, ID.thumbnail.jpg)
+    if session is not None:
+        own["session"] = session
+        base = {k: v for k, v in base.items() if k not in ("audio", "tts_text")}  # the server's default speech
     spec, cause = job_spec({**own, **inputs, "preview": True}, base, group, videos, job_id)
     if spec is None:
         raise Refused(422, cause, _param_of(cause))

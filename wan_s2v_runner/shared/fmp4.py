@@ -279,6 +279,36 @@ def playable_length(path) -> int:
     return good
 
 
+class Follower:
+    """A growing file read as it grows, complete top-level boxes only (the init segment, then each
+    fragment once its ``mdat`` is whole), from an open file: the writer's rename of the finished
+    file does not end the read (the same file), so a stream follows a job from its first fragment
+    to its last."""
+
+    def __init__(self, f):
+        self.f = f
+        self.at = 0
+
+    def read(self) -> bytes:
+        """What became complete since the last read (b"": nothing yet)."""
+        size = os.fstat(self.f.fileno()).st_size
+        end, i = self.at, self.at
+        while i + 8 <= size:
+            self.f.seek(i)
+            n, kind = struct.unpack(">I4s", self.f.read(8))
+            if n < 8 or i + n > size:
+                break
+            i += n
+            if kind != b"moof":  # a fragment's moof goes with its mdat
+                end = i
+        if end == self.at:
+            return b""
+        self.f.seek(self.at)
+        data = self.f.read(end - self.at)
+        self.at = end
+        return data
+
+
 def video_size(init: bytes) -> tuple[int, int]:
     """(height, width) of an init segment's video track (its ``tkhd``, 16.16 fixed point)."""
     (trak,) = _find(init, [b"moov", b"trak"])[:1]

@@ -33,7 +33,10 @@ INPUT_FIELDS: tuple[str, ...] = ("image", "audio", "pose_video", "tts_prompt_aud
 #: the job fields that say where a job's results go (a server decides them, never a client)
 OUTPUT_FIELDS: tuple[str, ...] = tuple(k for k in JOB_FIELDS if flag_of(k).group is FlagGroup.OUTPUTS)
 #: the job fields a client of ``wan-s2v serve`` sets besides the input files
-SUBMIT_FIELDS: tuple[str, ...] = tuple(k for k in JOB_FIELDS if k not in (*INPUT_FIELDS, *OUTPUT_FIELDS))
+#: the job fields only the server's live sessions set (``POST /v1/videos/sessions``), never a submission
+SESSION_FIELDS: tuple[str, ...] = ("session",)
+SUBMIT_FIELDS: tuple[str, ...] = tuple(k for k in JOB_FIELDS if k not in (*INPUT_FIELDS, *OUTPUT_FIELDS,
+                                                                             *SESSION_FIELDS))
 JOBS_FILE = "jobs.jsonl"
 
 
@@ -46,6 +49,8 @@ class Job(BaseModel):
     spec: JobSpec  # the video's own settings; its group's are the run's spec.json
     work_dir: AbsPath  # clip checkpoints go to work_dir/clips (resume reads them there)
     record: Optional[AbsPath] = None  # rank 0 writes the job's record here (JSON) when it is done
+    #: a live session's: where its server posts its speech events (shared.inbox.post_speech)
+    speech_dir: Optional[AbsPath] = None
 
     def run_spec(self, group: GroupSpec) -> RunSpec:
         """The whole spec of this video on ``group``."""

@@ -216,6 +216,46 @@ class SpeechEncoder:
             pass
 
 
+class PushedSpeech(SpeechEncoder):
+    """A :class:`SpeechEncoder` whose speech is handed to it as it is made (a live session's, block by
+    block: mono float32 samples at ``rate``) instead of read from a file."""
+
+    def __init__(self, fps: int, rate: int = 16000):
+        from fractions import Fraction
+
+        av = _av()
+        self.fps, self.fed, self.made = fps, 0, 0
+        self.rate, self.channels = rate, 1
+        self.container = None
+        self.fifo = av.AudioFifo()
+        self.exhausted = True  # nothing to read: what is pushed is all there is
+        self.ctx = av.CodecContext.create("aac", "w")
+        self.ctx.sample_rate, self.ctx.layout, self.ctx.format = rate, "mono", "fltp"
+        self.ctx.bit_rate, self.ctx.time_base = AUDIO_BIT_RATE, Fraction(1, rate)
+        self.ctx.flags |= int(av.codec.context.Flags.global_header)
+        self.ctx.open()
+        self.priming: Optional[int] = None
+        self.pushed = 0
+
+    def push(self, samples: np.ndarray) -> None:
+        """The next samples of the speech (mono float32 at :attr:`rate`)."""
+        av = _av()
+        samples = np.ascontiguousarray(np.asarray(samples, dtype=np.float32).reshape(1, -1))
+        if samples.shape[1] == 0:
+            return
+        frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout="mono")
+        frame.sample_rate = self.rate
+        frame.pts = None
+        self.fifo.write(frame)
+        self.pushed += samples.shape[1]
+
+    def _fill(self, need: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class GrowingMp4:
     """A fragmented MP4 being written (:mod:`~wan_s2v_runner.shared.fmp4`): the init segment, then
     one fragment per :meth:`append`, each made durable (fsync) before it counts; :meth:`finish`

@@ -67,7 +67,8 @@ def spec_digest(spec) -> str:
     if not data.get("fp32_blocks"):
         data.pop("fp32_blocks", None)
     data["image_sha256"] = sha256_file(spec.image)
-    data["audio_sha256"] = sha256_file(spec.speech)  # --tts-text: the speech it made (kept for a resume)
+    # --tts-text: the speech it made (kept for a resume); a live session's arrives over time: none
+    data["audio_sha256"] = sha256_file(spec.speech) if spec.speech is not None else None
     if spec.pose_video:
         data["pose_sha256"] = sha256_file(spec.pose_video)
     data["lora_sha256"] = [sha256_file(ref.path) for ref in spec.lora]

@@ -47,6 +47,8 @@ from wan_s2v_runner.shared.layout import DitOffload, DitQuant, Layout, LoadStrat
 from wan_s2v_runner.shared.node_agent import DEFAULT_WORKER
 from wan_s2v_runner.shared.precision import ComputeDtype
 from wan_s2v_runner.shared.quant import Fp8Matmul
+from wan_s2v_runner.shared.speech_timeline import Pace
+from wan_s2v_runner.shared.speech_windows import SpeechWindow
 
 __all__ = ["GroupSpec", "JobSpec", "RunSpec", "LoraRef", "Mode", "Layout", "Flag", "FlagGroup", "parse_size",
            "read_spec", "flag_of", "flag_name", "DEFAULT_MAX_AREA", "MAX_SEED"]
@@ -446,6 +448,10 @@ class GroupSpec(BaseModel):
         return self.model_dump_json(indent=2)
 
 
+#: the most lookahead a live job's speech features may read (a second the avatar lags the speech)
+MAX_LOOKAHEAD_S = 1.0
+
+
 class JobSpec(BaseModel):
     """What one video needs beyond its rank group: inputs, sampling, outputs. A batch line and a
     server submission are validated as one. Paths are absolute after validation."""
@@ -467,6 +473,10 @@ class JobSpec(BaseModel):
     tts_prompt_text: Annotated[Optional[str], Flag(_IN, metavar="TEXT", default_text="none")] = Field(
         None, min_length=1, description="what --tts-prompt-audio says (zero-shot cloning; without it: "
                                         "cross-lingual)")
+    session: Annotated[Optional[Pace], Flag(_IN, cli=False)] = Field(
+        None, description="a live session (wan-s2v serve's /v1/videos/sessions): its speech arrives over time "
+                          "through the server instead of --audio; realtime: blocks at their time, silent where "
+                          "no speech arrived; speech: blocks as the speech arrives")
     prompt: Annotated[str, Flag(_IN, metavar="TEXT")] = Field(min_length=1, description="text prompt")
     negative_prompt: Annotated[str, Flag(_IN, metavar="TEXT", default_text="engine's")] = Field(
         "", description="negative prompt (empty: the engine's default)")
@@ -488,6 +498,10 @@ class JobSpec(BaseModel):
     solver: Annotated[Literal["unipc", "dpm++"], Flag(_SA)] = Field("unipc", description="sampler")
     seed: Annotated[int, Flag(_SA, metavar="N")] = Field(
         -1, ge=-1, le=MAX_SEED, description="-1 = random, chosen once by the launcher and recorded in run.json")
+    speech_lookahead: Annotated[float, Flag(_SA, metavar="SECONDS")] = Field(
+        SpeechWindow.lookahead_s, ge=0, le=MAX_LOOKAHEAD_S,
+        description="--mode live: seconds of speech past a block its speech features read (the avatar lags "
+                    "live speech by at least this; docs/live.md, streaming speech features)")
     start_from_ref: Annotated[bool, Flag(_SA)] = Field(
         False, description="use the reference image as the first frame")
     cache: Annotated[str, AfterValidator(cache_policy.canonical),  # in the type: drafts and env values check it too
@@ -519,7 +533,10 @@ class JobSpec(BaseModel):
             raise ValueError(f"infer_frames must be a multiple of 4 (got {self.infer_frames})")
         if self.output.suffix.lower() != ".mp4":
             raise ValueError(f"output must be an .mp4 file, got {self.output.name!r}")
-        if (self.audio is None) == (self.tts_text is None):
+        if self.session is not None:
+            if self.audio is not None or self.tts_text is not None:
+                raise ValueError("a live session's speech comes through the server: drop --audio/--tts-text")
+        elif (self.audio is None) == (self.tts_text is None):
             raise ValueError("give the speech as --audio PATH, or as --tts-text TEXT with --tts-prompt-audio PATH "
                              f"(got {'both' if self.audio else 'neither'})")
         if self.tts_text is not None and self.tts_prompt_audio is None:
@@ -539,8 +556,11 @@ class JobSpec(BaseModel):
         return self
 
     @property
-    def speech(self) -> Path:
-        """The audio the video speaks: ``audio``, or the TTS speech written next to the output."""
+    def speech(self) -> Optional[Path]:
+        """The audio the video speaks: ``audio``, or the TTS speech written next to the output; None:
+        a live session's, which arrives over time."""
+        if self.session is not None:
+            return None
         return self.audio if self.audio is not None else self.tts_speech_path
 
     @property
@@ -568,6 +588,8 @@ class RunSpec(GroupSpec, JobSpec):
 
     @model_validator(mode="after")
     def _across(self) -> "RunSpec":
+        if self.session is not None and self.mode is not Mode.LIVE:
+            raise ValueError("a live session needs a --mode live group")
         if self.mode is Mode.LIVE:
             for given, why in ((self.pose_video is not None, "--pose-video (LiveAvatar's recipe has no pose "
                                 "condition)"),
