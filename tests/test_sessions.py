@@ -388,3 +388,106 @@ def test_a_blocks_latency_counts_from_when_it_could_start():
     f.add(st.Speech(np.ones(RATE, np.float32), None))
     f.add(st.Finish(0.0))
     assert [d.ready_at for d in _run(f)] == [None] * (W.blocks_for_samples(RATE) + 1)
+
+
+def test_the_doctor_says_whether_a_session_keeps_up_with_real_time():
+    """On recorded machines: one H100 falls behind at 704x384 and names the largest usual size that keeps
+    up; five A100s keep up at that size; a CPU has no estimate (skip, never a guess)."""
+    from test_live import _live_ctx
+
+    from wan_s2v_runner.preflight import checks_live
+    from wan_s2v_runner.preflight.core import Status
+
+    one = checks_live.check_session(_live_ctx("h100_1x", nproc=1))
+    assert one.status is Status.WARN and not one.data["realtime"] and one.data["fps"] < 16, one
+    best = one.data["largest_realtime_size"]
+    assert best and f"--size {best}" in one.fix
+    at_best = checks_live.check_session(_live_ctx("h100_1x", nproc=1, max_area=best))
+    assert at_best.status is Status.OK and at_best.data["fps"] >= 16, at_best
+    bigger = checks_live.SESSION_SIZES[checks_live.SESSION_SIZES.index(best) - 1]
+    assert checks_live.check_session(_live_ctx("h100_1x", nproc=1, max_area=bigger)).status is Status.WARN
+    five = checks_live.check_session(_live_ctx("a100_8x_nvlink", nproc=5, max_area="640*360"))
+    assert five.status is Status.OK and five.data["speech_to_frames_s"] > W.lookahead_s + 0.75, five
+    assert checks_live.check_session(_live_ctx("cpu_only", nproc=1, device="cpu")).status is Status.SKIP
+
+
+@pytest.mark.slow(seconds=60)
+def test_a_fleet_runs_a_session_on_a_free_live_group_of_any_server(cluster, tiny_assets, speech16k, tmp_path):
+    """Two ``--mode live`` servers sharing a queue and a directory: while A's group makes a session, a
+    second session opened on A is taken by B's free group; A serves it (speech in, its stream out: the
+    folder, the growing video and the recording are the shared directory's), B's group makes it; a
+    third, with both groups busy, is refused with 429 and leaves nothing in the queue."""
+    from serving import shared_server
+
+    url, shared = cluster.database(), tmp_path / "shared"
+    shared.mkdir()
+    live = ("--mode", "live", "--session-idle", "30")
+    a = shared_server(tmp_path / "a" / "server", tiny_assets.ckpt_dir, url, shared, 3, *live)
+    b = shared_server(tmp_path / "b" / "server", tiny_assets.ckpt_dir, url, shared, 3, *live)
+    try:
+        image = {"image": ("ref.png", tiny_assets.image.read_bytes(), "image/png")}
+        first = a.http.post("/v1/videos/sessions", files=image, data={"seed": "1"})
+        assert first.status_code == 201, first.text
+        second = a.http.post("/v1/videos/sessions", files=image, data={"seed": "42", "pace": "speech"})
+        assert second.status_code == 201, second.text
+        sid = second.json()["id"]
+        third = a.http.post("/v1/videos/sessions", files=image, data={"seed": "3"})
+        assert third.status_code == 429 and third.headers.get("retry-after"), third.text
+        assert {v["id"] for v in a.videos()} == {first.json()["id"], sid}  # the refused one is gone
+        streamed = bytearray()
+
+        def follow():
+            with a.http.stream("GET", f"/v1/videos/sessions/{sid}/stream", timeout=120) as r:
+                for chunk in r.iter_bytes():
+                    streamed.extend(chunk)
+
+        follower = threading.Thread(target=follow)
+        follower.start()
+        pcm = _pcm(speech16k)
+        for chunk in _chunks(pcm, random.Random(4)):
+            assert a.http.post(f"/v1/videos/sessions/{sid}/speech", params={"rate": 16000},
+                               content=chunk.tobytes()).status_code == 200
+        a.http.post(f"/v1/videos/sessions/{sid}/end")
+        done = a.wait(sid, "completed", timeout=120)
+        follower.join(60)
+        assert [e["id"] for e in rank0_of(b.dir, "job_done")] == [sid]  # B's group made it
+        (tmp_path / "got.mp4").write_bytes(a.http.get(f"/v1/videos/{sid}/content").content)
+        (tmp_path / "streamed.mp4").write_bytes(bytes(streamed))
+        assert _video_packets(tmp_path / "streamed.mp4") == _video_packets(tmp_path / "got.mp4")
+        assert done["frames"][1] == frames_of_speech(pcm.size)
+        a.http.post(f"/v1/videos/sessions/{first.json()['id']}/end")
+        assert a.wait(first.json()["id"], "completed", timeout=120)["status"] == "completed"
+    finally:
+        a.stop()
+        b.stop()
+
+
+def rank0_of(server_dir: Path, kind: str) -> list[dict]:
+    from serving import rank0_events
+
+    return rank0_events(server_dir, kind)
+
+
+def frames_of_speech(samples: int) -> int:
+    from wan_s2v_runner.shared import live_recipe
+
+    return live_recipe.video_frames(W.blocks_for_samples(samples))
+
+
+def test_a_session_whose_server_died_ends_by_itself(tmp_path):
+    """The opening server touches the session folder's alive mark while it holds the session; a group
+    whose session's mark grew stale (its server died) takes that as the session's end."""
+    import os
+
+    from wan_s2v_runner.rank.speech_source import SessionEvents
+
+    folder = tmp_path / "speech"
+    folder.mkdir()
+    inbox.mark_alive(folder)
+    inbox.post_speech(folder, 1, SpeechKind.PCM, np.zeros(160, "<i2").tobytes())
+    events = SessionEvents(folder, st.Pace.REALTIME)
+    assert [type(e) for e in events.take()] == [st.Speech] and events.take() == []
+    stale = time.time() - inbox.ORPHAN_S - 1
+    os.utime(folder / inbox.ALIVE, (stale, stale))
+    ended = events.take()
+    assert [type(e) for e in ended] == [st.Finish] and events.take() == []  # said once

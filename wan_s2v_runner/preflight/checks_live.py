@@ -13,6 +13,11 @@ frames per second the machine can give, planned before anything spawns.
   :data:`~wan_s2v_runner.shared.dit_cost.ASSUMED_MFU` of the GPU's peak in the run's dtype
   (``shared.dit_cost.pass_seconds``); the pipeline's pace is its busiest rank's (its steps), the
   first frame waits for all 4 steps. Informational: the VAE's decode and the sends are not in it.
+* ``live.session``: whether a live session (``wan-s2v serve``'s ``/v1/videos/sessions``, speech as
+  it is spoken) keeps up with real time at this size on this machine: ``live.fps``'s pace against
+  the video's 16 frames a second, the largest of the usual sizes that does (the image's aspect
+  kept), and the delay from a block's speech to its frames (its lookahead, the block itself, the
+  pipeline's 4 steps): planned, the decode and the sends not in it.
 """
 from __future__ import annotations
 
@@ -21,9 +26,13 @@ from typing import Optional
 
 from wan_s2v_runner.shared import live_recipe as recipe
 from wan_s2v_runner.shared.dit_cost import cond_kv_bytes, pass_seconds, step_kv_bytes
+from wan_s2v_runner.shared.media import FPS as VIDEO_FPS
 from wan_s2v_runner.shared.precision import element_bytes
 
 from .core import fail, ok, skip, warn
+
+#: the sizes ``live.session`` tries, largest first (areas, as ``--size``)
+SESSION_SIZES = ("1280*720", "1024*704", "832*480", "704*384", "640*360", "512*288", "448*256", "384*224")
 
 
 def _gib(b: float) -> str:
@@ -172,3 +181,42 @@ def check_fps(ctx):
               f"~{s * 1000:.0f} ms on the busiest rank); the first frame after ~{recipe.STEPS * s:.2f} s of denoising",
               "estimate from the block's operations; the decode and the sends are not in it",
               fps=round(fps, 2), block_step_s=round(s, 4))
+
+
+def _fps(ctx) -> Optional[float]:
+    s = block_seconds(ctx)
+    return None if s is None else recipe.BLOCK_FRAMES / (figures(ctx).steps_per_rank * s)
+
+
+def largest_realtime_size(ctx) -> Optional[str]:
+    """The largest of :data:`SESSION_SIZES` whose planned pace is real time or better (None: none)."""
+    from wan_s2v_runner.shared.spec import parse_size
+
+    for size in SESSION_SIZES:
+        fps = _fps(ctx.with_settings(max_area=parse_size(size)))
+        if fps is not None and fps >= VIDEO_FPS:
+            return size
+    return None
+
+
+def check_session(ctx):
+    from wan_s2v_runner.shared.speech_windows import SpeechWindow
+
+    s = block_seconds(ctx)
+    if s is None:
+        return skip("live.session", "no estimate (CPU, or a GPU whose peak is not known)")
+    fps = _fps(ctx)
+    lookahead = getattr(ctx.spec, "speech_lookahead", None) or SpeechWindow().lookahead_s
+    delay = lookahead + recipe.BLOCK_FRAMES / VIDEO_FPS + recipe.STEPS * s
+    best = largest_realtime_size(ctx)
+    data = dict(fps=round(fps, 2), realtime=fps >= VIDEO_FPS, largest_realtime_size=best,
+                speech_to_frames_s=round(delay, 3))
+    where = f"a block's speech reaches its frames after ~{delay:.2f} s ({lookahead:g} s lookahead, the 0.75 s block, " \
+            f"4 steps of ~{s * 1000:.0f} ms)"
+    if fps >= VIDEO_FPS:
+        return ok("live.session", f"keeps up with real time: ~{fps:.1f} of 16 frames/s at this size; {where}",
+                  f"the largest usual size that keeps up here: {best}", **data)
+    fix = (f"--size {best} (the largest usual size that keeps up here)" if best else
+           "more GPUs (--nproc 5: one a step) or fp8 (--dit-quant fp8)")
+    return warn("live.session", f"a live session falls behind real time here: ~{fps:.1f} of 16 frames/s at this size "
+                "(the avatar's video would lag its speech more and more)", f"Fix: {fix}", **data)

@@ -23,6 +23,7 @@ from wan_s2v_runner.shared.job_time import cfg_on, step_passes
 from wan_s2v_runner.shared.layout import MODES, DitOffload, DitQuant, Layout, LoadStrategy, Mode, StreamSource
 from wan_s2v_runner.shared.precision import ComputeDtype
 from wan_s2v_runner.shared.quant import SCALE_BYTES, is_fp8_weight
+from wan_s2v_runner.shared.speech_windows import RATE, SpeechWindow
 from wan_s2v_runner.shared.video_budget import MOTION_LATENT_FRAMES, host_frame_bytes
 
 from .dit_flops import TEXT_LEN
@@ -47,6 +48,12 @@ VAE_DECODE_MAPS = 16
 #: above it; a streamed DiT held whole is kept in memory only within it: ``shared.stream_source``;
 #: the encoders are released when the plan would be past it otherwise)
 HOST_FILL = stream_source.HOST_FILL
+
+
+def live_window_s(window: Optional[SpeechWindow] = None) -> float:
+    """Seconds of speech one live block's wav2vec2 window reads (its context, span and lookahead)."""
+    s0, s1 = (window or SpeechWindow()).samples_of_block(8)  # a block whose context is whole
+    return (s1 - s0) / RATE
 
 
 @dataclass
@@ -463,19 +470,25 @@ def plan_mode(layout: Layout, sizes: ModelSizes, wl: Workload, *, nproc: int, de
     decoder_alone = layout.stages is not None and not layout.holds_dit(layout.decoding_rank)
     if decoder_alone:
         parts["dit_weights_rank0"] = 0
+    #: the live recipe: the decoding rank's wav2vec2 on its GPU for the whole job (each block's speech
+    #: features made as it starts: rank.block_pipeline), fp32, with one window's activations
+    w2v_live = encoder_placement.encode_bytes(sizes.wav2vec_params, live_window_s()) if layout.stages is not None else 0
+    if w2v_live:
+        parts["wav2vec_live_rank0"] = w2v_live
     if on_cuda and decoder_alone:
         phases["encode"] = max(w_vae + vae_ws, (0 if released else dit_res) + t5_gpu + t5_gather)
         phases["denoise"] = dit_res + t5_denoise + act + text_kv
-        phases["decode"] = w_vae + vae_dec + dec_out  # rank 0's
+        phases["decode"] = w_vae + vae_dec + dec_out + w2v_live  # rank 0's
         gpu_peak = max(phases.values()) + GPU_RUNTIME
     elif on_cuda:
         # the reference is encoded before the prompt: the VAE's workspace and T5 come one after the
         # other; released encoders: the DiT's device part comes after them
         phases["encode"] = (0 if released else dit_res) + w_vae + max(t5_gpu + t5_gather, vae_ws)
-        phases["denoise"] = dit_res + dit_gathered + t5_denoise + w_vae + act + text_kv
+        phases["denoise"] = dit_res + dit_gathered + t5_denoise + w_vae + act + text_kv + w2v_live
         # offload parks a resident DiT on the CPU for the decode; a streamed one keeps its device part
         parked = 0 if streaming is None else dit_res
-        phases["decode"] = (parked if offload else dit_res + t5_denoise) + w_vae + vae_dec + dec_out + text_kv
+        phases["decode"] = ((parked if offload else dit_res + t5_denoise) + w_vae + vae_dec + dec_out + text_kv
+                            + w2v_live)
         gpu_peak = max(phases.values()) + GPU_RUNTIME
     else:
         gpu_peak = None

@@ -107,6 +107,7 @@ CHECKS: tuple[tuple[CheckGroup, CheckFn], ...] = (
     (G.LIVE, checks_live.check_recipe),
     (G.LIVE, checks_live.check_memory),
     (G.LIVE, checks_live.check_fps),
+    (G.LIVE, checks_live.check_session),
 )
 
 #: groups every run needs

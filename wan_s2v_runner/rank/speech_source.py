@@ -56,9 +56,13 @@ class SessionEvents:
     def __init__(self, folder: Path, pace: st.Pace):
         self.folder, self.pace = Path(folder), st.Pace(pace)
         self.seq = 0
+        self.orphan_said = False
 
     def take(self) -> list[st.Event]:
         out: list[st.Event] = []
+        if not self.orphan_said and inbox.orphaned(self.folder):  # its server died: the session ends here
+            self.orphan_said = True
+            return [st.Finish(time.time())]
         for seq, kind, data, posted in inbox.take_speech(self.folder, self.seq):
             self.seq = seq
             if kind is SpeechKind.PCM:

@@ -86,8 +86,7 @@ class Keeper(threading.Thread):
                  index: int = 0, holds: str = "all of the node",
                  may_claim: Callable[[], Optional[str]] = lambda: None, stamp: Optional[dict] = None,
                  new_group: Callable[..., GroupClient] = LaunchedGroup,
-                 plan_clip_s: Callable[[RunSpec], Optional[float]] = lambda spec: None,
-                 session_known: Callable[[str], bool] = lambda job_id: False):
+                 plan_clip_s: Callable[[RunSpec], Optional[float]] = lambda spec: None):
         super().__init__(name=f"wan-s2v-keeper-{index}", daemon=True)
         self.new_group = new_group
         self.group: Optional[GroupClient] = None  # the group it keeps now
@@ -98,8 +97,6 @@ class Keeper(threading.Thread):
         self.may_claim, self.stamp = may_claim, dict(stamp or {})
         #: the plan's seconds a clip of a job's spec (its ETA before its first clip ends; None: unknown)
         self.plan_clip_s = plan_clip_s
-        #: whether this server holds a live session's state (a session does not outlive its server)
-        self.session_known = session_known
         self._swept = 0.0
         self._backoff = RESTART_BACKOFF_S[0]
         self.ranks: list[dict[str, Any]] = []  # each rank's stage and memory, from its events
@@ -648,9 +645,9 @@ class Keeper(threading.Thread):
             return None
         speech_dir = None
         if job_spec.session is not None:
-            if not self.session_known(row.id):
-                raise ValueError("a live session does not outlive the server that opened it (restarted since). Fix: "
-                                 "create a new session")
+            if row.attempt > 1:  # its caches and the speech it took were the group's that failed under it
+                raise ValueError("a live session cannot go on after the rank group making it failed. Fix: create a "
+                                 "new session")
             speech_dir = self.dirs.speech(row.id)
         own = self.dirs.attempt(row.id, row.attempt)
         own.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 """The live sessions' HTTP routes, thin (the state: :mod:`.sessions`; the job: the queue's, as any video):
 
 - ``POST /v1/videos/sessions`` (multipart form or JSON, as ``POST /v1/videos``, without speech;
-  ``pace``: realtime or speech) -> a :class:`~.protocol.SessionObject`; 429 when no ``--mode live``
-  group is free now (a session starts at once or not at all: it never waits in the queue);
+  ``pace``: realtime or speech) -> a :class:`~.protocol.SessionObject`, once a ``--mode live`` group
+  of the fleet took it (any server's: :mod:`.sessions`); 429 when none does within
+  :data:`CLAIM_WAIT_S` (a session starts at once or not at all: it never waits in the queue);
 - ``GET /v1/videos/sessions/{id}``: the session;
 - ``POST /v1/videos/sessions/{id}/speech?format=s16le&rate=16000``: speech appended (the body);
 - ``POST /v1/videos/sessions/{id}/end_of_speech``: the utterance so far is complete (its tail is
@@ -19,13 +20,13 @@ Every call from a client counts as the client being there (:data:`~.sessions.IDL
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Optional
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from wan_s2v_runner.serve.progress import GroupState
 from wan_s2v_runner.serve.protocol import SessionObject
 from wan_s2v_runner.serve.routes import ERRORS, STREAM_ERRORS, ServerDep, _fields, _store_job, authorized, job_row
 from wan_s2v_runner.serve.sessions import MAX_CHUNK_S, Session, SpeechFormat
@@ -40,6 +41,10 @@ sessions_api = APIRouter(prefix="/v1/videos/sessions", dependencies=[Depends(aut
                          tags=["sessions"])
 #: how often a stream looks for a new fragment
 STREAM_POLL_S = 0.05
+#: how long a session's create waits for a live group of the fleet to take it (an idle keeper of a
+#: shared queue asks every 0.5 s; one server's at once)
+CLAIM_WAIT_S = 3.0
+CLAIM_POLL_S = 0.05
 #: the largest speech body an append takes (a WAV of MAX_CHUNK_S at 48 kHz, 32-bit, with room)
 MAX_SPEECH_BYTES = int(MAX_CHUNK_S * 48000 * 4) + 65536
 
@@ -54,19 +59,32 @@ def session_object(server: Server, s: Session) -> SessionObject:
                          video=video_object(server, row))
 
 
-def _free_live_group(server: Server) -> Optional[str]:
-    """Why this server cannot start a session now (None: a live group is free and nothing waits)."""
+def _refusal(server: Server) -> Optional[str]:
+    """Why no session can start now, before one is made (None: try)."""
     spec = server.keeper.group_spec
     if spec.layout.recipe is not Recipe.LIVE:
         return (f"this server's groups make clip videos (--mode {spec.mode.value}). Fix: send sessions to a server "
                 "started with --mode live")
     if server.watch.not_ready() is not None:
         return f"the server takes no job now: {server.watch.not_ready()}"
-    if not any(k.current is None and k.state is GroupState.IDLE for k in server.keepers):
-        return "every live group of this server is busy (a session or a video)"
     if server.queue.job_counts().get(JobStatus.QUEUED.value, 0):
-        return "jobs are waiting in this server's queue"
+        return "jobs wait in the queue (every live group of the fleet is busy)"
     return None
+
+
+def _claimed(server: Server, job_id: str) -> bool:
+    """Wait up to :data:`CLAIM_WAIT_S` for a live group of the fleet to take the session's job; a job
+    no group took is removed (a session starts at once or not at all). True: taken."""
+    deadline = time.monotonic() + CLAIM_WAIT_S
+    while time.monotonic() < deadline:
+        row = server.queue.job_get(job_id)
+        if row is None or row.status is not JobStatus.QUEUED:
+            return row is not None
+        time.sleep(CLAIM_POLL_S)
+    if server.queue.job_delete(job_id) is JobStatus.IN_PROGRESS:  # taken as it was removed: it runs, stop it
+        server.cancel_running(job_id)
+    server.dirs.remove_job_files(job_id, video=True)
+    return False
 
 
 @sessions_api.post("", status_code=201, openapi_extra={"requestBody": {"content": {"multipart/form-data": {"schema": {
@@ -79,10 +97,11 @@ def _free_live_group(server: Server) -> Optional[str]:
 async def create_session(request: Request, server: ServerDep) -> SessionObject:
     """Open a live session: the reference image, prompt, size, seed (as a video job); its speech
     comes after, as it is spoken."""
-    busy = await run_in_threadpool(_free_live_group, server)
-    if busy is not None:
-        raise Refused(429, f"no live group is free for a session now: {busy}. Fix: retry in a moment (or another "
-                           "server of the fleet)", retry_after=5)
+    why = await run_in_threadpool(_refusal, server)
+    if why is not None:
+        raise Refused(409 if why.startswith("this server's groups") else 429,
+                      f"no live session can start now: {why}. Fix: retry in a moment (or another server of the fleet)"
+                      if not why.startswith("this server's groups") else why, retry_after=5)
     fields = await _fields(request, server.policy.max_upload_bytes)
     pace = fields.pop("pace", Pace.REALTIME.value)
     try:
@@ -103,9 +122,14 @@ async def create_session(request: Request, server: ServerDep) -> SessionObject:
     session = server.sessions.open(job_id, server.dirs.speech(job_id), pace)
     try:
         await run_in_threadpool(_store_job, server, job_id, spec.job.model_dump(mode="json"), None, None)
+        taken = await run_in_threadpool(_claimed, server, job_id)
     except BaseException:
         server.sessions.forget(job_id)
         raise
+    if not taken:
+        server.sessions.forget(job_id)
+        raise Refused(429, "no live group of the fleet took the session in time (every one is busy). Fix: retry in a "
+                           "moment", retry_after=5)
     return await run_in_threadpool(session_object, server, session)
 
 

@@ -15,9 +15,16 @@ What a session must not do, refused with 4xx while the session lives on: a chunk
 flooding it), any append after the session's end. A session that hears from no client for
 ``idle_s`` seconds is ended by the server (its recording kept: it becomes the job's video).
 
-The state here is the server's own (in memory): a session does not outlive its server. The keeper
-refuses to start a session job it does not know (:meth:`Sessions.known`), so one requeued after a
-restart fails with its cause instead of waiting for speech no client will send.
+Where a session runs: its job goes to the pool's queue like any other and whichever free live group
+of the fleet claims it first makes it (the create call waits a moment for a claim, else it is
+refused with 429: a session never waits in the queue). Its speech folder, its growing video and its
+recording are in the (shared) directory, so the server that opened it serves its speech, its stream
+and its viewers whichever server's group makes it. The session's state (its order of events, its
+idle clock) is the opening server's, in memory: while the session is open that server touches the
+folder's :data:`~wan_s2v_runner.shared.inbox.ALIVE` mark every second, and a group whose session's
+mark grew stale (the server died) ends it by itself, its recording kept
+(:mod:`wan_s2v_runner.rank.speech_source`). A session is never run twice: a group that fails under
+it fails it (live jobs do not resume).
 """
 from __future__ import annotations
 
@@ -149,6 +156,7 @@ class Sessions:
 
     def open(self, job_id: str, folder: Path, pace: Pace) -> Session:
         Path(folder).mkdir(parents=True, exist_ok=True)
+        inbox.mark_alive(folder)
         now = self.clock()
         s = Session(job_id, Path(folder), Pace(pace), opened=now, last_seen=now)
         with self._lock:
@@ -168,12 +176,9 @@ class Sessions:
             time.sleep(min(1.0, self.idle_s / 4))
             try:
                 self.sweep()
+                self._mark_alive()
             except Exception:  # noqa: BLE001 - the next sweep tries again
                 log.exception("the sessions' sweep failed")
-
-    def known(self, job_id: str) -> bool:
-        with self._lock:
-            return job_id in self._sessions
 
     def get(self, job_id: str) -> Session:
         with self._lock:
@@ -191,6 +196,15 @@ class Sessions:
         s = self.get(job_id)
         s.last_seen = self.clock()
         return s
+
+    def _mark_alive(self) -> None:
+        """The open and ending sessions' folders say this server still holds them."""
+        for s in self.all():
+            if s.state is not SessionState.ENDED:
+                try:
+                    inbox.mark_alive(s.folder)
+                except OSError as e:  # the folder's filesystem: the next sweep tries again
+                    log.warning("session %s: its alive mark could not be written: %s", s.id, e)
 
     def _open_one(self, job_id: str) -> Session:
         s = self.touch(job_id)

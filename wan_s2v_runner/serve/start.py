@@ -205,7 +205,7 @@ def _serve_node0(settings: ServerSettings, replicas: list, base: dict, extra_env
     keepers = [Keeper(r.spec, store.store_for_keeper(r.index), dirs, {**(extra_env or {}), **r.env},
                       on_completed=metrics.job_completed, retention=retention, index=r.index, holds=r.holds,
                       may_claim=watch.claim_refusal, stamp=place.stamp,
-                      plan_clip_s=lambda spec: planned_clip_seconds(spec, facts), session_known=sessions.known)
+                      plan_clip_s=lambda spec: planned_clip_seconds(spec, facts))
                for r in replicas]
     metrics.attach(keepers)
     if len(keepers) > 1:

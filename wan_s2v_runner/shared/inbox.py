@@ -23,6 +23,7 @@ to reach the process group's timeout.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -138,6 +139,27 @@ def stopping(run_dir: Path) -> bool:
 # A live session's speech events go to a folder of the session's own (its job's ``speech_dir``, in the
 # server's directories: whichever group takes the session reads it there), in the order its server
 # posted them: ``<seq>.<kind>``, the sequence from 1.
+
+
+#: a session's folder's mark that the server that opened it still holds it (touched every second)
+ALIVE = ".alive"
+#: a session whose alive mark is older than this is ended by the group that makes it (its server died)
+ORPHAN_S = 120.0
+
+
+def mark_alive(folder: Path) -> None:
+    path = Path(folder) / ALIVE
+    path.touch()
+    os.utime(path)
+
+
+def orphaned(folder: Path, now: Optional[float] = None) -> bool:
+    """Whether no server has touched the session's alive mark for :data:`ORPHAN_S`."""
+    try:
+        seen = (Path(folder) / ALIVE).stat().st_mtime
+    except FileNotFoundError:
+        return False  # a folder made without a server (a test's, a file's): no server to lose
+    return (time.time() if now is None else now) - seen > ORPHAN_S
 
 
 class SpeechKind(str, Enum):
