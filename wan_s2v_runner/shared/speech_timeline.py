@@ -13,9 +13,13 @@ The rules (pure: numbers in, numbers out; the rank's speech source reads chunks 
 asks):
 
 * **Placement.** Speech is written where the timeline's speech ends (contiguous). When none is
-  pending (the avatar was listening), a real-time job writes new speech no sooner than
-  :meth:`Timeline.lead` after the present on the timeline's clock: far enough ahead that speech
-  arriving at real time (a microphone) is there, with its lookahead, when its block starts. What
+  pending (the avatar was listening), a real-time job holds new speech unplaced and, at each block's
+  start, places it as early as it can without running dry: where the speech in hand (``L``
+  samples) and what arrives at real time from now on cover every later block's span and lookahead
+  when that block starts, ``now + lead - L`` on the timeline's clock (:meth:`Timeline.lead`: a
+  block's span, the lookahead and :data:`MARGIN_S`), never before what started blocks read. So a
+  microphone's speech (real time) starts ``lead`` after it began, and a voice agent's TTS that sends
+  a sentence at once starts with the next block. An utterance marked ended is placed at once. What
   lies between is silence (zeros).
 * **Pace** (:class:`Pace`): ``realtime`` starts block ``g`` at its time, ``start + g x 0.75 s``,
   with the speech it has then: a block whose speech has not arrived is silent (the avatar listens);
@@ -133,6 +137,8 @@ class Timeline:
         self.dropped = 0
         #: (end sample, posted time) of recent writes: when a block's last needed sample arrived
         self.arrivals: list[tuple[int, Optional[float]]] = []
+        #: a real-time job's speech since a silence, not placed yet: (samples, posted time)
+        self.unplaced: list[tuple[np.ndarray, Optional[float]]] = []
 
     # ----- events
     def add(self, event: Event) -> None:
@@ -158,15 +164,35 @@ class Timeline:
             return 0
         return int(max(0.0, at - self.start) * RATE)
 
-    def _write(self, samples: np.ndarray, at: float) -> None:
+    def _write(self, samples: np.ndarray, at: Optional[float]) -> None:
         if samples.size == 0:
             return
         if samples.dtype != np.float32 or not np.isfinite(samples).all():
             raise ValueError("speech samples must be finite float32")
         pending = self.speech_end > self.committed
-        at_sample = max(self.committed, self.speech_end)
-        if not pending and self.pace is Pace.REALTIME:
-            at_sample = max(at_sample, self._now_sample(at) + self.lead())
+        if not pending and self.pace is Pace.REALTIME or self.unplaced:  # after a silence: placed at a block's start
+            self.unplaced.append((samples, at))
+            self.ended_mark = False
+            return
+        self._place_at(max(self.committed, self.speech_end), samples, at)
+
+    def _place_pending(self, g: int, now: float) -> None:
+        """Speech held since a silence placed before block ``g`` starts, where it cannot run dry
+        (the module docstring), if that is within what block ``g`` reads; else it waits."""
+        if not self.unplaced:
+            return
+        held = sum(part.size for part, _ in self.unplaced)
+        at_sample = self.committed
+        if not (self.ended_mark or self.finishing):  # more may come, at real time at worst
+            at_sample = max(at_sample, self._now_sample(now) + self.lead() - held)
+        if at_sample >= self.need(g):
+            return
+        parts, self.unplaced = self.unplaced, []
+        for part, at in parts:
+            self._place_at(at_sample, part, at)
+            at_sample += part.size
+
+    def _place_at(self, at_sample: int, samples: np.ndarray, at: Optional[float]) -> None:
         self._grow(at_sample + samples.size)
         self.held[at_sample - self.base:at_sample - self.base + samples.size] = samples
         self.speech_end = at_sample + samples.size
@@ -175,6 +201,8 @@ class Timeline:
 
     def _interrupt(self) -> None:
         """Speech past the started blocks' spans goes (silence instead)."""
+        self.dropped += sum(part.size for part, _ in self.unplaced)
+        self.unplaced = []
         keep = self.started * BLOCK_SAMPLES
         if self.speech_end > keep:
             self.dropped += self.speech_end - max(keep, self.base)
@@ -217,6 +245,11 @@ class Timeline:
     def decide(self, now: float) -> Decision:
         """What to do with the next block (:attr:`started`) at wall time ``now``."""
         g = self.started
+        if self.pace is Pace.REALTIME:
+            due = self.due(g)
+            if not self.finishing and due is not None and now < due:
+                return Decision(Verdict.WAIT, until=due)
+            self._place_pending(g, now)
         need = self.need(g)
         total = self.blocks_for(self.speech_end)
         holds_speech = bool(self.samples(g * BLOCK_SAMPLES, (g + 1) * BLOCK_SAMPLES).any())
@@ -228,9 +261,6 @@ class Timeline:
             if self.speech_end >= need or (self.ended_mark and g < total):
                 return self._start(g, last=False, speech=holds_speech, now=now)
             return Decision(Verdict.WAIT)
-        due = self.due(g)
-        if now < due:
-            return Decision(Verdict.WAIT, until=due)
         return self._start(g, last=False, speech=holds_speech, now=now)
 
     def _start(self, g: int, last: bool, speech: bool, now: float) -> Decision:
