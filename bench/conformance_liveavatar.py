@@ -354,8 +354,7 @@ def main(argv=None) -> int:
 
     results = []
     with torch.no_grad():
-        positions = recipe.BLOCK_LATENT_FRAMES * a.blocks + recipe.REF_BASE + recipe.REF_DISTANCE[1] + 1
-        dit = LiveDiT(ours_model, positions)
+        dit = LiveDiT(ours_model)
         ctx = dit.context(t5)
         cond = dit.sink(ref, motion, ctx)
         kvs = {i: StepKV(len(ours_model.blocks)) for i in range(recipe.STEPS)}

@@ -68,13 +68,25 @@ def _inject(m, idx: int, x, emb, glob):
     return m.after_transformer_block(idx, x.clone())
 
 
+def upstream_rope(dit, tokens: int, f0: int, frames: int, h: int, w: int, positions: int = 1024) -> torch.Tensor:
+    """Upstream's RoPE for a grid, from upstream's whole table (``rope_params`` over ``positions``):
+    what the live DiT's rows-only tables (``LiveDiT._rope``) must equal."""
+    from wan.modules.model import rope_params
+    from wan.modules.s2v.s2v_utils import rope_precompute
+
+    from wan_s2v_runner.rank.live_dit import LiveDiT
+
+    d = dit.head_dim
+    table = torch.cat([rope_params(positions, d - 4 * (d // 6)), rope_params(positions, 2 * (d // 6)),
+                       rope_params(positions, 2 * (d // 6))], dim=1)
+    return rope_precompute(torch.empty(1, tokens, dit.heads, d), [LiveDiT._grid(f0, frames, h, w)], table, start=None)
+
+
 def recompute(dit, ctx, ref_latents, motion_latents, latents: list, t, distances: list, audios: list,
               cond_states, motion_frames, masked_kernel: bool = False) -> list:
     """Noise predictions of blocks 0..len(latents)-1 at timestep ``t``, all recomputed (see the
-    module docstring). ``dit``: a :class:`~wan_s2v_runner.rank.live_dit.LiveDiT` (its model and RoPE
-    table; none of its caches)."""
-    from wan_s2v_runner.rank.live_dit import LiveDiT
-
+    module docstring). ``dit``: a :class:`~wan_s2v_runner.rank.live_dit.LiveDiT` (its model and embeddings; the RoPE
+    upstream's whole table's: :func:`upstream_rope`; none of its caches)."""
     m = dit.model
     cond = dit.sink(ref_latents, motion_latents, ctx)  # the condition's keys, recomputed
     g = len(latents)
@@ -90,7 +102,7 @@ def recompute(dit, ctx, ref_latents, motion_latents, latents: list, t, distances
     tokens = f * h * w
     x = torch.cat([u.flatten(2).transpose(1, 2) for u in xs], 1)
     n = x.shape[1]
-    freqs = dit._rope(n, [LiveDiT._grid(0, g * f, h, w)], x.device)
+    freqs = upstream_rope(dit, n, 0, g * f, h, w)
     x = x + m.trainable_cond_mask(torch.zeros([1, n], dtype=torch.long)).to(x.dtype)
     e, e0 = dit._time(t, n)
     cond_freqs = [dit.cond_freqs(cond, j * BLOCK_LATENT_FRAMES, distances[j], x.device) for j in range(g)]

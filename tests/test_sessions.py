@@ -497,3 +497,22 @@ def test_a_session_whose_server_died_ends_by_itself(tmp_path):
     os.utime(folder / inbox.ALIVE, (stale, stale))
     ended = events.take()
     assert [type(e) for e in ended] == [st.Finish] and events.take() == []  # said once
+
+
+def test_a_long_sessions_rope_rows_are_upstreams_table_rows(engine_cpu):
+    """The live DiT makes only the RoPE rows a forward reads (a session's video of any length holds no
+    table as long as it): at block 6000 (an hour and a quarter in, past upstream's 1024 positions) its
+    rows equal upstream's whole table's, bit for bit, for the block's tokens and the reference's."""
+    from live_reference import upstream_rope
+
+    from wan_s2v_runner.rank.live_dit import LiveDiT
+    from wan_s2v_runner.shared import live_recipe
+
+    dit = LiveDiT(_live_shell(engine_cpu).parts.noise_model)
+    frame, h, w = 6000 * live_recipe.BLOCK_LATENT_FRAMES, 4, 4
+    got = dit._rope(3 * h * w, frame, 3, h, w, "cpu")
+    assert torch.equal(got, upstream_rope(dit, 3 * h * w, frame, 3, h, w, positions=frame + 64))
+    ref = live_recipe.ref_position(frame, 30)
+    want = upstream_rope(dit, h * w, ref, 1, h, w, positions=ref + 8)
+    assert torch.equal(dit._rope(h * w, ref, 1, h, w, "cpu"), want)
+    assert not torch.equal(got, dit._rope(3 * h * w, frame + 3, 3, h, w, "cpu"))  # the next block's differ

@@ -231,8 +231,7 @@ class DitStage:
         self.motion_frames = [s2v.motion_frames, motion_latent_frames(s2v.motion_frames)]
         self.hooks.stage(Stage.DENOISE, what="sink")
         self.guard = driver.parts.guard
-        self.dit = LiveDiT(driver.parts.noise_model, recipe.rope_positions(max(geo.blocks, 1)), self.guard,
-                           geo.param_dtype, geo.device.type)
+        self.dit = LiveDiT(driver.parts.noise_model, self.guard, geo.param_dtype, geo.device.type)
         self.ctx = self.dit.context(inputs.contexts[0][0:1])
         self.cond = self.dit.sink(inputs.latents["ref"], inputs.latents["motion"], self.ctx)
         self.kvs = {i: StepKV(len(self.dit.model.blocks)) for i in self.steps}

@@ -15,9 +15,9 @@ attention's half):
   the first); the condition keys get their RoPE for this forward (the reference at
   :func:`~wan_s2v_runner.shared.live_recipe.ref_position`, the motion tokens where the sink had them).
 
-RoPE uses upstream's float64 tables (LiveAvatar rounds its tables to complex32; docs/live.md) over
-as many positions as the video needs (upstream's table has 1024; a row does not depend on the
-table's length, so the first 1024 are upstream's).
+RoPE uses upstream's float64 rows (LiveAvatar rounds its tables to complex32; docs/live.md), made
+for the positions a forward reads (:meth:`LiveDiT._rope`; a row depends on its position alone, so
+they are upstream's table's rows at any position, its 1024 and past them).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from patches import fp16_compute, live_kv
-from wan_s2v_runner.shared.live_recipe import BLOCK_LATENT_FRAMES, REF_BASE, ref_position, rope_positions
+from wan_s2v_runner.shared.live_recipe import BLOCK_LATENT_FRAMES, REF_BASE, ref_position
 
 
 @dataclass
@@ -59,44 +59,47 @@ def _upstream_state(model, merged_audio_emb, audio_emb_global, original_seq_len:
             setattr(model, n, v)
 
 
+def rope_rows(start: int, n: int, dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """Rows ``start .. start + n`` of upstream's ``rope_params(max_seq_len, dim, theta)`` table, its
+    very expression (``wan.modules.model``): the same float64 products, so the same bits."""
+    assert dim % 2 == 0
+    freqs = torch.outer(torch.arange(start, start + n),
+                        1.0 / torch.pow(theta, torch.arange(0, dim, 2).to(torch.float64).div(dim)))
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
 class LiveDiT:
     """One loaded DiT (a plain module: resident, streamed or fp8), patched for the live mode.
     ``guard``: fp16's (:class:`patches.fp16_compute.Guard`; None in bf16/fp32), which the loop reads
     after each forward; ``dtype``: the compute dtype (the CPU's autocast for a half one)."""
 
-    def __init__(self, model, positions: int, guard: Optional[fp16_compute.Guard] = None,
-                 dtype: torch.dtype = torch.float32, device_type: str = "cpu"):
-        """``positions``: latent-frame positions the video needs (its frames and the reference's);
-        ``device_type``: the rank's (a half dtype on the CPU computes under the CPU's autocast, as the
+    def __init__(self, model, guard: Optional[fp16_compute.Guard] = None, dtype: torch.dtype = torch.float32,
+                 device_type: str = "cpu"):
+        """``device_type``: the rank's (a half dtype on the CPU computes under the CPU's autocast, as the
         clip recipe's DiT forward does: ``patches.fp16_compute.cpu_autocast``)."""
         self.model, self.guard = model, guard
         self.attention = live_kv.apply(model)
         self._compute = lambda: fp16_compute.cpu_autocast(device_type, dtype)
         d = model.dim // model.num_heads
         self.heads, self.head_dim = model.num_heads, d
-        self.freqs = self._table(max(positions, 1024))
         #: the last block's noisy-token RoPE (key, table): a rank runs its steps of a block in a row
         self._noisy_freqs: tuple = (None, None)
 
-    def _table(self, n: int) -> torch.Tensor:
-        from wan.modules.model import rope_params
-
-        d = self.head_dim
-        return torch.cat([rope_params(n, d - 4 * (d // 6)), rope_params(n, 2 * (d // 6)),
-                          rope_params(n, 2 * (d // 6))], dim=1)
-
-    def reach(self, positions: int) -> None:
-        """The RoPE table made to hold ``positions`` (doubled when a session's video outgrows it:
-        a row does not depend on the table's length, so the rows it had are unchanged)."""
-        if positions > self.freqs.shape[0]:
-            self.freqs = self._table(max(positions, 2 * self.freqs.shape[0]))
-
     # ----- pieces of upstream's forward
-    def _rope(self, tokens: int, grids: list, device) -> torch.Tensor:
+    def _rope(self, tokens: int, f0: int, frames: int, h: int, w: int, device) -> torch.Tensor:
+        """Upstream's ``rope_precompute`` for a grid of ``frames`` latent frames from temporal position
+        ``f0`` (and ``h`` x ``w`` patches), from a table of only the rows it reads: the temporal
+        columns' rows at positions ``f0 ..``, the spatial columns' at ``0 ..``. A row is a function of
+        its position alone (``rope_params``: the position times each frequency, in float64), so these
+        are bit for bit the rows of upstream's table, at any position: a session's video of any length
+        holds a few rows, never a table as long as the video."""
         from wan.modules.s2v.s2v_utils import rope_precompute
 
-        shape = torch.empty(1, tokens, self.heads, self.head_dim, device=device)
-        return rope_precompute(shape, grids, self.freqs, start=None)
+        n, d = max(frames, h, w), self.head_dim
+        table = torch.cat([rope_rows(f0, n, d - 4 * (d // 6)), rope_rows(0, n, 2 * (d // 6)),
+                           rope_rows(0, n, 2 * (d // 6))], dim=1)
+        shape = torch.empty(1, tokens, self.heads, d, device=device)
+        return rope_precompute(shape, [self._grid(0, frames, h, w)], table, start=None)
 
     @staticmethod
     def _grid(f0: int, frames: int, h: int, w: int) -> list:
@@ -145,7 +148,7 @@ class LiveDiT:
         ref = m.patch_embedding(ref_latents[0].unsqueeze(0))  # [1, C, 1, h, w]
         h, w = ref.shape[3], ref.shape[4]
         ref = ref.flatten(2).transpose(1, 2)
-        ref_freqs = self._rope(ref.shape[1], [self._grid(REF_BASE, 1, h, w)], ref.device)
+        ref_freqs = self._rope(ref.shape[1], REF_BASE, 1, h, w, ref.device)
         add_last_motion = m.add_last_motion * 2
         mot, mot_remb = m.process_motion_frame_pack(motion_latents, drop_motion_frames=False,
                                                     add_last_motion=add_last_motion)
@@ -162,7 +165,7 @@ class LiveDiT:
     def cond_freqs(self, cond: Cond, frame: int, distance: int, device) -> torch.Tensor:
         """The condition keys' RoPE for a block starting at latent ``frame``."""
         h, w = cond.ref_grid
-        ref = self._rope(cond.ref_tokens, [self._grid(ref_position(frame, distance), 1, h, w)], device)
+        ref = self._rope(cond.ref_tokens, ref_position(frame, distance), 1, h, w, device)
         return torch.cat([ref, cond.motion_freqs.to(ref.device)], dim=1)
 
     def block(self, latents: torch.Tensor, t: torch.Tensor, step: live_kv.StepKV, block: int, distance: int,
@@ -193,10 +196,9 @@ class LiveDiT:
         x = x.flatten(2).transpose(1, 2)
         n = x.shape[1]
         frame = block * BLOCK_LATENT_FRAMES
-        self.reach(rope_positions(block + 1))
         key = (frame, f, h, w, x.device)
         if self._noisy_freqs[0] != key:  # the same positions at every step of the block
-            self._noisy_freqs = (key, self._rope(n, [self._grid(frame, f, h, w)], x.device))
+            self._noisy_freqs = (key, self._rope(n, frame, f, h, w, x.device))
         freqs = self._noisy_freqs[1]
         x = x + m.trainable_cond_mask(torch.zeros([1, n], dtype=torch.long, device=x.device)).to(x.dtype)
         e, e0 = self._time(t, n)

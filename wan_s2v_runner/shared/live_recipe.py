@@ -88,12 +88,6 @@ def ref_position(frame: int, distance: int) -> int:
     return REF_BASE + max(0, frame - (REF_BASE - distance))
 
 
-def rope_positions(blocks: int) -> int:
-    """Temporal RoPE positions a video of ``blocks`` blocks reaches: its latent frames, and the
-    reference's furthest position (:func:`ref_position` of the last block at the largest distance)."""
-    return ref_position(BLOCK_LATENT_FRAMES * (blocks - 1), REF_DISTANCE[1]) + 1
-
-
 def window(block: int) -> range:
     """The blocks ``block`` attends at a step (its own K/V included)."""
     return range(max(0, block - WINDOW_BLOCKS + 1), block + 1)
