@@ -563,3 +563,31 @@ def pytest_sessionfinish(session, exitstatus):
         print(f"\nERROR: the test session left {len(left)} process(es) running (killed now):\n{lines}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+
+
+@pytest.fixture(scope="module")
+def audio_wan():
+    """The engine's modules, its speech read as every run reads it (our ``audio_load`` patch)."""
+    from patches import audio_load
+    from wan_s2v_runner.loading.engine import import_wan
+
+    w = import_wan()
+    applied = audio_load.apply(w)
+    yield w
+    if applied:
+        audio_load.restore(w)
+
+
+@pytest.fixture(scope="module")
+def tiny_w2v(audio_wan, tmp_path_factory):
+    """The demo checkpoint's tiny wav2vec2 (xlsr-53's layout: the layer-norm conv encoder with the real
+    strides, the 128-frame positional conv, 25 hidden states; 32 wide), loaded by upstream's
+    ``AudioEncoder``."""
+    from wan_s2v_runner.demo.tiny_checkpoint import _write_wav2vec
+    from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
+
+    ckpt = tmp_path_factory.mktemp("w2v")
+    _write_wav2vec(ckpt, audio_wan, seed=4, hidden=32)
+    enc = audio_wan.modules.s2v.audio_encoder.AudioEncoder(model_id=str(ckpt / WAV2VEC_DIR))
+    assert enc.model.config.feat_extract_norm == "layer" and enc.model.config.num_conv_pos_embeddings == 128
+    return enc

@@ -46,27 +46,13 @@ SECONDS = 8.0
 
 
 @pytest.fixture(scope="module")
-def wan():
-    from patches import audio_load
-    from wan_s2v_runner.loading.engine import import_wan
-
-    w = import_wan()
-    applied = audio_load.apply(w)  # as every run reads its speech
-    yield w
-    if applied:
-        audio_load.restore(w)
+def wan(audio_wan):
+    return audio_wan
 
 
 @pytest.fixture(scope="module")
-def encoder(wan, tmp_path_factory):
-    from wan_s2v_runner.demo.tiny_checkpoint import _write_wav2vec
-    from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
-
-    ckpt = tmp_path_factory.mktemp("w2v")
-    _write_wav2vec(ckpt, wan, seed=4, hidden=32)
-    enc = wan.modules.s2v.audio_encoder.AudioEncoder(model_id=str(ckpt / WAV2VEC_DIR))
-    assert enc.model.config.feat_extract_norm == "layer" and enc.model.config.num_conv_pos_embeddings == 128
-    return enc
+def encoder(tiny_w2v):
+    return tiny_w2v
 
 
 @pytest.fixture(scope="module")
