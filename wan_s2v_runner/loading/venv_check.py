@@ -81,6 +81,8 @@ PRODUCT = (
     Module("psycopg", "psycopg", "install psycopg's binary build, which carries libpq: " + REINSTALL),
     Module("psycopg_pool", "psycopg-pool"),
     Module("av", "av", "install PyAV's manylinux wheel, which carries FFmpeg with libx264: " + REINSTALL),
+    Module("soxr", "soxr"),  # a live session's speech at another rate, to 16 kHz (serve/sessions.py)
+    Module("aiortc", "aiortc"),  # a live session's viewers over WebRTC (serve/whep.py)
 ) + ((Module("tomli", "tomli"),) if sys.version_info < (3, 11) else ())
 #: what the tests, tools and benchmarks import (beyond the above)
 DEV = (

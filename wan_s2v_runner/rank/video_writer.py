@@ -323,7 +323,8 @@ class VideoWriter:
         if not last:
             self.events.emit(EventKind.PREVIEW, clips=clip + 1, of=num_clips, frames=at.frames,
                              seconds=round(at.frames / self.fps, 3), path=str(self.path), bytes=at.size,
-                             **({"latency_s": latency} if latency is not None else {}))
+                             **({"latency_s": latency} if latency is not None else {}),
+                             **({"spoken": bool(speech.samples.any())} if speech is not None else {}))
 
     def _write_thumbnail(self, first) -> None:
         from PIL import Image

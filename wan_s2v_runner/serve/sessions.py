@@ -55,6 +55,9 @@ MAX_CHUNK_S = 10.0
 AHEAD_S = 60.0
 #: a session with no client for this long is ended by the server (its recording kept)
 IDLE_S = 30.0
+#: an ended session is let go this long after its job ended (its video and record stay the queue's):
+#: a served hour holds the sessions that run and the last few minutes' ended ones
+FORGET_S = 600.0
 
 
 class SpeechFormat(str, Enum):
@@ -86,6 +89,7 @@ class Session:
     state: SessionState = SessionState.OPEN
     ended_by: Optional[str] = None  # "client" or "idle"
     interrupts: int = 0
+    ended_at: Optional[float] = None  # when its job ended (it is let go :data:`FORGET_S` after)
     resampler: object = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -146,10 +150,12 @@ class Sessions:
     """The server's open sessions, by id (see the module docstring)."""
 
     def __init__(self, idle_s: float = IDLE_S, clock: Callable[[], float] = time.time,
-                 rendered: Callable[[str], float] = lambda job_id: 0.0):
+                 rendered: Callable[[str], float] = lambda job_id: 0.0,
+                 job_ended: Callable[[str], bool] = lambda job_id: False):
         """``rendered(id)``: seconds of a session's video made so far (how far ahead of it a
-        ``speech``-paced session's speech may arrive)."""
-        self.idle_s, self.clock, self.rendered = idle_s, clock, rendered
+        ``speech``-paced session's speech may arrive); ``job_ended(id)``: whether its video job ended
+        (the sweep lets the session go: a served hour holds only the sessions that run)."""
+        self.idle_s, self.clock, self.rendered, self.job_ended = idle_s, clock, rendered, job_ended
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._sweeper: Optional[threading.Thread] = None
@@ -198,13 +204,21 @@ class Sessions:
         return s
 
     def _mark_alive(self) -> None:
-        """The open and ending sessions' folders say this server still holds them."""
+        """The open and ending sessions' folders say this server still holds them; a session whose job
+        ended is marked so, and let go :data:`FORGET_S` after."""
+        now = self.clock()
         for s in self.all():
-            if s.state is not SessionState.ENDED:
-                try:
-                    inbox.mark_alive(s.folder)
-                except OSError as e:  # the folder's filesystem: the next sweep tries again
-                    log.warning("session %s: its alive mark could not be written: %s", s.id, e)
+            if s.state is not SessionState.ENDED and self.job_ended(s.id):
+                self.ended(s.id)
+            if s.state is SessionState.ENDED:
+                if now - (s.ended_at or now) > FORGET_S:
+                    with self._lock:
+                        self._sessions.pop(s.id, None)
+                continue
+            try:
+                inbox.mark_alive(s.folder)
+            except OSError as e:  # the folder's filesystem: the next sweep tries again
+                log.warning("session %s: its alive mark could not be written: %s", s.id, e)
 
     def _open_one(self, job_id: str) -> Session:
         s = self.touch(job_id)
@@ -271,5 +285,5 @@ class Sessions:
         """The session's job ended: nothing more is taken."""
         with self._lock:
             s = self._sessions.get(job_id)
-        if s is not None:
-            s.state = SessionState.ENDED
+        if s is not None and s.state is not SessionState.ENDED:
+            s.state, s.ended_at = SessionState.ENDED, self.clock()

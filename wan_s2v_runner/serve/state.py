@@ -67,6 +67,14 @@ class Server:
             from wan_s2v_runner.serve.sessions import Sessions
             self.sessions = Sessions(idle_s=self.settings.session_idle_s)
         self.sessions.rendered = self._rendered_s
+        self.sessions.job_ended = self._job_ended
+
+    def _job_ended(self, job_id: str) -> bool:
+        try:
+            row = self.queue.job_get(job_id)
+        except Exception:  # noqa: BLE001 - the queue down: not known to have ended
+            return False
+        return row is None or row.status.terminal
 
     def _rendered_s(self, job_id: str) -> float:
         """Seconds of a live job's video made so far (its blocks done)."""
