@@ -41,3 +41,10 @@ def flatmap_body(ctx, body):
     # (mostly taken: the job reaches the ranks with it)
     one_each = [{"prompt": "fuzzed", k: v, **INPUTS} for k, v in real.items() if k != "prompt"]
     return st.one_of(st.just(body), st.just({"prompt": "fuzzed", **real, **INPUTS}), *map(st.just, one_each))
+
+
+@schemathesis.serializer("application/sdp")
+def sdp_text(ctx, value):
+    """A WHEP offer's body (``application/sdp``, a string in the schema): its text as sent. Fuzzed
+    text is no offer the server can answer: its 400s, 404s (a made-up session) and 409s."""
+    return str(value).encode("utf-8", "surrogatepass")

@@ -33,6 +33,7 @@ from wan_s2v_runner.serve.session_routes import sessions_api
 from wan_s2v_runner.serve.state import Server
 from wan_s2v_runner.serve.store.protocol import QueueUnavailable, StoreRefused
 from wan_s2v_runner.serve.submissions import Refused, scrub
+from wan_s2v_runner.serve.whep_routes import whep_api
 
 #: seconds a client is asked to wait before it tries again while the queue is unavailable
 RETRY_AFTER_S = 5
@@ -61,9 +62,14 @@ def validation_message(errors) -> tuple[str, Optional[str]]:
 
 
 def allowed_methods(app: FastAPI, path: str) -> list[str]:
-    """The documented methods of every route whose path matches ``path``."""
+    """The documented methods of ``path``: its own route's where a route is that very path (e.g.
+    ``/v1/videos/sessions``, which ``/v1/videos/{video_id}`` also matches), else those of every
+    route whose template matches it."""
+    paths = app.openapi()["paths"]
+    if path in paths:
+        return sorted(m.upper() for m in paths[path])
     methods: set[str] = set()
-    for template, operations in app.openapi()["paths"].items():
+    for template, operations in paths.items():
         if compile_path(template)[0].match(path):
             methods |= {m.upper() for m in operations}
     return sorted(methods)
@@ -161,6 +167,7 @@ def create_app(server: Server) -> FastAPI:
 
     app.include_router(public)
     app.include_router(sessions_api)  # before /v1/videos/{video_id}'s routes: its paths are longer anyway
+    app.include_router(whep_api)  # a session's WebRTC viewers (WHEP); its lifespan closes them
     app.include_router(api)
     if server is not None and server.token is None:
         app.add_middleware(BrowserGuard, allow_hosts=server.settings.allow_host)

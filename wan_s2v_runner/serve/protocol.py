@@ -139,6 +139,9 @@ class SessionObject(BaseModel):
                                         "ends (MSE-playable)")
     speech_url: str = Field(description="POST: speech to append (body: format=s16le|f32le raw PCM at rate=HZ, or a "
                                         "WAV/FLAC/OGG file with format=wav)")
+    whep_url: str = Field(description="POST an SDP offer (application/sdp, WHEP): the session's video and the speech "
+                                      "it plays as WebRTC tracks, from its newest block, at real time; 201: the SDP "
+                                      "answer and Location, the viewer (DELETE it to stop)")
     video: VideoObject
 
 

@@ -56,7 +56,7 @@ def session_object(server: Server, s: Session) -> SessionObject:
     base = f"/v1/videos/sessions/{s.id}"
     return SessionObject(id=s.id, state=s.state.value, ended_by=s.ended_by, pace=s.pace.value, speech_s=s.speech_s,
                          interrupts=s.interrupts, stream_url=f"{base}/stream", speech_url=f"{base}/speech",
-                         video=video_object(server, row))
+                         whep_url=f"{base}/whep", video=video_object(server, row))
 
 
 def _refusal(server: Server) -> Optional[str]:

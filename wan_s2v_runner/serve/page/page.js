@@ -428,16 +428,240 @@ async function submit(event) {
   }
 }
 
+// ----- a live session (--mode live): speech in (the microphone, or a file), the avatar out over WebRTC (WHEP) -----
+const PCM_RATE = 16000; // what the session's speech URL is sent: 16-bit mono PCM at 16 kHz
+const PCM_CHUNK = 2560; // samples a POST (160 ms)
+// the microphone's samples, at the AudioContext's rate, averaged down to 16 kHz (each output sample
+// the mean of the input samples since the last: a box low-pass) and posted as 160 ms of Int16 PCM
+const PCM_WORKLET = `
+class Pcm16k extends AudioWorkletProcessor {
+  constructor() {
+    super();
+    this.step = sampleRate / ${PCM_RATE}; this.next = this.step; this.pos = 0; this.sum = 0; this.n = 0;
+    this.buf = new Int16Array(${PCM_CHUNK}); this.fill = 0;
+  }
+  process(inputs) {
+    const ch = inputs[0] && inputs[0][0];
+    if (!ch) return true;
+    for (let i = 0; i < ch.length; i++) {
+      this.sum += ch[i]; this.n++; this.pos++;
+      if (this.pos < this.next) continue;
+      this.next += this.step;
+      const v = Math.max(-1, Math.min(1, this.sum / this.n));
+      this.sum = 0; this.n = 0;
+      this.buf[this.fill++] = Math.round(v < 0 ? v * 32768 : v * 32767);
+      if (this.fill === this.buf.length) {
+        this.port.postMessage(this.buf.buffer, [this.buf.buffer]);
+        this.buf = new Int16Array(${PCM_CHUNK}); this.fill = 0;
+      }
+    }
+    return true;
+  }
+}
+registerProcessor("pcm-16k", Pcm16k);`;
+const live = { session: null, pc: null, viewer: null, audio: null, timer: null, queue: [], sending: false };
+
+function showSession(s) {
+  live.session = s;
+  const panel = $("#session");
+  panel.dataset.sessionId = s.id;
+  panel.dataset.state = s.state;
+  $("#session-state").textContent = `${s.id}: ${s.state}${s.ended_by ? ` (ended by ${s.ended_by})` : ""}`;
+  const v = s.video || {};
+  const blocks = v.blocks_done !== undefined && v.blocks_done !== null ? ` · ${v.blocks_done} blocks made` : "";
+  $("#session-detail").textContent = `${s.speech_s.toFixed(1)} s of speech sent${blocks}` +
+    (s.interrupts ? ` · ${s.interrupts} interrupt${s.interrupts === 1 ? "" : "s"}` : "");
+  const open = s.state === "open";
+  $("#session-interrupt").disabled = !open;
+  $("#session-end").disabled = !open;
+  $("#session-start").disabled = s.state !== "ended";
+}
+
+function sessionError(message) {
+  $("#session-error").textContent = message || "";
+}
+
+// 16-bit PCM chunks in order, one POST at a time (what came meanwhile goes in the next)
+async function sendSpeech(pcm) {
+  live.queue.push(new Int16Array(pcm));
+  if (live.sending) return;
+  live.sending = true;
+  try {
+    while (live.queue.length && live.session && live.session.state === "open") {
+      const parts = live.queue.splice(0);
+      const body = new Int16Array(parts.reduce((n, p) => n + p.length, 0));
+      let at = 0;
+      for (const p of parts) { body.set(p, at); at += p.length; }
+      const r = await api(`${live.session.speech_url}?format=s16le&rate=${PCM_RATE}`, {
+        method: "POST", headers: { "Content-Type": "application/octet-stream" }, body });
+      if (r.ok) showSession(await r.json());
+      else { sessionError(await errorMessage(r)); if (r.status === 409 || r.status === 404) stopSpeech(); }
+    }
+  } catch (e) {
+    sessionError(`speech not sent: ${e.message}`);
+  } finally {
+    live.sending = false;
+  }
+}
+
+async function startMicrophone() {
+  const stream = await navigator.mediaDevices.getUserMedia({
+    audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true } });
+  const ctx = new AudioContext();
+  const url = URL.createObjectURL(new Blob([PCM_WORKLET], { type: "text/javascript" }));
+  try { await ctx.audioWorklet.addModule(url); } finally { URL.revokeObjectURL(url); }
+  const node = new AudioWorkletNode(ctx, "pcm-16k", { numberOfInputs: 1, numberOfOutputs: 0, channelCount: 1 });
+  node.port.onmessage = (e) => sendSpeech(e.data);
+  ctx.createMediaStreamSource(stream).connect(node);
+  live.audio = { ctx, stream };
+}
+
+// an audio file: decoded and resampled to 16 kHz by the browser, sent 160 ms at a time as it would be spoken
+async function startFile(file) {
+  const decoded = await new AudioContext().decodeAudioData(await file.arrayBuffer());
+  const offline = new OfflineAudioContext(1, Math.ceil(decoded.duration * PCM_RATE), PCM_RATE);
+  const source = offline.createBufferSource();
+  source.buffer = decoded;
+  source.connect(offline.destination);
+  source.start();
+  const samples = (await offline.startRendering()).getChannelData(0);
+  let at = 0;
+  live.timer = setInterval(() => {
+    if (at >= samples.length) { stopSpeech(); return; }
+    const part = samples.subarray(at, at + PCM_CHUNK);
+    at += PCM_CHUNK;
+    sendSpeech(Int16Array.from(part, (v) => Math.round(Math.max(-1, Math.min(1, v)) * 32767)).buffer);
+  }, (PCM_CHUNK / PCM_RATE) * 1000);
+}
+
+function stopSpeech() {
+  if (live.timer) clearInterval(live.timer);
+  live.timer = null;
+  if (live.audio) {
+    for (const t of live.audio.stream.getTracks()) t.stop();
+    live.audio.ctx.close();
+  }
+  live.audio = null;
+}
+
+function iceGathered(pc, timeoutMs = 3000) {
+  if (pc.iceGatheringState === "complete") return Promise.resolve();
+  return new Promise((done) => {
+    const check = () => { if (pc.iceGatheringState === "complete") done(); };
+    pc.addEventListener("icegatheringstatechange", check);
+    setTimeout(done, timeoutMs); // what was gathered by then goes (host candidates come first)
+  });
+}
+
+// WHEP: our offer (recvonly video and audio, its candidates gathered) POSTed as application/sdp;
+// the answer's tracks play in the <video>
+async function watchSession(url) {
+  const pc = new RTCPeerConnection();
+  live.pc = pc;
+  pc.addTransceiver("video", { direction: "recvonly" });
+  pc.addTransceiver("audio", { direction: "recvonly" });
+  const stream = new MediaStream();
+  const video = $("#session-video");
+  pc.ontrack = (e) => stream.addTrack(e.track);
+  pc.onconnectionstatechange = () => { // the server closes it when the session's video has all been sent
+    if (live.pc === pc && ["failed", "closed"].includes(pc.connectionState)) stopWatching();
+  };
+  video.srcObject = stream;
+  video.hidden = false;
+  await pc.setLocalDescription(await pc.createOffer());
+  await iceGathered(pc);
+  const r = await api(url, { method: "POST", headers: { "Content-Type": "application/sdp" }, body: pc.localDescription.sdp });
+  if (r.status !== 201) throw new Error(await errorMessage(r));
+  live.viewer = new URL(r.headers.get("Location"), location.href).pathname;
+  await pc.setRemoteDescription({ type: "answer", sdp: await r.text() });
+  video.play().catch(() => { video.muted = true; video.play().catch(() => {}); }); // sound needs a click somewhere
+}
+
+async function stopWatching() {
+  if (live.pc) live.pc.close();
+  live.pc = null;
+  if (live.viewer) await api(live.viewer, { method: "DELETE" }).catch(() => {});
+  live.viewer = null;
+}
+
+async function sessionAction(action) {
+  if (!live.session) return;
+  if (action === "end") stopSpeech();
+  try {
+    await withToken(async () => {
+      const r = await api(`/v1/videos/sessions/${live.session.id}/${action}`, { method: "POST" });
+      if (!r.ok) { sessionError(await errorMessage(r)); return; }
+      showSession(await r.json());
+    });
+  } catch (e) {
+    sessionError(`${action} failed: ${e.message}`);
+  }
+}
+
+// the session's state while it lives (its speech, its blocks; its end: the viewer let go)
+async function followSession(id) {
+  while (live.session && live.session.id === id && live.session.state !== "ended") {
+    await new Promise((ok) => setTimeout(ok, 1000));
+    try {
+      const r = await api(`/v1/videos/sessions/${id}`);
+      if (r.ok) showSession(await r.json());
+    } catch (e) {
+      console.error("wan-s2v session:", e);
+    }
+  }
+  stopSpeech();
+  const pc = live.pc;
+  if (pc && pc.connectionState !== "connected") await stopWatching(); // else its tracks end with the video
+}
+
+async function startSession(event) {
+  event.preventDefault();
+  const form = event.target;
+  sessionError("");
+  const image = form.elements.session_image.files[0];
+  const fromFile = form.elements.session_speech.value === "file";
+  const audio = form.elements.session_audio.files[0];
+  if (!image) { sessionError("pick a reference image first"); return; }
+  if (fromFile && !audio) { sessionError("pick an audio file, or speak from the microphone"); return; }
+  $("#session-start").disabled = true;
+  await stopWatching();
+  try {
+    await withToken(async () => {
+      const data = new FormData();
+      data.append("image", image, image.name);
+      data.append("pace", "realtime");
+      const r = await api("/v1/videos/sessions", { method: "POST", body: data });
+      if (r.status !== 201) throw new Error(await errorMessage(r));
+      showSession(await r.json());
+    });
+    const s = live.session;
+    if (fromFile) await startFile(audio); // the microphone first: its permission lets the offer name the host's addresses
+    else await startMicrophone();
+    await withToken(() => watchSession(s.whep_url));
+    followSession(s.id);
+  } catch (e) {
+    sessionError(`the session could not start: ${e.message}`);
+    stopSpeech();
+    if (live.session && live.session.state === "open") sessionAction("end");
+    $("#session-start").disabled = false;
+  }
+}
+
 async function main() {
   preview($('input[name="image"]'), $("#image-preview"));
   preview($('input[name="audio"]'), $("#audio-preview"));
   preview($('input[name="pose_video"]'), $("#pose-preview"));
   preview($('input[name="tts_prompt_audio"]'), $("#tts-prompt-preview"));
   $("#submit-form").addEventListener("submit", submit);
+  preview($('input[name="session_image"]'), $("#session-image-preview"));
+  $("#session-form").addEventListener("submit", startSession);
+  $("#session-interrupt").onclick = () => sessionAction("interrupt");
+  $("#session-end").onclick = () => sessionAction("end");
   const info = await withToken(async () => (await api("/v1/server")).json());
   if ($("#token-dialog").open) $("#token-dialog").close();
   renderServer(info);
   buildForm(info.fields, info.max_upload_mb);
+  $("#session").hidden = info.layout.mode !== "live"; // sessions: a --mode live server's
   document.body.dataset.ready = "1";
   follow();
 }
