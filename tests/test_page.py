@@ -13,36 +13,21 @@ can: ``tools/ensure_chromium``).
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
 import pytest
+from browser import MISSING, chromium
 from conftest import ROOT, wait_for
 from serving import TOKEN
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
-                                reason="no Chromium and ChromeDriver here (tools/ensure_chromium installs Debian's "
-                                       "chromium and chromium-driver where it can)")
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 ARTIFACTS = Path(os.environ.get("WAN_S2V_ARTIFACTS", ROOT / "test-artifacts")) / "page"
 
 
 @pytest.fixture
 def browser(tmp_path):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-                "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--autoplay-policy=no-user-gesture-required", "--window-size=1280,1200",
-                f"--user-data-dir={tmp_path / 'profile'}"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    driver.set_script_timeout(30)
+    driver = chromium(tmp_path / "profile")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     yield driver
     driver.quit()

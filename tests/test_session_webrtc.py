@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from browser import MISSING, chromium
 from conftest import ROOT, wait_for
 
 #: frames of a stream an aiortc receiver never hands over: its jitter buffer
@@ -40,8 +40,6 @@ PIXEL_LOSS = 6.0
 #: of a 20 ms packet its resampler has not filled, 5 packets of 20 ms in all
 AUDIO_HELD_S = 5 * 0.020
 FPS = 16
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
 ARTIFACTS = Path(os.environ.get("WAN_S2V_ARTIFACTS", ROOT / "test-artifacts")) / "page"
 
 
@@ -327,22 +325,10 @@ def test_the_whep_resource_refuses_what_it_cannot_answer(live_server, inputs, sp
 def fake_microphone_browser(tmp_path, speech):
     """Headless Chromium (as tests/test_page.py starts it) whose microphone is Chromium's fake
     capture device playing ``speech`` (in a loop), its permission granted."""
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("no Chromium and ChromeDriver here (tools/ensure_chromium installs Debian's chromium and "
-                    "chromium-driver where it can)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-                "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--autoplay-policy=no-user-gesture-required", "--window-size=1280,1400",
-                "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-                f"--use-file-for-fake-audio-capture={speech}", f"--user-data-dir={tmp_path / 'profile'}"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    driver.set_script_timeout(30)
+    if MISSING is not None:
+        pytest.skip(MISSING)
+    driver = chromium(tmp_path / "profile", 1400, "--use-fake-ui-for-media-stream",
+                      "--use-fake-device-for-media-stream", f"--use-file-for-fake-audio-capture={speech}")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     yield driver
     driver.quit()
