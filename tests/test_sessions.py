@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -19,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from wan_s2v_runner.shared import inbox
+from wan_s2v_runner.shared import session_speech
 from wan_s2v_runner.shared import speech_timeline as st
-from wan_s2v_runner.shared.inbox import SpeechKind
+from wan_s2v_runner.shared.session_speech import SpeechKind
 from wan_s2v_runner.shared.speech_windows import BLOCK_SAMPLES, RATE, SpeechWindow
 
 W = SpeechWindow()
@@ -235,8 +236,8 @@ def test_a_session_fed_in_random_chunks_while_it_runs_makes_the_files_frames(eng
         for chunk in chunks:
             time.sleep(rng.uniform(0.0, 0.3))
             seq += 1
-            inbox.post_speech(folder, seq, SpeechKind.PCM, chunk.astype("<i2").tobytes())
-        inbox.post_speech(folder, seq + 1, SpeechKind.FINISH)
+            session_speech.post_speech(folder, seq, SpeechKind.PCM, chunk.astype("<i2").tobytes())
+        session_speech.post_speech(folder, seq + 1, SpeechKind.FINISH)
 
     sink = Recording()
     hooks = Hooks(speech_events=SessionEvents(folder, st.Pace.SPEECH), sink=sink)
@@ -268,6 +269,33 @@ def _video_packets(path) -> list[bytes]:
 
     with av.open(str(path)) as c:
         return [bytes(p) for p in c.demux(c.streams.video[0]) if p.size]
+
+
+def _rgb_frames(path) -> list[np.ndarray]:
+    import av
+
+    with av.open(str(path)) as c:
+        return [f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])]
+
+
+async def _through_the_client(url: str, image: Path, pcm: np.ndarray):
+    """A speech-paced session through the sessions' client: its media as it came, its end, its recording."""
+    from serving import TOKEN
+
+    from wan_s2v_runner.integrations.session_client import AvatarSession, Ended, SpeechChunk, VideoFrame
+
+    frames, speech, ended = [], [], []
+    async with await AvatarSession.open(url, image, token=TOKEN, pace="speech", seed=42) as session:
+        async def watch():
+            async for item in session.media():
+                {VideoFrame: frames, SpeechChunk: speech, Ended: ended}[type(item)].append(item)
+        watcher = asyncio.create_task(watch())
+        for chunk in _chunks(pcm, random.Random(6)):
+            await session.push(chunk, rate=16000)
+        await session.end()
+        await watcher
+        recording = await session.recording()
+    return frames, speech, ended[0], recording
 
 
 def _audio(path) -> tuple[np.ndarray, int]:
@@ -330,7 +358,8 @@ def test_a_served_session_over_five_ranks(tiny_assets, inputs, engine_cpu, speec
             r = s.http.post(url, params=params, content=bad)
             assert r.status_code == code, (params, r.text)
         rng = random.Random(3)
-        for chunk in _chunks(_pcm(speech16k), rng):
+        pcm = _pcm(speech16k)
+        for chunk in _chunks(pcm, rng):
             r = s.http.post(url, params={"format": "s16le", "rate": 16000}, content=chunk.tobytes())
             assert r.status_code == 200, r.text
             time.sleep(rng.uniform(0, 0.2))
@@ -349,6 +378,19 @@ def test_a_served_session_over_five_ranks(tiny_assets, inputs, engine_cpu, speec
         assert figures["first_frame_s"] > 0 and figures["fps"] > 0, figures
         lat = figures["block_latency_s"]
         assert lat["blocks"] == frames_blocks(frames) and 0 < lat["p50"] <= lat["p95"] <= lat["max"] < 60, lat
+
+        # the sessions' client (integrations/session_client.py): the same speech, its decoded frames
+        # the recording's exactly, its speech spanning them
+        wait_for(wait_idle, 60, "the group to be free", s.tail)
+        frames_seen, speech_seen, ended, recording = asyncio.run(_through_the_client(s.url, inputs["image"], pcm))
+        (tmp_path / "client.mp4").write_bytes(recording)
+        assert _video_packets(tmp_path / "client.mp4") == packets
+        decoded = _rgb_frames(tmp_path / "client.mp4")
+        assert [f.index for f in frames_seen] == list(range(len(decoded))) == list(range(frames.shape[1]))
+        assert all(np.array_equal(f.image, d) for f, d in zip(frames_seen, decoded))
+        assert frames_seen[1].t - frames_seen[0].t == 1 / 16 and ended.video["status"] == "completed"
+        heard = sum(c.pcm.size for c in speech_seen) / speech_seen[0].rate
+        assert abs(heard - len(decoded) / 16) <= 1 / 16 + 2048 / 16000, heard
 
         # a real-time session: a second of speech, interrupted after it started, then no client at all
         wait_for(wait_idle, 60, "the group to be free", s.tail)
@@ -489,12 +531,12 @@ def test_a_session_whose_server_died_ends_by_itself(tmp_path):
 
     folder = tmp_path / "speech"
     folder.mkdir()
-    inbox.mark_alive(folder)
-    inbox.post_speech(folder, 1, SpeechKind.PCM, np.zeros(160, "<i2").tobytes())
+    session_speech.mark_alive(folder)
+    session_speech.post_speech(folder, 1, SpeechKind.PCM, np.zeros(160, "<i2").tobytes())
     events = SessionEvents(folder, st.Pace.REALTIME)
     assert [type(e) for e in events.take()] == [st.Speech] and events.take() == []
-    stale = time.time() - inbox.ORPHAN_S - 1
-    os.utime(folder / inbox.ALIVE, (stale, stale))
+    stale = time.time() - session_speech.ORPHAN_S - 1
+    os.utime(folder / session_speech.ALIVE, (stale, stale))
     ended = events.take()
     assert [type(e) for e in ended] == [st.Finish] and events.take() == []  # said once
 

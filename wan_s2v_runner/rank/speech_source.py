@@ -8,8 +8,8 @@ block's lookahead), and its span of the timeline is what its frames play with. T
 
 * :class:`FileEvents`: a file's speech, read as upstream reads it (16 kHz), arrived whole and
   finished, paced by the speech (:attr:`Pace.SPEECH`);
-* :class:`SessionEvents`: a live session's, as its server posts them into the group's inbox
-  (:func:`~wan_s2v_runner.shared.inbox.take_speech`: a local read on the decoding rank, which runs
+* :class:`SessionEvents`: a live session's, as its server posts them into its speech folder
+  (:func:`~wan_s2v_runner.shared.session_speech.take_speech`: a local read on the decoding rank, which runs
   on the server's node).
 
 So a session fed a file's speech in any chunks, ``speech``-paced and then finished, makes the file's
@@ -24,12 +24,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from wan_s2v_runner.shared import inbox
+from wan_s2v_runner.shared import session_speech
 from wan_s2v_runner.shared import speech_timeline as st
-from wan_s2v_runner.shared.inbox import SpeechKind
+from wan_s2v_runner.shared.session_speech import SpeechKind
 from wan_s2v_runner.shared.speech_windows import SpeechWindow
 
-#: how long the decoding rank sleeps between looks at a session's inbox while a block waits
+#: how long the decoding rank sleeps between looks at a session's speech folder while a block waits
 POLL_S = 0.01
 
 
@@ -51,7 +51,7 @@ class FileEvents:
 
 class SessionEvents:
     """A served session's speech, read from its folder (16-bit PCM at 16 kHz, and marks:
-    :func:`~wan_s2v_runner.shared.inbox.take_speech`)."""
+    :func:`~wan_s2v_runner.shared.session_speech.take_speech`)."""
 
     def __init__(self, folder: Path, pace: st.Pace):
         self.folder, self.pace = Path(folder), st.Pace(pace)
@@ -60,10 +60,10 @@ class SessionEvents:
 
     def take(self) -> list[st.Event]:
         out: list[st.Event] = []
-        if not self.orphan_said and inbox.orphaned(self.folder):  # its server died: the session ends here
+        if not self.orphan_said and session_speech.orphaned(self.folder):  # its server died: the session ends here
             self.orphan_said = True
             return [st.Finish(time.time())]
-        for seq, kind, data, posted in inbox.take_speech(self.folder, self.seq):
+        for seq, kind, data, posted in session_speech.take_speech(self.folder, self.seq):
             self.seq = seq
             if kind is SpeechKind.PCM:
                 pcm = np.frombuffer(data[:len(data) // 2 * 2], dtype="<i2")
@@ -105,7 +105,7 @@ class BlockSpeech:
         return decision
 
     def wait(self, decision: st.Decision) -> None:
-        """A short sleep while a block waits (until its due time, or the next look at the inbox)."""
+        """A short sleep while a block waits (until its due time, or the next look at the speech folder)."""
         pause = POLL_S if decision.until is None else min(POLL_S, max(0.0, decision.until - self.clock()))
         time.sleep(pause)
 

@@ -33,8 +33,8 @@ from wan_s2v_runner.serve.sessions import MAX_CHUNK_S, Session, SpeechFormat
 from wan_s2v_runner.serve.state import Server, video_object
 from wan_s2v_runner.serve.store.protocol import JobStatus
 from wan_s2v_runner.serve.submissions import Refused, Upload, build_job, new_id
-from wan_s2v_runner.shared.inbox import SpeechKind
 from wan_s2v_runner.shared.layout import Recipe
+from wan_s2v_runner.shared.session_speech import SpeechKind
 from wan_s2v_runner.shared.speech_timeline import Pace
 
 sessions_api = APIRouter(prefix="/v1/videos/sessions", dependencies=[Depends(authorized)], responses=ERRORS,

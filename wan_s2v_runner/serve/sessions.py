@@ -5,7 +5,7 @@ in ``ID.partial.mp4`` and, once it ends, ``ID.mp4`` with its record), made by a 
 group, whose spec says ``session`` (its :class:`~wan_s2v_runner.shared.speech_timeline.Pace`) and
 whose speech comes through this module: each append is checked and converted here (16-bit PCM at
 16 kHz, the rate the speech features read) and posted, in order, into the session's speech folder
-(:func:`~wan_s2v_runner.shared.inbox.post_speech`), where the group's decoding rank reads it as its
+(:func:`~wan_s2v_runner.shared.session_speech.post_speech`), where the group's decoding rank reads it as its
 blocks start (:mod:`wan_s2v_runner.rank.speech_source`). Marks go the same way: end of speech,
 interrupt, end (finish).
 
@@ -21,7 +21,7 @@ refused with 429: a session never waits in the queue). Its speech folder, its gr
 recording are in the (shared) directory, so the server that opened it serves its speech, its stream
 and its viewers whichever server's group makes it. The session's state (its order of events, its
 idle clock) is the opening server's, in memory: while the session is open that server touches the
-folder's :data:`~wan_s2v_runner.shared.inbox.ALIVE` mark every second, and a group whose session's
+folder's :data:`~wan_s2v_runner.shared.session_speech.ALIVE` mark every second, and a group whose session's
 mark grew stale (the server died) ends it by itself, its recording kept
 (:mod:`wan_s2v_runner.rank.speech_source`). A session is never run twice: a group that fails under
 it fails it (live jobs do not resume).
@@ -40,8 +40,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from wan_s2v_runner.serve.submissions import Refused
-from wan_s2v_runner.shared import inbox
-from wan_s2v_runner.shared.inbox import SpeechKind
+from wan_s2v_runner.shared import session_speech
+from wan_s2v_runner.shared.session_speech import SpeechKind
 from wan_s2v_runner.shared.speech_timeline import Pace
 from wan_s2v_runner.shared.speech_windows import RATE
 
@@ -95,7 +95,7 @@ class Session:
 
     def post(self, kind: SpeechKind, data: bytes = b"") -> None:
         self.seq += 1
-        inbox.post_speech(self.folder, self.seq, kind, data)
+        session_speech.post_speech(self.folder, self.seq, kind, data)
 
     @property
     def speech_s(self) -> float:
@@ -162,7 +162,7 @@ class Sessions:
 
     def open(self, job_id: str, folder: Path, pace: Pace) -> Session:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        inbox.mark_alive(folder)
+        session_speech.mark_alive(folder)
         now = self.clock()
         s = Session(job_id, Path(folder), Pace(pace), opened=now, last_seen=now)
         with self._lock:
@@ -216,7 +216,7 @@ class Sessions:
                         self._sessions.pop(s.id, None)
                 continue
             try:
-                inbox.mark_alive(s.folder)
+                session_speech.mark_alive(s.folder)
             except OSError as e:  # the folder's filesystem: the next sweep tries again
                 log.warning("session %s: its alive mark could not be written: %s", s.id, e)
 

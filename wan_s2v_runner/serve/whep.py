@@ -23,20 +23,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
-import struct
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from wan_s2v_runner.serve.submissions import Refused
 from wan_s2v_runner.shared import fmp4
+from wan_s2v_runner.shared.fmp4_reader import FragmentDecoder, Media, Tracks, newest_fragment
 
 log = logging.getLogger("wan_s2v.whep")
 
@@ -58,176 +57,6 @@ AUDIO_PTIME = Fraction(1, 50)
 VIDEO_RATE = 90000
 
 
-# --------------------------------------------------------------------------- the file's boxes
-def _boxes(data: bytes, start: int = 0, end: Optional[int] = None) -> Iterator[tuple[bytes, int, int, int]]:
-    """(type, box start, body start, box end) of each complete box in data[start:end]."""
-    end = len(data) if end is None else end
-    i = start
-    while i + 8 <= end:
-        size, kind = struct.unpack_from(">I4s", data, i)
-        head = 8
-        if size == 1 and i + 16 <= end:
-            size, head = struct.unpack_from(">Q", data, i + 8)[0], 16
-        if size < head or i + size > end:
-            return
-        yield kind, i, i + head, i + size
-        i += size
-
-
-def _child(data: bytes, path: list[bytes], start: int, end: int) -> Optional[tuple[int, int]]:
-    """(body start, end) of the first box at ``path`` below data[start:end]."""
-    for kind, _, body, stop in _boxes(data, start, end):
-        if kind == path[0]:
-            return (body, stop) if len(path) == 1 else _child(data, path[1:], body, stop)
-    return None
-
-
-def _descriptor(data: bytes, i: int) -> tuple[int, int, int]:
-    """An MPEG-4 descriptor at i: (tag, body start, body end)."""
-    tag, n, i = data[i], 0, i + 1
-    for _ in range(4):
-        b = data[i]
-        i += 1
-        n = (n << 7) | (b & 0x7F)
-        if not b & 0x80:
-            break
-    return tag, i, i + n
-
-
-def _aac_config(data: bytes, body: int, end: int) -> bytes:
-    """The AudioSpecificConfig in an ``esds`` box's body."""
-    tag, i, stop = _descriptor(data, body + 4)  # after the full box's version and flags
-    if tag != 0x03:
-        raise ValueError("esds holds no ES descriptor")
-    flags = data[i + 2]
-    i += 3 + (2 if flags & 0x80 else 0) + (1 + data[i + 3] if flags & 0x40 else 0) + (2 if flags & 0x20 else 0)
-    tag, i, stop = _descriptor(data, i)
-    if tag != 0x04:
-        raise ValueError("esds holds no decoder config")
-    tag, i, stop = _descriptor(data, i + 13)
-    if tag != 0x05:
-        raise ValueError("esds holds no AudioSpecificConfig")
-    return bytes(data[i:stop])
-
-
-@dataclass(frozen=True)
-class Tracks:
-    """What a session's init segment says its tracks are."""
-
-    video: int  # track ids
-    timescale: int  # the video's ticks a second
-    avcc: bytes
-    audio: Optional[int] = None
-    rate: int = 0  # the audio's samples a second (its timescale)
-    asc: bytes = b""
-    priming: int = 0  # the audio samples the edit list skips
-
-
-def read_init(init: bytes) -> Tracks:
-    """The tracks of an init segment (``ftyp`` + ``moov``)."""
-    moov = _child(init, [b"moov"], 0, len(init))
-    if moov is None:
-        raise ValueError("no moov box")
-    video = audio = None
-    for kind, _, body, stop in _boxes(init, *moov):
-        if kind != b"trak":
-            continue
-        tkhd = _child(init, [b"tkhd"], body, stop)
-        track = struct.unpack_from(">I", init, tkhd[0] + (20 if init[tkhd[0]] == 1 else 12))[0]
-        mdhd = _child(init, [b"mdia", b"mdhd"], body, stop)
-        timescale = struct.unpack_from(">I", init, mdhd[0] + (20 if init[mdhd[0]] == 1 else 12))[0]
-        hdlr = _child(init, [b"mdia", b"hdlr"], body, stop)
-        handler = init[hdlr[0] + 8:hdlr[0] + 12]
-        stsd = _child(init, [b"mdia", b"minf", b"stbl", b"stsd"], body, stop)
-        entries = list(_boxes(init, stsd[0] + 8, stsd[1]))
-        if handler == b"vide" and entries and entries[0][0] == b"avc1":
-            avcc = _child(init, [b"avcC"], entries[0][2] + 78, entries[0][3])
-            video = (track, timescale, bytes(init[avcc[0]:avcc[1]]))
-        elif handler == b"soun" and entries and entries[0][0] == b"mp4a":
-            esds = _child(init, [b"esds"], entries[0][2] + 28, entries[0][3])
-            elst = _child(init, [b"edts", b"elst"], body, stop)
-            priming = 0
-            if elst is not None and struct.unpack_from(">I", init, elst[0] + 4)[0]:
-                v1 = init[elst[0]] == 1
-                priming = struct.unpack_from(">q" if v1 else ">i", init, elst[0] + (16 if v1 else 12))[0]
-            audio = (track, timescale, _aac_config(init, *esds), max(0, priming))
-    if video is None:
-        raise ValueError("no H.264 video track")
-    return Tracks(*video, *(audio or (None, 0, b"", 0)))
-
-
-@dataclass
-class Sample:
-    time: int  # its decode time, in its track's timescale
-    duration: int
-    data: bytes
-
-
-def fragment_samples(data: bytes, moof: int, moof_end: int) -> dict[int, list[Sample]]:
-    """Each track's samples of the fragment whose ``moof`` box spans data[moof:moof_end] (its
-    ``mdat`` after it, in ``data``)."""
-    out: dict[int, list[Sample]] = {}
-    for kind, _, body, stop in _boxes(data, moof + 8, moof_end):
-        if kind != b"traf":
-            continue
-        tfhd = _child(data, [b"tfhd"], body, stop)
-        flags = struct.unpack_from(">I", data, tfhd[0])[0] & 0xFFFFFF
-        track = struct.unpack_from(">I", data, tfhd[0] + 4)[0]
-        if flags & 0x01:
-            raise ValueError("a base data offset in tfhd (only moof-relative offsets are read)")
-        at = tfhd[0] + 8 + (4 if flags & 0x02 else 0)
-        default_duration = struct.unpack_from(">I", data, at)[0] if flags & 0x08 else 0
-        at += 4 if flags & 0x08 else 0
-        default_size = struct.unpack_from(">I", data, at)[0] if flags & 0x10 else 0
-        tfdt = _child(data, [b"tfdt"], body, stop)
-        time_ = (struct.unpack_from(">Q", data, tfdt[0] + 4)[0] if data[tfdt[0]] == 1
-                 else struct.unpack_from(">I", data, tfdt[0] + 4)[0]) if tfdt else 0
-        trun = _child(data, [b"trun"], body, stop)
-        tflags = struct.unpack_from(">I", data, trun[0])[0] & 0xFFFFFF
-        count = struct.unpack_from(">I", data, trun[0] + 4)[0]
-        i = trun[0] + 8
-        offset = 0
-        if tflags & 0x01:
-            offset = struct.unpack_from(">i", data, i)[0]
-            i += 4
-        i += 4 if tflags & 0x04 else 0
-        pos, samples = moof + offset, out.setdefault(track, [])
-        for _ in range(count):
-            duration = default_duration
-            size = default_size
-            if tflags & 0x100:
-                duration = struct.unpack_from(">I", data, i)[0]
-                i += 4
-            if tflags & 0x200:
-                size = struct.unpack_from(">I", data, i)[0]
-                i += 4
-            i += (4 if tflags & 0x400 else 0) + (4 if tflags & 0x800 else 0)
-            samples.append(Sample(time_, duration, bytes(data[pos:pos + size])))
-            pos += size
-            time_ += duration
-    return out
-
-
-def newest_fragment(f) -> tuple[int, Optional[int]]:
-    """Where a late viewer starts in a growing file: (the init segment's end, the start of its
-    last complete fragment, None when none is complete yet). Reads the top-level boxes' headers."""
-    size = os.fstat(f.fileno()).st_size
-    i, init_end, last, moof = 0, 0, None, None
-    while i + 8 <= size:
-        f.seek(i)
-        n, kind = struct.unpack(">I4s", f.read(8))
-        if n < 8 or i + n > size:
-            break
-        if kind == b"moov":
-            init_end = i + n
-        elif kind == b"moof":
-            moof = i
-        elif kind == b"mdat" and moof is not None:
-            last, moof = moof, None
-        i += n
-    return init_end, last
-
-
 # --------------------------------------------------------------------------- decoding
 @dataclass
 class Decoded:
@@ -246,9 +75,8 @@ class SessionReader:
         self.find, self.late = find, late
         self.f = None
         self.follower: Optional[fmp4.Follower] = None
+        self.decoder = FragmentDecoder(frames=True)
         self.tracks: Optional[Tracks] = None
-        self.pending = b""
-        self.aac = None
         self.audio = np.zeros(0, np.int16)  # decoded audio not yet sent, from media sample audio_at
         self.audio_at: Optional[int] = None
         self.video_end = 0  # media samples (audio rate) the video sent so far spans
@@ -276,12 +104,8 @@ class SessionReader:
         return True
 
     def _set_tracks(self, init: bytes) -> None:
-        import av
-
-        self.tracks = read_init(init)
-        if self.tracks.audio is not None:
-            self.aac = av.CodecContext.create("aac", "r")
-            self.aac.extradata = self.tracks.asc
+        self.decoder.set_init(init)
+        self.tracks = self.decoder.tracks
 
     def read(self) -> Optional[Decoded]:
         """The next fragment's media (None: none is complete yet)."""
@@ -289,59 +113,33 @@ class SessionReader:
             return self._read() if self._open() else None
 
     def _read(self) -> Optional[Decoded]:
-        self.pending += self.follower.read()
-        done, moof = 0, None
-        try:
-            for kind, start, _, end in _boxes(self.pending):
-                if kind == b"moof":
-                    moof = (start, end)
-                    continue
-                if kind == b"moov":
-                    self._set_tracks(self.pending[:end])
-                elif kind == b"mdat" and moof is not None:
-                    if self.tracks is None:
-                        raise ValueError("a fragment before the init segment")
-                    done = end
-                    return self._decode(fragment_samples(self.pending, *moof))
-                moof, done = None, end
+        data = self.follower.read()  # complete boxes only: at most whole fragments
+        fragments = self.decoder.feed(data) if data else []
+        self.tracks = self.decoder.tracks
+        if not fragments:
             return None
-        finally:
-            self.pending = self.pending[done:]
-
-    def _decode(self, samples: dict[int, list[Sample]]) -> Decoded:
-        import av
-
-        t = self.tracks
         out = Decoded()
-        video = samples.get(t.video, [])
-        ctx = av.CodecContext.create("h264", "r")  # each fragment begins with an IDR frame
-        ctx.extradata = t.avcc
-        ctx.thread_count = 1
-        frames = []
-        for s in video:
-            frames += ctx.decode(av.Packet(s.data))
-        frames += ctx.decode(None)
-        if len(frames) != len(video):
-            raise ValueError(f"{len(frames)} frames decoded of a fragment's {len(video)}")
-        for s, frame in zip(video, frames):
-            frame.pts = s.time * VIDEO_RATE // t.timescale
-            frame.time_base = Fraction(1, VIDEO_RATE)
-            out.video.append((s.time / t.timescale, frame))
-        if video:
-            self.first_t = out.video[0][0] if self.first_t is None else self.first_t
-            self.video_end = (video[-1].time + video[-1].duration) * t.rate // t.timescale
-        if self.aac is not None:
-            for s in samples.get(t.audio, []):
-                packet = av.Packet(s.data)
-                for frame in self.aac.decode(packet):
-                    pcm = frame.to_ndarray()
-                    pcm = pcm.mean(axis=0) if pcm.ndim == 2 else pcm
-                    self._add_audio(s.time - t.priming, pcm)
-            out.audio = self._audio_frames(last=False)
+        for media in fragments:
+            self._take(media, out)
         return out
 
+    def _take(self, media: Media, out: Decoded) -> None:
+        """A decoded fragment's frames timed for the video track's RTP clock, its speech into the
+        20 ms frames up to the video's end."""
+        t = self.tracks
+        for at, frame in media.video:
+            frame.pts = round(at * VIDEO_RATE)
+            frame.time_base = Fraction(1, VIDEO_RATE)
+            out.video.append((at, frame))
+        if media.video:
+            self.first_t = out.video[0][0] if self.first_t is None else self.first_t
+            self.video_end = round(media.video_end * t.rate)
+        for at, pcm in media.audio:
+            self._add_audio(round(at * t.rate), pcm)
+        if t.audio is not None:
+            out.audio += self._audio_frames(last=False)
+
     def _add_audio(self, at: int, pcm: np.ndarray) -> None:
-        pcm = np.clip(np.round(pcm * 32767.0), -32768, 32767).astype(np.int16)
         start = round((self.first_t or 0.0) * self.tracks.rate)
         if at + pcm.size <= start:  # before the first frame this viewer gets (priming, a late join)
             return
@@ -373,7 +171,7 @@ class SessionReader:
     def rest(self) -> Decoded:
         """At the end: the audio left up to the video's end."""
         with self.lock:
-            if self.tracks is None or self.aac is None:
+            if self.tracks is None or self.tracks.audio is None:
                 return Decoded()
             return Decoded(audio=self._audio_frames(last=True))
 
