@@ -591,3 +591,14 @@ def tiny_w2v(audio_wan, tmp_path_factory):
     enc = audio_wan.modules.s2v.audio_encoder.AudioEncoder(model_id=str(ckpt / WAV2VEC_DIR))
     assert enc.model.config.feat_extract_norm == "layer" and enc.model.config.num_conv_pos_embeddings == 128
     return enc
+
+
+def encode_audio_shell(wan, encoder, param_dtype):
+    """What upstream's ``WanS2V.encode_audio`` reads of a ``WanS2V`` (its own function, unbound), on the CPU."""
+    import torch
+
+    cls = type("S2V", (), {"encode_audio": wan.speech2video.WanS2V.encode_audio})
+    s = cls()
+    s.audio_encoder, s.fps, s.audio_sample_m = encoder, 16, 0
+    s.device, s.param_dtype = torch.device("cpu"), param_dtype
+    return s

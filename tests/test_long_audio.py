@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import encode_audio_shell
 
 from wan_s2v_runner.rank import long_audio
 from wan_s2v_runner.rank.long_audio import Windows
@@ -51,12 +52,7 @@ def speech(tmp_path_factory):
 
 
 def shell(wan, encoder, param_dtype=torch.bfloat16):
-    """What upstream's ``WanS2V.encode_audio`` reads of a ``WanS2V`` (its own function, unbound)."""
-    cls = type("S2V", (), {"encode_audio": wan.speech2video.WanS2V.encode_audio})
-    s = cls()
-    s.audio_encoder, s.fps, s.audio_sample_m = encoder, 16, 0
-    s.device, s.param_dtype = torch.device("cpu"), param_dtype
-    return s
+    return encode_audio_shell(wan, encoder, param_dtype)
 
 
 def seconds_of(path):
