@@ -459,28 +459,41 @@ def test_the_doctor_says_whether_a_session_keeps_up_with_real_time():
 
 
 @pytest.mark.slow(seconds=60)
-def test_a_fleet_runs_a_session_on_a_free_live_group_of_any_server(cluster, tiny_assets, speech16k, tmp_path):
-    """Two ``--mode live`` servers sharing a queue and a directory, two sessions opened on A: whichever
-    group takes the first, the second is taken by the other (a free live group of any server); A serves
-    both (speech in, the stream out: the folder, the growing video and the recording are the shared
-    directory's); a third, with both groups busy, is refused with 429 and leaves nothing in the queue."""
+def test_a_fleet_runs_a_session_on_a_free_live_group_of_any_server(cluster, tiny_assets, engine_cpu, speech16k,
+                                                                   tmp_path):
+    """Two ``--mode live`` servers sharing a queue and a directory, A of one rank, B of two (rank 0 runs
+    the first two steps and decodes the blocks in flight behind, each block's speech features
+    travelling with its latents). Two sessions opened on A: whichever group takes the first, the
+    second is taken by the other (a free live group of any server); A serves both (speech in, the
+    stream out: the folder, the growing video and the recording are the shared directory's); a third,
+    with both groups busy, is refused with 429 and leaves nothing in the queue. Both, fed the file's
+    speech in random chunks and ended, are the file's one-process frames, packet for packet: over one
+    rank and over two."""
     from serving import shared_server
 
+    from wan_s2v_runner.rank.worker import request_for
+    from wan_s2v_runner.shared import media
+
+    wan, cfg, spec = engine_cpu
+    frames = _live_shell(engine_cpu).generate(request_for(spec.model_copy(update={"audio": speech16k, "seed": 42})))
+    want = _video_packets(media.save_video_with_audio(frames, cfg.sample_fps, speech16k, tmp_path / "want.mp4",
+                                                      media.clip_lengths(frames.shape[1], 12)))
     url, shared = cluster.database(), tmp_path / "shared"
     shared.mkdir()
     live = ("--mode", "live", "--session-idle", "30")
     a = shared_server(tmp_path / "a" / "server", tiny_assets.ckpt_dir, url, shared, 3, *live)
-    b = shared_server(tmp_path / "b" / "server", tiny_assets.ckpt_dir, url, shared, 3, *live)
+    b = shared_server(tmp_path / "b" / "server", tiny_assets.ckpt_dir, url, shared, 3, *live, "--nproc", "2")
     try:
         image = {"image": ("ref.png", tiny_assets.image.read_bytes(), "image/png")}
-        first = a.http.post("/v1/videos/sessions", files=image, data={"seed": "1"})
-        assert first.status_code == 201, first.text
-        second = a.http.post("/v1/videos/sessions", files=image, data={"seed": "42", "pace": "speech"})
-        assert second.status_code == 201, second.text
-        sid = second.json()["id"]
+        opened = []
+        for _ in range(2):
+            r = a.http.post("/v1/videos/sessions", files=image, data={"seed": "42", "pace": "speech"})
+            assert r.status_code == 201, r.text
+            opened.append(r.json()["id"])
         third = a.http.post("/v1/videos/sessions", files=image, data={"seed": "3"})
         assert third.status_code == 429 and third.headers.get("retry-after"), third.text
-        assert {v["id"] for v in a.videos()} == {first.json()["id"], sid}  # the refused one is gone
+        assert {v["id"] for v in a.videos()} == set(opened)  # the refused one is gone
+        sid = opened[1]
         streamed = bytearray()
 
         def follow():
@@ -491,20 +504,20 @@ def test_a_fleet_runs_a_session_on_a_free_live_group_of_any_server(cluster, tiny
         follower = threading.Thread(target=follow)
         follower.start()
         pcm = _pcm(speech16k)
-        for chunk in _chunks(pcm, random.Random(4)):
-            assert a.http.post(f"/v1/videos/sessions/{sid}/speech", params={"rate": 16000},
-                               content=chunk.tobytes()).status_code == 200
-        a.http.post(f"/v1/videos/sessions/{sid}/end")
-        done = a.wait(sid, "completed", timeout=120)
+        for n, session in enumerate(opened):
+            for chunk in _chunks(pcm, random.Random(4 + n)):
+                assert a.http.post(f"/v1/videos/sessions/{session}/speech", params={"rate": 16000},
+                                   content=chunk.tobytes()).status_code == 200
+            a.http.post(f"/v1/videos/sessions/{session}/end")
+        for session in opened:
+            assert a.wait(session, "completed", timeout=120)["frames"] == list(frames.shape)
+            (tmp_path / f"{session}.mp4").write_bytes(a.http.get(f"/v1/videos/{session}/content").content)
+            assert _video_packets(tmp_path / f"{session}.mp4") == want, session
         follower.join(60)
         made = {name: [e["id"] for e in rank0_of(srv.dir, "job")] for name, srv in (("a", a), ("b", b))}
-        assert sorted(made["a"] + made["b"]) == sorted([first.json()["id"], sid]) and len(made["b"]) == 1, made
-        (tmp_path / "got.mp4").write_bytes(a.http.get(f"/v1/videos/{sid}/content").content)
+        assert sorted(made["a"] + made["b"]) == sorted(opened) and len(made["b"]) == 1, made
         (tmp_path / "streamed.mp4").write_bytes(bytes(streamed))
-        assert _video_packets(tmp_path / "streamed.mp4") == _video_packets(tmp_path / "got.mp4")
-        assert done["frames"][1] == frames_of_speech(pcm.size)
-        a.http.post(f"/v1/videos/sessions/{first.json()['id']}/end")
-        assert a.wait(first.json()["id"], "completed", timeout=120)["status"] == "completed"
+        assert _video_packets(tmp_path / "streamed.mp4") == want
     finally:
         a.stop()
         b.stop()
