@@ -24,7 +24,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -104,15 +103,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose code runs (default: this one)")
     a = ap.parse_args(argv)
 
-    from bench_loop import ensure_assets
+    from bench_loop import live_inputs
 
-    from wan_s2v_runner.demo.synthetic_inputs import make_reference_image, make_speech_audio
-
-    ckpt, _, _ = ensure_assets(Path(a.cache), a.preset)
-    w, h = (int(v) for v in a.size.split("*"))
-    work = Path(tempfile.mkdtemp(prefix="bench_live_served_"))
-    image = make_reference_image(work / "in" / "ref.png", width=w, height=h, seed=0)
-    audio = make_speech_audio(work / "in" / "speech.wav", seconds=a.seconds, seed=0)
+    ckpt, work, image, audio = live_inputs(a.cache, a.preset, a.size, a.seconds, "bench_live_served_")
     flags = ["--mode", "live", "--nproc", str(a.nproc), "--device", "cpu", "--size", a.size, "--ckpt-dir", str(ckpt),
              "--image", str(image), "--audio", str(audio), "--seed", "42", "--prompt", "a person talking"]
     rows = {"run": run_job(a.tree, flags, work), "served": served_job(a.tree, flags, image, audio, 42, work)}

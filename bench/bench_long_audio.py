@@ -51,6 +51,22 @@ def xlsr53_config():
         final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0)
 
 
+def xlsr53_encoder(wan):
+    """Upstream's ``AudioEncoder`` holding wav2vec2-large-xlsr-53's shape with random weights (seed 0)
+    and its feature extractor's settings: its parts built here (no hub)."""
+    import torch
+    from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2ForCTC
+
+    AudioEncoder = wan.modules.s2v.audio_encoder.AudioEncoder
+    torch.manual_seed(0)
+    enc = AudioEncoder.__new__(AudioEncoder)
+    enc.model = Wav2Vec2ForCTC(xlsr53_config()).eval()
+    enc.processor = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0,
+                                             do_normalize=True, return_attention_mask=True)
+    enc.video_rate = 30
+    return enc
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -86,22 +102,14 @@ def case(a) -> dict:
 
     wan = import_wan()
     audio_load.apply(wan)  # 16 kHz wav read directly (librosa's first-load imports are not the subject)
-    from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2ForCTC
-
     from wan_s2v_runner.demo.synthetic_inputs import make_speech_audio
     from wan_s2v_runner.rank import long_audio
 
-    AudioEncoder = wan.modules.s2v.audio_encoder.AudioEncoder
     if a.ckpt:
         from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
-        enc = AudioEncoder(model_id=str(a.ckpt / WAV2VEC_DIR))
+        enc = wan.modules.s2v.audio_encoder.AudioEncoder(model_id=str(a.ckpt / WAV2VEC_DIR))
     else:
-        torch.manual_seed(0)
-        enc = AudioEncoder.__new__(AudioEncoder)  # upstream's object, its parts built here (no hub)
-        enc.model = Wav2Vec2ForCTC(xlsr53_config()).eval()
-        enc.processor = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0,
-                                                 do_normalize=True, return_attention_mask=True)
-        enc.video_rate = 30
+        enc = xlsr53_encoder(wan)
     speech = make_speech_audio(Path(a.tmp) / f"speech-{a.seconds:g}.wav", seconds=a.seconds)
     windows = long_audio.Windows(round(a.window * 50), round(a.overlap * 50))
     before = _rss()

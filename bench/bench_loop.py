@@ -488,3 +488,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def live_inputs(cache: str, preset: str, size: str, seconds: float, prefix: str) -> tuple[Path, Path, Path, Path]:
+    """A live bench's inputs: (ckpt_dir of ``preset``, a fresh work folder, a reference image of
+    ``size`` (W*H), ``seconds`` of synthetic speech at 16 kHz)."""
+    import tempfile
+
+    from wan_s2v_runner.demo.synthetic_inputs import make_reference_image, make_speech_audio
+
+    ckpt, _, _ = ensure_assets(Path(cache), preset)
+    w, h = (int(v) for v in size.split("*"))
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    image = make_reference_image(work / "in" / "ref.png", width=w, height=h, seed=0)
+    audio = make_speech_audio(work / "in" / "speech.wav", seconds=seconds, seed=0)
+    return ckpt, work, image, audio

@@ -26,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -198,15 +197,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default="~/.cache/wan-s2v/bench")
     a = ap.parse_args(argv)
 
-    from bench_loop import ensure_assets
+    from bench_loop import live_inputs
 
-    from wan_s2v_runner.demo.synthetic_inputs import make_reference_image, make_speech_audio
-
-    ckpt, _, _ = ensure_assets(Path(a.cache), a.preset)
-    w, h = (int(v) for v in a.size.split("*"))
-    work = Path(tempfile.mkdtemp(prefix="bench_session_"))
-    image = make_reference_image(work / "in" / "ref.png", width=w, height=h, seed=0)
-    audio = make_speech_audio(work / "in" / "speech.wav", seconds=a.seconds, seed=0)
+    ckpt, work, image, audio = live_inputs(a.cache, a.preset, a.size, a.seconds, "bench_session_")
     import wave
 
     with wave.open(str(audio)) as f:

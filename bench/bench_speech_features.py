@@ -38,9 +38,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 def build_encoder(wan, kind: str, tmp: Path, ckpt: Path | None):
     """Upstream's ``AudioEncoder`` holding the wav2vec2 of ``kind``."""
-    import torch
-    from transformers import Wav2Vec2FeatureExtractor, Wav2Vec2ForCTC
-
     from wan_s2v_runner.shared.ckpt_layout import WAV2VEC_DIR
 
     AudioEncoder = wan.modules.s2v.audio_encoder.AudioEncoder
@@ -50,14 +47,8 @@ def build_encoder(wan, kind: str, tmp: Path, ckpt: Path | None):
         return AudioEncoder(model_id=str(tmp / WAV2VEC_DIR))
     if kind == "ckpt":
         return AudioEncoder(model_id=str(ckpt / WAV2VEC_DIR))
-    from bench_long_audio import xlsr53_config
-    torch.manual_seed(0)
-    enc = AudioEncoder.__new__(AudioEncoder)  # upstream's object, its parts built here (no hub)
-    enc.model = Wav2Vec2ForCTC(xlsr53_config()).eval()
-    enc.processor = Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0,
-                                             do_normalize=True, return_attention_mask=True)
-    enc.video_rate = 30
-    return enc
+    from bench_long_audio import xlsr53_encoder
+    return xlsr53_encoder(wan)
 
 
 def measure(wan, enc, speech: str, lookaheads, contexts) -> dict:

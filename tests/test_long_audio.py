@@ -34,16 +34,6 @@ SMALL = Windows(window=300, overlap=75)
 
 
 @pytest.fixture(scope="module")
-def wan(audio_wan):
-    return audio_wan
-
-
-@pytest.fixture(scope="module")
-def encoder(tiny_w2v):
-    return tiny_w2v
-
-
-@pytest.fixture(scope="module")
 def speech(tmp_path_factory):
     from wan_s2v_runner.demo.synthetic_inputs import make_speech_audio
 
@@ -51,8 +41,8 @@ def speech(tmp_path_factory):
     return {s: str(make_speech_audio(Path(d) / f"{s}.wav", seconds=s, seed=3)) for s in (3.0, 24.0)}
 
 
-def shell(wan, encoder, param_dtype=torch.bfloat16):
-    return encode_audio_shell(wan, encoder, param_dtype)
+def shell(audio_wan, tiny_w2v, param_dtype=torch.bfloat16):
+    return encode_audio_shell(audio_wan, tiny_w2v, param_dtype)
 
 
 def seconds_of(path):
@@ -60,8 +50,8 @@ def seconds_of(path):
     return audio_seconds(path)
 
 
-def test_speech_that_fits_one_window_is_upstreams_own_call(wan, encoder, speech, monkeypatch):
-    s2v = shell(wan, encoder)
+def test_speech_that_fits_one_window_is_upstreams_own_call(audio_wan, tiny_w2v, speech, monkeypatch):
+    s2v = shell(audio_wan, tiny_w2v)
     path = speech[3.0]
     ref = s2v.encode_audio(path, infer_frames=16)
     calls = []
@@ -79,22 +69,22 @@ def test_speech_that_fits_one_window_is_upstreams_own_call(wan, encoder, speech,
     assert torch.equal(got[0], ref[0]) and calls == [path] * 4
 
 
-def test_one_window_of_the_windowed_code_is_upstreams_single_pass(encoder, speech):
+def test_one_window_of_the_windowed_code_is_upstreams_single_pass(tiny_w2v, speech):
     path = speech[24.0]
     with torch.no_grad():
-        ref = encoder.extract_audio_feat(path, return_all_layers=True)
-        got = long_audio.extract_audio_feat(encoder, path, Windows(window=2000, overlap=100))
+        ref = tiny_w2v.extract_audio_feat(path, return_all_layers=True)
+        got = long_audio.extract_audio_feat(tiny_w2v, path, Windows(window=2000, overlap=100))
     assert got.shape == ref.shape and torch.equal(got, ref)
 
 
-def test_the_windowed_features_go_through_upstreams_encode_audio(wan, encoder, speech, monkeypatch):
+def test_the_windowed_features_go_through_upstreams_encode_audio(audio_wan, tiny_w2v, speech, monkeypatch):
     """Long speech: upstream's ``encode_audio`` given the windowed features returns what ours does."""
     path = speech[24.0]
-    s2v = shell(wan, encoder)
+    s2v = shell(audio_wan, tiny_w2v)
     with torch.no_grad():
         got = long_audio.encode_audio(s2v, path, 16, seconds_of(path), SMALL)
-        feat = long_audio.extract_audio_feat(encoder, path, SMALL)
-        monkeypatch.setattr(encoder, "extract_audio_feat", lambda p, return_all_layers: feat)
+        feat = long_audio.extract_audio_feat(tiny_w2v, path, SMALL)
+        monkeypatch.setattr(tiny_w2v, "extract_audio_feat", lambda p, return_all_layers: feat)
         ref = s2v.encode_audio(path, infer_frames=16)
     assert got[1] == ref[1] and got[0].dtype == ref[0].dtype and torch.equal(got[0], ref[0])
     assert got[0].shape[:3] == (1, 25, 32)
@@ -105,26 +95,26 @@ def _distance(got, ref):
     return [float((g - r).abs().max() / r.abs().max()) for g, r in zip(got, ref)]
 
 
-def test_long_speech_is_within_the_bound_of_the_single_pass(encoder, speech):
+def test_long_speech_is_within_the_bound_of_the_single_pass(tiny_w2v, speech):
     path = speech[24.0]
     with torch.no_grad():
-        x = long_audio.load_input_values(encoder, path)
-        single = torch.cat(encoder.model(x, output_hidden_states=True).hidden_states)
+        x = long_audio.load_input_values(tiny_w2v, path)
+        single = torch.cat(tiny_w2v.model(x, output_hidden_states=True).hidden_states)
         frames = single.shape[1]
-        assert frames == long_audio.conv_frames(encoder.model.config, x.shape[-1]) == 1199
+        assert frames == long_audio.conv_frames(tiny_w2v.model.config, x.shape[-1]) == 1199
         assert len(SMALL.spans(frames)) == 7
 
-        d = _distance(long_audio.hidden_states(encoder.model, x, SMALL), single)
+        d = _distance(long_audio.hidden_states(tiny_w2v.model, x, SMALL), single)
         assert d[0] <= BOUND_INPUT and max(d) <= BOUND, d
         assert max(d[1:]) > BOUND_INPUT  # attention does see the window (the bound is not vacuous)
         # after upstream's interpolation to 30 fps too (what the buckets pick from)
-        z = long_audio.extract_audio_feat(encoder, path, SMALL)
-        zref = encoder.extract_audio_feat(path, return_all_layers=True)
+        z = long_audio.extract_audio_feat(tiny_w2v, path, SMALL)
+        zref = tiny_w2v.extract_audio_feat(path, return_all_layers=True)
         assert max(_distance(z, zref)) <= BOUND
 
         # the bounds bite: no overlap, or less than the positional conv's 64 frames
         for bad in (Windows(window=300, overlap=0), Windows(window=300, overlap=50)):
-            d = _distance(long_audio.hidden_states(encoder.model, x, bad), single)
+            d = _distance(long_audio.hidden_states(tiny_w2v.model, x, bad), single)
             assert d[0] > BOUND_INPUT and max(d) > BOUND, (bad, d)
 
 

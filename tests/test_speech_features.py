@@ -47,16 +47,6 @@ SECONDS = 8.0
 
 
 @pytest.fixture(scope="module")
-def wan(audio_wan):
-    return audio_wan
-
-
-@pytest.fixture(scope="module")
-def encoder(tiny_w2v):
-    return tiny_w2v
-
-
-@pytest.fixture(scope="module")
 def speech(tmp_path_factory):
     from wan_s2v_runner.demo.synthetic_inputs import make_speech_audio
 
@@ -64,24 +54,24 @@ def speech(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def timeline(encoder, speech):
-    return load_speech(encoder, speech)
+def timeline(tiny_w2v, speech):
+    return load_speech(tiny_w2v, speech)
 
 
 @pytest.fixture(scope="module")
-def features(encoder):
-    return BlockFeatures(encoder, SpeechWindow(), torch.device("cpu"), torch.float32)
+def features(tiny_w2v):
+    return BlockFeatures(tiny_w2v, SpeechWindow(), torch.device("cpu"), torch.float32)
 
 
-def shell(wan, encoder, param_dtype=torch.float32):
-    return encode_audio_shell(wan, encoder, param_dtype)
+def shell(audio_wan, tiny_w2v, param_dtype=torch.float32):
+    return encode_audio_shell(audio_wan, tiny_w2v, param_dtype)
 
 
 # ----- the rules
 
 
-def test_the_grid_picks_upstreams_features_on_absolute_time(wan):
-    picks = wan.modules.s2v.audio_encoder.get_sample_indices(30, 10**6, 16, 48_000, fixed_start=0)
+def test_the_grid_picks_upstreams_features_on_absolute_time(audio_wan):
+    picks = audio_wan.modules.s2v.audio_encoder.get_sample_indices(30, 10**6, 16, 48_000, fixed_start=0)
     assert [sw.feature_index(i) for i in range(48_000)] == picks.tolist()
     for i in range(200):
         j, w = sw.frame_taps(i)
@@ -116,8 +106,8 @@ def test_the_default_lookahead_is_at_most_a_second():
             SpeechWindow(**bad)
 
 
-def test_blocks_for_samples_is_upstreams_num_repeat(wan):
-    ae = wan.modules.s2v.audio_encoder
+def test_blocks_for_samples_is_upstreams_num_repeat(audio_wan):
+    ae = audio_wan.modules.s2v.audio_encoder
     enc = ae.AudioEncoder.__new__(ae.AudioEncoder)
     enc.video_rate = 30
 
@@ -136,17 +126,17 @@ def test_blocks_for_samples_is_upstreams_num_repeat(wan):
     assert SpeechWindow.blocks_for_samples(0) == SpeechWindow.blocks_for_samples(719) == 1  # upstream fails here
 
 
-def test_the_count_and_the_features_layout_match_upstreams_call(wan, encoder, speech, timeline):
-    ref, blocks = shell(wan, encoder, torch.bfloat16).encode_audio(speech, infer_frames=12)
+def test_the_count_and_the_features_layout_match_upstreams_call(audio_wan, tiny_w2v, speech, timeline):
+    ref, blocks = shell(audio_wan, tiny_w2v, torch.bfloat16).encode_audio(speech, infer_frames=12)
     assert blocks == SpeechWindow.blocks_for_samples(timeline.numel()) == 11
-    got = BlockFeatures(encoder, SpeechWindow(), torch.device("cpu"), torch.bfloat16).of_block(timeline, 3)
+    got = BlockFeatures(tiny_w2v, SpeechWindow(), torch.device("cpu"), torch.bfloat16).of_block(timeline, 3)
     assert got.dtype == ref.dtype == torch.bfloat16 and got.shape == ref[..., :12].shape == (1, 25, 32, 12)
 
 
-def test_speech_is_read_as_upstream_reads_it_before_the_processor(encoder, speech, timeline):
+def test_speech_is_read_as_upstream_reads_it_before_the_processor(tiny_w2v, speech, timeline):
     assert timeline.dtype == torch.float32 and timeline.ndim == 1 and timeline.numel() == int(SECONDS * 16000)
-    normalised = encoder.processor(timeline.numpy(), sampling_rate=16000, return_tensors="pt").input_values
-    assert torch.equal(normalised, long_audio.load_input_values(encoder, speech))
+    normalised = tiny_w2v.processor(timeline.numpy(), sampling_rate=16000, return_tensors="pt").input_values
+    assert torch.equal(normalised, long_audio.load_input_values(tiny_w2v, speech))
 
 
 # ----- causality
@@ -198,12 +188,12 @@ def test_speech_past_the_end_is_silence(features, timeline):
         features.of_window(window[:-1], 2)
 
 
-def test_a_conv_stack_off_the_rule_is_refused(encoder):
+def test_a_conv_stack_off_the_rule_is_refused(tiny_w2v):
     cfg = SimpleNamespace(conv_kernel=(10, 3, 3, 3, 3, 2, 2), conv_stride=(5, 2, 2, 2, 2, 2, 4))
     with pytest.raises(RuntimeError, match="assumes 400 every 320"):
         BlockFeatures(SimpleNamespace(model=SimpleNamespace(config=cfg)), SpeechWindow(), "cpu", torch.float32)
     with pytest.raises(RuntimeError, match="30"):
-        BlockFeatures(SimpleNamespace(model=encoder.model, video_rate=25), SpeechWindow(), "cpu", torch.float32)
+        BlockFeatures(SimpleNamespace(model=tiny_w2v.model, video_rate=25), SpeechWindow(), "cpu", torch.float32)
 
 
 # ----- the distance from upstream's whole-file pass
@@ -215,13 +205,13 @@ def _within_speech(n: int, blocks: int) -> list[int]:
     return [i for i in range(12 * blocks) if sw.feature_index(i) < features]
 
 
-def test_the_block_features_are_near_upstreams_whole_file_features(wan, encoder, speech, timeline):
-    ref, blocks = shell(wan, encoder).encode_audio(speech, infer_frames=12)
+def test_the_block_features_are_near_upstreams_whole_file_features(audio_wan, tiny_w2v, speech, timeline):
+    ref, blocks = shell(audio_wan, tiny_w2v).encode_audio(speech, infer_frames=12)
     n = timeline.numel()
     frames = _within_speech(n, blocks)
     with torch.no_grad():  # upstream's hidden states of the whole file, on the absolute grid
-        x = long_audio.load_input_values(encoder, speech)
-        states = torch.cat(encoder.model(x, output_hidden_states=True).hidden_states)
+        x = long_audio.load_input_values(tiny_w2v, speech)
+        states = torch.cat(tiny_w2v.model(x, output_hidden_states=True).hidden_states)
     last = states.shape[1] - 1
     on_grid = torch.stack([states[:, min(j, last)] * (1 - w) + states[:, min(j + 1, last)] * w
                            for j, w in map(sw.frame_taps, frames)], -1)  # [layers, C, frames]
@@ -240,7 +230,7 @@ def test_the_block_features_are_near_upstreams_whole_file_features(wan, encoder,
     assert len(inside) >= 8 * 12
 
     def distance(window):
-        bf = BlockFeatures(encoder, window, torch.device("cpu"), torch.float32)
+        bf = BlockFeatures(tiny_w2v, window, torch.device("cpu"), torch.float32)
         got = torch.cat([bf.of_block(timeline, g) for g in range(blocks)], -1)[0][..., frames]
         upstream = float((got - ref[0][..., frames]).abs().max() / ref[0][..., frames].abs().max())
         own = float((got[..., inside] - on_grid[..., inside]).abs().max() / on_grid.abs().max())
