@@ -57,6 +57,7 @@ from wan_s2v_runner.rank.step_control import Signal, StepMessage
 from wan_s2v_runner.shared import live_recipe as recipe
 from wan_s2v_runner.shared.dit_cost import motion_latent_frames
 from wan_s2v_runner.shared.events import ProgressUnit
+from wan_s2v_runner.shared.speech_timeline import Decision, Verdict
 from wan_s2v_runner.shared.stages import Stage
 
 BLOCK = ProgressUnit.BLOCK
@@ -419,34 +420,28 @@ class Decoder:
             self.decoder.close()
             self.links.drain()
 
-    def _next(self):
-        """The speech's word on the next block: (features, span, last) to start it, or None (wait:
-        slept a moment; or no block follows: :attr:`speech_done`)."""
-        from wan_s2v_runner.shared.speech_timeline import Verdict
-
+    def _next(self) -> tuple[Decision, Optional[tuple]]:
+        """The speech's word on the next block, and, where it says start, the block's (features, span,
+        last); with END or the last block, :attr:`speech_done`."""
         decision = self.source.next()
-        if decision.verdict is Verdict.END:
-            self.speech_done = True
-            return None
-        if decision.verdict is Verdict.WAIT:
-            return decision
-        speech, samples = self.source.block(self.issued)
-        if decision.last:
-            self.speech_done = True
-        return speech, SpeechSpan(samples, decision.ready_at), decision.last
+        block = None
+        if decision.verdict is Verdict.START:
+            speech, samples = self.source.block(self.issued)
+            block = (speech, SpeechSpan(samples, decision.ready_at), decision.last)
+        self.speech_done = self.speech_done or decision.verdict is Verdict.END or decision.last
+        return decision, block
 
     def _alone(self) -> None:
         """One rank: every step of a block, then its decode, block after block."""
         while not self.speech_done:
-            got = self._next()
-            if got is None:
-                break
-            if not isinstance(got, tuple):
-                self._idle(got)
-                if self.stop is not None:
-                    return end(terminal(self.stop))
+            decision, block = self._next()
+            if block is None:
+                if decision.verdict is Verdict.WAIT:
+                    self._idle(decision)
+                    if self.stop is not None:
+                        return end(terminal(self.stop))
                 continue
-            g, (speech, span, last) = self.issued, got
+            g, (speech, span, last) = self.issued, block
             self.issued += 1
             self.hooks.stage(Stage.DENOISE, unit=BLOCK, block=g + 1, blocks=self.geo.blocks_text)
             x, message = self.stage.denoise(g, self.stage.noise(g), speech, StepMessage())
@@ -473,14 +468,14 @@ class Decoder:
                 self._send(terminal(self.stop))
                 ended = True
             elif not ended and not self.speech_done and not self.in_flight.full:
-                got = self._next()
-                if isinstance(got, tuple):
-                    self._start(*got)
+                decision, block = self._next()
+                if block is not None:
+                    self._start(*block)
                     continue
-                if got is not None and not self.in_flight:  # waiting, nothing to receive: look again
-                    self._idle(got)
+                if decision.verdict is Verdict.END:
                     continue
-                if got is None:
+                if not self.in_flight:  # waiting, nothing to receive: look again
+                    self._idle(decision)
                     continue
             if self.in_flight:
                 self._receive()

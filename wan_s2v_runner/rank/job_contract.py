@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from wan_s2v_runner.rank.step_control import Signal
 from wan_s2v_runner.shared.events import ProgressUnit
+from wan_s2v_runner.shared.speech_windows import SpeechWindow
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Request:
     pose_video: Optional[str] = None
     cache: str = "off"  # --cache (wan_s2v_runner.shared.cache_policy); not upstream's: ours to skip DiT passes
     #: the live recipe: seconds of speech past a block its features read (shared.speech_windows)
-    speech_lookahead: float = 0.5  # shared.speech_windows.SpeechWindow.lookahead_s
+    speech_lookahead: float = SpeechWindow.lookahead_s
 
 
 @dataclass

@@ -88,8 +88,6 @@ class BlockSpeech:
         self.features_of = BlockFeatures(encoder, window, device, dtype)
         self.timeline = st.Timeline(pace, window.needed_samples, window.blocks_for_samples,
                                     lookahead=window.lookahead_samples)
-        #: the blocks started: (their own span held speech) per block, for the session's record
-        self.spoken = 0
 
     def begin(self) -> None:
         """The job's clock starts (a real-time job's block 0 is due now)."""
@@ -99,10 +97,7 @@ class BlockSpeech:
         """What to do with the next block now (the events that arrived since read first)."""
         for event in self.events.take():
             self.timeline.add(event)
-        decision = self.timeline.decide(self.clock())
-        if decision.verdict is st.Verdict.START and decision.speech:
-            self.spoken += 1
-        return decision
+        return self.timeline.decide(self.clock())
 
     def wait(self, decision: st.Decision) -> None:
         """A short sleep while a block waits (until its due time, or the next look at the speech folder)."""

@@ -106,6 +106,11 @@ class ServerDirs:
                 return own
         return None
 
+    def so_far(self, job_id: str) -> Optional[Path]:
+        """The job's video so far: a running job's growing file (its newest attempt's), or a cancelled
+        or failed one's as published; None: none yet."""
+        return self.newest(job_id, self.partial(job_id))
+
     def remove_job_files(self, job_id: str, *, video: bool) -> None:
         """What a job left: its work (every attempt's folder) and uploads (a job that ended keeps
         nothing it could resume from); with ``video``, its published files too (deleted)."""

@@ -445,7 +445,7 @@ def content(video_id: str, server: ServerDep, request: Request,
         raise Refused(404, "this server makes no spritesheets. Fix: ask for variant=video, partial or thumbnail",
                       "variant")
     if variant == "partial":
-        partial = server.dirs.newest(row.id, server.dirs.partial(row.id))
+        partial = server.dirs.so_far(row.id)
         if row.status in (JobStatus.QUEUED, JobStatus.COMPLETED) or partial is None:
             fix = ("ask for variant=video" if row.status is JobStatus.COMPLETED else
                    "wait for preview_clips in the video object (after the first clip of a job of more than one)")

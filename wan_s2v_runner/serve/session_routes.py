@@ -59,17 +59,21 @@ def session_object(server: Server, s: Session) -> SessionObject:
                          whep_url=f"{base}/whep", video=video_object(server, row))
 
 
-def _refusal(server: Server) -> Optional[str]:
+def _refusal(server: Server) -> Optional[Refused]:
     """Why no session can start now, before one is made (None: try)."""
     spec = server.keeper.group_spec
     if spec.layout.recipe is not Recipe.LIVE:
-        return (f"this server's groups make clip videos (--mode {spec.mode.value}). Fix: send sessions to a server "
-                "started with --mode live")
-    if server.watch.not_ready() is not None:
-        return f"the server takes no job now: {server.watch.not_ready()}"
-    if server.queue.job_counts().get(JobStatus.QUEUED.value, 0):
-        return "jobs wait in the queue (every live group of the fleet is busy)"
-    return None
+        return Refused(409, f"this server's groups make clip videos (--mode {spec.mode.value}). Fix: send sessions "
+                            "to a server started with --mode live")
+    busy = server.watch.not_ready()
+    if busy is not None:
+        busy = f"the server takes no job now: {busy}"
+    elif server.queue.job_counts().get(JobStatus.QUEUED.value, 0):
+        busy = "jobs wait in the queue (every live group of the fleet is busy)"
+    if busy is None:
+        return None
+    return Refused(429, f"no live session can start now: {busy}. Fix: retry in a moment (or another server of the "
+                        "fleet)", retry_after=5)
 
 
 def _claimed(server: Server, job_id: str) -> bool:
@@ -97,11 +101,9 @@ def _claimed(server: Server, job_id: str) -> bool:
 async def create_session(request: Request, server: ServerDep) -> SessionObject:
     """Open a live session: the reference image, prompt, size, seed (as a video job); its speech
     comes after, as it is spoken."""
-    why = await run_in_threadpool(_refusal, server)
-    if why is not None:
-        raise Refused(409 if why.startswith("this server's groups") else 429,
-                      f"no live session can start now: {why}. Fix: retry in a moment (or another server of the fleet)"
-                      if not why.startswith("this server's groups") else why, retry_after=5)
+    refused = await run_in_threadpool(_refusal, server)
+    if refused is not None:
+        raise refused
     fields = await _fields(request, server.policy.max_upload_bytes)
     pace = fields.pop("pace", Pace.REALTIME.value)
     try:
@@ -210,7 +212,7 @@ async def stream(session_id: str, request: Request, server: ServerDep) -> Stream
         try:
             while True:
                 if f is None:
-                    path = await run_in_threadpool(_partial, server, session_id)
+                    path = await run_in_threadpool(server.dirs.so_far, session_id)
                     if path is not None:
                         f = open(path, "rb")
                         follower = fmp4.Follower(f)
@@ -236,14 +238,3 @@ async def stream(session_id: str, request: Request, server: ServerDep) -> Stream
                 f.close()
 
     return StreamingResponse(fragments(), media_type="video/mp4", headers={"cache-control": "no-store"})
-
-
-def _partial(server: Server, session_id: str):
-    """The session's video so far (its running attempt's growing file), once it exists."""
-    from wan_s2v_runner.shared import media
-
-    for folder in reversed(server.dirs.attempts(session_id)):
-        path = media.partial_path(folder / f"{session_id}.mp4")
-        if path.is_file():
-            return path
-    return None

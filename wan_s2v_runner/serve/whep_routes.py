@@ -23,7 +23,6 @@ from starlette.concurrency import run_in_threadpool
 
 from wan_s2v_runner.serve.protocol import ErrorResponse
 from wan_s2v_runner.serve.routes import ERRORS, ServerDep, authorized, job_row
-from wan_s2v_runner.serve.session_routes import _partial
 from wan_s2v_runner.serve.sessions import SessionState
 from wan_s2v_runner.serve.state import Server
 from wan_s2v_runner.serve.store.protocol import QueueUnavailable, StoreRefused
@@ -71,7 +70,7 @@ def session_media(server: Server, session_id: str) -> SessionMedia:
         except Refused:
             pass
 
-    return SessionMedia(find=lambda: _partial(server, session_id), ended=ended, touch=touch)
+    return SessionMedia(find=lambda: server.dirs.so_far(session_id), ended=ended, touch=touch)
 
 
 def _watchable(server: Server, session_id: str) -> bool:
@@ -82,7 +81,7 @@ def _watchable(server: Server, session_id: str) -> bool:
         server.sessions.ended(session_id)
         raise Refused(409, f"session {session_id}'s video has ended ({row.status.value}). Fix: its recording is GET "
                            f"/v1/videos/{session_id}/content", "session_id")
-    return _partial(server, session_id) is not None
+    return server.dirs.so_far(session_id) is not None
 
 
 async def _offer(request: Request) -> str:

@@ -235,7 +235,6 @@ class PushedSpeech(SpeechEncoder):
         self.ctx.flags |= int(av.codec.context.Flags.global_header)
         self.ctx.open()
         self.priming: Optional[int] = None
-        self.pushed = 0
 
     def push(self, samples: np.ndarray) -> None:
         """The next samples of the speech (mono float32 at :attr:`rate`)."""
@@ -247,7 +246,6 @@ class PushedSpeech(SpeechEncoder):
         frame.sample_rate = self.rate
         frame.pts = None
         self.fifo.write(frame)
-        self.pushed += samples.shape[1]
 
     def _fill(self, need: int) -> None:
         pass
