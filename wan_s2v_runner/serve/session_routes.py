@@ -39,8 +39,9 @@ from wan_s2v_runner.shared.speech_timeline import Pace
 
 sessions_api = APIRouter(prefix="/v1/videos/sessions", dependencies=[Depends(authorized)], responses=ERRORS,
                          tags=["sessions"])
-#: how often a stream looks for a new fragment
+#: how often a stream looks for a new fragment, and asks the queue whether its session's job ended
 STREAM_POLL_S = 0.05
+STREAM_STATUS_S = 0.5
 #: how long a session's create waits for a live group of the fleet to take it (an idle keeper of a
 #: shared queue asks every 0.5 s; one server's at once)
 CLAIM_WAIT_S = 3.0
@@ -208,7 +209,7 @@ async def stream(session_id: str, request: Request, server: ServerDep) -> Stream
                            f"/v1/videos/{session_id}/content", "session_id")
 
     async def fragments():
-        f = None
+        f, asked = None, 0.0
         try:
             while True:
                 if f is None:
@@ -222,6 +223,10 @@ async def stream(session_id: str, request: Request, server: ServerDep) -> Stream
                         server.sessions.touch(session_id)
                         yield data
                         continue
+                if time.monotonic() - asked < STREAM_STATUS_S:  # the queue asked a few times a second, not each look
+                    await asyncio.sleep(STREAM_POLL_S)
+                    continue
+                asked = time.monotonic()
                 now = await run_in_threadpool(job_row, server, session_id)
                 if now.status.terminal:
                     if f is not None:
