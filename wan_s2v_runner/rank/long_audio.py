@@ -52,7 +52,7 @@ from wan_s2v_runner.shared.encoder_placement import FRAMES_PER_S
 log = logging.getLogger("wan_s2v.long_audio")
 
 #: the rate wav2vec2 reads (upstream's ``librosa.load(audio_path, sr=16000)``)
-RATE = 16000
+RATE = encoder_placement.RATE
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,9 @@ HIDDEN, HEADS, LAYERS = 1024, 16, 24
 #: each inner side is context only (``rank.long_audio``; docs/generation.md, "Long speech")
 WINDOW_S = 60.0
 OVERLAP_S = 5.0
-#: wav2vec2's conv stack: a frame reads 400 samples at a stride of 320 (16 kHz)
-_RATE, _RECEPTIVE, _STRIDE = 16000, 400, 320
+#: the rate wav2vec2 reads (upstream's ``librosa.load(audio_path, sr=16000)``), and its conv stack:
+#: a frame reads RECEPTIVE samples at a stride of STRIDE (50 frames a second)
+RATE, RECEPTIVE, STRIDE = 16000, 400, 320
 
 
 class AudioEncoderDevice(str, Enum):
@@ -94,10 +95,14 @@ def choose(device_type: str, free: Optional[int], need: int) -> tuple[AudioEncod
                                     f"(+{MARGIN / GiB:.0f} GiB margin), the GPU has {free / GiB:.1f} GiB free")
 
 
+def conv_frames(samples: int) -> int:
+    """wav2vec2 frames of ``samples`` samples at :data:`RATE` (its conv stack's count)."""
+    return 0 if samples < RECEPTIVE else (samples - RECEPTIVE) // STRIDE + 1
+
+
 def speech_frames(seconds: float) -> int:
     """wav2vec2 frames of ``seconds`` of 16 kHz speech (its conv stack's count)."""
-    samples = int(round(max(0.0, seconds) * _RATE))
-    return 0 if samples < _RECEPTIVE else (samples - _RECEPTIVE) // _STRIDE + 1
+    return conv_frames(int(round(max(0.0, seconds) * RATE)))
 
 
 def window_frames(window_s: float = WINDOW_S) -> int:

@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from wan_s2v_runner.shared import atomic
+from wan_s2v_runner.shared import atomic, encoder_placement
 from wan_s2v_runner.shared.atomic import temp_name
 
 
@@ -220,7 +220,7 @@ class PushedSpeech(SpeechEncoder):
     """A :class:`SpeechEncoder` whose speech is handed to it as it is made (a live session's, block by
     block: mono float32 samples at ``rate``) instead of read from a file."""
 
-    def __init__(self, fps: int, rate: int = 16000):
+    def __init__(self, fps: int, rate: int = encoder_placement.RATE):
         from fractions import Fraction
 
         av = _av()

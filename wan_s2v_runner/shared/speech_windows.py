@@ -29,29 +29,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from wan_s2v_runner.shared.encoder_placement import FRAMES_PER_S
+from wan_s2v_runner.shared.encoder_placement import FRAMES_PER_S, RATE, RECEPTIVE, STRIDE, conv_frames
 from wan_s2v_runner.shared.live_recipe import BLOCK_FRAMES, blocks_for
 from wan_s2v_runner.shared.media import FPS
 
-#: the rate wav2vec2 reads (upstream's ``librosa.load(audio_path, sr=16000)``)
-RATE = 16000
 #: seconds of speech a block's video frames cover (12 frames at 16 fps: 0.75 s)
 BLOCK_SECONDS = BLOCK_FRAMES / FPS
 #: samples a block's frames cover
 BLOCK_SAMPLES = RATE * BLOCK_FRAMES // FPS
-#: wav2vec2's conv stack: one frame every STRIDE samples (50 a second), each reading RECEPTIVE
-STRIDE = RATE // FRAMES_PER_S
-RECEPTIVE = 400
 #: the features' rate after upstream's interpolation (``AudioEncoder.video_rate``)
 FEATURE_FPS = 30
 #: the grid repeats every 4 blocks (48 video frames: 90 features, 150 wav2vec2 frames; 2 blocks
 #: are 45 features, whose half-even rounding alternates)
 _PERIOD = range(4)
-
-
-def conv_frames(samples: int) -> int:
-    """wav2vec2 frames of ``samples`` samples (its conv stack's count)."""
-    return 0 if samples < RECEPTIVE else (samples - RECEPTIVE) // STRIDE + 1
 
 
 def feature_index(i: int) -> int:
