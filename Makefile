@@ -45,8 +45,9 @@ $(STAMP): requirements.lock pyproject.toml
 
 install: $(STAMP)
 
-# requirements.lock rewritten from requirements.txt, requirements-dev.txt and requirements-engine.txt
-# (tools/lock.py; pins the inputs still allow are kept; ARGS=--upgrade takes the newest of everything)
+# requirements.lock rewritten from requirements.txt, requirements-dev.txt, the extras' files
+# (requirements-livekit.txt, requirements-pipecat.txt) and requirements-engine.txt (tools/lock.py; pins
+# the inputs still allow are kept; ARGS=--upgrade takes the newest of everything)
 lock:
 	$(if $(wildcard $(BIN)/uv),$(BIN)/python,python3) tools/lock.py $(ARGS)
 

@@ -56,6 +56,21 @@ def test_every_requirement_is_pinned_by_the_lock_within_its_range(minor):
             assert f"-r {file}" in got[0].via, f"{req.name}: the lock does not say {file} asks for it; fix: make lock"
 
 
+def test_the_extras_pyproject_reads_from_files_are_the_locks_inputs():
+    """``pip install 'wan-s2v[livekit]'`` asks for what requirements-livekit.txt asks for, and the lock
+    resolves that file with the rest (the set-up's venv has every extra; the gpu extra's flash-attn,
+    a CUDA-only sdist built against the user's torch, is not locked)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "optional-dependencies" not in project["project"], "an extra outside [tool.setuptools.dynamic]"
+    extras = project["tool"]["setuptools"]["dynamic"]["optional-dependencies"]
+    locked = {f for name, spec in extras.items() if name != "gpu" for f in spec["file"]}
+    assert locked == set(lock_tool.EXTRAS) <= set(lock_tool.INPUTS), (extras, lock_tool.EXTRAS)
+
+
 # what decides the demo's bytes: the frames (torch, numpy's reductions) and the mp4 (PyAV's FFmpeg,
 # imageio-ffmpeg's for the inputs). CI compares the demo's sha256 across the supported Pythons.
 BYTES_DECIDING = ("torch", "numpy", "av", "imageio-ffmpeg")

@@ -37,9 +37,32 @@ def third_party_imports(roots) -> dict:
     return found
 
 
+def imported_names(roots) -> dict:
+    """Every dotted module name the files under ``roots`` import (``from a.b import c``: ``a.b``
+    and ``a.b.c``, either may be the module) -> a file that imports it."""
+    found: dict = {}
+    for root in roots:
+        for path in (ROOT / root).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                else:
+                    names = []
+                for name in names:
+                    found.setdefault(name, str(path.relative_to(ROOT)))
+    return found
+
+
+EXTRA_TOPS = {m.name.split(".")[0] for x in venv_check.EXTRAS for m in x.modules}
+
+
 def test_the_lists_hold_every_module_the_code_imports():
-    """Add an import of a new package and this fails until the check loads it too (or says why not)."""
-    listed = {m.name for m in venv_check.modules(dev=False)} | venv_check.OPTIONAL | {"tomli"}
+    """Add an import of a new package and this fails until the check loads it too (or says why not).
+    The extras' packages (livekit, pipecat) are on :data:`venv_check.EXTRAS`' lists, checked where
+    installed (the product's integrations, ``wan_s2v_runner/integrations``, import them)."""
+    listed = {m.name for m in venv_check.modules(dev=False)} | venv_check.OPTIONAL | {"tomli"} | EXTRA_TOPS
     product = third_party_imports(PRODUCT_ROOTS)
     missing = {m: f for m, f in product.items() if m not in listed}
     assert not missing, f"imported by the product but not in venv_check's lists: {missing}"
@@ -47,6 +70,55 @@ def test_the_lists_hold_every_module_the_code_imports():
     dev = third_party_imports(DEV_ROOTS)
     missing = {m: f for m, f in dev.items() if m not in listed_dev}
     assert not missing, f"imported by tests/tools/bench but not in venv_check's lists: {missing}"
+
+
+def test_the_extras_lists_hold_the_parts_of_their_packages_the_product_imports():
+    """pipecat's and livekit's subpackages need more than the extra installs (a transport, a plugin:
+    another extra of theirs, another package): the product's imports of an extra's package stay
+    within the modules the check loads (a listed one, a package above one, or a module under one)."""
+    listed = [m.name for x in venv_check.EXTRAS for m in x.modules]
+    imported = {name: f for name, f in imported_names(PRODUCT_ROOTS).items() if name.split(".")[0] in EXTRA_TOPS}
+    outside = {name: f for name, f in imported.items()
+               if not any(name == m or name.startswith(m + ".") or m.startswith(name + ".") for m in listed)}
+    assert not outside, f"imported by the product, outside venv_check.EXTRAS' modules: {outside}; fix: add " \
+                        f"them to the extra's list (and its requirement file what they need)"
+
+
+def test_each_extra_is_one_pyproject_declares_from_its_requirement_file():
+    """An extra's name is the one users install (``wan-s2v[NAME]``), and its distribution is what that
+    extra's requirement file asks for (the check looks for it to tell the extra is installed)."""
+    from packaging.requirements import Requirement
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    dynamic = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["dynamic"]
+    declared = dynamic["optional-dependencies"]
+    for x in venv_check.EXTRAS:
+        assert x.name in declared, f"pyproject.toml declares no extra {x.name!r}: {sorted(declared)}"
+        asked = set()
+        for file in declared[x.name]["file"]:
+            for raw in (ROOT / file).read_text(encoding="utf-8").splitlines():
+                line = raw.split(" #", 1)[0].strip()
+                if line and not line.startswith("#"):
+                    asked.add(Requirement(line).name)
+        assert x.dist in asked, f"extra {x.name}: its files ask for {sorted(asked)}, not {x.dist}"
+
+
+def test_an_extra_is_checked_where_installed_and_always_with_dev(monkeypatch):
+    """Without ``--dev`` (a user's install, the doctor): an extra's modules where its distribution is
+    installed; with it (the set-up's venv): every extra this Python installs (pipecat: 3.11+)."""
+    monkeypatch.setattr(venv_check, "_version", lambda dist: None)
+    assert venv_check.extras(dev=False) == ()
+    every = ["livekit"] + (["pipecat"] if sys.version_info >= (3, 11) else [])
+    assert [x.name for x in venv_check.extras(dev=True)] == every
+    monkeypatch.setattr(venv_check, "_version", lambda dist: "1.14.0" if dist == "pipecat-ai" else None)
+    assert [x.name for x in venv_check.extras(dev=False)] == ["pipecat"]
+    names = [m.name for m in venv_check.modules(dev=False)]
+    assert "pipecat.frames.frames" in names and not any(n.startswith("livekit") for n in names), names
+    monkeypatch.setattr(sys, "version_info", (3, 10, 14))
+    assert [x.name for x in venv_check.extras(dev=True)] == ["livekit", "pipecat"]  # installed: checked
 
 
 def test_each_module_names_an_installed_distribution():

@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/lock.py              # keep every pin the inputs still allow
     .venv/bin/python tools/lock.py --upgrade    # take the newest versions the inputs allow
+    .venv/bin/python tools/lock.py --upgrade-package soxr   # that package anew (repeatable)
 
 **What it is.** One universal lock for Python 3.10, 3.11 and 3.12 (``uv pip compile --universal``:
 where a package needs another version on one Python, both lines are there under exclusive
@@ -12,14 +13,22 @@ chosen over pip-tools because it resolves for every Python at once in one run (p
 for the interpreter it runs on, one lock a version) and writes the ``# via`` annotations the
 installer walks; the output is a plain requirements file, so pip reads it too.
 
-**Inputs.** ``requirements.txt`` (the product) and ``requirements-dev.txt`` (tests, lint, the
-set-up's tools), resolved together; ``requirements-engine.txt`` (the engine, ``wan22``) with
-``--no-deps``, appended (its declared dependencies are not installed: see that file). And
-:data:`EXTRA_BUILDS`: builds of a locked version that PyPI does not serve, accepted by hash.
+**Inputs.** ``requirements.txt`` (the product), ``requirements-dev.txt`` (tests, lint, the
+set-up's tools) and the optional extras' files, :data:`EXTRAS` (``wan-s2v[livekit]``,
+``wan-s2v[pipecat]``: pyproject.toml reads each extra from its file), resolved together into one
+lock: the set-up's venv has the extras (the tests use them), and a package they share with the
+product takes one version for both (pipecat-ai's ``soundfile~=0.13.1`` and ``soxr~=1.0.0`` hold for
+the whole lock). ``requirements-engine.txt`` (the engine, ``wan22``) with ``--no-deps``, appended
+(its declared dependencies are not installed: see that file). And :data:`EXTRA_BUILDS`: builds of
+a locked version that PyPI does not serve, accepted by hash.
 
 **Refresh.** Change a requirement file, run ``make lock``, commit both; ``tests/test_lock.py``
 fails while the two disagree. uv keeps the pins already in the lock wherever the inputs allow
 (an unrelated package does not move); ``make lock ARGS=--upgrade`` takes the newest of everything.
+``--upgrade-package NAME`` resolves that one package anew: where a new input constrains it on some
+Pythons only (pipecat-ai, 3.11+), the kept pin would stay on the others and the lock would hold two
+versions; resolved anew it takes one that serves every Python where the inputs allow (how
+soundfile 0.13.1 and soxr 1.0.0 came to hold on 3.10 too).
 Exit status: uv's (nothing is written unless both compiles succeed).
 """
 from __future__ import annotations
@@ -35,7 +44,10 @@ import lockfile  # tools/, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "requirements.lock"
-INPUTS = ("requirements.txt", "requirements-dev.txt")
+#: the optional extras' requirement files (pyproject.toml's optional-dependencies; the gpu extra's
+#: flash-attn, a CUDA-only sdist built against the user's torch, is not locked)
+EXTRAS = ("requirements-livekit.txt", "requirements-pipecat.txt")
+INPUTS = ("requirements.txt", "requirements-dev.txt", *EXTRAS)
 ENGINE = "requirements-engine.txt"
 #: the public index the lock is resolved against
 INDEX = "https://pypi.org/simple"
@@ -56,9 +68,10 @@ EXTRA_BUILDS = {
 HEADER = """\
 # requirements.lock: every package wan-s2v's set-up installs, for Python 3.10-3.12, with the sha256 of
 # every file each version may install. Written by `make lock` (tools/lock.py) from requirements.txt,
-# requirements-dev.txt and requirements-engine.txt: do not edit by hand. tests/test_lock.py fails
-# while it and the requirement files disagree. The set-up (tools/venv_install.py) installs what this
-# machine needs of it: pip picks each version's file, its hash is checked against these.
+# requirements-dev.txt, the extras' requirements-livekit.txt and requirements-pipecat.txt, and
+# requirements-engine.txt: do not edit by hand. tests/test_lock.py fails while it and the requirement
+# files disagree. The set-up (tools/venv_install.py) installs what this machine needs of it: pip picks
+# each version's file, its hash is checked against these.
 """
 
 
@@ -101,6 +114,9 @@ def add_extra_builds(text: str) -> str:
 def main(argv: list) -> int:
     uv = uv_binary()
     extra = ["--upgrade"] if "--upgrade" in argv else []
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--upgrade-package":
+            extra += ["--upgrade-package", argv[i + 1]]
     old = LOCK.read_text(encoding="utf-8") if LOCK.exists() else ""
     with tempfile.TemporaryDirectory() as tmp:
         main_out, engine_out = Path(tmp, "main.lock"), Path(tmp, "engine.lock")

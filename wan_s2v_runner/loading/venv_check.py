@@ -5,6 +5,11 @@
 
 Each run keeps its verdict in the environment (:func:`save`).
 
+The optional extras' modules (:data:`EXTRAS`: ``wan-s2v[livekit]``, ``wan-s2v[pipecat]``, the
+voice-agent integrations) are checked where the extra's distribution is installed, and always with
+``--dev`` (the set-up's venv has both, the tests use them; pipecat only on Python 3.11+, where it
+installs).
+
 A module that does not load gives one line: which package, which file was installed (the URL the
 set-up installed it from, else its wheel's tags), the error, and the fix. The set-up runs this
 right after installing (``make install``: a venv that fails is not stamped installed); the probe
@@ -18,8 +23,9 @@ Native libraries are where a venv breaks while every version is right: soundfile
 loads the system's libsndfile (absent on a fresh machine), decord's and cv2's shared objects,
 torch's, torchvision's registered operators (a CUDA build on a CPU torch: the product defines two
 schemas first, ``patches.torchvision_cpu``, as here), psycopg's binary build (else it looks for a
-system libpq), imageio-ffmpeg's ffmpeg (it is run). ``tests/test_venv_check.py`` holds the lists
-to what the code imports. Standard library only at import.
+system libpq), imageio-ffmpeg's ffmpeg (it is run), livekit's FFI library (loaded, not started).
+``tests/test_venv_check.py`` holds the lists to what the code imports. Standard library only at
+import.
 
 Exit status: 0 every module loads, 1 one or more do not.
 """
@@ -89,6 +95,37 @@ DEV = (
     Module("pytest", "pytest"), Module("xdist", "pytest-xdist"), Module("hypothesis", "hypothesis"),
     Module("selenium", "selenium"), Module("openai", "openai"), Module("schemathesis", "schemathesis"),
 )
+
+
+@dataclass(frozen=True)
+class Extra:
+    """An optional extra of wan-s2v (``pip install 'wan-s2v[NAME]'``): its modules are checked where
+    its distribution ``dist`` is installed, and always with ``--dev`` on the Pythons it installs on
+    (``python`` and newer: the set-up's venv has every extra, the tests use them)."""
+
+    name: str
+    dist: str
+    modules: tuple
+    python: tuple = (3, 10)
+
+
+#: the fixes for an extra that does not load
+LIVEKIT_FIX = f"pip install 'wan-s2v[livekit]'; in a checkout: {REINSTALL}"
+PIPECAT_FIX = f"pip install 'wan-s2v[pipecat]' (Python 3.11+); in a checkout: {REINSTALL}"
+#: the voice-agent integrations' extras (``wan_s2v_runner/integrations``, docs/voice-agents.md):
+#: requirements-livekit.txt and requirements-pipecat.txt, locked with the rest
+EXTRAS = (
+    Extra("livekit", "livekit-agents", (
+        Module("livekit.rtc", "livekit", LIVEKIT_FIX),  # its native FFI library loaded (not started)
+        Module("livekit.api", "livekit-api", LIVEKIT_FIX), Module("livekit.agents", "livekit-agents", LIVEKIT_FIX),
+        Module("livekit.agents.voice.avatar", "livekit-agents", LIVEKIT_FIX),
+    )),
+    Extra("pipecat", "pipecat-ai", (
+        Module("loguru", "loguru", PIPECAT_FIX),  # pipecat's logger (the check quiets pipecat's banner with it)
+        *(Module(f"pipecat.{name}", "pipecat-ai", PIPECAT_FIX)
+          for name in ("frames.frames", "processors.frame_processor", "pipeline.pipeline", "pipeline.task",
+                       "pipeline.runner", "metrics.metrics"))), python=(3, 11)),
+)
 #: imported only where present (GPU kernels, NVML, TTS), or checked elsewhere (``wan``: the
 #: doctor's ``engine.*`` checks and the set-up's preload import it)
 OPTIONAL = frozenset({"flash_attn", "flash_attn_interface", "pynvml", "cosyvoice", "wan", "triton", "xfuser",
@@ -125,6 +162,12 @@ def _av_encodes() -> None:
         raise ImportError(f"PyAV's FFmpeg has no {', '.join(sorted(missing))} encoder (the video writer needs both)")
 
 
+def _livekit_ffi_loads() -> None:
+    from livekit.rtc._ffi_client import get_ffi_lib
+
+    get_ffi_lib()  # the library loaded as the client loads it (LIVEKIT_LIB_PATH, else the wheel's), not started
+
+
 def _torch_computes() -> None:
     import torch
 
@@ -134,7 +177,7 @@ def _torch_computes() -> None:
 
 #: beyond the import: what loading means for a native module
 EXERCISE: dict = {"torch": _torch_computes, "torchvision": _torchvision_ops, "psycopg": _psycopg_binary,
-                  "imageio_ffmpeg": _ffmpeg_runs, "av": _av_encodes}
+                  "imageio_ffmpeg": _ffmpeg_runs, "av": _av_encodes, "livekit.rtc": _livekit_ffi_loads}
 
 
 def _before(name: str) -> None:
@@ -145,6 +188,15 @@ def _before(name: str) -> None:
         except ImportError:  # outside a checkout or an install of the project: nothing to apply
             return
         torchvision_cpu.apply()
+    elif name.startswith("pipecat.") and "pipecat" not in sys.modules:
+        # pipecat logs a banner when first imported (loguru, to stderr), where the check's findings go
+        from loguru import logger
+
+        logger.disable("pipecat")
+        try:
+            importlib.import_module("pipecat")
+        finally:
+            logger.enable("pipecat")
 
 
 @dataclass
@@ -198,7 +250,8 @@ def _through(e: BaseException, failed: list) -> bool:
 
 def check(modules) -> list:
     """Import each module (in order, in this process) and exercise the native ones; a module that
-    fails only because one before it did is not named again."""
+    fails only because one before it did (or with the same error from the same package: an
+    extra's modules under one broken package) is not named again."""
     failures = []
     for m in modules:
         try:
@@ -209,13 +262,20 @@ def check(modules) -> list:
             if _through(e, [f.module for f in failures]):
                 continue
             first = (str(e).strip().splitlines() or [""])[0][:300]
-            failures.append(Failure(m.name, m.dist, _version(m.dist), installed_file(m.dist),
-                                    f"{type(e).__name__}: {first}", m.fix))
+            error = f"{type(e).__name__}: {first}"
+            if any(f.dist == m.dist and f.error == error for f in failures):
+                continue
+            failures.append(Failure(m.name, m.dist, _version(m.dist), installed_file(m.dist), error, m.fix))
     return failures
 
 
+def extras(dev: bool) -> tuple:
+    """The extras checked here: those installed, and with ``dev`` every one this Python installs."""
+    return tuple(x for x in EXTRAS if (dev and sys.version_info >= x.python) or _version(x.dist) is not None)
+
+
 def modules(dev: bool) -> tuple:
-    return ENGINE + PRODUCT + (DEV if dev else ())
+    return ENGINE + PRODUCT + (DEV if dev else ()) + tuple(m for x in extras(dev) for m in x.modules)
 
 
 def _real(path) -> str:
@@ -352,9 +412,10 @@ def main(argv: Optional[list] = None) -> int:
         for f in result["failures"]:
             print(Failure(**f).line(), file=sys.stderr)
         if not result["failures"]:
+            livekit = ", livekit's FFI library" if any(x.name == "livekit" for x in extras("--dev" in argv)) else ""
             print(f"venv check: {result['checked']} modules load (native: torch, torchvision's operators, "
-                  f"soundfile's libsndfile, decord, cv2, psycopg's binary, imageio-ffmpeg's ffmpeg, PyAV's encoders) "
-                  f"in {result['seconds']:.1f} s")
+                  f"soundfile's libsndfile, decord, cv2, psycopg's binary, imageio-ffmpeg's ffmpeg, PyAV's encoders"
+                  f"{livekit}) in {result['seconds']:.1f} s")
     return 1 if result["failures"] else 0
 
 
