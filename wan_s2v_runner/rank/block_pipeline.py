@@ -426,8 +426,8 @@ class Decoder:
         decision = self.source.next()
         block = None
         if decision.verdict is Verdict.START:
-            speech, samples = self.source.block(self.issued)
-            block = (speech, SpeechSpan(samples, decision.ready_at), decision.last)
+            speech, samples, runs = self.source.block(self.issued)
+            block = (speech, SpeechSpan(samples, decision.ready_at, runs), decision.last)
         self.speech_done = self.speech_done or decision.verdict is Verdict.END or decision.last
         return decision, block
 

@@ -78,6 +78,11 @@ class SpeechSpan:
     #: when the last sample the block needed arrived (a live session's; None: a file's): where the
     #: block's latency is counted from
     ready_at: Optional[float] = None
+    #: a session's: where the pushed speech in the span came from
+    #: (:class:`~wan_s2v_runner.shared.speech_timeline.Run`, timeline samples), written before its
+    #: fragment (:func:`~wan_s2v_runner.shared.fmp4.speech_runs_box`) for the session's clients;
+    #: None: a file's
+    runs: Optional[tuple] = None
 
 
 class FrameSink(Protocol):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Optional, Protocol
 
 import numpy as np
 import torch
@@ -34,12 +34,17 @@ POLL_S = 0.01
 
 
 class SpeechEvents(Protocol):
+    #: pushed by a client (a session's): each block says where the pushed speech it plays came from
+    pushed: bool
+
     def take(self) -> list[st.Event]:
         """The events that arrived since the last call, in order."""
 
 
 class FileEvents:
     """A file's speech: all of it at once, then finished."""
+
+    pushed = False
 
     def __init__(self, samples: np.ndarray):
         self.events: list[st.Event] = [st.Speech(samples, None), st.Finish(0.0)]
@@ -52,6 +57,8 @@ class FileEvents:
 class SessionEvents:
     """A served session's speech, read from its folder (16-bit PCM at 16 kHz, and marks:
     :func:`~wan_s2v_runner.shared.session_speech.take_speech`)."""
+
+    pushed = True
 
     def __init__(self, folder: Path, pace: st.Pace):
         self.folder, self.pace = Path(folder), st.Pace(pace)
@@ -104,14 +111,18 @@ class BlockSpeech:
         pause = POLL_S if decision.until is None else min(POLL_S, max(0.0, decision.until - self.clock()))
         time.sleep(pause)
 
-    def block(self, g: int) -> tuple[torch.Tensor, np.ndarray]:
-        """A started block ``g``'s speech features [1, layers, dim, 12] and its 0.75 s of the timeline
-        (float32, 16 kHz: what its frames play with); then what no later block reads goes."""
+    def block(self, g: int) -> tuple[torch.Tensor, np.ndarray, Optional[tuple[st.Run, ...]]]:
+        """A started block ``g``'s speech features [1, layers, dim, 12], its 0.75 s of the timeline
+        (float32, 16 kHz: what its frames play with) and, a pushed speech's, where the pushed speech
+        in that span came from (:class:`~wan_s2v_runner.shared.speech_timeline.Run`; None: a file's);
+        then what no later block reads goes."""
         s0, s1 = self.window.samples_of_block(g)
         span = self.timeline.block_span(g)
+        lo, hi = g * st.BLOCK_SAMPLES, (g + 1) * st.BLOCK_SAMPLES
+        runs = tuple(self.timeline.runs_in(lo, hi)) if self.events.pushed else None
         out = self.features_of.of_window(self.timeline.samples(s0, s1), g)
         self.timeline.let_go(min(self.window.samples_of_block(g + 1)[0], (g + 1) * st.BLOCK_SAMPLES))
-        return out, span
+        return out, span, runs
 
     def peek_blocks(self) -> int:
         """The job's blocks where known now (a file's: its speech arrived whole and finished; 0: not

@@ -45,6 +45,7 @@ from wan_s2v_runner.shared import atomic, disk, fmp4, media, resume
 from wan_s2v_runner.shared.disk import DiskError
 from wan_s2v_runner.shared.events import EventKind
 from wan_s2v_runner.shared.latency import Latencies
+from wan_s2v_runner.shared.speech_windows import BLOCK_SAMPLES
 
 log = logging.getLogger("wan_s2v.video_writer")
 
@@ -305,7 +306,10 @@ class VideoWriter:
             raise media.MediaError("this clip's H.264 headers differ from the video's first clip's (another encoder "
                                    "build?): it cannot continue the file")
         try:
-            self.growing.append(fmp4.Fragment(video, sound))
+            before = b""
+            if speech is not None and speech.runs is not None:  # a session's block: its speech's runs
+                before = fmp4.speech_runs_box(clip * BLOCK_SAMPLES, BLOCK_SAMPLES, speech.runs)
+            self.growing.append(fmp4.Fragment(video, sound, before))
         except OSError:
             if self.gate.current():
                 raise

@@ -217,6 +217,28 @@ class Fragment:
 
     video: list[tuple[bytes, bool]] = field(default_factory=list)
     audio: list[bytes] = field(default_factory=list)
+    #: boxes written before its ``moof`` (a session's block: :func:`speech_runs_box`)
+    before: bytes = b""
+
+
+#: the ``emsg`` scheme of a session's speech runs (:func:`speech_runs_box`)
+SPEECH_RUNS_SCHEME = "urn:wan-s2v:speech-runs:1"
+#: the speech runs' timescale: the timeline's samples (16 kHz)
+SPEECH_RUNS_RATE = 16000
+
+
+def speech_runs_box(start: int, duration: int, runs) -> bytes:
+    """An ``emsg`` (ISO/IEC 23009-1 event message, version 1) written before a live session's block:
+    where the pushed speech its span plays came from, as JSON ``{"runs": [[at, pushed, samples],
+    ...]}`` (timeline samples from ``start`` for ``duration``; ``pushed``: the sample of the session's
+    pushed 16 kHz speech stream). Players skip it; the session's client reads it
+    (:class:`~wan_s2v_runner.shared.fmp4_reader.FragmentDecoder`) to replay its own speech where the
+    lips say it."""
+    import json
+
+    data = json.dumps({"runs": [[r.at, r.pushed, r.samples] for r in runs]}, separators=(",", ":")).encode()
+    return full_box(b"emsg", 1, 0, struct.pack(">IQII", SPEECH_RUNS_RATE, start, duration, 0),
+                    SPEECH_RUNS_SCHEME.encode() + b"\0", b"\0", data)
 
 
 def _traf(track: int, decode_time: int, data_offset: int, samples: list[tuple[int, int, Optional[int]]]) -> bytes:
@@ -245,7 +267,7 @@ def fragment(frag: Fragment, at: Position) -> tuple[bytes, Position]:
         return box(b"moof", full_box(b"mfhd", 0, 0, struct.pack(">I", at.fragments + 1)), trafs)
 
     size = len(moof((0, 0)))  # the offsets do not change the boxes' sizes
-    out = moof((size + 8, size + 8 + len(vdata))) + box(b"mdat", vdata, adata)
+    out = frag.before + moof((size + 8, size + 8 + len(vdata))) + box(b"mdat", vdata, adata)
     return out, Position(at.fragments + 1, at.frames + len(frag.video), at.audio_samples + len(frag.audio) * AAC_FRAME,
                          at.size + len(out))
 

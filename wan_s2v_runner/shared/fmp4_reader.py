@@ -198,6 +198,28 @@ class Media:
     audio: list = field(default_factory=list)  # (t, pcm)
     #: where its video ends (its last frame's time and duration), media seconds; None: no frame
     video_end: Optional[float] = None
+    #: a session's block: its span's start on the speech's timeline (seconds) and where the pushed
+    #: speech in it came from, (at, pushed, samples) in 16 kHz samples
+    #: (:func:`~wan_s2v_runner.shared.fmp4.speech_runs_box`); None: not said
+    runs: Optional[tuple[float, list]] = None
+
+
+def speech_runs(data: bytes, body: int, end: int) -> Optional[tuple[float, list]]:
+    """The block's start (seconds) and its runs, of an ``emsg`` box's body written by
+    :func:`~wan_s2v_runner.shared.fmp4.speech_runs_box` (None: another scheme's event)."""
+    import json
+
+    from wan_s2v_runner.shared.fmp4 import SPEECH_RUNS_SCHEME
+
+    if data[body] != 1:  # version 1 only (ours)
+        return None
+    timescale, start = struct.unpack_from(">IQ", data, body + 4)
+    i = body + 4 + 20
+    scheme_end = data.index(b"\0", i, end)
+    if data[i:scheme_end].decode(errors="replace") != SPEECH_RUNS_SCHEME:
+        return None
+    value_end = data.index(b"\0", scheme_end + 1, end)
+    return start / timescale, [tuple(r) for r in json.loads(data[value_end + 1:end])["runs"]]
 
 
 class FragmentDecoder:
@@ -210,6 +232,7 @@ class FragmentDecoder:
         self.pending = b""
         self.tracks: Optional[Tracks] = None
         self.aac = None
+        self.runs: Optional[list] = None  # the next fragment's, read from its emsg
 
     def set_init(self, init: bytes) -> None:
         import av
@@ -223,16 +246,20 @@ class FragmentDecoder:
         """The media of every fragment ``data`` completed."""
         self.pending += data
         out, done, moof = [], 0, None
-        for kind, start, _, end in boxes(self.pending):
+        for kind, start, body, end in boxes(self.pending):
             if kind == b"moof":
                 moof = (start, end)
                 continue
             if kind == b"moov":
                 self.set_init(self.pending[:end])
+            elif kind == b"emsg":
+                self.runs = speech_runs(self.pending, body, end)
             elif kind == b"mdat" and moof is not None:
                 if self.tracks is None:
                     raise ValueError("a fragment before the init segment")
-                out.append(self.decode(fragment_samples(self.pending, *moof)))
+                media = self.decode(fragment_samples(self.pending, *moof))
+                media.runs, self.runs = self.runs, None
+                out.append(media)
             moof, done = None, end
         self.pending = self.pending[done:]  # from a moof still waiting for its mdat on
         return out

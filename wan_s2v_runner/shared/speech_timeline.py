@@ -35,6 +35,12 @@ asks):
   **Finish**: the speech placed is rendered to its end (a file's count of blocks), then the job ends;
   a finish that comes after the last block with speech started ends the job with one closing block.
 
+**Runs** (:class:`Run`): where each part of the pushed speech landed on the timeline, in the pushed
+stream's own sample numbers (the 16 kHz samples of every :class:`Speech` in order, dropped ones
+included): a session's client replays its own copy of the speech (the TTS's samples at their rate)
+exactly where the lips say it, and tells its speech from the blocks still playing an interrupted
+turn. A block's runs travel with its fragment (:meth:`Timeline.runs_in`).
+
 Memory: only the samples a block still needs are held (from the oldest block not yet handed out
 less the features' context); a job of any length holds a few seconds.
 """
@@ -93,6 +99,25 @@ class Finish:
 Event = Union[Speech, EndOfSpeech, Interrupt, Finish]
 
 
+@dataclass(frozen=True)
+class Run:
+    """``samples`` of the pushed speech from its sample ``pushed`` (the stream of every
+    :class:`Speech` in order, 16 kHz) lie on the timeline from its sample ``at``."""
+
+    at: int
+    pushed: int
+    samples: int
+
+    @property
+    def end(self) -> int:
+        return self.at + self.samples
+
+    def clip(self, lo: int, hi: int) -> Optional["Run"]:
+        """This run's part within the timeline's [lo, hi) (None: none of it)."""
+        a, b = max(lo, self.at), min(hi, self.end)
+        return Run(a, self.pushed + a - self.at, b - a) if b > a else None
+
+
 class Verdict(str, Enum):
     START = "start"
     WAIT = "wait"
@@ -137,8 +162,13 @@ class Timeline:
         self.dropped = 0
         #: (end sample, posted time) of recent writes: when a block's last needed sample arrived
         self.arrivals: list[tuple[int, Optional[float]]] = []
-        #: a real-time job's speech since a silence, not placed yet: (samples, posted time)
-        self.unplaced: list[tuple[np.ndarray, Optional[float]]] = []
+        #: a real-time job's speech since a silence, not placed yet: (samples, posted time, its first
+        #: sample's number in the pushed stream)
+        self.unplaced: list[tuple[np.ndarray, Optional[float], int]] = []
+        #: samples of speech received (the pushed stream's length)
+        self.received = 0
+        #: where the pushed speech lies on the timeline (:class:`Run`), from the oldest still held
+        self.runs: list[Run] = []
 
     # ----- events
     def add(self, event: Event) -> None:
@@ -169,39 +199,45 @@ class Timeline:
             return
         if samples.dtype != np.float32 or not np.isfinite(samples).all():
             raise ValueError("speech samples must be finite float32")
+        pushed, self.received = self.received, self.received + samples.size
         pending = self.speech_end > self.committed
         if not pending and self.pace is Pace.REALTIME or self.unplaced:  # after a silence: placed at a block's start
-            self.unplaced.append((samples, at))
+            self.unplaced.append((samples, at, pushed))
             self.ended_mark = False
             return
-        self._place_at(max(self.committed, self.speech_end), samples, at)
+        self._place_at(max(self.committed, self.speech_end), samples, at, pushed)
 
     def _place_pending(self, g: int, now: float) -> None:
         """Speech held since a silence placed before block ``g`` starts, where it cannot run dry
         (the module docstring), if that is within what block ``g`` reads; else it waits."""
         if not self.unplaced:
             return
-        held = sum(part.size for part, _ in self.unplaced)
+        held = sum(part.size for part, _, _ in self.unplaced)
         at_sample = self.committed
         if not (self.ended_mark or self.finishing):  # more may come, at real time at worst
             at_sample = max(at_sample, self._now_sample(now) + self.lead() - held)
         if at_sample >= self.need(g):
             return
         parts, self.unplaced = self.unplaced, []
-        for part, at in parts:
-            self._place_at(at_sample, part, at)
+        for part, at, pushed in parts:
+            self._place_at(at_sample, part, at, pushed)
             at_sample += part.size
 
-    def _place_at(self, at_sample: int, samples: np.ndarray, at: Optional[float]) -> None:
+    def _place_at(self, at_sample: int, samples: np.ndarray, at: Optional[float], pushed: int) -> None:
         self._grow(at_sample + samples.size)
         self.held[at_sample - self.base:at_sample - self.base + samples.size] = samples
         self.speech_end = at_sample + samples.size
         self.ended_mark = False
         self.arrivals.append((self.speech_end, at))
+        last = self.runs[-1] if self.runs else None
+        if last is not None and last.end == at_sample and last.pushed + last.samples == pushed:
+            self.runs[-1] = Run(last.at, last.pushed, last.samples + samples.size)
+        else:
+            self.runs.append(Run(at_sample, pushed, samples.size))
 
     def _interrupt(self) -> None:
         """Speech past the started blocks' spans goes (silence instead)."""
-        self.dropped += sum(part.size for part, _ in self.unplaced)
+        self.dropped += sum(part.size for part, _, _ in self.unplaced)
         self.unplaced = []
         keep = self.started * BLOCK_SAMPLES
         if self.speech_end > keep:
@@ -209,6 +245,7 @@ class Timeline:
             lo = max(keep, self.base) - self.base
             self.held[lo:] = 0.0
             self.speech_end = keep
+            self.runs = [r for r in (run.clip(-1, keep) for run in self.runs) if r is not None]
         self.ended_mark = True
 
     def _grow(self, end: int) -> None:
@@ -285,12 +322,17 @@ class Timeline:
         """Block ``g``'s own 0.75 s of the timeline (what its frames play with)."""
         return self.samples(g * BLOCK_SAMPLES, (g + 1) * BLOCK_SAMPLES)
 
+    def runs_in(self, lo: int, hi: int) -> list[Run]:
+        """The pushed speech on the timeline's [lo, hi) (a started block's span: fixed)."""
+        return [r for r in (run.clip(lo, hi) for run in self.runs) if r is not None]
+
     def let_go(self, before: int) -> None:
         """Samples before ``before`` are no longer asked for."""
         cut = min(before, self.base + self.held.size) - self.base
         if cut > 0:
             self.held = self.held[cut:].copy()
             self.base += cut
+        self.runs = [r for r in self.runs if r.end > self.base]
 
     def silent_until(self) -> int:
         """The sample up to which nothing but silence can still come (committed zeros included)."""
