@@ -448,10 +448,24 @@ def server(tiny_assets, inputs, tmp_path_factory):
     assert s.stop() == [] and "serve: stopping the rank group" in s.text()  # SIGTERM leaves nothing running
 
 
+@pytest.fixture(scope="session")
+def live_server(tiny_assets, inputs, tmp_path_factory):
+    """``wan-s2v serve --mode live --nproc 1`` (a token, ``inputs`` allowed), its group loaded: the
+    sessions' WebRTC viewers, the page's session panel and the voice-agent plugins take it in turn."""
+    from serving import TINY_DEFAULTS, TOKEN, ServerProcess
+
+    s = ServerProcess(tmp_path_factory.mktemp("live") / "server", [
+        *TINY_DEFAULTS, "--mode", "live", "--nproc", "1", "--ckpt-dir", str(tiny_assets.ckpt_dir), "--token", TOKEN,
+        "--allow-dir", str(inputs["root"])])
+    wait_for(lambda: s.http.get("/health").json()["group"] == "idle", 180, "the live group to load", s.tail)
+    yield s
+    assert s.stop() == []
+
+
 # ----- parallel runs (pytest-xdist, ``-n 2 --dist loadgroup``: pyproject's addopts) -----
 #: the session fixtures one group of tests shares: a test that uses one runs on the worker that
 #: holds it (built once, not once per worker)
-SHARED_GROUPS = ("server", "hybrid_run")
+SHARED_GROUPS = ("server", "hybrid_run", "live_server")
 
 
 def _module_bound(item) -> bool:

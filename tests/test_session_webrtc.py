@@ -44,19 +44,6 @@ ARTIFACTS = Path(os.environ.get("WAN_S2V_ARTIFACTS", ROOT / "test-artifacts")) /
 
 
 @pytest.fixture(scope="module")
-def live_server(tiny_assets, inputs, tmp_path_factory):
-    """``wan-s2v serve --mode live --nproc 1`` (a token, ``inputs`` allowed), its group loaded."""
-    from serving import TINY_DEFAULTS, TOKEN, ServerProcess
-
-    s = ServerProcess(tmp_path_factory.mktemp("webrtc") / "server", [
-        *TINY_DEFAULTS, "--mode", "live", "--nproc", "1", "--ckpt-dir", str(tiny_assets.ckpt_dir), "--token", TOKEN,
-        "--allow-dir", str(inputs["root"])])
-    wait_for(lambda: s.http.get("/health").json()["group"] == "idle", 180, "the live group to load", s.tail)
-    yield s
-    assert s.stop() == []
-
-
-@pytest.fixture(scope="module")
 def speech(tmp_path_factory) -> Path:
     """4 s of speech, 16 kHz 16-bit mono (6 blocks)."""
     from wan_s2v_runner.demo.synthetic_inputs import make_speech_audio

@@ -152,6 +152,35 @@ def test_an_interrupt_drops_the_speech_not_yet_in_a_started_block_and_a_finish_c
     assert closing.verdict is st.Verdict.START and closing.last and r.decide(0.2).verdict is st.Verdict.END
 
 
+def test_each_blocks_runs_say_where_its_pushed_speech_came_from():
+    """A real-time session fed random chunks at random times, with silences and an interrupt: every
+    block's span is exactly its runs' samples of the pushed stream (the speech of every
+    :class:`Speech` in order, dropped ones included), zeros elsewhere; and the runs held stay few."""
+    rng, pyrng = np.random.default_rng(4), random.Random(4)
+    pushed = np.zeros(0, dtype=np.float32)
+    t = _timeline(st.Pace.REALTIME, start=0.0)
+    for g in range(120):
+        now = g * 0.75
+        if g in (12, 50, 51, 90) or pyrng.random() < 0.15:  # bursts of speech, a TTS's sentence or a trickle
+            for chunk in _chunks(rng.uniform(-0.5, 0.5, int(pyrng.uniform(0.2, 4) * RATE)).astype(np.float32),
+                                 pyrng, hi_s=1.0):
+                chunk = np.where(chunk == 0, 0.25, chunk).astype(np.float32)  # no zero: zeros mean silence here
+                t.add(st.Speech(chunk, now))
+                pushed = np.concatenate([pushed, chunk])
+        if g == 52:
+            t.add(st.Interrupt(now))
+        assert t.decide(now).verdict is st.Verdict.START
+        lo, hi = g * BLOCK_SAMPLES, (g + 1) * BLOCK_SAMPLES
+        want = np.zeros(BLOCK_SAMPLES, dtype=np.float32)
+        for run in t.runs_in(lo, hi):
+            assert lo <= run.at and run.end <= hi and run.samples > 0
+            want[run.at - lo:run.end - lo] = pushed[run.pushed:run.pushed + run.samples]
+        assert np.array_equal(t.block_span(g), want), g
+        t.let_go(min(W.samples_of_block(g + 1)[0], hi))
+        assert len(t.runs) <= 8
+    assert t.dropped > 0 and t.received == pushed.size
+
+
 def test_what_a_timeline_holds_stays_bounded():
     t = _timeline(st.Pace.REALTIME, start=0.0)
     rng = np.random.default_rng(2)
@@ -282,20 +311,20 @@ async def _through_the_client(url: str, image: Path, pcm: np.ndarray):
     """A speech-paced session through the sessions' client: its media as it came, its end, its recording."""
     from serving import TOKEN
 
-    from wan_s2v_runner.integrations.session_client import AvatarSession, Ended, SpeechChunk, VideoFrame
+    from wan_s2v_runner.integrations.session_client import AvatarSession, Ended, SpeechChunk, SpeechPlaced, VideoFrame
 
-    frames, speech, ended = [], [], []
+    frames, speech, ended, placed = [], [], [], []
     async with await AvatarSession.open(url, image, token=TOKEN, pace="speech", seed=42) as session:
         async def watch():
             async for item in session.media():
-                {VideoFrame: frames, SpeechChunk: speech, Ended: ended}[type(item)].append(item)
+                {VideoFrame: frames, SpeechChunk: speech, Ended: ended, SpeechPlaced: placed}[type(item)].append(item)
         watcher = asyncio.create_task(watch())
         for chunk in _chunks(pcm, random.Random(6)):
             await session.push(chunk, rate=16000)
         await session.end()
         await watcher
         recording = await session.recording()
-    return frames, speech, ended[0], recording
+    return frames, speech, ended[0], recording, placed
 
 
 def _audio(path) -> tuple[np.ndarray, int]:
@@ -382,7 +411,8 @@ def test_a_served_session_over_five_ranks(tiny_assets, inputs, engine_cpu, speec
         # the sessions' client (integrations/session_client.py): the same speech, its decoded frames
         # the recording's exactly, its speech spanning them
         wait_for(wait_idle, 60, "the group to be free", s.tail)
-        frames_seen, speech_seen, ended, recording = asyncio.run(_through_the_client(s.url, inputs["image"], pcm))
+        frames_seen, speech_seen, ended, recording, placed = asyncio.run(
+            _through_the_client(s.url, inputs["image"], pcm))
         (tmp_path / "client.mp4").write_bytes(recording)
         assert _video_packets(tmp_path / "client.mp4") == packets
         decoded = _rgb_frames(tmp_path / "client.mp4")
@@ -391,6 +421,11 @@ def test_a_served_session_over_five_ranks(tiny_assets, inputs, engine_cpu, speec
         assert frames_seen[1].t - frames_seen[0].t == 1 / 16 and ended.video["status"] == "completed"
         heard = sum(c.pcm.size for c in speech_seen) / speech_seen[0].rate
         assert abs(heard - len(decoded) / 16) <= 1 / 16 + 2048 / 16000, heard
+        # where the pushed speech lies, block by block (speech-paced: all of it, in order, from 0 s)
+        runs = [r for block in placed for r in block.runs]
+        assert [b.t for b in placed] == [g * 0.75 for g in range(frames_blocks(frames))]  # one a block
+        assert runs[0][:2] == (0.0, 0) and sum(n for _, _, n in runs) == pcm.size
+        assert all(b[1] == a[1] + a[2] and b[0] == a[0] + a[2] / 16000 for a, b in zip(runs, runs[1:]))
 
         # a real-time session: a second of speech, interrupted after it started, then no client at all
         wait_for(wait_idle, 60, "the group to be free", s.tail)

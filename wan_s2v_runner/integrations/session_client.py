@@ -27,6 +27,8 @@ status and message).
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional, Union
@@ -35,6 +37,10 @@ import numpy as np
 
 #: the video objects' statuses at which a job has ended
 TERMINAL = ("completed", "failed", "cancelled")
+#: the most speech one append of :class:`SpeechSender` carries (the server takes up to 10 s)
+SEND_MAX_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,18 @@ class SpeechChunk:
     pcm: np.ndarray
     rate: int
     t: float
+
+
+@dataclass(frozen=True)
+class SpeechPlaced:
+    """Where the speech pushed to the session lies in a block of its video (read before the block's
+    frames): ``t``, the block's start on the speech's media time; each run is (media second it
+    starts at, its first sample in the session's pushed speech counted at 16 kHz, its samples at
+    16 kHz); none: the block is silent (the avatar listens). The
+    plugins replay their own copy of the speech from these (:mod:`~wan_s2v_runner.integrations.playout`)."""
+
+    t: float
+    runs: tuple
 
 
 @dataclass(frozen=True)
@@ -158,9 +176,11 @@ class AvatarSession:
         return await self._call("GET", "")
 
     # ----- media
-    async def media(self) -> AsyncIterator[Union[VideoFrame, SpeechChunk, Ended]]:
+    async def media(self) -> AsyncIterator[Union[SpeechPlaced, VideoFrame, SpeechChunk, Ended]]:
         """The session's frames and the speech they play, decoded, in the order the server made
-        them, then :class:`Ended` once its job ended."""
+        them (each block: :class:`SpeechPlaced`, its frames, its speech), then :class:`Ended` once
+        its job ended."""
+        from wan_s2v_runner.shared import fmp4
         from wan_s2v_runner.shared.fmp4_reader import FragmentDecoder
 
         decoder, index = FragmentDecoder(), 0
@@ -170,6 +190,10 @@ class AvatarSession:
                 self._answer(r)
             async for data in r.aiter_bytes():
                 for fragment in await asyncio.to_thread(decoder.feed, data):
+                    if fragment.runs is not None:
+                        start, runs = fragment.runs
+                        rate = fmp4.SPEECH_RUNS_RATE
+                        yield SpeechPlaced(start, tuple((at / rate, pushed, n) for at, pushed, n in runs))
                     for t, image in fragment.video:
                         yield VideoFrame(image, t, index)
                         index += 1
@@ -213,3 +237,64 @@ class AvatarSession:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+class SpeechSender:
+    """Speech handed over in order from a framework's callbacks (never awaiting the network there),
+    sent by one task: what queued while an append was on the wire goes as one append (a TTS's 10 ms
+    frames do not become a hundred requests a second). :meth:`interrupt` drops what is queued and not
+    sent yet. A refused append is logged and dropped (the session goes on)."""
+
+    def __init__(self, session: AvatarSession, rate: int):
+        self.session, self.rate = session, int(rate)
+        self.items: deque = deque()  # ("pcm", int16 array) | ("end" | "interrupt" | "stop", None)
+        self.wake = asyncio.Event()
+        self.task: Optional[asyncio.Task] = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run())
+
+    def _put(self, kind: str, pcm=None) -> None:
+        self.items.append((kind, pcm))
+        self.wake.set()
+
+    def pcm(self, pcm: np.ndarray) -> None:
+        """int16 mono samples at :attr:`rate`."""
+        self._put("pcm", np.asarray(pcm, dtype=np.int16).reshape(-1))
+
+    def end_of_speech(self) -> None:
+        self._put("end")
+
+    def interrupt(self) -> None:
+        self.items.clear()
+        self._put("interrupt")
+
+    async def _run(self) -> None:
+        limit = int(SEND_MAX_S * self.rate)
+        while True:
+            while not self.items:
+                self.wake.clear()
+                await self.wake.wait()
+            kind, pcm = self.items.popleft()
+            try:
+                if kind == "pcm":
+                    parts, n = [pcm], pcm.size
+                    while n < limit and self.items and self.items[0][0] == "pcm":
+                        parts.append(self.items.popleft()[1])
+                        n += parts[-1].size
+                    await self.session.push(np.concatenate(parts), self.rate)
+                elif kind == "end":
+                    await self.session.end_of_speech()
+                elif kind == "interrupt":
+                    await self.session.interrupt()
+                else:
+                    return
+            except SessionError as e:
+                log.warning("wan-s2v session %s: %s refused: %s", self.session.id, kind, e)
+
+    async def close(self) -> None:
+        """What is queued is sent, then the task ends."""
+        if self.task is not None:
+            self._put("stop")
+            await self.task
+            self.task = None
