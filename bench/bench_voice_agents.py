@@ -74,7 +74,7 @@ def _lag_ms(played: np.ndarray, at: float, recording: np.ndarray) -> float:
 
 async def pipecat_run(url: str, image: Path, replies: list[np.ndarray], gap_s: float) -> dict:
     from bench_session import TOKEN
-    from pipecat.frames.frames import EndFrame, TTSAudioRawFrame, TTSStartedFrame, TTSStoppedFrame
+    from pipecat.frames.frames import EndFrame, OutputImageRawFrame, TTSAudioRawFrame, TTSStartedFrame, TTSStoppedFrame
     from pipecat.pipeline.pipeline import Pipeline
     from pipecat.pipeline.worker import PipelineParams, PipelineWorker
     from pipecat.processors.frame_processor import FrameProcessor
@@ -95,7 +95,7 @@ async def pipecat_run(url: str, image: Path, replies: list[np.ndarray], gap_s: f
     runner = WorkerRunner(handle_sigint=False)
     await runner.add_workers(worker)
     running = asyncio.create_task(runner.run())
-    while not seen:
+    while not any(isinstance(f, OutputImageRawFrame) for _, f in seen):  # the session's first frame
         await asyncio.sleep(0.02)
     await asyncio.sleep(2.0)  # the avatar listens first
     delays, firsts = [], []

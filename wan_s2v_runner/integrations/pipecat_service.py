@@ -45,7 +45,14 @@ from pipecat.metrics.metrics import ProcessingMetricsData, TTFBMetricsData
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 
 from wan_s2v_runner.integrations import playout as po
-from wan_s2v_runner.integrations.session_client import AvatarSession, Ended, SessionError, SpeechSender, VideoFrame
+from wan_s2v_runner.integrations.session_client import (
+    AvatarSession,
+    Ended,
+    SessionError,
+    SpeechPlaced,
+    SpeechSender,
+    VideoFrame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,8 @@ log = logging.getLogger(__name__)
 PLAYOUT_DELAY_S = 0.3
 #: a frame this late re-anchors the clock (a stall: play on from here instead of catching up in a burst)
 LATE_S = 0.5
+#: a clock more than this behind the earliest arrivals catches up (while the avatar listens)
+CATCH_UP_S = 0.1
 #: how long the end of the pipeline waits for the session's last blocks to play
 END_WAIT_S = 30.0
 
@@ -128,7 +137,7 @@ class WanS2VVideoService(FrameProcessor):
         kept = []
         while not self.paced.empty():
             item = self.paced.get_nowait()
-            if not isinstance(item, (po.Audio, po.TurnEnd)):
+            if not isinstance(item[1], (po.Audio, po.TurnEnd)):
                 kept.append(item)
         for item in kept:
             self.paced.put_nowait(item)
@@ -145,24 +154,38 @@ class WanS2VVideoService(FrameProcessor):
         self._pacer = self.create_task(self._pace())
 
     async def _read(self) -> None:
+        """The session's media through the playout onto the pacer's queue, each block's first frame
+        with its arrival (a block's frames arrive at once: its first frame's is the one that says
+        how late the video comes)."""
+        new_block = True
         async for item in self.session.media():
+            arrived, first = time.monotonic(), isinstance(item, VideoFrame) and new_block
+            new_block = isinstance(item, SpeechPlaced) or (new_block and not first)
             for out in self.playout.feed(item):
-                await self.paced.put(out)
+                await self.paced.put((arrived if out is item and first else None, out))
             if isinstance(item, Ended):
                 return
 
     async def _pace(self) -> None:
-        """The frames and audio pushed at their media time (behind :attr:`playout_delay_s`)."""
-        anchor = None
+        """The frames and audio pushed at their media time, :attr:`playout_delay_s` behind the
+        earliest any came (the first block's warm-up does not stay in every later one's delay: the
+        clock catches up while the avatar listens); a stall re-anchors it (no burst after)."""
+        anchor = earliest = None
         while True:
-            item = await self.paced.get()
+            arrived, item = await self.paced.get()
             if isinstance(item, Ended):
                 self._ended.set()
                 await self._report_metrics(item.video)
                 return
             now = time.monotonic()
-            if anchor is None or now - (anchor + item.t) > LATE_S:
-                anchor = now - item.t + (self.playout_delay_s if anchor is None else 0.0)
+            if arrived is not None:
+                earliest = arrived - item.t if earliest is None else min(earliest, arrived - item.t)
+            if earliest is None:
+                earliest = now - item.t
+            if anchor is None or (self.turn_began is None and anchor > earliest + self.playout_delay_s + CATCH_UP_S):
+                anchor = earliest + self.playout_delay_s
+            elif now - (anchor + item.t) > LATE_S:
+                anchor = now - item.t
             wait = anchor + item.t - now
             if wait > 0:
                 await asyncio.sleep(wait)
