@@ -29,18 +29,19 @@ from wan_s2v_runner.integrations.session_client import Ended, SpeechPlaced, Vide
 FPS = 16
 RATE = 24000  # the TTS stand-in's
 BLOCK_S = 0.75
+BLOCK_FRAMES = 12
 pipecat_python = pytest.mark.skipif(sys.version_info < (3, 11), reason="pipecat-ai 1.x needs Python 3.11+")
 
 
 @pytest.fixture(scope="module")
 def turns(tmp_path_factory) -> tuple[np.ndarray, np.ndarray]:
-    """Two TTS replies at 24 kHz int16: 2 s, then 3 s (the second is interrupted)."""
+    """Two TTS replies at 24 kHz int16: 1.5 s, then 3 s (the second is interrupted)."""
     import soxr
 
     from wan_s2v_runner.demo.synthetic_inputs import make_speech_audio
 
     out = []
-    for seconds, seed in ((2.0, 3), (3.0, 4)):
+    for seconds, seed in ((1.5, 3), (3.0, 4)):
         path = make_speech_audio(tmp_path_factory.mktemp("tts") / "reply.wav", seconds=seconds, seed=seed)
         pcm16 = _wav(path).astype(np.float32) / 32768.0
         out.append(np.clip(np.round(soxr.resample(pcm16, 16000, RATE) * 32768), -32768, 32767).astype(np.int16))
@@ -108,14 +109,13 @@ def test_the_playout_replays_pushed_speech_where_the_runs_place_it_and_ends_turn
     out = p.feed(_placed(0.0, (8000, 0, 4000)))  # block 0: from 0.5 s on, a's first 0.25 s
     assert out == []  # held until a frame at or after it
     out = [*p.feed(_frame(0.6875)), *p.feed(_placed(0.75, (12000, 4000, 12000))), *p.feed(_frame(1.4375)),
-           *p.feed(_placed(1.5, (24000, 16000, 7990))), *p.feed(_frame(2.1875)), *p.feed(_placed(2.25)),
+           *p.feed(_placed(1.5, (24000, 16000, 8000))), *p.feed(_frame(2.1875)), *p.feed(_placed(2.25)),
            *p.feed(_frame(2.9375)), *p.feed(Ended({"status": "completed"}))]
     audio = [o for o in out if isinstance(o, po.Audio)]
-    # b's last 10 samples at 16 kHz are the resampler's tail the server never placed
-    assert np.array_equal(np.concatenate([o.pcm for o in audio]), np.concatenate([a, b])[:-15])
+    assert np.array_equal(np.concatenate([o.pcm for o in audio]), np.concatenate([a, b]))
     assert [round(o.t, 4) for o in audio][:2] == [0.5, 0.75]
     ends = [o for o in out if isinstance(o, po.TurnEnd)]
-    assert [e.t for e in ends] == pytest.approx([1.5, (24000 + 7990) / 16000])  # each where its last sample plays
+    assert [e.t for e in ends] == pytest.approx([1.5, 2.0])  # each where its last sample plays
     kinds = [type(o).__name__ for o in out]
     assert kinds.index("TurnEnd") > max(i for i, o in enumerate(out) if isinstance(o, po.Audio) and o.t < 1.5)
     ts = [o.t for o in out if not isinstance(o, Ended)]
@@ -198,8 +198,10 @@ def test_a_pipecat_pipeline_with_a_wan_s2v_face(live_server, inputs, turns, tmp_
             await task.queue_frames(tts(second))
             await _until(lambda: audio_of(saw(TTSAudioRawFrame)).size >= first.size + RATE // 2, 30, "the second reply")
             heard_at_interrupt = audio_of(saw(TTSAudioRawFrame)).size - first.size
+            images_at_interrupt = len(saw(OutputImageRawFrame))
             await task.queue_frame(InterruptionFrame())
-            await asyncio.sleep(1.5)
+            await _until(lambda: len(saw(OutputImageRawFrame)) >= images_at_interrupt + 2 * BLOCK_FRAMES, 30,
+                         "two blocks after the interrupt")
             await task.queue_frame(EndFrame())
             await asyncio.wait_for(asyncio.shield(runner), 60)
             return at_stop, heard_at_interrupt
@@ -266,8 +268,10 @@ def test_a_livekit_video_generator_backed_by_a_session(live_server, inputs, turn
         await push(gen, second)
         await _until(lambda: heard().size >= first.size + RATE // 2, 30, "the second segment")
         at_clear = heard().size - first.size
+        frames_at_clear = sum(isinstance(f, rtc.VideoFrame) for f in out)
         gen.clear_buffer()
-        await asyncio.sleep(1.5)
+        await _until(lambda: sum(isinstance(f, rtc.VideoFrame) for f in out) >= frames_at_clear + 2 * BLOCK_FRAMES, 30,
+                     "two blocks after the clear")
         await gen.aclose(wait_s=30)  # the last blocks come out, then the frames end
         await asyncio.wait_for(collector, 5)
         return gen.session.id, gen.size, at_clear
@@ -294,3 +298,35 @@ def test_a_livekit_video_generator_backed_by_a_session(live_server, inputs, turn
 
 def _first_speech_s(recording: np.ndarray) -> float:
     return float(np.argmax(np.abs(recording) > 0.02)) / 16000
+
+
+def test_the_server_counts_each_utterances_speech_as_the_playout_does(tmp_path):
+    """The server's resampler is flushed at each mark: an utterance of n samples at any rate is
+    round(n x 16000 / rate) samples of the session's speech, as the playout counts it, whatever the
+    chunks (so a turn's end and a run's samples meet exactly)."""
+    import random
+
+    from wan_s2v_runner.serve.sessions import Sessions
+    from wan_s2v_runner.shared.session_speech import SpeechKind
+    from wan_s2v_runner.shared.speech_timeline import Pace
+
+    rng = random.Random(9)
+    for rate in (24000, 44100, 8000):
+        sessions = Sessions()
+        s = sessions.open(f"video_{rate}", tmp_path / str(rate), Pace.REALTIME)
+        p = po.Playout()
+        for kind in (SpeechKind.END_OF_SPEECH, SpeechKind.INTERRUPT, SpeechKind.END_OF_SPEECH):
+            n = rng.randint(1, 3 * rate)
+            pcm = np.random.default_rng(n).integers(-3000, 3000, n).astype("<i2")
+            at = 0
+            while at < n:
+                k = rng.randint(1, rate // 2)
+                sessions.append(s.id, pcm[at:at + k].tobytes(), "s16le", rate)
+                p.push(pcm[at:at + k], rate)
+                at += k
+            sessions.mark(s.id, kind)
+            if kind is SpeechKind.END_OF_SPEECH:
+                p.end_turn()
+            else:
+                p.interrupt()
+            assert s.samples == p._at16(p.pushed), (rate, kind)

@@ -30,9 +30,10 @@ from wan_s2v_runner.integrations.session_client import Ended, SpeechChunk, Speec
 
 #: the rate the session counts pushed speech in (its timeline's)
 RUNS_RATE = 16000
-#: a turn whose marked end lies at most this far past the speech placed so far has ended: the
-#: server's resampler keeps a few samples of a turn's tail until more speech comes
-END_SLACK_S = 0.05
+#: a turn whose marked end lies at most this far past the speech placed so far has ended (the
+#: server flushes its resampler at each mark: an utterance of n samples is round(n x 16000 / rate)
+#: there, as here; the slack is rounding's)
+END_SLACK = 2
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class Playout:
         self.base = 0
         self.pushed = 0  # samples pushed, at self.rate
         self.ends: deque[int] = deque()  # turn ends not yet played, at 16 kHz in the pushed stream
+        #: (16 kHz sample, pushed sample) where each utterance began: the server resamples each apart
+        #: (its resampler is flushed at every mark), so the two counts meet again at each
+        self.bounds: deque[tuple[int, int]] = deque([(0, 0)])
         self.mute_before = 0  # at 16 kHz: pushed speech before this was interrupted
         self.pending: list = []  # Audio and TurnEnd not released yet (until a frame at or after them)
 
@@ -87,21 +91,31 @@ class Playout:
         self.pushed += a.size
 
     def _at16(self, n: int) -> int:
-        return round(n * RUNS_RATE / self.rate) if self.rate else 0
+        """The pushed stream's 16 kHz sample (the server's count) at pushed sample ``n``."""
+        at16, at = self.bounds[-1]
+        return at16 + round((n - at) * RUNS_RATE / self.rate) if self.rate else 0
 
     def _of16(self, p: int) -> int:
         """The pushed sample (at the pushed rate) at the pushed stream's 16 kHz sample ``p``."""
-        return round(p * self.rate / RUNS_RATE)
+        at16, at = next((b for b in reversed(self.bounds) if b[0] <= p), self.bounds[0])
+        return at + round((p - at16) * self.rate / RUNS_RATE)
+
+    def _utterance_ends(self) -> None:
+        end = (self._at16(self.pushed), self.pushed)
+        if end != self.bounds[-1]:
+            self.bounds.append(end)
 
     def end_turn(self) -> None:
-        """The turn pushed so far is complete."""
+        """The turn pushed so far is complete (the client marked its end of speech)."""
         end = self._at16(self.pushed)
         if end > self.mute_before and (not self.ends or end > self.ends[-1]):
             self.ends.append(end)
+        self._utterance_ends()
 
     def interrupt(self) -> None:
-        """Nothing pushed so far plays any more (nor its turn's end)."""
+        """Nothing pushed so far plays any more (nor its turn's end); the client interrupted the session."""
         self.mute_before = self._at16(self.pushed)
+        self._utterance_ends()
         self.ends.clear()
         self.pending = [p for p in self.pending if not isinstance(p, (Audio, TurnEnd))]
         self._let_go(self.pushed)
@@ -133,8 +147,8 @@ class Playout:
         for t, pushed, n in block.runs:
             self._play(t, pushed, n)
             end = pushed + n
-            if self.ends and 0 <= self.ends[0] - end <= END_SLACK_S * RUNS_RATE:
-                self._turn_end(t + n / RUNS_RATE)  # its last sample (but the resampler's tail) is placed
+            if self.ends and 0 <= self.ends[0] - end <= END_SLACK:
+                self._turn_end(t + n / RUNS_RATE)  # its last sample is placed
 
     def _turn_end(self, t: float) -> None:
         self.ends.popleft()
@@ -153,6 +167,8 @@ class Playout:
                 self._turn_end(t + (b - pushed) / RUNS_RATE)
         if self.rate:
             self._let_go(self._of16(hi))
+            while len(self.bounds) > 1 and self.bounds[1][0] <= hi:  # utterances no later run reads
+                self.bounds.popleft()
 
     def _pieces(self, t: float, a: int, b: int) -> None:
         """Pushed samples [a, b) (at the pushed rate; ``a`` plays at ``t``) as pieces."""

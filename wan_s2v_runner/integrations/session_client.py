@@ -242,8 +242,10 @@ class AvatarSession:
 class SpeechSender:
     """Speech handed over in order from a framework's callbacks (never awaiting the network there),
     sent by one task: what queued while an append was on the wire goes as one append (a TTS's 10 ms
-    frames do not become a hundred requests a second). :meth:`interrupt` drops what is queued and not
-    sent yet. A refused append is logged and dropped (the session goes on)."""
+    frames do not become a hundred requests a second), in order: an interrupt goes after what was
+    queued before it (the session drops that speech itself; the server counts every sample pushed,
+    as :mod:`~wan_s2v_runner.integrations.playout` does). A refused append is logged and dropped (the
+    session goes on)."""
 
     def __init__(self, session: AvatarSession, rate: int):
         self.session, self.rate = session, int(rate)
@@ -266,7 +268,6 @@ class SpeechSender:
         self._put("end")
 
     def interrupt(self) -> None:
-        self.items.clear()
         self._put("interrupt")
 
     async def _run(self) -> None:

@@ -133,17 +133,20 @@ def _floats(body: bytes, fmt: SpeechFormat, rate: Optional[int]) -> tuple[np.nda
     return samples, rate
 
 
-def to_pcm16k(samples: np.ndarray, rate: int, resampler) -> tuple[bytes, object]:
+def to_pcm16k(samples: np.ndarray, rate: int, resampler, last: bool = False) -> tuple[bytes, object]:
     """Samples at ``rate`` -> 16-bit PCM at 16 kHz (a session's own streaming resampler, kept
-    across its appends: chunk boundaries make no seam; at 16 kHz the samples pass unchanged)."""
+    across its appends: chunk boundaries make no seam; at 16 kHz the samples pass unchanged).
+    ``last``: the utterance ends here: what the resampler still holds comes out too (an utterance of
+    ``n`` samples then makes exactly ``round(n x 16000 / rate)``: a client counts its speech as the
+    server does, ``integrations/playout``), and the next one starts a fresh resampler (None)."""
     if rate != RATE:
         if resampler is None:
             import soxr
 
             resampler = soxr.ResampleStream(rate, RATE, 1, dtype="float32", quality="HQ")
-        samples = resampler.resample_chunk(np.ascontiguousarray(samples, dtype=np.float32))
+        samples = resampler.resample_chunk(np.ascontiguousarray(samples, dtype=np.float32), last=last)
     pcm = np.clip(np.round(np.asarray(samples, dtype=np.float64) * 32768.0), -32768, 32767).astype("<i2")
-    return pcm.tobytes(), resampler
+    return pcm.tobytes(), None if last else resampler
 
 
 class Sessions:
@@ -260,6 +263,11 @@ class Sessions:
                 raise Refused(409, f"session {job_id} has ended. Fix: create a new session", "session_id")
             if kind is SpeechKind.INTERRUPT:
                 s.interrupts += 1
+            if s.resampler is not None:  # the utterance ends: its resampler's tail, then a fresh one
+                pcm, s.resampler = to_pcm16k(np.zeros(0, dtype=np.float32), s.rate, s.resampler, last=True)
+                if pcm:
+                    s.post(SpeechKind.PCM, pcm)
+                    s.samples += len(pcm) // 2
             s.post(kind)
             if kind is SpeechKind.FINISH:
                 s.state, s.ended_by = SessionState.ENDING, "client"
