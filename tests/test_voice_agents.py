@@ -28,8 +28,10 @@ from wan_s2v_runner.integrations.session_client import Ended, SpeechPlaced, Vide
 
 FPS = 16
 RATE = 24000  # the TTS stand-in's
-BLOCK_S = 0.75
 BLOCK_FRAMES = 12
+#: audio that may still come out after an interrupt: what was on its way (Pipecat's pieces already
+#: pushed downstream, 20 ms each), never the interrupted turn's rest
+INTERRUPT_S = 0.1
 pipecat_python = pytest.mark.skipif(sys.version_info < (3, 11), reason="pipecat-ai 1.x needs Python 3.11+")
 
 
@@ -225,7 +227,8 @@ def test_a_pipecat_pipeline_with_a_wan_s2v_face(live_server, inputs, turns, tmp_
     assert all(not isinstance(f, TTSAudioRawFrame) for _, f in got[stop_i + 1:at_stop])  # it passed after the last
     rest = heard[first.size:]
     assert np.array_equal(rest, second[:rest.size]) and rest.size < second.size  # a prefix: the interrupt cut it
-    assert rest.size - heard_at_interrupt <= BLOCK_S * RATE, (rest.size, heard_at_interrupt)
+    assert rest.size - heard_at_interrupt <= INTERRUPT_S * RATE, (rest.size, heard_at_interrupt)
+    assert len(saw(TTSStoppedFrame)) == 1  # the interrupted reply's never passes
     assert abs(_lag_ms(first, played[0].pts / 1e9, recording)) <= 2.0  # where the lips are
     ttfb = [d for m in saw(MetricsFrame) for d in m.data if isinstance(d, TTFBMetricsData)]
     assert ttfb and all(0 < d.value < 10 for d in ttfb) and ttfb[0].processor == face.name
@@ -289,7 +292,7 @@ def test_a_livekit_video_generator_backed_by_a_session(live_server, inputs, turn
                      and sum(g.samples_per_channel for g in out[:i + 1] if isinstance(g, rtc.AudioFrame)) <= first.size)
     assert len(ends) == 1 and ends[0] == last_first + 1  # right after its last sample; none for the cleared one
     rest = got[first.size:]
-    assert np.array_equal(rest, second[:rest.size]) and rest.size - at_clear <= BLOCK_S * RATE
+    assert np.array_equal(rest, second[:rest.size]) and rest.size - at_clear <= INTERRUPT_S * RATE
     # in sync: the frames before the first audio frame are its media time's
     before = sum(1 for f in out[:next(i for i, f in enumerate(out) if isinstance(f, rtc.AudioFrame))]
                  if isinstance(f, rtc.VideoFrame))
@@ -311,7 +314,7 @@ def test_the_server_counts_each_utterances_speech_as_the_playout_does(tmp_path):
     from wan_s2v_runner.shared.speech_timeline import Pace
 
     rng = random.Random(9)
-    for rate in (24000, 44100, 8000):
+    for rate in (24000, 32000, 44100, 8000):  # 32 kHz: counts that land on a half, rounded up by soxr
         sessions = Sessions()
         s = sessions.open(f"video_{rate}", tmp_path / str(rate), Pace.REALTIME)
         p = po.Playout()

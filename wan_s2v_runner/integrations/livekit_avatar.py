@@ -30,6 +30,8 @@ import asyncio
 import logging
 import os
 import sys
+import time
+from collections import deque
 from pathlib import Path
 from typing import AsyncIterator, Optional, Union
 
@@ -48,7 +50,7 @@ from livekit.agents.voice.avatar import (
 
 from wan_s2v_runner.integrations import playout as po
 from wan_s2v_runner.integrations.session_client import AvatarSession as Session
-from wan_s2v_runner.integrations.session_client import Ended, SessionError, SpeechSender, VideoFrame
+from wan_s2v_runner.integrations.session_client import Ended, SpeechPlaced, SpeechSender, VideoFrame
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,11 @@ FPS = 16
 AUDIO_RATE = 24000
 #: the avatar participant's identity in the room
 IDENTITY = "wan-s2v-avatar"
+#: frames more than this behind the recent blocks' earliest arrival are skipped while the avatar
+#: listens (what queued before the runner took frames, or while it stalled, is not kept as delay)
+CATCH_UP_S = 0.5
+#: the blocks whose first frames' arrivals say how late the video comes
+RECENT_BLOCKS = 8
 
 
 class WanS2VVideoGenerator(VideoGenerator):
@@ -74,6 +81,9 @@ class WanS2VVideoGenerator(VideoGenerator):
         self._resampler: Optional[rtc.AudioResampler] = None
         self._reader: Optional[asyncio.Task] = None
         self._ended_out = False
+        self.epoch = 0  # interrupts so far: audio made before the newest is not played
+        self.turn_open = False  # speech pushed whose turn has not ended (its frames are not skipped)
+        self._lateness: deque = deque(maxlen=RECENT_BLOCKS)  # recent blocks' first frames: arrival - media time
 
     @classmethod
     async def open(cls, server: str, image: Union[str, Path, bytes], *, token: Optional[str] = None,
@@ -93,15 +103,27 @@ class WanS2VVideoGenerator(VideoGenerator):
             raise RuntimeError(f"wan-s2v session {self.session.id} ended before its first frame")
 
     async def _read(self) -> None:
-        async for item in self.session.media():
-            for out in self.playout.feed(item):
-                if isinstance(out, VideoFrame) and self.size is None:
-                    self.size = (out.image.shape[1], out.image.shape[0])
-                    self._first.set()
-                await self.out.put(out)
-            if isinstance(item, Ended):
+        new_block = True
+        try:
+            async for item in self.session.media():
+                if isinstance(item, VideoFrame) and new_block:
+                    self._lateness.append(time.monotonic() - item.t)
+                new_block = isinstance(item, SpeechPlaced) or (new_block and not isinstance(item, VideoFrame))
+                epoch = self.epoch
+                for out in self.playout.feed(item):
+                    if isinstance(out, VideoFrame) and self.size is None:
+                        self.size = (out.image.shape[1], out.image.shape[0])
+                        self._first.set()
+                    await self.out.put((epoch, out))
+                if isinstance(item, Ended):
+                    self._ended_out = True
+                    return
+        finally:
+            if not self._ended_out:  # the stream broke: the frames end (the runner's wait ends with them)
                 self._ended_out = True
-                return
+                while self.out.full():
+                    self.out.get_nowait()
+                self.out.put_nowait((self.epoch, Ended({})))
 
     # ----- the agent's speech in
     async def push_audio(self, frame: Union[rtc.AudioFrame, AudioSegmentEnd]) -> None:
@@ -111,6 +133,7 @@ class WanS2VVideoGenerator(VideoGenerator):
             self.playout.end_turn()
             self.sender.end_of_speech()
             return
+        self.turn_open = True
         if frame.sample_rate != self.audio_rate or frame.num_channels != 1:
             if frame.num_channels != 1:  # mono: the channels' mean
                 pcm = np.frombuffer(frame.data, dtype=np.int16).reshape(-1, frame.num_channels)
@@ -132,15 +155,10 @@ class WanS2VVideoGenerator(VideoGenerator):
     def clear_buffer(self) -> None:
         """The agent was interrupted: the session drops the speech no started block holds, and its
         speech not played yet is not played."""
+        self.epoch += 1
+        self.turn_open = False
         self.playout.interrupt()
         self.sender.interrupt()
-        kept = []
-        while not self.out.empty():
-            item = self.out.get_nowait()
-            if not isinstance(item, (po.Audio, po.TurnEnd)):
-                kept.append(item)
-        for item in kept:
-            self.out.put_nowait(item)
 
     # ----- frames and audio out
     def __aiter__(self) -> AsyncIterator[Union[rtc.VideoFrame, rtc.AudioFrame, AudioSegmentEnd]]:
@@ -148,7 +166,14 @@ class WanS2VVideoGenerator(VideoGenerator):
 
     async def _frames(self) -> AsyncIterator[Union[rtc.VideoFrame, rtc.AudioFrame, AudioSegmentEnd]]:
         while True:
-            item = await self.out.get()
+            epoch, item = await self.out.get()
+            if epoch != self.epoch and isinstance(item, (po.Audio, po.TurnEnd)):
+                continue  # made before an interrupt
+            if isinstance(item, po.TurnEnd):
+                self.turn_open = False
+            if isinstance(item, VideoFrame) and not self.turn_open and self._lateness \
+                    and time.monotonic() - item.t - min(self._lateness) > CATCH_UP_S:
+                continue  # listening, and behind the session's newest blocks: catch up (the runner paces what is left)
             if isinstance(item, VideoFrame):
                 h, w = item.image.shape[:2]
                 rgba = np.empty((h, w, 4), dtype=np.uint8)
@@ -166,15 +191,21 @@ class WanS2VVideoGenerator(VideoGenerator):
         for up to ``wait_s`` (while something iterates), then the iteration ends."""
         await self.sender.close()
         if self._reader is None:
-            await self.session.close()
+            try:
+                await self.session.close()
+            except Exception as e:  # noqa: BLE001 - the network's
+                log.warning("wan-s2v session %s: not closed cleanly: %s", self.session.id, e)
             return
         if wait_s > 0 and not self._reader.done():
             try:
                 await self.session.end()
-            except SessionError:  # ended already
-                pass
+            except Exception as e:  # noqa: BLE001 - ended already, or the network's (the server's idle rule ends it)
+                log.warning("wan-s2v session %s: its end was not taken: %s", self.session.id, e)
             await asyncio.wait([self._reader], timeout=wait_s)
-        await self.session.close()
+        try:
+            await self.session.close()
+        except Exception as e:  # noqa: BLE001 - as above
+            log.warning("wan-s2v session %s: not closed cleanly: %s", self.session.id, e)
         if not self._reader.done():
             self._reader.cancel()
         failed = (await asyncio.gather(self._reader, return_exceptions=True))[0]
@@ -183,7 +214,7 @@ class WanS2VVideoGenerator(VideoGenerator):
         if not self._ended_out:
             while self.out.full():  # nobody reads: the end must still fit
                 self.out.get_nowait()
-            self.out.put_nowait(Ended(self.session.video or {}))
+            self.out.put_nowait((self.epoch, Ended(self.session.video or {})))
 
 
 async def run_avatar(room: rtc.Room, generator: WanS2VVideoGenerator, stop: Optional[asyncio.Event] = None) -> None:
@@ -205,7 +236,10 @@ async def run_avatar(room: rtc.Room, generator: WanS2VVideoGenerator, stop: Opti
 
         room.on("participant_disconnected", agent_left)
         room.on("disconnected", lambda *_: stop.set())
-        await stop.wait()
+        stopped, done = asyncio.create_task(stop.wait()), asyncio.create_task(runner.wait_for_complete())
+        await asyncio.wait([stopped, done], return_when=asyncio.FIRST_COMPLETED)  # or the session's frames ended
+        for task in (stopped, done):
+            task.cancel()
     finally:
         if runner is not None:
             await runner.aclose()

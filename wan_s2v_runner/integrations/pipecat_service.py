@@ -61,8 +61,11 @@ log = logging.getLogger(__name__)
 PLAYOUT_DELAY_S = 0.3
 #: a frame this late re-anchors the clock (a stall: play on from here instead of catching up in a burst)
 LATE_S = 0.5
-#: a clock more than this behind the earliest arrivals catches up (while the avatar listens)
+#: a clock more than this off the earliest arrivals of the recent blocks moves to them (while the
+#: avatar listens: nothing audible queued)
 CATCH_UP_S = 0.1
+#: the blocks whose first frames' arrivals set the clock
+RECENT_BLOCKS = 8
 #: how long the end of the pipeline waits for the session's last blocks to play
 END_WAIT_S = 30.0
 
@@ -88,6 +91,8 @@ class WanS2VVideoService(FrameProcessor):
         self._pacer: Optional[asyncio.Task] = None
         self._ended = asyncio.Event()
         self.closing = False
+        self.epoch = 0  # interrupts so far
+        self.audio_queued = 0  # Audio items on the pacer's queue (none: the avatar is listening)
 
     # ----- the pipeline's frames
     async def process_frame(self, frame: Frame, direction: FrameDirection):
@@ -95,13 +100,17 @@ class WanS2VVideoService(FrameProcessor):
         if isinstance(frame, StartFrame):
             await self.push_frame(frame, direction)
             await self._open()
+        elif isinstance(frame, (TTSAudioRawFrame, TTSStoppedFrame)) and (self.session is None or self.closing):
+            await self.push_frame(frame, direction)  # no face (the session did not open): the voice goes on
         elif isinstance(frame, TTSAudioRawFrame):
             self._speech(frame)
         elif isinstance(frame, TTSStoppedFrame):
-            self.playout.end_turn()
             if self.sender is not None:
                 self.sender.end_of_speech()
-            self.stopped.append(frame)
+            if self.playout.end_turn():
+                self.stopped.append(frame)  # passes on when its turn's last sample does
+            else:
+                await self.push_frame(frame, direction)  # no speech of its own to wait for
         elif isinstance(frame, InterruptionFrame):
             self._interrupt()
             await self.push_frame(frame, direction)
@@ -118,8 +127,6 @@ class WanS2VVideoService(FrameProcessor):
         pcm = np.frombuffer(frame.audio, dtype=np.int16)
         if frame.num_channels > 1:
             pcm = pcm.reshape(-1, frame.num_channels).mean(axis=1).round().astype(np.int16)
-        if self.session is None or self.closing:  # not started, or ending: nothing to say it with
-            return
         if self.sender is None:  # the session's speech rate: its first speech's
             self.sender = SpeechSender(self.session, frame.sample_rate)
             self.sender.start()
@@ -129,6 +136,7 @@ class WanS2VVideoService(FrameProcessor):
         self.sender.pcm(pcm)
 
     def _interrupt(self) -> None:
+        self.epoch += 1  # audio taken off the queue before this (the pacer's in hand) is not pushed
         self.playout.interrupt()
         if self.sender is not None:
             self.sender.interrupt()
@@ -137,18 +145,21 @@ class WanS2VVideoService(FrameProcessor):
         kept = []
         while not self.paced.empty():
             item = self.paced.get_nowait()
-            if not isinstance(item[1], (po.Audio, po.TurnEnd)):
+            if not isinstance(item[2], (po.Audio, po.TurnEnd)):
                 kept.append(item)
         for item in kept:
             self.paced.put_nowait(item)
+        self.audio_queued = 0
 
     # ----- the session
     async def _open(self) -> None:
         try:
             self.session = await AvatarSession.open(self.server, self.image, token=self.token, pace="realtime",
                                                     **self.fields)
-        except (SessionError, OSError) as e:
-            await self.push_error(f"wan-s2v: could not open a session on {self.server}: {e}")
+        except Exception as e:  # noqa: BLE001 - the server's refusal or the network's (httpx)
+            self.session = None
+            await self.push_error(f"wan-s2v: could not open a session on {self.server} (the bot speaks without "
+                                  f"its face): {e}")
             return
         self._reader = self.create_task(self._read())
         self._pacer = self.create_task(self._pace())
@@ -158,37 +169,47 @@ class WanS2VVideoService(FrameProcessor):
         with its arrival (a block's frames arrive at once: its first frame's is the one that says
         how late the video comes)."""
         new_block = True
-        async for item in self.session.media():
-            arrived, first = time.monotonic(), isinstance(item, VideoFrame) and new_block
-            new_block = isinstance(item, SpeechPlaced) or (new_block and not first)
-            for out in self.playout.feed(item):
-                await self.paced.put((arrived if out is item and first else None, out))
-            if isinstance(item, Ended):
-                return
+        try:
+            async for item in self.session.media():
+                arrived, first = time.monotonic(), isinstance(item, VideoFrame) and new_block
+                new_block = isinstance(item, SpeechPlaced) or (new_block and not first)
+                epoch = self.epoch
+                for out in self.playout.feed(item):
+                    self.audio_queued += isinstance(out, po.Audio)
+                    await self.paced.put((arrived if out is item and first else None, epoch, out))
+                if isinstance(item, Ended):
+                    return
+        except Exception as e:  # noqa: BLE001 - the stream broke (the network's, the server's)
+            await self.push_error(f"wan-s2v session {self.session.id}: its video stopped: {e}")
+        await self.paced.put((None, self.epoch, Ended({})))  # the pacer ends; an EndFrame need not wait
 
     async def _pace(self) -> None:
         """The frames and audio pushed at their media time, :attr:`playout_delay_s` behind the
         earliest any came (the first block's warm-up does not stay in every later one's delay: the
         clock catches up while the avatar listens); a stall re-anchors it (no burst after)."""
-        anchor = earliest = None
+        anchor, lateness = None, deque(maxlen=RECENT_BLOCKS)
         while True:
-            arrived, item = await self.paced.get()
+            arrived, epoch, item = await self.paced.get()
             if isinstance(item, Ended):
                 self._ended.set()
                 await self._report_metrics(item.video)
                 return
             now = time.monotonic()
-            if arrived is not None:
-                earliest = arrived - item.t if earliest is None else min(earliest, arrived - item.t)
-            if earliest is None:
-                earliest = now - item.t
-            if anchor is None or (self.turn_began is None and anchor > earliest + self.playout_delay_s + CATCH_UP_S):
+            if isinstance(item, po.Audio):
+                self.audio_queued -= 1
+            if arrived is not None or not lateness:  # a block's first frame: how late the video comes
+                lateness.append((arrived if arrived is not None else now) - item.t)
+            earliest = min(lateness)
+            listening = self.turn_began is None and not self.audio_queued
+            if anchor is None or (listening and abs(anchor - (earliest + self.playout_delay_s)) > CATCH_UP_S):
                 anchor = earliest + self.playout_delay_s
             elif now - (anchor + item.t) > LATE_S:
                 anchor = now - item.t
             wait = anchor + item.t - now
             if wait > 0:
                 await asyncio.sleep(wait)
+            if epoch != self.epoch and isinstance(item, (po.Audio, po.TurnEnd)):
+                continue  # taken before an interrupt
             if isinstance(item, VideoFrame):
                 h, w = item.image.shape[:2]
                 image = OutputImageRawFrame(image=item.image.tobytes(), size=(w, h), format="RGB")
@@ -224,23 +245,28 @@ class WanS2VVideoService(FrameProcessor):
 
     async def _close(self, wait: bool) -> None:
         """The session ends; ``wait``: what it made still plays (its last blocks), up to
-        :data:`END_WAIT_S`."""
+        :data:`END_WAIT_S`. Never raises: whatever fails, the tasks stop and the session is let go."""
         if self.session is None or self.closing:
             return
         self.closing = True
-        if self.sender is not None:
-            await self.sender.close()
         try:
-            await self.session.end()
-        except SessionError:
-            pass
-        if wait:
+            if self.sender is not None:
+                await self.sender.close()
             try:
-                await asyncio.wait_for(self._ended.wait(), END_WAIT_S)
-            except asyncio.TimeoutError:
-                log.warning("wan-s2v session %s: its last blocks did not play within %s s", self.session.id,
-                            END_WAIT_S)
-        for task in (self._reader, self._pacer):
-            if task is not None:
-                await self.cancel_task(task)
-        await self.session.close()
+                await self.session.end()
+            except Exception as e:  # noqa: BLE001 - ended already, or the network's: the server's idle rule ends it
+                log.warning("wan-s2v session %s: its end was not taken: %s", self.session.id, e)
+            if wait:
+                try:
+                    await asyncio.wait_for(self._ended.wait(), END_WAIT_S)
+                except asyncio.TimeoutError:
+                    log.warning("wan-s2v session %s: its last blocks did not play within %s s", self.session.id,
+                                END_WAIT_S)
+        finally:
+            for task in (self._reader, self._pacer):
+                if task is not None:
+                    await self.cancel_task(task)
+            try:
+                await self.session.close()
+            except Exception:  # noqa: BLE001 - letting go of the connection
+                pass

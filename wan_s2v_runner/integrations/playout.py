@@ -91,26 +91,30 @@ class Playout:
         self.pushed += a.size
 
     def _at16(self, n: int) -> int:
-        """The pushed stream's 16 kHz sample (the server's count) at pushed sample ``n``."""
+        """The pushed stream's 16 kHz sample (the server's count) at pushed sample ``n``: soxr's
+        count, rounded half up."""
         at16, at = self.bounds[-1]
-        return at16 + round((n - at) * RUNS_RATE / self.rate) if self.rate else 0
+        return at16 + (2 * (n - at) * RUNS_RATE + self.rate) // (2 * self.rate) if self.rate else 0
 
     def _of16(self, p: int) -> int:
         """The pushed sample (at the pushed rate) at the pushed stream's 16 kHz sample ``p``."""
         at16, at = next((b for b in reversed(self.bounds) if b[0] <= p), self.bounds[0])
-        return at + round((p - at16) * self.rate / RUNS_RATE)
+        return at + (2 * (p - at16) * self.rate + RUNS_RATE) // (2 * RUNS_RATE)
 
     def _utterance_ends(self) -> None:
         end = (self._at16(self.pushed), self.pushed)
         if end != self.bounds[-1]:
             self.bounds.append(end)
 
-    def end_turn(self) -> None:
-        """The turn pushed so far is complete (the client marked its end of speech)."""
+    def end_turn(self) -> bool:
+        """The turn pushed so far is complete (the client marked its end of speech); whether a turn
+        end is to come (False: no speech since the last end or interrupt)."""
         end = self._at16(self.pushed)
-        if end > self.mute_before and (not self.ends or end > self.ends[-1]):
+        added = end > self.mute_before and (not self.ends or end > self.ends[-1])
+        if added:
             self.ends.append(end)
         self._utterance_ends()
+        return added
 
     def interrupt(self) -> None:
         """Nothing pushed so far plays any more (nor its turn's end); the client interrupted the session."""
@@ -147,7 +151,7 @@ class Playout:
         for t, pushed, n in block.runs:
             self._play(t, pushed, n)
             end = pushed + n
-            if self.ends and 0 <= self.ends[0] - end <= END_SLACK:
+            if self.ends and abs(self.ends[0] - end) <= END_SLACK:
                 self._turn_end(t + n / RUNS_RATE)  # its last sample is placed
 
     def _turn_end(self, t: float) -> None:
@@ -157,9 +161,9 @@ class Playout:
     def _play(self, t: float, pushed: int, n: int) -> None:
         """The run's audible part as pieces, a :class:`TurnEnd` where a turn ends inside it."""
         lo, hi = max(pushed, self.mute_before), pushed + n
-        while self.ends and self.ends[0] <= lo:  # ended before what plays here (muted or passed)
+        while self.ends and self.ends[0] < lo - END_SLACK:  # ended before what plays here (muted or passed)
             self.ends.popleft()
-        cuts = [e for e in self.ends if lo < e < hi]
+        cuts = [e for e in self.ends if lo < e < hi - END_SLACK]
         edges = [lo, *cuts, hi] if lo < hi else []
         for a, b in zip(edges, edges[1:]):
             self._pieces(t + (a - pushed) / RUNS_RATE, self._of16(a), self._of16(b))

@@ -39,6 +39,8 @@ import numpy as np
 TERMINAL = ("completed", "failed", "cancelled")
 #: the most speech one append of :class:`SpeechSender` carries (the server takes up to 10 s)
 SEND_MAX_S = 5.0
+#: how long :class:`SpeechSender` keeps offering an append the server found too far ahead (429)
+RETRY_FOR_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -244,14 +246,16 @@ class SpeechSender:
     sent by one task: what queued while an append was on the wire goes as one append (a TTS's 10 ms
     frames do not become a hundred requests a second), in order: an interrupt goes after what was
     queued before it (the session drops that speech itself; the server counts every sample pushed,
-    as :mod:`~wan_s2v_runner.integrations.playout` does). A refused append is logged and dropped (the
-    session goes on)."""
+    as :mod:`~wan_s2v_runner.integrations.playout` does). An append the server finds too far ahead
+    of the video (429) waits its Retry-After and goes again; any other failure is logged and the rest
+    goes on (:attr:`failures` counts them: the plugins' audio is then off by what was lost)."""
 
-    def __init__(self, session: AvatarSession, rate: int):
-        self.session, self.rate = session, int(rate)
+    def __init__(self, session: AvatarSession, rate: int, retry_for_s: float = RETRY_FOR_S):
+        self.session, self.rate, self.retry_for_s = session, int(rate), retry_for_s
         self.items: deque = deque()  # ("pcm", int16 array) | ("end" | "interrupt" | "stop", None)
         self.wake = asyncio.Event()
         self.task: Optional[asyncio.Task] = None
+        self.failures = 0
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run())
@@ -277,25 +281,46 @@ class SpeechSender:
                 self.wake.clear()
                 await self.wake.wait()
             kind, pcm = self.items.popleft()
+            if kind == "stop":
+                return
+            if kind == "pcm":
+                parts, n = [pcm[:limit]], min(pcm.size, limit)
+                if pcm.size > limit:  # one item over an append's limit: its rest goes next
+                    self.items.appendleft(("pcm", pcm[limit:]))
+                while n < limit and self.items and self.items[0][0] == "pcm":
+                    more = self.items.popleft()[1]
+                    if n + more.size > limit:
+                        self.items.appendleft(("pcm", more[limit - n:]))
+                        more = more[:limit - n]
+                    parts.append(more)
+                    n += more.size
+            await self._send(kind, np.concatenate(parts) if kind == "pcm" else None)
+
+    async def _send(self, kind: str, pcm) -> None:
+        deadline = asyncio.get_running_loop().time() + self.retry_for_s
+        while True:
             try:
                 if kind == "pcm":
-                    parts, n = [pcm], pcm.size
-                    while n < limit and self.items and self.items[0][0] == "pcm":
-                        parts.append(self.items.popleft()[1])
-                        n += parts[-1].size
-                    await self.session.push(np.concatenate(parts), self.rate)
+                    await self.session.push(pcm, self.rate)
                 elif kind == "end":
                     await self.session.end_of_speech()
-                elif kind == "interrupt":
-                    await self.session.interrupt()
                 else:
-                    return
+                    await self.session.interrupt()
+                return
             except SessionError as e:
-                log.warning("wan-s2v session %s: %s refused: %s", self.session.id, kind, e)
+                if e.status == 429 and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(1.0)  # ahead of the video: its Retry-After
+                    continue
+                error = e
+            except Exception as e:  # noqa: BLE001 - the network's (httpx): the session's state is the server's
+                error = e
+            self.failures += 1
+            log.warning("wan-s2v session %s: %s not taken: %s", self.session.id, kind, error)
+            return
 
     async def close(self) -> None:
-        """What is queued is sent, then the task ends."""
+        """What is queued is sent, then the task ends (never raises)."""
         if self.task is not None:
             self._put("stop")
-            await self.task
+            await asyncio.gather(self.task, return_exceptions=True)
             self.task = None
