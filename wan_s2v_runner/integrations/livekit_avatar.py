@@ -79,6 +79,7 @@ class WanS2VVideoGenerator(VideoGenerator):
         self.size: Optional[tuple[int, int]] = None
         self._first = asyncio.Event()
         self._resampler: Optional[rtc.AudioResampler] = None
+        self._resampler_rate = 0
         self._reader: Optional[asyncio.Task] = None
         self._ended_out = False
         self.epoch = 0  # interrupts so far: audio made before the newest is not played
@@ -140,8 +141,11 @@ class WanS2VVideoGenerator(VideoGenerator):
                 pcm = pcm.mean(axis=1).round().astype(np.int16)
                 frame = rtc.AudioFrame(pcm.tobytes(), frame.sample_rate, 1, pcm.size)
             if frame.sample_rate != self.audio_rate:
-                if self._resampler is None:
+                if self._resampler is None or self._resampler_rate != frame.sample_rate:  # (another rate: anew)
+                    for rest in self._resampler.flush() if self._resampler is not None else []:
+                        self._speech(rest)
                     self._resampler = rtc.AudioResampler(frame.sample_rate, self.audio_rate, num_channels=1)
+                    self._resampler_rate = frame.sample_rate
                 for out in self._resampler.push(frame):
                     self._speech(out)
                 return
