@@ -31,7 +31,6 @@ import logging
 import os
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from typing import AsyncIterator, Optional, Union
 
@@ -49,8 +48,9 @@ from livekit.agents.voice.avatar import (
 )
 
 from wan_s2v_runner.integrations import playout as po
+from wan_s2v_runner.integrations.avatar_feed import AvatarFeed, mono
 from wan_s2v_runner.integrations.session_client import AvatarSession as Session
-from wan_s2v_runner.integrations.session_client import Ended, SpeechPlaced, SpeechSender, VideoFrame
+from wan_s2v_runner.integrations.session_client import Ended, VideoFrame
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,10 @@ FPS = 16
 AUDIO_RATE = 24000
 #: the avatar participant's identity in the room
 IDENTITY = "wan-s2v-avatar"
-#: frames more than this behind the recent blocks' earliest arrival are skipped while the avatar
+#: frames more than this behind the recent blocks' earliest arrival (:meth:`AvatarFeed.earliest`) are
+#: skipped while the avatar
 #: listens (what queued before the runner took frames, or while it stalled, is not kept as delay)
 CATCH_UP_S = 0.5
-#: the blocks whose first frames' arrivals say how late the video comes
-RECENT_BLOCKS = 8
 
 
 class WanS2VVideoGenerator(VideoGenerator):
@@ -73,8 +72,7 @@ class WanS2VVideoGenerator(VideoGenerator):
 
     def __init__(self, session: Session, audio_rate: int = AUDIO_RATE):
         self.session, self.audio_rate = session, int(audio_rate)
-        self.playout = po.Playout()
-        self.sender = SpeechSender(session, self.audio_rate)
+        self.feed = AvatarFeed(session)
         self.out: asyncio.Queue = asyncio.Queue(maxsize=4 * FPS)
         self.size: Optional[tuple[int, int]] = None
         self._first = asyncio.Event()
@@ -82,9 +80,7 @@ class WanS2VVideoGenerator(VideoGenerator):
         self._resampler_rate = 0
         self._reader: Optional[asyncio.Task] = None
         self._ended_out = False
-        self.epoch = 0  # interrupts so far: audio made before the newest is not played
         self.turn_open = False  # speech pushed whose turn has not ended (its frames are not skipped)
-        self._lateness: deque = deque(maxlen=RECENT_BLOCKS)  # recent blocks' first frames: arrival - media time
 
     @classmethod
     async def open(cls, server: str, image: Union[str, Path, bytes], *, token: Optional[str] = None,
@@ -94,7 +90,6 @@ class WanS2VVideoGenerator(VideoGenerator):
 
     async def start(self) -> None:
         """The session's media starts flowing; returns once the first frame (its size) is there."""
-        self.sender.start()
         self._reader = asyncio.create_task(self._read())
         waiter = asyncio.create_task(self._first.wait())
         await asyncio.wait([waiter, self._reader], return_when=asyncio.FIRST_COMPLETED)
@@ -104,41 +99,26 @@ class WanS2VVideoGenerator(VideoGenerator):
             raise RuntimeError(f"wan-s2v session {self.session.id} ended before its first frame")
 
     async def _read(self) -> None:
-        new_block = True
-        try:
-            async for item in self.session.media():
-                if isinstance(item, VideoFrame) and new_block:
-                    self._lateness.append(time.monotonic() - item.t)
-                new_block = isinstance(item, SpeechPlaced) or (new_block and not isinstance(item, VideoFrame))
-                epoch = self.epoch
-                for out in self.playout.feed(item):
-                    if isinstance(out, VideoFrame) and self.size is None:
-                        self.size = (out.image.shape[1], out.image.shape[0])
-                        self._first.set()
-                    await self.out.put((epoch, out))
-                if isinstance(item, Ended):
-                    self._ended_out = True
-                    return
-        finally:
-            if not self._ended_out:  # the stream broke: the frames end (the runner's wait ends with them)
+        """What the session made onto :attr:`out` (a broken stream ends it: the runner's wait ends with it)."""
+        async for epoch, out in self.feed.items():
+            if isinstance(out, VideoFrame) and self.size is None:
+                self.size = (out.image.shape[1], out.image.shape[0])
+                self._first.set()
+            await self.out.put((epoch, out))
+            if isinstance(out, Ended):
                 self._ended_out = True
-                while self.out.full():
-                    self.out.get_nowait()
-                self.out.put_nowait((self.epoch, Ended({})))
 
     # ----- the agent's speech in
     async def push_audio(self, frame: Union[rtc.AudioFrame, AudioSegmentEnd]) -> None:
         if isinstance(frame, AudioSegmentEnd):
             for rest in self._resampler.flush() if self._resampler is not None else []:
                 self._speech(rest)
-            self.playout.end_turn()
-            self.sender.end_of_speech()
+            self.feed.end_turn()
             return
         self.turn_open = True
         if frame.sample_rate != self.audio_rate or frame.num_channels != 1:
-            if frame.num_channels != 1:  # mono: the channels' mean
-                pcm = np.frombuffer(frame.data, dtype=np.int16).reshape(-1, frame.num_channels)
-                pcm = pcm.mean(axis=1).round().astype(np.int16)
+            if frame.num_channels != 1:
+                pcm = mono(np.frombuffer(frame.data, dtype=np.int16), frame.num_channels)
                 frame = rtc.AudioFrame(pcm.tobytes(), frame.sample_rate, 1, pcm.size)
             if frame.sample_rate != self.audio_rate:
                 if self._resampler is None or self._resampler_rate != frame.sample_rate:  # (another rate: anew)
@@ -152,17 +132,13 @@ class WanS2VVideoGenerator(VideoGenerator):
         self._speech(frame)
 
     def _speech(self, frame: rtc.AudioFrame) -> None:
-        pcm = np.frombuffer(frame.data, dtype=np.int16).copy()
-        self.playout.push(pcm, self.audio_rate)
-        self.sender.pcm(pcm)
+        self.feed.speech(np.frombuffer(frame.data, dtype=np.int16).copy(), self.audio_rate)
 
     def clear_buffer(self) -> None:
         """The agent was interrupted: the session drops the speech no started block holds, and its
         speech not played yet is not played."""
-        self.epoch += 1
         self.turn_open = False
-        self.playout.interrupt()
-        self.sender.interrupt()
+        self.feed.interrupt()
 
     # ----- frames and audio out
     def __aiter__(self) -> AsyncIterator[Union[rtc.VideoFrame, rtc.AudioFrame, AudioSegmentEnd]]:
@@ -171,12 +147,12 @@ class WanS2VVideoGenerator(VideoGenerator):
     async def _frames(self) -> AsyncIterator[Union[rtc.VideoFrame, rtc.AudioFrame, AudioSegmentEnd]]:
         while True:
             epoch, item = await self.out.get()
-            if epoch != self.epoch and isinstance(item, (po.Audio, po.TurnEnd)):
+            if self.feed.stale(epoch, item):
                 continue  # made before an interrupt
             if isinstance(item, po.TurnEnd):
                 self.turn_open = False
-            if isinstance(item, VideoFrame) and not self.turn_open and self._lateness \
-                    and time.monotonic() - item.t - min(self._lateness) > CATCH_UP_S:
+            if isinstance(item, VideoFrame) and not self.turn_open and self.feed.lateness \
+                    and time.monotonic() - item.t - self.feed.earliest() > CATCH_UP_S:
                 continue  # listening, and behind the session's newest blocks: catch up (the runner paces what is left)
             if isinstance(item, VideoFrame):
                 h, w = item.image.shape[:2]
@@ -193,7 +169,7 @@ class WanS2VVideoGenerator(VideoGenerator):
     async def aclose(self, wait_s: float = 0.0) -> None:
         """The session ends (its recording completes on the server); its last blocks still come out
         for up to ``wait_s`` (while something iterates), then the iteration ends."""
-        await self.sender.close()
+        await self.feed.close_speech()
         if self._reader is None:
             try:
                 await self.session.close()
@@ -218,7 +194,7 @@ class WanS2VVideoGenerator(VideoGenerator):
         if not self._ended_out:
             while self.out.full():  # nobody reads: the end must still fit
                 self.out.get_nowait()
-            self.out.put_nowait((self.epoch, Ended(self.session.video or {})))
+            self.out.put_nowait((self.feed.epoch, Ended(self.session.video or {})))
 
 
 async def run_avatar(room: rtc.Room, generator: WanS2VVideoGenerator, stop: Optional[asyncio.Event] = None) -> None:

@@ -45,14 +45,8 @@ from pipecat.metrics.metrics import ProcessingMetricsData, TTFBMetricsData
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 
 from wan_s2v_runner.integrations import playout as po
-from wan_s2v_runner.integrations.session_client import (
-    AvatarSession,
-    Ended,
-    SessionError,
-    SpeechPlaced,
-    SpeechSender,
-    VideoFrame,
-)
+from wan_s2v_runner.integrations.avatar_feed import AvatarFeed, mono
+from wan_s2v_runner.integrations.session_client import AvatarSession, Ended, VideoFrame
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +55,9 @@ log = logging.getLogger(__name__)
 PLAYOUT_DELAY_S = 0.3
 #: a frame this late re-anchors the clock (a stall: play on from here instead of catching up in a burst)
 LATE_S = 0.5
-#: a clock more than this off the earliest arrivals of the recent blocks moves to them (while the
-#: avatar listens: nothing audible queued)
+#: a clock more than this off the recent blocks' earliest arrival (:meth:`AvatarFeed.earliest`) moves
+#: to it (while the avatar listens: nothing audible queued)
 CATCH_UP_S = 0.1
-#: the blocks whose first frames' arrivals set the clock
-RECENT_BLOCKS = 8
 #: how long the end of the pipeline waits for the session's last blocks to play
 END_WAIT_S = 30.0
 
@@ -81,8 +73,7 @@ class WanS2VVideoService(FrameProcessor):
         self.server, self.image, self.token, self.fields = server, image, token, fields
         self.playout_delay_s = playout_delay_s
         self.session: Optional[AvatarSession] = None
-        self.sender: Optional[SpeechSender] = None
-        self.playout = po.Playout()
+        self.feed: Optional[AvatarFeed] = None
         self.paced: asyncio.Queue = asyncio.Queue()
         self.stopped: deque[TTSStoppedFrame] = deque()  # TTSStoppedFrames held until their turn's end plays
         self.turn_began: Optional[float] = None  # when the turn's first TTS sample came (its TTFB's start)
@@ -91,7 +82,6 @@ class WanS2VVideoService(FrameProcessor):
         self._pacer: Optional[asyncio.Task] = None
         self._ended = asyncio.Event()
         self.closing = False
-        self.epoch = 0  # interrupts so far
         self.audio_queued = 0  # Audio items on the pacer's queue (none: the avatar is listening)
 
     # ----- the pipeline's frames
@@ -105,9 +95,7 @@ class WanS2VVideoService(FrameProcessor):
         elif isinstance(frame, TTSAudioRawFrame):
             self._speech(frame)
         elif isinstance(frame, TTSStoppedFrame):
-            if self.sender is not None:
-                self.sender.end_of_speech()
-            if self.playout.end_turn():
+            if self.feed.end_turn():
                 self.stopped.append(frame)  # passes on when its turn's last sample does
             else:
                 await self.push_frame(frame, direction)  # no speech of its own to wait for
@@ -124,32 +112,16 @@ class WanS2VVideoService(FrameProcessor):
             await self.push_frame(frame, direction)
 
     def _speech(self, frame: TTSAudioRawFrame) -> None:
-        pcm = np.frombuffer(frame.audio, dtype=np.int16)
-        if frame.num_channels > 1:
-            pcm = pcm.reshape(-1, frame.num_channels).mean(axis=1).round().astype(np.int16)
-        if self.sender is None:  # the session's speech rate: its first speech's
-            self.sender = SpeechSender(self.session, frame.sample_rate)
-            self.sender.start()
         if self.turn_began is None:
             self.turn_began, self.turn_played = time.monotonic(), False
-        self.playout.push(pcm, frame.sample_rate)
-        self.sender.pcm(pcm)
+        self.feed.speech(mono(np.frombuffer(frame.audio, dtype=np.int16), frame.num_channels), frame.sample_rate)
 
     def _interrupt(self) -> None:
-        self.epoch += 1  # audio taken off the queue before this (the pacer's in hand) is not pushed
-        self.playout.interrupt()
-        if self.sender is not None:
-            self.sender.interrupt()
+        """The session's interrupt; the speech already on the pacer's queue is not pushed (its epoch)."""
+        if self.feed is not None:
+            self.feed.interrupt()
         self.stopped.clear()
         self.turn_began = None
-        kept = []
-        while not self.paced.empty():
-            item = self.paced.get_nowait()
-            if not isinstance(item[2], (po.Audio, po.TurnEnd)):
-                kept.append(item)
-        for item in kept:
-            self.paced.put_nowait(item)
-        self.audio_queued = 0
 
     # ----- the session
     async def _open(self) -> None:
@@ -161,35 +133,26 @@ class WanS2VVideoService(FrameProcessor):
             await self.push_error(f"wan-s2v: could not open a session on {self.server} (the bot speaks without "
                                   f"its face): {e}")
             return
+        self.feed = AvatarFeed(self.session)
         self._reader = self.create_task(self._read())
         self._pacer = self.create_task(self._pace())
 
     async def _read(self) -> None:
-        """The session's media through the playout onto the pacer's queue, each block's first frame
-        with its arrival (a block's frames arrive at once: its first frame's is the one that says
-        how late the video comes)."""
-        new_block = True
-        try:
-            async for item in self.session.media():
-                arrived, first = time.monotonic(), isinstance(item, VideoFrame) and new_block
-                new_block = isinstance(item, SpeechPlaced) or (new_block and not first)
-                epoch = self.epoch
-                for out in self.playout.feed(item):
-                    self.audio_queued += isinstance(out, po.Audio)
-                    await self.paced.put((arrived if out is item and first else None, epoch, out))
-                if isinstance(item, Ended):
-                    return
-        except Exception as e:  # noqa: BLE001 - the stream broke (the network's, the server's)
-            await self.push_error(f"wan-s2v session {self.session.id}: its video stopped: {e}")
-        await self.paced.put((None, self.epoch, Ended({})))  # the pacer ends; an EndFrame need not wait
+        """What the session made onto the pacer's queue (a broken stream: an error frame, and the
+        pacer ends: an EndFrame need not wait)."""
+        async for epoch, out in self.feed.items():
+            if isinstance(out, Ended) and "error" in out.video:
+                await self.push_error(f"wan-s2v session {self.session.id}: {out.video['error']}")
+            self.audio_queued += isinstance(out, po.Audio)
+            await self.paced.put((epoch, out))
 
     async def _pace(self) -> None:
         """The frames and audio pushed at their media time, :attr:`playout_delay_s` behind the
         earliest any came (the first block's warm-up does not stay in every later one's delay: the
         clock catches up while the avatar listens); a stall re-anchors it (no burst after)."""
-        anchor, lateness = None, deque(maxlen=RECENT_BLOCKS)
+        anchor = None
         while True:
-            arrived, epoch, item = await self.paced.get()
+            epoch, item = await self.paced.get()
             if isinstance(item, Ended):
                 self._ended.set()
                 await self._report_metrics(item.video)
@@ -197,9 +160,11 @@ class WanS2VVideoService(FrameProcessor):
             now = time.monotonic()
             if isinstance(item, po.Audio):
                 self.audio_queued -= 1
-            if arrived is not None or not lateness:  # a block's first frame: how late the video comes
-                lateness.append((arrived if arrived is not None else now) - item.t)
-            earliest = min(lateness)
+            if self.feed.stale(epoch, item):
+                continue  # taken before an interrupt
+            earliest = self.feed.earliest()
+            if earliest is None:
+                earliest = now - item.t
             listening = self.turn_began is None and not self.audio_queued
             if anchor is None or (listening and abs(anchor - (earliest + self.playout_delay_s)) > CATCH_UP_S):
                 anchor = earliest + self.playout_delay_s
@@ -208,8 +173,8 @@ class WanS2VVideoService(FrameProcessor):
             wait = anchor + item.t - now
             if wait > 0:
                 await asyncio.sleep(wait)
-            if epoch != self.epoch and isinstance(item, (po.Audio, po.TurnEnd)):
-                continue  # taken before an interrupt
+            if self.feed.stale(epoch, item):
+                continue  # an interrupt came while it waited
             if isinstance(item, VideoFrame):
                 h, w = item.image.shape[:2]
                 image = OutputImageRawFrame(image=item.image.tobytes(), size=(w, h), format="RGB")
@@ -235,7 +200,7 @@ class WanS2VVideoService(FrameProcessor):
             data.append(TTFBMetricsData(processor=self.name, value=round(ttfb, 4)))
             try:
                 video = (await self.session.status())["video"]
-            except SessionError:
+            except Exception:  # noqa: BLE001 - the server's refusal or the network's: no latency this time
                 video = None
         p50 = ((video or {}).get("live") or {}).get("block_latency_s", {}).get("p50")
         if p50 is not None:
@@ -250,8 +215,7 @@ class WanS2VVideoService(FrameProcessor):
             return
         self.closing = True
         try:
-            if self.sender is not None:
-                await self.sender.close()
+            await self.feed.close_speech()
             try:
                 await self.session.end()
             except Exception as e:  # noqa: BLE001 - ended already, or the network's: the server's idle rule ends it
